@@ -1,0 +1,19 @@
+"""Typed config schema, YAML loading with includes, dotted overrides and validation.
+
+Imported by every other package; imports none of them.
+"""
+from .attention import AttentionConfig, validate_pattern
+from .config import Config
+from .dst import DSTConfig
+from .errors import ConfigError
+from .loader import load_config, save_config, to_dict
+from .model import ModelConfig, RopeScalingConfig
+from .moe import MoEConfig
+from .parallel import ParallelConfig
+from .ranges import assign_ranges, parse_range
+from .run import CheckpointConfig, DataConfig, LoggingConfig, OptimConfig, TrainConfig
+
+__all__ = ["AttentionConfig", "CheckpointConfig", "Config", "ConfigError", "DSTConfig", "DataConfig",
+           "LoggingConfig", "MoEConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RopeScalingConfig",
+           "TrainConfig", "assign_ranges", "load_config", "parse_range", "save_config", "to_dict",
+           "validate_pattern"]

@@ -1,0 +1,90 @@
+"""``model.attention``: dense or sparse attention per layer and head (layers.Attention).
+
+Pattern dicts are checked here (pure data checks, so a bad YAML fails at load time);
+layers.SparsityPattern gives them meaning. Semantics are in DESIGN.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from .errors import ConfigError, check, check_choice
+from .ranges import assign_ranges, parse_range
+
+ATTN_BACKENDS = ("auto", "reference", "flex", "triton", "flash_attn")
+
+# type -> (required params, optional params). Every pattern also takes block_size and seed.
+PATTERN_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "dense": ((), ()),
+    "local": (("window",), ("sinks",)),
+    "a_shape": (("sinks", "window"), ()),
+    "bigbird": (("window", "sinks", "random_blocks"), ()),
+    "vertical_slash": (("n_vertical", "n_slash"), ("last_q",)),
+    "block_topk": (("top_k",), ()),
+}
+COMMON_PARAMS = ("block_size", "seed")
+POSITIVE_PARAMS = ("window", "n_vertical", "n_slash", "last_q", "top_k", "block_size")
+NONNEG_PARAMS = ("sinks", "random_blocks")
+
+
+def validate_pattern(pat: dict, key: str) -> None:
+    """Check one pattern dict, e.g. ``{type: a_shape, sinks: 64, window: 1024}``."""
+    if not hasattr(pat, "keys"):
+        raise ConfigError(key, "must be a mapping like {type: local, window: 256}")
+    pat = dict(pat)
+    t = pat.get("type")
+    check_choice(t, tuple(PATTERN_TYPES), f"{key}.type")
+    required, optional = PATTERN_TYPES[t]
+    for p in required:
+        check(p in pat, f"{key}.{p}", f"required by pattern type {t!r}")
+    for p, v in pat.items():
+        if p == "type":
+            continue
+        check(p in required + optional + COMMON_PARAMS, f"{key}.{p}", f"unknown parameter for pattern type {t!r}")
+        check(isinstance(v, int) and not isinstance(v, bool), f"{key}.{p}", f"must be an integer, got {v!r}")
+        if p in POSITIVE_PARAMS:
+            check(v > 0, f"{key}.{p}", f"must be > 0, got {v}")
+        if p in NONNEG_PARAMS:
+            check(v >= 0, f"{key}.{p}", f"must be >= 0, got {v}")
+    if "block_size" in pat:
+        b = pat["block_size"]
+        check(b & (b - 1) == 0, f"{key}.block_size", f"must be a power of two, got {b}")
+    if t == "a_shape":
+        check(pat["sinks"] > 0, f"{key}.sinks", f"must be > 0, got {pat['sinks']}")
+
+
+def split_key(spec: str) -> tuple[str, str]:
+    """``"0-3:8-15"`` -> ("0-3", "8-15"); a key without ':' means every head."""
+    layers, _, heads = str(spec).partition(":")
+    return layers.strip(), (heads.strip() or "*")
+
+
+@dataclass
+class AttentionConfig:
+    backend: str = "auto"
+    # "<layers>:<heads>" -> pattern dict, e.g. {"0-3:*": {type: a_shape, sinks: 64, window: 1024}}.
+    # Unlisted layers/heads are dense. A key without ":" means all heads of those layers.
+    patterns: Dict[str, Any] = field(default_factory=dict)
+    minference_json: Optional[str] = None  # MInference per-head pattern file, applied under `patterns`
+    dense_below: int = -1                   # run dense below this length; -1 = the measured crossover
+
+    def layer_head_patterns(self, n_layers: int, n_heads: int, key: str = "model.attention.patterns") -> list[list]:
+        """``[layer][head] -> pattern dict or None`` (None = dense). Overlapping head ranges are errors."""
+        grid: list[list] = [[None] * n_heads for _ in range(n_layers)]
+        by_layers: dict[str, dict] = {}
+        for spec, pat in self.patterns.items():
+            validate_pattern(pat, f"{key}.{spec}")
+            layers, heads = split_key(spec)
+            by_layers.setdefault(layers, {})[heads] = dict(pat)
+        for layers, heads in by_layers.items():
+            per_head = assign_ranges(heads, n_heads, f"{key}.{layers}")
+            for li in parse_range(layers, n_layers, f"{key}.{layers}"):
+                for h, p in enumerate(per_head):
+                    if p is not None:
+                        grid[li][h] = p
+        return grid
+
+    def validate(self, n_layers: int, n_heads: int, key: str = "model.attention") -> None:
+        check_choice(self.backend, ATTN_BACKENDS, f"{key}.backend")
+        check(self.dense_below >= -1, f"{key}.dense_below", f"must be >= -1, got {self.dense_below}")
+        self.layer_head_patterns(n_layers, n_heads, f"{key}.patterns")

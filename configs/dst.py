@@ -1,0 +1,57 @@
+"""``dst``: weight-level dynamic sparse training (layers.DynamicSparsity). Keywords mirror its constructor."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from .errors import check, check_choice
+
+DST_METHODS = ("rigl", "set", "magnitude")
+DST_DISTRIBUTIONS = ("uniform", "erk")
+DST_GRANULARITIES = ("unstructured", "block", "nm")
+DST_SCHEDULES = ("constant", "cosine")
+
+
+@dataclass
+class DSTConfig:
+    enabled: bool = False
+    sparsity: float = 0.8                  # target fraction of zeros (global, over masked weights)
+    initial_sparsity: Optional[float] = None  # ramp start (cosine schedule); None = constant at `sparsity`
+    sparsity_schedule: str = "constant"    # constant | cosine (initial_sparsity -> sparsity)
+    ramp_fraction: float = 0.5             # fraction of training over which the sparsity ramps
+    method: str = "rigl"                   # rigl | set | magnitude
+    distribution: str = "erk"              # uniform | erk
+    update_every: int = 100
+    drop_fraction: float = 0.3             # initial fraction of active weights replaced per update
+    drop_schedule: str = "cosine"          # constant | cosine decay to 0 at stop_fraction
+    stop_fraction: float = 0.75            # no mask updates after this fraction of training
+    grad_ema: Optional[float] = None       # a in a*|g| + (1-a)*S_prev; None = plain |g| (RigL)
+    granularity: str = "unstructured"      # unstructured | block | nm
+    block: List[int] = field(default_factory=lambda: [1, 1024])  # block shape for granularity=block
+    n: int = 2                             # N:M
+    m: int = 4
+    transposable: bool = False             # N:M on W and W^T
+    dense_finish: bool = False             # drop masks for the last steps after stop_fraction
+    include: List[str] = field(default_factory=lambda: ["layers.*"])  # fnmatch patterns on parameter names
+    exclude: List[str] = field(default_factory=list)
+    seed: int = 0
+
+    def validate(self, key: str = "dst") -> None:
+        check(0.0 <= self.sparsity < 1.0, f"{key}.sparsity", f"must be in [0, 1), got {self.sparsity}")
+        if self.initial_sparsity is not None:
+            check(0.0 <= self.initial_sparsity < 1.0, f"{key}.initial_sparsity",
+                  f"must be in [0, 1), got {self.initial_sparsity}")
+        check_choice(self.method, DST_METHODS, f"{key}.method")
+        check_choice(self.distribution, DST_DISTRIBUTIONS, f"{key}.distribution")
+        check_choice(self.granularity, DST_GRANULARITIES, f"{key}.granularity")
+        check_choice(self.sparsity_schedule, DST_SCHEDULES, f"{key}.sparsity_schedule")
+        check_choice(self.drop_schedule, DST_SCHEDULES, f"{key}.drop_schedule")
+        check(self.update_every > 0, f"{key}.update_every", f"must be > 0, got {self.update_every}")
+        check(0.0 < self.drop_fraction <= 1.0, f"{key}.drop_fraction", f"must be in (0, 1], got {self.drop_fraction}")
+        check(0.0 < self.stop_fraction <= 1.0, f"{key}.stop_fraction", f"must be in (0, 1], got {self.stop_fraction}")
+        check(0.0 < self.ramp_fraction <= 1.0, f"{key}.ramp_fraction", f"must be in (0, 1], got {self.ramp_fraction}")
+        if self.grad_ema is not None:
+            check(0.0 < self.grad_ema <= 1.0, f"{key}.grad_ema", f"must be in (0, 1], got {self.grad_ema}")
+        check(0 < self.n < self.m, f"{key}.n", f"N:M needs 0 < N < M, got {self.n}:{self.m}")
+        check(len(self.block) == 2 and all(b > 0 for b in self.block), f"{key}.block",
+              f"must be two positive ints [rows, cols], got {list(self.block)}")

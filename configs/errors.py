@@ -1,0 +1,27 @@
+"""The one error type a bad config raises: its message names the key path and the reason."""
+
+
+class ConfigError(ValueError):
+    """A bad config value. ``str(err)`` is one line: ``<key.path>: <reason>``."""
+
+    def __init__(self, key: str, reason: str):
+        self.key, self.reason = key, reason
+        super().__init__(f"{key}: {reason}" if key else reason)
+
+
+def check(cond: bool, key: str, reason: str) -> None:
+    """Raise ``ConfigError(key, reason)`` unless ``cond``."""
+    if not cond:
+        raise ConfigError(key, reason)
+
+
+def check_choice(value, choices, key: str) -> None:
+    check(value in choices, key, f"unknown value {value!r}; expected one of {', '.join(map(str, choices))}")
+
+
+def check_positive(obj, key_prefix: str, *names: str) -> None:
+    """Every named attribute of ``obj`` (when not None) must be > 0."""
+    for n in names:
+        v = getattr(obj, n)
+        if v is not None:
+            check(v > 0, f"{key_prefix}.{n}", f"must be > 0, got {v}")

@@ -1,0 +1,87 @@
+"""``model``: a LLaMA-style decoder (zoo.Transformer), with per-layer FFN and attention choices."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+from .attention import AttentionConfig
+from .errors import check, check_choice, check_positive
+from .moe import MoEConfig
+from .ranges import assign_ranges
+
+FFN_TYPES = ("dense", "moe")
+ROPE_SCALINGS = ("none", "linear", "ntk")
+
+
+@dataclass
+class RopeScalingConfig:
+    type: str = "none"                 # none | linear (position interpolation) | ntk (NTK-aware theta)
+    factor: float = 1.0                # context extension factor
+    original_max_seq_len: int = 2048   # length the base model was trained at
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 32000
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: Optional[int] = None     # None = n_heads (MHA); fewer = GQA
+    ffn_hidden: Optional[int] = None     # None = LLaMA rule: 8/3*dim * ffn_dim_multiplier, rounded up to multiple_of
+    multiple_of: int = 256
+    ffn_dim_multiplier: Optional[float] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    ffn: str = "dense"                   # FFN of every layer: dense | moe
+    ffn_layers: Dict[str, str] = field(default_factory=dict)  # per-layer override, e.g. {"0": dense}
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """Dense FFN hidden size (LLaMA: 4096 -> 11008, 8192 -> 22016)."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        h = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            h = int(self.ffn_dim_multiplier * h)
+        return self.multiple_of * ((h + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def expert_hidden_dim(self) -> int:
+        return self.moe.hidden_dim or self.hidden_dim
+
+    def layer_ffn_types(self) -> list[str]:
+        """FFN type of each layer after applying ``ffn_layers`` overrides."""
+        types = assign_ranges(dict(self.ffn_layers), self.n_layers, "model.ffn_layers", default=self.ffn)
+        for spec, t in self.ffn_layers.items():
+            check_choice(t, FFN_TYPES, f"model.ffn_layers.{spec}")
+        return types
+
+    def validate(self, key: str = "model") -> None:
+        check_positive(self, key, "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
+                       "multiple_of", "ffn_dim_multiplier", "norm_eps", "rope_theta", "max_seq_len", "init_std")
+        check(self.dim % self.n_heads == 0, f"{key}.dim", f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        check(self.n_heads % self.kv_heads == 0, f"{key}.n_kv_heads",
+              f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}")
+        check(self.head_dim % 2 == 0, f"{key}.dim", f"head_dim={self.head_dim} must be even for RoPE")
+        check_choice(self.ffn, FFN_TYPES, f"{key}.ffn")
+        check_choice(self.rope_scaling.type, ROPE_SCALINGS, f"{key}.rope_scaling.type")
+        check(self.rope_scaling.factor >= 1.0, f"{key}.rope_scaling.factor",
+              f"must be >= 1, got {self.rope_scaling.factor}")
+        types = self.layer_ffn_types()
+        if "moe" in types:
+            self.moe.validate(f"{key}.moe")
+        self.attention.validate(self.n_layers, self.n_heads, f"{key}.attention")

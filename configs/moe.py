@@ -1,0 +1,45 @@
+"""``model.moe``: routed mixture-of-experts FFN (layers.MoE). Semantics in DESIGN.md."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import check, check_choice, check_positive
+
+ROUTERS = ("softmax", "noisy_topk", "sigmoid", "switch")
+MOE_BACKENDS = ("auto", "torch", "grouped", "megablocks")
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 8
+    top_k: int = 2
+    hidden_dim: Optional[int] = None      # expert hidden size; None = the model's dense FFN hidden size
+    router: str = "softmax"               # softmax (Mixtral) | noisy_topk (Shazeer) | sigmoid (DeepSeek-V3) | switch (top-1)
+    softmax_before_topk: bool = False     # softmax over all experts, then top-k (renormalised if norm_topk)
+    norm_topk: bool = True                # renormalise the chosen k weights to sum to one
+    aux_loss_coef: float = 0.01           # Switch balance loss E * sum_e f_e * P_e
+    z_loss_coef: float = 0.0              # router z-loss mean(logsumexp(logits)^2)
+    bias_update_rate: float = 0.0         # DeepSeek-V3 aux-loss-free balancing; 0 disables
+    capacity_factor: Optional[float] = None  # None = dropless
+    shared_experts: int = 0               # always-on experts (DeepSeekMoE / Qwen2-MoE)
+    shared_hidden_dim: Optional[int] = None  # hidden size of the shared expert block; None = hidden_dim * shared_experts
+    shared_gate: bool = False             # Qwen2-MoE: sigmoid gate on the shared expert output
+    backend: str = "auto"                 # auto | torch | grouped | megablocks
+
+    def validate(self, key: str = "model.moe") -> None:
+        check_positive(self, key, "num_experts", "top_k", "hidden_dim", "shared_hidden_dim")
+        check(self.top_k <= self.num_experts, f"{key}.top_k",
+              f"top_k={self.top_k} > num_experts={self.num_experts}")
+        check(self.shared_experts >= 0, f"{key}.shared_experts", f"must be >= 0, got {self.shared_experts}")
+        check_choice(self.router, ROUTERS, f"{key}.router")
+        check(self.router != "switch" or self.top_k == 1, f"{key}.top_k", "the switch router is top-1")
+        check_choice(self.backend, MOE_BACKENDS, f"{key}.backend")
+        if self.capacity_factor is not None:
+            check(self.capacity_factor > 0, f"{key}.capacity_factor", f"must be > 0, got {self.capacity_factor}")
+        for n in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            check(getattr(self, n) >= 0, f"{key}.{n}", f"must be >= 0, got {getattr(self, n)}")
+        if self.backend == "megablocks":
+            import importlib.util
+            check(importlib.util.find_spec("megablocks") is not None, f"{key}.backend",
+                  "megablocks is not installed (see README: optional GPU backends)")

@@ -1,0 +1,94 @@
+"""Run sections: ``data``, ``train``, ``optim``, ``logging``, ``checkpoint``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import check, check_choice, check_positive
+
+
+@dataclass
+class DataConfig:
+    # "stdlib" = this interpreter's standard-library .py files (always present, no download);
+    # else a text file, a directory, a glob, or a .jsonl file (field `jsonl_field`).
+    source: str = "stdlib"
+    tokenizer: Optional[str] = None   # a sentencepiece .model; None = train one on the corpus (cached)
+    jsonl_field: str = "text"
+    val_fraction: float = 0.05        # share of files (or jsonl records) held out, chosen by a hash of the name
+    cache_dir: str = ".cache/moezoo"  # tokenizer and token memmaps, keyed by corpus + vocab
+    max_files: int = 0                # 0 = all files; else the first N (sorted) files of the corpus
+
+    def validate(self, key: str = "data") -> None:
+        check(0.0 < self.val_fraction < 1.0, f"{key}.val_fraction", f"must be in (0, 1), got {self.val_fraction}")
+        check(self.max_files >= 0, f"{key}.max_files", f"must be >= 0, got {self.max_files}")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 8               # sequences per micro-batch per rank
+    seq_len: int = 256
+    grad_accum: int = 1
+    seed: int = 0
+    device: str = "auto"              # auto | cpu | cuda
+    dtype: str = "auto"               # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16
+    compile: bool = False
+    eval_every: int = 100
+    eval_batches: int = 8
+    max_bad_steps: int = 3            # consecutive non-finite steps before rolling back to the last checkpoint
+    out_dir: Optional[str] = None     # default runs/<name>
+    threads: int = 0                  # torch CPU threads; 0 = torch default
+
+    def validate(self, key: str = "train") -> None:
+        check_positive(self, key, "steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches",
+                       "max_bad_steps")
+        check_choice(self.device, ("auto", "cpu", "cuda"), f"{key}.device")
+        check_choice(self.dtype, ("auto", "float32", "bfloat16"), f"{key}.dtype")
+        check(self.threads >= 0, f"{key}.threads", f"must be >= 0, got {self.threads}")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1         # cosine floor as a fraction of lr
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0            # 0 = off
+
+    def validate(self, key: str = "optim") -> None:
+        check_positive(self, key, "lr", "eps")
+        check(0.0 <= self.min_lr_ratio <= 1.0, f"{key}.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        check(self.warmup_steps >= 0, f"{key}.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        check(self.weight_decay >= 0, f"{key}.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        for n in ("beta1", "beta2"):
+            check(0.0 <= getattr(self, n) < 1.0, f"{key}.{n}", f"must be in [0, 1), got {getattr(self, n)}")
+        check(self.grad_clip >= 0, f"{key}.grad_clip", f"must be >= 0, got {self.grad_clip}")
+
+
+@dataclass
+class LoggingConfig:
+    wandb: str = "offline"            # online | offline | disabled
+    project: str = "moezoo"
+    entity: Optional[str] = None
+    run_name: Optional[str] = None    # default: the config name
+    log_every: int = 10
+    progress: bool = True             # tqdm bar with ETA on rank 0
+
+    def validate(self, key: str = "logging") -> None:
+        check_choice(self.wandb, ("online", "offline", "disabled"), f"{key}.wandb")
+        check(self.log_every > 0, f"{key}.log_every", f"must be > 0, got {self.log_every}")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None         # default <out_dir>/checkpoints
+    every: int = 0                    # steps between checkpoints; 0 = only at the end
+    keep_last: int = 3
+    resume: bool = False              # continue from the latest complete checkpoint (train.py --resume)
+
+    def validate(self, key: str = "checkpoint") -> None:
+        check(self.every >= 0, f"{key}.every", f"must be >= 0, got {self.every}")
+        check(self.keep_last >= 1, f"{key}.keep_last", f"must be >= 1, got {self.keep_last}")
