@@ -35,6 +35,7 @@ class ModelConfig:
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    attn_bias: bool = False              # q/k/v projection biases (Qwen2 family); LLaMA has none
     init_std: float = 0.02
     ffn: str = "dense"                   # FFN of every layer: dense | moe
     ffn_layers: Dict[str, str] = field(default_factory=dict)  # per-layer override, e.g. {"0": dense}

@@ -1,8 +1,8 @@
 """Multi-head attention with GQA, RoPE and a KV cache; dense (SDPA) or sparse by pattern.
 
 One module for training, prefill and decode. LLaMA naming: ``wq [Hq*Dh, D]``, ``wk, wv [Hk*Dh, D]``,
-``wo [D, Hq*Dh]``, no bias. ``pattern`` is None (dense), a ``SparsityPattern`` or a per-head list;
-sparse patterns go through ``layers.sparse_attention.sparse_attention`` with the same causal
+``wo [D, Hq*Dh]``, no bias unless ``bias=True`` (q/k/v biases only, as in Qwen2). ``pattern`` is None
+(dense), a ``SparsityPattern`` or a per-head list; sparse patterns go through ``layers.sparse_attention.sparse_attention`` with the same causal
 semantics in every mode.
 
 Shapes: B batch, S new tokens, T cached + new tokens, D model dim, Hq/Hk query/KV heads, Dh head dim.
@@ -57,16 +57,16 @@ class Attention(nn.Module):
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: Optional[int] = None, pattern=None,
-                 backend: str = "auto", layer_id: int = 0, dense_below: int = -1):
+                 backend: str = "auto", layer_id: int = 0, dense_below: int = -1, bias: bool = False):
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
         if dim % n_heads or n_heads % n_kv_heads:
             raise ValueError(f"dim={dim}, n_heads={n_heads}, n_kv_heads={n_kv_heads}: heads must divide evenly")
         self.dim, self.n_heads, self.n_kv_heads, self.head_dim = dim, n_heads, n_kv_heads, dim // n_heads
         self.layer_id, self.backend, self.dense_below = layer_id, backend, dense_below
-        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
         self.pattern = pattern
         self.cache: Optional[KVCache] = None
@@ -79,6 +79,8 @@ class Attention(nn.Module):
     def init_weights(self, std: float = 0.02, out_std: float = 0.02) -> None:
         for w in (self.wq, self.wk, self.wv):
             nn.init.normal_(w.weight, std=std)
+            if w.bias is not None:
+                nn.init.zeros_(w.bias)
         nn.init.normal_(self.wo.weight, std=out_std)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
