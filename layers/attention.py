@@ -2,8 +2,8 @@
 
 One module for training, prefill and decode. LLaMA naming: ``wq [Hq*Dh, D]``, ``wk, wv [Hk*Dh, D]``,
 ``wo [D, Hq*Dh]``, no bias unless ``bias=True`` (q/k/v biases only, as in Qwen2). ``pattern`` is None
-(dense), a ``SparsityPattern`` or a per-head list; sparse patterns go through ``layers.sparse_attention.sparse_attention`` with the same causal
-semantics in every mode.
+(dense), a ``SparsityPattern`` or a per-head list; sparse patterns go through
+``layers.sparse_attention.sparse_attention`` with the same causal semantics in every mode.
 
 Shapes: B batch, S new tokens, T cached + new tokens, D model dim, Hq/Hk query/KV heads, Dh head dim.
 """
