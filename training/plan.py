@@ -1,0 +1,284 @@
+"""``--plan``: params, FLOPs per token, memory per GPU and a dp/ep layout, without allocating weights.
+
+    p = plan(load_config("zoo/moe_65b.yaml"), n_gpus=256)
+    print(format_plan(p))
+    check_fits(cfg, world_size, device)   # raises PlanDoesNotFit (a ConfigError) with the plan text
+
+The model is built on the meta device, so a 1.4T-parameter preset plans in seconds on a laptop.
+
+Memory model per GPU (bytes), for FSDP2 with mixed precision as training.parallel sets it up:
+- weights: fp32 master copy, sharded: dense over ``dp_shard``, experts over ``ep x dp_shard/ep`` (also
+  ``dp_shard``). Without FSDP (DDP) everything is replicated.
+- grads: fp32, sharded like the weights. optimizer: AdamW exp_avg + exp_avg_sq, fp32, sharded.
+- fsdp buffers: the unsharded compute-dtype weights of two blocks (current + prefetched) and one
+  block's unsharded grads before reduce-scatter; an EP rank gathers only its ``E/ep`` experts.
+- activations: tensors autograd keeps per token (see ``activation_bytes_per_token``) times the
+  micro-batch tokens ``batch_size x seq_len``; with activation checkpointing only each block's input is
+  kept plus one block recomputed at a time.
+A run "fits" when the total is at most ``HEADROOM`` of the device memory (CUDA context, allocator
+fragmentation and NCCL buffers take the rest).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from configs import Config, ConfigError
+from zoo.flops import ParamCounts, count_params, flops_per_token, is_routed_moe
+
+H200_BYTES = 141e9          # H200-class HBM3e
+HEADROOM = 0.9
+FP32, ADAM_STATES = 4, 2
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int
+    dp_shard: int
+    ep: int
+    fsdp: bool = True
+    activation_checkpointing: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def __str__(self) -> str:
+        s = f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} ep={self.ep}"
+        s += "" if self.fsdp else " (DDP)"
+        return s + (" +activation_checkpointing" if self.activation_checkpointing else "")
+
+
+@dataclass
+class Memory:
+    """Bytes per GPU."""
+    weights: float
+    grads: float
+    optimizer: float
+    fsdp_buffers: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.fsdp_buffers + self.activations
+
+
+@dataclass
+class Plan:
+    name: str
+    counts: ParamCounts
+    flops_per_token: float
+    seq_len: int
+    batch_size: int             # sequences per micro-batch per GPU
+    compute_bytes: int          # 2 (bf16) or 4 (fp32) for activations and gathered weights
+    n_gpus: int
+    layout: Layout
+    layout_source: str          # "config" or "recommended"
+    memory: Memory
+    device_bytes: float
+    notes: list = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= HEADROOM * self.device_bytes
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the memory model needs from the built (meta) model."""
+    dense_params: int           # everything but routed experts
+    expert_params: int          # routed experts, all layers
+    max_block_dense: int        # largest transformer block, dense part
+    max_block_expert: int       # largest transformer block, routed experts (all E)
+    num_experts: Optional[int]  # routed experts per MoE layer (None: no MoE layer)
+
+
+def _shape(model) -> _Shape:
+    counts = count_params(model)
+    blocks_dense, blocks_expert, experts = [0], [0], None
+    for block in getattr(model, "layers", []):
+        e = sum(p.numel() for m in block.modules() if is_routed_moe(m) for p in m.experts.parameters())
+        experts = next((m.num_experts for m in block.modules() if is_routed_moe(m)), experts)
+        blocks_dense.append(sum(p.numel() for p in block.parameters()) - e)
+        blocks_expert.append(e)
+    return _Shape(counts.total - counts.expert, counts.expert, max(blocks_dense), max(blocks_expert), experts)
+
+
+def activation_bytes_per_token(cfg: Config, compute_bytes: int, checkpointing: bool) -> float:
+    """Bytes autograd holds per token for one forward (all layers + logits).
+
+    Per block, in units of compute-dtype elements: attention keeps its input, the normed input,
+    q, k, v and the attention output (4D + 2 Dkv); a dense SwiGLU keeps its input, the normed input and
+    w1x, w3x, silu(w1x), their product (2D + 4H); a routed MoE keeps its input, the normed input, fp32
+    router logits (2E units), and per chosen expert the dispatched token, its output and 4 H_e hidden
+    tensors; shared experts add 4 H_s. The head keeps compute-dtype and fp32 logits and the
+    cross-entropy grad (2 + 4 + 4 bytes per vocab entry).
+    """
+    m = cfg.model
+    d, dkv = m.dim, m.kv_heads * m.head_dim
+    attn = 4 * d + 2 * dkv
+    per_block = []
+    for t in m.layer_ffn_types():
+        if t == "moe":
+            moe = m.moe
+            shared = (moe.shared_hidden_dim or m.expert_hidden_dim * moe.shared_experts) if moe.shared_experts else 0
+            ffn = 2 * d + 2 * moe.num_experts + moe.top_k * (2 * d + 4 * m.expert_hidden_dim) + 4 * shared
+        else:
+            ffn = 2 * d + 4 * m.hidden_dim
+        per_block.append((attn + ffn) * compute_bytes)
+    head = m.vocab_size * (compute_bytes + 4 + 4)
+    if checkpointing:
+        # each block's input is kept; one block's full set lives during its recompute + backward
+        return m.n_layers * d * compute_bytes + max(per_block) + head
+    return sum(per_block) + head
+
+
+def memory_per_gpu(cfg: Config, shape: _Shape, layout: Layout, compute_bytes: int) -> Memory:
+    shard = layout.dp_shard if layout.fsdp else 1
+    held = shape.dense_params / shard + shape.expert_params / (layout.ep * (shard // layout.ep if layout.fsdp else 1))
+    gathered_block = shape.max_block_dense + shape.max_block_expert / layout.ep
+    buffers = (2 * gathered_block * compute_bytes + gathered_block * compute_bytes) if layout.fsdp and shard > 1 else 0
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    acts = tokens * activation_bytes_per_token(cfg, compute_bytes, layout.activation_checkpointing)
+    return Memory(weights=held * FP32, grads=held * FP32, optimizer=held * FP32 * ADAM_STATES,
+                  fsdp_buffers=buffers, activations=acts)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def recommend_layout(cfg: Config, shape: _Shape, n_gpus: int, compute_bytes: int, device_bytes: float) -> Layout:
+    """FSDP over every GPU; EP as wide as divides both the experts and the GPUs (expert weights then
+    stay put and only tokens move, which is far less data per step than gathering experts); activation
+    checkpointing only when the plan would not fit without it."""
+    ep = max(d for d in _divisors(n_gpus) if shape.num_experts and shape.num_experts % d == 0) \
+        if shape.num_experts else 1
+    layout = Layout(1, n_gpus, ep, True, cfg.parallel.activation_checkpointing)
+    if memory_per_gpu(cfg, shape, layout, compute_bytes).total > HEADROOM * device_bytes:
+        layout = dataclasses.replace(layout, activation_checkpointing=True)
+    return layout
+
+
+def _compute_bytes(cfg: Config, device_type: str) -> int:
+    dtype = cfg.train.dtype
+    if dtype == "auto":
+        return 2 if device_type == "cuda" else 4
+    return 2 if dtype == "bfloat16" else 4
+
+
+def plan(cfg: Config, n_gpus: Optional[int] = None, device_bytes: float = H200_BYTES,
+         device_type: str = "cuda", layout: Optional[Layout] = None, model=None) -> Plan:
+    """Plan ``cfg`` on ``n_gpus`` devices of ``device_bytes`` each.
+
+    ``n_gpus=None``: the smallest power of two (up to 2^16) that fits with the recommended layout.
+    The layout is the config's ``parallel`` section when its degrees resolve for ``n_gpus`` and were
+    set explicitly (``ep > 1`` or ``dp_shard != -1``), else the recommended one. ``model``: an already
+    built model to count instead of building one on the meta device.
+    """
+    if model is None:
+        from zoo import build_model
+        model = build_model(cfg.model, "meta")
+    counts, shape = count_params(model), _shape(model)
+    cb = _compute_bytes(cfg, device_type)
+    notes = []
+    if n_gpus is None:
+        n_gpus = 1
+        while n_gpus < 2 ** 16:
+            lay = recommend_layout(cfg, shape, n_gpus, cb, device_bytes)
+            if memory_per_gpu(cfg, shape, lay, cb).total <= HEADROOM * device_bytes:
+                break
+            n_gpus *= 2
+        notes.append(f"n_gpus: smallest power of two that fits ({device_bytes / GB:.0f} GB per GPU)")
+    source = "config"
+    if layout is None:
+        p = cfg.parallel
+        explicit = p.ep > 1 or p.dp_shard != -1 or p.dp_replicate > 1 or not p.fsdp
+        try:
+            rep, shard, ep = p.resolve(n_gpus, shape.num_experts)
+            layout = Layout(rep, shard, ep, p.fsdp, p.activation_checkpointing) if explicit else None
+        except ConfigError as e:
+            notes.append(f"config layout does not apply to {n_gpus} GPUs ({e}); showing the recommended one")
+        if layout is None:
+            layout, source = recommend_layout(cfg, shape, n_gpus, cb, device_bytes), "recommended"
+    mem = memory_per_gpu(cfg, shape, layout, cb)
+    out = Plan(name=cfg.name, counts=counts, flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len, counts),
+               seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, compute_bytes=cb, n_gpus=n_gpus,
+               layout=layout, layout_source=source, memory=mem, device_bytes=device_bytes, notes=notes)
+    if not out.fits:
+        need = mem.total / (HEADROOM * device_bytes)
+        fixes = "more GPUs, a smaller train.batch_size"
+        fixes += "" if layout.activation_checkpointing else " or parallel.activation_checkpointing=true"
+        notes.append(f"does not fit: needs {need:.2f}x the usable {HEADROOM:.0%} of device memory; try {fixes}")
+    return out
+
+
+def _fmt(n: float, units=((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"))) -> str:
+    for unit, s in units:
+        if n >= unit:
+            return f"{n / unit:.2f}{s}"
+    return str(int(n))
+
+
+def format_plan(p: Plan) -> str:
+    """Human-readable report (what ``train.py --plan`` prints)."""
+    c, m, cap = p.counts, p.memory, p.device_bytes
+    dtype = "bf16" if p.compute_bytes == 2 else "fp32"
+    lines = [
+        f"plan: {p.name}",
+        f"  params        total {_fmt(c.total)} ({c.total:,})   active {_fmt(c.active)} ({c.active:,})",
+        f"                routed experts {_fmt(c.expert)}   embedding {_fmt(c.embedding)}",
+        f"  FLOPs/token   {_fmt(p.flops_per_token, ((1e12, ' T'), (1e9, ' G'), (1e6, ' M'), (1, ' ')))}FLOP (training fwd+bwd, active params, seq_len {p.seq_len})",
+        f"  layout        {p.n_gpus} GPU(s): {p.layout}   [{p.layout_source}]",
+        f"  memory/GPU    (micro-batch {p.batch_size} x {p.seq_len} tokens, {dtype} compute, fp32 master + AdamW)",
+        f"    weights       {m.weights / GB:9.1f} GB",
+        f"    grads         {m.grads / GB:9.1f} GB",
+        f"    optimizer     {m.optimizer / GB:9.1f} GB",
+        f"    fsdp buffers  {m.fsdp_buffers / GB:9.1f} GB",
+        f"    activations   {m.activations / GB:9.1f} GB",
+        f"    total         {m.total / GB:9.1f} GB of {cap / GB:.0f} GB ({100 * m.total / cap:.0f}%) -> "
+        + ("fits" if p.fits else "DOES NOT FIT"),
+    ]
+    lines += [f"  note: {n}" for n in p.notes]
+    return "\n".join(lines)
+
+
+class PlanDoesNotFit(ConfigError):
+    """Raised by ``check_fits``: first line names the problem, the rest is the plan."""
+
+    def __init__(self, p: Plan, where: str):
+        self.plan = p
+        super().__init__("parallel", f"{p.name} needs {p.memory.total / GB:.1f} GB per device on {where} "
+                                     f"({p.layout}) but has {p.device_bytes / GB:.1f} GB")
+        self.report = format_plan(p)
+
+    def __str__(self) -> str:
+        return super().__str__() + "\n" + self.report
+
+
+def device_memory_bytes(device) -> float:
+    """Total memory of one device: the GPU's, or this host's RAM split over its local ranks on CPU."""
+    import torch
+    device = torch.device(device)
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def check_fits(cfg: Config, world_size: int, device, model=None) -> Plan:
+    """Plan ``cfg`` on ``world_size`` ranks of ``device``'s kind with the config's layout; raise
+    ``PlanDoesNotFit`` (a ConfigError) before anything is allocated when it cannot fit."""
+    import torch
+    device = torch.device(device)
+    p = cfg.parallel
+    num_experts = cfg.model.moe.num_experts if "moe" in cfg.model.layer_ffn_types() else None
+    rep, shard, ep = p.resolve(world_size, num_experts)
+    layout = Layout(rep, shard, ep, p.fsdp and world_size > 1, p.activation_checkpointing)
+    out = plan(cfg, world_size, device_memory_bytes(device), device.type, layout, model)
+    if not out.fits:
+        raise PlanDoesNotFit(out, f"{world_size} x {device.type}")
+    return out

@@ -1,0 +1,89 @@
+"""Parameter counts (total and active) and training FLOPs per token, from a config or a model.
+
+Counting walks a model's parameters, so it is exact for whatever ``build_model`` builds; a config is
+first built on the meta device (no memory). A routed MoE layer is any module with ``num_experts``,
+``top_k`` and an ``experts`` child: a token touches ``top_k / num_experts`` of its expert weights and
+all of its router.
+
+FLOPs follow torchtitan / PaLM (appendix B): a matmul with N weights costs 2N per token forward and
+4N backward, so ``6 * N_matmul`` per token for training, where N_matmul is the *active* parameters
+minus the input embedding (a lookup; it counts again when tied to the output). Attention scores and
+values add ``12 * L * D * S`` per token (fwd + bwd, the non-causal convention PaLM uses), scaled by
+the attention density for sparse patterns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from torch import nn
+
+from configs import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int          # every parameter once (tied weights once)
+    active: int         # parameters one token uses: experts scaled by top_k / num_experts
+    embedding: int      # input token embedding (not a matmul)
+    expert: int         # routed expert weights, all experts
+    tied: bool          # output projection shares the embedding weight
+
+    @property
+    def matmul_active(self) -> int:
+        """Active parameters that take part in a matmul per token (what 6N counts)."""
+        return self.active - (0 if self.tied else self.embedding)
+
+
+def is_routed_moe(m: nn.Module) -> bool:
+    return hasattr(m, "num_experts") and hasattr(m, "top_k") and isinstance(getattr(m, "experts", None), nn.Module)
+
+
+def count_params(model: nn.Module) -> ParamCounts:
+    """Counts for a built model (any device, meta included). Expert shards count as held."""
+    seen: set[int] = set()
+
+    def numel(params) -> int:
+        n = 0
+        for p in params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel()
+        return n
+
+    emb = getattr(model, "tok_embeddings", None)
+    embedding = numel(emb.parameters()) if emb is not None else 0
+    expert = active_expert = 0
+    for m in model.modules():
+        if is_routed_moe(m):
+            n = numel(m.experts.parameters())
+            expert += n
+            # an EP-sharded layer holds num_local_experts of num_experts; top_k/E of all E are active
+            held = getattr(m, "num_local_experts", m.num_experts)
+            active_expert += n * m.top_k / held if held else 0
+    rest = numel(model.parameters())
+    total = embedding + expert + rest
+    out = getattr(model, "output", None)
+    tied = emb is not None and out is not None and out.weight is emb.weight
+    return ParamCounts(total=total, active=int(round(total - expert + active_expert)), embedding=embedding,
+                       expert=expert, tied=tied)
+
+
+def param_counts(cfg_or_model: Union[ModelConfig, nn.Module]) -> ParamCounts:
+    """Counts from a ``ModelConfig`` (built on the meta device, nothing allocated) or a model."""
+    if isinstance(cfg_or_model, nn.Module):
+        return count_params(cfg_or_model)
+    from .model import build_model
+    return count_params(build_model(cfg_or_model, "meta"))
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int, density: float = 1.0) -> float:
+    """Scores (QK^T) and weighted values (PV), forward + backward: ``12 * L * D * S * density``."""
+    return 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len * density
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, counts: ParamCounts | None = None,
+                    attn_density: float = 1.0) -> float:
+    """Training FLOPs (forward + backward) per token on active parameters: ``6 N + attention``."""
+    counts = counts or param_counts(cfg)
+    return 6.0 * counts.matmul_active + attention_flops_per_token(cfg, seq_len, attn_density)
