@@ -69,6 +69,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(
             TransformerBlock(cfg, i, t, build_attention_pattern(cfg, i, grid))
             for i, t in enumerate(cfg.layer_ffn_types()))
+        self.has_moe = "moe" in cfg.layer_ffn_types()
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -95,24 +96,31 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.cache = None
 
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *, start_pos: int = 0):
+        """Logits ``[B, S, V]`` (float32); with ``targets [B, S]``, ``(loss, parts)`` as in ``loss``.
+
+        Training calls ``model(tokens, targets)`` so that DDP/FSDP2 forward hooks run on the root module.
+        """
         S = tokens.shape[1]
         h = self.tok_embeddings(tokens)
         cos, sin = self.rope(torch.arange(start_pos, start_pos + S, device=tokens.device))
         for layer in self.layers:
             h = layer(h, cos, sin, start_pos)
-        return self.output(self.norm(h)).float()
+        logits = self.output(self.norm(h)).float()
+        return logits if targets is None else self._loss(logits, targets)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Cross-entropy plus the weighted auxiliary losses of every MoE layer.
 
         Returns ``(total, parts)`` with ``parts = {"ce": ..., "aux": ...}`` as detached scalars.
         """
-        logits = self(tokens)
+        return self(tokens, targets)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
         ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
         parts = {"ce": ce.detach()}
         total = ce
-        if any(t == "moe" for t in self.cfg.layer_ffn_types()):
+        if self.has_moe:
             from layers import moe_aux_loss
             aux = moe_aux_loss(self)
             total = total + aux

@@ -1,0 +1,95 @@
+"""Text corpora: the embedded default (this interpreter's standard library) or user files.
+
+``data.source``:
+- ``stdlib``: every ``.py`` file of the running interpreter's standard library (no site-packages);
+  always present, so the first command needs no download.
+- a ``.jsonl`` file (one JSON object a line, text in ``data.jsonl_field``);
+- a text file, a directory (its files, recursively) or a glob.
+
+Documents are split into train/val by a hash of their name, so the split is deterministic and does not
+move when files are added.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+
+from configs import ConfigError, DataConfig
+
+
+@dataclass
+class Document:
+    name: str
+    text: str
+
+
+def _stdlib_files() -> list[str]:
+    root = sysconfig.get_paths()["stdlib"]
+    files = glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+    return sorted(f for f in files if "site-packages" not in f and "dist-packages" not in f)
+
+
+def _source_files(source: str) -> list[str]:
+    if source == "stdlib":
+        return _stdlib_files()
+    if os.path.isdir(source):
+        return sorted(f for f in glob.glob(os.path.join(source, "**", "*"), recursive=True) if os.path.isfile(f))
+    if os.path.isfile(source):
+        return [source]
+    files = sorted(f for f in glob.glob(source, recursive=True) if os.path.isfile(f))
+    if not files:
+        raise ConfigError("data.source", f"no file matches {source!r} (a file, directory, glob, .jsonl or 'stdlib')")
+    return files
+
+
+def _hash01(name: str) -> float:
+    return int(hashlib.sha1(name.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+
+
+def load_documents(cfg: DataConfig) -> list[Document]:
+    """All documents of the corpus, in a fixed order (sorted by name hash, then capped by max_files)."""
+    docs: list[Document] = []
+    for path in _source_files(cfg.source):
+        if path.endswith(".jsonl"):
+            with open(path, encoding="utf-8") as f:
+                for i, line in enumerate(f):
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ConfigError("data.source", f"{path}:{i + 1}: invalid JSON ({e.msg})") from None
+                    if cfg.jsonl_field not in rec:
+                        raise ConfigError("data.jsonl_field", f"{path}:{i + 1} has no field {cfg.jsonl_field!r}")
+                    docs.append(Document(f"{path}:{i}", str(rec[cfg.jsonl_field])))
+        else:
+            try:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    docs.append(Document(path if cfg.source != "stdlib" else os.path.relpath(
+                        path, sysconfig.get_paths()["stdlib"]), f.read()))
+            except OSError as e:
+                raise ConfigError("data.source", f"cannot read {path}: {e.strerror}") from None
+    docs = [d for d in docs if d.text.strip()]
+    # Hash order mixes packages, so max_files picks a varied subset rather than the alphabetically first.
+    docs.sort(key=lambda d: _hash01(d.name))
+    if cfg.max_files:
+        docs = docs[: cfg.max_files]
+    if not docs:
+        raise ConfigError("data.source", f"corpus {cfg.source!r} is empty")
+    return docs
+
+
+def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
+    """(train, val) by name hash; both non-empty whenever there are at least two documents."""
+    salt = "moezoo-val"
+    val = [d for d in docs if _hash01(salt + d.name) < val_fraction]
+    train = [d for d in docs if _hash01(salt + d.name) >= val_fraction]
+    if not val:
+        val, train = train[-1:], train[:-1]
+    if not train:
+        raise ConfigError("data.source", "corpus needs at least two documents (one for validation)")
+    return train, val

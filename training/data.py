@@ -1,0 +1,75 @@
+"""Token streams as memmaps, and a stateless batch sampler (the batch of step s is a pure function of
+(seed, s, dp_rank, epoch)), so resuming at step s replays exactly the same data with no loader state.
+
+Layout in ``data.cache_dir``: ``tokens_<key>_{train,val}.bin`` (uint16 when the vocab fits, else uint32),
+documents joined with EOS. ``<key>`` hashes the corpus names/sizes and the tokenizer.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from configs import Config, ConfigError
+
+from .corpus import load_documents, split_documents
+from .tokenizer import Tokenizer, get_tokenizer
+
+
+def _write_tokens(tok: Tokenizer, texts: list[str], path: str, dtype) -> None:
+    ids: list[int] = []
+    for chunk in range(0, len(texts), 256):
+        for doc in tok.encode_batch(texts[chunk:chunk + 256]):
+            ids.extend(doc)
+            ids.append(tok.eos_id)
+    tmp = f"{path}.tmp{os.getpid()}"
+    np.asarray(ids, dtype=dtype).tofile(tmp)
+    os.replace(tmp, path)  # atomic: a killed run never leaves a truncated token file
+
+
+@dataclass
+class TokenData:
+    tokenizer: Tokenizer
+    train: np.ndarray   # [N_train] token ids
+    val: np.ndarray     # [N_val]
+
+
+def prepare_data(cfg: Config, is_main: bool = True, barrier=lambda: None) -> TokenData:
+    """Load the corpus, get the tokenizer, and memmap the token files (rank 0 writes, others wait)."""
+    docs = load_documents(cfg.data)
+    train_docs, val_docs = split_documents(docs, cfg.data.val_fraction)
+    corpus_key = hashlib.sha1("\n".join(f"{d.name}:{len(d.text)}" for d in docs).encode()).hexdigest()[:12]
+    cache = cfg.data.cache_dir
+    if is_main:
+        tok = get_tokenizer(cfg.data.tokenizer, [d.text for d in train_docs], cfg.model.vocab_size, cache, corpus_key)
+    barrier()
+    if not is_main:
+        tok = get_tokenizer(cfg.data.tokenizer, [], cfg.model.vocab_size, cache, corpus_key)
+    dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
+    key = f"{corpus_key}_{tok.digest}"
+    paths = {s: os.path.join(cache, f"tokens_{key}_{s}.bin") for s in ("train", "val")}
+    if is_main:
+        os.makedirs(cache, exist_ok=True)
+        for split, split_docs in (("train", train_docs), ("val", val_docs)):
+            if not os.path.isfile(paths[split]):
+                _write_tokens(tok, [d.text for d in split_docs], paths[split], dtype)
+    barrier()
+    arrays = {s: np.memmap(p, dtype=dtype, mode="r") for s, p in paths.items()}
+    need = cfg.train.seq_len + 1
+    for s, a in arrays.items():
+        if len(a) < need:
+            raise ConfigError("data.source", f"{s} split has {len(a)} tokens, fewer than train.seq_len+1={need}")
+    return TokenData(tok, arrays["train"], arrays["val"])
+
+
+def sample_batch(tokens: np.ndarray, batch: int, seq_len: int, seed: int, step: int, rank: int = 0,
+                 epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows ``(x[B, S], y[B, S])`` (int64), y = x shifted by one. Deterministic in its arguments."""
+    g = torch.Generator().manual_seed(hash((seed, step, rank, epoch)) & 0x7FFFFFFFFFFF)
+    starts = torch.randint(0, len(tokens) - seq_len - 1, (batch,), generator=g).numpy()
+    windows = np.stack([np.asarray(tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts])
+    t = torch.from_numpy(windows)
+    return t[:, :-1], t[:, 1:]

@@ -1,0 +1,65 @@
+"""Run logging: wandb (``logging.wandb: online | offline | disabled``) or a null logger.
+
+Offline is the default: runs land in ``<out_dir>/wandb/offline-run-*`` and upload later with
+``wandb sync``; nothing asks for a login. ``disabled`` returns a logger that writes nothing.
+Only rank 0 logs. wandb is imported only when used.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from configs import Config, to_dict
+
+
+class NullLogger:
+    """Same interface as WandbLogger; does nothing (disabled mode and ranks > 0)."""
+
+    run = None
+
+    def log(self, metrics: dict, step: int) -> None:
+        pass
+
+    def log_heatmap(self, name: str, matrix, step: int, xlabel: str = "", ylabel: str = "") -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class WandbLogger(NullLogger):
+    def __init__(self, cfg: Config, out_dir: str, resume_id: str | None = None):
+        import wandb
+
+        self.wandb = wandb
+        os.makedirs(out_dir, exist_ok=True)
+        self.run = wandb.init(
+            project=cfg.logging.project, entity=cfg.logging.entity, name=cfg.logging.run_name or cfg.name,
+            mode=cfg.logging.wandb, dir=out_dir, config=to_dict(cfg), id=resume_id,
+            resume="allow" if resume_id else None,
+            settings=wandb.Settings(silent=True, console="off", x_disable_stats=True))
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.run.log({k: (v.item() if hasattr(v, "item") and getattr(v, "ndim", 0) == 0 else v)
+                      for k, v in metrics.items()}, step=step)
+
+    def log_heatmap(self, name: str, matrix, step: int, xlabel: str = "", ylabel: str = "") -> None:
+        """A [rows, cols] array as a grey-scale image (e.g. expert load: layers x experts)."""
+        m = np.asarray(matrix, dtype=np.float64)
+        span = m.max() - m.min()
+        img = ((m - m.min()) / span * 255 if span > 0 else np.zeros_like(m)).astype(np.uint8)
+        # Upscale small matrices so each cell is visible in the UI.
+        scale = max(1, 256 // max(img.shape))
+        img = np.kron(img, np.ones((scale, scale), dtype=np.uint8))
+        caption = f"{ylabel} x {xlabel}, min {m.min():.3g} max {m.max():.3g}"
+        self.run.log({name: self.wandb.Image(img, caption=caption)}, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+def make_logger(cfg: Config, out_dir: str, rank: int = 0, resume_id: str | None = None):
+    if rank != 0 or cfg.logging.wandb == "disabled":
+        return NullLogger()
+    return WandbLogger(cfg, out_dir, resume_id)

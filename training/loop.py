@@ -1,0 +1,249 @@
+"""The training loop: ``run(cfg)`` = seed, mesh, data, model, optimizer, DST, resume, steps, eval, logging.
+
+Each step is a pure function of (checkpointed state, step index): batches come from
+``data.sample_batch(seed, step, dp_rank, epoch)``, so ``--resume`` continues bit-exactly. A step whose
+loss or gradient norm is not finite is skipped and counted; ``train.max_bad_steps`` of them in a row
+roll the run back to the last checkpoint and move the data stream to a new epoch.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from configs import Config, ConfigError
+from zoo import build_model
+
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .data import prepare_data, sample_batch
+from .logger import make_logger
+from .metrics import device_peak_flops, moe_metrics
+from .optim import build_optimizer, build_scheduler
+from .parallel import parallelize, setup_parallel
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.par = setup_parallel(cfg)
+        self.device = self.par.device
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        from .plan import check_fits
+        check_fits(cfg, self.par.world_size, self.device)
+        # Same seed on every rank: identical initial weights before sharding.
+        seed_everything(cfg.train.seed)
+        self.data = prepare_data(cfg, self.par.is_main, self.barrier)
+        model = build_model(cfg.model, self.device)
+        self.model = parallelize(model, cfg, self.par)
+        self.raw_model = model
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        self.dst = None
+        if cfg.dst.enabled:
+            from layers import DynamicSparsity
+            self.dst = DynamicSparsity.from_config(self.model, cfg.dst, self.optimizer, total_steps=cfg.train.steps)
+        self.autocast = self._autocast()
+        self.step, self.epoch, self.bad_total, self.bad_in_row = 0, 0, 0, 0
+        self.best_val, self.wandb_id = float("inf"), None
+        self.val_history: list[tuple[int, float]] = []
+        # Different per-rank stream for anything stochastic in the model (router noise, DST SET grow).
+        seed_everything(cfg.train.seed + 1000 * self.par.rank)
+        if cfg.checkpoint.resume:
+            path = latest_checkpoint(cfg.checkpoint_dir)
+            if path is None:
+                self.print(f"no checkpoint in {cfg.checkpoint_dir}; starting from step 0")
+            else:
+                self._restore(path)
+                self.print(f"resumed from {path} at step {self.step}")
+        self.logger = make_logger(cfg, cfg.out_dir, self.par.rank, self.wandb_id)
+        self.wandb_id = getattr(self.logger.run, "id", None)
+        self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum * self.par.dp_size
+        self.flops_per_token = self._flops_per_token()
+        self.peak_flops = device_peak_flops(self.device)
+
+    # ---- setup helpers -------------------------------------------------------------------------
+    def _autocast(self):
+        dt = self.cfg.train.dtype
+        if dt == "bfloat16" or (dt == "auto" and self.device.type == "cuda"):
+            return lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext
+
+    def _flops_per_token(self) -> float:
+        from zoo.flops import flops_per_token
+        return flops_per_token(self.cfg.model, self.cfg.train.seq_len)
+
+    def print(self, msg: str) -> None:
+        if self.par.is_main:
+            tqdm.write(msg)
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _all_mean(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.is_initialized() and self.par.world_size > 1:
+            x = x.clone()
+            dist.all_reduce(x, op=dist.ReduceOp.SUM)
+            x /= self.par.world_size
+        return x
+
+    # ---- state -----------------------------------------------------------------------------------
+    def train_state(self) -> dict:
+        return {"step": self.step, "epoch": self.epoch, "bad_total": self.bad_total, "best_val": self.best_val,
+                "val_history": self.val_history, "scheduler": self.scheduler.state_dict(),
+                "wandb_id": self.wandb_id, "world_size": self.par.world_size}
+
+    def _restore(self, path: str) -> None:
+        state = load_checkpoint(path, self.model, self.optimizer)
+        if state.get("world_size", 1) != self.par.world_size:
+            raise ConfigError("checkpoint", f"{path} was saved with world size {state['world_size']}, "
+                              f"this run has {self.par.world_size}; resume with the same layout")
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.epoch, self.bad_total = state["step"], state["epoch"], state["bad_total"]
+        self.best_val, self.val_history = state["best_val"], state["val_history"]
+        self.wandb_id = state.get("wandb_id")
+        self.bad_in_row = 0
+
+    def save(self) -> str:
+        return save_checkpoint(self.cfg.checkpoint_dir, self.step, self.model, self.optimizer, self.train_state(),
+                               self.cfg, self.cfg.checkpoint.keep_last)
+
+    # ---- steps -----------------------------------------------------------------------------------
+    def batch(self, step: int, micro: int, split: str = "train"):
+        c = self.cfg.train
+        tokens = self.data.train if split == "train" else self.data.val
+        x, y = sample_batch(tokens, c.batch_size, c.seq_len, c.seed, step * c.grad_accum + micro,
+                            self.par.dp_rank, self.epoch if split == "train" else -1)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def compute_loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        with self.autocast():
+            return self.model(x, y)
+
+    def train_step(self) -> dict:
+        """One optimizer step over ``grad_accum`` micro-batches; returns detached metrics."""
+        c = self.cfg
+        self.model.train()
+        parts_sum: dict[str, torch.Tensor] = {}
+        for micro in range(c.train.grad_accum):
+            x, y = self.batch(self.step, micro)
+            loss, parts = self.compute_loss(x, y)
+            (loss / c.train.grad_accum).backward()
+            for k, v in parts.items():
+                parts_sum[k] = parts_sum.get(k, 0.0) + v / c.train.grad_accum
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, c.optim.grad_clip if c.optim.grad_clip > 0 else math.inf)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        loss_val = self._all_mean(sum(parts_sum.values()).detach().float().reshape(1))
+        finite = bool(torch.isfinite(loss_val).all() and torch.isfinite(grad_norm))
+        metrics = {f"loss/{k}": self._all_mean(v.detach().float().reshape(1))[0] for k, v in parts_sum.items()}
+        metrics.update({"loss/total": loss_val[0], "grad_norm": grad_norm.detach(),
+                        "lr": self.optimizer.param_groups[0]["lr"]})
+        if finite:
+            self.optimizer.step()
+            if self.dst is not None:
+                self.dst.step(self.step)
+            self.bad_in_row = 0
+        else:
+            self.bad_total += 1
+            self.bad_in_row += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        metrics["bad_steps"] = self.bad_total
+        metrics["skipped"] = not finite
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        losses = []
+        for i in range(self.cfg.train.eval_batches):
+            x, y = self.batch(i, 0, "val")
+            with self.autocast():
+                losses.append(self.compute_loss(x, y)[1]["ce"].float())
+        self.model.train()
+        return float(self._all_mean(torch.stack(losses).mean().reshape(1))[0])
+
+    def rollback(self) -> None:
+        path = latest_checkpoint(self.cfg.checkpoint_dir)
+        if path is None:
+            raise RuntimeError(f"{self.bad_in_row} non-finite steps in a row at step {self.step} and no checkpoint "
+                               f"in {self.cfg.checkpoint_dir} to roll back to")
+        epoch, bad_total = self.epoch, self.bad_total
+        self._restore(path)
+        # Same weights, new data order: replaying the batches that blew up would blow up again.
+        self.epoch, self.bad_total = epoch + 1, bad_total
+        self.print(f"rolled back to {path} (step {self.step}), data epoch {self.epoch}")
+
+    # ---- main loop -------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        c = self.cfg
+        if self.step == 0 or not self.val_history:
+            v = self.evaluate()
+            self.val_history.append((self.step, v))
+            self.logger.log({"val/loss": v}, step=self.step)
+            self.print(f"step {self.step}: val loss {v:.4f}")
+        bar = tqdm(total=c.train.steps, initial=self.step, disable=not (self.par.is_main and c.logging.progress),
+                   dynamic_ncols=True, desc=c.name, unit="step")
+        t0, tokens_since = time.perf_counter(), 0
+        while self.step < c.train.steps:
+            m = self.train_step()
+            tokens_since += self.tokens_per_step
+            bar.update(1)
+            if self.bad_in_row >= c.train.max_bad_steps:
+                self.rollback()
+                bar.n = self.step
+                bar.refresh()
+                continue
+            if self.step % c.logging.log_every == 0 or self.step == c.train.steps:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                m["tokens_per_s"] = tokens_since / dt
+                if self.peak_flops:
+                    m["mfu"] = m["tokens_per_s"] * self.flops_per_token / (self.peak_flops * self.par.world_size)
+                moe, load = moe_metrics(self.raw_model)
+                m.update(moe)
+                if self.dst is not None:
+                    m.update({f"dst/{k}": v for k, v in self.dst.stats().items()})
+                self.logger.log({k: v for k, v in m.items() if k != "skipped"}, step=self.step)
+                if load is not None and self.step % c.train.eval_every == 0:
+                    self.logger.log_heatmap("moe/expert_load", load.numpy(), self.step, "experts", "layers")
+                bar.set_postfix(loss=f"{float(m['loss/total']):.3f}", lr=f"{m['lr']:.2e}")
+                t0, tokens_since = time.perf_counter(), 0
+            if self.step % c.train.eval_every == 0 or self.step == c.train.steps:
+                v = self.evaluate()
+                self.val_history.append((self.step, v))
+                self.best_val = min(self.best_val, v)
+                self.logger.log({"val/loss": v}, step=self.step)
+                self.print(f"step {self.step}: val loss {v:.4f}")
+            if (c.checkpoint.every and self.step % c.checkpoint.every == 0) or self.step == c.train.steps:
+                self.save()
+        bar.close()
+        self.logger.finish()
+        return {"step": self.step, "val_history": self.val_history, "bad_steps": self.bad_total}
+
+
+def run(cfg: Config) -> dict:
+    """Train ``cfg`` end to end (alone or under torchrun). Returns a summary dict (rank-local)."""
+    trainer = Trainer(cfg)
+    try:
+        return trainer.fit()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
