@@ -1,0 +1,155 @@
+"""Import/export between HF ``transformers`` models and the zoo Transformer, with logit parity.
+
+    from zoo.hf import from_hf, to_hf
+    model = from_hf(hf_model)   # LlamaForCausalLM, MixtralForCausalLM or Qwen2MoeForCausalLM -> Transformer
+    hf_model = to_hf(model)     # the inverse: a fresh HF model of the family that expresses model.cfg
+
+Configs are translated by zoo.hf_config. Weights go through one table of ``Link``s (HF names <->
+zoo names, plus how tensors are joined or split), used in both directions, so import and export
+cannot drift apart. The table is built against the HF model at hand, so both expert layouts load:
+
+- transformers 5.x: ``mlp.experts.gate_up_proj [E, 2H, D]`` (gate rows first) and
+  ``mlp.experts.down_proj [E, D, H]``; the router is ``mlp.gate.weight [E, D]``.
+- transformers 4.x: per-expert Linears, ``block_sparse_moe.experts.{e}.w1/w3/w2`` (Mixtral) or
+  ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` (Qwen2-MoE).
+
+Zoo MoE weights are stacked (DESIGN.md): ``experts.w1/w3 [E, H, D]``, ``experts.w2 [E, D, H]``.
+RoPE uses HF's rotate-half layout, so q/k weights copy without permutation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from configs import ConfigError, ModelConfig
+
+from .hf_config import ARCHITECTURES, config_from_hf, config_to_hf
+from .model import Transformer
+
+
+@dataclass(frozen=True)
+class Link:
+    """HF tensors ``hf`` <-> zoo tensors ``zoo``.
+
+    kind: ``copy`` (one to one), ``stack`` (E per-expert HF matrices <-> one zoo [E, ...] tensor),
+    ``fuse`` (HF ``gate_up_proj [E, 2H, D]`` <-> zoo ``w1, w3 [E, H, D]``), ``zero`` (an HF bias
+    moezoo lacks: must be zero on import, written as zeros on export).
+    """
+    hf: tuple[str, ...]
+    zoo: tuple[str, ...]
+    kind: str = "copy"
+
+    def to_zoo(self, ts: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.kind == "stack":
+            return [torch.stack(ts)]
+        if self.kind == "fuse":
+            return list(ts[0].chunk(2, dim=1))
+        if self.kind == "zero":
+            if any(t.count_nonzero() for t in ts):
+                raise ConfigError("hf.attention_bias", f"{self.hf[0]} is nonzero; moezoo attention has no output bias")
+            return []
+        return ts
+
+    def to_hf(self, ts: list[torch.Tensor], like: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        if self.kind == "stack":
+            return list(ts[0].unbind(0))
+        if self.kind == "fuse":
+            return [torch.cat(ts, dim=1)]
+        if self.kind == "zero":
+            return [torch.zeros_like(like[k]) for k in self.hf]
+        return ts
+
+
+def _linear(hf: str, zoo: str, bias: bool = False) -> list[Link]:
+    links = [Link((f"{hf}.weight",), (f"{zoo}.weight",))]
+    return links + [Link((f"{hf}.bias",), (f"{zoo}.bias",))] if bias else links
+
+
+def _swiglu(hf: str, zoo: str) -> list[Link]:
+    return (_linear(f"{hf}.gate_proj", f"{zoo}.w1") + _linear(f"{hf}.up_proj", f"{zoo}.w3")
+            + _linear(f"{hf}.down_proj", f"{zoo}.w2"))
+
+
+def _experts(hf_model: nn.Module, keys: set[str], hf: str, zoo: str, num_experts: int) -> list[Link]:
+    if f"{hf}.gate_up_proj" in keys:  # transformers 5.x: fused 3-D parameters
+        mod = hf_model.get_submodule(hf)
+        if getattr(mod, "is_transposed", False) or not getattr(mod, "is_concatenated", True):
+            raise ConfigError("hf.experts", f"{hf}: only the concatenated, untransposed gate_up_proj layout maps")
+        return [Link((f"{hf}.gate_up_proj",), (f"{zoo}.w1", f"{zoo}.w3"), "fuse"),
+                Link((f"{hf}.down_proj",), (f"{zoo}.w2",))]
+    names = ("w1", "w3", "w2") if f"{hf}.0.w1.weight" in keys else ("gate_proj", "up_proj", "down_proj")
+    return [Link(tuple(f"{hf}.{e}.{n}.weight" for e in range(num_experts)), (f"{zoo}.{w}",), "stack")
+            for n, w in zip(names, ("w1", "w3", "w2"))]
+
+
+def weight_links(cfg: ModelConfig, hf_model: nn.Module) -> list[Link]:
+    """Every weight of ``cfg``'s zoo model linked to the HF model's names and layout."""
+    keys = set(hf_model.state_dict())
+    links = [Link(("model.embed_tokens.weight",), ("tok_embeddings.weight",)),
+             Link(("model.norm.weight",), ("norm.weight",)),
+             Link(("lm_head.weight",), ("output.weight",))]
+    for i, ffn in enumerate(cfg.layer_ffn_types()):
+        hf, zoo = f"model.layers.{i}", f"layers.{i}"
+        for p, w in (("q", "wq"), ("k", "wk"), ("v", "wv")):
+            links += _linear(f"{hf}.self_attn.{p}_proj", f"{zoo}.attention.{w}", cfg.attn_bias)
+        links += _linear(f"{hf}.self_attn.o_proj", f"{zoo}.attention.wo")
+        if f"{hf}.self_attn.o_proj.bias" in keys:
+            links.append(Link((f"{hf}.self_attn.o_proj.bias",), (), "zero"))
+        links += _linear(f"{hf}.input_layernorm", f"{zoo}.attention_norm")
+        links += _linear(f"{hf}.post_attention_layernorm", f"{zoo}.ffn_norm")
+        mlp = f"{hf}.block_sparse_moe" if any(k.startswith(f"{hf}.block_sparse_moe.") for k in keys) else f"{hf}.mlp"
+        ff = f"{zoo}.feed_forward"
+        if ffn == "dense":
+            links += _swiglu(mlp, ff)
+            continue
+        links += _linear(f"{mlp}.gate", f"{ff}.gate")
+        links += _experts(hf_model, keys, f"{mlp}.experts", f"{ff}.experts", cfg.moe.num_experts)
+        if cfg.moe.shared_experts:
+            links += _swiglu(f"{mlp}.shared_expert", f"{ff}.shared") + _linear(f"{mlp}.shared_expert_gate",
+                                                                               f"{ff}.shared_gate")
+    return links
+
+
+def _load(module: nn.Module, sd: dict[str, torch.Tensor], side: str) -> None:
+    """Load ``sd`` into ``module``: every parameter must be given, with its exact shape."""
+    own = module.state_dict()
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    missing, unexpected = sorted(params - sd.keys()), sorted(sd.keys() - own.keys())
+    if missing or unexpected:
+        raise ValueError(f"{side} weight mapping incomplete: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    for k, v in sd.items():
+        if v.shape != own[k].shape:
+            raise ValueError(f"{side} weight {k}: shape {tuple(v.shape)} != expected {tuple(own[k].shape)}")
+    module.load_state_dict(sd, strict=False)
+
+
+@torch.no_grad()
+def from_hf(hf_model: nn.Module) -> Transformer:
+    """A zoo ``Transformer`` computing the same logits as ``hf_model`` (same dtype and train/eval mode)."""
+    cfg = config_from_hf(hf_model.config)
+    model = Transformer(cfg)
+    hf_sd = hf_model.state_dict()
+    sd: dict[str, torch.Tensor] = {}
+    for link in weight_links(cfg, hf_model):
+        sd.update(zip(link.zoo, link.to_zoo([hf_sd[k] for k in link.hf])))
+    _load(model, sd, "zoo")
+    dtype = next(hf_model.parameters()).dtype
+    return model.to(dtype).train(hf_model.training)
+
+
+@torch.no_grad()
+def to_hf(model: Transformer) -> nn.Module:
+    """A fresh HF model (Llama, Mixtral or Qwen2-MoE, whichever expresses ``model.cfg``) with the same logits."""
+    import transformers
+
+    hc = config_to_hf(model.cfg)
+    hf_model = getattr(transformers, ARCHITECTURES[hc.model_type])(hc)
+    zoo_sd, like = model.state_dict(), hf_model.state_dict()
+    sd: dict[str, torch.Tensor] = {}
+    for link in weight_links(model.cfg, hf_model):
+        sd.update(zip(link.hf, link.to_hf([zoo_sd[k] for k in link.zoo], like)))
+    _load(hf_model, sd, "HF")
+    dtype = next(model.parameters()).dtype
+    return hf_model.to(dtype).train(model.training)

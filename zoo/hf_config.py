@@ -1,0 +1,152 @@
+"""Translate between HF ``transformers`` configs and ``configs.ModelConfig`` (used by zoo.hf).
+
+Three HF families map onto the zoo Transformer exactly (same logits):
+
+- ``llama``: dense SwiGLU, GQA, rope_theta, linear RoPE scaling, tied or untied embeddings.
+- ``mixtral``: every FFN an MoE, softmax router over all experts, top-k, renormalised.
+- ``qwen2_moe``: MoE with one always-on shared expert scaled by ``sigmoid(shared_expert_gate(x))``,
+  top-k weights renormalised only with ``norm_topk_prob``, q/k/v biases, dense layers where
+  ``mlp_only_layers`` / ``decoder_sparse_step`` say so.
+
+Anything else that would change the function (another activation, a sliding window, HF's dynamic NTK
+RoPE whose theta depends on the current sequence length, a separate head_dim) raises
+``ConfigError("hf.<field>", reason)`` rather than importing a model that silently differs.
+Both transformers 5.x (``rope_parameters``) and 4.x (``rope_theta`` + ``rope_scaling``) configs are read.
+"""
+from __future__ import annotations
+
+from configs import ConfigError, ModelConfig, MoEConfig, RopeScalingConfig
+from configs.errors import check
+
+# HF model_type -> transformers class name
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+
+
+def hf_rope(hc) -> tuple[float, RopeScalingConfig]:
+    """``(rope_theta, scaling)`` from a 5.x ``rope_parameters`` dict or 4.x ``rope_theta``/``rope_scaling``."""
+    params = {**(getattr(hc, "rope_scaling", None) or {}), **(getattr(hc, "rope_parameters", None) or {})}
+    theta = float(params.get("rope_theta", getattr(hc, "rope_theta", 10000.0)))
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "default":
+        return theta, RopeScalingConfig()
+    if kind == "linear":
+        factor = float(params["factor"])
+        orig = int(round(hc.max_position_embeddings / factor))
+        return theta, RopeScalingConfig(type="linear", factor=factor, original_max_seq_len=orig)
+    if kind == "dynamic":
+        raise ConfigError("hf.rope_parameters.rope_type",
+                          "HF dynamic NTK recomputes theta from the current sequence length; moezoo's ntk scaling "
+                          "is static (theta * factor**(d/(d-2))), so logits would differ beyond max_position_embeddings")
+    raise ConfigError("hf.rope_parameters.rope_type", f"RoPE type {kind!r} has no moezoo equivalent "
+                      "(supported: default, linear)")
+
+
+def _check_common(hc) -> None:
+    check(hc.model_type in ARCHITECTURES, "hf.model_type",
+          f"unsupported model type {hc.model_type!r}; expected one of {', '.join(ARCHITECTURES)}")
+    check(hc.hidden_act == "silu", "hf.hidden_act", f"moezoo FFNs are SwiGLU (silu), got {hc.hidden_act!r}")
+    head_dim = getattr(hc, "head_dim", None)
+    natural = hc.hidden_size // hc.num_attention_heads
+    check(head_dim in (None, natural), "hf.head_dim",
+          f"head_dim={head_dim} != hidden_size/num_attention_heads={natural}; moezoo derives it from dim")
+    check(not getattr(hc, "mlp_bias", False), "hf.mlp_bias", "moezoo FFNs have no bias")
+    sliding = getattr(hc, "sliding_window", None) if getattr(hc, "use_sliding_window", True) else None
+    check(not sliding or sliding >= hc.max_position_embeddings, "hf.sliding_window",
+          f"sliding_window={sliding} < max_position_embeddings={hc.max_position_embeddings}: "
+          "export with a moezoo `local` attention pattern is not supported")
+
+
+def config_from_hf(hc) -> ModelConfig:
+    """A ``ModelConfig`` computing the same function as the HF config ``hc`` (validated)."""
+    _check_common(hc)
+    theta, scaling = hf_rope(hc)
+    cfg = ModelConfig(
+        vocab_size=hc.vocab_size, dim=hc.hidden_size, n_layers=hc.num_hidden_layers,
+        n_heads=hc.num_attention_heads, n_kv_heads=hc.num_key_value_heads or hc.num_attention_heads,
+        ffn_hidden=hc.intermediate_size, norm_eps=hc.rms_norm_eps, rope_theta=theta, rope_scaling=scaling,
+        max_seq_len=hc.max_position_embeddings, tie_embeddings=bool(hc.tie_word_embeddings),
+        init_std=hc.initializer_range,
+        # Llama's attention_bias also biases o_proj; zoo.hf accepts that only when those biases are zero.
+        attn_bias=bool(getattr(hc, "attention_bias", False) or getattr(hc, "qkv_bias", False)))
+    if hc.model_type == "mixtral":
+        check(not hc.router_jitter_noise, "hf.router_jitter_noise",
+              "multiplicative router jitter has no moezoo equivalent; set it to 0")
+        cfg.ffn = "moe"
+        cfg.moe = MoEConfig(num_experts=hc.num_local_experts, top_k=hc.num_experts_per_tok,
+                            hidden_dim=hc.intermediate_size, router="softmax", softmax_before_topk=True,
+                            norm_topk=True, aux_loss_coef=hc.router_aux_loss_coef)
+    elif hc.model_type == "qwen2_moe" and hc.num_experts > 0:
+        cfg.ffn = "moe"
+        cfg.ffn_layers = {str(i): "dense" for i in range(hc.num_hidden_layers)
+                          if i in (hc.mlp_only_layers or []) or (i + 1) % hc.decoder_sparse_step}
+        cfg.moe = MoEConfig(num_experts=hc.num_experts, top_k=hc.num_experts_per_tok,
+                            hidden_dim=hc.moe_intermediate_size, router="softmax", softmax_before_topk=True,
+                            norm_topk=bool(hc.norm_topk_prob), aux_loss_coef=hc.router_aux_loss_coef,
+                            shared_experts=1, shared_hidden_dim=hc.shared_expert_intermediate_size,
+                            shared_gate=True)
+    cfg.validate("hf")
+    return cfg
+
+
+def shared_hidden(cfg: ModelConfig) -> int:
+    """Hidden size of the (single) shared-expert SwiGLU block."""
+    return cfg.moe.shared_hidden_dim or cfg.expert_hidden_dim * cfg.moe.shared_experts
+
+
+def hf_model_type(cfg: ModelConfig) -> str:
+    """The HF family that expresses ``cfg`` exactly; ConfigError naming the blocking key otherwise."""
+    check(not cfg.attention.patterns and not cfg.attention.minference_json, "model.attention.patterns",
+          "HF Llama/Mixtral/Qwen2-MoE attention is dense; sparse patterns cannot be exported")
+    types = cfg.layer_ffn_types()
+    check(set(types) <= {"dense", "moe"}, "model.ffn", f"only dense and moe FFNs export to HF, got {sorted(set(types))}")
+    if "moe" not in types:
+        return "llama"
+    m = cfg.moe
+    check(m.router == "softmax", "model.moe.router", f"HF routers are softmax top-k, got {m.router!r}")
+    check(m.capacity_factor is None, "model.moe.capacity_factor", "HF MoE is dropless; capacity_factor must be null")
+    check(m.bias_update_rate == 0, "model.moe.bias_update_rate",
+          "aux-loss-free selection bias has no HF equivalent; must be 0")
+    if m.shared_experts:
+        check(m.shared_gate, "model.moe.shared_gate", "Qwen2-MoE gates its shared expert; shared_gate must be true")
+        return "qwen2_moe"
+    check(not cfg.attn_bias, "model.attn_bias", "Mixtral attention has no bias")
+    check("dense" not in types, "model.ffn_layers",
+          "Mixtral has an MoE in every layer; dense layers need a shared-expert (Qwen2-MoE) model")
+    check(_renormalised(m), "model.moe.norm_topk", "Mixtral renormalises the top-k weights; norm_topk must be true")
+    return "mixtral"
+
+
+def _renormalised(m: MoEConfig) -> bool:
+    # top-k-then-softmax weights sum to one whatever norm_topk says
+    return m.norm_topk or not m.softmax_before_topk
+
+
+def config_to_hf(cfg: ModelConfig):
+    """The transformers config of the HF family that computes the same function as ``cfg``."""
+    import transformers
+
+    model_type = hf_model_type(cfg)
+    rope_theta, rope_type = cfg.rope_theta, cfg.rope_scaling.type
+    if rope_type == "ntk":  # static NTK-aware scaling is just a larger theta
+        rope_theta = cfg.rope_theta * cfg.rope_scaling.factor ** (cfg.head_dim / (cfg.head_dim - 2))
+    # rope_theta + rope_scaling: the 4.x keywords, which 5.x folds into rope_parameters
+    scaling = {"rope_type": "linear", "factor": cfg.rope_scaling.factor} if rope_type == "linear" else None
+    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.hidden_dim,
+                  num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                  num_key_value_heads=cfg.kv_heads, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
+                  initializer_range=cfg.init_std, rms_norm_eps=cfg.norm_eps,
+                  tie_word_embeddings=cfg.tie_embeddings, rope_theta=rope_theta, rope_scaling=scaling)
+    if model_type == "llama":
+        return transformers.LlamaConfig(attention_bias=cfg.attn_bias, **common)
+    m = cfg.moe
+    if model_type == "mixtral":
+        common["intermediate_size"] = cfg.expert_hidden_dim
+        return transformers.MixtralConfig(num_local_experts=m.num_experts, num_experts_per_tok=m.top_k,
+                                          router_aux_loss_coef=m.aux_loss_coef, sliding_window=None, **common)
+    dense = [i for i, t in enumerate(cfg.layer_ffn_types()) if t == "dense"]
+    return transformers.Qwen2MoeConfig(
+        num_experts=m.num_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=cfg.expert_hidden_dim,
+        shared_expert_intermediate_size=shared_hidden(cfg), norm_topk_prob=_renormalised(m),
+        router_aux_loss_coef=m.aux_loss_coef, decoder_sparse_step=1, mlp_only_layers=dense,
+        qkv_bias=cfg.attn_bias, use_sliding_window=False, **common)
+
