@@ -123,9 +123,12 @@ def test_llama_nonzero_output_bias_is_refused():
         from_hf(llama(seed=6, attention_bias=True))
 
 
+ROPE_KEY = "hf.rope_parameters.rope_type"
+
+
 @pytest.mark.parametrize("override, key", [
-    (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 500.0}), "hf.rope_parameters.rope_type"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 500.0}), "hf.rope_parameters.rope_type"),
+    (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 500.0}), ROPE_KEY),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 500.0}), ROPE_KEY),
     (dict(hidden_act="gelu"), "hf.hidden_act"),
     (dict(head_dim=16), "hf.head_dim"),
     (dict(mlp_bias=True), "hf.mlp_bias"),

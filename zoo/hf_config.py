@@ -35,8 +35,8 @@ def hf_rope(hc) -> tuple[float, RopeScalingConfig]:
         return theta, RopeScalingConfig(type="linear", factor=factor, original_max_seq_len=orig)
     if kind == "dynamic":
         raise ConfigError("hf.rope_parameters.rope_type",
-                          "HF dynamic NTK recomputes theta from the current sequence length; moezoo's ntk scaling "
-                          "is static (theta * factor**(d/(d-2))), so logits would differ beyond max_position_embeddings")
+                          "HF dynamic NTK recomputes theta from the current sequence length; moezoo's ntk "
+                          "scaling is static (theta * factor**(d/(d-2))), so no moezoo RoPE matches it at every length")
     raise ConfigError("hf.rope_parameters.rope_type", f"RoPE type {kind!r} has no moezoo equivalent "
                       "(supported: default, linear)")
 
@@ -98,7 +98,8 @@ def hf_model_type(cfg: ModelConfig) -> str:
     check(not cfg.attention.patterns and not cfg.attention.minference_json, "model.attention.patterns",
           "HF Llama/Mixtral/Qwen2-MoE attention is dense; sparse patterns cannot be exported")
     types = cfg.layer_ffn_types()
-    check(set(types) <= {"dense", "moe"}, "model.ffn", f"only dense and moe FFNs export to HF, got {sorted(set(types))}")
+    check(set(types) <= {"dense", "moe"}, "model.ffn",
+          f"only dense and moe FFNs export to HF, got {sorted(set(types))}")
     if "moe" not in types:
         return "llama"
     m = cfg.moe
