@@ -23,8 +23,15 @@ PATTERN_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "block_topk": (("top_k",), ()),
 }
 COMMON_PARAMS = ("block_size", "seed")
-POSITIVE_PARAMS = ("window", "n_vertical", "n_slash", "last_q", "top_k", "block_size")
-NONNEG_PARAMS = ("sinks", "random_blocks")
+DEFAULT_BLOCK_SIZE = 64
+POSITIVE_PARAMS = ("window", "sinks", "n_vertical", "n_slash", "last_q", "top_k", "block_size")
+NONNEG_PARAMS = ("random_blocks", "seed")
+# MInference's per-head JSON names its three kernels; what each budget pair means in our params.
+MINFERENCE_TYPES = {
+    "vertical_and_slash": lambda v, s: {"type": "vertical_slash", "n_vertical": v, "n_slash": s, "last_q": 64},
+    "stream_llm": lambda v, s: {"type": "a_shape", "sinks": v, "window": s},     # streaming_forward(n_init, n_local)
+    "block_sparse": lambda v, s: {"type": "block_topk", "top_k": v},           # block_sparse_attention(top_k)
+}
 
 
 def validate_pattern(pat: dict, key: str) -> None:
@@ -49,8 +56,35 @@ def validate_pattern(pat: dict, key: str) -> None:
     if "block_size" in pat:
         b = pat["block_size"]
         check(b & (b - 1) == 0, f"{key}.block_size", f"must be a power of two, got {b}")
-    if t == "a_shape":
-        check(pat["sinks"] > 0, f"{key}.sinks", f"must be > 0, got {pat['sinks']}")
+
+
+def minference_patterns(data, n_layers: int, n_heads: int, key: str = "model.attention.minference_json") -> dict:
+    """MInference's per-head config -> our ``{"<layer>:<head>": pattern dict}``.
+
+    ``data`` is the parsed JSON (or a path to it): a list with one ``{head: [type, v_size, s_size, score]}``
+    dict per layer (MInference ``minference/configs/*.json``). Checked like YAML patterns.
+    """
+    if isinstance(data, str):
+        import json
+        try:
+            with open(data) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(key, f"cannot read MInference JSON: {e}") from None
+    check(isinstance(data, list), key, "must be a list with one {head: [type, v, s, score]} mapping per layer")
+    check(len(data) <= n_layers, key, f"has {len(data)} layers, the model {n_layers}")
+    out = {}
+    for li, heads in enumerate(data):
+        check(hasattr(heads, "items"), f"{key}[{li}]", "must map head index -> [type, v_size, s_size, score]")
+        for h, entry in heads.items():
+            k = f"{key}[{li}][{h}]"
+            check(str(h).isdigit() and int(h) < n_heads, k, f"head outside 0..{n_heads - 1}")
+            check(isinstance(entry, (list, tuple)) and len(entry) >= 3, k, "must be [type, v_size, s_size, score]")
+            check_choice(entry[0], tuple(MINFERENCE_TYPES), f"{k}.type")
+            pat = MINFERENCE_TYPES[entry[0]](int(entry[1]), int(entry[2]))
+            validate_pattern(pat, k)
+            out[f"{li}:{int(h)}"] = pat
+    return out
 
 
 def split_key(spec: str) -> tuple[str, str]:
@@ -71,6 +105,10 @@ class AttentionConfig:
     def layer_head_patterns(self, n_layers: int, n_heads: int, key: str = "model.attention.patterns") -> list[list]:
         """``[layer][head] -> pattern dict or None`` (None = dense). Overlapping head ranges are errors."""
         grid: list[list] = [[None] * n_heads for _ in range(n_layers)]
+        if self.minference_json:
+            for spec, pat in minference_patterns(self.minference_json, n_layers, n_heads).items():
+                li, h = (int(x) for x in spec.split(":"))
+                grid[li][h] = pat
         by_layers: dict[str, dict] = {}
         for spec, pat in self.patterns.items():
             validate_pattern(pat, f"{key}.{spec}")
@@ -82,6 +120,9 @@ class AttentionConfig:
                 for h, p in enumerate(per_head):
                     if p is not None:
                         grid[li][h] = p
+        for li, row in enumerate(grid):   # one block size per layer: kernels tile with it
+            sizes = {p.get("block_size", DEFAULT_BLOCK_SIZE) for p in row if p is not None and p["type"] != "dense"}
+            check(len(sizes) <= 1, f"{key}.{li}", f"heads of one layer must share block_size, got {sorted(sizes)}")
         return grid
 
     def validate(self, n_layers: int, n_heads: int, key: str = "model.attention") -> None:

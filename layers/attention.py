@@ -97,5 +97,16 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> torch.Tensor:
         if self.pattern is None:
             return dense_causal_attention(q, k, v, q_offset)
+        from .patterns import head_patterns
         from .sparse_attention import sparse_attention
-        return sparse_attention(q, k, v, self.pattern, backend=self.backend, layer=self.layer_id, q_offset=q_offset)
+        history = None
+        dyn = [p for p in head_patterns(self.pattern, self.n_heads) if p.dynamic]
+        if dyn and self.cache is not None:
+            # Input-dependent patterns estimate from the last queries; keep enough of them that a decode
+            # step re-estimates exactly what prefill of the same tokens would (last_q rows, pooled block).
+            prev = getattr(self, "_q_history", None)
+            history = prev if (q_offset > 0 and prev is not None) else None
+            keep = max(max(p.last_q, p.block_size) for p in dyn)
+            self._q_history = (q if history is None else torch.cat([history, q], dim=2))[:, :, -keep:].detach()
+        return sparse_attention(q, k, v, self.pattern, backend=self.backend, layer=self.layer_id, q_offset=q_offset,
+                                q_history=history, dense_below=self.dense_below)

@@ -1,0 +1,401 @@
+"""Sparse attention patterns: the causal token-level mask ``allowed(q, k)`` of each (layer, head), defined once.
+
+Every backend (layers.sparse_attention) must compute attention under exactly this mask. Conventions
+(DESIGN.md), for a query at absolute position q and a key at position k, always with ``k <= q``:
+
+- ``local``:  ``q - k < window`` (window W covers keys q-W+1 .. q), optionally plus ``sinks``.
+- ``a_shape``: ``k < sinks`` or ``q - k < window`` (StreamingLLM / MInference A-shape).
+- ``bigbird``: A-shape plus ``random_blocks`` whole key blocks per query block, drawn from the strictly
+  earlier blocks ``0 .. qb-1`` by a counter-based hash of (seed, layer, head, query block, key block):
+  identical in every process and on every device, and independent of the sequence length (so decode
+  sees the blocks prefill saw).
+- ``vertical_slash``: ``k`` in the top-``n_vertical`` key columns or ``q - k`` in the top-``n_slash``
+  diagonals, both ranked by the softmax mass the last ``last_q`` queries of the input put on them
+  (MInference, Jiang et al. 2024, sec. 3.2). Diagonal 0 (each query sees itself) is always kept so no
+  row is empty. Exact token-level columns and diagonals: no block dilation.
+- ``block_topk``: the ``top_k`` key blocks (of ``block_size``) with the highest mean-pooled
+  ``q_block . k_block`` score per query block, among blocks ``<= qb``; the diagonal block is always one
+  of them. Pooling a query block uses all its queries present in the input, so within one block the
+  choice can depend on later queries of that block (as in MInference and MoBA).
+- ``dense``: causal.
+
+The input-dependent patterns (vertical_slash, block_topk) estimate from the queries of the *input*;
+decode reproduces prefill's estimate from a short history of queries (layers.Attention keeps it).
+
+Shapes: B batch, H query heads, S queries, T keys, D head dim, nq/nk query/key blocks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+from configs.attention import PATTERN_TYPES, validate_pattern
+from configs.errors import ConfigError
+
+DYNAMIC_TYPES = ("vertical_slash", "block_topk")
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SparsityPattern:
+    """One head's pattern. Params are named as in DESIGN.md; 0 means "not used" for optional counts."""
+
+    type: str = "dense"
+    window: int = 0
+    sinks: int = 0
+    random_blocks: int = 0
+    block_size: int = 64
+    seed: int = 0
+    n_vertical: int = 0
+    n_slash: int = 0
+    last_q: int = 64
+    top_k: int = 0
+
+    def __post_init__(self):
+        validate_pattern(self.to_dict(), "pattern")
+
+    @classmethod
+    def from_dict(cls, d: dict, key: str = "pattern") -> "SparsityPattern":
+        """``{type: a_shape, sinks: 64, window: 1024}`` -> pattern; bad dicts raise ConfigError naming ``key``."""
+        validate_pattern(d, key)
+        return cls(**dict(d))
+
+    def to_dict(self) -> dict:
+        """The YAML form: type, its required params, and optional ones that differ from the default."""
+        if self.type not in PATTERN_TYPES:
+            raise ConfigError("pattern.type", f"unknown value {self.type!r}; expected one of {', '.join(PATTERN_TYPES)}")
+        required, optional = PATTERN_TYPES[self.type]
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        out = {"type": self.type}
+        for name in required:
+            out[name] = getattr(self, name)
+        for name in optional + ("block_size", "seed"):
+            if getattr(self, name) != defaults[name]:
+                out[name] = getattr(self, name)
+        return out
+
+    @property
+    def dynamic(self) -> bool:
+        """True when the mask depends on the input (needs q, k)."""
+        return self.type in DYNAMIC_TYPES
+
+
+PatternLike = Union[SparsityPattern, Sequence[SparsityPattern]]
+
+
+def head_patterns(pattern: PatternLike, n_heads: int) -> list[SparsityPattern]:
+    """One pattern per query head (a single pattern is shared by all heads)."""
+    if isinstance(pattern, SparsityPattern):
+        return [pattern] * n_heads
+    pats = list(pattern)
+    if len(pats) != n_heads:
+        raise ValueError(f"per-head pattern list has {len(pats)} entries for {n_heads} heads")
+    return [p if p is not None else SparsityPattern() for p in pats]
+
+
+def layer_block_size(pats: Sequence[SparsityPattern]) -> int:
+    """The block size shared by a layer's sparse heads (kernels tile one block size per layer)."""
+    sizes = {p.block_size for p in pats if p.type != "dense"} or {SparsityPattern().block_size}
+    if len(sizes) != 1:
+        raise ConfigError("pattern.block_size", f"heads of one layer must share block_size, got {sorted(sizes)}")
+    return sizes.pop()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Seeded random blocks
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """Murmur3 finaliser on int64 tensors holding 32-bit values (wrapping multiply, low 32 bits kept)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _block_hash(seed: int, layer: int, head: int, qb: torch.Tensor, kb: torch.Tensor) -> torch.Tensor:
+    """``[nq, nk]`` 32-bit hashes of (seed, layer, head, qb, kb); integer ops only, so equal on every device."""
+    base = _fmix32(torch.tensor((seed * 0x9E3779B1 + layer * 0x85EBCA77 + head * 0xC2B2AE3D) & _MASK32, device=qb.device))
+    hq = _fmix32(base ^ ((qb * 0x27D4EB2F) & _MASK32))
+    return _fmix32(hq[:, None] ^ ((kb * 0x165667B1) & _MASK32)[None, :])
+
+
+def random_block_rows(p: SparsityPattern, layer: int, head: int, q_blocks: torch.Tensor, n_k_blocks: int) -> torch.Tensor:
+    """``bool[len(q_blocks), n_k_blocks]``: the ``random_blocks`` key blocks each query block draws.
+
+    Block ``qb`` picks the ``r`` blocks of ``0 .. qb-1`` with the largest hash (all of them when
+    ``qb <= r``). The hash of a (qb, kb) pair never depends on the sequence length.
+    """
+    nq = q_blocks.numel()
+    out = torch.zeros(nq, n_k_blocks, dtype=torch.bool, device=q_blocks.device)
+    r = min(p.random_blocks, n_k_blocks)
+    if r == 0 or nq == 0:
+        return out
+    kb = torch.arange(n_k_blocks, device=q_blocks.device)
+    h = _block_hash(p.seed, layer, head, q_blocks.long(), kb)              # [nq, nk]
+    score = (h << 20) | kb                                                  # distinct scores: ties never depend on topk order
+    score = torch.where(kb[None, :] < q_blocks[:, None], score, torch.full_like(score, -1))
+    top = score.topk(r, dim=-1).indices
+    out.scatter_(1, top, True)
+    return out & (kb[None, :] < q_blocks[:, None])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Input-dependent estimation (vertical-slash, block top-k)
+
+
+def _group_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``q[B, H, L, D]``, ``k[B, Hk, T, D]`` -> float32 ``q k^T / sqrt(D)`` of shape ``[B, H, L, T]`` (GQA without repeat)."""
+    B, H, L, D = q.shape
+    Hk = k.shape[1]
+    qg = q.float().view(B, Hk, H // Hk, L, D)
+    s = torch.einsum("bkgld,bktd->bkglt", qg, k.float()) * D ** -0.5
+    return s.reshape(B, H, L, -1)
+
+
+def _topk_per_head(score: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
+    """``score[B, H, ..., N]``, per-head budgets ``ks[H]`` -> bool, same shape, marking each row's top-k."""
+    H, N = score.shape[1], score.shape[-1]
+    kmax = min(max(ks), N)
+    idx = score.topk(kmax, dim=-1).indices
+    rank_ok = torch.arange(kmax, device=score.device)[None, :] < torch.tensor(ks, device=score.device)[:, None]
+    rank_ok = rank_ok.view(H, *([1] * (score.dim() - 3)), kmax)
+    out = torch.zeros(score.shape, dtype=torch.bool, device=score.device)
+    return out.scatter_(-1, idx, rank_ok.expand_as(idx))
+
+
+def estimate_vertical_slash(q_est: torch.Tensor, k: torch.Tensor, est_pos: torch.Tensor,
+                            n_vertical: Sequence[int], n_slash: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """MInference's online index estimation.
+
+    ``q_est[B, H, L, D]`` are the last queries (absolute positions ``est_pos[L]``), ``k[B, Hk, T, D]``.
+    Returns ``cols, diags`` bool ``[B, H, T]``: the chosen key columns and diagonals ``d = q - k``.
+    """
+    T = k.shape[2]
+    s = _group_scores(q_est, k)                                             # [B, H, L, T]
+    d = est_pos[:, None] - torch.arange(T, device=k.device)[None, :]        # [L, T]
+    s = s.masked_fill(d < 0, float("-inf"))
+    prob = s.softmax(-1)
+    cols = _topk_per_head(prob.sum(-2), n_vertical)
+    B, H, L, _ = prob.shape
+    diag_mass = torch.zeros(B, H, T, device=k.device, dtype=prob.dtype)
+    idx = d.clamp(min=0)[None, None].expand(B, H, L, T).reshape(B, H, L * T)
+    diag_mass.scatter_add_(-1, idx, prob.reshape(B, H, L * T))
+    diags = _topk_per_head(diag_mass, n_slash)
+    diags[..., 0] = True
+    return cols, diags
+
+
+def _block_mean(x: torch.Tensor, start: int, bs: int, n_blocks: int) -> torch.Tensor:
+    """Mean of ``x[B, H, N, D]`` over blocks ``[start + i*bs, ...)`` that the rows cover; empty blocks are 0."""
+    B, H, N, D = x.shape
+    blk = torch.div(torch.arange(N, device=x.device) + start, bs, rounding_mode="floor") - start // bs
+    s = torch.zeros(B, H, n_blocks, D, device=x.device, dtype=torch.float32)
+    s.index_add_(2, blk, x.float())
+    cnt = torch.zeros(n_blocks, device=x.device).index_add_(0, blk, torch.ones(N, device=x.device))
+    return s / cnt.clamp(min=1)[:, None]
+
+
+def estimate_block_topk(q_pool_src: torch.Tensor, src_start: int, k: torch.Tensor, q_blocks: torch.Tensor,
+                        bs: int, top_k: Sequence[int]) -> torch.Tensor:
+    """Block top-k by mean-pooled scores.
+
+    ``q_pool_src[B, H, N, D]`` holds queries at positions ``src_start ..`` covering every query block in
+    ``q_blocks[nq]`` (ascending, contiguous); ``k[B, Hk, T, D]``. Returns bool ``[B, H, nq, nk]``.
+    """
+    T = k.shape[2]
+    nk = (T + bs - 1) // bs
+    first = int(q_blocks[0])
+    qp = _block_mean(q_pool_src, src_start - first * bs, bs, q_blocks.numel())   # [B, H, nq, D]
+    kp = _block_mean(k, 0, bs, nk)                                                 # [B, Hk, nk, D]
+    s = _group_scores(qp, kp)                                                      # [B, H, nq, nk]
+    kb = torch.arange(nk, device=k.device)
+    s = s.masked_fill(kb[None, :] > q_blocks[:, None], float("-inf"))
+    s = torch.where(kb[None, :] == q_blocks[:, None], torch.full_like(s, float("inf")), s)
+    return _topk_per_head(s, top_k) & (kb[None, :] <= q_blocks[:, None])
+
+
+# ---------------------------------------------------------------------------------------------------
+# The mask, all heads
+
+
+@dataclass
+class PatternPlan:
+    """What one layer's pattern resolves to for one input: everything a backend needs.
+
+    ``cols/diags [B, H, T]`` (vertical-slash heads, else False), ``blocks [B, H, nq, nk]`` whole key
+    blocks allowed (random or top-k; None when no head uses them), ``window[H]`` / ``sinks[H]``
+    (0 = none; a dense head has ``window = T``), ``q_pos[S]`` absolute query positions.
+    """
+    pats: list
+    layer: int
+    block_size: int
+    q_pos: torch.Tensor
+    T: int
+    window: torch.Tensor
+    sinks: torch.Tensor
+    blocks: Optional[torch.Tensor]
+    cols: Optional[torch.Tensor]
+    diags: Optional[torch.Tensor]
+    q_block0: int
+
+    def token_mask(self) -> torch.Tensor:
+        """bool ``[B or 1, H, S, T]``."""
+        H, dev = len(self.pats), self.q_pos.device
+        k_pos = torch.arange(self.T, device=dev)
+        d = self.q_pos[:, None] - k_pos[None, :]                                            # [S, T]
+        keep = (d[None] < self.window[:, None, None]) | (k_pos[None, None, :] < self.sinks[:, None, None])
+        keep = keep[None]                                                                   # [1, H, S, T]
+        if self.blocks is not None:
+            bs = self.block_size
+            qb = torch.div(self.q_pos, bs, rounding_mode="floor") - self.q_block0
+            kb = torch.div(k_pos, bs, rounding_mode="floor")
+            keep = keep | self.blocks[:, :, qb][:, :, :, kb]
+        if self.cols is not None:
+            keep = keep | self.cols[:, :, None, :]
+            dd = d.clamp(min=0)
+            Bc = self.diags.shape[0]
+            keep = keep | torch.gather(self.diags[:, :, None, :].expand(Bc, H, d.shape[0], self.T), 3,
+                                       dd[None, None].expand(Bc, H, *dd.shape))
+        return keep & (d >= 0)
+
+    def block_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(partial, full)`` bool ``[B or 1, H, nq, nk]`` for a square plan (queries = keys 0..T-1).
+
+        ``full`` blocks are allowed everywhere (no mask needed); ``partial`` blocks hold at least one
+        allowed pair and need the token mask. Derived per component, never from the S x T mask, so it
+        costs O(H nq nk) at any length; a union of partial pieces that happens to cover a block stays
+        ``partial`` (correct, only slower).
+        """
+        bs, T, dev = self.block_size, self.T, self.q_pos.device
+        if self.q_pos.numel() != T or (T and int(self.q_pos[0]) != 0):
+            raise ValueError("block_layout needs queries at positions 0..T-1")
+        n = (T + bs - 1) // bs
+        off = torch.arange(n, device=dev)[:, None] - torch.arange(n, device=dev)[None, :]     # qb - kb
+        causal, below = off >= 0, off > 0
+        win, sinks = self.window[:, None, None], self.sinks[:, None, None]
+        kb_lo = torch.arange(n, device=dev)[None, :] * bs
+        touch = causal & (((off * bs - (bs - 1)) < win) | (kb_lo < sinks))                   # [H, n, n]
+        full = below & (((off * bs + (bs - 1)) < win) | (kb_lo + bs <= sinks))
+        touch, full = touch[None], full[None]
+        if self.blocks is not None:
+            touch = touch | self.blocks
+            full = full | (self.blocks & below)
+        if self.cols is not None:
+            pad = n * bs - T
+            has_col = torch.nn.functional.pad(self.cols, (0, pad)).view(*self.cols.shape[:2], n, bs).any(-1)
+            cs = torch.nn.functional.pad(self.diags.int().cumsum(-1), (1, 0))                # [B, H, T+1]
+            o = torch.arange(n, device=dev)
+            lo, hi = (o * bs - (bs - 1)).clamp(0, T), (o * bs + bs).clamp(0, T)
+            has_diag = (cs[..., hi] - cs[..., lo]) > 0                                         # [B, H, n] by offset
+            touch = touch | ((has_col[:, :, None, :] | has_diag[:, :, off.clamp(min=0)]) & causal)
+        return touch & ~full, full
+
+
+def plan_pattern(pattern: PatternLike, n_heads: int, q_pos: torch.Tensor, T: int, layer: int = 0,
+                 q: Optional[torch.Tensor] = None, k: Optional[torch.Tensor] = None,
+                 q_history: Optional[torch.Tensor] = None) -> PatternPlan:
+    """Resolve a (per-head) pattern for queries at ``q_pos[S]`` over keys ``0..T-1``.
+
+    Input-dependent heads need ``q[B, H, S, D]`` and ``k[B, Hk, T, D]``; ``q_history[B, H, P, D]``
+    holds the queries at positions just before ``q_pos[0]`` (decode), used for estimation only.
+    """
+    pats = head_patterns(pattern, n_heads)
+    bs = layer_block_size(pats)
+    dev = q_pos.device
+    win = torch.tensor([T + 1 if p.type == "dense" else p.window for p in pats], device=dev)
+    sinks = torch.tensor([p.sinks for p in pats], device=dev)
+    S = q_pos.numel()
+    qb = torch.div(q_pos, bs, rounding_mode="floor")
+    qb0 = int(qb[0]) if S else 0
+    q_blocks = torch.arange(qb0, int(qb[-1]) + 1 if S else qb0, device=dev)
+    nk = (T + bs - 1) // bs
+    blocks = cols = diags = None
+    if any(p.random_blocks for p in pats):
+        blocks = torch.stack([random_block_rows(p, layer, h, q_blocks, nk) for h, p in enumerate(pats)])[None]
+    dyn = [h for h, p in enumerate(pats) if p.dynamic]
+    if dyn:
+        if q is None or k is None:
+            raise ValueError("input-dependent patterns (vertical_slash, block_topk) need q and k")
+        src = q if q_history is None else torch.cat([q_history.to(q.dtype), q], dim=2)
+        src_start = int(q_pos[0]) - (src.shape[2] - S)
+        src_pos = torch.arange(src_start, src_start + src.shape[2], device=dev)
+        B = q.shape[0]
+        vs = [h for h in dyn if pats[h].type == "vertical_slash"]
+        if vs:
+            L = max(pats[h].last_q for h in vs)
+            c, dg = estimate_vertical_slash(src[:, vs, -L:], _kv_for_heads(k, vs, n_heads), src_pos[-L:],
+                                            [pats[h].n_vertical for h in vs], [pats[h].n_slash for h in vs])
+            cols = torch.zeros(B, n_heads, T, dtype=torch.bool, device=dev)
+            diags = torch.zeros_like(cols)
+            cols[:, vs], diags[:, vs] = c, dg
+        bt = [h for h in dyn if pats[h].type == "block_topk"]
+        if bt:
+            sel = src_pos >= qb0 * bs
+            pick = estimate_block_topk(src[:, bt][:, :, sel], int(src_pos[sel][0]), _kv_for_heads(k, bt, n_heads),
+                                       q_blocks, bs, [pats[h].top_k for h in bt])
+            full = torch.zeros(B, n_heads, q_blocks.numel(), nk, dtype=torch.bool, device=dev)
+            if blocks is not None:
+                full |= blocks
+            full[:, bt] |= pick
+            blocks = full
+    return PatternPlan(pats, layer, bs, q_pos, T, win, sinks, blocks, cols, diags, qb0)
+
+
+def _kv_for_heads(k: torch.Tensor, heads: Sequence[int], n_heads: int) -> torch.Tensor:
+    """KV heads serving query heads ``heads`` (one per query head, so the GQA group is 1)."""
+    g = n_heads // k.shape[1]
+    return k[:, [h // g for h in heads]]
+
+
+def pattern_mask(pattern: PatternLike, q_len: int, kv_len: int, n_heads: int, layer: int = 0,
+                 q: Optional[torch.Tensor] = None, k: Optional[torch.Tensor] = None, device=None) -> torch.Tensor:
+    """The token-level mask a pattern means: bool ``[n_heads, q_len, kv_len]`` (``[B, ...]`` with ``q, k``).
+
+    Queries are the last ``q_len`` positions of the ``kv_len`` keys (decode: ``q_len = 1``).
+    Input-dependent patterns need ``q[B, n_heads, q_len, D]`` and ``k[B, Hk, kv_len, D]``.
+    """
+    dev = device or (q.device if q is not None else None)
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=dev)
+    plan = plan_pattern(pattern, n_heads, q_pos, kv_len, layer, q, k)
+    m = plan.token_mask()
+    return m if q is not None else m[0]
+
+
+def budget_plan(pattern: PatternLike, n_heads: int, T: int, layer: int = 0, rows: Optional[torch.Tensor] = None) -> PatternPlan:
+    """A plan that needs no input: input-dependent heads get the places their budgets allow.
+
+    Vertical-slash heads take columns ``0 .. n_vertical-1`` and diagonals ``0 .. n_slash-1``; block
+    top-k heads take the diagonal block and the ``top_k - 1`` blocks before it. Used for density logs
+    and pictures; the density it gives is what the budgets buy when the picks do not overlap.
+    """
+    pats = head_patterns(pattern, n_heads)
+    rows = torch.arange(T) if rows is None else rows
+    static = [SparsityPattern(block_size=p.block_size) if p.dynamic else p for p in pats]
+    plan = plan_pattern(static, n_heads, rows, T, layer)
+    plan.pats = pats
+    dyn = [h for h, p in enumerate(pats) if p.dynamic]
+    if not dyn:
+        return plan
+    idx = torch.arange(T)
+    plan.window, plan.sinks = plan.window.clone(), plan.sinks.clone()
+    plan.window[dyn] = 0
+    cols = torch.zeros(1, n_heads, T, dtype=torch.bool)
+    diags = torch.zeros_like(cols)
+    nq = int(plan.q_pos[-1]) // plan.block_size - plan.q_block0 + 1 if rows.numel() else 0
+    nk = (T + plan.block_size - 1) // plan.block_size
+    qb = torch.arange(plan.q_block0, plan.q_block0 + nq)[:, None]
+    blocks = torch.zeros(1, n_heads, nq, nk, dtype=torch.bool) if plan.blocks is None else plan.blocks.clone()
+    for h in dyn:
+        p = pats[h]
+        if p.type == "vertical_slash":
+            cols[0, h], diags[0, h] = idx < p.n_vertical, idx < p.n_slash
+        else:
+            off = qb - torch.arange(nk)[None, :]
+            blocks[0, h] = (off >= 0) & (off < p.top_k)
+    plan.cols, plan.diags, plan.blocks = cols, diags, blocks
+    return plan

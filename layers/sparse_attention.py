@@ -1,0 +1,194 @@
+"""Sparse causal attention: ``sparse_attention(q, k, v, pattern) -> out``, one mask, several backends.
+
+``q [B, Hq, S, D]``, ``k, v [B, Hk, T, D]`` (RoPE already applied; GQA when Hk divides Hq), query i at
+absolute position ``q_offset + i``; returns ``[B, Hq, S, D]``. The mask is the token-level
+``allowed(q, k)`` of layers.patterns (DESIGN.md conventions); every backend computes exactly it:
+
+- ``reference``: SDPA with the materialised bool mask. The oracle and the CPU path (fwd + bwd).
+- ``flex``: FlexAttention with a BlockMask built straight from block indices (``from_kv_blocks``):
+  blocks wholly inside the pattern are "full" (no per-element mask), the rest carry a ``mask_mod``
+  that evaluates the same token rule. Compiled on GPU (fwd + bwd); eager on CPU (forward only is
+  supported there by PyTorch). Masks of static patterns are cached per (pattern, layer, length).
+- ``flash_attn``: flash-attn's ``window_size`` for pure sliding-window layers, when installed.
+- ``auto``: flex on CUDA for square inputs at or above ``DENSE_CROSSOVER`` tokens; otherwise the
+  reference, which below the crossover is the faster way to compute the same masked result.
+
+Our own Triton block-sparse kernel was not kept: see BENCHMARKS.md "Sparse attention" for why.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .patterns import PatternLike, PatternPlan, budget_plan, head_patterns, plan_pattern
+
+BACKENDS = ("auto", "reference", "flex", "flash_attn")
+# Tokens; below this, ``auto`` runs the reference (SDPA + mask). Measured on an H200 by bench/attention.py
+# (BENCHMARKS.md "Sparse attention"): the length where flex's sparse kernel overtakes masked SDPA.
+DENSE_CROSSOVER = 4096
+# Flex kernel tiling; None = PyTorch's per-GPU defaults. bench/attention.py sweeps alternatives.
+FLEX_KERNEL_OPTIONS: Optional[dict] = None
+_MASK_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
+_MASK_CACHE_SIZE = 32
+_compiled_flex = None
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: PatternLike,
+                     backend: str = "auto", layer: int = 0, q_offset: int = 0,
+                     q_history: Optional[torch.Tensor] = None, dense_below: int = -1) -> torch.Tensor:
+    """Causal attention under ``pattern`` (a SparsityPattern or one per query head).
+
+    ``q_history [B, Hq, P, D]``: queries just before this chunk (decode); input-dependent patterns
+    estimate from ``cat(q_history, q)`` so a decode step sees the indices prefill would have.
+    ``dense_below``: run the reference below this many keys (-1 = ``DENSE_CROSSOVER``).
+    """
+    B, Hq, S, D = q.shape
+    T = k.shape[2]
+    if Hq % k.shape[1]:
+        raise ValueError(f"{Hq} query heads are not a multiple of {k.shape[1]} KV heads")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown sparse attention backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    pats = head_patterns(pattern, Hq)
+    square = S == T and q_offset == 0
+    if backend == "auto":
+        crossover = DENSE_CROSSOVER if dense_below < 0 else dense_below
+        backend = "flex" if (q.is_cuda and square and T >= crossover) else "reference"
+    q_pos = torch.arange(q_offset, q_offset + S, device=q.device)
+    if backend == "flash_attn":
+        return _flash_attn(q, k, v, pats, square)
+    plan = plan_pattern(pats, Hq, q_pos, T, layer, q, k, q_history)
+    if backend == "flex":
+        if not square:
+            raise ValueError("the flex backend runs square inputs (training, prefill); decode uses the reference")
+        return flex_sparse_attention(q, k, v, plan)
+    return reference_sparse_attention(q, k, v, plan)
+
+
+def reference_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan) -> torch.Tensor:
+    """SDPA with the materialised ``[B or 1, Hq, S, T]`` mask; differentiable, any device."""
+    mask = plan.token_mask()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+# ---------------------------------------------------------------------------------------------------
+# FlexAttention
+
+
+def _flex_fn(device: torch.device):
+    """Compiled flex on CUDA (the fused kernel); eager elsewhere (unfused, forward-only on CPU)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def _kv_blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool ``[B, H, nq, nk]`` -> (counts int32 ``[B, H, nq]``, indices int32 ``[B, H, nq, nk]``, chosen first)."""
+    num = m.sum(-1, dtype=torch.int32)
+    idx = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return num, idx.contiguous()
+
+
+def flex_block_mask(plan: PatternPlan):
+    """A FlexAttention BlockMask for a square plan: full/partial blocks from ``plan.block_layout()``
+    and a ``mask_mod`` evaluating the plan's token rule on partial blocks."""
+    from torch.nn.attention.flex_attention import BlockMask
+    bs, T = plan.block_size, plan.T
+    n = (T + bs - 1) // bs
+    Tp = n * bs                       # tables padded so any index inside a padded block is in bounds
+    partial, full = plan.block_layout()
+    win, sinks = plan.window.to(torch.int32), plan.sinks.to(torch.int32)
+    blocks, cols, diags = plan.blocks, None, None
+    if plan.cols is not None:
+        cols, diags = F.pad(plan.cols, (0, Tp - T)), F.pad(plan.diags, (0, Tp - T))
+    # Tables without a batch dimension of their own (static parts) are read at batch 0.
+    bsel = lambda t, b: b if t.shape[0] > 1 else 0  # noqa: E731
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        d = q_idx - kv_idx
+        keep = (d < win[h]) | (kv_idx < sinks[h])
+        if blocks is not None:
+            keep = keep | blocks[bsel(blocks, b), h, q_idx // bs, kv_idx // bs]
+        if cols is not None:
+            bb = bsel(cols, b)
+            keep = keep | cols[bb, h, kv_idx] | diags[bb, h, torch.where(d >= 0, d, 0)]
+        return (d >= 0) & keep
+
+    pn, pi = _kv_blocks(partial)
+    fn, fi = _kv_blocks(full)
+    return BlockMask.from_kv_blocks(pn, pi, fn, fi, BLOCK_SIZE=bs, mask_mod=mask_mod, seq_lengths=(T, T))
+
+
+def flex_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan) -> torch.Tensor:
+    """FlexAttention over the plan's block mask (static patterns: cached per pattern, layer and length)."""
+    static = plan.cols is None and not any(p.dynamic for p in plan.pats)
+    key = (tuple(plan.pats), plan.layer, plan.T, q.device) if static else None
+    bm = _MASK_CACHE.get(key) if key else None
+    if bm is None:
+        bm = flex_block_mask(plan)
+        if key:
+            _MASK_CACHE[key] = bm
+            while len(_MASK_CACHE) > _MASK_CACHE_SIZE:
+                _MASK_CACHE.popitem(last=False)
+    else:
+        _MASK_CACHE.move_to_end(key)
+    return _flex_fn(q.device)(q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1],
+                              kernel_options=FLEX_KERNEL_OPTIONS)
+
+
+# ---------------------------------------------------------------------------------------------------
+# flash-attn (optional): pure causal sliding windows
+
+
+def _flash_attn(q, k, v, pats, square: bool) -> torch.Tensor:
+    """flash-attn's ``window_size=(W-1, 0)`` is exactly our window W (keys q-W+1 .. q)."""
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        raise ValueError("backend 'flash_attn' needs the flash-attn package") from None
+    windows = {p.window for p in pats}
+    if not square or len(windows) != 1 or any(p.type != "local" or p.sinks for p in pats):
+        raise ValueError("backend 'flash_attn' runs one causal window without sinks shared by all heads, square inputs")
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                          window_size=(windows.pop() - 1, 0))
+    return out.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Density for logging
+
+
+def attention_density(model_or_attention: torch.nn.Module, seq_len: int, chunk: int = 512) -> dict:
+    """Fraction of causal (q, k) pairs each head attends at ``seq_len``.
+
+    Returns ``{"layer{L}/head{h}": float, "layer{L}": mean over heads, "mean": over all heads}`` for
+    every ``layers.Attention`` inside the module (dense heads are 1.0). Input-dependent heads report
+    what their budgets allow (``patterns.budget_plan``). O(seq_len^2 / chunk) work on CPU.
+    """
+    from .attention import Attention
+    out, all_heads = {}, []
+    for m in model_or_attention.modules():
+        if not isinstance(m, Attention):
+            continue
+        H, L = m.n_heads, m.layer_id
+        if m.pattern is None:
+            dens = torch.ones(H, dtype=torch.float64)
+        else:
+            allowed = torch.zeros(H, dtype=torch.float64)
+            for r0 in range(0, seq_len, chunk):
+                rows = torch.arange(r0, min(r0 + chunk, seq_len))
+                allowed += budget_plan(m.pattern, H, seq_len, L, rows).token_mask()[0].sum((-1, -2)).double()
+            dens = allowed / (seq_len * (seq_len + 1) / 2)
+        for h in range(H):
+            out[f"layer{L}/head{h}"] = float(dens[h])
+        out[f"layer{L}"] = float(dens.mean())
+        all_heads.append(dens)
+    if all_heads:
+        out["mean"] = float(torch.cat(all_heads).mean())
+    return out
