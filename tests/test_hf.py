@@ -98,11 +98,16 @@ def test_round_trip_zoo_to_hf_to_zoo_preserves_every_weight():
         assert torch.equal(a[k], b[k]), k
 
 
-def test_from_hf_keeps_dtype_and_eval_mode():
+def test_bf16_round_trip_keeps_dtype_mode_and_float32_rope_frequencies():
     hf = llama(seed=4).to(torch.bfloat16)
     model = from_hf(hf)
     assert next(model.parameters()).dtype == torch.bfloat16 and not model.training
+    assert model.rope.inv_freq.dtype == torch.float32
     assert torch.equal(model.layers[1].attention.wk.weight, hf.model.layers[1].self_attn.k_proj.weight)
+    back = to_hf(model.train())
+    assert next(back.parameters()).dtype == torch.bfloat16 and back.training
+    assert back.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(back.lm_head.weight, hf.lm_head.weight)
 
 
 def test_llama_attention_bias_imports_when_output_bias_is_zero_and_exports_back():

@@ -18,6 +18,7 @@ RoPE uses HF's rotate-half layout, so q/k weights copy without permutation.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -125,18 +126,44 @@ def _load(module: nn.Module, sd: dict[str, torch.Tensor], side: str) -> None:
     module.load_state_dict(sd, strict=False)
 
 
-@torch.no_grad()
-def from_hf(hf_model: nn.Module) -> Transformer:
-    """A zoo ``Transformer`` computing the same logits as ``hf_model`` (same dtype and train/eval mode)."""
-    cfg = config_from_hf(hf_model.config)
-    model = Transformer(cfg)
+def zoo_state_dict(cfg: ModelConfig, hf_model: nn.Module) -> dict[str, torch.Tensor]:
+    """``hf_model``'s weights under zoo names and layout, for a zoo model of config ``cfg``."""
     hf_sd = hf_model.state_dict()
     sd: dict[str, torch.Tensor] = {}
     for link in weight_links(cfg, hf_model):
         sd.update(zip(link.zoo, link.to_zoo([hf_sd[k] for k in link.hf])))
-    _load(model, sd, "zoo")
-    dtype = next(hf_model.parameters()).dtype
-    return model.to(dtype).train(hf_model.training)
+    return sd
+
+
+def hf_state_dict(model: Transformer, hf_model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s weights under ``hf_model``'s names and expert layout (5.x fused or 4.x per-expert)."""
+    zoo_sd, like = model.state_dict(), hf_model.state_dict()
+    sd: dict[str, torch.Tensor] = {}
+    for link in weight_links(model.cfg, hf_model):
+        sd.update(zip(link.hf, link.to_hf([zoo_sd[k] for k in link.zoo], like)))
+    return sd
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Build parameters directly in ``dtype`` (half the memory of float32-then-cast) while buffers made
+    explicitly in float32, like the RoPE frequencies, stay float32 as HF's ``from_pretrained`` leaves them."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@torch.no_grad()
+def from_hf(hf_model: nn.Module) -> Transformer:
+    """A zoo ``Transformer`` computing the same logits as ``hf_model`` (same dtype and train/eval mode)."""
+    cfg = config_from_hf(hf_model.config)
+    with _default_dtype(next(hf_model.parameters()).dtype):
+        model = Transformer(cfg)
+    _load(model, zoo_state_dict(cfg, hf_model), "zoo")
+    return model.train(hf_model.training)
 
 
 @torch.no_grad()
@@ -145,11 +172,7 @@ def to_hf(model: Transformer) -> nn.Module:
     import transformers
 
     hc = config_to_hf(model.cfg)
-    hf_model = getattr(transformers, ARCHITECTURES[hc.model_type])(hc)
-    zoo_sd, like = model.state_dict(), hf_model.state_dict()
-    sd: dict[str, torch.Tensor] = {}
-    for link in weight_links(model.cfg, hf_model):
-        sd.update(zip(link.hf, link.to_hf([zoo_sd[k] for k in link.zoo], like)))
-    _load(hf_model, sd, "HF")
-    dtype = next(model.parameters()).dtype
-    return hf_model.to(dtype).train(model.training)
+    with _default_dtype(next(model.parameters()).dtype):
+        hf_model = getattr(transformers, ARCHITECTURES[hc.model_type])(hc)
+    _load(hf_model, hf_state_dict(model, hf_model), "HF")
+    return hf_model.train(model.training)
