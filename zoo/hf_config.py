@@ -12,6 +12,11 @@ Anything else that would change the function (another activation, a sliding wind
 RoPE whose theta depends on the current sequence length, a separate head_dim) raises
 ``ConfigError("hf.<field>", reason)`` rather than importing a model that silently differs.
 Both transformers 5.x (``rope_parameters``) and 4.x (``rope_theta`` + ``rope_scaling``) configs are read.
+
+The balance-loss coefficient is converted, not copied: HF's ``load_balancing_loss_func`` counts each
+token K times (``E * sum_e (c_e / T) * P_e``), K times moezoo's Switch/megablocks normalisation, so
+``aux_loss_coef = router_aux_loss_coef * K``. (HF also pools all layers into one loss where moezoo sums
+per-layer losses; that only matters for training, and HF applies it only with ``output_router_logits``.)
 """
 from __future__ import annotations
 
@@ -74,14 +79,15 @@ def config_from_hf(hc) -> ModelConfig:
         cfg.ffn = "moe"
         cfg.moe = MoEConfig(num_experts=hc.num_local_experts, top_k=hc.num_experts_per_tok,
                             hidden_dim=hc.intermediate_size, router="softmax", softmax_before_topk=True,
-                            norm_topk=True, aux_loss_coef=hc.router_aux_loss_coef)
+                            norm_topk=True, aux_loss_coef=hc.router_aux_loss_coef * hc.num_experts_per_tok)
     elif hc.model_type == "qwen2_moe" and hc.num_experts > 0:
         cfg.ffn = "moe"
         cfg.ffn_layers = {str(i): "dense" for i in range(hc.num_hidden_layers)
                           if i in (hc.mlp_only_layers or []) or (i + 1) % hc.decoder_sparse_step}
         cfg.moe = MoEConfig(num_experts=hc.num_experts, top_k=hc.num_experts_per_tok,
                             hidden_dim=hc.moe_intermediate_size, router="softmax", softmax_before_topk=True,
-                            norm_topk=bool(hc.norm_topk_prob), aux_loss_coef=hc.router_aux_loss_coef,
+                            norm_topk=bool(hc.norm_topk_prob),
+                            aux_loss_coef=hc.router_aux_loss_coef * hc.num_experts_per_tok,
                             shared_experts=1, shared_hidden_dim=hc.shared_expert_intermediate_size,
                             shared_gate=True)
     cfg.validate("hf")
@@ -143,11 +149,12 @@ def config_to_hf(cfg: ModelConfig):
     if model_type == "mixtral":
         common["intermediate_size"] = cfg.expert_hidden_dim
         return transformers.MixtralConfig(num_local_experts=m.num_experts, num_experts_per_tok=m.top_k,
-                                          router_aux_loss_coef=m.aux_loss_coef, sliding_window=None, **common)
+                                          router_aux_loss_coef=m.aux_loss_coef / m.top_k, sliding_window=None,
+                                          **common)
     dense = [i for i, t in enumerate(cfg.layer_ffn_types()) if t == "dense"]
     return transformers.Qwen2MoeConfig(
         num_experts=m.num_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=cfg.expert_hidden_dim,
         shared_expert_intermediate_size=shared_hidden(cfg), norm_topk_prob=_renormalised(m),
-        router_aux_loss_coef=m.aux_loss_coef, decoder_sparse_step=1, mlp_only_layers=dense,
+        router_aux_loss_coef=m.aux_loss_coef / m.top_k, decoder_sparse_step=1, mlp_only_layers=dense,
         qkv_bias=cfg.attn_bias, use_sliding_window=False, **common)
 
