@@ -1,0 +1,124 @@
+"""Expert-parallel dispatch for layers.MoE: the expert-sorted rows travel to the ranks owning the experts.
+
+With an ``ep_group`` of P ranks, rank r holds experts ``r*E/P .. (r+1)*E/P - 1`` (E/P = L local experts).
+The MoE layer routes and permutes its own tokens into an expert-sorted buffer as on one process; this
+file replaces "run the experts on the buffer" by (Lepikhin et al. 2020 GShard; megablocks / torchtitan
+all-to-all dispatchers):
+
+1. exchange per-expert row counts (all_to_all_single of ``sizes[E]``, P chunks of L),
+2. all_to_all_single the rows with uneven splits (rows for experts of rank p go to rank p),
+3. regroup the received rows from source-major to local-expert-major and run the local experts,
+4. undo the regrouping and send the outputs back with the reverse all-to-all.
+
+The MoE layer then unpermutes and combines with its routing weights exactly as on one process, so
+the result equals the single-process layer on the union of every rank's tokens. Experts with no rows
+and ranks that receive nothing are normal. Autograd: the backward of an all-to-all is the
+all-to-all with the splits swapped; the expert weights' gradients sum the contributions of every
+rank's tokens (the FSDP reduction in training.parallel divides accordingly).
+
+Legend: N rows of the sorted buffer, D model dim, E experts, L = E/P local experts, R received rows.
+The split sizes go to the host (``.tolist()``): all_to_all_single takes Python lists.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list, in_splits: list, group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        dx = grad.new_empty(sum(in_splits), *grad.shape[1:])
+        dist.all_to_all_single(dx, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return dx, None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: list, in_splits: list, group) -> torch.Tensor:
+    """Differentiable ``all_to_all_single``: send ``in_splits[p]`` rows of ``x`` to rank p, receive
+    ``out_splits[p]`` rows from rank p, concatenated in rank order."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+def ep_run_experts(xs_ND: torch.Tensor, sizes_E: torch.Tensor, experts: nn.Module, group) -> torch.Tensor:
+    """Run global experts over an expert-sorted buffer with the experts spread over ``group``.
+
+    ``xs_ND``: rows sorted by global expert, expert e owning ``sizes_E[e]`` consecutive rows from the
+    exclusive cumsum; rows past ``sizes_E.sum()`` are ignored (their output is zero).
+    ``experts(rows[R, D], counts[L]) -> [R, D]`` holds this rank's L = E/P experts.
+    Returns ``[N, D]`` like running all E experts locally.
+    """
+    P = dist.get_world_size(group)
+    E = sizes_E.numel()
+    L = E // P
+    sizes_E = sizes_E.to(torch.int64)
+    # 1. counts: recv_PL[p, l] = rows rank p sends to my local expert l
+    recv_PL = torch.empty_like(sizes_E)
+    dist.all_to_all_single(recv_PL, sizes_E, group=group)
+    recv_PL = recv_PL.view(P, L)
+    in_splits = sizes_E.view(P, L).sum(1).tolist()
+    out_splits = recv_PL.sum(1).tolist()
+    n_send = sum(in_splits)
+    # 2. rows out, grouped by source rank then by local expert
+    x_recv = all_to_all(xs_ND[:n_send], out_splits, in_splits, group)
+    # 3. source-major -> expert-major (stable: keeps each source's rows in order)
+    local_ids = torch.arange(L, device=xs_ND.device).repeat(P).repeat_interleave(recv_PL.flatten().to(xs_ND.device))
+    order = torch.argsort(local_ids, stable=True)
+    # One zero row appended to the last local expert: SwiGLU(0) = 0 and adds 0 to every gradient, but it
+    # keeps the output tied to the input and the weights when this rank receives no rows. Otherwise its
+    # backward would skip the reverse all-to-all (and FSDP's gradient reduction) that its peers wait on.
+    counts_L = recv_PL.sum(0).to(xs_ND.device)
+    counts_L[-1] += 1
+    y_local = experts(torch.cat([x_recv[order], x_recv.new_zeros(1, x_recv.shape[1])]), counts_L)[:-1]
+    y_recv = torch.empty_like(y_local).index_copy(0, order, y_local)   # y_recv[order[i]] = y_local[i]
+    # 4. outputs back to the ranks that own the tokens
+    y = all_to_all(y_recv, in_splits, out_splits, group)
+    if n_send == xs_ND.shape[0]:
+        return y
+    return torch.cat([y, y.new_zeros(xs_ND.shape[0] - n_send, *y.shape[1:])])
+
+
+def ep_dispatch(moe: nn.Module, x_TD: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor):
+    """``MoE.forward``'s dispatch stage under ``moe.ep_group``: same plan, permute and combine as
+    ``MoE._dispatch_local`` (global expert ids, this rank's tokens), experts run by ``ep_run_experts``.
+    Returns ``(y [T, D], kept assignments (scalar tensor))``."""
+    from kernels.moe_combine import moe_combine, moe_combine_reference
+    from kernels.moe_permute import moe_permute, moe_permute_reference
+
+    from .moe_experts import make_plan
+    fast = moe.backend(x_TD.device) == "grouped"
+    align = moe.group_align if fast and x_TD.is_cuda else 1
+    plan = make_plan(indices_TK, moe.num_experts, moe.capacity(x_TD.shape[0]), align)
+    if fast:
+        xs = moe_permute(x_TD, plan.inv, plan.num_rows, not plan.dense)
+    else:
+        xs = moe_permute_reference(x_TD, plan.inv, plan.num_rows)
+    ys = ep_run_experts(xs, plan.group_sizes, moe.experts, moe.ep_group)
+    if fast:
+        y = moe_combine(ys, plan.inv, weights_TK, not plan.dense)
+    else:
+        y = moe_combine_reference(ys, plan.inv, weights_TK)
+    return y, plan.counts.sum()
+
+
+@torch.no_grad()
+def shard_experts(moe: nn.Module, group, rank: int) -> None:
+    """Keep only this rank's ``E / P`` experts of ``moe`` (any device, meta included) and set its
+    ``ep_group``: ``experts.w* [E, ...] -> [E/P, ...]`` rows ``rank*E/P .. (rank+1)*E/P - 1``."""
+    P = dist.get_world_size(group)
+    E = moe.num_experts
+    L = E // P
+    for name, p in list(moe.experts.named_parameters(recurse=False)):
+        local = p[rank * L:(rank + 1) * L].clone()
+        setattr(moe.experts, name, nn.Parameter(local, requires_grad=p.requires_grad))
+    moe.experts.num_experts = L
+    moe.num_local_experts = L
+    moe.ep_group = group
