@@ -32,9 +32,14 @@ class DSTConfig:
     m: int = 4
     transposable: bool = False             # N:M on W and W^T
     dense_finish: bool = False             # drop masks for the last steps after stop_fraction
-    include: List[str] = field(default_factory=lambda: ["layers.*"])  # fnmatch patterns on parameter names
-    exclude: List[str] = field(default_factory=list)
-    seed: int = 0
+    erk_power: float = 1.0                 # ERK raw density ((n_in + n_out) / (n_in * n_out)) ** erk_power
+    # fnmatch patterns on parameter names; every >= 2-D parameter matching include and no exclude is masked.
+    # Default: all linear weights of the transformer blocks (embeddings and head are outside layers.*),
+    # MoE experts included (per expert), routers excluded.
+    include: List[str] = field(default_factory=lambda: ["layers.*"])
+    exclude: List[str] = field(default_factory=lambda: ["*.gate.weight", "*.noise.weight", "*router*"])
+    seed: int = 0                          # SET random growth: drawn from (seed, step, layer), same on every rank
+    semi_structured: bool = False          # 2:4 layers run through torch.sparse semi-structured kernels (CUDA)
 
     def validate(self, key: str = "dst") -> None:
         check(0.0 <= self.sparsity < 1.0, f"{key}.sparsity", f"must be in [0, 1), got {self.sparsity}")
@@ -55,3 +60,20 @@ class DSTConfig:
         check(0 < self.n < self.m, f"{key}.n", f"N:M needs 0 < N < M, got {self.n}:{self.m}")
         check(len(self.block) == 2 and all(b > 0 for b in self.block), f"{key}.block",
               f"must be two positive ints [rows, cols], got {list(self.block)}")
+        check(self.erk_power > 0, f"{key}.erk_power", f"must be > 0, got {self.erk_power}")
+        check(len(self.include) > 0, f"{key}.include", "needs at least one pattern")
+        if self.granularity == "nm":
+            check(abs(self.sparsity - (1 - self.n / self.m)) < 1e-9, f"{key}.sparsity",
+                  f"N:M {self.n}:{self.m} fixes sparsity at {1 - self.n / self.m:g}, got {self.sparsity}")
+            check(self.sparsity_schedule == "constant", f"{key}.sparsity_schedule", "N:M masks need a constant sparsity")
+        if self.transposable:
+            check(self.granularity == "nm", f"{key}.transposable", "needs granularity=nm")
+            check(self.m <= 4, f"{key}.m", f"transposable N:M enumerates m x m tile patterns; needs m <= 4, got {self.m}")
+        if self.semi_structured:
+            check(self.granularity == "nm" and (self.n, self.m) == (2, 4), f"{key}.semi_structured",
+                  "needs granularity=nm with n=2, m=4")
+        if self.sparsity_schedule == "cosine":
+            check(self.initial_sparsity is not None, f"{key}.initial_sparsity", "the cosine schedule ramps from it; set it")
+            check(self.ramp_fraction <= self.stop_fraction, f"{key}.ramp_fraction",
+                  f"the ramp ({self.ramp_fraction}) must end by stop_fraction ({self.stop_fraction}): "
+                  "sparsity only changes at mask updates")
