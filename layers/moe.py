@@ -1,0 +1,231 @@
+"""Routed mixture-of-experts FFN: ``MoE(dim, hidden_dim, num_experts, top_k, ...)``, ``forward(x[..., D]) -> [..., D]``.
+
+Follows Mixtral (softmax top-k, renormalised; the default), Shazeer et al. 2017 (noisy top-k gating),
+DeepSeek-V3 (sigmoid scores, aux-loss-free bias balancing), Switch (top-1, capacity factor), and
+DeepSeekMoE / Qwen2-MoE (always-on shared experts, optional sigmoid shared gate). Semantics of each
+router are in layers.moe_router; DESIGN.md has the contract.
+
+Forward, in three separable stages (expert parallelism replaces only the middle one):
+1. route: router logits in float32 -> ``indices [T, K]``, ``weights [T, K]``; losses and stats recorded.
+2. dispatch: ``_dispatch_local`` (or ``layers.moe_ep.ep_dispatch`` with an ``ep_group``) sorts the
+   assignments by expert (``make_plan``), permutes tokens, runs ``self.experts(xs[N, D], counts[E])``
+   and combines with the weights -> ``y [T, D]``.
+3. shared experts are added (gated by ``sigmoid(shared_gate(x))`` when ``shared_gate``).
+
+Parameters (HF layout, names fixed for zoo.hf): ``gate.weight [E, D]``; ``noise.weight [E, D]``
+(noisy_topk only); ``experts.w1/w3 [E, H, D]``, ``experts.w2 [E, D, H]``; ``shared.{w1,w2,w3}`` and
+``shared_gate.weight [1, D]``; buffer ``expert_bias [E]`` (sigmoid router or bias_update_rate > 0).
+
+After each forward: ``aux_loss`` (scalar with grad: aux_loss_coef * balance + z_loss_coef * z),
+``aux_parts`` (detached, unweighted), ``stats`` (tokens_per_expert [E] float, dropped_frac,
+router_entropy; all device tensors, no host sync).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from configs import ConfigError, MoEConfig
+from kernels.moe_combine import moe_combine, moe_combine_reference
+from kernels.moe_permute import moe_permute, moe_permute_reference
+
+from .mlp import SwiGLU
+from .moe_experts import GroupedExperts, make_plan
+from .moe_router import balance_loss, noisy_logits, route, router_entropy, tokens_per_expert, z_loss
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_backend(name: str, device_type: str) -> str:
+    """``auto`` -> ``grouped`` on CUDA, ``torch`` elsewhere; decided once per (name, device type)."""
+    if name == "auto":
+        return "grouped" if device_type == "cuda" else "torch"
+    if name in ("grouped", "megablocks") and device_type != "cuda":
+        return "torch"       # the CPU path of every backend is the reference
+    return name
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts; keywords are MoEConfig's fields (``hidden_dim`` is positional)."""
+
+    # Grouped GEMM group alignment (rows). 1 = unpadded groups, which torch._grouped_mm accepts for bf16.
+    group_align: int = 1
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int = 8, top_k: int = 2, *,
+                 router: str = "softmax", softmax_before_topk: bool = False, norm_topk: bool = True,
+                 aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
+                 capacity_factor: Optional[float] = None, shared_experts: int = 0,
+                 shared_hidden_dim: Optional[int] = None, shared_gate: bool = False,
+                 backend: str = "auto", ep_group=None, key: str = "moe"):
+        super().__init__()
+        if not (isinstance(dim, int) and dim > 0):
+            raise ConfigError(f"{key}.dim", f"must be > 0, got {dim}")
+        cfg = MoEConfig(num_experts=num_experts, top_k=top_k, hidden_dim=hidden_dim, router=router,
+                        softmax_before_topk=softmax_before_topk, norm_topk=norm_topk,
+                        aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
+                        bias_update_rate=bias_update_rate, capacity_factor=capacity_factor,
+                        shared_experts=shared_experts, shared_hidden_dim=shared_hidden_dim,
+                        shared_gate=shared_gate, backend=backend)
+        cfg.validate(key)
+        if backend == "megablocks":
+            from .moe_megablocks import check_megablocks_config
+            check_megablocks_config(cfg, key)
+        self.cfg = cfg
+        self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, num_experts, top_k
+        self.ep_group = ep_group
+        ep_size = 1 if ep_group is None else ep_group.size()
+        if num_experts % ep_size:
+            raise ConfigError(f"{key}.num_experts", f"{num_experts} experts do not split over {ep_size} EP ranks")
+        self.num_local_experts = num_experts // ep_size
+
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        if router == "noisy_topk":
+            self.noise = nn.Linear(dim, num_experts, bias=False)
+        if router == "sigmoid" or bias_update_rate > 0:
+            self.register_buffer("expert_bias", torch.zeros(num_experts))
+        if bias_update_rate > 0:
+            self.register_buffer("load_accum", torch.zeros(num_experts), persistent=False)
+        self.experts = GroupedExperts(self.num_local_experts, dim, hidden_dim)
+        if shared_experts > 0:
+            self.shared = SwiGLU(dim, shared_hidden_dim or hidden_dim * shared_experts)
+            if shared_gate:
+                self.shared_gate = nn.Linear(dim, 1, bias=False)
+        self._backend: Optional[str] = None
+        self.aux_loss = torch.zeros(())
+        self.aux_parts: dict = {}
+        self.stats: dict = {}
+        self.init_weights()
+
+    # -- init -------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, out_std: float = 0.02) -> None:
+        """Normal(std) for router and input projections, Normal(out_std) for the down projections.
+
+        The noise projection starts at zero (Shazeer et al.: noise std softplus(0) ~ 0.69 at start).
+        """
+        nn.init.normal_(self.gate.weight, std=std)
+        if hasattr(self, "noise"):
+            nn.init.zeros_(self.noise.weight)
+        if hasattr(self, "expert_bias"):
+            self.expert_bias.zero_()
+        self.experts.init_weights(std, out_std)
+        if hasattr(self, "shared"):
+            self.shared.init_weights(std, out_std)
+            if hasattr(self, "shared_gate"):
+                nn.init.normal_(self.shared_gate.weight, std=std)
+
+    # -- routing ----------------------------------------------------------------------------------------
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> float32 logits [T, E] (noisy in training for noisy_topk). Autocast off: routing in fp32."""
+        with torch.autocast(x.device.type, enabled=False):
+            xf = x.float()
+            logits = F.linear(xf, self.gate.weight.float())
+            if hasattr(self, "noise") and self.training:
+                logits = noisy_logits(logits, F.linear(xf, self.noise.weight.float()))
+        return logits
+
+    def route(self, x: torch.Tensor):
+        """x [T, D] -> (indices [T, K], weights [T, K] float32, logits [T, E], probs [T, E])."""
+        logits = self.router_logits(x)
+        bias = getattr(self, "expert_bias", None)
+        c = self.cfg
+        indices, weights, probs = route(logits, c.router, c.top_k, c.softmax_before_topk, c.norm_topk, bias)
+        return indices, weights, logits, probs
+
+    def capacity(self, num_tokens: int) -> Optional[int]:
+        """Max assignments per expert: ceil(capacity_factor * T * K / E); None when dropless."""
+        cf = self.cfg.capacity_factor
+        return None if cf is None else math.ceil(cf * num_tokens * self.top_k / self.num_experts)
+
+    # -- dispatch ---------------------------------------------------------------------------------------
+    def backend(self, device: torch.device) -> str:
+        if self._backend is None:
+            self._backend = resolve_backend(self.cfg.backend, device.type)
+            self.experts.backend = "grouped" if self._backend == "grouped" else "loop"
+        return self._backend
+
+    def _dispatch_local(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor):
+        """All experts on this rank: x [T, D] -> (y [T, D], kept assignments (scalar tensor))."""
+        fast = self.backend(x.device) == "grouped"
+        align = self.group_align if fast and x.is_cuda else 1
+        plan = make_plan(indices, self.num_experts, self.capacity(x.shape[0]), align)
+        if fast:
+            xs = moe_permute(x, plan.inv, plan.num_rows, not plan.dense)
+            ys = self.experts(xs, plan.group_sizes)
+            y = moe_combine(ys, plan.inv, weights, not plan.dense)
+        else:
+            xs = moe_permute_reference(x, plan.inv, plan.num_rows)
+            ys = self.experts(xs, plan.group_sizes)
+            y = moe_combine_reference(ys, plan.inv, weights)
+        return y, plan.counts.sum()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.dim)
+        indices, weights, logits, probs = self.route(x2)
+        routed = self._record(logits, probs, indices)
+        if self.ep_group is not None:
+            from .moe_ep import ep_dispatch
+            y, kept = ep_dispatch(self, x2, indices, weights)
+        elif self.backend(x.device) == "megablocks":
+            from .moe_megablocks import megablocks_forward
+            y, kept = megablocks_forward(self, x2), routed.sum()
+        else:
+            y, kept = self._dispatch_local(x2, indices, weights)
+        self.stats["dropped_frac"] = (1.0 - kept.float() / max(indices.numel(), 1)).detach()
+        if hasattr(self, "shared"):
+            s = self.shared(x2)
+            if hasattr(self, "shared_gate"):
+                s = torch.sigmoid(self.shared_gate(x2)) * s
+            y = y + s
+        return y.reshape(shape)
+
+    # -- losses, stats, bias balancing ------------------------------------------------------------------
+    def _record(self, logits: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        routed = tokens_per_expert(indices, self.num_experts)
+        c = self.cfg
+        bal = balance_loss(probs, routed, self.top_k)
+        z = z_loss(logits)
+        self.aux_loss = c.aux_loss_coef * bal + c.z_loss_coef * z
+        self.aux_parts = {"balance": bal.detach(), "z": z.detach()}
+        self.stats = {"tokens_per_expert": routed.float(), "router_entropy": router_entropy(probs).detach()}
+        if c.bias_update_rate > 0 and self.training:
+            self.load_accum += routed
+        return routed
+
+    @torch.no_grad()
+    def update_bias(self, group=None) -> None:
+        """DeepSeek-V3 aux-loss-free balancing: ``bias += rate * sign(mean_load - load)`` over the load
+        accumulated since the last call, then reset. Call after ``optimizer.step()`` (``moe_update_bias``);
+        pass the data/expert-parallel group so every rank applies the same update.
+        """
+        if self.cfg.bias_update_rate <= 0:
+            return
+        load = self.load_accum
+        if group is not None:
+            torch.distributed.all_reduce(load, group=group)
+        self.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
+        load.zero_()
+
+
+def moe_modules(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor:
+    """Sum of ``aux_loss`` over every MoE module of ``model`` from its last forward (0 when none)."""
+    losses = [m.aux_loss for m in moe_modules(model)]
+    if not losses:
+        return torch.zeros(())
+    return torch.stack([l.to(losses[0].device) for l in losses]).sum()
+
+
+def moe_update_bias(model: nn.Module, group=None) -> None:
+    """Apply the aux-loss-free bias update of every MoE module (after ``optimizer.step()``)."""
+    for m in moe_modules(model):
+        m.update_bias(group)

@@ -1,0 +1,111 @@
+"""Stacked SwiGLU experts and the token -> expert-sorted dispatch plan used by layers.MoE.
+
+Legend: T tokens, K experts per token, E experts (local ones under expert parallelism), D model dim,
+H expert hidden dim, N rows of the expert-sorted buffer.
+
+- ``make_plan(indices[T, K], E, capacity, align)`` sorts assignments by expert (stable, so earlier
+  tokens win a full expert's slots) and returns ``inv[T, K]`` (row of each assignment in the sorted
+  buffer, -1 when dropped) plus per-expert row counts. No host sync.
+- ``GroupedExperts(xs[N, D], counts[E]) -> [N, D]``: expert e runs on rows
+  ``start_e .. start_e + counts[e]`` where start is the exclusive cumsum of counts. Rows past
+  ``counts.sum()`` are not computed (their output is unspecified on the grouped path, zero on the
+  loop path): callers must only read rows some assignment maps to.
+  Backends: ``loop`` (per-expert matmuls; any device and dtype, syncs the counts to the host) and
+  ``grouped`` (``torch._grouped_mm`` over all experts in one launch per projection; CUDA, bfloat16).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .moe_router import tokens_per_expert
+
+
+@dataclass
+class DispatchPlan:
+    inv: torch.Tensor       # [T, K] int32: sorted row of assignment (t, j), -1 when dropped
+    counts: torch.Tensor    # [E] int64: rows of each expert's group (after capacity, before padding)
+    group_sizes: torch.Tensor  # [E] int64: counts rounded up to the alignment (what the GEMMs see)
+    routed: torch.Tensor    # [E] int64: assignments before capacity
+    num_rows: int           # N, static: T * K (+ E * (align - 1) of padding)
+    dense: bool             # every row 0..N-1 is some assignment's (no drops, no padding)
+
+
+def make_plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int] = None,
+              align: int = 1) -> DispatchPlan:
+    """indices [T, K] -> DispatchPlan. ``capacity``: max assignments kept per expert (None = dropless).
+
+    ``align``: pad every expert's group to a multiple of this many rows (grouped-GEMM kernels that need
+    aligned group starts); padding rows are zero-filled inputs whose outputs nobody reads.
+    """
+    T, K = indices.shape
+    flat = indices.reshape(-1)
+    n = flat.numel()
+    order = torch.argsort(flat, stable=True)                    # [T*K] assignment at each sorted position
+    routed = tokens_per_expert(indices, num_experts)
+    sorted_e = flat[order]
+    starts = torch.cumsum(routed, 0) - routed
+    rank = torch.arange(n, device=flat.device) - starts[sorted_e]   # position within its expert
+    counts = routed if capacity is None else routed.clamp(max=capacity)
+    sizes = counts if align == 1 else (counts + align - 1) // align * align
+    new_starts = torch.cumsum(sizes, 0) - sizes
+    pos = new_starts[sorted_e] + rank
+    if capacity is not None:
+        pos = torch.where(rank < capacity, pos, torch.full_like(pos, -1))
+    inv = torch.empty(n, dtype=torch.int32, device=flat.device)
+    inv[order] = pos.to(torch.int32)
+    num_rows = n + (num_experts * (align - 1) if align > 1 else 0)
+    return DispatchPlan(inv.view(T, K), counts, sizes, routed, num_rows,
+                        dense=capacity is None and align == 1)
+
+
+def swiglu_rows(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert: x [n, D], w1/w3 [H, D], w2 [D, H] -> [n, D]."""
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stacked HF-style: w1 (gate) [E, H, D], w3 (up) [E, H, D], w2 (down) [E, D, H].
+
+    ``forward(xs[N, D], counts[E]) -> [N, D]``; ``backend`` is "loop" or "grouped" (set by the owner).
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.num_experts, self.dim, self.hidden_dim = num_experts, dim, hidden_dim
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.backend = "loop"
+
+    def init_weights(self, std: float = 0.02, out_std: float = 0.02) -> None:
+        nn.init.normal_(self.w1, std=std)
+        nn.init.normal_(self.w3, std=std)
+        nn.init.normal_(self.w2, std=out_std)
+
+    def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.backend == "grouped" and xs.is_cuda and xs.dtype == torch.bfloat16:
+            return self._grouped(xs, counts)
+        return self._loop(xs, counts)
+
+    def _loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        pieces, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                w = (self.w1[e], self.w3[e], self.w2[e])
+                pieces.append(swiglu_rows(xs[start:start + n], *(t.to(xs.dtype) for t in w)))
+            start += n
+        pieces.append(xs.new_zeros(xs.shape[0] - start, self.dim))
+        return torch.cat(pieces)
+
+    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # One grouped GEMM per projection over all experts; offs are group ends (int32, on device: no sync).
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        w1, w3, w2 = (w.to(xs.dtype) for w in (self.w1, self.w3, self.w2))
+        h = F.silu(torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)) \
+            * torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)

@@ -1,0 +1,89 @@
+"""Top-k token-choice routing for layers.MoE: expert selection, combine weights and balancing losses.
+
+Pure functions of the router logits, so the MoE module, expert-parallel dispatch and tests share one
+definition. Legend: T tokens, E experts, K experts per token.
+
+Routers (``router=``):
+- ``softmax`` (Mixtral, default): top-k over the logits, weights = softmax over the k chosen. With
+  ``softmax_before_topk`` the softmax is taken over all E first and the k chosen probabilities are
+  renormalised (same weights in exact arithmetic; it is what HF computes). ``norm_topk=False`` keeps the
+  chosen experts' full-softmax probabilities unnormalised (Qwen2-MoE / DeepSeekMoE ``norm_topk_prob=False``);
+  a top-k-then-softmax is normalised by construction, so ``norm_topk=False`` implies softmax first.
+- ``noisy_topk`` (Shazeer et al. 2017): the same on ``x W_g^T + eps * softplus(x W_n^T)``, eps ~ N(0, 1)
+  in training only (the noise is added by the module; this file sees the noisy logits).
+- ``sigmoid`` (DeepSeek-V3): scores = sigmoid(logits); weights = the chosen scores, divided by their sum
+  when ``norm_topk``. Balance-loss probabilities are the scores normalised over E.
+- ``switch`` (Fedus et al. 2021): top-1, weight = the chosen expert's softmax probability, never
+  renormalised (renormalising would make it 1 and cut the router off from the task gradient).
+
+The DeepSeek-V3 ``bias`` [E] is added to the ranking quantity for selection only; weights never see it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def route(logits: torch.Tensor, router: str, top_k: int, softmax_before_topk: bool = False,
+          norm_topk: bool = True, bias: Optional[torch.Tensor] = None):
+    """logits [T, E] float32 -> (indices [T, K] int64, weights [T, K] float32, probs [T, E] float32).
+
+    ``probs`` are the per-token expert probabilities the balance loss and entropy use.
+    """
+    if router == "sigmoid":
+        scores = torch.sigmoid(logits)
+        probs = scores / scores.sum(-1, keepdim=True)
+        rank = scores
+    else:
+        probs = torch.softmax(logits, dim=-1)
+        topk_then_softmax = router in ("softmax", "noisy_topk") and norm_topk and not softmax_before_topk
+        rank = logits if topk_then_softmax else probs
+    sel = rank if bias is None else rank + bias
+    indices = sel.topk(top_k, dim=-1).indices
+    if router == "sigmoid":
+        weights = scores.gather(-1, indices)
+        if norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+    elif router == "switch":
+        weights = probs.gather(-1, indices)
+    elif rank is logits:
+        weights = torch.softmax(logits.gather(-1, indices), dim=-1)
+    else:
+        weights = probs.gather(-1, indices)
+        if norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+    return indices, weights, probs
+
+
+def tokens_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """indices [T, K] -> int64 [E] assignment counts (scatter_add: no host sync, unlike bincount on CUDA)."""
+    flat = indices.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+
+
+def balance_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch balance loss ``E * sum_e f_e * P_e`` with f_e = counts_e / (T * K), P_e = mean_t probs[t, e].
+
+    Normalised as in megablocks / Megatron (1.0 when perfectly balanced); HF's value is K times this.
+    """
+    T, E = probs.shape
+    f = counts.to(probs.dtype) / max(T * top_k, 1)
+    return E * (f * probs.mean(0)).sum()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Router z-loss (ST-MoE): ``mean_t logsumexp(logits[t])^2``."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def router_entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Mean per-token entropy (nats) of the routing distribution."""
+    return -(probs * torch.log(probs.clamp_min(1e-20))).sum(-1).mean()
+
+
+def noisy_logits(clean: torch.Tensor, noise_logits: torch.Tensor) -> torch.Tensor:
+    """``clean + eps * softplus(noise_logits)``, eps ~ N(0, 1) (Shazeer et al. 2017, eq. 4)."""
+    return clean + torch.randn_like(clean) * F.softplus(noise_logits)
