@@ -1,0 +1,230 @@
+"""Pattern semantics: each pattern's token mask against an independent brute-force definition."""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from configs import AttentionConfig, ConfigError, load_config
+from configs.attention import minference_patterns
+from layers import SparsityPattern, pattern_mask
+from layers.patterns import budget_plan, plan_pattern
+
+
+def brute_static(p: SparsityPattern, T: int) -> torch.Tensor:
+    """allowed(q, k) by the DESIGN.md sentences, one pair at a time (random blocks excluded)."""
+    m = torch.zeros(T, T, dtype=torch.bool)
+    for q in range(T):
+        for k in range(q + 1):
+            if p.type == "dense":
+                m[q, k] = True
+            else:
+                m[q, k] = (p.window > 0 and q - k <= p.window - 1) or k < p.sinks
+    return m
+
+
+@pytest.mark.parametrize("p", [
+    SparsityPattern(type="local", window=7, block_size=8),
+    SparsityPattern(type="local", window=5, sinks=3, block_size=8),
+    SparsityPattern(type="a_shape", sinks=4, window=9, block_size=16),
+    SparsityPattern(type="dense"),
+])
+def test_static_pattern_mask_matches_brute_force_definition(p):
+    T = 37
+    m = pattern_mask(p, T, T, n_heads=2)
+    assert m.shape == (2, T, T)
+    assert torch.equal(m[0], brute_static(p, T)) and torch.equal(m[1], m[0])
+
+
+def test_window_counts_exactly_w_keys_including_self():
+    m = pattern_mask(SparsityPattern(type="local", window=4), 20, 20, 1)[0]
+    assert m[10].nonzero().flatten().tolist() == [7, 8, 9, 10]
+
+
+def test_decode_rows_are_the_last_rows_of_the_square_mask():
+    p = SparsityPattern(type="bigbird", window=6, sinks=2, random_blocks=2, block_size=4)
+    full = pattern_mask(p, 45, 45, 3, layer=2)
+    assert torch.equal(pattern_mask(p, 1, 45, 3, layer=2), full[:, -1:])
+    assert torch.equal(pattern_mask(p, 7, 45, 3, layer=2), full[:, -7:])
+
+
+def test_random_blocks_are_r_whole_earlier_blocks_per_query_block_and_vary_by_head_and_layer():
+    bs, r, T = 4, 3, 64
+    p = SparsityPattern(type="bigbird", window=1, sinks=1, random_blocks=r, block_size=bs)
+    m = pattern_mask(p, T, T, 4, layer=1)
+    base = pattern_mask(SparsityPattern(type="a_shape", window=1, sinks=1, block_size=bs), T, T, 4)
+    extra = m & ~base
+    for h in range(4):
+        for qb in range(T // bs):
+            rows = extra[h, qb * bs:(qb + 1) * bs]
+            # every query of the block sees the same whole key blocks, all strictly earlier
+            blocks = rows.view(bs, T // bs, bs).any(-1)
+            assert (blocks == blocks[0]).all()
+            chosen = blocks[0].nonzero().flatten()
+            assert (chosen < qb).all()
+            whole = m[h, qb * bs:(qb + 1) * bs].view(bs, T // bs, bs)[:, chosen].all()
+            assert whole
+            # blocks already inside sinks/window may coincide, so at most r show up as extra
+            assert len(chosen) <= min(r, qb)
+    assert not torch.equal(m[0], m[1])
+    assert not torch.equal(m, pattern_mask(p, T, T, 4, layer=2))
+    # the draw of a query block does not depend on the sequence length
+    assert torch.equal(pattern_mask(p, 32, 32, 4, layer=1), m[:, :32, :32])
+
+
+def test_random_pattern_identical_across_two_processes():
+    code = ("import hashlib; from layers import SparsityPattern, pattern_mask; "
+            "p = SparsityPattern(type='bigbird', window=8, sinks=4, random_blocks=3, block_size=8, seed=11); "
+            "m = pattern_mask(p, 200, 200, 4, layer=3); "
+            "print(hashlib.sha256(m.numpy().tobytes()).hexdigest())")
+    root = str(Path(__file__).resolve().parents[1])
+    outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
+                           env={**os.environ, "PYTHONPATH": root, "PYTHONHASHSEED": seed}).stdout.strip()
+            for seed in ("1", "2")]
+    p = SparsityPattern(type="bigbird", window=8, sinks=4, random_blocks=3, block_size=8, seed=11)
+    here = hashlib.sha256(pattern_mask(p, 200, 200, 4, layer=3).numpy().tobytes()).hexdigest()
+    assert outs[0] == outs[1] == here
+
+
+def brute_vertical_slash(q, k, nv, ns, last_q):
+    """MInference estimation written independently: loops over columns and diagonals, float64."""
+    B, H, T, D = q.shape
+    g = H // k.shape[1]
+    out = torch.zeros(B, H, T, T, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            rows = range(T - min(last_q, T), T)
+            s = torch.full((len(rows), T), float("-inf"), dtype=torch.float64)
+            for i, qi in enumerate(rows):
+                for kk in range(qi + 1):
+                    s[i, kk] = (q[b, h, qi].double() @ k[b, h // g, kk].double()) / D ** 0.5
+            p = s.softmax(-1)
+            col = p.sum(0)
+            diag = torch.zeros(T, dtype=torch.float64)
+            for i, qi in enumerate(rows):
+                for kk in range(qi + 1):
+                    diag[qi - kk] += p[i, kk]
+            cols = set(col.topk(min(nv, T)).indices.tolist())
+            diags = set(diag.topk(min(ns, T)).indices.tolist()) | {0}
+            for qi in range(T):
+                for kk in range(qi + 1):
+                    out[b, h, qi, kk] = kk in cols or (qi - kk) in diags
+    return out
+
+
+def test_vertical_slash_mask_matches_independent_estimation():
+    torch.manual_seed(0)
+    B, H, Hk, T, D = 2, 4, 2, 29, 8
+    q, k = torch.randn(B, H, T, D), torch.randn(B, Hk, T, D)
+    p = SparsityPattern(type="vertical_slash", n_vertical=4, n_slash=3, last_q=6, block_size=8)
+    m = pattern_mask(p, T, T, H, q=q, k=k)
+    assert torch.equal(m, brute_vertical_slash(q, k, 4, 3, 6))
+
+
+def test_block_topk_mask_matches_independent_pooling():
+    torch.manual_seed(1)
+    B, H, Hk, T, D, bs, top = 2, 2, 1, 27, 8, 4, 3
+    q, k = torch.randn(B, H, T, D), torch.randn(B, Hk, T, D)
+    m = pattern_mask(SparsityPattern(type="block_topk", top_k=top, block_size=bs), T, T, H, q=q, k=k)
+    n = (T + bs - 1) // bs
+    for b in range(B):
+        for h in range(H):
+            qp = torch.stack([q[b, h, i * bs:(i + 1) * bs].double().mean(0) for i in range(n)])
+            kp = torch.stack([k[b, 0, i * bs:(i + 1) * bs].double().mean(0) for i in range(n)])
+            for qb in range(n):
+                scores = {kb: float(qp[qb] @ kp[kb]) for kb in range(qb)}
+                keep = {qb} | set(sorted(scores, key=scores.get, reverse=True)[:top - 1])
+                for qi in range(qb * bs, min((qb + 1) * bs, T)):
+                    want = torch.tensor([kk <= qi and kk // bs in keep for kk in range(T)])
+                    assert torch.equal(m[b, h, qi], want), (b, h, qi)
+
+
+def test_block_layout_covers_every_allowed_pair_and_full_blocks_are_all_allowed():
+    torch.manual_seed(2)
+    T, bs, H = 90, 16, 4
+    q, k = torch.randn(1, H, T, 8), torch.randn(1, 2, T, 8)
+    pats = [SparsityPattern(type="bigbird", window=20, sinks=5, random_blocks=2, block_size=bs),
+            SparsityPattern(type="vertical_slash", n_vertical=5, n_slash=7, last_q=8, block_size=bs),
+            SparsityPattern(type="block_topk", top_k=2, block_size=bs),
+            SparsityPattern(type="dense", block_size=bs)]
+    plan = plan_pattern(pats, H, torch.arange(T), T, 0, q, k)
+    m = plan.token_mask()
+    partial, full = plan.block_layout()
+    n = (T + bs - 1) // bs
+    pad = n * bs - T
+    mp = torch.nn.functional.pad(m, (0, pad, 0, pad)).view(1, H, n, bs, n, bs)
+    valid = torch.nn.functional.pad(torch.ones(T, T, dtype=torch.bool), (0, pad, 0, pad)).view(n, bs, n, bs)
+    any_allowed = mp.any(3).any(-1)
+    all_allowed = (mp | ~valid).all(3).all(-1)
+    assert not (partial & full).any()
+    assert (partial | full)[any_allowed].all()
+    assert all_allowed[full].all()
+
+
+def test_budget_plan_density_of_local_pattern_is_exact():
+    T, W = 64, 8
+    m = budget_plan(SparsityPattern(type="local", window=W), 1, T).token_mask()
+    assert int(m.sum()) == sum(min(W, q + 1) for q in range(T))
+
+
+# ------------------------------------------------------------------------------------------ config
+
+
+@pytest.mark.parametrize("patterns, key", [
+    ({"0-1:*": {"type": "local", "window": 0}}, "model.attention.patterns.0-1:*.window"),
+    ({"1:0-3": {"type": "a_shape", "sinks": -1, "window": 4}}, "model.attention.patterns.1:0-3.sinks"),
+    ({"0:*": {"type": "bigbird", "window": 4, "sinks": 2, "random_blocks": 1, "block_size": 48}},
+     "model.attention.patterns.0:*.block_size"),
+    ({"0:0-5": {"type": "local", "window": 4}}, "model.attention.patterns.0.0-5"),
+    ({"0:0-2": {"type": "local", "window": 4}, "0:2-3": {"type": "dense"}}, "model.attention.patterns.0.2-3"),
+    ({"0:*": {"type": "vertical_slash", "n_vertical": 0, "n_slash": 8}}, "model.attention.patterns.0:*.n_vertical"),
+    ({"0:*": {"type": "vertical_slash", "n_vertical": 8, "n_slash": 0}}, "model.attention.patterns.0:*.n_slash"),
+    ({"0:*": {"type": "swirl", "window": 3}}, "model.attention.patterns.0:*.type"),
+    ({"7:*": {"type": "local", "window": 4}}, "model.attention.patterns.7"),
+    ({"0:0-1": {"type": "local", "window": 4, "block_size": 16}, "0:2-3": {"type": "local", "window": 4}},
+     "model.attention.patterns.0"),
+])
+def test_bad_pattern_config_raises_config_error_naming_the_layer_head_key(patterns, key):
+    with pytest.raises(ConfigError) as e:
+        AttentionConfig(patterns=patterns).validate(n_layers=2, n_heads=4)
+    assert e.value.key.startswith(key), (e.value.key, key)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_pattern_in_yaml_fails_at_load_with_key(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model:\n  n_layers: 2\n  dim: 64\n  n_heads: 4\n  attention:\n    patterns:\n"
+                   "      '1:0-1': {type: a_shape, sinks: 0, window: 16}\n")
+    with pytest.raises(ConfigError, match=r"model\.attention\.patterns\.1:0-1\.sinks"):
+        load_config(str(cfg))
+
+
+def test_sparsity_pattern_constructor_and_from_dict_validate():
+    with pytest.raises(ConfigError, match="window"):
+        SparsityPattern(type="local")
+    with pytest.raises(ConfigError, match=r"L3\.top_k"):
+        SparsityPattern.from_dict({"type": "block_topk", "top_k": 0}, key="L3")
+    p = SparsityPattern.from_dict({"type": "a_shape", "sinks": 4, "window": 16, "block_size": 32})
+    assert SparsityPattern.from_dict(p.to_dict()) == p
+
+
+def test_minference_json_maps_to_our_patterns_and_is_checked(tmp_path):
+    data = [{"0": ["vertical_and_slash", 1000, 6096, 0.9], "1": ["stream_llm", 100, 800, 0.5]},
+            {"0": ["block_sparse", 8, 1, 0.7]}]
+    pats = minference_patterns(data, n_layers=2, n_heads=2)
+    assert pats["0:0"] == {"type": "vertical_slash", "n_vertical": 1000, "n_slash": 6096, "last_q": 64}
+    assert pats["0:1"] == {"type": "a_shape", "sinks": 100, "window": 800}
+    assert pats["1:0"] == {"type": "block_topk", "top_k": 8}
+    path = tmp_path / "mi.json"
+    path.write_text(json.dumps(data))
+    grid = AttentionConfig(minference_json=str(path), patterns={"1:1": {"type": "local", "window": 8}}
+                           ).layer_head_patterns(2, 2)
+    assert grid[0][1]["type"] == "a_shape" and grid[1][1]["type"] == "local" and grid[1][0]["type"] == "block_topk"
+    with pytest.raises(ConfigError, match=r"minference_json\[0\]\[5\]"):
+        minference_patterns([{"5": ["stream_llm", 1, 2, 0.0]}], 2, 2)
+    with pytest.raises(ConfigError, match=r"minference_json\[0\]\[0\]\.type"):
+        minference_patterns([{"0": ["mystery", 1, 2, 0.0]}], 2, 2)
