@@ -183,8 +183,8 @@ def estimate_vertical_slash(q_est: torch.Tensor, k: torch.Tensor, est_pos: torch
     cols = _topk_per_head(prob.sum(-2), n_vertical)
     B, H, L, _ = prob.shape
     diag_mass = torch.zeros(B, H, T, device=k.device, dtype=prob.dtype)
-    idx = d.clamp(min=0)[None, None].expand(B, H, L, T).reshape(B, H, L * T)
-    diag_mass.scatter_add_(-1, idx, prob.reshape(B, H, L * T))
+    for i, p_i in enumerate(est_pos.tolist()):   # row i puts prob[i, p_i - d] on diagonal d
+        diag_mass[..., :p_i + 1] += prob[:, :, i, :p_i + 1].flip(-1)
     diags = _topk_per_head(diag_mass, n_slash)
     diags[..., 0] = True
     return cols, diags

@@ -91,7 +91,7 @@ def _flex_fn(device: torch.device):
     if device.type != "cuda":
         return flex_attention
     if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex
 
 

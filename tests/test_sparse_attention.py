@@ -147,7 +147,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("name", list(PATTERNS))
+@pytest.mark.parametrize("name", ["a_shape", "vertical_slash", "mixed"])
 def test_flex_backend_on_gpu_meets_fa_criterion_fwd_bwd(name):
     pats = PATTERNS[name]
     big = [SparsityPattern(**{**p.to_dict(), "block_size": 128}) for p in (pats if isinstance(pats, list) else [pats])]
