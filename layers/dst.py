@@ -273,11 +273,14 @@ class DynamicSparsity:
             else:
                 raise RuntimeError(f"DST RigL update at step {step}: {t.name} has no .grad; call dst.step(step) "
                                    "after optimizer.step() and before optimizer.zero_grad()")
-            score = _full(src).abs().float()
+            score = _full(src).float()
             if not isinstance(src, DTensor) and dist.is_available() and dist.is_initialized() \
                     and dist.get_world_size(self.group) > 1:
-                score = score.contiguous()
-                dist.all_reduce(score, group=self.group)       # a sum ranks like the mean
+                # the gradient is summed before |.| (a sum ranks like the DDP mean); EMA scores are summed as
+                # they are: sum_r EMA(|g_r|) = EMA(sum_r |g_r|)
+                score = score.clone() if score is src else score.contiguous()
+                dist.all_reduce(score, group=self.group)
+            score = score.abs()
             return score
         gen = torch.Generator(device=like.device)
         gen.manual_seed(((self.cfg.seed * 1_000_003 + step) * 1_009 + i) % (2 ** 63))

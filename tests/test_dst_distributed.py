@@ -1,0 +1,93 @@
+"""DST under data parallelism: 2 gloo processes with different per-rank gradients derive identical masks,
+equal to the single-process masks of the summed gradient; DTensor (FSDP2-style Shard(0)) parameters give
+the same masks, with mask buffers sharded like their parameters."""
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from layers import DynamicSparsity
+
+SHAPES = [(16, 32), (32, 16), (8, 32)]   # (out, in); 16 and 32 rows split evenly over 2 ranks, 8 too
+OPTS = dict(sparsity=0.75, update_every=1, total_steps=4, stop_fraction=1.0, drop_schedule="constant")
+
+
+def spawn(fn, world, *args):
+    with tempfile.TemporaryDirectory() as d:
+        # fork: the children inherit the imported modules (spawn would re-import torch per process)
+        mp.start_processes(_entry, args=(fn, world, os.path.join(d, "store"), args), nprocs=world,
+                           join=True, start_method="fork")
+
+
+def _entry(rank, fn, world, store, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)                                    # same weights on every rank
+        self.layers = nn.ModuleList(nn.Linear(i, o, bias=False) for o, i in SHAPES)
+
+
+def _grads(rank, step):
+    """Per-rank gradients: different on each rank, a fixed function of (rank, step)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randn(o, i, generator=g) for o, i in SHAPES]
+
+
+def _run(model, grads_at, wrap=lambda g: g):
+    opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)   # lr 0: weights change only by DST
+    dst = DynamicSparsity(model, opt, **OPTS)
+    for step in (1, 2, 3):
+        for lin, g in zip(model.layers, grads_at(step)):
+            lin.weight.grad = wrap(g)
+        opt.step()
+        dst.step(step)
+        opt.zero_grad(set_to_none=True)
+    return model, opt, dst
+
+
+def _check_identical_masks(rank, world):
+    plain, _, _ = _run(Stack(), lambda step: _grads(rank, step))
+    masks = [lin.weight_mask.clone() for lin in plain.layers]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, masks)
+    assert all(torch.equal(a, b) for a, b in zip(gathered[0], gathered[1]))
+
+    # reference: the summed gradient on every rank (the all-reduce doubles it, which ranks alike)
+    def summed(step):
+        return [sum(gs) for gs in zip(*(_grads(r, step) for r in range(world)))]
+    ref, _, _ = _run(Stack(), summed)
+    assert all(torch.equal(m, lin.weight_mask) for m, lin in zip(masks, ref.layers))
+
+    # DTensor parameters sharded on dim 0 (what FSDP2 holds), gradients already reduced (as FSDP2's are)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    sharded = Stack()
+    for lin in sharded.layers:
+        lin.weight = nn.Parameter(distribute_tensor(lin.weight.data, mesh, [Shard(0)]))
+    sharded, opt, dst = _run(sharded, summed, wrap=lambda g: distribute_tensor(g, mesh, [Shard(0)]))
+    for m, lin in zip(masks, sharded.layers):
+        mb = lin.weight_mask
+        assert isinstance(mb, DTensor) and mb.placements == (Shard(0),)
+        assert mb.to_local().shape[0] == m.shape[0] // world
+        assert torch.equal(mb.full_tensor(), m)
+        w = lin.weight.to_local()
+        assert torch.all(w[~mb.to_local()] == 0)
+        assert torch.all(opt.state[lin.weight]["momentum_buffer"].to_local()[~mb.to_local()] == 0)
+    st = dst.stats()
+    assert st["density"] == sum(int(m.sum()) for m in masks) / sum(m.numel() for m in masks)
+
+
+def test_two_gloo_ranks_with_different_grads_derive_identical_masks():
+    spawn(_check_identical_masks, 2)
