@@ -9,7 +9,7 @@ Backward: ``dys[inv[t, j]] = w[t, j] * dout[t]`` (rows no assignment maps to are
 assignment. ``inv`` is a permutation onto its valid rows, so every store has one writer: no atomics.
 
 Layers: ``@triton.jit`` kernels + launchers -> ``torch.library.custom_op`` ``moezoo::moe_combine``
-(with ``register_fake`` and autograd) ; ``moe_combine_reference`` is the pure-torch oracle.
+and ``moezoo::moe_combine_backward`` (each with ``register_fake``; autograd on the first); ``moe_combine_reference`` is the pure-torch oracle.
 """
 from __future__ import annotations
 
@@ -40,8 +40,9 @@ def _combine_kernel(ys_ptr, inv_ptr, w_ptr, out_ptr, D,
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(K):
         src = tl.load(inv_ptr + t * K + j).to(tl.int64)
-        valid = src >= 0
-        # Dropped assignments are masked loads (no traffic) rather than branches.
+        # Dropped assignments (-1) are masked loads (no traffic) rather than branches; (offs * 0 + src)
+        # broadcasts the scalar test to a vector mask (the interpreter rejects scalar & vector).
+        valid = (offs * 0 + src) >= 0
         y = tl.load(ys_ptr + tl.maximum(src, 0) * D + offs, mask=m & valid, other=0.0).to(tl.float32)
         if HAS_W:
             y = y * tl.load(w_ptr + t * K + j).to(tl.float32)
@@ -56,13 +57,12 @@ def _combine_bwd_kernel(dout_ptr, ys_ptr, inv_ptr, w_ptr, dys_ptr, dw_ptr, D,
     t = tl.program_id(0).to(tl.int64)
     for j in tl.static_range(K):
         dst = tl.load(inv_ptr + t * K + j).to(tl.int64)
-        valid = dst >= 0
         row = tl.maximum(dst, 0) * D
         wj = tl.load(w_ptr + t * K + j).to(tl.float32)
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for d0 in range(0, D, BLOCK_D):
             offs = d0 + tl.arange(0, BLOCK_D)
-            m = (offs < D) & valid
+            m = (offs < D) & ((offs * 0 + dst) >= 0)
             g = tl.load(dout_ptr + t * D + offs, mask=m, other=0.0).to(tl.float32)
             y = tl.load(ys_ptr + row + offs, mask=m, other=0.0).to(tl.float32)
             acc += g * y
@@ -124,6 +124,24 @@ def _(ys, inv, w, zero_fill):
     return ys.new_empty(inv.shape[0], ys.shape[1])
 
 
+@torch.library.custom_op("moezoo::moe_combine_backward", mutates_args=())
+def moe_combine_backward(dout: torch.Tensor, ys: torch.Tensor, inv: torch.Tensor, w: torch.Tensor,
+                         zero_fill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of moe_combine -> (dys [N, D] in ys's dtype, dw [T, K] in w's dtype)."""
+    if use_triton(ys):
+        dys, dw = combine_rows_backward(dout, ys, inv, w, zero_fill)
+        return dys, dw.to(w.dtype)
+    with torch.enable_grad():
+        ys_, w_ = ys.detach().requires_grad_(), w.detach().requires_grad_()
+        dys, dw = torch.autograd.grad(moe_combine_reference(ys_, inv, w_), (ys_, w_), dout)
+    return dys, dw
+
+
+@moe_combine_backward.register_fake
+def _(dout, ys, inv, w, zero_fill):
+    return ys.new_empty(ys.shape), w.new_empty(w.shape)
+
+
 def _setup(ctx, inputs, output):
     ys, inv, w, zero_fill = inputs
     ctx.save_for_backward(ys, inv, w)
@@ -132,13 +150,8 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dout):
     ys, inv, w = ctx.saved_tensors
-    if use_triton(ys):
-        dys, dw = combine_rows_backward(dout, ys, inv, w, ctx.zero_fill)
-    else:
-        with torch.enable_grad():
-            ys_, w_ = ys.detach().requires_grad_(), w.detach().requires_grad_()
-            dys, dw = torch.autograd.grad(moe_combine_reference(ys_, inv, w_), (ys_, w_), dout)
-    return dys, None, dw.to(w.dtype), None
+    dys, dw = moe_combine_backward(dout, ys, inv, w, ctx.zero_fill)
+    return dys, None, dw, None
 
 
 moe_combine.register_autograd(_backward, setup_context=_setup)

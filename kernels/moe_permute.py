@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_combine import _block_d, combine_rows, moe_combine_reference
+from .moe_combine import _block_d, moe_combine
 from .moe_launch import jit, use_triton
 
 
@@ -39,7 +39,8 @@ def _permute_kernel(x_ptr, inv_ptr, xs_ptr, D, K: tl.constexpr, BLOCK_D: tl.cons
     row = tl.load(x_ptr + t * D + offs, mask=m)
     for j in tl.static_range(K):
         dst = tl.load(inv_ptr + t * K + j).to(tl.int64)
-        tl.store(xs_ptr + tl.maximum(dst, 0) * D + offs, row, mask=m & (dst >= 0))
+        # (offs * 0 + dst) broadcasts the scalar test to a vector mask (the interpreter rejects scalar & vector).
+        tl.store(xs_ptr + tl.maximum(dst, 0) * D + offs, row, mask=m & ((offs * 0 + dst) >= 0))
 
 
 def permute_rows(x: torch.Tensor, inv: torch.Tensor, num_rows: int, zero_fill: bool) -> torch.Tensor:
@@ -74,8 +75,9 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dxs):
     (inv,) = ctx.saved_tensors
-    dx = combine_rows(dxs, inv, None) if use_triton(dxs) else moe_combine_reference(dxs, inv, None)
-    return dx, None, None, None
+    # dx[t] = sum_j dxs[inv[t, j]]: the combine op with unit weights (an op, so fake tracing sees it).
+    ones = torch.ones(inv.shape, dtype=torch.float32, device=dxs.device)
+    return moe_combine(dxs, inv, ones, False), None, None, None
 
 
 moe_permute.register_autograd(_backward, setup_context=_setup)
