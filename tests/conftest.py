@@ -42,7 +42,7 @@ def corpus_dir(tmp_path_factory):
 def tiny_overrides(tmp, corpus, **extra) -> list[str]:
     """Overrides that make any preset a ~30k-parameter model training on ``corpus`` under ``tmp``."""
     ov = {
-        "model.vocab_size": 320, "model.dim": 32, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
+        "model.vocab_size": 512, "model.dim": 32, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
         "model.ffn_hidden": 64, "model.max_seq_len": 64, "data.source": corpus, "data.cache_dir": f"{tmp}/cache",
         "data.max_files": 0, "train.seq_len": 32, "train.batch_size": 4, "train.steps": 20, "train.eval_every": 10,
         "train.eval_batches": 2, "train.out_dir": f"{tmp}/run", "logging.wandb": "disabled", "logging.log_every": 5,

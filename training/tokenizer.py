@@ -6,7 +6,6 @@ every string round-trips and no token is <unk>.
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import random
 
@@ -50,16 +49,28 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_prefix: str, seed: in
                 lines.append(line)
                 budget -= len(line)
     tmp = f"{out_prefix}.tmp{os.getpid()}"
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_prefix=tmp, vocab_size=vocab_size, model_type="bpe",
-        byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, split_digits=True,
-        pad_id=-1, bos_id=1, eos_id=2, unk_id=0, num_threads=os.cpu_count() or 1,
-        minloglevel=2, max_sentence_length=1 << 14, logstream=io.StringIO())
+    try:
+        _train_spm(lines, tmp, vocab_size)
+    except RuntimeError as e:
+        raise ConfigError("model.vocab_size", f"{vocab_size} is too small for this corpus: {str(e).split(']')[-1].strip()}") from None
     # Rename last: a concurrent or killed run never leaves a half-written cached model behind.
     os.replace(f"{tmp}.model", f"{out_prefix}.model")
     os.replace(f"{tmp}.vocab", f"{out_prefix}.vocab")
     return f"{out_prefix}.model"
+
+
+def _train_spm(lines: list[str], tmp: str, vocab_size: int) -> None:
+    with open(os.devnull, "w") as log:
+        _spm_train(lines, tmp, vocab_size, log)
+
+
+def _spm_train(lines, tmp, vocab_size, log) -> None:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=tmp, vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, character_coverage=0.9995, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, split_digits=True,
+        pad_id=-1, bos_id=1, eos_id=2, unk_id=0, num_threads=os.cpu_count() or 1,
+        minloglevel=2, max_sentence_length=1 << 14, logstream=log)
 
 
 def get_tokenizer(model_path: str | None, texts: list[str], vocab_size: int, cache_dir: str, corpus_key: str) -> Tokenizer:
