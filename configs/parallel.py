@@ -19,7 +19,7 @@ class ParallelConfig:
     dp_replicate: int = 1    # HSDP replicas (1 = plain FSDP)
     dp_shard: int = -1       # FSDP shard degree; -1 = world_size / dp_replicate (fill)
     ep: int = 1              # expert-parallel degree (divides num_experts and dp_shard)
-    fsdp: bool = True        # shard with FSDP2 when world > 1; False = DDP (needs ep = 1)
+    fsdp: bool = True        # shard with FSDP2 when world > 1; False = replicate (DDP semantics; ep must be 1)
     activation_checkpointing: bool = False  # recompute each transformer block in backward (saves its input only)
     backend: str = "auto"    # process-group backend: auto (nccl on CUDA, gloo on CPU) | nccl | gloo
 
@@ -37,6 +37,10 @@ class ParallelConfig:
         """
         self.validate(key)
         rep, ep = self.dp_replicate, self.ep
+        if not self.fsdp:
+            check(self.dp_shard in (-1, 1), f"{key}.dp_shard",
+                  f"fsdp: false replicates every weight on every rank; dp_shard must be -1 or 1, got {self.dp_shard}")
+            return world_size, 1, 1
         if self.dp_shard == -1:
             check(world_size % rep == 0, f"{key}.dp_replicate",
                   f"dp_replicate={rep} does not divide the world size {world_size}")

@@ -1,0 +1,227 @@
+"""Multi-process layout: torchrun environment -> DeviceMesh -> FSDP2 / expert parallel / DDP.
+
+    state = setup_parallel(cfg)            # validates degrees, then init_process_group + meshes
+    model = build_model(cfg.model)         # same seed on every rank (or device="meta" for big models)
+    model = parallelize(model, cfg, state)
+    ...
+    teardown_parallel(state)
+
+Layout (configs/parallel.py): ranks are numbered ``r = (replica * efsdp + i) * ep + j``, so the ``ep``
+ranks of an expert group are consecutive (one node when ep <= GPUs per node). Meshes:
+- ``dense_mesh``  ("dp_replicate", "dp_shard"): FSDP2 (HSDP when dp_replicate > 1) for everything but
+  routed experts: each transformer block is one FSDP unit, the root holds embeddings, norm and output.
+- ``mesh``        ("dp_replicate", "efsdp", "ep"): ``ep`` splits the experts of every MoE layer (each
+  rank keeps ``E / ep``) and carries the token all-to-all; the experts are FSDP-sharded over
+  ("dp_replicate", "efsdp"), i.e. the ``dp_shard / ep`` ranks holding the same experts.
+Every rank is a data-parallel rank: it reads its own batch and the loss is averaged over all ranks.
+Expert gradients arrive summed over the ``ep`` ranks whose tokens used them (the all-to-all backward),
+so their FSDP reduction divides by the whole world size, like the dense gradients' does.
+
+Mixed precision on CUDA in bf16: fp32 sharded master weights, bf16 all-gathered compute weights,
+fp32 gradient reduction. ``parallel.fsdp: false`` is DDP semantics (every rank holds every weight,
+gradients all-reduced) through the same FSDP2 hooks on a shard degree of 1: unlike a DDP wrapper,
+it keeps ``model.loss(...)`` synchronising gradients, and parameter names unchanged.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from configs import Config, ConfigError
+
+
+@dataclass
+class ParallelState:
+    world_size: int
+    rank: int
+    local_rank: int
+    device: torch.device
+    dp_replicate: int
+    dp_shard: int
+    ep: int
+    mesh: Optional[object] = None        # DeviceMesh ("dp_replicate", "efsdp", "ep"); None when world == 1
+    dense_mesh: Optional[object] = None  # DeviceMesh ("dp_replicate", "dp_shard")
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """Which data shard this rank reads (every rank is a data-parallel rank)."""
+        return self.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size
+
+    @property
+    def dp_group(self):
+        """Group to average the loss and metrics over: the whole world (None = default group)."""
+        return None
+
+    @property
+    def ep_group(self):
+        """All-to-all group of this rank's expert-parallel peers; None when ep == 1."""
+        return self.mesh["ep"].get_group() if self.mesh is not None and self.ep > 1 else None
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def resolve_device(cfg: Config, local_rank: int = 0) -> torch.device:
+    want = cfg.train.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device", "cuda requested but no CUDA device is available")
+    if want == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def moe_num_experts(cfg: Config) -> Optional[int]:
+    return cfg.model.moe.num_experts if "moe" in cfg.model.layer_ffn_types() else None
+
+
+def setup_parallel(cfg: Config) -> ParallelState:
+    """Read the torchrun environment, validate ``cfg.parallel`` against it (ConfigError before any
+    process-group work), then initialise the process group and the meshes. Works without torchrun
+    (world size 1: no process group)."""
+    world, rank, local_rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    rep, shard, ep = cfg.parallel.resolve(world, moe_num_experts(cfg))
+    device = resolve_device(cfg, local_rank)
+    backend = cfg.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("parallel.backend", "nccl needs CUDA devices; use gloo (or auto) on CPU")
+    state = ParallelState(world, rank, local_rank, device, rep, shard, ep)
+    if world == 1:
+        return state
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30))
+    state.mesh, state.dense_mesh = build_meshes(device.type, rep, shard, ep)
+    return state
+
+
+def build_meshes(device_type: str, rep: int, shard: int, ep: int):
+    """The ("dp_replicate", "efsdp", "ep") and ("dp_replicate", "dp_shard") meshes over the same ranks."""
+    from torch.distributed.device_mesh import DeviceMesh
+    ranks = torch.arange(rep * shard)
+    mesh = DeviceMesh(device_type, ranks.view(rep, shard // ep, ep), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+    dense = DeviceMesh(device_type, ranks.view(rep, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return mesh, dense
+
+
+def teardown_parallel(state: ParallelState) -> None:
+    if state.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _fsdp_mesh(mesh, rep: int, shard_dim: str):
+    """2-D (HSDP) mesh when replicating, else the 1-D shard mesh."""
+    return mesh["dp_replicate", shard_dim] if rep > 1 else mesh[shard_dim]
+
+
+def _mp_policy(cfg: Config, device: torch.device):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    bf16 = device.type == "cuda" and cfg.train.dtype in ("auto", "bfloat16")
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+
+
+def _checkpointed(forward, *args, **kwargs):
+    from torch.utils.checkpoint import checkpoint
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute every transformer block in backward; parameter names are unchanged (no wrapper module)."""
+    for block in model.layers:
+        block.forward = functools.partial(_checkpointed, block.forward)
+
+
+def _routed_moes(model: nn.Module):
+    from layers import MoE
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def parallelize(model: nn.Module, cfg: Config, state: ParallelState) -> nn.Module:
+    """Shard ``model`` for ``state``'s layout and put it on ``state.device``.
+
+    ``model`` is built identically on every rank (same seed), on CPU or on the meta device; a meta
+    model is materialised on the device after sharding and initialised with ``init_weights()``
+    (each rank initialises its own shards). Returns the same object, so ``model.loss(...)`` (which
+    calls the root module) triggers the parameter gathering and gradient reduction hooks.
+    """
+    on_meta = any(p.is_meta for p in model.parameters())
+    if cfg.parallel.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if not state.distributed:
+        return _materialize(model, state.device, on_meta)
+    if state.ep > 1:
+        from layers.moe_ep import shard_experts
+        for moe in _routed_moes(model):
+            shard_experts(moe, state.ep_group, state.ep_rank)
+    _fully_shard(model, cfg, state)
+    return _materialize(model, state.device, on_meta)
+
+
+def _fully_shard(model: nn.Module, cfg: Config, state: ParallelState) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+    mp = _mp_policy(cfg, state.device)
+    dense = _fsdp_mesh(state.dense_mesh, state.dp_replicate, "dp_shard")
+    expert_mesh = _fsdp_mesh(state.mesh, state.dp_replicate, "efsdp")
+    efsdp = state.dp_shard // state.ep
+    # Fewer local experts than shard ranks would leave ranks with empty shards: shard the hidden dim then.
+    expert_placement = lambda p: Shard(0) if p.shape[0] % efsdp == 0 else Shard(1)  # noqa: E731
+    moes = set(_routed_moes(model))
+    for block in model.layers:
+        for m in block.modules():
+            if m in moes:
+                # Own FSDP unit so the block's unit (dense mesh) does not take the experts, which differ
+                # across ep ranks. Divide by the world: the all-to-all backward already summed over ep.
+                fully_shard(m.experts, mesh=expert_mesh, mp_policy=mp, shard_placement_fn=expert_placement)
+                m.experts.set_gradient_divide_factor(float(state.world_size))
+                if dist.get_backend() == "gloo" and efsdp > 1:
+                    # gloo has no PREMUL_SUM: reduce with SUM and scale after. (Not with one shard rank:
+                    # torch then divides both in its no-communication copy and after it.)
+                    m.experts.set_force_sum_reduction_for_comms(True)
+        fully_shard(block, mesh=dense, mp_policy=mp)
+    fully_shard(model, mesh=dense, mp_policy=mp)
+
+
+def _materialize(model: nn.Module, device: torch.device, on_meta: bool) -> nn.Module:
+    if on_meta:
+        model.to_empty(device=device)
+        with torch.no_grad():
+            model.init_weights()
+        return model
+    return model.to(device)
+
+
+def all_reduce_mean(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """Average a tensor (loss, metric) over the data-parallel ranks; identity on one process."""
+    if not state.distributed:
+        return x
+    x = x.detach().clone()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=state.dp_group)
+    return x / state.dp_size
