@@ -19,6 +19,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from configs import Config, ConfigError
+from layers import attention_density, moe_update_bias
 from zoo import build_model
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -155,6 +156,9 @@ class Trainer:
                         "lr": self.optimizer.param_groups[0]["lr"]})
         if finite:
             self.optimizer.step()
+            if self.raw_model.has_moe:
+                # Aux-loss-free balancing: every rank applies the same bias update from the global load.
+                moe_update_bias(self.raw_model, dist.group.WORLD if self.par.distributed else None)
             if self.dst is not None:
                 self.dst.step(self.step)
             self.bad_in_row = 0
@@ -194,6 +198,10 @@ class Trainer:
     def fit(self) -> dict:
         c = self.cfg
         if self.step == 0 or not self.val_history:
+            if any(layer.attention.pattern is not None for layer in self.raw_model.layers):
+                dens = attention_density(self.raw_model, c.train.seq_len)
+                self.logger.log({f"attn_density/{k}": v for k, v in dens.items() if "/head" not in k}, step=0)
+                self.print(f"attention density at seq_len {c.train.seq_len}: {dens['mean']:.3f}")
             v = self.evaluate()
             self.val_history.append((self.step, v))
             self.logger.log({"val/loss": v}, step=self.step)
