@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from configs import ConfigError, ParallelConfig, load_config
-from training.parallel import ParallelState, build_meshes, parallelize, setup_parallel
+from training.parallel import ParallelState, build_meshes, clip_grad_norm_, parallelize, setup_parallel
 from zoo import build_model
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -114,6 +114,10 @@ def _check_grads_match_one_process(rank, world, overrides):
     loss, _ = model.loss(*batches[rank])
     loss.backward()
 
+    norm = clip_grad_norm_(model.parameters(), 0.0, state)   # measure only
+    want_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    torch.testing.assert_close(norm, want_norm, **TOL)
+
     L = cfg.model.moe.num_experts // ep
     ref_params = dict(ref.named_parameters())
     assert set(ref_params) == {n for n, _ in model.named_parameters()}   # names unchanged (checkpoints, HF)
@@ -134,3 +138,21 @@ def _check_grads_match_one_process(rank, world, overrides):
 ])
 def test_parallel_gradients_match_one_process(world, overrides):
     spawn(_check_grads_match_one_process, world, overrides)
+
+
+def _check_clipping_scales_every_shard(rank, world, overrides):
+    cfg = tiny_moe_cfg(*overrides)
+    rep, shard, ep = cfg.parallel.resolve(world, cfg.model.moe.num_experts)
+    state = ParallelState(world, rank, rank, torch.device("cpu"), rep, shard, ep, *build_meshes("cpu", rep, shard, ep))
+    torch.manual_seed(0)
+    model = parallelize(build_model(cfg.model), cfg, state)
+    x = torch.randint(0, cfg.model.vocab_size, (2, 8), generator=torch.Generator().manual_seed(rank))
+    model.loss(x, x)[0].backward()
+    before = clip_grad_norm_(model.parameters(), 0.1, state)
+    assert before > 0.1
+    after = clip_grad_norm_(model.parameters(), 0.0, state)
+    torch.testing.assert_close(after, torch.tensor(0.1), atol=1e-5, rtol=1e-4)
+
+
+def test_clip_grad_norm_spans_dense_and_expert_meshes():
+    spawn(_check_clipping_scales_every_shard, 4, ["parallel.ep=2", "parallel.dp_replicate=2"])

@@ -218,6 +218,31 @@ def _materialize(model: nn.Module, device: torch.device, on_meta: bool) -> nn.Mo
     return model.to(device)
 
 
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, state: ParallelState) -> torch.Tensor:
+    """Total gradient norm over the whole (sharded) model, same on every rank; scales the gradients
+    down to ``max_norm`` when it is exceeded (``max_norm <= 0``: measure only).
+
+    ``torch.nn.utils.clip_grad_norm_`` cannot mix the dense and the expert meshes' DTensors, so this
+    sums squares of the local shards and all-reduces once: every parameter element lives on exactly
+    ``dp_replicate`` ranks (one per replica group), hence the division.
+    """
+    from torch.distributed.tensor import DTensor
+    grads = [p.grad for p in parameters if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    device = local[0].device if local else state.device
+    sq = torch.stack(torch._foreach_norm(local)).float().square().sum() if local \
+        else torch.zeros((), device=device)
+    if state.distributed and any(isinstance(g, DTensor) for g in grads):
+        dist.all_reduce(sq)
+        sq = sq / state.dp_replicate
+    norm = sq.sqrt()
+    if max_norm > 0 and local:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(local, coef.to(local[0].dtype))
+    return norm
+
+
 def all_reduce_mean(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """Average a tensor (loss, metric) over the data-parallel ranks; identity on one process."""
     if not state.distributed:
