@@ -157,9 +157,14 @@ def _default_dtype(dtype: torch.dtype):
 
 
 @torch.no_grad()
-def from_hf(hf_model: nn.Module) -> Transformer:
-    """A zoo ``Transformer`` computing the same logits as ``hf_model`` (same dtype and train/eval mode)."""
+def from_hf(hf_model: nn.Module, moe_backend: str = "auto") -> Transformer:
+    """A zoo ``Transformer`` computing the same logits as ``hf_model`` (same dtype and train/eval mode).
+
+    ``moe_backend`` picks the MoE compute path (``model.moe.backend``: auto | torch | grouped | megablocks).
+    """
     cfg = config_from_hf(hf_model.config)
+    cfg.moe.backend = moe_backend
+    cfg.validate("model")
     with _default_dtype(next(hf_model.parameters()).dtype):
         model = Transformer(cfg)
     _load(model, zoo_state_dict(cfg, hf_model), "zoo")
