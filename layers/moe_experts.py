@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.moe_swiglu import swiglu
+
 from .moe_router import tokens_per_expert
 
 
@@ -106,6 +108,6 @@ class GroupedExperts(nn.Module):
         # One grouped GEMM per projection over all experts; offs are group ends (int32, on device: no sync).
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         w1, w3, w2 = (w.to(xs.dtype) for w in (self.w1, self.w3, self.w2))
-        h = F.silu(torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)) \
-            * torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs)
+        h = swiglu(torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs),
+                   torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs))
         return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)

@@ -1,0 +1,233 @@
+"""MoE layer benchmark on one GPU: ours (grouped) vs megablocks dMoE vs the torch reference, bf16 fwd+bwd.
+
+    python bench/moe.py [--shapes mixtral,fine] [--reps 20] [--out results.json] [--profile DIR]
+
+Per shape, in one process: (1) correctness of the grouped path at the real shape against a float32
+per-expert loop (relative errors of output and gradients, next to the same-dtype plain-torch error:
+the FlashAttention criterion err(ours) <= 2 err(bf16 torch)); (2) medians of CUDA-event timings of
+forward+backward after warm-up, for our variants, megablocks (when importable) and the reference;
+(3) the dense GEMM rate at the experts' GEMM shape, measured in the same run; TFLOP/s count the
+routed-expert GEMMs only: 3 GEMMs x 2*T*K*D*H FLOPs, x3 for forward+backward.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from layers import MoE  # noqa: E402
+from layers import moe_experts  # noqa: E402
+from kernels.moe_swiglu import swiglu, swiglu_reference  # noqa: E402
+
+SHAPES = {  # T tokens, D model dim, H expert hidden, E experts, K top-k
+    "mixtral": dict(T=16384, D=4096, H=14336, E=8, K=2),
+    "fine": dict(T=16384, D=4096, H=1024, E=64, K=8),
+    "tiny": dict(T=256, D=64, H=96, E=8, K=2),        # smoke test of this script (also on CPU)
+}
+DEV = "cuda"
+
+
+def moe_flops(T, D, H, E, K):
+    return 3 * 2 * T * K * D * H * 3
+
+
+def time_ms(step, reps: int, warmup: int = 3, before=None) -> float:
+    """Median of CUDA-event timings of ``step()``; ``before()`` runs untimed before each rep."""
+    for _ in range(warmup):
+        if before:
+            before()
+        step()
+    times = []
+    for _ in range(reps):
+        if before:
+            before()
+        if DEV != "cuda":
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def dense_rate(M, D, H, reps) -> float:
+    a = torch.randn(M, D, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(D, H, device=DEV, dtype=torch.bfloat16)
+    ms = time_ms(lambda: torch.mm(a, b), reps)
+    return 2 * M * D * H / ms / 1e9
+
+
+def fwd_bwd(module, x, dy, call=None):
+    def step():
+        y = call(x) if call else module(x)
+        y.backward(dy)
+    return step
+
+
+def zero_grads(*mods_and_tensors):
+    def f():
+        for m in mods_and_tensors:
+            if isinstance(m, torch.Tensor):
+                m.grad = None
+            else:
+                for p in m.parameters():
+                    p.grad = None
+    return f
+
+
+def rel(a, b) -> float:
+    return (float((a.float() - b.float()).norm()) / max(float(b.float().norm()), 1e-30))
+
+
+def grads_of(moe, x, dy):
+    moe.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    y = moe(x)
+    y.backward(dy.to(y.dtype))
+    return {"y": y.detach(), "dx": x.grad, "dgate": moe.gate.weight.grad,
+            "dw1": moe.experts.w1.grad, "dw2": moe.experts.w2.grad, "dw3": moe.experts.w3.grad}
+
+
+def megablocks_peer(moe):
+    """A megablocks dMoE holding a copy of ``moe``'s weights (bf16, grouped GEMM)."""
+    from layers.moe_megablocks import build_dmoe, megablocks_params
+    dmoe = build_dmoe(moe.dim, moe.hidden_dim, moe.num_experts, moe.top_k, torch.device(DEV))
+    with torch.no_grad():
+        for name, t in megablocks_params(moe).items():
+            dmoe.get_parameter(name).copy_(t)
+    return dmoe
+
+
+def bench_shape(name, T, D, H, E, K, reps, profile_dir=None) -> dict:
+    res = {"shape": dict(T=T, D=D, H=H, E=E, K=K), "flops": moe_flops(T, D, H, E, K)}
+    torch.manual_seed(0)
+    moe = MoE(D, H, E, K, backend="grouped").to(DEV).to(torch.bfloat16)
+    moe.init_weights(0.02, 0.02)
+    x = torch.randn(T, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(T, D, device=DEV, dtype=torch.bfloat16)
+
+    # (1) correctness at the real shape: fp32 loop reference, bf16 loop (same-dtype torch), ours.
+    ref32 = MoE(D, H, E, K, backend="torch").to(DEV)
+    ref32.load_state_dict({k: v.float() for k, v in moe.state_dict().items()})
+    want = grads_of(ref32, x.float(), dy.float())
+    del ref32
+    ref16 = MoE(D, H, E, K, backend="torch").to(DEV).to(torch.bfloat16)
+    ref16.load_state_dict(moe.state_dict())
+    plain = grads_of(ref16, x, dy)
+    ours = grads_of(moe, x, dy)
+    res["rel_err_ours"] = {k: rel(ours[k], want[k]) for k in want}
+    res["rel_err_bf16_torch"] = {k: rel(plain[k], want[k]) for k in want}
+    res["ours_within_2x_torch"] = all(res["rel_err_ours"][k] <= 2 * res["rel_err_bf16_torch"][k] + 1e-6
+                                      for k in want)
+    MoE.group_align = 16
+    al = grads_of(moe, x, dy)
+    MoE.group_align = 1
+    res["rel_err_align16"] = {k: rel(al[k], want[k]) for k in want}
+    del al, plain
+    print(name, "rel err ours", {k: f"{v:.2e}" for k, v in res["rel_err_ours"].items()}, flush=True)
+    print(name, "rel err bf16 torch", {k: f"{v:.2e}" for k, v in res["rel_err_bf16_torch"].items()}, flush=True)
+
+    # (2) timings
+    t = {}
+    zg = zero_grads(moe, x)
+    t["ours"] = time_ms(fwd_bwd(moe, x, dy), reps, before=zg)
+    MoE.group_align = 16
+    t["ours_align16"] = time_ms(fwd_bwd(moe, x, dy), reps, before=zg)
+    MoE.group_align = 1
+    moe_experts.swiglu = swiglu_reference
+    t["ours_eager_swiglu"] = time_ms(fwd_bwd(moe, x, dy), reps, before=zg)
+    moe_experts.swiglu = swiglu
+    t["torch_reference"] = time_ms(fwd_bwd(ref16, x, dy), max(3, reps // 4), before=zero_grads(ref16, x))
+    del ref16
+    try:
+        dmoe = megablocks_peer(moe)
+        xm = x.detach().unsqueeze(1).requires_grad_()
+        ym = dmoe(xm).squeeze(1)
+        res["rel_err_megablocks"] = rel(ym, want["y"])
+        from megablocks.layers.moe import clear_load_balancing_loss
+
+        def mb_step():
+            dmoe(xm).backward(dy.unsqueeze(1))
+            clear_load_balancing_loss()
+        t["megablocks"] = time_ms(mb_step, reps, before=zero_grads(dmoe, xm))
+        mb_backend = MoE(D, H, E, K, backend="megablocks").to(DEV).to(torch.bfloat16)
+        mb_backend.load_state_dict(moe.state_dict())
+        res["rel_err_megablocks_backend"] = rel(grads_of(mb_backend, x, dy)["y"], want["y"])
+        del dmoe, mb_backend
+    except Exception as e:                           # megablocks absent or broken: report, keep going
+        res["megablocks_error"] = f"{type(e).__name__}: {e}"
+        print(name, "megablocks:", res["megablocks_error"], flush=True)
+    del want
+    res["ms"] = t
+    res["tflops"] = {k: res["flops"] / v / 1e9 for k, v in t.items()}
+    res["dense_gemm_tflops"] = dense_rate(T * K, D, H, reps)
+    res["frac_of_dense"] = {k: v / res["dense_gemm_tflops"] for k, v in res["tflops"].items()}
+    if "megablocks" in t:
+        res["speedup_vs_megablocks"] = {k: t["megablocks"] / v for k, v in t.items()}
+
+    if profile_dir:
+        from torch.profiler import ProfilerActivity, profile
+        step = fwd_bwd(moe, x, dy)
+        zg()
+        step()
+        zg()
+        with profile(activities=[ProfilerActivity.CUDA if DEV == "cuda" else ProfilerActivity.CPU]) as prof:
+            step()
+            if DEV == "cuda":
+                torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by=f"{'cuda' if DEV == 'cuda' else 'cpu'}_time_total", row_limit=25)
+        with open(os.path.join(profile_dir, f"profile_{name}.txt"), "w") as f:
+            f.write(table)
+        print(table, flush=True)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="mixtral,fine")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, help="folder for per-shape profiler tables")
+    ap.add_argument("--device", default="cuda", help="cpu only smoke-tests this script")
+    args = ap.parse_args()
+    global DEV
+    DEV = args.device
+    import triton
+    env = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else DEV, "torch": torch.__version__, "cuda": torch.version.cuda,
+           "triton": triton.__version__}
+    try:
+        import megablocks
+        env["megablocks"] = getattr(megablocks, "__version__", "installed")
+    except Exception as e:
+        env["megablocks"] = f"unavailable ({type(e).__name__})"
+    out = {"env": env, "dense_8192_tflops": dense_rate(8192, 8192, 8192, args.reps), "shapes": {}}
+    print(env, "dense 8192^3:", f"{out['dense_8192_tflops']:.0f} TFLOP/s", flush=True)
+    for name in args.shapes.split(","):
+        out["shapes"][name] = bench_shape(name, **SHAPES[name], reps=args.reps, profile_dir=args.profile)
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+    print(f"\n{'shape':8s} {'variant':18s} {'ms':>8s} {'TFLOP/s':>8s} {'/dense':>7s} {'vs mb':>6s}")
+    for name, r in out["shapes"].items():
+        for k, ms in r["ms"].items():
+            sp = r.get("speedup_vs_megablocks", {}).get(k, float("nan"))
+            print(f"{name:8s} {k:18s} {ms:8.2f} {r['tflops'][k]:8.0f} {r['frac_of_dense'][k]:7.3f} {sp:6.2f}")
+        print(f"{name:8s} {'dense GEMM':18s} {'':8s} {r['dense_gemm_tflops']:8.0f}")
+
+
+if __name__ == "__main__":
+    main()
