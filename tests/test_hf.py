@@ -148,9 +148,14 @@ def test_hf_configs_moezoo_cannot_express_raise_config_error_naming_the_field(ov
     assert e.value.key == key
 
 
-def test_zoo_model_with_sparse_attention_is_refused_by_to_hf():
+@pytest.mark.parametrize("patterns", [
+    {"*": {"type": "local", "window": 4}},                      # Llama has no sliding window
+    {"0:*": {"type": "a_shape", "sinks": 2, "window": 4}},      # no HF model has sinks
+    {"0:0-1": {"type": "local", "window": 4}},                  # HF windows cover every head
+])
+def test_zoo_model_with_sparse_attention_hf_cannot_express_is_refused_by_to_hf(patterns):
     cfg = ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, ffn_hidden=48,
-                      attention=AttentionConfig(patterns={"*": {"type": "local", "window": 4}}))
+                      attention=AttentionConfig(patterns=patterns))
     from zoo.hf_config import hf_model_type
     with pytest.raises(ConfigError) as e:
         hf_model_type(cfg)

@@ -87,6 +87,29 @@ def test_to_hf_of_zoo_model_with_gated_shared_expert_is_qwen2_moe_with_same_logi
         assert torch.equal(v, back.state_dict()[k]), k
 
 
+def test_mixtral_sliding_window_maps_to_a_local_pattern_with_same_logits_both_ways():
+    hf = mixtral(seed=8, sliding_window=5)
+    model = from_hf(hf, moe_backend="torch")
+    assert model.cfg.attention.patterns == {"0,1": {"type": "local", "window": 5}}
+    assert_same_logits(hf, model, seed=8)   # 13 tokens: the window matters
+    back = to_hf(model).eval()
+    assert back.config.sliding_window == 5
+    assert_same_logits(back, model, seed=9)
+    with torch.no_grad():
+        assert (mixtral(seed=8)(tokens(8)).logits - model(tokens(8))).abs().max() > 1e-2
+
+
+def test_qwen2_moe_sliding_layers_map_to_local_patterns_with_same_logits_both_ways():
+    hf = qwen2_moe(seed=9, use_sliding_window=True, sliding_window=4, max_window_layers=3,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    model = from_hf(hf, moe_backend="torch")
+    assert model.cfg.attention.patterns == {"0,2": {"type": "local", "window": 4}}
+    assert_same_logits(hf, model, seed=9)
+    back = to_hf(model).eval()
+    assert back.config.layer_types == hf.config.layer_types and back.config.sliding_window == 4
+    assert_same_logits(back, model, seed=10)
+
+
 def test_aux_loss_coefficient_converts_between_hf_and_moezoo_normalisation():
     hf = mixtral(seed=5, router_aux_loss_coef=0.02, num_experts_per_tok=2)
     model = from_hf(hf)

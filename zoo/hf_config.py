@@ -8,9 +8,12 @@ Three HF families map onto the zoo Transformer exactly (same logits):
   top-k weights renormalised only with ``norm_topk_prob``, q/k/v biases, dense layers where
   ``mlp_only_layers`` / ``decoder_sparse_step`` say so.
 
-Anything else that would change the function (another activation, a sliding window, HF's dynamic NTK
-RoPE whose theta depends on the current sequence length, a separate head_dim) raises
-``ConfigError("hf.<field>", reason)`` rather than importing a model that silently differs.
+A sliding window (Mixtral ``sliding_window``, Qwen2-MoE ``use_sliding_window`` + ``layer_types``) maps
+to a moezoo ``local`` attention pattern: both let query q see keys ``q-W+1 .. q``.
+
+Anything else that would change the function (another activation, HF's dynamic NTK RoPE whose theta
+depends on the current sequence length, a separate head_dim) raises ``ConfigError("hf.<field>", reason)``
+rather than importing a model that silently differs.
 Both transformers 5.x (``rope_parameters``) and 4.x (``rope_theta`` + ``rope_scaling``) configs are read.
 
 The balance-loss coefficient is converted, not copied: HF's ``load_balancing_loss_func`` counts each
@@ -20,7 +23,9 @@ per-layer losses; that only matters for training, and HF applies it only with ``
 """
 from __future__ import annotations
 
-from configs import ConfigError, ModelConfig, MoEConfig, RopeScalingConfig
+from typing import Optional
+
+from configs import AttentionConfig, ConfigError, ModelConfig, MoEConfig, RopeScalingConfig
 from configs.errors import check
 
 # HF model_type -> transformers class name
@@ -55,10 +60,15 @@ def _check_common(hc) -> None:
     check(head_dim in (None, natural), "hf.head_dim",
           f"head_dim={head_dim} != hidden_size/num_attention_heads={natural}; moezoo derives it from dim")
     check(not getattr(hc, "mlp_bias", False), "hf.mlp_bias", "moezoo FFNs have no bias")
-    sliding = getattr(hc, "sliding_window", None) if getattr(hc, "use_sliding_window", True) else None
-    check(not sliding or sliding >= hc.max_position_embeddings, "hf.sliding_window",
-          f"sliding_window={sliding} < max_position_embeddings={hc.max_position_embeddings}: "
-          "export with a moezoo `local` attention pattern is not supported")
+
+
+def _hf_windowed_layers(hc) -> tuple[Optional[int], list[int]]:
+    """``(W, layers)``: the sliding window of an HF config and the layers using it (``(None, [])``: none)."""
+    if hc.model_type == "mixtral" and hc.sliding_window:
+        return hc.sliding_window, list(range(hc.num_hidden_layers))
+    if hc.model_type == "qwen2_moe" and hc.use_sliding_window and hc.sliding_window:
+        return hc.sliding_window, [i for i, t in enumerate(hc.layer_types) if t == "sliding_attention"]
+    return None, []
 
 
 def config_from_hf(hc) -> ModelConfig:
@@ -73,6 +83,9 @@ def config_from_hf(hc) -> ModelConfig:
         init_std=hc.initializer_range,
         # Llama's attention_bias also biases o_proj; zoo.hf accepts that only when those biases are zero.
         attn_bias=bool(getattr(hc, "attention_bias", False) or getattr(hc, "qkv_bias", False)))
+    window, windowed = _hf_windowed_layers(hc)
+    if windowed:
+        cfg.attention = AttentionConfig(patterns={",".join(map(str, windowed)): {"type": "local", "window": window}})
     if hc.model_type == "mixtral":
         check(not hc.router_jitter_noise, "hf.router_jitter_noise",
               "multiplicative router jitter has no moezoo equivalent; set it to 0")
@@ -99,14 +112,34 @@ def shared_hidden(cfg: ModelConfig) -> int:
     return cfg.moe.shared_hidden_dim or cfg.expert_hidden_dim * cfg.moe.shared_experts
 
 
+def windowed_layers(cfg: ModelConfig) -> tuple[Optional[int], list[int]]:
+    """``(W, layers)`` when ``cfg``'s attention patterns are one sliding window (type local, no sinks,
+    every head) on some layers and dense elsewhere: the only sparse attention HF models express."""
+    key = "model.attention.patterns"
+    check(not cfg.attention.minference_json, "model.attention.minference_json",
+          "MInference patterns have no HF equivalent")
+    windows: dict[int, int] = {}
+    for i, heads in enumerate(cfg.attention.layer_head_patterns(cfg.n_layers, cfg.n_heads)):
+        heads = [None if h is None or h["type"] == "dense" else h for h in heads]
+        if all(h is None for h in heads):
+            continue
+        p = heads[0]
+        check(p is not None and all(h == p for h in heads) and p["type"] == "local" and not p.get("sinks"), key,
+              f"layer {i}: only a sliding window (type local, no sinks, on every head) exports to HF")
+        windows[i] = p["window"]
+    check(len(set(windows.values())) <= 1, key,
+          f"HF models take one sliding window, got {sorted(set(windows.values()))}")
+    return next(iter(windows.values()), None), sorted(windows)
+
+
 def hf_model_type(cfg: ModelConfig) -> str:
     """The HF family that expresses ``cfg`` exactly; ConfigError naming the blocking key otherwise."""
-    check(not cfg.attention.patterns and not cfg.attention.minference_json, "model.attention.patterns",
-          "HF Llama/Mixtral/Qwen2-MoE attention is dense; sparse patterns cannot be exported")
+    window, windowed = windowed_layers(cfg)
     types = cfg.layer_ffn_types()
     check(set(types) <= {"dense", "moe"}, "model.ffn",
           f"only dense and moe FFNs export to HF, got {sorted(set(types))}")
     if "moe" not in types:
+        check(not windowed, "model.attention.patterns", "HF Llama has no sliding window")
         return "llama"
     m = cfg.moe
     check(m.router == "softmax", "model.moe.router", f"HF routers are softmax top-k, got {m.router!r}")
@@ -117,6 +150,8 @@ def hf_model_type(cfg: ModelConfig) -> str:
         check(m.shared_gate, "model.moe.shared_gate", "Qwen2-MoE gates its shared expert; shared_gate must be true")
         return "qwen2_moe"
     check(not cfg.attn_bias, "model.attn_bias", "Mixtral attention has no bias")
+    check(len(windowed) in (0, cfg.n_layers), "model.attention.patterns",
+          "Mixtral's sliding window applies to every layer or none")
     check("dense" not in types, "model.ffn_layers",
           "Mixtral has an MoE in every layer; dense layers need a shared-expert (Qwen2-MoE) model")
     check(_renormalised(m), "model.moe.norm_topk", "Mixtral renormalises the top-k weights; norm_topk must be true")
@@ -133,6 +168,7 @@ def config_to_hf(cfg: ModelConfig):
     import transformers
 
     model_type = hf_model_type(cfg)
+    window, windowed = windowed_layers(cfg)
     rope_theta, rope_type = cfg.rope_theta, cfg.rope_scaling.type
     if rope_type == "ntk":  # static NTK-aware scaling is just a larger theta
         rope_theta = cfg.rope_theta * cfg.rope_scaling.factor ** (cfg.head_dim / (cfg.head_dim - 2))
@@ -149,12 +185,15 @@ def config_to_hf(cfg: ModelConfig):
     if model_type == "mixtral":
         common["intermediate_size"] = cfg.expert_hidden_dim
         return transformers.MixtralConfig(num_local_experts=m.num_experts, num_experts_per_tok=m.top_k,
-                                          router_aux_loss_coef=m.aux_loss_coef / m.top_k, sliding_window=None,
+                                          router_aux_loss_coef=m.aux_loss_coef / m.top_k, sliding_window=window,
                                           **common)
     dense = [i for i, t in enumerate(cfg.layer_ffn_types()) if t == "dense"]
     return transformers.Qwen2MoeConfig(
         num_experts=m.num_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=cfg.expert_hidden_dim,
         shared_expert_intermediate_size=shared_hidden(cfg), norm_topk_prob=_renormalised(m),
         router_aux_loss_coef=m.aux_loss_coef / m.top_k, decoder_sparse_step=1, mlp_only_layers=dense,
-        qkv_bias=cfg.attn_bias, use_sliding_window=False, **common)
+        qkv_bias=cfg.attn_bias, use_sliding_window=bool(windowed), sliding_window=window,
+        max_window_layers=cfg.n_layers,
+        layer_types=["sliding_attention" if i in windowed else "full_attention" for i in range(cfg.n_layers)],
+        **common)
 
