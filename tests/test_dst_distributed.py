@@ -48,16 +48,17 @@ def _run(model, grads_at, wrap=lambda g: g):
     opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)   # lr 0: weights change only by DST
     dst = DynamicSparsity(model, opt, **OPTS)
     for step in (1, 2, 3):
+        before = [lin.weight_mask.clone() for lin in model.layers]
         for lin, g in zip(model.layers, grads_at(step)):
             lin.weight.grad = wrap(g)
         opt.step()
         dst.step(step)
         opt.zero_grad(set_to_none=True)
-    return model, opt, dst
+    return model, opt, dst, before
 
 
 def _check_identical_masks(rank, world):
-    plain, _, _ = _run(Stack(), lambda step: _grads(rank, step))
+    plain, _, _, _ = _run(Stack(), lambda step: _grads(rank, step))
     masks = [lin.weight_mask.clone() for lin in plain.layers]
     gathered = [None] * world
     dist.all_gather_object(gathered, masks)
@@ -66,7 +67,7 @@ def _check_identical_masks(rank, world):
     # reference: the summed gradient on every rank (the all-reduce doubles it, which ranks alike)
     def summed(step):
         return [sum(gs) for gs in zip(*(_grads(r, step) for r in range(world)))]
-    ref, _, _ = _run(Stack(), summed)
+    ref, _, _, _ = _run(Stack(), summed)
     assert all(torch.equal(m, lin.weight_mask) for m, lin in zip(masks, ref.layers))
 
     # DTensor parameters sharded on dim 0 (what FSDP2 holds), gradients already reduced (as FSDP2's are)
@@ -76,15 +77,16 @@ def _check_identical_masks(rank, world):
     sharded = Stack()
     for lin in sharded.layers:
         lin.weight = nn.Parameter(distribute_tensor(lin.weight.data, mesh, [Shard(0)]))
-    sharded, opt, dst = _run(sharded, summed, wrap=lambda g: distribute_tensor(g, mesh, [Shard(0)]))
-    for m, lin in zip(masks, sharded.layers):
+    sharded, opt, dst, before = _run(sharded, summed, wrap=lambda g: distribute_tensor(g, mesh, [Shard(0)]))
+    for m, lin, old in zip(masks, sharded.layers, before):
         mb = lin.weight_mask
         assert isinstance(mb, DTensor) and mb.placements == (Shard(0),)
         assert mb.to_local().shape[0] == m.shape[0] // world
         assert torch.equal(mb.full_tensor(), m)
         w = lin.weight.to_local()
         assert torch.all(w[~mb.to_local()] == 0)
-        assert torch.all(opt.state[lin.weight]["momentum_buffer"].to_local()[~mb.to_local()] == 0)
+        changed = mb.to_local() ^ old.to_local()                 # grown or pruned at the last update
+        assert changed.any() and torch.all(opt.state[lin.weight]["momentum_buffer"].to_local()[changed] == 0)
     st = dst.stats()
     assert st["density"] == sum(int(m.sum()) for m in masks) / sum(m.numel() for m in masks)
 
