@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from configs import Config, save_config
 
+from .parallel import checkpoint_views
+
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 # One process without a process group is a supported DCP mode, not a problem worth a warning per save.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -82,7 +84,7 @@ def save_checkpoint(ckpt_dir: str, step: int, model, optimizer, train_state: dic
         os.makedirs(tmp)
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    dcp.save(checkpoint_views({"model": model_sd, "optim": optim_sd}, model), checkpoint_id=tmp)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
     _barrier()
     if rank == 0:
@@ -102,7 +104,7 @@ def load_checkpoint(path: str, model, optimizer) -> dict:
     """Collective: restore model, optimizer and this rank's RNG in place; return the train_state dict."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(checkpoint_views(state, model), checkpoint_id=path)   # the views share storage with state
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng_file = os.path.join(path, f"rng_rank{_rank()}.pt")
     if os.path.isfile(rng_file):

@@ -181,6 +181,10 @@ def parallelize(model: nn.Module, cfg: Config, state: ParallelState) -> nn.Modul
         for moe in _routed_moes(model):
             shard_experts(moe, state.ep_group, state.ep_rank)
     _fully_shard(model, cfg, state)
+    if state.ep > 1:
+        ckpt_mesh = _expert_checkpoint_mesh(state)
+        for moe in _routed_moes(model):
+            moe.ep_checkpoint_mesh = ckpt_mesh
     return _materialize(model, state.device, on_meta)
 
 
@@ -207,6 +211,51 @@ def _fully_shard(model: nn.Module, cfg: Config, state: ParallelState) -> None:
                     m.experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=dense, mp_policy=mp)
     fully_shard(model, mesh=dense, mp_policy=mp)
+
+
+def _expert_checkpoint_mesh(state: ParallelState):
+    """The same ranks as ("dp_replicate", "ep", "efsdp"): ep outer, so [Shard(0) on ep, Shard(d) on
+    efsdp] describes where each rank's expert shard sits in the global ``[E, ...]`` tensor."""
+    from torch.distributed.device_mesh import DeviceMesh
+    rep, efsdp, ep = state.dp_replicate, state.dp_shard // state.ep, state.ep
+    ranks = torch.arange(state.world_size).view(rep, efsdp, ep).transpose(1, 2)
+    return DeviceMesh(state.device.type, ranks, mesh_dim_names=("dp_replicate", "ep", "efsdp"))
+
+
+def checkpoint_views(sd: dict, model: nn.Module) -> dict:
+    """``{"model": model_sd, "optim": optim_sd}`` (from ``get_state_dict``) with every expert-parallel
+    tensor replaced by a view of the *global* ``[E, ...]`` tensor it is a shard of.
+
+    Under EP the FSDP DTensor of ``experts.w1`` on each ep rank is ``[E/ep, ...]`` under one name, so DCP
+    would see ep different tensors as one (and keep one rank's). The views share storage with ``sd``:
+    ``dcp.save`` writes, and ``dcp.load`` fills, the same memory; checkpoints then hold ``[E, ...]``
+    tensors that load at any ep degree or on one process. Identity without EP.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    fqns = {}
+    for name, m in model.named_modules():
+        mesh = getattr(m, "ep_checkpoint_mesh", None)
+        if mesh is not None:
+            for pname, _ in m.experts.named_parameters():
+                fqns[f"{name}.experts.{pname}"] = mesh
+
+    def view(t, mesh):
+        if not isinstance(t, DTensor) or t.dim() == 0:
+            return t
+        ep = mesh["ep"].size()
+        d = next(p.dim for p in t.placements if isinstance(p, Shard))
+        shape = (t.shape[0] * ep, *t.shape[1:])
+        return DTensor.from_local(t.to_local(), mesh, [Replicate(), Shard(0), Shard(d)], run_check=False,
+                                  shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+
+    out = dict(sd)
+    if "model" in sd:
+        out["model"] = {k: view(v, fqns[k]) if k in fqns else v for k, v in sd["model"].items()}
+    if "optim" in sd and "state" in sd["optim"]:
+        st = {k: ({n: view(t, fqns[k]) for n, t in v.items()} if k in fqns else v)
+              for k, v in sd["optim"]["state"].items()}
+        out["optim"] = {**sd["optim"], "state": st}
+    return out
 
 
 def _materialize(model: nn.Module, device: torch.device, on_meta: bool) -> nn.Module:
