@@ -128,6 +128,20 @@ def test_llama_nonzero_output_bias_is_refused():
         from_hf(llama(seed=6, attention_bias=True))
 
 
+def test_transformers4_style_llama_config_with_rope_theta_and_rope_scaling_is_read():
+    from types import SimpleNamespace
+
+    from zoo.hf_config import config_from_hf
+    hc = SimpleNamespace(model_type="llama", vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, hidden_act="silu", max_position_embeddings=64,
+                         initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=500.0,
+                         rope_scaling={"type": "linear", "factor": 2.0}, attention_bias=False, mlp_bias=False,
+                         pretraining_tp=1)
+    cfg = config_from_hf(hc)
+    assert (cfg.rope_theta, cfg.rope_scaling.type, cfg.rope_scaling.factor) == (500.0, "linear", 2.0)
+    assert (cfg.kv_heads, cfg.hidden_dim, cfg.norm_eps, cfg.ffn) == (2, 48, 1e-6, "dense")
+
+
 ROPE_KEY = "hf.rope_parameters.rope_type"
 
 

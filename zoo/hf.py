@@ -145,27 +145,29 @@ def hf_state_dict(model: Transformer, hf_model: nn.Module) -> dict[str, torch.Te
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    """Build parameters directly in ``dtype`` (half the memory of float32-then-cast) while buffers made
-    explicitly in float32, like the RoPE frequencies, stay float32 as HF's ``from_pretrained`` leaves them."""
+def _built_like(param: torch.Tensor):
+    """Build on ``param``'s device with its dtype as the default: parameters are made directly in that
+    dtype (no float32 copy first), while buffers made explicitly in float32, like the RoPE frequencies,
+    stay float32 as HF's ``from_pretrained`` leaves them."""
     old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+    torch.set_default_dtype(param.dtype)
     try:
-        yield
+        with param.device:
+            yield
     finally:
         torch.set_default_dtype(old)
 
 
 @torch.no_grad()
 def from_hf(hf_model: nn.Module, moe_backend: str = "auto") -> Transformer:
-    """A zoo ``Transformer`` computing the same logits as ``hf_model`` (same dtype and train/eval mode).
+    """A zoo ``Transformer`` computing the same logits as ``hf_model`` (same device, dtype, train/eval mode).
 
     ``moe_backend`` picks the MoE compute path (``model.moe.backend``: auto | torch | grouped | megablocks).
     """
     cfg = config_from_hf(hf_model.config)
     cfg.moe.backend = moe_backend
     cfg.validate("model")
-    with _default_dtype(next(hf_model.parameters()).dtype):
+    with _built_like(next(hf_model.parameters())):
         model = Transformer(cfg)
     _load(model, zoo_state_dict(cfg, hf_model), "zoo")
     return model.train(hf_model.training)
@@ -177,7 +179,7 @@ def to_hf(model: Transformer) -> nn.Module:
     import transformers
 
     hc = config_to_hf(model.cfg)
-    with _default_dtype(next(model.parameters()).dtype):
+    with _built_like(next(model.parameters())):
         hf_model = getattr(transformers, ARCHITECTURES[hc.model_type])(hc)
     _load(hf_model, hf_state_dict(model, hf_model), "HF")
     return hf_model.train(model.training)

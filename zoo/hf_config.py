@@ -67,7 +67,9 @@ def _hf_windowed_layers(hc) -> tuple[Optional[int], list[int]]:
     if hc.model_type == "mixtral" and hc.sliding_window:
         return hc.sliding_window, list(range(hc.num_hidden_layers))
     if hc.model_type == "qwen2_moe" and hc.use_sliding_window and hc.sliding_window:
-        return hc.sliding_window, [i for i, t in enumerate(hc.layer_types) if t == "sliding_attention"]
+        types = getattr(hc, "layer_types", None)
+        check(types is not None, "hf.layer_types", "use_sliding_window needs layer_types to say which layers slide")
+        return hc.sliding_window, [i for i, t in enumerate(types) if t == "sliding_attention"]
     return None, []
 
 
