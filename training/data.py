@@ -1,5 +1,5 @@
 """Token streams as memmaps, and a stateless batch sampler (the batch of step s is a pure function of
-(seed, s, dp_rank, epoch)), so resuming at step s replays exactly the same data with no loader state.
+(seed, s, epoch, dp_rank, dp_size)), so resuming at step s replays exactly the same data with no loader state.
 
 Layout in ``data.cache_dir``: ``tokens_<key>_{train,val}.bin`` (uint16 when the vocab fits, else uint32),
 documents joined with EOS. ``<key>`` hashes the corpus names/sizes and the tokenizer.
@@ -66,10 +66,12 @@ def prepare_data(cfg: Config, is_main: bool = True, barrier=lambda: None) -> Tok
 
 
 def sample_batch(tokens: np.ndarray, batch: int, seq_len: int, seed: int, step: int, rank: int = 0,
-                 epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random windows ``(x[B, S], y[B, S])`` (int64), y = x shifted by one. Deterministic in its arguments."""
-    g = torch.Generator().manual_seed(hash((seed, step, rank, epoch)) & 0x7FFFFFFFFFFF)
-    starts = torch.randint(0, len(tokens) - seq_len - 1, (batch,), generator=g).numpy()
-    windows = np.stack([np.asarray(tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts])
+                 world: int = 1, epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s share ``(x[B, S], y[B, S])`` (int64, y = x shifted by one) of the global batch of
+    ``B * world`` random windows drawn for ``(seed, step, epoch)``. So a run's data depends only on the
+    global batch, not on how many ranks split it: 2 ranks x B equals 1 rank x 2B."""
+    g = torch.Generator().manual_seed(hash((seed, step, epoch)) & 0x7FFFFFFFFFFF)
+    starts = torch.randint(0, len(tokens) - seq_len - 1, (batch * world,), generator=g)[rank * batch:(rank + 1) * batch]
+    windows = np.stack([np.asarray(tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts.numpy()])
     t = torch.from_numpy(windows)
     return t[:, :-1], t[:, 1:]

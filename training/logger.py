@@ -6,6 +6,7 @@ Only rank 0 logs. wandb is imported only when used.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -57,6 +58,18 @@ class WandbLogger(NullLogger):
 
     def finish(self) -> None:
         self.run.finish()
+
+
+def append_metrics(path: str, metrics: dict, step: int) -> None:
+    """One JSON line of scalar metrics per logging step (``<out_dir>/metrics.jsonl``, rank 0), for scripts."""
+    row = {"step": step}
+    for k, v in metrics.items():
+        if hasattr(v, "item") and getattr(v, "numel", lambda: 1)() == 1:
+            v = v.item()
+        if isinstance(v, (int, float, bool)):
+            row[k] = v
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def make_logger(cfg: Config, out_dir: str, rank: int = 0, resume_id: str | None = None):

@@ -24,7 +24,7 @@ from zoo import build_model
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import prepare_data, sample_batch
-from .logger import make_logger
+from .logger import append_metrics, make_logger
 from .metrics import device_peak_flops, moe_metrics
 from .optim import build_optimizer, build_scheduler
 from .parallel import parallelize, setup_parallel
@@ -75,6 +75,9 @@ class Trainer:
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum * self.par.dp_size
         self.flops_per_token = self._flops_per_token()
         self.peak_flops = device_peak_flops(self.device)
+        self.metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        if self.par.is_main:
+            os.makedirs(cfg.out_dir, exist_ok=True)
 
     # ---- setup helpers -------------------------------------------------------------------------
     def _autocast(self):
@@ -128,7 +131,7 @@ class Trainer:
         c = self.cfg.train
         tokens = self.data.train if split == "train" else self.data.val
         x, y = sample_batch(tokens, c.batch_size, c.seq_len, c.seed, step * c.grad_accum + micro,
-                            self.par.dp_rank, self.epoch if split == "train" else -1)
+                            self.par.dp_rank, self.par.dp_size, self.epoch if split == "train" else -1)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def compute_loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -230,6 +233,8 @@ class Trainer:
                 if self.dst is not None:
                     m.update({f"dst/{k}": v for k, v in self.dst.stats().items()})
                 self.logger.log({k: v for k, v in m.items() if k != "skipped"}, step=self.step)
+                if self.par.is_main:
+                    append_metrics(self.metrics_path, m, self.step)
                 if load is not None and self.step % c.train.eval_every == 0:
                     self.logger.log_heatmap("moe/expert_load", load.numpy(), self.step, "experts", "layers")
                 bar.set_postfix(loss=f"{float(m['loss/total']):.3f}", lr=f"{m['lr']:.2e}")
@@ -239,6 +244,8 @@ class Trainer:
                 self.val_history.append((self.step, v))
                 self.best_val = min(self.best_val, v)
                 self.logger.log({"val/loss": v}, step=self.step)
+                if self.par.is_main:
+                    append_metrics(self.metrics_path, {"val/loss": v}, self.step)
                 self.print(f"step {self.step}: val loss {v:.4f}")
             if (c.checkpoint.every and self.step % c.checkpoint.every == 0) or self.step == c.train.steps:
                 self.save()
