@@ -35,9 +35,9 @@ def qwen2_moe(seed: int = 0, **kw):
     return m
 
 
-def zoo_moe(seed: int = 0, **moe):
+def zoo_moe(seed: int = 0, ffn_layers=None, **moe):
     cfg = ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=40, max_seq_len=64,
-                      rope_theta=500.0, ffn="moe",
+                      rope_theta=500.0, ffn="moe", ffn_layers=ffn_layers or {},
                       moe=MoEConfig(**{"num_experts": 4, "top_k": 2, "hidden_dim": 16, "backend": "torch", **moe}))
     m = build_model(cfg).eval()
     randomize_(m, seed)
@@ -75,12 +75,13 @@ def test_from_hf_qwen2_moe_with_shared_expert_dense_layers_and_qkv_bias_matches_
     assert_same_logits(hf, model, seed=3)
 
 
-@pytest.mark.parametrize("norm_topk", [False, True])
-def test_to_hf_of_zoo_model_with_gated_shared_expert_is_qwen2_moe_with_same_logits(norm_topk):
-    model = zoo_moe(seed=4, norm_topk=norm_topk, softmax_before_topk=True, shared_experts=1,
-                    shared_hidden_dim=24, shared_gate=True)
+@pytest.mark.parametrize("norm_topk, dense_layers", [(False, {}), (True, {"0": "dense"})])
+def test_to_hf_of_zoo_model_with_gated_shared_expert_is_qwen2_moe_with_same_logits(norm_topk, dense_layers):
+    model = zoo_moe(seed=4, ffn_layers=dense_layers, norm_topk=norm_topk, softmax_before_topk=True,
+                    shared_experts=1, shared_hidden_dim=24, shared_gate=True)
     hf = to_hf(model).eval()
     assert type(hf).__name__ == "Qwen2MoeForCausalLM" and hf.config.norm_topk_prob == norm_topk
+    assert hf.config.mlp_only_layers == [int(k) for k in dense_layers]
     assert_same_logits(hf, model, seed=4)
     back = from_hf(hf)
     for k, v in model.state_dict().items():

@@ -136,7 +136,7 @@ def windowed_layers(cfg: ModelConfig) -> tuple[Optional[int], list[int]]:
 
 def hf_model_type(cfg: ModelConfig) -> str:
     """The HF family that expresses ``cfg`` exactly; ConfigError naming the blocking key otherwise."""
-    window, windowed = windowed_layers(cfg)
+    _, windowed = windowed_layers(cfg)
     types = cfg.layer_ffn_types()
     check(set(types) <= {"dense", "moe"}, "model.ffn",
           f"only dense and moe FFNs export to HF, got {sorted(set(types))}")
