@@ -82,6 +82,16 @@ class SparsityPattern:
         """True when the mask depends on the input (needs q, k)."""
         return self.type in DYNAMIC_TYPES
 
+    def is_dense_at(self, T: int) -> bool:
+        """True when, over ``T`` keys, the pattern allows every causal pair (so dense attention is exact)."""
+        if self.type == "dense":
+            return True
+        if self.type == "vertical_slash":
+            return max(self.n_vertical, self.n_slash) >= T
+        if self.type == "block_topk":
+            return self.top_k >= (T + self.block_size - 1) // self.block_size
+        return self.window >= T
+
 
 PatternLike = Union[SparsityPattern, Sequence[SparsityPattern]]
 
@@ -168,22 +178,22 @@ def _topk_per_head(score: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
     return out.scatter_(-1, idx, rank_ok.expand_as(idx))
 
 
-def estimate_vertical_slash(q_est: torch.Tensor, k: torch.Tensor, est_pos: torch.Tensor,
+def estimate_vertical_slash(q_est: torch.Tensor, k: torch.Tensor, est_pos: range,
                             n_vertical: Sequence[int], n_slash: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """MInference's online index estimation.
 
-    ``q_est[B, H, L, D]`` are the last queries (absolute positions ``est_pos[L]``), ``k[B, Hk, T, D]``.
+    ``q_est[B, H, L, D]`` are the last queries (absolute positions ``est_pos``, a range), ``k[B, Hk, T, D]``.
     Returns ``cols, diags`` bool ``[B, H, T]``: the chosen key columns and diagonals ``d = q - k``.
     """
     T = k.shape[2]
     s = _group_scores(q_est, k)                                             # [B, H, L, T]
-    d = est_pos[:, None] - torch.arange(T, device=k.device)[None, :]        # [L, T]
+    d = torch.arange(est_pos.start, est_pos.stop, device=k.device)[:, None] - torch.arange(T, device=k.device)[None, :]
     s = s.masked_fill(d < 0, float("-inf"))
     prob = s.softmax(-1)
     cols = _topk_per_head(prob.sum(-2), n_vertical)
     B, H, L, _ = prob.shape
     diag_mass = torch.zeros(B, H, T, device=k.device, dtype=prob.dtype)
-    for i, p_i in enumerate(est_pos.tolist()):   # row i puts prob[i, p_i - d] on diagonal d
+    for i, p_i in enumerate(est_pos):   # row i puts prob[i, p_i - d] on diagonal d
         diag_mass[..., :p_i + 1] += prob[:, :, i, :p_i + 1].flip(-1)
     diags = _topk_per_head(diag_mass, n_slash)
     diags[..., 0] = True
@@ -201,15 +211,14 @@ def _block_mean(x: torch.Tensor, start: int, bs: int, n_blocks: int) -> torch.Te
 
 
 def estimate_block_topk(q_pool_src: torch.Tensor, src_start: int, k: torch.Tensor, q_blocks: torch.Tensor,
-                        bs: int, top_k: Sequence[int]) -> torch.Tensor:
+                        first: int, bs: int, top_k: Sequence[int]) -> torch.Tensor:
     """Block top-k by mean-pooled scores.
 
     ``q_pool_src[B, H, N, D]`` holds queries at positions ``src_start ..`` covering every query block in
-    ``q_blocks[nq]`` (ascending, contiguous); ``k[B, Hk, T, D]``. Returns bool ``[B, H, nq, nk]``.
+    ``q_blocks[nq] = first, first+1, ..``; ``k[B, Hk, T, D]``. Returns bool ``[B, H, nq, nk]``.
     """
     T = k.shape[2]
     nk = (T + bs - 1) // bs
-    first = int(q_blocks[0])
     qp = _block_mean(q_pool_src, src_start - first * bs, bs, q_blocks.numel())   # [B, H, nq, D]
     kp = _block_mean(k, 0, bs, nk)                                                 # [B, Hk, nk, D]
     s = _group_scores(qp, kp)                                                      # [B, H, nq, nk]
@@ -272,7 +281,7 @@ class PatternPlan:
         ``partial`` (correct, only slower).
         """
         bs, T, dev = self.block_size, self.T, self.q_pos.device
-        if self.q_pos.numel() != T or (T and int(self.q_pos[0]) != 0):
+        if self.q_pos.numel() != T or self.q_block0 != 0:
             raise ValueError("block_layout needs queries at positions 0..T-1")
         n = (T + bs - 1) // bs
         off = torch.arange(n, device=dev)[:, None] - torch.arange(n, device=dev)[None, :]     # qb - kb
@@ -296,23 +305,23 @@ class PatternPlan:
         return touch & ~full, full
 
 
-def plan_pattern(pattern: PatternLike, n_heads: int, q_pos: torch.Tensor, T: int, layer: int = 0,
+def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: int, layer: int = 0,
                  q: Optional[torch.Tensor] = None, k: Optional[torch.Tensor] = None,
-                 q_history: Optional[torch.Tensor] = None) -> PatternPlan:
-    """Resolve a (per-head) pattern for queries at ``q_pos[S]`` over keys ``0..T-1``.
+                 q_history: Optional[torch.Tensor] = None, device=None) -> PatternPlan:
+    """Resolve a (per-head) pattern for queries at positions ``q_start .. q_start+S-1`` over keys ``0..T-1``.
 
     Input-dependent heads need ``q[B, H, S, D]`` and ``k[B, Hk, T, D]``; ``q_history[B, H, P, D]``
-    holds the queries at positions just before ``q_pos[0]`` (decode), used for estimation only.
+    holds the queries at positions just before ``q_start`` (decode), used for estimation only.
+    Positions are Python ints, so planning never waits on the GPU.
     """
     pats = head_patterns(pattern, n_heads)
     bs = layer_block_size(pats)
-    dev = q_pos.device
+    dev = device if device is not None else (q.device if q is not None else None)
+    q_pos = torch.arange(q_start, q_start + S, device=dev)
     win = torch.tensor([T + 1 if p.type == "dense" else p.window for p in pats], device=dev)
     sinks = torch.tensor([p.sinks for p in pats], device=dev)
-    S = q_pos.numel()
-    qb = torch.div(q_pos, bs, rounding_mode="floor")
-    qb0 = int(qb[0]) if S else 0
-    q_blocks = torch.arange(qb0, int(qb[-1]) + 1 if S else qb0, device=dev)
+    qb0 = q_start // bs
+    q_blocks = torch.arange(qb0, (q_start + S - 1) // bs + 1 if S else qb0, device=dev)
     nk = (T + bs - 1) // bs
     blocks = cols = diags = None
     if any(p.random_blocks for p in pats):
@@ -322,22 +331,22 @@ def plan_pattern(pattern: PatternLike, n_heads: int, q_pos: torch.Tensor, T: int
         if q is None or k is None:
             raise ValueError("input-dependent patterns (vertical_slash, block_topk) need q and k")
         src = q if q_history is None else torch.cat([q_history.to(q.dtype), q], dim=2)
-        src_start = int(q_pos[0]) - (src.shape[2] - S)
-        src_pos = torch.arange(src_start, src_start + src.shape[2], device=dev)
+        src_start = q_start - (src.shape[2] - S)
         B = q.shape[0]
         vs = [h for h in dyn if pats[h].type == "vertical_slash"]
         if vs:
-            L = max(pats[h].last_q for h in vs)
-            c, dg = estimate_vertical_slash(src[:, vs, -L:], _kv_for_heads(k, vs, n_heads), src_pos[-L:],
+            L = min(max(pats[h].last_q for h in vs), src.shape[2])
+            src_end = src_start + src.shape[2]
+            c, dg = estimate_vertical_slash(src[:, vs, -L:], _kv_for_heads(k, vs, n_heads), range(src_end - L, src_end),
                                             [pats[h].n_vertical for h in vs], [pats[h].n_slash for h in vs])
             cols = torch.zeros(B, n_heads, T, dtype=torch.bool, device=dev)
             diags = torch.zeros_like(cols)
             cols[:, vs], diags[:, vs] = c, dg
         bt = [h for h in dyn if pats[h].type == "block_topk"]
         if bt:
-            sel = src_pos >= qb0 * bs
-            pick = estimate_block_topk(src[:, bt][:, :, sel], int(src_pos[sel][0]), _kv_for_heads(k, bt, n_heads),
-                                       q_blocks, bs, [pats[h].top_k for h in bt])
+            first = max(qb0 * bs - src_start, 0)       # pool from the first query block's start on
+            pick = estimate_block_topk(src[:, bt, first:], src_start + first, _kv_for_heads(k, bt, n_heads),
+                                       q_blocks, qb0, bs, [pats[h].top_k for h in bt])
             full = torch.zeros(B, n_heads, q_blocks.numel(), nk, dtype=torch.bool, device=dev)
             if blocks is not None:
                 full |= blocks
@@ -360,13 +369,12 @@ def pattern_mask(pattern: PatternLike, q_len: int, kv_len: int, n_heads: int, la
     Input-dependent patterns need ``q[B, n_heads, q_len, D]`` and ``k[B, Hk, kv_len, D]``.
     """
     dev = device or (q.device if q is not None else None)
-    q_pos = torch.arange(kv_len - q_len, kv_len, device=dev)
-    plan = plan_pattern(pattern, n_heads, q_pos, kv_len, layer, q, k)
+    plan = plan_pattern(pattern, n_heads, kv_len - q_len, q_len, kv_len, layer, q, k, device=dev)
     m = plan.token_mask()
     return m if q is not None else m[0]
 
 
-def budget_plan(pattern: PatternLike, n_heads: int, T: int, layer: int = 0, rows: Optional[torch.Tensor] = None) -> PatternPlan:
+def budget_plan(pattern: PatternLike, n_heads: int, T: int, layer: int = 0, rows: Optional[range] = None) -> PatternPlan:
     """A plan that needs no input: input-dependent heads get the places their budgets allow.
 
     Vertical-slash heads take columns ``0 .. n_vertical-1`` and diagonals ``0 .. n_slash-1``; block
@@ -374,9 +382,9 @@ def budget_plan(pattern: PatternLike, n_heads: int, T: int, layer: int = 0, rows
     and pictures; the density it gives is what the budgets buy when the picks do not overlap.
     """
     pats = head_patterns(pattern, n_heads)
-    rows = torch.arange(T) if rows is None else rows
+    rows = range(T) if rows is None else rows
     static = [SparsityPattern(block_size=p.block_size) if p.dynamic else p for p in pats]
-    plan = plan_pattern(static, n_heads, rows, T, layer)
+    plan = plan_pattern(static, n_heads, rows.start, len(rows), T, layer)
     plan.pats = pats
     dyn = [h for h, p in enumerate(pats) if p.dynamic]
     if not dyn:
@@ -386,7 +394,7 @@ def budget_plan(pattern: PatternLike, n_heads: int, T: int, layer: int = 0, rows
     plan.window[dyn] = 0
     cols = torch.zeros(1, n_heads, T, dtype=torch.bool)
     diags = torch.zeros_like(cols)
-    nq = int(plan.q_pos[-1]) // plan.block_size - plan.q_block0 + 1 if rows.numel() else 0
+    nq = (rows.stop - 1) // plan.block_size - plan.q_block0 + 1 if len(rows) else 0
     nk = (T + plan.block_size - 1) // plan.block_size
     qb = torch.arange(plan.q_block0, plan.q_block0 + nq)[:, None]
     blocks = torch.zeros(1, n_heads, nq, nk, dtype=torch.bool) if plan.blocks is None else plan.blocks.clone()

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .attention import dense_causal_attention
 from .patterns import PatternLike, PatternPlan, budget_plan, head_patterns, plan_pattern
 
 BACKENDS = ("auto", "reference", "flex", "flash_attn")
@@ -52,19 +53,33 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     if backend not in BACKENDS:
         raise ValueError(f"unknown sparse attention backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     pats = head_patterns(pattern, Hq)
+    if all(p.is_dense_at(T) for p in pats):       # e.g. a window longer than the input: exactly causal
+        return dense_causal_attention(q, k, v, q_offset)
     square = S == T and q_offset == 0
     if backend == "auto":
         crossover = DENSE_CROSSOVER if dense_below < 0 else dense_below
         backend = "flex" if (q.is_cuda and square and T >= crossover) else "reference"
-    q_pos = torch.arange(q_offset, q_offset + S, device=q.device)
     if backend == "flash_attn":
         return _flash_attn(q, k, v, pats, square)
-    plan = plan_pattern(pats, Hq, q_pos, T, layer, q, k, q_history)
     if backend == "flex":
         if not square:
             raise ValueError("the flex backend runs square inputs (training, prefill); decode uses the reference")
-        return flex_sparse_attention(q, k, v, plan)
-    return reference_sparse_attention(q, k, v, plan)
+        key = (tuple(pats), layer, T, q.device)
+        bm = None if any(p.dynamic for p in pats) else _MASK_CACHE.get(key)
+        if bm is None:
+            bm = flex_block_mask(plan_pattern(pats, Hq, 0, S, T, layer, q, k, q_history))
+            if not any(p.dynamic for p in pats):
+                _cache_put(key, bm)
+        return flex_attention_call(q, k, v, bm)
+    return reference_sparse_attention(q, k, v, plan_pattern(pats, Hq, q_offset, S, T, layer, q, k, q_history))
+
+
+def _cache_put(key: tuple, bm) -> None:
+    """Static-pattern BlockMasks, least recently used dropped first."""
+    _MASK_CACHE[key] = bm
+    _MASK_CACHE.move_to_end(key)
+    while len(_MASK_CACHE) > _MASK_CACHE_SIZE:
+        _MASK_CACHE.popitem(last=False)
 
 
 def reference_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan) -> torch.Tensor:
@@ -91,6 +106,9 @@ def _flex_fn(device: torch.device):
     if device.type != "cuda":
         return flex_attention
     if _compiled_flex is None:
+        # Each pattern structure (which tables the mask_mod reads) and kernel option set is one compiled
+        # entry; past dynamo's default limit of 8 it would silently fall back to eager flex (O(S^2) memory).
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex
 
@@ -115,15 +133,16 @@ def flex_block_mask(plan: PatternPlan):
     if plan.cols is not None:
         cols, diags = F.pad(plan.cols, (0, Tp - T)), F.pad(plan.diags, (0, Tp - T))
     # Tables without a batch dimension of their own (static parts) are read at batch 0.
-    bsel = lambda t, b: b if t.shape[0] > 1 else 0  # noqa: E731
+    blocks_b = blocks is not None and blocks.shape[0] > 1
+    cols_b = cols is not None and cols.shape[0] > 1
 
     def mask_mod(b, h, q_idx, kv_idx):
         d = q_idx - kv_idx
         keep = (d < win[h]) | (kv_idx < sinks[h])
         if blocks is not None:
-            keep = keep | blocks[bsel(blocks, b), h, q_idx // bs, kv_idx // bs]
+            keep = keep | blocks[b if blocks_b else 0, h, q_idx // bs, kv_idx // bs]
         if cols is not None:
-            bb = bsel(cols, b)
+            bb = b if cols_b else 0
             keep = keep | cols[bb, h, kv_idx] | diags[bb, h, torch.where(d >= 0, d, 0)]
         return (d >= 0) & keep
 
@@ -132,20 +151,9 @@ def flex_block_mask(plan: PatternPlan):
     return BlockMask.from_kv_blocks(pn, pi, fn, fi, BLOCK_SIZE=bs, mask_mod=mask_mod, seq_lengths=(T, T))
 
 
-def flex_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan) -> torch.Tensor:
-    """FlexAttention over the plan's block mask (static patterns: cached per pattern, layer and length)."""
-    static = plan.cols is None and not any(p.dynamic for p in plan.pats)
-    key = (tuple(plan.pats), plan.layer, plan.T, q.device) if static else None
-    bm = _MASK_CACHE.get(key) if key else None
-    if bm is None:
-        bm = flex_block_mask(plan)
-        if key:
-            _MASK_CACHE[key] = bm
-            while len(_MASK_CACHE) > _MASK_CACHE_SIZE:
-                _MASK_CACHE.popitem(last=False)
-    else:
-        _MASK_CACHE.move_to_end(key)
-    return _flex_fn(q.device)(q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1],
+def flex_attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:
+    """FlexAttention (compiled on CUDA) over a BlockMask from ``flex_block_mask``."""
+    return _flex_fn(q.device)(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1],
                               kernel_options=FLEX_KERNEL_OPTIONS)
 
 
@@ -189,7 +197,7 @@ def attention_density(model_or_attention: torch.nn.Module, seq_len: int, chunk: 
         else:
             allowed = torch.zeros(H, dtype=torch.float64)
             for r0 in range(0, seq_len, chunk):
-                rows = torch.arange(r0, min(r0 + chunk, seq_len))
+                rows = range(r0, min(r0 + chunk, seq_len))
                 allowed += budget_plan(m.pattern, H, seq_len, L, rows).token_mask()[0].sum((-1, -2)).double()
             dens = allowed / (seq_len * (seq_len + 1) / 2)
         for h in range(H):

@@ -151,7 +151,7 @@ def test_block_layout_covers_every_allowed_pair_and_full_blocks_are_all_allowed(
             SparsityPattern(type="vertical_slash", n_vertical=5, n_slash=7, last_q=8, block_size=bs),
             SparsityPattern(type="block_topk", top_k=2, block_size=bs),
             SparsityPattern(type="dense", block_size=bs)]
-    plan = plan_pattern(pats, H, torch.arange(T), T, 0, q, k)
+    plan = plan_pattern(pats, H, 0, T, T, 0, q, k)
     m = plan.token_mask()
     partial, full = plan.block_layout()
     n = (T + bs - 1) // bs
