@@ -7,9 +7,10 @@ from typing import Dict, Optional
 from .attention import AttentionConfig
 from .errors import check, check_choice, check_positive
 from .moe import MoEConfig
+from .neuron import NeuronConfig
 from .ranges import assign_ranges
 
-FFN_TYPES = ("dense", "moe")
+FFN_TYPES = ("dense", "moe", "neuron")
 ROPE_SCALINGS = ("none", "linear", "ntk")
 
 
@@ -37,9 +38,10 @@ class ModelConfig:
     tie_embeddings: bool = False
     attn_bias: bool = False              # q/k/v projection biases (Qwen2 family); LLaMA has none
     init_std: float = 0.02
-    ffn: str = "dense"                   # FFN of every layer: dense | moe
+    ffn: str = "dense"                   # FFN of every layer: dense | moe | neuron
     ffn_layers: Dict[str, str] = field(default_factory=dict)  # per-layer override, e.g. {"0": dense}
     moe: MoEConfig = field(default_factory=MoEConfig)
+    neuron: NeuronConfig = field(default_factory=NeuronConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
 
     @property
@@ -85,4 +87,6 @@ class ModelConfig:
         types = self.layer_ffn_types()
         if "moe" in types:
             self.moe.validate(f"{key}.moe")
+        if "neuron" in types:
+            self.neuron.validate(f"{key}.neuron", self.hidden_dim)
         self.attention.validate(self.n_layers, self.n_heads, f"{key}.attention")

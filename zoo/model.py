@@ -26,6 +26,9 @@ def build_ffn(cfg: ModelConfig, ffn_type: str) -> nn.Module:
         from layers import MoE
         kw = {k: v for k, v in dataclasses.asdict(cfg.moe).items() if k != "hidden_dim"}
         return MoE(cfg.dim, cfg.expert_hidden_dim, **kw)
+    if ffn_type == "neuron":
+        from layers import NeuronRoutedFFN
+        return NeuronRoutedFFN(cfg.dim, cfg.hidden_dim, **dataclasses.asdict(cfg.neuron), key="model.neuron")
     raise ValueError(f"unknown ffn type {ffn_type!r}")
 
 
@@ -70,6 +73,7 @@ class Transformer(nn.Module):
             TransformerBlock(cfg, i, t, build_attention_pattern(cfg, i, grid))
             for i, t in enumerate(cfg.layer_ffn_types()))
         self.has_moe = "moe" in cfg.layer_ffn_types()
+        self.has_aux = self.has_moe or "neuron" in cfg.layer_ffn_types()   # layers with an aux_loss
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -110,7 +114,7 @@ class Transformer(nn.Module):
         return logits if targets is None else self._loss(logits, targets)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """Cross-entropy plus the weighted auxiliary losses of every MoE layer.
+        """Cross-entropy plus the weighted auxiliary losses of every MoE and neuron-routed FFN layer.
 
         Returns ``(total, parts)`` with ``parts = {"ce": ..., "aux": ...}`` as detached scalars.
         """
@@ -120,9 +124,9 @@ class Transformer(nn.Module):
         ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
         parts = {"ce": ce.detach()}
         total = ce
-        if self.has_moe:
-            from layers import moe_aux_loss
-            aux = moe_aux_loss(self)
+        if self.has_aux:
+            from layers import total_aux_loss
+            aux = total_aux_loss(self)
             total = total + aux
             parts["aux"] = aux.detach()
         return total, parts

@@ -1,0 +1,17 @@
+"""One sum for every layer's auxiliary loss (MoE balance and z-losses, neuron-router losses, ...).
+
+Convention shared by the layers: a module with auxiliary objectives stores their weighted sum from its
+last forward in ``module.aux_loss`` (a scalar tensor with grad, reset each forward).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def total_aux_loss(model: nn.Module) -> torch.Tensor:
+    """Sum of ``aux_loss`` over every module of ``model`` that has one (0 when none)."""
+    losses = [m.aux_loss for m in model.modules() if isinstance(getattr(m, "aux_loss", None), torch.Tensor)]
+    if not losses:
+        return torch.zeros(())
+    return torch.stack([l.to(losses[0].device) for l in losses]).sum()
