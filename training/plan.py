@@ -209,6 +209,8 @@ def plan(cfg: Config, n_gpus: Optional[int] = None, device_bytes: float = H200_B
                seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, compute_bytes=cb, n_gpus=n_gpus,
                layout=layout, layout_source=source, memory=mem, device_bytes=device_bytes, notes=notes)
     if not out.fits:
+        smallest = plan(cfg, None, device_bytes, device_type, model=model).n_gpus
+        notes.append(f"the recommended layout fits from {smallest} GPUs (power of two)")
         need = mem.total / (HEADROOM * device_bytes)
         fixes = "more GPUs, a smaller train.batch_size"
         fixes += "" if layout.activation_checkpointing else " or parallel.activation_checkpointing=true"
