@@ -1,0 +1,227 @@
+"""NeuronRoutedFFN: balanced clustering, exactness against the dense FFN, top-k routing against a per-token
+loop, router training, schedule phases, config validation and the Transformer loss seam. Tiny, CPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from configs import ConfigError, load_config
+from layers import MoE, NeuronRoutedFFN, SwiGLU, moe_aux_loss, neuron_schedule_step, total_aux_loss
+from layers.neuron_cluster import balanced_assign, balanced_kmeans, cluster_neurons
+from layers.neuron_schedule import neuron_phase
+from zoo import build_model
+
+TINY = ["model.vocab_size=64", "model.dim=16", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
+        "model.ffn_hidden=32", "model.max_seq_len=16", "model.neuron.num_groups=4",
+        "model.neuron.top_k_groups=2", "train.seq_len=8"]
+
+
+class ReLU2FFN(nn.Module):
+    """Independent dense squared-ReLU FFN: ``w2(relu(w1 x)^2)``."""
+
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(torch.relu(self.w1(x)) ** 2)
+
+
+def dense_ffn(activation, dim, hidden, seed):
+    torch.manual_seed(seed)
+    ffn = SwiGLU(dim, hidden) if activation == "swiglu" else ReLU2FFN(dim, hidden)
+    for p in ffn.parameters():
+        nn.init.normal_(p, std=0.3)
+    return ffn
+
+
+# -- clustering ---------------------------------------------------------------------------------------------
+def test_balanced_kmeans_gives_equal_size_groups_that_partition_the_units():
+    torch.manual_seed(1)
+    labels = balanced_kmeans(torch.randn(96, 12), 6, iters=10, seed=3)
+    assert labels.shape == (96,) and labels.min() >= 0 and labels.max() < 6
+    assert torch.bincount(labels, minlength=6).tolist() == [16] * 6
+    order = cluster_neurons(torch.randn(96, 12), torch.randn(96, 12), 6)
+    assert sorted(order.tolist()) == list(range(96))
+
+
+def test_balanced_kmeans_recovers_planted_equal_clusters():
+    torch.manual_seed(2)
+    centres = torch.linalg.qr(torch.randn(10, 4))[0].T                     # 4 orthonormal directions
+    truth = torch.randperm(32) % 4
+    points = centres[truth] + 0.05 * torch.randn(32, 10)
+    labels = balanced_kmeans(points, 4, iters=20, seed=0)
+    # same partition up to renaming: each found cluster is exactly one planted cluster
+    pairs = {(int(a), int(b)) for a, b in zip(labels, truth)}
+    assert len(pairs) == 4 and len({a for a, _ in pairs}) == 4
+
+
+def test_balanced_assign_respects_capacity_and_takes_the_nearest_first():
+    dist = torch.tensor([[0.0, 5.0], [0.1, 5.0], [0.2, 0.3], [9.0, 0.0]])
+    labels = balanced_assign(dist, capacity=2)
+    assert labels.tolist() == [0, 0, 1, 1]
+
+
+# -- exactness with all groups --------------------------------------------------------------------------------
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+@pytest.mark.parametrize("sparse", [True, False])
+def test_from_dense_with_all_groups_equals_dense_ffn_output_and_grads(activation, sparse):
+    D, H, G = 12, 32, 4
+    dense = dense_ffn(activation, D, H, seed=4)
+    nr = NeuronRoutedFFN.from_dense(dense, G, G, backend="torch")
+    nr.sparse = sparse
+    assert nr.activation == activation
+    x = torch.randn(3, 5, D)
+    r = torch.randn(3, 5, D)
+    xd, xn = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yd, yn = dense(xd), nr(xn)
+    torch.testing.assert_close(yn, yd, atol=1e-5, rtol=1e-5)
+    (yd * r).sum().backward()
+    (yn * r).sum().backward()
+    torch.testing.assert_close(xn.grad, xd.grad, atol=1e-5, rtol=1e-5)
+    order = nr.neuron_index
+    torch.testing.assert_close(nr.experts.w1.grad.reshape(H, D), dense.w1.weight.grad[order], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(nr.experts.w2.grad.permute(1, 0, 2).reshape(D, H), dense.w2.weight.grad[:, order],
+                               atol=1e-5, rtol=1e-5)
+    if activation == "swiglu":
+        torch.testing.assert_close(nr.experts.w3.grad.reshape(H, D), dense.w3.weight.grad[order],
+                                   atol=1e-5, rtol=1e-5)
+    # the grouping is a permutation of the dense units, and undoing it gives the dense weights back
+    w1, w2, w3 = nr.dense_weights()
+    assert torch.equal(w1, dense.w1.weight) and torch.equal(w2, dense.w2.weight)
+    assert (w3 is None) == (activation == "relu2") and (w3 is None or torch.equal(w3, dense.w3.weight))
+
+
+# -- top-k routing against a per-token loop ------------------------------------------------------------------
+def per_token_reference(dense, groups, router_w, x, k, activation):
+    """Each token computes only its top-k groups (by x . router_w) with the dense weights, one token at a time."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        chosen = (router_w @ x[t]).topk(k).indices
+        for g in chosen.tolist():
+            units = groups[g]
+            a = dense.w1.weight[units] @ x[t]
+            h = F.silu(a) * (dense.w3.weight[units] @ x[t]) if activation == "swiglu" else torch.relu(a) ** 2
+            out[t] += dense.w2.weight[:, units] @ h
+    return out
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+def test_topk_routed_output_equals_per_token_loop_over_selected_groups(activation):
+    D, H, G, K = 10, 48, 8, 3
+    dense = dense_ffn(activation, D, H, seed=5)
+    nr = NeuronRoutedFFN.from_dense(dense, G, K, backend="torch")
+    with torch.no_grad():
+        nr.router.weight.normal_()                       # a router unrelated to the clustering
+    x = torch.randn(2, 9, D)
+    y = nr(x)
+    groups = nr.neuron_index.view(G, H // G)
+    ref = per_token_reference(dense, groups, nr.router.weight, x.reshape(-1, D), K, activation)
+    torch.testing.assert_close(y.reshape(-1, D), ref, atol=1e-5, rtol=1e-5)
+    assert nr.stats["active_frac"].item() == pytest.approx(K / G)
+    assert nr.stats["tokens_per_group"].sum().item() == 18 * K
+    assert nr.aux_loss.item() == 0.0
+    # sparse output differs from the dense FFN: groups really were skipped
+    assert (y - dense(x)).abs().max() > 1e-3
+
+
+# -- router ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("router_loss", ["ce", "mse"])
+def test_router_learns_to_predict_group_mass_and_only_the_router_gets_its_gradient(router_loss):
+    torch.manual_seed(6)
+    D, G, Hg = 16, 4, 8
+    dirs = torch.linalg.qr(torch.randn(D, G))[0].T                       # [G, D] orthonormal
+    dense = SwiGLU(D, G * Hg)
+    with torch.no_grad():                                                 # group g's units read direction g
+        dense.w1.weight.copy_(dirs.repeat_interleave(Hg, 0) + 0.1 * torch.randn(G * Hg, D))
+        dense.w3.weight.copy_(dirs.repeat_interleave(Hg, 0) + 0.1 * torch.randn(G * Hg, D))
+        dense.w2.weight.normal_(std=0.1)
+    nr = NeuronRoutedFFN.from_dense(dense, G, 1, router_loss=router_loss, router_loss_coef=1.0, backend="torch")
+    nr.sparse = False
+    with torch.no_grad():
+        nr.router.weight.normal_(std=0.02)                                # forget the centroid init
+    opt = torch.optim.Adam(nr.router.parameters(), lr=0.05)
+    x = 3 * dirs[torch.randint(0, G, (256,))] + 0.3 * torch.randn(256, D)
+    losses, recalls = [], []
+    for _ in range(60):
+        nr(x)
+        losses.append(nr.stats["router_loss"].item())
+        recalls.append(nr.stats["recall"].item())
+        opt.zero_grad()
+        nr.aux_loss.backward()
+        opt.step()
+    assert nr.experts.w1.grad is None and nr.experts.w2.grad is None     # router loss trains only the router
+    assert losses[-1] < 0.3 * losses[0]
+    assert recalls[-1] > 0.95 and nr.stats["mass_captured"].item() > 0.8
+
+
+# -- schedule -----------------------------------------------------------------------------------------------
+def test_schedule_runs_dense_warmup_then_alternates_at_the_ratio_then_dense_finish():
+    phases = [neuron_phase(s, 100, 0.1, 0.75, 0.2) for s in range(100)]
+    assert phases[:10] == ["warmup"] * 10 and phases[80:] == ["finish"] * 20
+    middle = phases[10:80]
+    assert middle[:8] == ["dense", "sparse", "sparse", "sparse"] * 2
+    assert middle.count("sparse") == 52 and set(middle) == {"sparse", "dense"}       # floor(0.75 * 70)
+    assert "sparse" not in [neuron_phase(s, 50, 0.2, 0.0, 0.2) for s in range(50)]
+    assert [neuron_phase(s, 10, 0.0, 1.0, 0.0) for s in range(10)] == ["sparse"] * 10
+    assert neuron_phase(120, 100, 0.1, 0.75, 0.2) == "finish"
+
+
+def test_neuron_schedule_step_switches_every_layer_between_dense_and_sparse():
+    cfg = load_config("zoo/tiny_neuron.yaml", TINY)
+    model = build_model(cfg.model)
+    tokens = torch.randint(0, 64, (2, 8))
+    layers = [layer.feed_forward for layer in model.layers]
+    assert neuron_schedule_step(model, 0, 100) == "warmup" and not any(m.sparse for m in layers)
+    model(tokens)
+    assert all(m.stats["active_frac"].item() == 1.0 and "recall" in m.stats for m in layers)
+    assert neuron_schedule_step(model, 11, 100) == "sparse" and all(m.sparse for m in layers)
+    model(tokens)
+    assert all(m.stats["active_frac"].item() == 0.5 for m in layers)
+    assert neuron_schedule_step(model, 95, 100) == "finish" and not any(m.sparse for m in layers)
+    assert neuron_schedule_step(nn.Linear(2, 2), 0, 10) is None
+
+
+# -- Transformer loss seam --------------------------------------------------------------------------------
+def test_transformer_loss_adds_every_router_loss_and_still_sums_moe_aux_losses():
+    cfg = load_config("zoo/tiny_neuron.yaml", TINY + ["model.ffn_layers={'1': moe}", "model.moe.num_experts=4",
+                                                      "model.moe.hidden_dim=8"])
+    model = build_model(cfg.model)
+    assert isinstance(model.layers[0].feed_forward, NeuronRoutedFFN) and isinstance(model.layers[1].feed_forward, MoE)
+    neuron_schedule_step(model, 0, 100)                                   # dense warm-up: router loss on
+    tokens, targets = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    total, parts = model(tokens, targets)
+    nr, moe = model.layers[0].feed_forward, model.layers[1].feed_forward
+    assert nr.aux_loss.item() > 0
+    torch.testing.assert_close(parts["aux"], (nr.aux_loss + moe.aux_loss).detach())
+    torch.testing.assert_close(total.detach(), parts["ce"] + parts["aux"])
+    total.backward()
+    assert nr.router.weight.grad is not None and nr.router.weight.grad.abs().sum() > 0
+    assert torch.equal(moe_aux_loss(model), moe.aux_loss)                 # MoE-only sum unchanged
+    assert torch.equal(total_aux_loss(nn.Linear(2, 2)), torch.zeros(()))
+
+
+# -- config -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key,value", [
+    ("num_groups", 0), ("top_k_groups", 9), ("top_k_groups", 0), ("activation", "gelu"), ("router_loss", "l1"),
+    ("router_loss_coef", -1.0), ("warmup_fraction", 1.5), ("sparse_ratio", -0.1), ("finish_fraction", 0.95),
+    ("kmeans_iters", 0), ("backend", "megablocks"), ("num_groups", 5),
+])
+def test_bad_neuron_config_raises_config_error_naming_the_key(key, value):
+    with pytest.raises(ConfigError) as err:
+        load_config("zoo/tiny_neuron.yaml", [f"model.neuron.{key}={value}"])
+    assert err.value.key == f"model.neuron.{key}"
+    assert "\n" not in str(err.value)
+
+
+def test_layer_constructor_validates_like_the_config():
+    with pytest.raises(ConfigError, match=r"^neuron\.top_k_groups: "):
+        NeuronRoutedFFN(8, 16, num_groups=4, top_k_groups=5)
+    with pytest.raises(ConfigError, match=r"^neuron\.num_groups: "):
+        NeuronRoutedFFN(8, 18, num_groups=4, top_k_groups=2)
+
+
+def test_neuron_section_is_ignored_when_no_layer_uses_it():
+    cfg = load_config("zoo/tiny_dense.yaml", ["model.neuron.num_groups=5"])
+    assert cfg.model.neuron.num_groups == 5
