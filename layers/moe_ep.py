@@ -87,9 +87,17 @@ def ep_run_experts(xs_ND: torch.Tensor, sizes_E: torch.Tensor, experts: nn.Modul
 
 
 def ep_dispatch(moe: nn.Module, x_TD: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor):
-    """``MoE.forward``'s dispatch stage under ``moe.ep_group``: same plan, permute and combine as
-    ``MoE._dispatch_local`` (global expert ids, this rank's tokens), experts run by ``ep_run_experts``.
+    """``MoE.forward``'s dispatch stage under ``moe.ep_group``. A group of one rank holds every expert,
+    so it takes the local path unchanged (EP degree 1 costs nothing); otherwise ``all_to_all_dispatch``.
     Returns ``(y [T, D], kept assignments (scalar tensor))``."""
+    if dist.get_world_size(moe.ep_group) == 1:
+        return moe._dispatch_local(x_TD, indices_TK, weights_TK)
+    return all_to_all_dispatch(moe, x_TD, indices_TK, weights_TK)
+
+
+def all_to_all_dispatch(moe: nn.Module, x_TD: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor):
+    """Same plan, permute and combine as ``MoE._dispatch_local`` (global expert ids, this rank's
+    tokens); the experts run through ``ep_run_experts``."""
     from kernels.moe_combine import moe_combine, moe_combine_reference
     from kernels.moe_permute import moe_permute, moe_permute_reference
 
