@@ -1,7 +1,7 @@
 """Dynamic sparse training cost on one GPU: mask-update and per-step overhead on a ~1B LLaMA-style model,
 memory per masked weight, the 2:4 semi-structured path, and a small dense vs 80% ERK-RigL quality run.
 
-    python bench/dst.py --out dst.json [--quality-steps 1500] [--skip-quality]
+    python bench/dst.py --out dst.json [--variants rigl_erk80,...] [--quality-steps 1200] [--skip-quality]
 
 1B model: TinyLlama-1.1B shape (dim 2048, 22 layers, 32 heads, 4 KV heads, FFN 5632, vocab 32000) built
 with zoo.build_model, fp32 master weights, bf16 autocast, fused AdamW, batch 8 x 2048 tokens.
@@ -157,6 +157,37 @@ def bench_semi(tokens=16384, shapes=((5632, 2048), (2048, 5632))):
     return out
 
 
+def bench_apply():
+    """The per-step mask re-application over the 1B model's masked weight shapes (fp32 W, bool mask), done
+    four ways; ``dst.step`` uses the loop of ``mul_``."""
+    d, h, kv = ONE_B.dim, ONE_B.hidden_dim, ONE_B.kv_heads * ONE_B.head_dim
+    shapes = [(d, d), (kv, d), (kv, d), (d, d), (h, d), (h, d), (d, h)] * ONE_B.n_layers
+    ws = [torch.randn(s, device="cuda") for s in shapes]
+    ms = [torch.rand(s, device="cuda") < 0.2 for s in shapes]
+    inv = [~m for m in ms]
+    ways = {
+        "loop_mul_bool": lambda: [w.mul_(m) for w, m in zip(ws, ms)],
+        "foreach_mul_bool": lambda: torch._foreach_mul_(ws, ms),
+        "loop_masked_fill_inverted": lambda: [w.masked_fill_(i, 0.0) for w, i in zip(ws, inv)],
+        "loop_where_out": lambda: [torch.where(m, w, 0.0, out=w) for w, m in zip(ws, ms)],
+    }
+    n = sum(w.numel() for w in ws)
+    r = {"weights": n}
+    for name, fn in ways.items():
+        try:
+            for _ in range(2):
+                fn()
+            t = median([cuda_ms(fn) for _ in range(7)])
+            r[name + "_ms"] = t
+            r[name + "_GBps"] = n * 9 / t / 1e6                  # 4 B read + 4 B write + 1 B mask
+        except Exception as e:
+            r[name + "_error"] = f"{type(e).__name__}: {str(e)[:150]}"
+    print(json.dumps(r), flush=True)
+    del ws, ms, inv
+    torch.cuda.empty_cache()
+    return r
+
+
 def stdlib_bytes():
     """Train/val byte streams: the standard library's .py files, split by file name (every 20th is val)."""
     files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True))
@@ -222,9 +253,12 @@ def main():
     ap.add_argument("--update-every", type=int, default=100)
     ap.add_argument("--quality-steps", type=int, default=1500)
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--skip-semi", action="store_true")
     a = ap.parse_args()
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    res["semi_structured"] = bench_semi()
+    res["apply"] = bench_apply()
+    if not a.skip_semi:
+        res["semi_structured"] = bench_semi()
     res["one_b"] = bench_1b([v for v in a.variants.split(",") if v], a.batch, a.seq, a.steps, a.update_every)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
