@@ -100,3 +100,13 @@ def test_check_fits_raises_config_error_with_the_plan():
 def test_check_fits_passes_for_tiny_preset():
     p = check_fits(preset("tiny_dense.yaml"), 1, "cpu")
     assert p.fits
+
+
+def test_config_layout_that_does_not_fit_is_reported_with_the_fix():
+    cfg = preset("moe_65b.yaml", "parallel.ep=8")
+    p = plan(cfg, n_gpus=256)
+    assert p.layout_source == "config" and p.layout.ep == 8 and not p.fits
+    assert any("activation_checkpointing=true" in n for n in p.notes)
+    assert any("fits from 256 GPUs" in n for n in p.notes)
+    ok = plan(preset("moe_65b.yaml", "parallel.ep=8", "parallel.activation_checkpointing=true"), n_gpus=256)
+    assert ok.fits

@@ -163,6 +163,17 @@ def recommend_layout(cfg: Config, shape: _Shape, n_gpus: int, compute_bytes: int
     return layout
 
 
+def smallest_fitting_gpus(cfg: Config, shape: _Shape, compute_bytes: int, device_bytes: float) -> int:
+    """Smallest power of two (up to 2^16) whose recommended layout fits."""
+    n = 1
+    while n < 2 ** 16:
+        lay = recommend_layout(cfg, shape, n, compute_bytes, device_bytes)
+        if memory_per_gpu(cfg, shape, lay, compute_bytes).total <= HEADROOM * device_bytes:
+            break
+        n *= 2
+    return n
+
+
 def _compute_bytes(cfg: Config, device_type: str) -> int:
     dtype = cfg.train.dtype
     if dtype == "auto":
@@ -186,12 +197,7 @@ def plan(cfg: Config, n_gpus: Optional[int] = None, device_bytes: float = H200_B
     cb = _compute_bytes(cfg, device_type)
     notes = []
     if n_gpus is None:
-        n_gpus = 1
-        while n_gpus < 2 ** 16:
-            lay = recommend_layout(cfg, shape, n_gpus, cb, device_bytes)
-            if memory_per_gpu(cfg, shape, lay, cb).total <= HEADROOM * device_bytes:
-                break
-            n_gpus *= 2
+        n_gpus = smallest_fitting_gpus(cfg, shape, cb, device_bytes)
         notes.append(f"n_gpus: smallest power of two that fits ({device_bytes / GB:.0f} GB per GPU)")
     source = "config"
     if layout is None:
@@ -209,7 +215,7 @@ def plan(cfg: Config, n_gpus: Optional[int] = None, device_bytes: float = H200_B
                seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, compute_bytes=cb, n_gpus=n_gpus,
                layout=layout, layout_source=source, memory=mem, device_bytes=device_bytes, notes=notes)
     if not out.fits:
-        smallest = plan(cfg, None, device_bytes, device_type, model=model).n_gpus
+        smallest = smallest_fitting_gpus(cfg, shape, cb, device_bytes)
         notes.append(f"the recommended layout fits from {smallest} GPUs (power of two)")
         need = mem.total / (HEADROOM * device_bytes)
         fixes = "more GPUs, a smaller train.batch_size"
