@@ -383,7 +383,8 @@ def budget_plan(pattern: PatternLike, n_heads: int, T: int, layer: int = 0, rows
     """
     pats = head_patterns(pattern, n_heads)
     rows = range(T) if rows is None else rows
-    static = [SparsityPattern(block_size=p.block_size) if p.dynamic else p for p in pats]
+    # stand-ins that keep the layer's block size; their window is cleared below
+    static = [SparsityPattern(type="local", window=1, block_size=p.block_size) if p.dynamic else p for p in pats]
     plan = plan_pattern(static, n_heads, rows.start, len(rows), T, layer)
     plan.pats = pats
     dyn = [h for h, p in enumerate(pats) if p.dynamic]

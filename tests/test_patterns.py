@@ -165,6 +165,18 @@ def test_block_layout_covers_every_allowed_pair_and_full_blocks_are_all_allowed(
     assert all_allowed[full].all()
 
 
+def test_budget_plan_places_dynamic_budgets_at_the_layer_block_size():
+    T, bs, k = 128, 16, 3
+    pats = [SparsityPattern(type="block_topk", top_k=k, block_size=bs), SparsityPattern(),
+            SparsityPattern(type="vertical_slash", n_vertical=2, n_slash=3, block_size=bs), SparsityPattern()]
+    m = budget_plan(pats, 4, T).token_mask()[0]
+    # block top-k stand-in: the diagonal block and the k-1 before it
+    assert int(m[0].sum()) == sum(q + 1 - max(0, q // bs - k + 1) * bs for q in range(T))
+    assert int(m[2].sum()) == sum(len({c for c in range(min(2, q + 1))} | {q - d for d in range(min(3, q + 1))})
+                                  for q in range(T))
+    assert int(m[1].sum()) == T * (T + 1) // 2
+
+
 def test_budget_plan_density_of_local_pattern_is_exact():
     T, W = 64, 8
     m = budget_plan(SparsityPattern(type="local", window=W), 1, T).token_mask()
@@ -228,3 +240,27 @@ def test_minference_json_maps_to_our_patterns_and_is_checked(tmp_path):
         minference_patterns([{"5": ["stream_llm", 1, 2, 0.0]}], 2, 2)
     with pytest.raises(ConfigError, match=r"minference_json\[0\]\[0\]\.type"):
         minference_patterns([{"0": ["mystery", 1, 2, 0.0]}], 2, 2)
+
+
+def test_minference_tool_folds_identical_heads_into_ranges(tmp_path):
+    from zoo.minference import load_minference
+    vs = ["vertical_and_slash", 1000, 6096, 0.9]
+    data = [{"0": vs, "1": vs, "2": ["stream_llm", 100, 800, 0.5], "3": vs}]
+    path = tmp_path / "mi.json"
+    path.write_text(json.dumps(data))
+    pats = load_minference(str(path), n_layers=1, n_heads=4)
+    assert list(pats) == ["0:0-1", "0:2", "0:3"]
+    grid = AttentionConfig(patterns=pats).layer_head_patterns(1, 4)
+    assert grid == [[minference_patterns(data, 1, 4)[f"0:{h}"] for h in range(4)]]
+
+
+def test_show_attention_draws_a_png_of_every_sparse_layer(tmp_path):
+    from zoo.show_attention import layer_images, main
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "zoo" / "tiny_sparse_attn.yaml"))
+    imgs = layer_images(cfg.model, 64)
+    assert [layer for layer, _ in imgs] == [0, 1, 2, 3]
+    assert imgs[3][1][2][2] == 1.0 and 0 < imgs[0][1][0][2] < 1      # dense head, local head densities
+    out = tmp_path / "a.png"
+    main(["--config", str(Path(__file__).resolve().parents[1] / "zoo" / "tiny_sparse_attn.yaml"),
+          "--length", "64", "--out", str(out)])
+    assert out.read_bytes()[:4] == b"\x89PNG"
