@@ -156,3 +156,28 @@ def _check_clipping_scales_every_shard(rank, world, overrides):
 
 def test_clip_grad_norm_spans_dense_and_expert_meshes():
     spawn(_check_clipping_scales_every_shard, 4, ["parallel.ep=2", "parallel.dp_replicate=2"])
+
+
+def _check_meta_init(rank, world, overrides):
+    from training.parallel import model_init_device
+    cfg = tiny_moe_cfg(*overrides)
+    rep, shard, ep = cfg.parallel.resolve(world, cfg.model.moe.num_experts)
+    state = ParallelState(world, rank, rank, torch.device("cpu"), rep, shard, ep, *build_meshes("cpu", rep, shard, ep))
+    assert model_init_device(cfg, state) == state.device          # tiny: every rank builds it in full
+    model = parallelize(build_model(cfg.model, "meta"), cfg, state)
+    experts = _full(model.layers[0].feed_forward.experts.w1.detach())   # this ep rank's experts
+    wq = _full(model.layers[0].attention.wq.weight.detach())
+    assert abs(wq.std().item() - cfg.model.init_std) < 0.005
+    assert not torch.equal(wq[: wq.shape[0] // 2], wq[wq.shape[0] // 2:])   # shards drew different values
+    everyone = [torch.empty_like(experts) for _ in range(world)]
+    dist.all_gather(everyone, experts.contiguous())
+    # ranks r and r + dp_shard are replicas (identical); ep peers hold different experts
+    assert torch.equal(everyone[rank], everyone[(rank + shard) % world])
+    assert not torch.equal(everyone[rank], everyone[rank ^ 1])
+    x = torch.randint(0, cfg.model.vocab_size, (2, 8))
+    assert torch.isfinite(model.loss(x, x)[0])
+    assert torch.equal(model.rope.inv_freq, build_model(cfg.model).rope.inv_freq)
+
+
+def test_meta_built_model_initialises_distinct_shards_and_identical_replicas():
+    spawn(_check_meta_init, 4, ["parallel.ep=2", "parallel.dp_replicate=2"])

@@ -174,8 +174,9 @@ def parallelize(model: nn.Module, cfg: Config, state: ParallelState) -> nn.Modul
     on_meta = any(p.is_meta for p in model.parameters())
     if cfg.parallel.activation_checkpointing:
         apply_activation_checkpointing(model)
+    seed = cfg.train.seed
     if not state.distributed:
-        return _materialize(model, state.device, on_meta)
+        return _materialize(model, state, on_meta, seed)
     if state.ep > 1:
         from layers.moe_ep import shard_experts
         for moe in _routed_moes(model):
@@ -185,7 +186,7 @@ def parallelize(model: nn.Module, cfg: Config, state: ParallelState) -> nn.Modul
         ckpt_mesh = _expert_checkpoint_mesh(state)
         for moe in _routed_moes(model):
             moe.ep_checkpoint_mesh = ckpt_mesh
-    return _materialize(model, state.device, on_meta)
+    return _materialize(model, state, on_meta, seed)
 
 
 def _fully_shard(model: nn.Module, cfg: Config, state: ParallelState) -> None:
@@ -258,13 +259,56 @@ def checkpoint_views(sd: dict, model: nn.Module) -> dict:
     return out
 
 
-def _materialize(model: nn.Module, device: torch.device, on_meta: bool) -> nn.Module:
+def _materialize(model: nn.Module, state: ParallelState, on_meta: bool, seed: int) -> nn.Module:
     if on_meta:
-        model.to_empty(device=device)
-        with torch.no_grad():
-            model.init_weights()
+        model.to_empty(device=state.device)
+        init_local_shards(model, seed + 1_000_003 * (state.rank % state.dp_shard))
         return model
-    return model.to(device)
+    return model.to(state.device)
+
+
+@torch.no_grad()
+def init_local_shards(model: nn.Module, seed: int) -> None:
+    """``model.init_weights()`` applied to each rank's local shards, from ``seed``.
+
+    The seed is keyed on the rank's ``dp_shard`` coordinate, so shards of one tensor (and experts on
+    different ep ranks, which share their FSDP shard position) differ while HSDP replicas agree. The
+    local tensors are swapped in for the DTensor parameters during the call (same storage), so this does
+    not depend on DTensor's RNG tracker; it needs an elementwise init (normal/zeros/ones), which is what
+    the zoo's ``init_weights`` methods do. Buffers left garbage by ``to_empty`` are zeroed first (the
+    derived ones, like RoPE frequencies, are recomputed by ``init_weights``).
+    """
+    from torch.distributed.tensor import DTensor
+    swapped = []
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if isinstance(p, DTensor):
+                swapped.append((mod, name, p))
+                mod._parameters[name] = nn.Parameter(p.to_local(), requires_grad=False)
+        for name, b in mod._buffers.items():
+            if b is not None and b.is_floating_point():
+                b.zero_()
+    try:
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            torch.manual_seed(seed)
+            model.init_weights()
+    finally:
+        for mod, name, p in swapped:
+            mod._parameters[name] = p
+
+
+def model_init_device(cfg: Config, state: ParallelState, max_fraction: float = 0.25):
+    """Where to build the model before ``parallelize``: ``state.device`` (every rank builds the full
+    model from the same seed, so a run on N ranks starts from the weights of a 1-rank run), or "meta"
+    when the unsharded fp32 weights would take more than ``max_fraction`` of one device's memory (then
+    each rank initialises only its shards, see ``init_local_shards``)."""
+    if not state.distributed:
+        return state.device
+    from zoo.flops import param_counts
+
+    from .plan import device_memory_bytes
+    full = 4 * param_counts(cfg.model).total
+    return "meta" if full > max_fraction * device_memory_bytes(state.device) else state.device
 
 
 @torch.no_grad()
