@@ -1,34 +1,15 @@
 """DST under data parallelism: 2 gloo processes with different per-rank gradients derive identical masks,
 equal to the single-process masks of the summed gradient; DTensor (FSDP2-style Shard(0)) parameters give
 the same masks, with mask buffers sharded like their parameters."""
-import os
-import tempfile
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from layers import DynamicSparsity
+from tests.test_ep import spawn   # forked gloo ranks: spawn(fn, world) runs fn(rank, world) on each
 
 SHAPES = [(16, 32), (32, 16), (8, 32)]   # (out, in); 16 and 32 rows split evenly over 2 ranks, 8 too
 OPTS = dict(sparsity=0.75, update_every=1, total_steps=4, stop_fraction=1.0, drop_schedule="constant")
-
-
-def spawn(fn, world, *args):
-    with tempfile.TemporaryDirectory() as d:
-        # fork: the children inherit the imported modules (spawn would re-import torch per process)
-        mp.start_processes(_entry, args=(fn, world, os.path.join(d, "store"), args), nprocs=world,
-                           join=True, start_method="fork")
-
-
-def _entry(rank, fn, world, store, args):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
 
 
 class Stack(nn.Module):
