@@ -7,7 +7,6 @@ roll the run back to the last checkpoint and move the data stream to a new epoch
 """
 from __future__ import annotations
 
-import math
 import os
 import random
 import time
@@ -27,7 +26,7 @@ from .data import prepare_data, sample_batch
 from .logger import append_metrics, make_logger
 from .metrics import device_peak_flops, moe_metrics
 from .optim import build_optimizer, build_scheduler
-from .parallel import parallelize, setup_parallel
+from .parallel import clip_grad_norm_, model_init_device, parallelize, setup_parallel
 
 
 def seed_everything(seed: int) -> None:
@@ -48,7 +47,7 @@ class Trainer:
         # Same seed on every rank: identical initial weights before sharding.
         seed_everything(cfg.train.seed)
         self.data = prepare_data(cfg, self.par.is_main, self.barrier)
-        model = build_model(cfg.model, self.device)
+        model = build_model(cfg.model, model_init_device(cfg, self.par))   # "meta" when too big to build whole
         self.model = parallelize(model, cfg, self.par)
         self.raw_model = model
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
@@ -150,7 +149,7 @@ class Trainer:
             for k, v in parts.items():
                 parts_sum[k] = parts_sum.get(k, 0.0) + v / c.train.grad_accum
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, c.optim.grad_clip if c.optim.grad_clip > 0 else math.inf)
+        grad_norm = clip_grad_norm_(params, c.optim.grad_clip, self.par)   # spans the dense and expert meshes
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         loss_val = self._all_mean(sum(parts_sum.values()).detach().float().reshape(1))
         finite = bool(torch.isfinite(loss_val).all() and torch.isfinite(grad_norm))
