@@ -68,6 +68,15 @@ def test_setup_parallel_rejects_nccl_on_cpu(monkeypatch):
     assert not dist.is_initialized()
 
 
+def test_setup_parallel_rejects_megablocks_backend_under_ep(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = tiny_moe_cfg("parallel.ep=2")
+    cfg.model.moe.backend = "megablocks"   # set after loading: validation would want megablocks installed
+    with pytest.raises(ConfigError, match="model.moe.backend"):
+        setup_parallel(cfg)
+    assert not dist.is_initialized()
+
+
 def test_single_process_state_has_no_groups():
     state = setup_parallel(tiny_moe_cfg())
     assert (state.world_size, state.rank, state.distributed, state.ep_group) == (1, 0, False, None)

@@ -104,6 +104,9 @@ def setup_parallel(cfg: Config) -> ParallelState:
     (world size 1: no process group)."""
     world, rank, local_rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
     rep, shard, ep = cfg.parallel.resolve(world, moe_num_experts(cfg))
+    if ep > 1 and cfg.model.moe.backend == "megablocks":
+        raise ConfigError("model.moe.backend", "megablocks cannot run under parallel.ep > 1 here (it has its own "
+                          "expert-parallel setup); use auto, grouped or torch")
     device = resolve_device(cfg, local_rank)
     backend = cfg.parallel.backend
     if backend == "auto":
