@@ -3,7 +3,8 @@
 The FFN's hidden units are split into ``num_groups`` equal groups; a router predicts each group's share
 of the activation mass and, in sparse steps, every token computes only its ``top_k_groups`` groups.
 Training schedule over ``train.steps``: dense warm-up (``warmup_fraction``), then sparse and dense steps
-alternating with ``sparse_ratio`` of them sparse, then a dense finish (``finish_fraction``).
+alternating with ``sparse_ratio`` of them sparse, then a dense finish (``finish_fraction``). With
+``recluster`` the groups are re-formed from the warmed-up weights when the warm-up ends.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class NeuronConfig:
     sparse_ratio: float = 0.75          # share of sparse steps between warm-up and finish (0.75 = 3 sparse : 1 dense)
     finish_fraction: float = 0.1        # dense steps at the end, as a fraction of train.steps
     kmeans_iters: int = 20              # balanced k-means iterations when clustering W1 rows (from_dense, recluster)
+    recluster: bool = False             # re-group the units by k-means on the trained W1 rows when warm-up ends
     backend: str = "auto"               # auto | torch | grouped (as model.moe.backend)
 
     def validate(self, key: str = "model.neuron", hidden_dim: Optional[int] = None) -> None:

@@ -21,6 +21,10 @@ Two modes, switched by ``sparse`` (the training schedule sets it through ``set_s
   (``make_plan`` sort, ``moe_permute``, grouped GEMM, ``moe_combine`` with unit weights; the outputs
   of the groups add up, exactly as in the dense FFN). With K == G this is the dense FFN.
 
+``recluster(optimizer)`` re-forms the groups by balanced k-means on the current weights (after a dense
+warm-up; ``recluster: true`` makes ``set_step`` do it when the warm-up ends), permuting the optimizer
+state along.
+
 After each forward: ``aux_loss`` (scalar with grad; ``router_loss_coef * router loss`` in dense mode,
 zero in sparse mode), ``stats`` (detached device tensors): ``active_frac`` (share of groups a token
 computes), ``tokens_per_group [G]`` (sparse), ``router_loss``, ``recall`` (share of each token's true
@@ -43,7 +47,22 @@ from kernels.moe_permute import moe_permute, moe_permute_reference
 from .moe import resolve_backend
 from .moe_experts import GroupedExperts, make_plan
 from .neuron_cluster import cluster_neurons
-from .neuron_schedule import neuron_phase
+from .neuron_schedule import neuron_phase, phase_bounds
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: all-gathered when it is a sharded DTensor (FSDP2), else itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _assign(t: torch.Tensor, value: torch.Tensor) -> None:
+    """``t[...] = value`` for a plain tensor or a DTensor (each rank keeps its shard of the same ``value``)."""
+    if hasattr(t, "full_tensor"):
+        from torch.distributed.tensor import distribute_tensor
+        # src_data_rank=None: every rank holds the same value, so each slices its shard without communication
+        t.to_local().copy_(distribute_tensor(value, t.device_mesh, t.placements, src_data_rank=None).to_local())
+    else:
+        t.copy_(value)
 
 
 def ffn_hidden(x: torch.Tensor, w1: torch.Tensor, w3: Optional[torch.Tensor], activation: str) -> torch.Tensor:
@@ -89,7 +108,7 @@ class NeuronRoutedFFN(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, num_groups: int = 16, top_k_groups: int = 4, *,
                  activation: str = "swiglu", router_loss: str = "ce", router_loss_coef: float = 0.1,
                  warmup_fraction: float = 0.1, sparse_ratio: float = 0.75, finish_fraction: float = 0.1,
-                 kmeans_iters: int = 20, backend: str = "auto", key: str = "neuron"):
+                 kmeans_iters: int = 20, recluster: bool = False, backend: str = "auto", key: str = "neuron"):
         super().__init__()
         if not (isinstance(dim, int) and dim > 0):
             raise ConfigError(f"{key}.dim", f"must be > 0, got {dim}")
@@ -98,7 +117,8 @@ class NeuronRoutedFFN(nn.Module):
         cfg = NeuronConfig(num_groups=num_groups, top_k_groups=top_k_groups, activation=activation,
                            router_loss=router_loss, router_loss_coef=router_loss_coef,
                            warmup_fraction=warmup_fraction, sparse_ratio=sparse_ratio,
-                           finish_fraction=finish_fraction, kmeans_iters=kmeans_iters, backend=backend)
+                           finish_fraction=finish_fraction, kmeans_iters=kmeans_iters, recluster=recluster,
+                           backend=backend)
         cfg.validate(key, hidden_dim)
         self.cfg = cfg
         self.dim, self.hidden_dim = dim, hidden_dim
@@ -155,6 +175,37 @@ class NeuronRoutedFFN(nn.Module):
         self.neuron_index.copy_(order)
         self.router.weight.copy_(self.experts.w1.float().mean(1))
 
+    @torch.no_grad()
+    def recluster(self, optimizer: Optional[torch.optim.Optimizer] = None, seed: int = 0) -> None:
+        """Re-form the groups by balanced k-means on the current W1 (and W3) rows (SSD-style re-clustering).
+
+        The dense function is unchanged: the units are only permuted. Every tensor of ``optimizer``'s state
+        shaped like an expert weight is permuted alike (AdamW is elementwise, so its trajectory is unchanged);
+        the router restarts at the new groups' mean gate rows with fresh optimizer state. FSDP2-sharded
+        (DTensor) weights are gathered, and every rank computes the same clustering from the same values.
+        """
+        H, D, G, Hg = self.hidden_dim, self.dim, self.num_groups, self.group_dim
+        gated = self.activation == "swiglu"
+        w1 = _full(self.experts.w1).reshape(H, D)
+        order = cluster_neurons(w1, _full(self.experts.w3).reshape(H, D) if gated else None, G,
+                                self.cfg.kmeans_iters, seed)
+
+        def rows(t):   # [G, Hg, D] grouped rows -> regrouped
+            return t.reshape(H, D)[order].view(G, Hg, D)
+
+        def cols(t):   # [G, D, Hg] grouped columns -> regrouped
+            return t.permute(1, 0, 2).reshape(D, H)[:, order].reshape(D, G, Hg).permute(1, 0, 2)
+
+        weights = [(self.experts.w1, rows), (self.experts.w2, cols)] + ([(self.experts.w3, rows)] if gated else [])
+        for p, regroup in weights:
+            state = optimizer.state.get(p, {}) if optimizer is not None else {}
+            for t in [p] + [v for v in state.values() if torch.is_tensor(v) and v.shape == p.shape]:
+                _assign(t, regroup(_full(t)))
+        self.neuron_index.copy_(self.neuron_index[order])
+        _assign(self.router.weight, _full(self.experts.w1).float().mean(1).to(self.router.weight.dtype))
+        if optimizer is not None:
+            optimizer.state.pop(self.router.weight, None)   # moments of the old groups mean nothing now
+
     def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """(w1 [H, D], w2 [D, H], w3 [H, D] or None) in the dense FFN's original unit order (differentiable)."""
         H, D = self.hidden_dim, self.dim
@@ -165,11 +216,18 @@ class NeuronRoutedFFN(nn.Module):
         return w1, w2, w3
 
     # -- schedule ---------------------------------------------------------------------------------------
-    def set_step(self, step: int, total_steps: int) -> str:
-        """Set the mode for training step ``step`` of ``total_steps``; returns the phase (neuron_schedule)."""
+    def set_step(self, step: int, total_steps: int, optimizer: Optional[torch.optim.Optimizer] = None) -> str:
+        """Set the mode for training step ``step`` of ``total_steps``; returns the phase (neuron_schedule).
+
+        With ``recluster``, the first step after a non-empty warm-up re-clusters first (``optimizer``'s
+        state is permuted with the weights: pass it whenever there is one).
+        """
         c = self.cfg
         self.phase = neuron_phase(step, total_steps, c.warmup_fraction, c.sparse_ratio, c.finish_fraction)
         self.sparse = self.phase == "sparse"
+        warm = phase_bounds(total_steps, c.warmup_fraction, c.finish_fraction)[0]
+        if c.recluster and warm > 0 and step == warm:
+            self.recluster(optimizer)
         return self.phase
 
     # -- forward ----------------------------------------------------------------------------------------
@@ -242,12 +300,14 @@ def neuron_modules(model: nn.Module) -> list[NeuronRoutedFFN]:
     return [m for m in model.modules() if isinstance(m, NeuronRoutedFFN)]
 
 
-def neuron_schedule_step(model: nn.Module, step: int, total_steps: int) -> Optional[str]:
+def neuron_schedule_step(model: nn.Module, step: int, total_steps: int,
+                         optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[str]:
     """Set the mode of every NeuronRoutedFFN of ``model`` for training step ``step`` (0-based) of
     ``total_steps``; call once per step before the forward. Returns the phase of the first such layer
     ("warmup", "sparse", "dense" or "finish"; see layers.neuron_schedule), None when there is none.
+    Pass the ``optimizer``: layers with ``recluster`` permute its state when they re-cluster.
     """
-    phases = [m.set_step(step, total_steps) for m in neuron_modules(model)]
+    phases = [m.set_step(step, total_steps, optimizer) for m in neuron_modules(model)]
     return phases[0] if phases else None
 
 

@@ -20,11 +20,15 @@ def _steps(fraction: float, total_steps: int) -> int:
     return int(math.floor(fraction * total_steps + 0.5))
 
 
+def phase_bounds(total_steps: int, warmup_fraction: float, finish_fraction: float) -> tuple[int, int]:
+    """(first step after the warm-up, first step of the dense finish)."""
+    return _steps(warmup_fraction, total_steps), total_steps - _steps(finish_fraction, total_steps)
+
+
 def neuron_phase(step: int, total_steps: int, warmup_fraction: float, sparse_ratio: float,
                  finish_fraction: float) -> str:
     """Phase of ``step`` (0-based) in a run of ``total_steps``; steps past the end count as ``finish``."""
-    warm = _steps(warmup_fraction, total_steps)
-    finish_start = total_steps - _steps(finish_fraction, total_steps)
+    warm, finish_start = phase_bounds(total_steps, warmup_fraction, finish_fraction)
     if step < warm:
         return "warmup"
     if step >= finish_start:

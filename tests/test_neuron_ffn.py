@@ -260,3 +260,97 @@ def test_fast_dispatch_path_under_triton_interpreter_equals_reference_path():
     proc = subprocess.run([sys.executable, "-c", FAST_PATH_CHECK], env=env, cwd=root, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# -- re-clustering -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+def test_recluster_keeps_the_function_and_permutes_adam_state_with_the_weights(activation):
+    import copy
+    torch.manual_seed(8)
+    D, H, G = 8, 32, 4
+    a = NeuronRoutedFFN(D, H, G, 2, activation=activation, backend="torch")
+    for p in a.experts.parameters():
+        nn.init.normal_(p, std=0.3)
+    b = copy.deepcopy(a)
+    opt_a, opt_b = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b))
+    x, r = torch.randn(16, D), torch.randn(16, D)
+
+    def step(m, opt):
+        m.sparse = False
+        opt.zero_grad()
+        (m(x) * r).sum().backward()       # task loss only: the router has no gradient and is not stepped
+        opt.step()
+
+    for _ in range(3):
+        step(a, opt_a), step(b, opt_b)
+    before = b(x)
+    b.recluster(opt_b)
+    assert not torch.equal(b.neuron_index, torch.arange(H))                          # units really moved
+    assert sorted(b.neuron_index.tolist()) == list(range(H))
+    torch.testing.assert_close(b(x), before, atol=1e-5, rtol=1e-5)
+    step(a, opt_a), step(b, opt_b)
+    for wa, wb in zip(a.dense_weights(), b.dense_weights()):
+        if wa is not None:
+            torch.testing.assert_close(wb, wa, atol=1e-6, rtol=1e-6)
+
+
+def test_schedule_reclusters_once_when_the_warmup_ends():
+    torch.manual_seed(9)
+    m = NeuronRoutedFFN(8, 32, 4, 2, backend="torch", recluster=True, warmup_fraction=0.2, finish_fraction=0.2)
+    nn.init.normal_(m.experts.w1, std=0.3)
+    phases = []
+    for s in range(4):
+        phases.append(m.set_step(s, 10))
+    assert phases == ["warmup", "warmup", "dense", "sparse"]
+    moved = m.neuron_index.clone()
+    assert not torch.equal(moved, torch.arange(32)) and sorted(moved.tolist()) == list(range(32))
+    m.set_step(4, 10)
+    assert torch.equal(m.neuron_index, moved)                                        # only at the boundary
+
+
+def _check_recluster_under_fsdp2_matches_one_process(rank, world):
+    import copy
+    from training.parallel import ParallelState, build_meshes, parallelize
+    cfg = load_config("zoo/tiny_neuron.yaml", TINY + ["train.device=cpu", "train.batch_size=2"])
+    mesh, dense = build_meshes("cpu", 1, world, 1)
+    state = ParallelState(world, rank, rank, torch.device("cpu"), 1, world, 1, mesh, dense)
+    torch.manual_seed(0)
+    ref = build_model(cfg.model)
+    model = parallelize(copy.deepcopy(ref), cfg, state)
+    opt_ref, opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model))
+    g = torch.Generator().manual_seed(3)
+    batch = (torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g))
+    for m, o in ((ref, opt_ref), (model, opt)):             # one dense step: every rank sees the same batch
+        neuron_schedule_step(m, 0, 10)
+        m.loss(*batch)[0].backward()
+        o.step()
+        o.zero_grad()
+        for layer in m.layers:
+            layer.feed_forward.recluster(o)
+    params = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(params[name].full_tensor(), p, atol=1e-6, rtol=1e-6, msg=name)
+        if ".experts." in name:
+            got = opt.state[params[name]]["exp_avg"].full_tensor()
+            torch.testing.assert_close(got, opt_ref.state[p]["exp_avg"], atol=1e-6, rtol=1e-6, msg=name)
+    for a, b in zip(ref.layers, model.layers):
+        assert torch.equal(a.feed_forward.neuron_index, b.feed_forward.neuron_index)
+        assert not torch.equal(a.feed_forward.neuron_index, torch.arange(32))
+
+
+def test_recluster_of_fsdp2_sharded_weights_matches_one_process():
+    import os
+    import tempfile
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    def entry(rank, store):
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+        try:
+            _check_recluster_under_fsdp2_matches_one_process(rank, 2)
+        finally:
+            dist.destroy_process_group()
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(entry, args=(os.path.join(d, "store"),), nprocs=2, join=True, start_method="fork")
