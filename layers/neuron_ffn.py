@@ -152,8 +152,8 @@ class NeuronRoutedFFN(nn.Module):
         w1 = ffn.w1.weight
         kwargs.setdefault("activation", "swiglu" if hasattr(ffn, "w3") else "relu2")
         m = cls(w1.shape[1], w1.shape[0], num_groups, top_k_groups, **kwargs).to(w1.device, w1.dtype)
-        w3 = ffn.w3.weight if m.activation == "swiglu" else None
-        m.load_dense(w1, ffn.w2.weight, w3)
+        w3 = getattr(ffn, "w3", None)
+        m.load_dense(w1, ffn.w2.weight, None if w3 is None else w3.weight)
         return m
 
     @torch.no_grad()
@@ -165,7 +165,8 @@ class NeuronRoutedFFN(nn.Module):
         pre-activation (MoEfication's similarity routing), so routing is sensible before any training.
         """
         if (w3 is None) != (self.activation == "relu2"):
-            raise ConfigError("neuron.activation", f"{self.activation} {'needs' if w3 is None else 'has no'} w3")
+            raise ConfigError("neuron.activation", f"{self.activation} {'needs a' if w3 is None else 'has no'} "
+                              "w3 (up projection)")
         order = cluster_neurons(w1, w3, self.num_groups, self.cfg.kmeans_iters, seed)
         G, Hg, D = self.num_groups, self.group_dim, self.dim
         self.experts.w1.copy_(w1[order].view(G, Hg, D))

@@ -222,6 +222,13 @@ def test_layer_constructor_validates_like_the_config():
         NeuronRoutedFFN(8, 18, num_groups=4, top_k_groups=2)
 
 
+def test_from_dense_rejects_an_activation_that_does_not_fit_the_ffn():
+    with pytest.raises(ConfigError, match=r"^neuron\.activation: relu2 has no w3"):
+        NeuronRoutedFFN.from_dense(SwiGLU(8, 16), 4, 2, activation="relu2")
+    with pytest.raises(ConfigError, match=r"^neuron\.activation: swiglu needs a w3"):
+        NeuronRoutedFFN.from_dense(ReLU2FFN(8, 16), 4, 2, activation="swiglu")
+
+
 def test_neuron_section_is_ignored_when_no_layer_uses_it():
     cfg = load_config("zoo/tiny_dense.yaml", ["model.neuron.num_groups=5"])
     assert cfg.model.neuron.num_groups == 5
