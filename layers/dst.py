@@ -121,6 +121,7 @@ class DynamicSparsity:
         cfg.validate("dst")
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module                               # parameter names without "module."
+        model = getattr(model, "_orig_mod", model)             # torch.compile wrapper: no "_orig_mod."
         if not (isinstance(total_steps, int) and total_steps > 0):
             raise ConfigError("train.steps", f"DST needs total_steps > 0, got {total_steps}")
         self.cfg, self.model, self.optimizer, self.group = cfg, model, optimizer, process_group
@@ -259,12 +260,11 @@ class DynamicSparsity:
                     self.semi_structured = []
                 self._dense = True
             return
-        if self.cfg.grad_ema is not None:
-            a = self.cfg.grad_ema
+        if self.cfg.grad_ema is not None:                       # S = a |g| + (1 - a) S = lerp(S, |g|, a)
             for t in self.targets:
                 g = t.param().grad
-                if g is not None:
-                    _local(t.buf("score")).mul_(1 - a).add_(_local(g).abs(), alpha=a)
+                if g is not None:                               # one layer's |g| temporary at a time
+                    _local(t.buf("score")).lerp_(_local(g).abs(), self.cfg.grad_ema)
         if self.schedule.is_update(step):
             self._update(step)
         self._apply_masks()
