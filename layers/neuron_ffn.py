@@ -29,7 +29,8 @@ After each forward: ``aux_loss`` (scalar with grad; ``router_loss_coef * router 
 zero in sparse mode), ``stats`` (detached device tensors): ``active_frac`` (share of groups a token
 computes), ``tokens_per_group [G]`` (sparse), ``router_loss``, ``recall`` (share of each token's true
 top-K groups by mass that the router also ranks top-K) and ``mass_captured`` (share of the activation
-mass in the router's top-K groups) in dense mode, where the true masses are known.
+mass in the router's top-K groups) in dense mode, where the true masses are known; the last dense
+forward's router numbers stay in ``router_stats`` through the sparse steps that follow.
 """
 from __future__ import annotations
 
@@ -134,6 +135,7 @@ class NeuronRoutedFFN(nn.Module):
         self._backend: Optional[str] = None
         self.aux_loss = torch.zeros(())
         self.stats: dict = {}
+        self.router_stats: dict = {}    # router_loss, recall, mass_captured of the last dense forward
         self.init_weights()
 
     # -- construction -----------------------------------------------------------------------------------
@@ -291,10 +293,9 @@ class NeuronRoutedFFN(nn.Module):
         K = self.top_k_groups
         pred = logits.detach().topk(K, dim=-1).indices
         hit = torch.zeros_like(target, dtype=torch.bool).scatter_(1, target.topk(K, dim=-1).indices, True)
-        self.stats = {"active_frac": torch.ones((), device=mass.device),
-                      "router_loss": loss.detach(),
-                      "recall": hit.gather(1, pred).float().mean(),
-                      "mass_captured": target.gather(1, pred).sum(-1).mean()}
+        self.router_stats = {"router_loss": loss.detach(), "recall": hit.gather(1, pred).float().mean(),
+                             "mass_captured": target.gather(1, pred).sum(-1).mean()}
+        self.stats = {"active_frac": torch.ones((), device=mass.device), **self.router_stats}
 
 
 def neuron_modules(model: nn.Module) -> list[NeuronRoutedFFN]:
@@ -313,10 +314,13 @@ def neuron_schedule_step(model: nn.Module, step: int, total_steps: int,
 
 
 def neuron_stats(model: nn.Module) -> dict:
-    """Scalars averaged over the NeuronRoutedFFN layers' last forwards (for logging), as ``neuron/<name>``."""
+    """Scalars averaged over the NeuronRoutedFFN layers, as ``neuron/<name>`` (for logging): ``active_frac``
+    of the last forward; ``router_loss``, ``recall``, ``mass_captured`` of the last dense forward.
+    """
     out: dict = {}
     for name in ("active_frac", "router_loss", "recall", "mass_captured"):
-        vals = [m.stats[name].float() for m in neuron_modules(model) if name in m.stats]
+        src = "stats" if name == "active_frac" else "router_stats"
+        vals = [getattr(m, src)[name].float() for m in neuron_modules(model) if name in getattr(m, src)]
         if vals:
             out[f"neuron/{name}"] = torch.stack([v.to(vals[0].device) for v in vals]).mean().detach()
     return out

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from configs import ConfigError, load_config
-from layers import MoE, NeuronRoutedFFN, SwiGLU, moe_aux_loss, neuron_schedule_step, total_aux_loss
+from layers import (MoE, NeuronRoutedFFN, SwiGLU, moe_aux_loss, neuron_schedule_step, neuron_stats,
+                    total_aux_loss)
 from layers.neuron_cluster import balanced_assign, balanced_kmeans, cluster_neurons
 from layers.neuron_schedule import neuron_phase
 from zoo import build_model
@@ -178,7 +179,10 @@ def test_neuron_schedule_step_switches_every_layer_between_dense_and_sparse():
     assert all(m.stats["active_frac"].item() == 1.0 and "recall" in m.stats for m in layers)
     assert neuron_schedule_step(model, 11, 100) == "sparse" and all(m.sparse for m in layers)
     model(tokens)
-    assert all(m.stats["active_frac"].item() == 0.5 for m in layers)
+    assert all(m.stats["active_frac"].item() == 0.5 and "recall" not in m.stats for m in layers)
+    stats = neuron_stats(model)                      # router numbers of the last dense step stay for logging
+    assert stats["neuron/active_frac"].item() == 0.5 and 0.0 <= stats["neuron/recall"].item() <= 1.0
+    assert set(stats) == {"neuron/active_frac", "neuron/router_loss", "neuron/recall", "neuron/mass_captured"}
     assert neuron_schedule_step(model, 95, 100) == "finish" and not any(m.sparse for m in layers)
     assert neuron_schedule_step(nn.Linear(2, 2), 0, 10) is None
 
