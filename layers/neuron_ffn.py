@@ -277,7 +277,8 @@ class NeuronRoutedFFN(nn.Module):
         # Zero, but through the router: its weight then gets a (zero) gradient every step, as data-parallel
         # wrappers that expect every parameter to take part in the backward require.
         self.aux_loss = logits.sum() * 0.0
-        self.stats = {"active_frac": torch.tensor(self.top_k_groups / self.num_groups, device=x.device),
+        # torch.full is a fill kernel; torch.tensor(float, device=cuda) would be a host copy that syncs
+        self.stats = {"active_frac": torch.full((), self.top_k_groups / self.num_groups, device=x.device),
                       "tokens_per_group": plan.counts.float()}
         return y
 
