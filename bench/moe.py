@@ -88,7 +88,8 @@ def zero_grads(*mods_and_tensors):
 
 
 def rel(a, b) -> float:
-    return (float((a.float() - b.float()).norm()) / max(float(b.float().norm()), 1e-30))
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm()) / max(float(b.norm()), 1e-30)
 
 
 def grads_of(moe, x, dy):
@@ -149,6 +150,9 @@ def bench_shape(name, T, D, H, E, K, reps, profile_dir=None) -> dict:
     moe_experts.swiglu = swiglu_reference
     t["ours_eager_swiglu"] = time_ms(fwd_bwd(moe, x, dy), reps, before=zg)
     moe_experts.swiglu = swiglu
+    MoE.low_precision_router = False
+    t["ours_fp32_router"] = time_ms(fwd_bwd(moe, x, dy), reps, before=zg)
+    MoE.low_precision_router = True
     t["torch_reference"] = time_ms(fwd_bwd(ref16, x, dy), max(3, reps // 4), before=zero_grads(ref16, x))
     del ref16
     try:

@@ -21,6 +21,10 @@ import triton.language as tl
 
 from .moe_launch import jit, use_triton
 
+# Kernels here use only triton.language builtins (tl.full, tl.reduce, tl.exp), not its @jit standard
+# library (tl.zeros, tl.sum, tl.sigmoid): those are jitted when triton is first imported, so under a
+# TRITON_INTERPRET=1 set later (a test) they would be compiled functions inside an interpreted kernel.
+
 
 def moe_combine_reference(ys: torch.Tensor, inv: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
     """Pure torch, differentiable: ``out[t] = sum_j w[t, j] * ys[inv[t, j]]`` over valid (>= 0) ``inv``."""
@@ -37,7 +41,7 @@ def _combine_kernel(ys_ptr, inv_ptr, w_ptr, out_ptr, D,
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = offs < D
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc = tl.full([BLOCK_D], 0.0, tl.float32)
     for j in tl.static_range(K):
         src = tl.load(inv_ptr + t * K + j).to(tl.int64)
         # Dropped assignments (-1) are masked loads (no traffic) rather than branches; (offs * 0 + src)
@@ -59,7 +63,7 @@ def _combine_bwd_kernel(dout_ptr, ys_ptr, inv_ptr, w_ptr, dys_ptr, dw_ptr, D,
         dst = tl.load(inv_ptr + t * K + j).to(tl.int64)
         row = tl.maximum(dst, 0) * D
         wj = tl.load(w_ptr + t * K + j).to(tl.float32)
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        acc = tl.full([BLOCK_D], 0.0, tl.float32)
         for d0 in range(0, D, BLOCK_D):
             offs = d0 + tl.arange(0, BLOCK_D)
             m = (offs < D) & ((offs * 0 + dst) >= 0)
@@ -67,7 +71,7 @@ def _combine_bwd_kernel(dout_ptr, ys_ptr, inv_ptr, w_ptr, dys_ptr, dw_ptr, D,
             y = tl.load(ys_ptr + row + offs, mask=m, other=0.0).to(tl.float32)
             acc += g * y
             tl.store(dys_ptr + row + offs, (g * wj).to(dys_ptr.dtype.element_ty), mask=m)
-        tl.store(dw_ptr + t * K + j, tl.sum(acc, axis=0).to(dw_ptr.dtype.element_ty))
+        tl.store(dw_ptr + t * K + j, tl.reduce(acc, 0, tl.standard._sum_combine).to(dw_ptr.dtype.element_ty))
 
 
 def _block_d(D: int) -> int:

@@ -31,7 +31,7 @@ def _swiglu_fwd_kernel(a_ptr, b_ptr, h_ptr, n, BLOCK: tl.constexpr):
     m = offs < n
     a = tl.load(a_ptr + offs, mask=m).to(tl.float32)
     b = tl.load(b_ptr + offs, mask=m).to(tl.float32)
-    h = a * tl.sigmoid(a) * b
+    h = a / (1.0 + tl.exp(-a)) * b      # silu(a) * b; builtins only (see kernels/moe_combine.py)
     tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=m)
 
 
@@ -41,7 +41,7 @@ def _swiglu_bwd_kernel(dh_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, BLOCK: tl.conste
     dh = tl.load(dh_ptr + offs, mask=m).to(tl.float32)
     a = tl.load(a_ptr + offs, mask=m).to(tl.float32)
     b = tl.load(b_ptr + offs, mask=m).to(tl.float32)
-    s = tl.sigmoid(a)
+    s = 1.0 / (1.0 + tl.exp(-a))
     tl.store(da_ptr + offs, (dh * b * s * (1.0 + a * (1.0 - s))).to(da_ptr.dtype.element_ty), mask=m)
     tl.store(db_ptr + offs, (dh * a * s).to(db_ptr.dtype.element_ty), mask=m)
 

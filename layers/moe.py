@@ -37,7 +37,8 @@ from kernels.moe_permute import moe_permute, moe_permute_reference
 
 from .mlp import SwiGLU
 from .moe_experts import GroupedExperts, make_plan
-from .moe_router import balance_loss, noisy_logits, route, router_entropy, tokens_per_expert, z_loss
+from .moe_router import (balance_loss, noisy_logits, route, router_entropy, router_matmul, tokens_per_expert,
+                         z_loss)
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,6 +56,8 @@ class MoE(nn.Module):
 
     # Grouped GEMM group alignment (rows). 1 = unpadded groups, which torch._grouped_mm accepts for bf16.
     group_align: int = 1
+    # bf16 CUDA inputs: router GEMM in bf16 with fp32 output (exact products) instead of an fp32 upcast.
+    low_precision_router: bool = True
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int = 8, top_k: int = 2, *,
                  router: str = "softmax", softmax_before_topk: bool = False, norm_topk: bool = True,
@@ -123,10 +126,9 @@ class MoE(nn.Module):
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> float32 logits [T, E] (noisy in training for noisy_topk). Autocast off: routing in fp32."""
         with torch.autocast(x.device.type, enabled=False):
-            xf = x.float()
-            logits = F.linear(xf, self.gate.weight.float())
+            logits = router_matmul(x, self.gate.weight, self.low_precision_router)
             if hasattr(self, "noise") and self.training:
-                logits = noisy_logits(logits, F.linear(xf, self.noise.weight.float()))
+                logits = noisy_logits(logits, router_matmul(x, self.noise.weight, self.low_precision_router))
         return logits
 
     def route(self, x: torch.Tensor):

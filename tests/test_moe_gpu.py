@@ -37,5 +37,15 @@ def test_grouped_bf16_matches_fp32_reference_within_bf16_error(kw, align):
     assert rel(yf, yr) < 2e-2
     assert rel(xf.grad, xr.grad) < 2e-2
     for (n, pr), pf in zip(ref.named_parameters(), fast.parameters()):
-        assert rel(pf.grad, pr.grad) < 3e-2, n
+        if pr.grad is not None:                     # noise.weight has none in eval
+            assert rel(pf.grad, pr.grad) < 3e-2, n
     torch.testing.assert_close(fast.stats["tokens_per_expert"], ref.stats["tokens_per_expert"])
+
+
+def test_low_precision_router_logits_equal_fp32_logits_of_the_same_values():
+    from layers.moe_router import router_matmul
+    x = torch.randn(4096, 512, device="cuda").bfloat16()
+    w = torch.randn(64, 512, device="cuda").bfloat16()
+    fast = router_matmul(x, w)
+    assert fast.dtype == torch.float32
+    torch.testing.assert_close(fast, x.float() @ w.float().T, rtol=1e-5, atol=1e-4)
