@@ -131,7 +131,6 @@ class NeuronRoutedFFN(nn.Module):
         self.router = nn.Linear(dim, num_groups, bias=False)
         self.register_buffer("neuron_index", torch.arange(hidden_dim))
         self.sparse = True          # the schedule (set_step) switches it per training step
-        self.phase = "sparse"
         self._backend: Optional[str] = None
         self.aux_loss = torch.zeros(())
         self.stats: dict = {}
@@ -226,12 +225,12 @@ class NeuronRoutedFFN(nn.Module):
         state is permuted with the weights: pass it whenever there is one).
         """
         c = self.cfg
-        self.phase = neuron_phase(step, total_steps, c.warmup_fraction, c.sparse_ratio, c.finish_fraction)
-        self.sparse = self.phase == "sparse"
+        phase = neuron_phase(step, total_steps, c.warmup_fraction, c.sparse_ratio, c.finish_fraction)
+        self.sparse = phase == "sparse"
         warm = phase_bounds(total_steps, c.warmup_fraction, c.finish_fraction)[0]
         if c.recluster and warm > 0 and step == warm:
             self.recluster(optimizer)
-        return self.phase
+        return phase
 
     # -- forward ----------------------------------------------------------------------------------------
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
