@@ -9,11 +9,12 @@ from .errors import ConfigError
 from .loader import load_config, save_config, to_dict
 from .model import ModelConfig, RopeScalingConfig
 from .moe import MoEConfig
+from .neuron import NeuronConfig
 from .parallel import ParallelConfig
 from .ranges import assign_ranges, parse_range
 from .run import CheckpointConfig, DataConfig, LoggingConfig, OptimConfig, TrainConfig
 
 __all__ = ["AttentionConfig", "CheckpointConfig", "Config", "ConfigError", "DSTConfig", "DataConfig",
-           "LoggingConfig", "MoEConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RopeScalingConfig",
+           "LoggingConfig", "MoEConfig", "ModelConfig", "NeuronConfig", "OptimConfig", "ParallelConfig", "RopeScalingConfig",
            "TrainConfig", "assign_ranges", "load_config", "parse_range", "save_config", "to_dict",
            "validate_pattern"]

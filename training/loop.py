@@ -18,7 +18,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from configs import Config, ConfigError
-from layers import attention_density, moe_update_bias
+from layers import attention_density, moe_update_bias, neuron_schedule_step, neuron_stats
 from zoo import build_model
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -58,6 +58,7 @@ class Trainer:
             self.dst = DynamicSparsity.from_config(self.model, cfg.dst, self.optimizer, total_steps=cfg.train.steps)
         self.autocast = self._autocast()
         self.step, self.epoch, self.bad_total, self.bad_in_row = 0, 0, 0, 0
+        self.ffn_phase = None
         self.best_val, self.wandb_id = float("inf"), None
         self.val_history: list[tuple[int, float]] = []
         # Different per-rank stream for anything stochastic in the model (router noise, DST SET grow).
@@ -141,6 +142,8 @@ class Trainer:
         """One optimizer step over ``grad_accum`` micro-batches; returns detached metrics."""
         c = self.cfg
         self.model.train()
+        # Neuron-routed FFNs: dense warm-up / sparse-dense alternation / dense finish, a function of the step.
+        self.ffn_phase = neuron_schedule_step(self.raw_model, self.step, c.train.steps, self.optimizer)
         parts_sum: dict[str, torch.Tensor] = {}
         for micro in range(c.train.grad_accum):
             x, y = self.batch(self.step, micro)
@@ -229,6 +232,8 @@ class Trainer:
                     m["mfu"] = m["tokens_per_s"] * self.flops_per_token / (self.peak_flops * self.par.world_size)
                 moe, load = moe_metrics(self.raw_model)
                 m.update(moe)
+                if self.ffn_phase is not None:
+                    m.update(neuron_stats(self.raw_model))
                 if self.dst is not None:
                     m.update({f"dst/{k}": v for k, v in self.dst.stats().items()})
                 self.logger.log({k: v for k, v in m.items() if k != "skipped"}, step=self.step)
