@@ -302,7 +302,9 @@ class PatternPlan:
             lo, hi = (o * bs - (bs - 1)).clamp(0, T), (o * bs + bs).clamp(0, T)
             has_diag = (cs[..., hi] - cs[..., lo]) > 0                                         # [B, H, n] by offset
             touch = touch | ((has_col[:, :, None, :] | has_diag[:, :, off.clamp(min=0)]) & causal)
-        return touch & ~full, full
+        # one batch size for both lists: kernels index partial and full lists with the same strides
+        touch, full = torch.broadcast_tensors(touch, full)
+        return (touch & ~full).contiguous(), full.contiguous()
 
 
 def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: int, layer: int = 0,

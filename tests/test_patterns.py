@@ -160,6 +160,7 @@ def test_block_layout_covers_every_allowed_pair_and_full_blocks_are_all_allowed(
     valid = torch.nn.functional.pad(torch.ones(T, T, dtype=torch.bool), (0, pad, 0, pad)).view(n, bs, n, bs)
     any_allowed = mp.any(3).any(-1)
     all_allowed = (mp | ~valid).all(3).all(-1)
+    assert partial.shape == full.shape     # same batch size, as flex indexes both lists alike
     assert not (partial & full).any()
     assert (partial | full)[any_allowed].all()
     assert all_allowed[full].all()

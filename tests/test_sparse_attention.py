@@ -85,6 +85,36 @@ def test_flex_backend_forward_gqa_extremes(group):
     run_criterion(PATTERNS["mixed"], "flex", B=2, H=8, Hk=8 // group, T=50, grads=False)
 
 
+@pytest.mark.parametrize("name", ["a_shape", "bigbird", "vertical_slash", "block_topk", "mixed"])
+def test_flex_block_lists_reproduce_the_token_mask(name):
+    # Eager flex (the CPU path) ignores the block lists and evaluates mask_mod everywhere; the GPU
+    # kernel visits only listed blocks. Emulate the kernel: full blocks all allowed, partial blocks
+    # through mask_mod, unlisted blocks skipped, per batch element.
+    from layers.patterns import plan_pattern
+    from layers.sparse_attention import flex_block_mask
+    B, H, T = 2, 8, 75
+    q, k, _ = make_inputs(B, H, 2, T)
+    pats = PATTERNS[name]
+    plan = plan_pattern(pats, H, 0, T, T, 0, q, k)
+    want = plan.token_mask().expand(B, H, T, T)
+    bm = flex_block_mask(plan)
+    (pn, pi), (fn, fi) = (bm.kv_num_blocks, bm.kv_indices), (bm.full_kv_num_blocks, bm.full_kv_indices)
+    qi, ki = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    got = torch.zeros(B, H, T, T, dtype=torch.bool)
+    for b in range(B):
+        pb, fb = min(b, pn.shape[0] - 1), min(b, fn.shape[0] - 1)
+        for h in range(H):
+            mm = bm.mask_mod(torch.tensor(b), torch.tensor(h), qi, ki)
+            for qb in range(pn.shape[2]):
+                rows = slice(qb * BS, (qb + 1) * BS)
+                for kb in pi[pb, h, qb, :pn[pb, h, qb]].tolist():
+                    got[b, h, rows, kb * BS:(kb + 1) * BS] |= mm[rows, kb * BS:(kb + 1) * BS]
+                for kb in fi[fb, h, qb, :fn[fb, h, qb]].tolist():
+                    got[b, h, rows, kb * BS:(kb + 1) * BS] = True
+    assert pn.shape[0] == fn.shape[0]
+    assert torch.equal(got & (qi >= ki), want)
+
+
 @pytest.mark.parametrize("name", ["local_sinks", "bigbird", "vertical_slash", "block_topk", "mixed"])
 def test_decode_output_equals_last_row_of_prefill(name):
     torch.manual_seed(0)
