@@ -11,7 +11,9 @@ from typing import Any, Dict, Optional
 from .errors import ConfigError, check, check_choice
 from .ranges import assign_ranges, parse_range
 
-ATTN_BACKENDS = ("auto", "reference", "flex", "triton", "flash_attn")
+# No "triton": our own block-sparse kernel was not kept (FlexAttention's Triton kernel already runs
+# static patterns at the density limit forward on the H200; BENCHMARKS.md "Sparse attention").
+ATTN_BACKENDS = ("auto", "reference", "flex", "flash_attn")
 
 # type -> (required params, optional params). Every pattern also takes block_size and seed.
 PATTERN_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {

@@ -13,7 +13,10 @@ absolute position ``q_offset + i``; returns ``[B, Hq, S, D]``. The mask is the t
 - ``auto``: flex on CUDA for square inputs at or above ``DENSE_CROSSOVER`` tokens; otherwise the
   reference, which below the crossover is the faster way to compute the same masked result.
 
-Our own Triton block-sparse kernel was not kept: see BENCHMARKS.md "Sparse attention" for why.
+Whatever the backend, a pattern that allows every causal pair at this length (a window >= T, budgets
+>= T) runs dense causal SDPA: the same result, faster. There is no ``triton`` backend: FlexAttention's
+generated Triton kernel already reaches the density limit forward on the H200 for static patterns, so
+an own block-sparse kernel had nothing to win there (BENCHMARKS.md "Sparse attention").
 """
 from __future__ import annotations
 
@@ -23,13 +26,16 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from configs.attention import ATTN_BACKENDS
+
 from .attention import dense_causal_attention
 from .patterns import PatternLike, PatternPlan, budget_plan, head_patterns, plan_pattern
 
-BACKENDS = ("auto", "reference", "flex", "flash_attn")
-# Tokens; below this, ``auto`` runs the reference (SDPA + mask). Measured on an H200 by bench/attention.py
-# (BENCHMARKS.md "Sparse attention"): the length where flex's sparse kernel overtakes masked SDPA.
-DENSE_CROSSOVER = 4096
+BACKENDS = ATTN_BACKENDS
+# Tokens; below this, ``auto`` runs the reference (SDPA + materialised mask). Measured on the H200 by
+# bench/attention.py --crossover (BENCHMARKS.md "Sparse attention"): at 2048 tokens flex is already 3.3x
+# faster than masked SDPA (0.56 vs 1.83 ms, A-shape); shorter lengths were not measured.
+DENSE_CROSSOVER = 2048
 # Flex kernel tiling; None = PyTorch's per-GPU defaults. bench/attention.py sweeps alternatives.
 FLEX_KERNEL_OPTIONS: Optional[dict] = None
 _MASK_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
