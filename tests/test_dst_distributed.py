@@ -1,6 +1,7 @@
 """DST under data parallelism: 2 gloo processes with different per-rank gradients derive identical masks,
 equal to the single-process masks of the summed gradient; DTensor (FSDP2-style Shard(0)) parameters give
-the same masks, with mask buffers sharded like their parameters."""
+the same masks, with mask buffers sharded like their parameters; a real FSDP2 (fully_shard) run matches an
+unsharded run fed the mean gradient, masks and weights."""
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -74,3 +75,58 @@ def _check_identical_masks(rank, world):
 
 def test_two_gloo_ranks_with_different_grads_derive_identical_masks():
     spawn(_check_identical_masks, 2)
+
+
+def _batch(rank, step):
+    return torch.randn(4, SHAPES[-1][1], generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+class Chain(nn.Module):
+    """Linear layers chained (16 <- 32 <- 16 <- 32) so a forward runs through every target."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(i, o, bias=False) for o, i in [(16, 32), (32, 16), (8, 32)])
+
+    def forward(self, x):
+        h = torch.tanh(self.layers[0](x))
+        return self.layers[2](torch.tanh(self.layers[1](h)))
+
+
+def _check_fsdp2_matches_single_process(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world,))
+    model = Chain()
+    for lin in model.layers:
+        fully_shard(lin, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dst = DynamicSparsity(model, opt, **OPTS)
+
+    ref = Chain()                                               # unsharded, gradient = mean of both ranks'
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_dst = DynamicSparsity(ref, ref_opt, **OPTS)            # its all-reduce only doubles identical grads
+    for step in (1, 2, 3):
+        model(_batch(rank, step)).square().sum().backward()
+        opt.step()
+        dst.step(step)
+        opt.zero_grad()
+        grads = []
+        for r in range(world):
+            ref.zero_grad()
+            ref(_batch(r, step)).square().sum().backward()
+            grads.append([lin.weight.grad.clone() for lin in ref.layers])
+        for lin, *gs in zip(ref.layers, *grads):
+            lin.weight.grad = sum(gs) / world
+        ref_opt.step()
+        ref_dst.step(step)
+    for lin, rl in zip(model.layers, ref.layers):
+        assert lin.weight_mask.to_local().shape[0] == rl.weight_mask.shape[0] // world
+        assert torch.equal(lin.weight_mask.full_tensor(), rl.weight_mask)
+        torch.testing.assert_close(lin.weight.full_tensor(), rl.weight, rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp2_sharded_masks_equal_the_single_process_masks():
+    spawn(_check_fsdp2_matches_single_process, 2)
