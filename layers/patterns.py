@@ -20,7 +20,8 @@ Every backend (layers.sparse_attention) must compute attention under exactly thi
 - ``dense``: causal.
 
 The input-dependent patterns (vertical_slash, block_topk) estimate from the queries of the *input*;
-decode reproduces prefill's estimate from a short history of queries (layers.Attention keeps it).
+decode reproduces prefill's estimate from a short history of queries (layers.Attention keeps it), so
+each decode step re-estimates: ``last_q x T`` scores, ``last_q`` times a dense decode step's QK^T.
 
 Shapes: B batch, H query heads, S queries, T keys, D head dim, nq/nk query/key blocks.
 """
@@ -32,7 +33,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from configs.attention import PATTERN_TYPES, validate_pattern
+from configs.attention import DEFAULT_BLOCK_SIZE, PATTERN_TYPES, validate_pattern
 from configs.errors import ConfigError
 
 DYNAMIC_TYPES = ("vertical_slash", "block_topk")
@@ -47,7 +48,7 @@ class SparsityPattern:
     window: int = 0
     sinks: int = 0
     random_blocks: int = 0
-    block_size: int = 64
+    block_size: int = DEFAULT_BLOCK_SIZE
     seed: int = 0
     n_vertical: int = 0
     n_slash: int = 0
@@ -238,7 +239,7 @@ class PatternPlan:
 
     ``cols/diags [B, H, T]`` (vertical-slash heads, else False), ``blocks [B, H, nq, nk]`` whole key
     blocks allowed (random or top-k; None when no head uses them), ``window[H]`` / ``sinks[H]``
-    (0 = none; a dense head has ``window = T``), ``q_pos[S]`` absolute query positions.
+    (0 = none; a dense head has ``window = T + 1``), ``q_pos[S]`` absolute query positions.
     """
     pats: list
     layer: int

@@ -5,7 +5,8 @@ absolute position ``q_offset + i``; returns ``[B, Hq, S, D]``. The mask is the t
 ``allowed(q, k)`` of layers.patterns (DESIGN.md conventions); every backend computes exactly it:
 
 - ``reference``: SDPA with the materialised bool mask. The oracle and the CPU path (fwd + bwd).
-- ``flex``: FlexAttention with a BlockMask built straight from block indices (``from_kv_blocks``):
+- ``flex``: FlexAttention with a BlockMask built straight from block indices (``from_kv_blocks``)
+  for square inputs (training, prefill; decode and chunked-prefill rows use the reference):
   blocks wholly inside the pattern are "full" (no per-element mask), the rest carry a ``mask_mod``
   that evaluates the same token rule. Compiled on GPU (fwd + bwd); eager on CPU (forward only is
   supported there by PyTorch). Masks of static patterns are cached per (pattern, layer, length).
@@ -67,9 +68,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
         backend = "flex" if (q.is_cuda and square and T >= crossover) else "reference"
     if backend == "flash_attn":
         return _flash_attn(q, k, v, pats, square)
-    if backend == "flex":
-        if not square:
-            raise ValueError("the flex backend runs square inputs (training, prefill); decode uses the reference")
+    if backend == "flex" and square:   # decode / chunked prefill rows go to the reference: O(S T) mask
         key = (tuple(pats), layer, T, q.device)
         bm = None if any(p.dynamic for p in pats) else _MASK_CACHE.get(key)
         if bm is None:

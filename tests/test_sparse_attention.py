@@ -141,6 +141,22 @@ def test_decode_output_equals_last_row_of_prefill(name):
         torch.testing.assert_close(out[:, 0], pref[:, -1], atol=1e-5, rtol=1e-5)
 
 
+def test_flex_backend_module_decodes_through_the_reference_rows():
+    torch.manual_seed(1)
+    dim, H, T = 32, 4, 40
+    attn = Attention(dim, H, 2, pattern=PATTERNS["bigbird"], backend="flex")
+    attn.init_weights(0.2, 0.2)
+    rope = RotaryEmbedding(dim // H)
+    x = torch.randn(1, T, dim)
+    cos, sin = rope(torch.arange(T))
+    with torch.no_grad():
+        full = attn(x, cos, sin)
+        attn.setup_cache(1, T)
+        attn(x[:, :T - 1], cos[:T - 1], sin[:T - 1], 0)
+        last = attn(x[:, T - 1:], cos[T - 1:], sin[T - 1:], T - 1)
+    torch.testing.assert_close(last[:, 0], full[:, -1], atol=1e-5, rtol=1e-5)
+
+
 def test_sparse_output_differs_from_dense_where_mask_differs():
     q, k, v = make_inputs(1, 2, 2, 64, dtype=torch.float32)
     dense = sparse_attention(q, k, v, SparsityPattern(), backend="reference")
