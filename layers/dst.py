@@ -248,6 +248,8 @@ class DynamicSparsity:
     @torch.no_grad()
     def step(self, step: int) -> None:
         """Call right after ``optimizer.step()`` of training step ``step`` (grads still present)."""
+        if step < self._last_step:                             # a rollback reloaded earlier masks
+            self._dense = False
         self._last_step = step
         if self.schedule.is_dense(step):
             if not self._dense:                                # dense finish: masks become all ones
