@@ -32,3 +32,16 @@ def test_trainer_with_dst_keeps_density_and_resumes_bit_exactly(tmp_path, corpus
     a, b = straight.model.state_dict(), second.model.state_dict()
     assert any(k.endswith("_mask") for k in a)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_trainer_with_dst_on_the_moe_preset_masks_experts_per_expert(tmp_path, corpus_dir):
+    cfg = load_config("zoo/tiny_moe.yaml", tiny_overrides(tmp_path, corpus_dir, **{**DST, "train.steps": 6}))
+    tr = Trainer(cfg)
+    for _ in range(6):
+        tr.train_step()
+    names = {t.name for t in tr.dst.targets}
+    assert any(n.endswith("experts.w1") for n in names) and not any("gate" in n for n in names)
+    for t, k in zip(tr.dst.targets, tr.dst._counts(0.8)):
+        m = t.buf("mask")
+        assert (m.flatten(1).sum(1) == k).all() if m.dim() == 3 else int(m.sum()) == k
+        assert torch.all(t.param()[~m] == 0)
