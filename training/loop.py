@@ -61,7 +61,7 @@ class Trainer:
         self.ffn_phase = None
         self.best_val, self.wandb_id = float("inf"), None
         self.val_history: list[tuple[int, float]] = []
-        # Different per-rank stream for anything stochastic in the model (router noise, DST SET grow).
+        # Different per-rank stream for anything stochastic in the model (router noise on different tokens).
         seed_everything(cfg.train.seed + 1000 * self.par.rank)
         if cfg.checkpoint.resume:
             path = latest_checkpoint(cfg.checkpoint_dir)
