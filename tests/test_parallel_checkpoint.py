@@ -3,7 +3,7 @@
 Two forked gloo ranks train one step of a tiny MoE Transformer with ep=2, save, and resume into a
 model built from another seed: every weight and AdamW moment comes back. The checkpoint holds the
 global ``[E, ...]`` expert tensors (not one ep rank's half), so one process without a process group
-loads it too and gets the experts in the right order.
+loads it too and gets the experts in the right order, and the same ranks load it at another ep degree.
 """
 import os
 import tempfile
@@ -41,6 +41,12 @@ def _make(cfg, world, rank, seed):
     return state, model, opt
 
 
+def _one_step(model, opt, cfg, rank):
+    x = torch.randint(0, cfg.model.vocab_size, (2, 8), generator=torch.Generator().manual_seed(rank))
+    model.loss(x, x)[0].backward()
+    opt.step()
+
+
 def _snapshot(model, opt, state):
     out = {}
     for name, p in model.named_parameters():
@@ -53,9 +59,7 @@ def _snapshot(model, opt, state):
 def _train_save_resume(rank, world, ckpt_dir, overrides):
     cfg = tiny_moe_cfg(*overrides)
     state, model, opt = _make(cfg, world, rank, seed=0)
-    x = torch.randint(0, cfg.model.vocab_size, (2, 8), generator=torch.Generator().manual_seed(rank))
-    model.loss(x, x)[0].backward()
-    opt.step()
+    _one_step(model, opt, cfg, rank)
     want = _snapshot(model, opt, state)
     save_checkpoint(ckpt_dir, 1, model, opt, {"step": 1}, cfg, keep_last=1)
 
@@ -66,6 +70,24 @@ def _train_save_resume(rank, world, ckpt_dir, overrides):
         torch.testing.assert_close(got[k], want[k], atol=0, rtol=0, msg=lambda m: f"{k}: {m}")
     if rank == 0:
         torch.save(want, os.path.join(ckpt_dir, "want.pt"))
+
+
+def _save_ep2_load_ep1(rank, world, ckpt_dir):
+    cfg = tiny_moe_cfg("parallel.ep=2")
+    state, model, opt = _make(cfg, world, rank, seed=0)
+    _one_step(model, opt, cfg, rank)
+    want = _snapshot(model, opt, state)
+    save_checkpoint(ckpt_dir, 1, model, opt, {"step": 1}, cfg, keep_last=1)
+    state1, model1, opt1 = _make(tiny_moe_cfg(), world, rank, seed=5)   # same 2 ranks, ep=1 (experts FSDP-sharded)
+    load_checkpoint(os.path.join(ckpt_dir, "step_00000001"), model1, opt1)
+    for name, p in model1.named_parameters():
+        torch.testing.assert_close(_full(p.detach()), want[name], atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(_full(opt1.state[p]["exp_avg"]), want[name + ":exp_avg"], atol=0, rtol=0)
+
+
+def test_ep2_checkpoint_loads_at_ep1_on_the_same_ranks():
+    with tempfile.TemporaryDirectory() as d:
+        spawn(_save_ep2_load_ep1, 2, d)
 
 
 def test_ep_checkpoint_resumes_under_ep_and_loads_on_one_process():
