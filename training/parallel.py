@@ -1,9 +1,9 @@
-"""Multi-process layout: torchrun environment -> DeviceMesh -> FSDP2 / expert parallel / DDP.
+"""Multi-process layout: torchrun environment -> DeviceMesh -> FSDP2 (+ HSDP) and expert parallelism.
 
     state = setup_parallel(cfg)            # validates degrees, then init_process_group + meshes
-    model = build_model(cfg.model)         # same seed on every rank (or device="meta" for big models)
+    model = build_model(cfg.model, model_init_device(cfg, state))   # same seed on every rank, or "meta"
     model = parallelize(model, cfg, state)
-    ...
+    ... model.loss(x, y).backward(); clip_grad_norm_(model.parameters(), max_norm, state); opt.step()
     teardown_parallel(state)
 
 Layout (configs/parallel.py): ranks are numbered ``r = (replica * efsdp + i) * ep + j``, so the ``ep``
