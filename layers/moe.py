@@ -92,7 +92,8 @@ class MoE(nn.Module):
         if router == "sigmoid" or bias_update_rate > 0:
             self.register_buffer("expert_bias", torch.zeros(num_experts))
         if bias_update_rate > 0:
-            self.register_buffer("load_accum", torch.zeros(num_experts), persistent=False)
+            # int64: model-wide dtype casts (.to(bfloat16)) leave it alone and counts stay exact.
+            self.register_buffer("load_accum", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.experts = GroupedExperts(self.num_local_experts, dim, hidden_dim)
         if shared_experts > 0:
             self.shared = SwiGLU(dim, shared_hidden_dim or hidden_dim * shared_experts)
@@ -121,6 +122,15 @@ class MoE(nn.Module):
             self.shared.init_weights(std, out_std)
             if hasattr(self, "shared_gate"):
                 nn.init.normal_(self.shared_gate.weight, std=std)
+
+    def _apply(self, fn, recurse=True):
+        # The balancing bias stays float32 under model-wide casts: updates of ~1e-3 on values ~1 vanish
+        # in bfloat16 (8 bits of mantissa).
+        super()._apply(fn, recurse)
+        b = self._buffers.get("expert_bias")
+        if b is not None and b.is_floating_point() and b.dtype != torch.float32:
+            self._buffers["expert_bias"] = b.float()
+        return self
 
     # -- routing ----------------------------------------------------------------------------------------
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -211,7 +221,8 @@ class MoE(nn.Module):
         load = self.load_accum
         if group is not None:
             torch.distributed.all_reduce(load, group=group)
-        self.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
+        load_f = load.float()
+        self.expert_bias += self.cfg.bias_update_rate * torch.sign(load_f.mean() - load_f)
         load.zero_()
 
 

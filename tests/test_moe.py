@@ -210,6 +210,17 @@ def test_bias_balancing_lowers_imbalance_on_a_skewed_stream(router):
     assert m.expert_bias.abs().sum() > 0
 
 
+def test_bias_state_stays_exact_under_a_bfloat16_cast():
+    m = MoE(8, 8, 4, 2, router="sigmoid", bias_update_rate=1e-3).to(torch.bfloat16)
+    assert m.expert_bias.dtype == torch.float32 and m.load_accum.dtype == torch.int64
+    m.train()
+    m(torch.randn(5, 8, dtype=torch.bfloat16))
+    assert int(m.load_accum.sum()) == 10
+    moe_update_bias(m)
+    # 10 assignments over 4 experts: no load equals the mean 2.5, so every bias moved by exactly 1e-3
+    torch.testing.assert_close(m.expert_bias.abs(), torch.full((4,), 1e-3), rtol=0, atol=0)
+
+
 def test_bias_changes_selection_only_not_weights():
     m = make_moe(router="sigmoid", norm_topk=False)
     x = torch.randn(9, m.dim)

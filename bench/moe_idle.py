@@ -1,0 +1,75 @@
+"""Where a grouped-MoE step leaves the GPU idle: host syncs and the largest gaps between kernels.
+
+    python bench/moe_idle.py [--shape mixtral]
+
+One forward+backward of ``MoE(..., backend="grouped")`` at a bench/moe.py shape after warm-up:
+(1) under ``torch.cuda.set_sync_debug_mode(1)``, printing every synchronising call; (2) under the
+profiler, printing CPU-side costs and the 12 largest gaps between consecutive kernels, plus the
+kernel span vs busy time. Used for the "why" of BENCHMARKS.md's MoE section.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import warnings
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from layers import MoE  # noqa: E402
+from moe import SHAPES  # noqa: E402  (bench/moe.py)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="mixtral", choices=sorted(SHAPES))
+    a = ap.parse_args()
+    T, D, H, E, K = (SHAPES[a.shape][k] for k in "TDHEK")
+    moe = MoE(D, H, E, K, backend="grouped").cuda().to(torch.bfloat16)
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        for p in moe.parameters():
+            p.grad = None
+        x.grad = None
+        moe(x).backward(dy)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step()
+        torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower() and "prototype" not in str(w.message)]
+    print("synchronising calls:", len(syncs))
+    for w in syncs[:10]:
+        print(" ", str(w.message)[:200], w.filename, w.lineno)
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    ev = sorted((e for e in json.load(open(path))["traceEvents"] if e.get("cat") == "kernel"),
+                key=lambda e: e["ts"])
+    gaps = sorted(((b["ts"] - (a["ts"] + a["dur"]), a["name"][:50], b["name"][:50]) for a, b in zip(ev, ev[1:])),
+                  reverse=True)[:12]
+    for g, before, after in gaps:
+        print(f"gap {g:9.1f} us after {before} before {after}")
+    span = (ev[-1]["ts"] + ev[-1]["dur"] - ev[0]["ts"]) / 1e3
+    print(f"kernel span {span:.2f} ms, busy {sum(e['dur'] for e in ev) / 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
