@@ -6,35 +6,18 @@ the P ranks) on its own uneven slice of tokens, and compares: its output rows, i
 gradient of its local experts, and the all-reduced router gradient (float32, 1e-5).
 """
 import copy
-import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from layers import MoE
 from layers.moe_ep import shard_experts
 
+from test_parallel import spawn   # forks P gloo ranks
+
 D, H, E = 16, 24, 12   # 12 experts split over 2, 3 and 4 ranks
 TOL = dict(atol=1e-5, rtol=1e-5)
-
-
-def spawn(fn, world, *args):
-    with tempfile.TemporaryDirectory() as d:
-        # fork: the children inherit the imported modules (spawn would re-import torch per process)
-        mp.start_processes(_entry, args=(fn, world, os.path.join(d, "store"), args), nprocs=world,
-                           join=True, start_method="fork")
-
-
-def _entry(rank, fn, world, store, args):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
 
 
 def _tokens_per_rank(world):
