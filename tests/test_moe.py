@@ -259,3 +259,22 @@ def test_init_weights_uses_out_std_for_down_projections():
     assert m.experts.w2.std().item() == pytest.approx(0.001, rel=0.1)
     assert m.experts.w1.std().item() == pytest.approx(0.02, rel=0.1)
     assert m.shared.w2.weight.std().item() == pytest.approx(0.001, rel=0.1)
+
+
+def test_moe_presets_build_with_the_documented_sizes():
+    from configs import load_config
+    from zoo import build_model
+    cfg = load_config("zoo/moe_65b.yaml")
+    m = cfg.model
+    assert (m.n_layers, m.dim, m.n_heads, m.vocab_size) == (80, 8192, 64, 32000)
+    assert (m.moe.num_experts, m.moe.top_k, m.expert_hidden_dim) == (256, 8, 2752)
+    assert m.moe.top_k * m.expert_hidden_dim == m.hidden_dim == 22016
+    model = build_model(m, device="meta")
+    total = sum(p.numel() for p in model.parameters())
+    assert 1.35e12 < total < 1.45e12
+    tiny = load_config("zoo/tiny_moe.yaml")
+    model = build_model(tiny.model)
+    tokens = torch.randint(0, tiny.model.vocab_size, (2, 16))
+    loss, parts = model.loss(tokens, tokens)
+    assert parts["aux"] > 0 and torch.isfinite(loss)
+    assert moe_aux_loss(model).item() == pytest.approx(parts["aux"].item())
