@@ -161,11 +161,12 @@ class MoE(nn.Module):
             self.experts.backend = "grouped" if self._backend == "grouped" else "loop"
         return self._backend
 
-    def _dispatch_local(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor):
+    def _dispatch_local(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                        routed: Optional[torch.Tensor] = None):
         """All experts on this rank: x [T, D] -> (y [T, D], kept assignments (scalar tensor))."""
         fast = self.backend(x.device) == "grouped"
         align = self.group_align if fast and x.is_cuda else 1
-        plan = make_plan(indices, self.num_experts, self.capacity(x.shape[0]), align)
+        plan = make_plan(indices, self.num_experts, self.capacity(x.shape[0]), align, routed)
         if fast:
             xs = moe_permute(x, plan.inv, plan.num_rows, not plan.dense)
             ys = self.experts(xs, plan.group_sizes)
@@ -188,7 +189,7 @@ class MoE(nn.Module):
             from .moe_megablocks import megablocks_forward
             y, kept = megablocks_forward(self, x2), routed.sum()
         else:
-            y, kept = self._dispatch_local(x2, indices, weights)
+            y, kept = self._dispatch_local(x2, indices, weights, routed)
         self.stats["dropped_frac"] = (1.0 - kept.float() / max(indices.numel(), 1)).detach()
         if hasattr(self, "shared"):
             s = self.shared(x2)

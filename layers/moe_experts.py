@@ -38,31 +38,38 @@ class DispatchPlan:
 
 
 def make_plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int] = None,
-              align: int = 1) -> DispatchPlan:
+              align: int = 1, routed: Optional[torch.Tensor] = None) -> DispatchPlan:
     """indices [T, K] -> DispatchPlan. ``capacity``: max assignments kept per expert (None = dropless).
 
     ``align``: pad every expert's group to a multiple of this many rows (grouped-GEMM kernels that need
     aligned group starts); padding rows are zero-filled inputs whose outputs nobody reads.
+    ``routed``: the per-expert assignment counts when the caller already has them.
     """
     T, K = indices.shape
     flat = indices.reshape(-1)
     n = flat.numel()
     order = torch.argsort(flat, stable=True)                    # [T*K] assignment at each sorted position
-    routed = tokens_per_expert(indices, num_experts)
+    if routed is None:
+        routed = tokens_per_expert(indices, num_experts)
+    arange = torch.arange(n, device=flat.device)
+    inv = torch.empty(n, dtype=torch.int32, device=flat.device)
+    if capacity is None and align == 1:
+        # Dropless, unpadded: the sorted position is the row. Few launches matter here: the routing
+        # stage is CPU-launch-bound at the start of a forward (BENCHMARKS.md, MoE layer).
+        inv[order] = arange.to(torch.int32)
+        return DispatchPlan(inv.view(T, K), routed, routed, routed, n, dense=True)
     sorted_e = flat[order]
     starts = torch.cumsum(routed, 0) - routed
-    rank = torch.arange(n, device=flat.device) - starts[sorted_e]   # position within its expert
+    rank = arange - starts[sorted_e]                            # position within its expert
     counts = routed if capacity is None else routed.clamp(max=capacity)
     sizes = counts if align == 1 else (counts + align - 1) // align * align
     new_starts = torch.cumsum(sizes, 0) - sizes
     pos = new_starts[sorted_e] + rank
     if capacity is not None:
         pos = torch.where(rank < capacity, pos, torch.full_like(pos, -1))
-    inv = torch.empty(n, dtype=torch.int32, device=flat.device)
     inv[order] = pos.to(torch.int32)
     num_rows = n + (num_experts * (align - 1) if align > 1 else 0)
-    return DispatchPlan(inv.view(T, K), counts, sizes, routed, num_rows,
-                        dense=capacity is None and align == 1)
+    return DispatchPlan(inv.view(T, K), counts, sizes, routed, num_rows, dense=False)
 
 
 def swiglu_rows(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

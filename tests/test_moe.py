@@ -278,3 +278,19 @@ def test_moe_presets_build_with_the_documented_sizes():
     loss, parts = model.loss(tokens, tokens)
     assert parts["aux"] > 0 and torch.isfinite(loss)
     assert moe_aux_loss(model).item() == pytest.approx(parts["aux"].item())
+
+
+def test_dropless_plan_shortcut_equals_the_general_plan_and_sorts_stably():
+    from layers.moe_experts import make_plan
+    idx = torch.stack([torch.randperm(6)[:3] for _ in range(17)])
+    fast, general = make_plan(idx, 6), make_plan(idx, 6, capacity=17 * 3)
+    assert fast.dense and not general.dense
+    torch.testing.assert_close(fast.inv, general.inv)
+    torch.testing.assert_close(fast.counts, general.counts)
+    flat_inv, flat_e = fast.inv.reshape(-1).long(), idx.reshape(-1)
+    by_row = torch.empty_like(flat_e)
+    by_row[flat_inv] = flat_e
+    assert torch.all(by_row[1:] >= by_row[:-1])            # rows grouped by expert
+    for e in range(6):                                      # earlier assignments first within an expert
+        rows = flat_inv[flat_e == e]
+        assert torch.all(rows[1:] > rows[:-1])
