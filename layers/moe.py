@@ -162,18 +162,23 @@ class MoE(nn.Module):
         return self._backend
 
     def _dispatch_local(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                        routed: Optional[torch.Tensor] = None):
-        """All experts on this rank: x [T, D] -> (y [T, D], kept assignments (scalar tensor))."""
+                        routed: Optional[torch.Tensor] = None, run_experts=None):
+        """All experts on this rank: x [T, D] -> (y [T, D], kept assignments (scalar tensor)).
+
+        ``run_experts(xs[N, D], group_sizes[E]) -> [N, D]`` replaces ``self.experts`` on the sorted
+        buffer (expert parallelism: layers.moe_ep sends the rows to the ranks owning the experts).
+        """
         fast = self.backend(x.device) == "grouped"
         align = self.group_align if fast and x.is_cuda else 1
         plan = make_plan(indices, self.num_experts, self.capacity(x.shape[0]), align, routed)
+        run_experts = run_experts or self.experts
         if fast:
             xs = moe_permute(x, plan.inv, plan.num_rows, not plan.dense)
-            ys = self.experts(xs, plan.group_sizes)
+            ys = run_experts(xs, plan.group_sizes)
             y = moe_combine(ys, plan.inv, weights, not plan.dense)
         else:
             xs = moe_permute_reference(x, plan.inv, plan.num_rows)
-            ys = self.experts(xs, plan.group_sizes)
+            ys = run_experts(xs, plan.group_sizes)
             y = moe_combine_reference(ys, plan.inv, weights)
         return y, plan.counts.sum()
 
@@ -184,7 +189,7 @@ class MoE(nn.Module):
         routed = self._record(logits, probs, indices)
         if self.ep_group is not None:
             from .moe_ep import ep_dispatch
-            y, kept = ep_dispatch(self, x2, indices, weights)
+            y, kept = ep_dispatch(self, x2, indices, weights, routed)
         elif self.backend(x.device) == "megablocks":
             from .moe_megablocks import megablocks_forward
             y, kept = megablocks_forward(self, x2), routed.sum()

@@ -21,6 +21,8 @@ The split sizes go to the host (``.tolist()``): all_to_all_single takes Python l
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -86,35 +88,23 @@ def ep_run_experts(xs_ND: torch.Tensor, sizes_E: torch.Tensor, experts: nn.Modul
     return torch.cat([y, y.new_zeros(xs_ND.shape[0] - n_send, *y.shape[1:])])
 
 
-def ep_dispatch(moe: nn.Module, x_TD: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor):
+def ep_dispatch(moe: nn.Module, x_TD: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor,
+                routed_E: Optional[torch.Tensor] = None):
     """``MoE.forward``'s dispatch stage under ``moe.ep_group``. A group of one rank holds every expert,
     so it takes the local path unchanged (EP degree 1 costs nothing); otherwise ``all_to_all_dispatch``.
     Returns ``(y [T, D], kept assignments (scalar tensor))``."""
     if dist.get_world_size(moe.ep_group) == 1:
-        return moe._dispatch_local(x_TD, indices_TK, weights_TK)
-    return all_to_all_dispatch(moe, x_TD, indices_TK, weights_TK)
+        return moe._dispatch_local(x_TD, indices_TK, weights_TK, routed_E)
+    return all_to_all_dispatch(moe, x_TD, indices_TK, weights_TK, routed_E)
 
 
-def all_to_all_dispatch(moe: nn.Module, x_TD: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor):
-    """Same plan, permute and combine as ``MoE._dispatch_local`` (global expert ids, this rank's
-    tokens); the experts run through ``ep_run_experts``."""
-    from kernels.moe_combine import moe_combine, moe_combine_reference
-    from kernels.moe_permute import moe_permute, moe_permute_reference
-
-    from .moe_experts import make_plan
-    fast = moe.backend(x_TD.device) == "grouped"
-    align = moe.group_align if fast and x_TD.is_cuda else 1
-    plan = make_plan(indices_TK, moe.num_experts, moe.capacity(x_TD.shape[0]), align)
-    if fast:
-        xs = moe_permute(x_TD, plan.inv, plan.num_rows, not plan.dense)
-    else:
-        xs = moe_permute_reference(x_TD, plan.inv, plan.num_rows)
-    ys = ep_run_experts(xs, plan.group_sizes, moe.experts, moe.ep_group)
-    if fast:
-        y = moe_combine(ys, plan.inv, weights_TK, not plan.dense)
-    else:
-        y = moe_combine_reference(ys, plan.inv, weights_TK)
-    return y, plan.counts.sum()
+def all_to_all_dispatch(moe: nn.Module, x_TD: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor,
+                        routed_E: Optional[torch.Tensor] = None):
+    """``MoE._dispatch_local`` (same plan over global expert ids, permute and combine of this rank's
+    tokens) with the experts run by ``ep_run_experts`` over ``moe.ep_group``."""
+    def run(xs_ND, sizes_E):
+        return ep_run_experts(xs_ND, sizes_E, moe.experts, moe.ep_group)
+    return moe._dispatch_local(x_TD, indices_TK, weights_TK, routed_E, run_experts=run)
 
 
 @torch.no_grad()
