@@ -67,6 +67,16 @@ except ImportError:  # torch built without distributed
     DTensor, distribute_tensor = (), None
 
 
+def is_dst_target(name: str, p: torch.Tensor, include, exclude) -> bool:
+    """A >= 2-D parameter whose name matches an ``include`` fnmatch pattern and no ``exclude`` one."""
+    return p.dim() >= 2 and any(fnmatch(name, pat) for pat in include) and not any(fnmatch(name, pat) for pat in exclude)
+
+
+def dst_bytes_per_weight(grad_ema) -> int:
+    """Buffers per masked weight: the bool mask and ever-active flag, plus a float32 EMA score."""
+    return 2 + (4 if grad_ema is not None else 0)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a (possibly DTensor) tensor; in-place ops on it change the original."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -152,8 +162,7 @@ class DynamicSparsity:
     def _find_targets(self) -> list[_Target]:
         cfg, out = self.cfg, []
         for name, p in self.model.named_parameters():
-            if p.dim() < 2 or not any(fnmatch(name, pat) for pat in cfg.include) \
-                    or any(fnmatch(name, pat) for pat in cfg.exclude):
+            if not is_dst_target(name, p, cfg.include, cfg.exclude):
                 continue
             mod_name, _, attr = name.rpartition(".")
             shape = (1, *p.shape) if p.dim() == 2 else (p.shape[0], p.shape[1], math.prod(p.shape[2:]))

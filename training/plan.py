@@ -60,10 +60,11 @@ class Memory:
     optimizer: float
     fsdp_buffers: float
     activations: float
+    dst_masks: float = 0.0      # DST mask / ever-active / EMA-score buffers, sharded like the weights
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.fsdp_buffers + self.activations
+        return self.weights + self.grads + self.optimizer + self.fsdp_buffers + self.activations + self.dst_masks
 
 
 @dataclass
@@ -94,9 +95,11 @@ class _Shape:
     max_block_dense: int        # largest transformer block, dense part
     max_block_expert: int       # largest transformer block, routed experts (all E)
     num_experts: Optional[int]  # routed experts per MoE layer (None: no MoE layer)
+    dst_dense: int = 0          # DST-masked weights outside routed experts
+    dst_expert: int = 0         # DST-masked routed-expert weights
 
 
-def _shape(model) -> _Shape:
+def _shape(model, cfg: Optional[Config] = None) -> _Shape:
     counts = count_params(model)
     blocks_dense, blocks_expert, experts = [0], [0], None
     for block in getattr(model, "layers", []):
@@ -104,7 +107,18 @@ def _shape(model) -> _Shape:
         experts = next((m.num_experts for m in block.modules() if is_routed_moe(m)), experts)
         blocks_dense.append(sum(p.numel() for p in block.parameters()) - e)
         blocks_expert.append(e)
-    return _Shape(counts.total - counts.expert, counts.expert, max(blocks_dense), max(blocks_expert), experts)
+    dst_dense = dst_expert = 0
+    if cfg is not None and cfg.dst.enabled:
+        from layers.dst import is_dst_target
+        expert_ids = {id(p) for m in model.modules() if is_routed_moe(m) for p in m.experts.parameters()}
+        for name, p in model.named_parameters():
+            if is_dst_target(name, p, cfg.dst.include, cfg.dst.exclude):
+                if id(p) in expert_ids:
+                    dst_expert += p.numel()
+                else:
+                    dst_dense += p.numel()
+    return _Shape(counts.total - counts.expert, counts.expert, max(blocks_dense), max(blocks_expert), experts,
+                  dst_dense, dst_expert)
 
 
 def activation_bytes_per_token(cfg: Config, compute_bytes: int, checkpointing: bool) -> float:
@@ -143,8 +157,10 @@ def memory_per_gpu(cfg: Config, shape: _Shape, layout: Layout, compute_bytes: in
     buffers = (2 * gathered_block * compute_bytes + gathered_block * compute_bytes) if layout.fsdp and shard > 1 else 0
     tokens = cfg.train.batch_size * cfg.train.seq_len
     acts = tokens * activation_bytes_per_token(cfg, compute_bytes, layout.activation_checkpointing)
+    dst_held = shape.dst_dense / shard + shape.dst_expert / (layout.ep * (shard // layout.ep if layout.fsdp else 1))
+    from layers.dst import dst_bytes_per_weight
     return Memory(weights=held * FP32, grads=held * FP32, optimizer=held * FP32 * ADAM_STATES,
-                  fsdp_buffers=buffers, activations=acts)
+                  fsdp_buffers=buffers, activations=acts, dst_masks=dst_held * dst_bytes_per_weight(cfg.dst.grad_ema))
 
 
 def _divisors(n: int) -> list[int]:
@@ -193,7 +209,7 @@ def plan(cfg: Config, n_gpus: Optional[int] = None, device_bytes: float = H200_B
     if model is None:
         from zoo import build_model
         model = build_model(cfg.model, "meta")
-    counts, shape = count_params(model), _shape(model)
+    counts, shape = count_params(model), _shape(model, cfg)
     cb = _compute_bytes(cfg, device_type)
     notes = []
     if n_gpus is None:
@@ -247,6 +263,7 @@ def format_plan(p: Plan) -> str:
         f"    optimizer     {m.optimizer / GB:9.1f} GB",
         f"    fsdp buffers  {m.fsdp_buffers / GB:9.1f} GB",
         f"    activations   {m.activations / GB:9.1f} GB",
+        *([f"    dst masks     {m.dst_masks / GB:9.1f} GB"] if m.dst_masks else []),
         f"    total         {m.total / GB:9.1f} GB of {cap / GB:.0f} GB ({100 * m.total / cap:.0f}%) -> "
         + ("fits" if p.fits else "DOES NOT FIT"),
     ]
