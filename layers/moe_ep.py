@@ -66,8 +66,7 @@ def ep_run_experts(xs_ND: torch.Tensor, sizes_E: torch.Tensor, experts: nn.Modul
     recv_PL = torch.empty_like(sizes_E)
     dist.all_to_all_single(recv_PL, sizes_E, group=group)
     recv_PL = recv_PL.view(P, L)
-    in_splits = sizes_E.view(P, L).sum(1).tolist()
-    out_splits = recv_PL.sum(1).tolist()
+    in_splits, out_splits = torch.stack([sizes_E.view(P, L).sum(1), recv_PL.sum(1)]).tolist()   # one host sync
     n_send = sum(in_splits)
     # 2. rows out, grouped by source rank then by local expert
     x_recv = all_to_all(xs_ND[:n_send], out_splits, in_splits, group)
