@@ -103,10 +103,18 @@ def test_check_fits_passes_for_tiny_preset():
 
 
 def test_config_layout_that_does_not_fit_is_reported_with_the_fix():
-    cfg = preset("moe_65b.yaml", "parallel.ep=8")
+    cfg = preset("moe_65b.yaml", "parallel.ep=8", "parallel.activation_checkpointing=false", "dst.enabled=false")
     p = plan(cfg, n_gpus=256)
     assert p.layout_source == "config" and p.layout.ep == 8 and not p.fits
     assert any("activation_checkpointing=true" in n for n in p.notes)
     assert any("fits from 256 GPUs" in n for n in p.notes)
-    ok = plan(preset("moe_65b.yaml", "parallel.ep=8", "parallel.activation_checkpointing=true"), n_gpus=256)
+    ok = plan(preset("moe_65b.yaml", "parallel.ep=8", "dst.enabled=false"), n_gpus=256)
     assert ok.fits
+
+
+def test_dst_masks_are_counted_and_their_fix_suggested():
+    with_dst, without = plan(preset("moe_65b.yaml"), n_gpus=256), plan(preset("moe_65b.yaml", "dst.enabled=false"), n_gpus=256)
+    # 2 B (mask + ever-active) + 4 B (EMA score) per masked weight, sharded over 256 ranks
+    assert 30e9 < with_dst.memory.dst_masks < 36e9 and without.memory.dst_masks == 0
+    assert not with_dst.fits and without.fits
+    assert any("dst.grad_ema=null" in n for n in with_dst.notes)

@@ -236,6 +236,7 @@ def plan(cfg: Config, n_gpus: Optional[int] = None, device_bytes: float = H200_B
         need = mem.total / (HEADROOM * device_bytes)
         fixes = "more GPUs, a smaller train.batch_size"
         fixes += "" if layout.activation_checkpointing else " or parallel.activation_checkpointing=true"
+        fixes += ", dst.grad_ema=null (4 B less per masked weight)" if mem.dst_masks and cfg.dst.grad_ema is not None else ""
         notes.append(f"does not fit: needs {need:.2f}x the usable {HEADROOM:.0%} of device memory; try {fixes}")
     return out
 
