@@ -72,28 +72,33 @@ def make_plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int] =
     return DispatchPlan(inv.view(T, K), counts, sizes, routed, num_rows, dense=False)
 
 
-def swiglu_rows(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """One expert: x [n, D], w1/w3 [H, D], w2 [D, H] -> [n, D]."""
-    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+def expert_hidden(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """x [n, D], w1/w3 [H, D] -> hidden [n, H]: ``silu(x w1^T) * x w3^T`` (swiglu) or ``relu(x w1^T)^2`` (relu2)."""
+    a = F.linear(x, w1)
+    return F.silu(a) * F.linear(x, w3) if activation == "swiglu" else F.relu(a).square()
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stacked HF-style: w1 (gate) [E, H, D], w3 (up) [E, H, D], w2 (down) [E, D, H].
+    """E experts stacked HF-style: w1 (gate) [E, H, D], w3 (up) [E, H, D], w2 (down) [E, D, H].
 
+    ``activation`` "swiglu" (default) or "relu2" (squared ReLU, Primer: ``w2 relu(w1 x)^2``, no w3).
     ``forward(xs[N, D], counts[E]) -> [N, D]``; ``backend`` is "loop" or "grouped" (set by the owner).
     """
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, activation: str = "swiglu"):
         super().__init__()
-        self.num_experts, self.dim, self.hidden_dim = num_experts, dim, hidden_dim
+        if activation not in ("swiglu", "relu2"):
+            raise ValueError(f"unknown expert activation {activation!r}")
+        self.num_experts, self.dim, self.hidden_dim, self.activation = num_experts, dim, hidden_dim, activation
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim)) if activation == "swiglu" else None
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.backend = "loop"
 
     def init_weights(self, std: float = 0.02, out_std: float = 0.02) -> None:
         nn.init.normal_(self.w1, std=std)
-        nn.init.normal_(self.w3, std=std)
+        if self.w3 is not None:
+            nn.init.normal_(self.w3, std=std)
         nn.init.normal_(self.w2, std=out_std)
 
     def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -103,10 +108,12 @@ class GroupedExperts(nn.Module):
 
     def _loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         pieces, start = [], 0
+        w1, w2 = self.w1.to(xs.dtype), self.w2.to(xs.dtype)
+        w3 = self.w3.to(xs.dtype) if self.w3 is not None else None
         for e, n in enumerate(counts.tolist()):
             if n:
-                w = (self.w1[e], self.w3[e], self.w2[e])
-                pieces.append(swiglu_rows(xs[start:start + n], *(t.to(xs.dtype) for t in w)))
+                h = expert_hidden(xs[start:start + n], w1[e], w3[e] if w3 is not None else None, self.activation)
+                pieces.append(F.linear(h, w2[e]))
             start += n
         pieces.append(xs.new_zeros(xs.shape[0] - start, self.dim))
         return torch.cat(pieces)
@@ -114,7 +121,10 @@ class GroupedExperts(nn.Module):
     def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # One grouped GEMM per projection over all experts; offs are group ends (int32, on device: no sync).
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        w1, w3, w2 = (w.to(xs.dtype) for w in (self.w1, self.w3, self.w2))
-        h = swiglu(torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs),
-                   torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs))
+        w1, w2 = self.w1.to(xs.dtype), self.w2.to(xs.dtype)
+        a = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)
+        if self.activation == "swiglu":
+            h = swiglu(a, torch._grouped_mm(xs, self.w3.to(xs.dtype).transpose(-2, -1), offs=offs))
+        else:
+            h = F.relu(a).square()
         return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)

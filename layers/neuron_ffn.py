@@ -46,7 +46,7 @@ from kernels.moe_combine import moe_combine, moe_combine_reference
 from kernels.moe_permute import moe_permute, moe_permute_reference
 
 from .moe import resolve_backend
-from .moe_experts import GroupedExperts, make_plan
+from .moe_experts import GroupedExperts, expert_hidden, make_plan
 from .neuron_cluster import cluster_neurons
 from .neuron_schedule import neuron_phase, phase_bounds
 
@@ -64,43 +64,6 @@ def _assign(t: torch.Tensor, value: torch.Tensor) -> None:
         t.to_local().copy_(distribute_tensor(value, t.device_mesh, t.placements, src_data_rank=None).to_local())
     else:
         t.copy_(value)
-
-
-def ffn_hidden(x: torch.Tensor, w1: torch.Tensor, w3: Optional[torch.Tensor], activation: str) -> torch.Tensor:
-    """x [n, D], w1/w3 [h, D] -> hidden activations [n, h]: ``silu(x w1^T) * x w3^T`` or ``relu(x w1^T)^2``."""
-    a = F.linear(x, w1)
-    return F.silu(a) * F.linear(x, w3) if activation == "swiglu" else F.relu(a).square()
-
-
-class SquaredReLUExperts(nn.Module):
-    """G squared-ReLU experts (Primer, So et al. 2021: ``w2 relu(w1 x)^2``), GroupedExperts' interface
-    without w3: w1 [G, Hg, D], w2 [G, D, Hg]; ``forward(xs[N, D], counts[G]) -> [N, D]``.
-    """
-
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
-        super().__init__()
-        self.num_experts, self.dim, self.hidden_dim = num_experts, dim, hidden_dim
-        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.backend = "loop"
-
-    def init_weights(self, std: float = 0.02, out_std: float = 0.02) -> None:
-        nn.init.normal_(self.w1, std=std)
-        nn.init.normal_(self.w2, std=out_std)
-
-    def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w1, w2 = self.w1.to(xs.dtype), self.w2.to(xs.dtype)
-        if self.backend == "grouped" and xs.is_cuda and xs.dtype == torch.bfloat16:
-            offs = torch.cumsum(counts, 0, dtype=torch.int32)   # group ends, on device: no host sync
-            h = F.relu(torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)).square()
-            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
-        pieces, start = [], 0
-        for g, n in enumerate(counts.tolist()):
-            if n:
-                pieces.append(F.linear(ffn_hidden(xs[start:start + n], w1[g], None, "relu2"), w2[g]))
-            start += n
-        pieces.append(xs.new_zeros(xs.shape[0] - start, self.dim))
-        return torch.cat(pieces)
 
 
 class NeuronRoutedFFN(nn.Module):
@@ -126,8 +89,7 @@ class NeuronRoutedFFN(nn.Module):
         self.num_groups, self.top_k_groups = num_groups, top_k_groups
         self.group_dim = hidden_dim // num_groups
         self.activation = activation
-        experts = GroupedExperts if activation == "swiglu" else SquaredReLUExperts
-        self.experts = experts(num_groups, dim, self.group_dim)
+        self.experts = GroupedExperts(num_groups, dim, self.group_dim, activation)
         self.router = nn.Linear(dim, num_groups, bias=False)
         self.register_buffer("neuron_index", torch.arange(hidden_dim))
         self.sparse = True          # the schedule (set_step) switches it per training step
@@ -257,7 +219,7 @@ class NeuronRoutedFFN(nn.Module):
     def _dense(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         G, Hg, H, D = self.num_groups, self.group_dim, self.hidden_dim, self.dim
         w3 = self.experts.w3.reshape(H, D) if self.activation == "swiglu" else None
-        h = ffn_hidden(x, self.experts.w1.reshape(H, D), w3, self.activation)         # [T, H]
+        h = expert_hidden(x, self.experts.w1.reshape(H, D), w3, self.activation)         # [T, H]
         y = torch.einsum("tgh,gdh->td", h.view(-1, G, Hg), self.experts.w2.to(h.dtype))
         self._record_dense(h.detach().float().abs().view(-1, G, Hg).sum(-1), logits)
         return y
