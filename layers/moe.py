@@ -23,12 +23,10 @@ router_entropy; all device tensors, no host sync).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from configs import ConfigError, MoEConfig

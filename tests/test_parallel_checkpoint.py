@@ -11,7 +11,6 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from configs import load_config
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.parallel import ParallelState, build_meshes, parallelize
 from zoo import build_model
