@@ -11,14 +11,23 @@ from .neuron import NeuronConfig
 from .ranges import assign_ranges
 
 FFN_TYPES = ("dense", "moe", "neuron")
-ROPE_SCALINGS = ("none", "linear", "ntk")
+ROPE_SCALINGS = ("none", "linear", "ntk", "llama3")
 
 
 @dataclass
 class RopeScalingConfig:
-    type: str = "none"                 # none | linear (position interpolation) | ntk (NTK-aware theta)
+    type: str = "none"                 # none | linear (position interpolation) | ntk (NTK-aware theta) | llama3
     factor: float = 1.0                # context extension factor
-    original_max_seq_len: int = 2048   # length the base model was trained at
+    original_max_seq_len: int = 2048   # length the base model was trained at (llama3: where its bands are set)
+    low_freq_factor: float = 1.0       # llama3: wavelengths > original_max_seq_len / this are divided by factor
+    high_freq_factor: float = 4.0      # llama3: wavelengths < original_max_seq_len / this are kept; blended between
+
+    def validate(self, key: str = "model.rope_scaling") -> None:
+        check_choice(self.type, ROPE_SCALINGS, f"{key}.type")
+        check(self.factor >= 1.0, f"{key}.factor", f"must be >= 1, got {self.factor}")
+        check_positive(self, key, "original_max_seq_len", "low_freq_factor", "high_freq_factor")
+        check(self.high_freq_factor > self.low_freq_factor, f"{key}.high_freq_factor",
+              f"must be > low_freq_factor={self.low_freq_factor}, got {self.high_freq_factor}")
 
 
 @dataclass
@@ -81,9 +90,7 @@ class ModelConfig:
               f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}")
         check(self.head_dim % 2 == 0, f"{key}.dim", f"head_dim={self.head_dim} must be even for RoPE")
         check_choice(self.ffn, FFN_TYPES, f"{key}.ffn")
-        check_choice(self.rope_scaling.type, ROPE_SCALINGS, f"{key}.rope_scaling.type")
-        check(self.rope_scaling.factor >= 1.0, f"{key}.rope_scaling.factor",
-              f"must be >= 1, got {self.rope_scaling.factor}")
+        self.rope_scaling.validate(f"{key}.rope_scaling")
         types = self.layer_ffn_types()
         if "moe" in types:
             self.moe.validate(f"{key}.moe")

@@ -2,7 +2,8 @@
 
 Three HF families map onto the zoo Transformer exactly (same logits):
 
-- ``llama``: dense SwiGLU, GQA, rope_theta, linear RoPE scaling, tied or untied embeddings.
+- ``llama``: dense SwiGLU, GQA, rope_theta, linear or Llama 3.1 (``llama3``) RoPE scaling, tied or untied
+  embeddings.
 - ``mixtral``: every FFN an MoE, softmax router over all experts, top-k, renormalised.
 - ``qwen2_moe``: MoE with one always-on shared expert scaled by ``sigmoid(shared_expert_gate(x))``,
   top-k weights renormalised only with ``norm_topk_prob``, q/k/v biases, dense layers where
@@ -43,12 +44,20 @@ def hf_rope(hc) -> tuple[float, RopeScalingConfig]:
         factor = float(params["factor"])
         orig = int(round(hc.max_position_embeddings / factor))
         return theta, RopeScalingConfig(type="linear", factor=factor, original_max_seq_len=orig)
+    if kind == "llama3":
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            check(name in params, f"hf.rope_parameters.{name}", "llama3 RoPE scaling needs it")
+        # 5.x fills a missing original_max_position_embeddings with max_position_embeddings; so do we
+        orig = int(params.get("original_max_position_embeddings") or hc.max_position_embeddings)
+        return theta, RopeScalingConfig(type="llama3", factor=float(params["factor"]), original_max_seq_len=orig,
+                                        low_freq_factor=float(params["low_freq_factor"]),
+                                        high_freq_factor=float(params["high_freq_factor"]))
     if kind == "dynamic":
         raise ConfigError("hf.rope_parameters.rope_type",
                           "HF dynamic NTK recomputes theta from the current sequence length; moezoo's ntk "
                           "scaling is static (theta * factor**(d/(d-2))), so no moezoo RoPE matches it at every length")
     raise ConfigError("hf.rope_parameters.rope_type", f"RoPE type {kind!r} has no moezoo equivalent "
-                      "(supported: default, linear)")
+                      "(supported: default, linear, llama3)")
 
 
 def _check_common(hc) -> None:
@@ -165,6 +174,16 @@ def _renormalised(m: MoEConfig) -> bool:
     return m.norm_topk or not m.softmax_before_topk
 
 
+def hf_rope_scaling(rs: RopeScalingConfig) -> Optional[dict]:
+    """The HF ``rope_scaling`` dict of a linear or llama3 scaling; None for none/ntk (ntk is a larger theta)."""
+    if rs.type == "linear":
+        return {"rope_type": "linear", "factor": rs.factor}
+    if rs.type == "llama3":
+        return {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+                "high_freq_factor": rs.high_freq_factor, "original_max_position_embeddings": rs.original_max_seq_len}
+    return None
+
+
 def config_to_hf(cfg: ModelConfig):
     """The transformers config of the HF family that computes the same function as ``cfg``."""
     import transformers
@@ -175,7 +194,7 @@ def config_to_hf(cfg: ModelConfig):
     if rope_type == "ntk":  # static NTK-aware scaling is just a larger theta
         rope_theta = cfg.rope_theta * cfg.rope_scaling.factor ** (cfg.head_dim / (cfg.head_dim - 2))
     # rope_theta + rope_scaling: the 4.x keywords, which 5.x folds into rope_parameters
-    scaling = {"rope_type": "linear", "factor": cfg.rope_scaling.factor} if rope_type == "linear" else None
+    scaling = hf_rope_scaling(cfg.rope_scaling)
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.hidden_dim,
                   num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
                   num_key_value_heads=cfg.kv_heads, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,

@@ -67,7 +67,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling.type, cfg.rope_scaling.factor)
+        rs = cfg.rope_scaling
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, rs.type, rs.factor, rs.low_freq_factor,
+                                    rs.high_freq_factor, rs.original_max_seq_len)
         grid = cfg.attention.layer_head_patterns(cfg.n_layers, cfg.n_heads)
         self.layers = nn.ModuleList(
             TransformerBlock(cfg, i, t, build_attention_pattern(cfg, i, grid))
