@@ -252,6 +252,7 @@ class PatternPlan:
     cols: Optional[torch.Tensor]
     diags: Optional[torch.Tensor]
     q_block0: int
+    q_start: int
 
     def token_mask(self) -> torch.Tensor:
         """bool ``[B or 1, H, S, T]``."""
@@ -266,12 +267,18 @@ class PatternPlan:
             kb = torch.div(k_pos, bs, rounding_mode="floor")
             keep = keep | self.blocks[:, :, qb][:, :, :, kb]
         if self.cols is not None:
-            keep = keep | self.cols[:, :, None, :]
-            dd = d.clamp(min=0)
-            Bc = self.diags.shape[0]
-            keep = keep | torch.gather(self.diags[:, :, None, :].expand(Bc, H, d.shape[0], self.T), 3,
-                                       dd[None, None].expand(Bc, H, *dd.shape))
+            keep = keep | self.cols[:, :, None, :] | self._diag_rows()
         return keep & (d >= 0)
+
+    def _diag_rows(self) -> torch.Tensor:
+        """``diags[q - k]`` as bool ``[B, H, S, T]`` (False where k > q), by sliding a window, not gathering.
+
+        With ``r = [flip(diags), 0 * T]`` row q is ``r[T-1-q : 2T-1-q]``: windows of one padded row.
+        """
+        T, S, q0 = self.T, self.q_pos.numel(), self.q_start
+        r = torch.cat([self.diags.flip(-1), torch.zeros_like(self.diags)], dim=-1)        # [B, H, 2T]
+        lo = T - q0 - S                                                                     # start of the last row
+        return r[..., lo:lo + S - 1 + T].unfold(-1, T, 1).flip(2)
 
     def block_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(partial, full)`` bool ``[B or 1, H, nq, nk]`` for a square plan (queries = keys 0..T-1).
@@ -282,7 +289,7 @@ class PatternPlan:
         ``partial`` (correct, only slower).
         """
         bs, T, dev = self.block_size, self.T, self.q_pos.device
-        if self.q_pos.numel() != T or self.q_block0 != 0:
+        if self.q_pos.numel() != T or self.q_start != 0:
             raise ValueError("block_layout needs queries at positions 0..T-1")
         n = (T + bs - 1) // bs
         off = torch.arange(n, device=dev)[:, None] - torch.arange(n, device=dev)[None, :]     # qb - kb
@@ -355,7 +362,7 @@ def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: in
                 full |= blocks
             full[:, bt] |= pick
             blocks = full
-    return PatternPlan(pats, layer, bs, q_pos, T, win, sinks, blocks, cols, diags, qb0)
+    return PatternPlan(pats, layer, bs, q_pos, T, win, sinks, blocks, cols, diags, qb0, q_start)
 
 
 def _kv_for_heads(k: torch.Tensor, heads: Sequence[int], n_heads: int) -> torch.Tensor:
@@ -377,7 +384,8 @@ def pattern_mask(pattern: PatternLike, q_len: int, kv_len: int, n_heads: int, la
     return m if q is not None else m[0]
 
 
-def budget_plan(pattern: PatternLike, n_heads: int, T: int, layer: int = 0, rows: Optional[range] = None) -> PatternPlan:
+def budget_plan(pattern: PatternLike, n_heads: int, T: int, layer: int = 0, rows: Optional[range] = None,
+                device=None) -> PatternPlan:
     """A plan that needs no input: input-dependent heads get the places their budgets allow.
 
     Vertical-slash heads take columns ``0 .. n_vertical-1`` and diagonals ``0 .. n_slash-1``; block
@@ -388,26 +396,26 @@ def budget_plan(pattern: PatternLike, n_heads: int, T: int, layer: int = 0, rows
     rows = range(T) if rows is None else rows
     # stand-ins that keep the layer's block size; their window is cleared below
     static = [SparsityPattern(type="local", window=1, block_size=p.block_size) if p.dynamic else p for p in pats]
-    plan = plan_pattern(static, n_heads, rows.start, len(rows), T, layer)
+    plan = plan_pattern(static, n_heads, rows.start, len(rows), T, layer, device=device)
     plan.pats = pats
     dyn = [h for h, p in enumerate(pats) if p.dynamic]
     if not dyn:
         return plan
-    idx = torch.arange(T)
+    idx = torch.arange(T, device=device)
     plan.window, plan.sinks = plan.window.clone(), plan.sinks.clone()
     plan.window[dyn] = 0
-    cols = torch.zeros(1, n_heads, T, dtype=torch.bool)
+    cols = torch.zeros(1, n_heads, T, dtype=torch.bool, device=device)
     diags = torch.zeros_like(cols)
     nq = (rows.stop - 1) // plan.block_size - plan.q_block0 + 1 if len(rows) else 0
     nk = (T + plan.block_size - 1) // plan.block_size
-    qb = torch.arange(plan.q_block0, plan.q_block0 + nq)[:, None]
-    blocks = torch.zeros(1, n_heads, nq, nk, dtype=torch.bool) if plan.blocks is None else plan.blocks.clone()
+    qb = torch.arange(plan.q_block0, plan.q_block0 + nq, device=device)[:, None]
+    blocks = torch.zeros(1, n_heads, nq, nk, dtype=torch.bool, device=device) if plan.blocks is None else plan.blocks.clone()
     for h in dyn:
         p = pats[h]
         if p.type == "vertical_slash":
             cols[0, h], diags[0, h] = idx < p.n_vertical, idx < p.n_slash
         else:
-            off = qb - torch.arange(nk)[None, :]
+            off = qb - torch.arange(nk, device=device)[None, :]
             blocks[0, h] = (off >= 0) & (off < p.top_k)
     plan.cols, plan.diags, plan.blocks = cols, diags, blocks
     return plan

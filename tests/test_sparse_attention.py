@@ -169,12 +169,16 @@ def test_attention_density_per_layer_and_head():
     T, W = 96, 16
     attn = Attention(32, 4, 2, pattern=[SparsityPattern(type="local", window=W)] * 2 + [SparsityPattern()] * 2,
                      layer_id=3)
-    d = attention_density(attn, T, chunk=40)
+    d = attention_density(attn, T, chunk=40)      # exact: every row counted
     exact = sum(min(W, q + 1) for q in range(T)) / (T * (T + 1) / 2)
     assert d["layer3/head0"] == pytest.approx(exact) and d["layer3/head3"] == 1.0
     assert d["layer3"] == pytest.approx((2 * exact + 2) / 4) and d["mean"] == d["layer3"]
     vs = Attention(32, 2, 2, pattern=SparsityPattern(type="vertical_slash", n_vertical=4, n_slash=4), layer_id=0)
     assert 0 < attention_density(vs, T)["layer0/head1"] < 0.2
+    T = 6000                                       # long: evenly spaced row chunks estimate it
+    est = attention_density(attn, T, max_rows=512, chunk=64)["layer3/head0"]
+    exact = sum(min(W, q + 1) for q in range(T)) / (T * (T + 1) / 2)
+    assert est == pytest.approx(exact, rel=0.01)
 
 
 def test_unknown_backend_and_bad_gqa_raise():
