@@ -164,7 +164,8 @@ def _group_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     B, H, L, D = q.shape
     Hk = k.shape[1]
     qg = q.float().view(B, Hk, H // Hk, L, D)
-    s = torch.einsum("bkgld,bktd->bkglt", qg, k.float()) * D ** -0.5
+    with torch.autocast(q.device.type, enabled=False):    # index choice in float32 even under bf16 autocast
+        s = torch.einsum("bkgld,bktd->bkglt", qg, k.float()) * D ** -0.5
     return s.reshape(B, H, L, -1)
 
 

@@ -265,3 +265,13 @@ def test_show_attention_draws_a_png_of_every_sparse_layer(tmp_path):
     main(["--config", str(Path(__file__).resolve().parents[1] / "zoo" / "tiny_sparse_attn.yaml"),
           "--length", "64", "--out", str(out)])
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_estimated_indices_do_not_change_under_bf16_autocast():
+    torch.manual_seed(3)
+    q, k = torch.randn(1, 4, 50, 16), torch.randn(1, 2, 50, 16)
+    for p in (SparsityPattern(type="vertical_slash", n_vertical=4, n_slash=4, last_q=8),
+              SparsityPattern(type="block_topk", top_k=2, block_size=8)):
+        plain = pattern_mask(p, 50, 50, 4, q=q, k=k)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(pattern_mask(p, 50, 50, 4, q=q, k=k), plain)
