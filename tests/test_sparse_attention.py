@@ -181,6 +181,28 @@ def test_attention_density_per_layer_and_head():
     assert est == pytest.approx(exact, rel=0.01)
 
 
+def test_flash_attn_backend_maps_window_to_flash_attn_convention(monkeypatch):
+    """flash-attn is not installed here: a stand-in with flash-attn's documented semantics (BSHD layout,
+    query i sees keys i - window_size[0] .. i + window_size[1], causal) checks our call."""
+    import sys
+    import types
+
+    def flash_attn_func(q, k, v, causal=False, window_size=(-1, -1)):
+        assert causal and window_size[1] == 0
+        S = q.shape[1]
+        i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+        mask = (j <= i) & (j >= i - window_size[0])
+        return plain_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask).transpose(1, 2)
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=flash_attn_func))
+    q, k, v = make_inputs(2, 4, 2, 70, dtype=torch.float32)
+    got = sparse_attention(q, k, v, PATTERNS["local"], backend="flash_attn")
+    want = sparse_attention(q, k, v, PATTERNS["local"], backend="reference")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="one causal window"):
+        sparse_attention(q, k, v, PATTERNS["a_shape"], backend="flash_attn")
+
+
 def test_unknown_backend_and_bad_gqa_raise():
     q, k, v = make_inputs(1, 4, 3, 8)
     with pytest.raises(ValueError, match="multiple"):
