@@ -98,7 +98,7 @@ def plain_flex(q, k, v, plan):
     if _plain_compiled is None:
         _plain_compiled = torch.compile(flex_attention)
     S = q.shape[2]
-    mask_mod = sa_mod.flex_block_mask(plan).mask_mod
+    mask_mod = sa_mod.plan_mask_mod(plan)
     bm = create_block_mask(mask_mod, 1, H, S, S, device="cuda", BLOCK_SIZE=BS, _compile=True)
     return lambda: _plain_compiled(q, k, v, block_mask=bm, enable_gqa=True), bm
 

@@ -125,14 +125,10 @@ def _kv_blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num, idx.contiguous()
 
 
-def flex_block_mask(plan: PatternPlan):
-    """A FlexAttention BlockMask for a square plan: full/partial blocks from ``plan.block_layout()``
-    and a ``mask_mod`` evaluating the plan's token rule on partial blocks."""
-    from torch.nn.attention.flex_attention import BlockMask
+def plan_mask_mod(plan: PatternPlan):
+    """The plan's token rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (square plans)."""
     bs, T = plan.block_size, plan.T
-    n = (T + bs - 1) // bs
-    Tp = n * bs                       # tables padded so any index inside a padded block is in bounds
-    partial, full = plan.block_layout()
+    Tp = (T + bs - 1) // bs * bs      # tables padded so any index inside a padded block is in bounds
     win, sinks = plan.window.to(torch.int32), plan.sinks.to(torch.int32)
     blocks, cols, diags = plan.blocks, None, None
     if plan.cols is not None:
@@ -151,9 +147,18 @@ def flex_block_mask(plan: PatternPlan):
             keep = keep | cols[bb, h, kv_idx] | diags[bb, h, torch.where(d >= 0, d, 0)]
         return (d >= 0) & keep
 
+    return mask_mod
+
+
+def flex_block_mask(plan: PatternPlan):
+    """A FlexAttention BlockMask for a square plan: full/partial blocks from ``plan.block_layout()``
+    (built from indices, never by evaluating the mask per block) and ``plan_mask_mod`` on partial blocks."""
+    from torch.nn.attention.flex_attention import BlockMask
+    partial, full = plan.block_layout()
     pn, pi = _kv_blocks(partial)
     fn, fi = _kv_blocks(full)
-    return BlockMask.from_kv_blocks(pn, pi, fn, fi, BLOCK_SIZE=bs, mask_mod=mask_mod, seq_lengths=(T, T))
+    return BlockMask.from_kv_blocks(pn, pi, fn, fi, BLOCK_SIZE=plan.block_size, mask_mod=plan_mask_mod(plan),
+                                    seq_lengths=(plan.T, plan.T))
 
 
 def flex_attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:
