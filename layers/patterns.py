@@ -180,6 +180,7 @@ def _topk_per_head(score: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
     return out.scatter_(-1, idx, rank_ok.expand_as(idx))
 
 
+@torch.no_grad()   # indices only: nothing differentiable leaves, so record no graph
 def estimate_vertical_slash(q_est: torch.Tensor, k: torch.Tensor, est_pos: range,
                             n_vertical: Sequence[int], n_slash: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """MInference's online index estimation.
@@ -212,6 +213,7 @@ def _block_mean(x: torch.Tensor, start: int, bs: int, n_blocks: int) -> torch.Te
     return s / cnt.clamp(min=1)[:, None]
 
 
+@torch.no_grad()
 def estimate_block_topk(q_pool_src: torch.Tensor, src_start: int, k: torch.Tensor, q_blocks: torch.Tensor,
                         first: int, bs: int, top_k: Sequence[int]) -> torch.Tensor:
     """Block top-k by mean-pooled scores.
