@@ -25,6 +25,8 @@ class MoEConfig:
     shared_experts: int = 0               # always-on experts (DeepSeekMoE / Qwen2-MoE)
     shared_hidden_dim: Optional[int] = None  # hidden size of the shared expert block; None = hidden_dim * shared_experts
     shared_gate: bool = False             # Qwen2-MoE: sigmoid gate on the shared expert output
+    global_balance: bool = True           # balance loss on the global data-parallel batch (= one process);
+                                          # false: each rank's own tokens (megablocks / torchtitan)
     backend: str = "auto"                 # auto | torch | grouped | megablocks
 
     def validate(self, key: str = "model.moe") -> None:

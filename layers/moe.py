@@ -62,7 +62,7 @@ class MoE(nn.Module):
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
                  capacity_factor: Optional[float] = None, shared_experts: int = 0,
                  shared_hidden_dim: Optional[int] = None, shared_gate: bool = False,
-                 backend: str = "auto", ep_group=None, key: str = "moe"):
+                 global_balance: bool = True, backend: str = "auto", ep_group=None, key: str = "moe"):
         super().__init__()
         if not (isinstance(dim, int) and dim > 0):
             raise ConfigError(f"{key}.dim", f"must be > 0, got {dim}")
@@ -71,7 +71,7 @@ class MoE(nn.Module):
                         aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
                         bias_update_rate=bias_update_rate, capacity_factor=capacity_factor,
                         shared_experts=shared_experts, shared_hidden_dim=shared_hidden_dim,
-                        shared_gate=shared_gate, backend=backend)
+                        shared_gate=shared_gate, global_balance=global_balance, backend=backend)
         cfg.validate(key)
         if backend == "megablocks":
             from .moe_megablocks import check_megablocks_config
@@ -79,6 +79,8 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, num_experts, top_k
         self.ep_group = ep_group
+        # Data-parallel group for the global balance loss; set by training.parallel (None = this rank only).
+        self.balance_group = None
         ep_size = 1 if ep_group is None else ep_group.size()
         if num_experts % ep_size:
             raise ConfigError(f"{key}.num_experts", f"{num_experts} experts do not split over {ep_size} EP ranks")
@@ -205,7 +207,7 @@ class MoE(nn.Module):
     def _record(self, logits: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         routed = tokens_per_expert(indices, self.num_experts)
         c = self.cfg
-        bal = balance_loss(probs, routed, self.top_k)
+        bal = balance_loss(probs, routed, self.top_k, self.balance_group if c.global_balance else None)
         z = z_loss(logits)
         self.aux_loss = c.aux_loss_coef * bal + c.z_loss_coef * z
         self.aux_parts = {"balance": bal.detach(), "z": z.detach()}

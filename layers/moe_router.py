@@ -64,14 +64,26 @@ def tokens_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
         0, flat, torch.ones_like(flat))
 
 
-def balance_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
+def balance_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int, group=None) -> torch.Tensor:
     """Switch balance loss ``E * sum_e f_e * P_e`` with f_e = counts_e / (T * K), P_e = mean_t probs[t, e].
 
     Normalised as in megablocks / Megatron (1.0 when perfectly balanced); HF's value is K times this.
+    ``group``: a data-parallel process group over which f and P are taken on the *global* batch
+    (Megatron's "global" aux loss), so the loss and its gradient equal one process seeing every rank's
+    tokens. P is all-reduced with autograd (its backward sums the ranks' gradients), which together
+    with the data-parallel gradient average gives exactly the single-process router gradient.
     """
     T, E = probs.shape
-    f = counts.to(probs.dtype) / max(T * top_k, 1)
-    return E * (f * probs.mean(0)).sum()
+    p = probs.mean(0)
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        from torch.distributed.nn.functional import all_reduce
+        world = torch.distributed.get_world_size(group)
+        counts = counts.clone()
+        torch.distributed.all_reduce(counts, group=group)
+        p = all_reduce(p, group=group) / world
+        T = T * world
+    f = counts.to(p.dtype) / max(T * top_k, 1)
+    return E * (f * p).sum()
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:

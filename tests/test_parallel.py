@@ -24,7 +24,8 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 def tiny_moe_cfg(*overrides):
     return load_config(None, ["model.vocab_size=64", "model.dim=16", "model.n_layers=2", "model.n_heads=2",
                               "model.ffn=moe", "model.moe.num_experts=4", "model.moe.top_k=2",
-                              "model.moe.hidden_dim=24", "model.moe.aux_loss_coef=0.0", "model.max_seq_len=16",
+                              "model.moe.hidden_dim=24", "model.moe.aux_loss_coef=0.1", "model.moe.z_loss_coef=0.01",
+                              "model.max_seq_len=16",
                               "train.seq_len=8", "train.batch_size=2", "train.device=cpu", *overrides])
 
 
@@ -118,7 +119,9 @@ def _check_grads_match_one_process(rank, world, overrides):
     batches = [(torch.randint(0, V, (B, S), generator=g), torch.randint(0, V, (B, S), generator=g))
                for _ in range(world)]
 
-    sum(ref.loss(*b)[0] for b in batches).div(world).backward()
+    # One process over the global batch: the balance loss is global (MoEConfig.global_balance) and the
+    # mean cross-entropy / z-loss of equal-size rank batches average to the global mean.
+    ref.loss(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))[0].backward()
     assert model is not ref
     loss, _ = model.loss(*batches[rank])
     loss.backward()

@@ -1,8 +1,8 @@
 """train.py under torchrun on CPU (gloo) with expert parallelism: zoo/tiny_moe.yaml at ep=2.
 
-The balance loss is computed from each rank's own tokens (as in megablocks and torchtitan), so it is
-switched off where 2 ranks must reproduce 1 rank's losses: everything else (routing, all-to-all
-dispatch, expert gradients over the expert mesh, clipping across meshes) is then exact.
+The balance loss is taken over the global batch (``model.moe.global_balance``, the default), so 2 ranks
+reproduce 1 rank's losses with it on; with ``global_balance=false`` (each rank's own tokens, as in
+megablocks and torchtitan) they differ by the balance term.
 """
 import os
 import shutil
@@ -11,14 +11,12 @@ import pytest
 
 from tests.test_torchrun import _train
 
-NO_BALANCE = "model.moe.aux_loss_coef=0"
 
 
 @pytest.mark.slow
 def test_two_rank_ep2_run_matches_one_rank_with_the_same_global_batch(tmp_path, corpus_dir):
-    one = _train(str(tmp_path / "one"), corpus_dir, 1, NO_BALANCE, preset="zoo/tiny_moe.yaml", batch=8)
-    two = _train(str(tmp_path / "two"), corpus_dir, 2, NO_BALANCE, "parallel.ep=2", preset="zoo/tiny_moe.yaml",
-                 batch=4)
+    one = _train(str(tmp_path / "one"), corpus_dir, 1, preset="zoo/tiny_moe.yaml", batch=8)
+    two = _train(str(tmp_path / "two"), corpus_dir, 2, "parallel.ep=2", preset="zoo/tiny_moe.yaml", batch=4)
     assert len(one) == len(two) == 6
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-5, (one, two)
 

@@ -180,6 +180,9 @@ def parallelize(model: nn.Module, cfg: Config, state: ParallelState) -> nn.Modul
     seed = cfg.train.seed
     if not state.distributed:
         return _materialize(model, state, on_meta, seed)
+    for moe in _routed_moes(model):
+        # Every rank is a data-parallel rank: the global balance loss spans the world.
+        moe.balance_group = dist.group.WORLD
     if state.ep > 1:
         from layers.moe_ep import shard_experts
         for moe in _routed_moes(model):
