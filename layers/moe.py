@@ -117,6 +117,8 @@ class MoE(nn.Module):
             nn.init.zeros_(self.noise.weight)
         if hasattr(self, "expert_bias"):
             self.expert_bias.zero_()
+        if hasattr(self, "load_accum"):
+            self.load_accum.zero_()   # integer buffer: a meta-device build leaves it uninitialised
         self.experts.init_weights(std, out_std)
         if hasattr(self, "shared"):
             self.shared.init_weights(std, out_std)

@@ -104,6 +104,8 @@ class NeuronRoutedFFN(nn.Module):
     def init_weights(self, std: float = 0.02, out_std: float = 0.02) -> None:
         self.experts.init_weights(std, out_std)
         nn.init.normal_(self.router.weight, std=std)
+        # Fresh groups are contiguous unit ranges (from_dense re-clusters); also repairs a meta-device build.
+        self.neuron_index.copy_(torch.arange(self.neuron_index.numel(), device=self.neuron_index.device))
 
     @classmethod
     def from_dense(cls, ffn: nn.Module, num_groups: int, top_k_groups: int, **kwargs) -> "NeuronRoutedFFN":

@@ -92,3 +92,20 @@ def test_transformer_loss_is_cross_entropy_of_logits():
     ref = torch.nn.functional.cross_entropy(model(tok).flatten(0, 1), tgt.flatten())
     torch.testing.assert_close(loss, ref)
     torch.testing.assert_close(parts["ce"], ref)
+
+
+@pytest.mark.parametrize("preset,overrides", [
+    ("zoo/tiny_moe.yaml", ["model.moe.bias_update_rate=0.001"]),
+    ("zoo/tiny_neuron.yaml", []),
+])
+def test_meta_build_then_init_weights_leaves_no_uninitialised_buffer(preset, overrides):
+    """What FSDP2's meta-device path does for big models: to_empty (garbage), then init_weights."""
+    cfg = load_config(preset, overrides).model
+    model = build_model(cfg, "meta").to_empty(device="cpu")
+    for b in model.buffers():
+        b.fill_(-7)
+    model.init_weights()
+    fresh = build_model(cfg)
+    for (name, got), (_, want) in zip(model.named_buffers(), fresh.named_buffers()):
+        if not want.is_floating_point() or name.endswith(("expert_bias", "inv_freq")):
+            assert torch.equal(got, want), name
