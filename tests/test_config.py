@@ -95,3 +95,14 @@ def test_plan_reports_llama_65b_params_without_allocating():
     assert "65.29B" in r.stdout  # LLaMA paper: 65.2B
     rss_gb = int(r.stdout.split("MAXRSS_KB")[1].split()[0]) / 1e6
     assert rss_gb < 3, f"--plan used {rss_gb:.1f} GB: weights were allocated"
+
+
+def test_cli_resume_with_a_changed_model_names_the_key(tmp_path, corpus_dir):
+    common = [f"data.source={corpus_dir}", f"data.cache_dir={tmp_path}/c", f"train.out_dir={tmp_path}/r",
+              "logging.wandb=disabled", "logging.progress=false", "model.vocab_size=512", "model.n_layers=1",
+              "train.steps=2", "train.eval_every=2", "train.eval_batches=1", "train.batch_size=2"]
+    assert run_cli("--config", "zoo/tiny_dense.yaml", *common).returncode == 0
+    r = run_cli("--config", "zoo/tiny_dense.yaml", *common, "model.dim=64", "--resume")
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr
+    assert lines[0].startswith("error: model.dim: is 64 but checkpoint") and "trained with 128" in lines[0]

@@ -72,6 +72,35 @@ def latest_checkpoint(ckpt_dir: str) -> str | None:
     return ckpts[-1][1] if ckpts else None
 
 
+def _flatten(d: dict, prefix: str) -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}"
+        out.update(_flatten(v, key) if isinstance(v, dict) else {key: v})
+    return out
+
+
+def check_resumable(path: str, cfg: Config, world_size: int, tokenizer_digest: str | None = None) -> None:
+    """Before anything is built: the checkpoint's model config, world size and tokenizer must match
+    this run's. Raises ConfigError naming the first key that differs."""
+    import yaml
+    from configs import ConfigError, to_dict
+    with open(os.path.join(path, "config.yaml")) as f:
+        saved = yaml.safe_load(f)
+    old, new = _flatten(saved.get("model", {}), "model"), _flatten(to_dict(cfg)["model"], "model")
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            raise ConfigError(key, f"is {new.get(key)!r} but checkpoint {path} was trained with {old.get(key)!r}")
+    state = torch.load(os.path.join(path, "train_state.pt"), weights_only=False)
+    if state.get("world_size", 1) != world_size:
+        raise ConfigError("checkpoint", f"{path} was saved with world size {state['world_size']}, this run has "
+                                        f"{world_size}; resume with the same number of ranks")
+    saved_tok = state.get("tokenizer")
+    if tokenizer_digest and saved_tok and saved_tok != tokenizer_digest:
+        raise ConfigError("data.tokenizer", f"differs from the tokenizer checkpoint {path} was trained with "
+                                            f"(digest {saved_tok} vs {tokenizer_digest})")
+
+
 def save_checkpoint(ckpt_dir: str, step: int, model, optimizer, train_state: dict, cfg: Config,
                     keep_last: int = 3) -> str:
     """Collective: every rank calls it. Returns the final checkpoint path."""

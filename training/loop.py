@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from configs import Config, ConfigError
+from configs import Config
 from layers import attention_density, moe_update_bias, neuron_schedule_step, neuron_stats
 from zoo import build_model
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import check_resumable, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import prepare_data, sample_batch
 from .logger import append_metrics, make_logger
 from .metrics import device_peak_flops, moe_metrics
@@ -44,9 +44,14 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         from .plan import check_fits
         check_fits(cfg, self.par.world_size, self.device)
+        self.resume_path = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
+        if self.resume_path:
+            check_resumable(self.resume_path, cfg, self.par.world_size)
         # Same seed on every rank: identical initial weights before sharding.
         seed_everything(cfg.train.seed)
         self.data = prepare_data(cfg, self.par.is_main, self.barrier)
+        if self.resume_path:
+            check_resumable(self.resume_path, cfg, self.par.world_size, self.data.tokenizer.digest)
         model = build_model(cfg.model, model_init_device(cfg, self.par))   # "meta" when too big to build whole
         self.model = parallelize(model, cfg, self.par)
         self.raw_model = model
@@ -63,13 +68,11 @@ class Trainer:
         self.val_history: list[tuple[int, float]] = []
         # Different per-rank stream for anything stochastic in the model (router noise on different tokens).
         seed_everything(cfg.train.seed + 1000 * self.par.rank)
-        if cfg.checkpoint.resume:
-            path = latest_checkpoint(cfg.checkpoint_dir)
-            if path is None:
-                self.print(f"no checkpoint in {cfg.checkpoint_dir}; starting from step 0")
-            else:
-                self._restore(path)
-                self.print(f"resumed from {path} at step {self.step}")
+        if cfg.checkpoint.resume and self.resume_path is None:
+            self.print(f"no checkpoint in {cfg.checkpoint_dir}; starting from step 0")
+        elif self.resume_path:
+            self._restore(self.resume_path)
+            self.print(f"resumed from {self.resume_path} at step {self.step}")
         self.logger = make_logger(cfg, cfg.out_dir, self.par.rank, self.wandb_id)
         self.wandb_id = getattr(self.logger.run, "id", None)
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum * self.par.dp_size
@@ -109,13 +112,11 @@ class Trainer:
     def train_state(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "bad_total": self.bad_total, "best_val": self.best_val,
                 "val_history": self.val_history, "scheduler": self.scheduler.state_dict(),
-                "wandb_id": self.wandb_id, "world_size": self.par.world_size}
+                "wandb_id": self.wandb_id, "world_size": self.par.world_size,
+                "tokenizer": self.data.tokenizer.digest}
 
     def _restore(self, path: str) -> None:
         state = load_checkpoint(path, self.model, self.optimizer)
-        if state.get("world_size", 1) != self.par.world_size:
-            raise ConfigError("checkpoint", f"{path} was saved with world size {state['world_size']}, "
-                              f"this run has {self.par.world_size}; resume with the same layout")
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.epoch, self.bad_total = state["step"], state["epoch"], state["bad_total"]
         self.best_val, self.val_history = state["best_val"], state["val_history"]
