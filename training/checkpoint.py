@@ -6,8 +6,9 @@ numpy, torch, cuda RNG of each rank) and ``config.yaml`` (the resolved config).
 
 Atomicity: everything is written into ``<dir>/.tmp_step_...`` and renamed once complete, so a crash or
 kill mid-write leaves only a temp dir that ``latest_checkpoint`` ignores (and the next save removes).
-Resuming needs the same world size and mesh layout as the save (DCP can reshard model/optimizer across
-world sizes, but the per-rank RNG and data streams then no longer continue bit-exactly).
+Expert-parallel tensors are stored as global ``[E, ...]`` views (``checkpoint_views``), so a checkpoint
+saved at one ``ep`` loads at another. Resuming needs the same world size (``check_resumable`` says so
+before anything is built): the per-rank RNG streams are saved per rank.
 """
 from __future__ import annotations
 
