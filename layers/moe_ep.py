@@ -71,12 +71,14 @@ def ep_run_experts(xs_ND: torch.Tensor, sizes_E: torch.Tensor, experts: nn.Modul
     # 2. rows out, grouped by source rank then by local expert
     x_recv = all_to_all(xs_ND[:n_send], out_splits, in_splits, group)
     # 3. source-major -> expert-major (stable: keeps each source's rows in order)
-    local_ids = torch.arange(L, device=xs_ND.device).repeat(P).repeat_interleave(recv_PL.flatten().to(xs_ND.device))
+    # output_size: the received row count is already on the host, so repeat_interleave need not sync again.
+    local_ids = torch.arange(L, device=xs_ND.device).repeat(P).repeat_interleave(
+        recv_PL.flatten(), output_size=x_recv.shape[0])
     order = torch.argsort(local_ids, stable=True)
     # One zero row appended to the last local expert: SwiGLU(0) = 0 and adds 0 to every gradient, but it
     # keeps the output tied to the input and the weights when this rank receives no rows. Otherwise its
     # backward would skip the reverse all-to-all (and FSDP's gradient reduction) that its peers wait on.
-    counts_L = recv_PL.sum(0).to(xs_ND.device)
+    counts_L = recv_PL.sum(0)
     counts_L[-1] += 1
     y_local = experts(torch.cat([x_recv[order], x_recv.new_zeros(1, x_recv.shape[1])]), counts_L)[:-1]
     y_recv = torch.empty_like(y_local).index_copy(0, order, y_local)   # y_recv[order[i]] = y_local[i]
