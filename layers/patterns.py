@@ -259,8 +259,7 @@ class PatternPlan:
 
     def token_mask(self) -> torch.Tensor:
         """bool ``[B or 1, H, S, T]``."""
-        H, dev = len(self.pats), self.q_pos.device
-        k_pos = torch.arange(self.T, device=dev)
+        k_pos = torch.arange(self.T, device=self.q_pos.device)
         d = self.q_pos[:, None] - k_pos[None, :]                                            # [S, T]
         keep = (d[None] < self.window[:, None, None]) | (k_pos[None, None, :] < self.sinks[:, None, None])
         keep = keep[None]                                                                   # [1, H, S, T]

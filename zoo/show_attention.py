@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from configs import load_config
 from layers.patterns import budget_plan, head_patterns
 from zoo.model import build_attention_pattern
