@@ -3,7 +3,7 @@
 Legend: T tokens, K experts per token, E experts (local ones under expert parallelism), D model dim,
 H expert hidden dim, N rows of the expert-sorted buffer.
 
-- ``make_plan(indices[T, K], E, capacity, align)`` sorts assignments by expert (stable, so earlier
+- ``make_plan(indices[T, K], E, capacity, align, routed)`` sorts assignments by expert (stable, so earlier
   tokens win a full expert's slots) and returns ``inv[T, K]`` (row of each assignment in the sorted
   buffer, -1 when dropped) plus per-expert row counts. No host sync.
 - ``GroupedExperts(xs[N, D], counts[E]) -> [N, D]``: expert e runs on rows
@@ -32,7 +32,6 @@ class DispatchPlan:
     inv: torch.Tensor       # [T, K] int32: sorted row of assignment (t, j), -1 when dropped
     counts: torch.Tensor    # [E] int64: rows of each expert's group (after capacity, before padding)
     group_sizes: torch.Tensor  # [E] int64: counts rounded up to the alignment (what the GEMMs see)
-    routed: torch.Tensor    # [E] int64: assignments before capacity
     num_rows: int           # N, static: T * K (+ E * (align - 1) of padding)
     dense: bool             # every row 0..N-1 is some assignment's (no drops, no padding)
 
@@ -57,7 +56,7 @@ def make_plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int] =
         # Dropless, unpadded: the sorted position is the row. Few launches matter here: the routing
         # stage is CPU-launch-bound at the start of a forward (BENCHMARKS.md, MoE layer).
         inv[order] = arange.to(torch.int32)
-        return DispatchPlan(inv.view(T, K), routed, routed, routed, n, dense=True)
+        return DispatchPlan(inv.view(T, K), routed, routed, n, dense=True)
     sorted_e = flat[order]
     starts = torch.cumsum(routed, 0) - routed
     rank = arange - starts[sorted_e]                            # position within its expert
@@ -69,7 +68,7 @@ def make_plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int] =
         pos = torch.where(rank < capacity, pos, torch.full_like(pos, -1))
     inv[order] = pos.to(torch.int32)
     num_rows = n + (num_experts * (align - 1) if align > 1 else 0)
-    return DispatchPlan(inv.view(T, K), counts, sizes, routed, num_rows, dense=False)
+    return DispatchPlan(inv.view(T, K), counts, sizes, num_rows, dense=False)
 
 
 def expert_hidden(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, activation: str) -> torch.Tensor:
