@@ -62,7 +62,11 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Co
             if "=" not in ov:
                 raise ConfigError(ov, "override must look like section.key=value")
             k, v = ov.split("=", 1)
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{k.strip()}={v}"]))
+            try:
+                node = OmegaConf.from_dotlist([f"{k.strip()}={v}"])
+            except yaml.YAMLError as e:   # the value is parsed as YAML: "[1" or "{a: b" fail here
+                raise ConfigError(k.strip(), f"invalid value {v!r}: {getattr(e, 'problem', e)}") from None
+            cfg = OmegaConf.merge(cfg, node)
         obj: Config = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         raise _omegaconf_error(e) from None

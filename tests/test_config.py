@@ -45,6 +45,7 @@ def test_llama_ffn_hidden_sizes_follow_the_paper():
     ("logging.wandb=maybe", "logging.wandb"),
     ("train.seq_len=100000", "train.seq_len"),
     ("model.ffn_layers={9: dense}", "model.ffn_layers.9"),
+    ("train.steps=[1", "train.steps"),          # a value that is not valid YAML
 ])
 def test_bad_values_raise_config_error_naming_the_key(override, key):
     with pytest.raises(ConfigError) as e:
