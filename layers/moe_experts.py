@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from configs.errors import check_choice
+from configs.neuron import NEURON_ACTIVATIONS
 from kernels.moe_swiglu import swiglu
 
 from .moe_router import tokens_per_expert
@@ -86,8 +88,7 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, activation: str = "swiglu"):
         super().__init__()
-        if activation not in ("swiglu", "relu2"):
-            raise ValueError(f"unknown expert activation {activation!r}")
+        check_choice(activation, NEURON_ACTIVATIONS, "activation")
         self.num_experts, self.dim, self.hidden_dim, self.activation = num_experts, dim, hidden_dim, activation
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim)) if activation == "swiglu" else None

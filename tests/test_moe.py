@@ -244,6 +244,13 @@ def test_bad_values_raise_config_error_naming_the_key(kw, key):
     assert "\n" not in str(e.value)
 
 
+def test_unknown_expert_activation_raises_config_error_naming_the_key():
+    from layers.moe_experts import GroupedExperts
+    with pytest.raises(ConfigError) as e:
+        GroupedExperts(4, 8, 8, activation="gelu")
+    assert e.value.key == "activation" and "\n" not in str(e.value)
+
+
 def test_megablocks_backend_without_megablocks_raises_config_error():
     import importlib.util
     if importlib.util.find_spec("megablocks") is not None:
