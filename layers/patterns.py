@@ -194,13 +194,24 @@ def estimate_vertical_slash(q_est: torch.Tensor, k: torch.Tensor, est_pos: range
     s = s.masked_fill(d < 0, float("-inf"))
     prob = s.softmax(-1)
     cols = _topk_per_head(prob.sum(-2), n_vertical)
-    B, H, L, _ = prob.shape
-    diag_mass = torch.zeros(B, H, T, device=k.device, dtype=prob.dtype)
-    for i, p_i in enumerate(est_pos):   # row i puts prob[i, p_i - d] on diagonal d
-        diag_mass[..., :p_i + 1] += prob[:, :, i, :p_i + 1].flip(-1)
-    diags = _topk_per_head(diag_mass, n_slash)
+    diags = _topk_per_head(_diagonal_sums(prob, est_pos.start), n_slash)
     diags[..., 0] = True
     return cols, diags
+
+
+def _diagonal_sums(prob: torch.Tensor, p0: int) -> torch.Tensor:
+    """``prob[B, H, L, T]`` with row i at position ``p0 + i < T`` (zero where k > q) -> ``[B, H, T]``: the mass
+    on each diagonal ``d = q - k``, all rows at once (no loop over rows).
+
+    Row i's diagonal d sits at column ``c - i + d`` of ``f = [flip(prob), 0 * T]`` (``c = T-1-p0``); reading
+    the flat ``f`` with row stride ``2T - 1`` instead of ``2T`` shifts row i right by i, so diagonal d of
+    every row lands in column ``c + d`` and a plain sum over rows adds them.
+    """
+    B, H, L, T = prob.shape
+    f = torch.cat([prob.flip(-1), torch.zeros_like(prob)], dim=-1)                    # [B, H, L, 2T]
+    skew = f.flatten(-2)[..., :L * (2 * T - 1)].view(B, H, L, 2 * T - 1)           # skew[i, j] = f[i, j - i]
+    c = T - 1 - p0
+    return skew[..., c:c + T].sum(-2)
 
 
 def _block_mean(x: torch.Tensor, start: int, bs: int, n_blocks: int) -> torch.Tensor:
