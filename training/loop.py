@@ -26,7 +26,7 @@ from .data import prepare_data, sample_batch
 from .logger import append_metrics, make_logger
 from .metrics import device_peak_flops, moe_metrics
 from .optim import build_optimizer, build_scheduler
-from .parallel import clip_grad_norm_, model_init_device, parallelize, setup_parallel
+from .parallel import all_reduce_mean, clip_grad_norm_, model_init_device, parallelize, setup_parallel
 
 
 def seed_everything(seed: int) -> None:
@@ -101,13 +101,6 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
 
-    def _all_mean(self, x: torch.Tensor) -> torch.Tensor:
-        if dist.is_initialized() and self.par.world_size > 1:
-            x = x.clone()
-            dist.all_reduce(x, op=dist.ReduceOp.SUM)
-            x /= self.par.world_size
-        return x
-
     # ---- state -----------------------------------------------------------------------------------
     def train_state(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "bad_total": self.bad_total, "best_val": self.best_val,
@@ -155,10 +148,12 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = clip_grad_norm_(params, c.optim.grad_clip, self.par)   # spans the dense and expert meshes
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        loss_val = self._all_mean(sum(parts_sum.values()).detach().float().reshape(1))
-        finite = bool(torch.isfinite(loss_val).all() and torch.isfinite(grad_norm))
-        metrics = {f"loss/{k}": self._all_mean(v.detach().float().reshape(1))[0] for k, v in parts_sum.items()}
-        metrics.update({"loss/total": loss_val[0], "grad_norm": grad_norm.detach(),
+        # One all-reduce for every loss part; the total is their sum.
+        parts_mean = all_reduce_mean(torch.stack([v.detach().float() for v in parts_sum.values()]), self.par)
+        loss_val = parts_mean.sum()
+        finite = bool(torch.isfinite(loss_val) & torch.isfinite(grad_norm))   # one host sync
+        metrics = {f"loss/{k}": v for k, v in zip(parts_sum, parts_mean)}
+        metrics.update({"loss/total": loss_val, "grad_norm": grad_norm.detach(),
                         "lr": self.optimizer.param_groups[0]["lr"]})
         if finite:
             self.optimizer.step()
@@ -187,7 +182,7 @@ class Trainer:
             with self.autocast():
                 losses.append(self.compute_loss(x, y)[1]["ce"].float())
         self.model.train()
-        return float(self._all_mean(torch.stack(losses).mean().reshape(1))[0])
+        return float(all_reduce_mean(torch.stack(losses).mean(), self.par))
 
     def rollback(self) -> None:
         path = latest_checkpoint(self.cfg.checkpoint_dir)
