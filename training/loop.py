@@ -43,7 +43,8 @@ class Trainer:
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         from .plan import check_fits
-        check_fits(cfg, self.par.world_size, self.device)
+        # The plan's meta-device model also gives the FLOPs per token for MFU (no second build).
+        self.flops_per_token = check_fits(cfg, self.par.world_size, self.device).flops_per_token
         self.resume_path = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
         if self.resume_path:
             check_resumable(self.resume_path, cfg, self.par.world_size)
@@ -76,7 +77,6 @@ class Trainer:
         self.logger = make_logger(cfg, cfg.out_dir, self.par.rank, self.wandb_id)
         self.wandb_id = getattr(self.logger.run, "id", None)
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum * self.par.dp_size
-        self.flops_per_token = self._flops_per_token()
         self.peak_flops = device_peak_flops(self.device)
         self.metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
         if self.par.is_main:
@@ -88,10 +88,6 @@ class Trainer:
         if dt == "bfloat16" or (dt == "auto" and self.device.type == "cuda"):
             return lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext
-
-    def _flops_per_token(self) -> float:
-        from zoo.flops import flops_per_token
-        return flops_per_token(self.cfg.model, self.cfg.train.seq_len)
 
     def print(self, msg: str) -> None:
         if self.par.is_main:
@@ -256,9 +252,8 @@ class Trainer:
 
 def run(cfg: Config) -> dict:
     """Train ``cfg`` end to end (alone or under torchrun). Returns a summary dict (rank-local)."""
-    trainer = Trainer(cfg)
     try:
-        return trainer.fit()
-    finally:
+        return Trainer(cfg).fit()
+    finally:   # also when setup fails (a ConfigError) after the process group was created
         if dist.is_initialized():
             dist.destroy_process_group()
