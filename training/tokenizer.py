@@ -61,16 +61,12 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_prefix: str, seed: in
 
 def _train_spm(lines: list[str], tmp: str, vocab_size: int) -> None:
     with open(os.devnull, "w") as log:
-        _spm_train(lines, tmp, vocab_size, log)
-
-
-def _spm_train(lines, tmp, vocab_size, log) -> None:
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_prefix=tmp, vocab_size=vocab_size, model_type="bpe",
-        byte_fallback=True, character_coverage=0.9995, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, split_digits=True,
-        pad_id=-1, bos_id=1, eos_id=2, unk_id=0, num_threads=os.cpu_count() or 1,
-        minloglevel=2, max_sentence_length=1 << 14, logstream=log)
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), model_prefix=tmp, vocab_size=vocab_size, model_type="bpe",
+            byte_fallback=True, character_coverage=0.9995, normalization_rule_name="identity",
+            remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, split_digits=True,
+            pad_id=-1, bos_id=1, eos_id=2, unk_id=0, num_threads=os.cpu_count() or 1,
+            minloglevel=2, max_sentence_length=1 << 14, logstream=log)
 
 
 def get_tokenizer(model_path: str | None, texts: list[str], vocab_size: int, cache_dir: str, corpus_key: str) -> Tokenizer:
