@@ -16,7 +16,7 @@ class DataConfig:
     jsonl_field: str = "text"
     val_fraction: float = 0.05        # share of files (or jsonl records) held out, chosen by a hash of the name
     cache_dir: str = ".cache/moezoo"  # tokenizer and token memmaps, keyed by corpus + vocab
-    max_files: int = 0                # 0 = all files; else the first N (sorted) files of the corpus
+    max_files: int = 0                # 0 = all documents; else the first N in name-hash order (a varied subset)
 
     def validate(self, key: str = "data") -> None:
         check(0.0 < self.val_fraction < 1.0, f"{key}.val_fraction", f"must be in (0, 1), got {self.val_fraction}")
