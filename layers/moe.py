@@ -34,7 +34,7 @@ from kernels.moe_combine import moe_combine, moe_combine_reference
 from kernels.moe_permute import moe_permute, moe_permute_reference
 
 from .mlp import SwiGLU
-from .moe_experts import GroupedExperts, make_plan
+from .moe_experts import GroupedExperts, local_expert_count, make_plan
 from .moe_router import (balance_loss, noisy_logits, route, router_entropy, router_matmul, tokens_per_expert,
                          z_loss)
 
@@ -81,10 +81,7 @@ class MoE(nn.Module):
         self.ep_group = ep_group
         # Data-parallel group for the global balance loss; set by training.parallel (None = this rank only).
         self.balance_group = None
-        ep_size = 1 if ep_group is None else ep_group.size()
-        if num_experts % ep_size:
-            raise ConfigError(f"{key}.num_experts", f"{num_experts} experts do not split over {ep_size} EP ranks")
-        self.num_local_experts = num_experts // ep_size
+        self.num_local_experts = local_expert_count(num_experts, 1 if ep_group is None else ep_group.size(), key)
 
         self.gate = nn.Linear(dim, num_experts, bias=False)
         if router == "noisy_topk":

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .moe_experts import local_expert_count
+
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
@@ -111,10 +113,9 @@ def all_to_all_dispatch(moe: nn.Module, x_TD: torch.Tensor, indices_TK: torch.Te
 @torch.no_grad()
 def shard_experts(moe: nn.Module, group, rank: int) -> None:
     """Keep only this rank's ``E / P`` experts of ``moe`` (any device, meta included) and set its
-    ``ep_group``: ``experts.w* [E, ...] -> [E/P, ...]`` rows ``rank*E/P .. (rank+1)*E/P - 1``."""
-    P = dist.get_world_size(group)
-    E = moe.num_experts
-    L = E // P
+    ``ep_group``: ``experts.w* [E, ...] -> [E/P, ...]`` rows ``rank*E/P .. (rank+1)*E/P - 1``.
+    ConfigError (``moe.num_experts``) when P does not divide E."""
+    L = local_expert_count(moe.num_experts, dist.get_world_size(group))
     for name, p in list(moe.experts.named_parameters(recurse=False)):
         local = p[rank * L:(rank + 1) * L].clone()
         setattr(moe.experts, name, nn.Parameter(local, requires_grad=p.requires_grad))

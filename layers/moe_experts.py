@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from configs.errors import check_choice
+from configs.errors import check, check_choice
 from configs.neuron import NEURON_ACTIVATIONS
 from kernels.moe_swiglu import swiglu
 
@@ -71,6 +71,13 @@ def make_plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int] =
     inv[order] = pos.to(torch.int32)
     num_rows = n + (num_experts * (align - 1) if align > 1 else 0)
     return DispatchPlan(inv.view(T, K), counts, sizes, num_rows, dense=False)
+
+
+def local_expert_count(num_experts: int, ep_size: int, key: str = "moe") -> int:
+    """Experts each of ``ep_size`` expert-parallel ranks holds; ConfigError unless they split evenly."""
+    check(num_experts % ep_size == 0, f"{key}.num_experts",
+          f"{num_experts} experts do not split over {ep_size} EP ranks")
+    return num_experts // ep_size
 
 
 def expert_hidden(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, activation: str) -> torch.Tensor:

@@ -244,6 +244,15 @@ def test_bad_values_raise_config_error_naming_the_key(kw, key):
     assert "\n" not in str(e.value)
 
 
+def test_experts_that_do_not_split_over_the_ep_ranks_raise_config_error():
+    class FiveRanks:
+        def size(self):
+            return 5
+    with pytest.raises(ConfigError) as e:
+        MoE(8, 8, 12, 2, ep_group=FiveRanks())
+    assert e.value.key == "moe.num_experts" and "\n" not in str(e.value)
+
+
 def test_unknown_expert_activation_raises_config_error_naming_the_key():
     from layers.moe_experts import GroupedExperts
     with pytest.raises(ConfigError) as e:
