@@ -119,8 +119,8 @@ def layer_block_size(pats: Sequence[SparsityPattern]) -> int:
 # Seeded random blocks
 
 
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """Murmur3 finaliser on int64 tensors holding 32-bit values (wrapping multiply, low 32 bits kept)."""
+def _fmix32(x):
+    """Murmur3 finaliser on Python ints or int64 tensors holding 32-bit values (wrapping multiply, low 32 bits kept)."""
     x = x ^ (x >> 16)
     x = (x * 0x85EBCA6B) & _MASK32
     x = x ^ (x >> 13)
@@ -128,31 +128,29 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _block_hash(seed: int, layer: int, head: int, qb: torch.Tensor, kb: torch.Tensor) -> torch.Tensor:
-    """``[nq, nk]`` 32-bit hashes of (seed, layer, head, qb, kb); integer ops only, so equal on every device."""
-    base = _fmix32(torch.tensor((seed * 0x9E3779B1 + layer * 0x85EBCA77 + head * 0xC2B2AE3D) & _MASK32, device=qb.device))
-    hq = _fmix32(base ^ ((qb * 0x27D4EB2F) & _MASK32))
-    return _fmix32(hq[:, None] ^ ((kb * 0x165667B1) & _MASK32)[None, :])
+def _ints(values: Sequence[int], device=None) -> torch.Tensor:
+    """int64 ``[len(values)]`` on ``device``. Copied non-blocking: a blocking host-to-GPU copy (what
+    ``torch.tensor(values, device="cuda")`` does) first waits for everything queued on the GPU."""
+    t = torch.tensor(values, dtype=torch.long)
+    return t if device is None else t.to(device, non_blocking=True)
 
 
-def random_block_rows(p: SparsityPattern, layer: int, head: int, q_blocks: torch.Tensor, n_k_blocks: int) -> torch.Tensor:
-    """``bool[len(q_blocks), n_k_blocks]``: the ``random_blocks`` key blocks each query block draws.
+def random_block_rows(pats: Sequence[SparsityPattern], layer: int, q_blocks: torch.Tensor, n_k_blocks: int) -> torch.Tensor:
+    """``bool[H, len(q_blocks), n_k_blocks]``: the ``random_blocks`` key blocks each head's query blocks draw.
 
-    Block ``qb`` picks the ``r`` blocks of ``0 .. qb-1`` with the largest hash (all of them when
-    ``qb <= r``). The hash of a (qb, kb) pair never depends on the sequence length.
+    Block ``qb`` of head h picks the ``r`` blocks of ``0 .. qb-1`` with the largest 32-bit hash of
+    (seed, layer, h, qb, kb) (all of them when ``qb <= r``); integer ops only, so equal on every device,
+    and the hash of a (qb, kb) pair never depends on the sequence length.
     """
-    nq = q_blocks.numel()
-    out = torch.zeros(nq, n_k_blocks, dtype=torch.bool, device=q_blocks.device)
-    r = min(p.random_blocks, n_k_blocks)
-    if r == 0 or nq == 0:
-        return out
-    kb = torch.arange(n_k_blocks, device=q_blocks.device)
-    h = _block_hash(p.seed, layer, head, q_blocks.long(), kb)              # [nq, nk]
-    score = (h << 20) | kb                                                  # distinct scores: ties never depend on topk order
-    score = torch.where(kb[None, :] < q_blocks[:, None], score, torch.full_like(score, -1))
-    top = score.topk(r, dim=-1).indices
-    out.scatter_(1, top, True)
-    return out & (kb[None, :] < q_blocks[:, None])
+    dev = q_blocks.device
+    kb = torch.arange(n_k_blocks, device=dev)
+    base = _ints([_fmix32((p.seed * 0x9E3779B1 + layer * 0x85EBCA77 + h * 0xC2B2AE3D) & _MASK32)
+                  for h, p in enumerate(pats)], dev)                                     # [H]
+    hq = _fmix32(base[:, None] ^ ((q_blocks.long() * 0x27D4EB2F) & _MASK32)[None, :])   # [H, nq]
+    h = _fmix32(hq[:, :, None] ^ ((kb * 0x165667B1) & _MASK32))                          # [H, nq, nk]
+    earlier = kb[None, :] < q_blocks[:, None]                                             # [nq, nk]
+    score = torch.where(earlier, (h << 20) | kb, -1)     # distinct scores: ties never depend on topk order
+    return _topk_per_head(score[None], [p.random_blocks for p in pats])[0] & earlier
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -174,7 +172,7 @@ def _topk_per_head(score: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
     H, N = score.shape[1], score.shape[-1]
     kmax = min(max(ks), N)
     idx = score.topk(kmax, dim=-1).indices
-    rank_ok = torch.arange(kmax, device=score.device)[None, :] < torch.tensor(ks, device=score.device)[:, None]
+    rank_ok = torch.arange(kmax, device=score.device)[None, :] < _ints(ks, score.device)[:, None]
     rank_ok = rank_ok.view(H, *([1] * (score.dim() - 3)), kmax)
     out = torch.zeros(score.shape, dtype=torch.bool, device=score.device)
     return out.scatter_(-1, idx, rank_ok.expand_as(idx))
@@ -341,14 +339,14 @@ def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: in
     bs = layer_block_size(pats)
     dev = device if device is not None else (q.device if q is not None else None)
     q_pos = torch.arange(q_start, q_start + S, device=dev)
-    win = torch.tensor([T + 1 if p.type == "dense" else p.window for p in pats], device=dev)
-    sinks = torch.tensor([p.sinks for p in pats], device=dev)
+    win = _ints([T + 1 if p.type == "dense" else p.window for p in pats], dev)
+    sinks = _ints([p.sinks for p in pats], dev)
     qb0 = q_start // bs
     q_blocks = torch.arange(qb0, (q_start + S - 1) // bs + 1 if S else qb0, device=dev)
     nk = (T + bs - 1) // bs
     blocks = cols = diags = None
     if any(p.random_blocks for p in pats):
-        blocks = torch.stack([random_block_rows(p, layer, h, q_blocks, nk) for h, p in enumerate(pats)])[None]
+        blocks = random_block_rows(pats, layer, q_blocks, nk)[None]
     dyn = [h for h, p in enumerate(pats) if p.dynamic]
     if dyn:
         if q is None or k is None:
@@ -360,20 +358,22 @@ def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: in
         if vs:
             L = min(max(pats[h].last_q for h in vs), src.shape[2])
             src_end = src_start + src.shape[2]
-            c, dg = estimate_vertical_slash(src[:, vs, -L:], _kv_for_heads(k, vs, n_heads), range(src_end - L, src_end),
+            heads = _ints(vs, dev)      # index tensors, not lists: a list index is a blocking host-to-GPU copy
+            c, dg = estimate_vertical_slash(src[:, heads, -L:], _kv_for_heads(k, vs, n_heads), range(src_end - L, src_end),
                                             [pats[h].n_vertical for h in vs], [pats[h].n_slash for h in vs])
             cols = torch.zeros(B, n_heads, T, dtype=torch.bool, device=dev)
             diags = torch.zeros_like(cols)
-            cols[:, vs], diags[:, vs] = c, dg
+            cols[:, heads], diags[:, heads] = c, dg
         bt = [h for h in dyn if pats[h].type == "block_topk"]
         if bt:
             first = max(qb0 * bs - src_start, 0)       # pool from the first query block's start on
-            pick = estimate_block_topk(src[:, bt, first:], src_start + first, _kv_for_heads(k, bt, n_heads),
+            heads = _ints(bt, dev)
+            pick = estimate_block_topk(src[:, heads, first:], src_start + first, _kv_for_heads(k, bt, n_heads),
                                        q_blocks, qb0, bs, [pats[h].top_k for h in bt])
             full = torch.zeros(B, n_heads, q_blocks.numel(), nk, dtype=torch.bool, device=dev)
             if blocks is not None:
                 full |= blocks
-            full[:, bt] |= pick
+            full[:, heads] |= pick
             blocks = full
     return PatternPlan(pats, layer, bs, q_pos, T, win, sinks, blocks, cols, diags, qb0, q_start)
 
@@ -381,7 +381,7 @@ def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: in
 def _kv_for_heads(k: torch.Tensor, heads: Sequence[int], n_heads: int) -> torch.Tensor:
     """KV heads serving query heads ``heads`` (one per query head, so the GQA group is 1)."""
     g = n_heads // k.shape[1]
-    return k[:, [h // g for h in heads]]
+    return k[:, _ints([h // g for h in heads], k.device)]
 
 
 def pattern_mask(pattern: PatternLike, q_len: int, kv_len: int, n_heads: int, layer: int = 0,
