@@ -32,27 +32,20 @@ def route(logits: torch.Tensor, router: str, top_k: int, softmax_before_topk: bo
 
     ``probs`` are the per-token expert probabilities the balance loss and entropy use.
     """
+    topk_then_softmax = router in ("softmax", "noisy_topk") and norm_topk and not softmax_before_topk
     if router == "sigmoid":
-        scores = torch.sigmoid(logits)
-        probs = scores / scores.sum(-1, keepdim=True)
-        rank = scores
+        rank = torch.sigmoid(logits)                      # the scores
+        probs = rank / rank.sum(-1, keepdim=True)
     else:
         probs = torch.softmax(logits, dim=-1)
-        topk_then_softmax = router in ("softmax", "noisy_topk") and norm_topk and not softmax_before_topk
         rank = logits if topk_then_softmax else probs
     sel = rank if bias is None else rank + bias
     indices = sel.topk(top_k, dim=-1).indices
-    if router == "sigmoid":
-        weights = scores.gather(-1, indices)
-        if norm_topk:
-            weights = weights / weights.sum(-1, keepdim=True)
-    elif router == "switch":
-        weights = probs.gather(-1, indices)
-    elif rank is logits:
+    if topk_then_softmax:
         weights = torch.softmax(logits.gather(-1, indices), dim=-1)
-    else:
-        weights = probs.gather(-1, indices)
-        if norm_topk:
+    else:                                                 # the chosen sigmoid scores or softmax probabilities
+        weights = rank.gather(-1, indices)
+        if norm_topk and router != "switch":
             weights = weights / weights.sum(-1, keepdim=True)
     return indices, weights, probs
 
