@@ -50,3 +50,24 @@ def tiny_overrides(tmp, corpus, **extra) -> list[str]:
     }
     ov.update(extra)
     return [f"{k}={v}" for k, v in ov.items()]
+
+
+def spawn(fn, world: int, *args) -> None:
+    """Fork ``world`` CPU ranks joined in a gloo process group; each runs ``fn(rank, world, *args)``.
+    The one process-spawn helper of the multi-process tests."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_spawn_entry, args=(fn, world, os.path.join(d, "store"), args), nprocs=world,
+                           join=True, start_method="fork")
+
+
+def _spawn_entry(rank, fn, world, store, args):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()

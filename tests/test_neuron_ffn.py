@@ -350,18 +350,5 @@ def _check_recluster_under_fsdp2_matches_one_process(rank, world):
 
 
 def test_recluster_of_fsdp2_sharded_weights_matches_one_process():
-    import os
-    import tempfile
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    def entry(rank, store):
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-        try:
-            _check_recluster_under_fsdp2_matches_one_process(rank, 2)
-        finally:
-            dist.destroy_process_group()
-
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(entry, args=(os.path.join(d, "store"),), nprocs=2, join=True, start_method="fork")
+    from tests.conftest import spawn
+    spawn(_check_recluster_under_fsdp2_matches_one_process, 2)

@@ -6,15 +6,13 @@ model on one process back-propagating the mean of the P per-rank losses (what da
 computes). Every gradient (gathered from its shards) must match in float32.
 """
 import copy
-import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from configs import ConfigError, ParallelConfig, load_config
+from tests.conftest import spawn   # forked gloo ranks: spawn(fn, world) runs fn(rank, world) on each
 from training.parallel import ParallelState, build_meshes, clip_grad_norm_, parallelize, setup_parallel
 from zoo import build_model
 
@@ -85,21 +83,6 @@ def test_single_process_state_has_no_groups():
 
 
 # ---- multi-process gradient parity ----------------------------------------------------------------
-
-def spawn(fn, world, *args):
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_entry, args=(fn, world, os.path.join(d, "store"), args), nprocs=world,
-                           join=True, start_method="fork")
-
-
-def _entry(rank, fn, world, store, args):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-
 
 def _full(t):
     from torch.distributed.tensor import DTensor

@@ -15,7 +15,8 @@ from training.checkpoint import load_checkpoint, save_checkpoint
 from training.parallel import ParallelState, build_meshes, parallelize
 from zoo import build_model
 
-from test_parallel import spawn, tiny_moe_cfg
+from tests.conftest import spawn
+from tests.test_parallel import tiny_moe_cfg
 
 
 def _full(t):
