@@ -310,7 +310,7 @@ class DynamicSparsity:
         cfg = self.cfg
         frac = 0.0 if cfg.method == "magnitude" else self.schedule.drop_fraction_at(step)
         ks = self._counts(self.schedule.sparsity_at(step))
-        changed = total = 0
+        changed, total = [], 0
         for i, (t, k) in enumerate(zip(self.targets, ks)):
             p, mask_buf = t.param(), t.buf("mask")
             W = _full(p.detach()).reshape(t.shape).abs()
@@ -326,7 +326,7 @@ class DynamicSparsity:
                 S = t.shape[0]
                 new = rigl_update(old.reshape(S, -1), W.reshape(S, -1), grow.reshape(S, -1), k, frac)
             new = new.reshape(p.shape)
-            changed += int((old.reshape(p.shape) != new).sum())
+            changed.append((old.reshape(p.shape) != new).sum())     # summed on device, read once below
             total += t.numel
             new_local = _local(_like(new, mask_buf))
             stay = _local(mask_buf) & new_local               # grown and pruned: value 0, moments 0
@@ -335,7 +335,7 @@ class DynamicSparsity:
                 _local(x).masked_fill_(off, 0)
             _local(mask_buf).copy_(new_local)
             _local(t.buf("ever")).logical_or_(new_local)
-        self.last_flip_rate = changed / total
+        self.last_flip_rate = int(torch.stack(changed).sum()) / total
 
     # ---- logging --------------------------------------------------------------------------------
 
