@@ -250,11 +250,10 @@ class PatternPlan:
     """What one layer's pattern resolves to for one input: everything a backend needs.
 
     ``cols/diags [B, H, T]`` (vertical-slash heads, else False), ``blocks [B, H, nq, nk]`` whole key
-    blocks allowed (random or top-k; None when no head uses them), ``window[H]`` / ``sinks[H]``
-    (0 = none; a dense head has ``window = T + 1``), ``q_pos[S]`` absolute query positions.
+    blocks allowed for query blocks ``q_block0 ..`` (random or top-k; None when no head uses them),
+    ``window[H]`` / ``sinks[H]`` (0 = none; a dense head has ``window = T + 1``), ``q_pos[S]`` absolute
+    query positions ``q_start ..``.
     """
-    pats: list
-    layer: int
     block_size: int
     q_pos: torch.Tensor
     T: int
@@ -263,8 +262,11 @@ class PatternPlan:
     blocks: Optional[torch.Tensor]
     cols: Optional[torch.Tensor]
     diags: Optional[torch.Tensor]
-    q_block0: int
     q_start: int
+
+    @property
+    def q_block0(self) -> int:
+        return self.q_start // self.block_size
 
     def token_mask(self) -> torch.Tensor:
         """bool ``[B or 1, H, S, T]``."""
@@ -375,7 +377,7 @@ def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: in
                 full |= blocks
             full[:, heads] |= pick
             blocks = full
-    return PatternPlan(pats, layer, bs, q_pos, T, win, sinks, blocks, cols, diags, qb0, q_start)
+    return PatternPlan(bs, q_pos, T, win, sinks, blocks, cols, diags, q_start)
 
 
 def _kv_for_heads(k: torch.Tensor, heads: Sequence[int], n_heads: int) -> torch.Tensor:
@@ -410,7 +412,6 @@ def budget_plan(pattern: PatternLike, n_heads: int, T: int, layer: int = 0, rows
     # stand-ins that keep the layer's block size; their window is cleared below
     static = [SparsityPattern(type="local", window=1, block_size=p.block_size) if p.dynamic else p for p in pats]
     plan = plan_pattern(static, n_heads, rows.start, len(rows), T, layer, device=device)
-    plan.pats = pats
     dyn = [h for h, p in enumerate(pats) if p.dynamic]
     if not dyn:
         return plan
