@@ -30,11 +30,8 @@ import torch
 from torch import nn
 
 from configs import ConfigError, MoEConfig
-from kernels.moe_combine import moe_combine, moe_combine_reference
-from kernels.moe_permute import moe_permute, moe_permute_reference
-
 from .mlp import SwiGLU
-from .moe_experts import GroupedExperts, local_expert_count, make_plan
+from .moe_experts import GroupedExperts, local_expert_count, make_plan, run_plan
 from .moe_router import (balance_loss, noisy_logits, route, router_entropy, router_matmul, tokens_per_expert,
                          z_loss)
 
@@ -170,16 +167,7 @@ class MoE(nn.Module):
         fast = self.backend(x.device) == "grouped"
         align = self.group_align if fast and x.is_cuda else 1
         plan = make_plan(indices, self.num_experts, self.capacity(x.shape[0]), align, routed)
-        run_experts = run_experts or self.experts
-        if fast:
-            xs = moe_permute(x, plan.inv, plan.num_rows, not plan.dense)
-            ys = run_experts(xs, plan.group_sizes)
-            y = moe_combine(ys, plan.inv, weights, not plan.dense)
-        else:
-            xs = moe_permute_reference(x, plan.inv, plan.num_rows)
-            ys = run_experts(xs, plan.group_sizes)
-            y = moe_combine_reference(ys, plan.inv, weights)
-        return y, plan.counts.sum()
+        return run_plan(x, plan, weights, run_experts or self.experts, fast), plan.counts.sum()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

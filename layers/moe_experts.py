@@ -6,6 +6,8 @@ H expert hidden dim, N rows of the expert-sorted buffer.
 - ``make_plan(indices[T, K], E, capacity, align, routed)`` sorts assignments by expert (stable, so earlier
   tokens win a full expert's slots) and returns ``inv[T, K]`` (row of each assignment in the sorted
   buffer, -1 when dropped) plus per-expert row counts. No host sync.
+- ``run_plan(x[T, D], plan, weights[T, K], run_experts, fast) -> [T, D]``: permute, run the experts on
+  the sorted buffer, weighted combine (the dispatch stage of layers.MoE on one process).
 - ``GroupedExperts(xs[N, D], counts[E]) -> [N, D]``: expert e runs on rows
   ``start_e .. start_e + counts[e]`` where start is the exclusive cumsum of counts. Rows past
   ``counts.sum()`` are not computed (their output is unspecified on the grouped path, zero on the
@@ -24,6 +26,8 @@ from torch import nn
 
 from configs.errors import check, check_choice
 from configs.neuron import NEURON_ACTIVATIONS
+from kernels.moe_combine import moe_combine, moe_combine_reference
+from kernels.moe_permute import moe_permute, moe_permute_reference
 from kernels.moe_swiglu import swiglu
 
 from .moe_router import tokens_per_expert
@@ -71,6 +75,22 @@ def make_plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int] =
     inv[order] = pos.to(torch.int32)
     num_rows = n + (num_experts * (align - 1) if align > 1 else 0)
     return DispatchPlan(inv.view(T, K), counts, sizes, num_rows, dense=False)
+
+
+def run_plan(x: torch.Tensor, plan: DispatchPlan, weights: Optional[torch.Tensor], run_experts,
+             fast: bool) -> torch.Tensor:
+    """x [T, D] -> y [T, D] = ``sum_j weights[t, j] * ys[inv[t, j]]`` with ``ys = run_experts(xs[N, D],
+    plan.group_sizes)`` on the expert-sorted copy ``xs`` of x (``weights=None``: unit weights).
+
+    ``fast``: the Triton permute/combine ops (kernels.moe_permute / moe_combine), else their references.
+    """
+    if fast:
+        xs = moe_permute(x, plan.inv, plan.num_rows, not plan.dense)
+        if weights is None:
+            weights = torch.ones(plan.inv.shape, dtype=torch.float32, device=x.device)
+        return moe_combine(run_experts(xs, plan.group_sizes), plan.inv, weights, not plan.dense)
+    xs = moe_permute_reference(x, plan.inv, plan.num_rows)
+    return moe_combine_reference(run_experts(xs, plan.group_sizes), plan.inv, weights)
 
 
 def local_expert_count(num_experts: int, ep_size: int, key: str = "moe") -> int:
