@@ -22,7 +22,6 @@ router_entropy; all device tensors, no host sync).
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
@@ -36,9 +35,8 @@ from .moe_router import (balance_loss, noisy_logits, route, router_entropy, rout
                          z_loss)
 
 
-@functools.lru_cache(maxsize=None)
 def resolve_backend(name: str, device_type: str) -> str:
-    """``auto`` -> ``grouped`` on CUDA, ``torch`` elsewhere; decided once per (name, device type)."""
+    """``auto`` -> ``grouped`` on CUDA, ``torch`` elsewhere (modules call it once and keep the answer)."""
     if name == "auto":
         return "grouped" if device_type == "cuda" else "torch"
     if name in ("grouped", "megablocks") and device_type != "cuda":
