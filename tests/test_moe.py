@@ -13,7 +13,7 @@ RTOL = 1e-5
 
 def close(a, b):
     """rtol 1e-5, with an absolute floor of 1e-5 of the tensor's scale (sums that cancel to ~0)."""
-    torch.testing.assert_close(a, b, rtol=RTOL, atol=RTOL * float(b.abs().max()) + 1e-12)
+    torch.testing.assert_close(a, b, rtol=RTOL, atol=RTOL * float(b.detach().abs().max()) + 1e-12)
 
 
 def make_moe(dim=12, hidden=10, E=6, K=2, seed=0, **kw):

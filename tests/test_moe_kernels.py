@@ -59,8 +59,7 @@ def test_custom_ops_forward_and_autograd_match_reference(kw):
 
     def run(permute, combine, *extra):
         xs = permute(x, plan.inv, plan.num_rows, *extra)
-        y = combine(torch.tanh(xs @ lin), plan.inv, w, *extra) if extra else combine(torch.tanh(xs @ lin), plan.inv, w)
-        return y
+        return combine(torch.tanh(xs @ lin), plan.inv, w, *extra)
 
     g = torch.randn(T, D)
     got = run(moe_permute, moe_combine, not plan.dense)
