@@ -1,4 +1,4 @@
-"""Stacked SwiGLU experts and the token -> expert-sorted dispatch plan used by layers.MoE.
+"""Stacked experts (SwiGLU or squared ReLU) and the token -> expert-sorted dispatch plan used by layers.MoE.
 
 Legend: T tokens, K experts per token, E experts (local ones under expert parallelism), D model dim,
 H expert hidden dim, N rows of the expert-sorted buffer.
