@@ -32,7 +32,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"              # auto | cpu | cuda
     dtype: str = "auto"               # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16
-    compile: bool = False
+    compile: bool = False             # torch.compile every transformer block (in place; names unchanged)
     eval_every: int = 100
     eval_batches: int = 8
     max_bad_steps: int = 3            # consecutive non-finite steps before rolling back to the last checkpoint

@@ -56,6 +56,10 @@ class Trainer:
         model = build_model(cfg.model, model_init_device(cfg, self.par))   # "meta" when too big to build whole
         self.model = parallelize(model, cfg, self.par)
         self.raw_model = model
+        if cfg.train.compile:
+            # Per block and in place, as torchtitan does: parameter names, FSDP2 units and checkpoints unchanged.
+            for block in model.layers:
+                block.compile()
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.dst = None
