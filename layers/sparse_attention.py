@@ -69,22 +69,24 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     if backend == "flash_attn":
         return _flash_attn(q, k, v, pats, square)
     if backend == "flex" and square:   # decode / chunked prefill rows go to the reference: O(S T) mask
-        key = (tuple(pats), layer, T, q.device)
-        bm = None if any(p.dynamic for p in pats) else _MASK_CACHE.get(key)
-        if bm is None:
+        if any(p.dynamic for p in pats):   # estimated from this input: a new mask every call
             bm = flex_block_mask(plan_pattern(pats, Hq, 0, S, T, layer, q, k, q_history))
-            if not any(p.dynamic for p in pats):
-                _cache_put(key, bm)
+        else:
+            bm = _static_block_mask(pats, Hq, T, layer, q.device)
         return flex_attention_call(q, k, v, bm)
     return reference_sparse_attention(q, k, v, plan_pattern(pats, Hq, q_offset, S, T, layer, q, k, q_history))
 
 
-def _cache_put(key: tuple, bm) -> None:
-    """Static-pattern BlockMasks, least recently used dropped first."""
-    _MASK_CACHE[key] = bm
+def _static_block_mask(pats: list, n_heads: int, T: int, layer: int, device: torch.device):
+    """A static pattern's BlockMask, cached per (pattern, layer, length, device); least recently used dropped first."""
+    key = (tuple(pats), layer, T, device)
+    bm = _MASK_CACHE.get(key)
+    if bm is None:
+        bm = _MASK_CACHE[key] = flex_block_mask(plan_pattern(pats, n_heads, 0, T, T, layer, device=device))
     _MASK_CACHE.move_to_end(key)
     while len(_MASK_CACHE) > _MASK_CACHE_SIZE:
         _MASK_CACHE.popitem(last=False)
+    return bm
 
 
 def reference_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan) -> torch.Tensor:

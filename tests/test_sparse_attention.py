@@ -115,6 +115,20 @@ def test_flex_block_lists_reproduce_the_token_mask(name):
     assert torch.equal(got & (qi >= ki), want)
 
 
+def test_static_block_mask_cache_drops_the_least_recently_used(monkeypatch):
+    import importlib
+    from collections import OrderedDict
+    sa = importlib.import_module("layers.sparse_attention")   # the module, not the function layers exports
+    monkeypatch.setattr(sa, "_MASK_CACHE", OrderedDict())
+    monkeypatch.setattr(sa, "_MASK_CACHE_SIZE", 2)
+    pats, cpu = [PATTERNS["bigbird"]] * 2, torch.device("cpu")
+    first = sa._static_block_mask(pats, 2, 32, 0, cpu)
+    sa._static_block_mask(pats, 2, 48, 0, cpu)
+    assert sa._static_block_mask(pats, 2, 32, 0, cpu) is first      # a hit, and now the most recent
+    sa._static_block_mask(pats, 2, 64, 0, cpu)                      # evicts length 48, not 32
+    assert [key[2] for key in sa._MASK_CACHE] == [32, 64]
+
+
 @pytest.mark.parametrize("name", ["local_sinks", "bigbird", "vertical_slash", "block_topk", "mixed"])
 def test_decode_output_equals_last_row_of_prefill(name):
     torch.manual_seed(0)
