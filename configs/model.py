@@ -75,6 +75,13 @@ class ModelConfig:
     def expert_hidden_dim(self) -> int:
         return self.moe.hidden_dim or self.hidden_dim
 
+    @property
+    def shared_expert_hidden_dim(self) -> int:
+        """Hidden size of the MoE shared-expert SwiGLU block (all shared experts as one); 0 without any."""
+        if not self.moe.shared_experts:
+            return 0
+        return self.moe.shared_hidden_dim or self.expert_hidden_dim * self.moe.shared_experts
+
     def layer_ffn_types(self) -> list[str]:
         """FFN type of each layer after applying ``ffn_layers`` overrides."""
         types = assign_ranges(dict(self.ffn_layers), self.n_layers, "model.ffn_layers", default=self.ffn)

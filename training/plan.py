@@ -138,8 +138,8 @@ def activation_bytes_per_token(cfg: Config, compute_bytes: int, checkpointing: b
     for t in m.layer_ffn_types():
         if t == "moe":
             moe = m.moe
-            shared = (moe.shared_hidden_dim or m.expert_hidden_dim * moe.shared_experts) if moe.shared_experts else 0
-            ffn = 2 * d + 2 * moe.num_experts + moe.top_k * (2 * d + 4 * m.expert_hidden_dim) + 4 * shared
+            ffn = 2 * d + 2 * moe.num_experts + moe.top_k * (2 * d + 4 * m.expert_hidden_dim) \
+                + 4 * m.shared_expert_hidden_dim
         else:
             ffn = 2 * d + 4 * m.hidden_dim
         per_block.append((attn + ffn) * compute_bytes)

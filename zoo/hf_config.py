@@ -118,11 +118,6 @@ def config_from_hf(hc) -> ModelConfig:
     return cfg
 
 
-def shared_hidden(cfg: ModelConfig) -> int:
-    """Hidden size of the (single) shared-expert SwiGLU block."""
-    return cfg.moe.shared_hidden_dim or cfg.expert_hidden_dim * cfg.moe.shared_experts
-
-
 def windowed_layers(cfg: ModelConfig) -> tuple[Optional[int], list[int]]:
     """``(W, layers)`` when ``cfg``'s attention patterns are one sliding window (type local, no sinks,
     every head) on some layers and dense elsewhere: the only sparse attention HF models express."""
@@ -211,7 +206,7 @@ def config_to_hf(cfg: ModelConfig):
     dense = [i for i, t in enumerate(cfg.layer_ffn_types()) if t == "dense"]
     return transformers.Qwen2MoeConfig(
         num_experts=m.num_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=cfg.expert_hidden_dim,
-        shared_expert_intermediate_size=shared_hidden(cfg), norm_topk_prob=_renormalised(m),
+        shared_expert_intermediate_size=cfg.shared_expert_hidden_dim, norm_topk_prob=_renormalised(m),
         router_aux_loss_coef=m.aux_loss_coef / m.top_k, decoder_sparse_step=1, mlp_only_layers=dense,
         qkv_bias=cfg.attn_bias, use_sliding_window=bool(windowed), sliding_window=window,
         max_window_layers=cfg.n_layers,
