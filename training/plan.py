@@ -152,12 +152,13 @@ def activation_bytes_per_token(cfg: Config, compute_bytes: int, checkpointing: b
 
 def memory_per_gpu(cfg: Config, shape: _Shape, layout: Layout, compute_bytes: int) -> Memory:
     shard = layout.dp_shard if layout.fsdp else 1
-    held = shape.dense_params / shard + shape.expert_params / (layout.ep * (shard // layout.ep if layout.fsdp else 1))
+    expert_shard = layout.ep * (shard // layout.ep if layout.fsdp else 1)   # ranks one expert weight spans
+    held = shape.dense_params / shard + shape.expert_params / expert_shard
     gathered_block = shape.max_block_dense + shape.max_block_expert / layout.ep
     buffers = (2 * gathered_block * compute_bytes + gathered_block * compute_bytes) if layout.fsdp and shard > 1 else 0
     tokens = cfg.train.batch_size * cfg.train.seq_len
     acts = tokens * activation_bytes_per_token(cfg, compute_bytes, layout.activation_checkpointing)
-    dst_held = shape.dst_dense / shard + shape.dst_expert / (layout.ep * (shard // layout.ep if layout.fsdp else 1))
+    dst_held = shape.dst_dense / shard + shape.dst_expert / expert_shard
     from layers.dst import dst_bytes_per_weight
     return Memory(weights=held * FP32, grads=held * FP32, optimizer=held * FP32 * ADAM_STATES,
                   fsdp_buffers=buffers, activations=acts, dst_masks=dst_held * dst_bytes_per_weight(cfg.dst.grad_ema))
@@ -299,10 +300,11 @@ def check_fits(cfg: Config, world_size: int, device, model=None) -> Plan:
     """Plan ``cfg`` on ``world_size`` ranks of ``device``'s kind with the config's layout; raise
     ``PlanDoesNotFit`` (a ConfigError) before anything is allocated when it cannot fit."""
     import torch
+
+    from .parallel import moe_num_experts
     device = torch.device(device)
     p = cfg.parallel
-    num_experts = cfg.model.moe.num_experts if "moe" in cfg.model.layer_ffn_types() else None
-    rep, shard, ep = p.resolve(world_size, num_experts)
+    rep, shard, ep = p.resolve(world_size, moe_num_experts(cfg))
     layout = Layout(rep, shard, ep, p.fsdp and world_size > 1, p.activation_checkpointing)
     out = plan(cfg, world_size, device_memory_bytes(device), device.type, layout, model)
     if not out.fits:
