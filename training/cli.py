@@ -18,7 +18,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     p.add_argument("--plan", action="store_true", help="print params, FLOPs/token, memory and a parallel layout; "
                    "allocate nothing")
-    p.add_argument("--gpus", type=int, default=None, help="GPU count for --plan (default: the config's/ world size)")
+    p.add_argument("--gpus", type=int, default=None, help="GPU count for --plan (default: the smallest power of two that fits)")
     return p.parse_args(argv)
 
 
