@@ -4,7 +4,7 @@ One panel per (layer, head) for layers with a sparse head: white = block skipped
 (the token mask applies inside), black = full block, at the layer's block size. Input-dependent heads
 (vertical_slash, block_topk) are drawn with their budgets placed as ``layers.patterns.budget_plan``
 places them (columns and diagonals first, recent blocks), since the real picks depend on the input.
-Titles give each head's token density (allowed / causal pairs).
+Titles give each head's token density (allowed / causal pairs), as ``attention_density`` logs it.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import argparse
 
 from configs import load_config
 from layers.patterns import budget_plan, head_patterns
+from layers.sparse_attention import pattern_density
 from zoo.model import build_attention_pattern
 
 
@@ -27,8 +28,7 @@ def layer_images(cfg_model, length: int) -> list[tuple[int, list]]:
         plan = budget_plan(pattern, H, length, layer)
         partial, full = plan.block_layout()
         img = (full.float() + 0.5 * partial.float())[0]
-        dens = plan.token_mask()[0].sum((-1, -2)).double() / (length * (length + 1) / 2) if length <= 8192 \
-            else (partial | full)[0].float().sum((-1, -2)) / (img.shape[-1] * (img.shape[-1] + 1) / 2)
+        dens = pattern_density(pattern, H, length, layer)
         pats = head_patterns(pattern, H)
         out.append((layer, [(h, img[h], float(dens[h]), pats[h].type) for h in range(H)]))
     return out
