@@ -33,8 +33,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from configs.attention import DEFAULT_BLOCK_SIZE, PATTERN_TYPES, validate_pattern
-from configs.errors import ConfigError
+from configs.attention import COMMON_PARAMS, DEFAULT_BLOCK_SIZE, PATTERN_TYPES, validate_pattern
+from configs.errors import ConfigError, check_choice
 
 DYNAMIC_TYPES = ("vertical_slash", "block_topk")
 _MASK32 = 0xFFFFFFFF
@@ -66,14 +66,13 @@ class SparsityPattern:
 
     def to_dict(self) -> dict:
         """The YAML form: type, its required params, and optional ones that differ from the default."""
-        if self.type not in PATTERN_TYPES:
-            raise ConfigError("pattern.type", f"unknown value {self.type!r}; expected one of {', '.join(PATTERN_TYPES)}")
+        check_choice(self.type, tuple(PATTERN_TYPES), "pattern.type")
         required, optional = PATTERN_TYPES[self.type]
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         out = {"type": self.type}
         for name in required:
             out[name] = getattr(self, name)
-        for name in optional + ("block_size", "seed"):
+        for name in optional + COMMON_PARAMS:
             if getattr(self, name) != defaults[name]:
                 out[name] = getattr(self, name)
         return out
