@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .patterns import head_patterns
 from .rope import apply_rotary
 
 
@@ -70,6 +71,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
         self.pattern = pattern
         self.cache: Optional[KVCache] = None
+        self._q_history: Optional[torch.Tensor] = None   # last queries, for decode-time estimation
 
     def setup_cache(self, batch: int, max_len: int, dtype=None, device=None) -> None:
         dtype = dtype or self.wk.weight.dtype
@@ -97,15 +99,13 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> torch.Tensor:
         if self.pattern is None:
             return dense_causal_attention(q, k, v, q_offset)
-        from .patterns import head_patterns
-        from .sparse_attention import sparse_attention
+        from .sparse_attention import sparse_attention   # imports this module: a top-level import would cycle
         history = None
         dyn = [p for p in head_patterns(self.pattern, self.n_heads) if p.dynamic]
         if dyn and self.cache is not None:
             # Input-dependent patterns estimate from the last queries; keep enough of them that a decode
             # step re-estimates exactly what prefill of the same tokens would (last_q rows, pooled block).
-            prev = getattr(self, "_q_history", None)
-            history = prev if (q_offset > 0 and prev is not None) else None
+            history = self._q_history if q_offset > 0 else None
             keep = max(max(p.last_q, p.block_size) for p in dyn)
             self._q_history = (q if history is None else torch.cat([history, q], dim=2))[:, :, -keep:].detach()
         return sparse_attention(q, k, v, self.pattern, backend=self.backend, layer=self.layer_id, q_offset=q_offset,
