@@ -197,18 +197,18 @@ def estimate_vertical_slash(q_est: torch.Tensor, k: torch.Tensor, est_pos: range
 
 
 def _diagonal_sums(prob: torch.Tensor, p0: int) -> torch.Tensor:
-    """``prob[B, H, L, T]`` with row i at position ``p0 + i < T`` (zero where k > q) -> ``[B, H, T]``: the mass
-    on each diagonal ``d = q - k``, all rows at once (no loop over rows).
+    """``prob[B, H, L, T]`` with row i at position ``p_i = p0 + i < T`` (zero where k > q) -> ``[B, H, T]``: the
+    mass on each diagonal ``d = q - k``, all rows at once (no loop over rows).
 
-    Row i's diagonal d sits at column ``c - i + d`` of ``f = [flip(prob), 0 * T]`` (``c = T-1-p0``); reading
-    the flat ``f`` with row stride ``2T - 1`` instead of ``2T`` shifts row i right by i, so diagonal d of
-    every row lands in column ``c + d`` and a plain sum over rows adds them.
+    Row i is left-padded with ``P = T-1-p0`` zeros into a flat buffer of row length ``W = T + P``; reading
+    it in windows of T at step ``W + 1`` shifts row i left by i, so window i holds row i's diagonals
+    ``T-1 .. 0`` (zeros where k < 0) and a plain sum over rows adds them. Memory: one padded copy of prob.
     """
     B, H, L, T = prob.shape
-    f = torch.cat([prob.flip(-1), torch.zeros_like(prob)], dim=-1)                    # [B, H, L, 2T]
-    skew = f.flatten(-2)[..., :L * (2 * T - 1)].view(B, H, L, 2 * T - 1)           # skew[i, j] = f[i, j - i]
-    c = T - 1 - p0
-    return skew[..., c:c + T].sum(-2)
+    P = T - 1 - p0                                                        # >= L - 1, so windows stay in their row
+    g = torch.nn.functional.pad(prob, (P, 0)).flatten(-2)                 # [B, H, L * (T + P)]
+    rows = g.unfold(-1, T, T + P + 1)[..., :L, :]                         # rows[i, e] = prob[i, p_i - (T-1-e)]
+    return rows.sum(-2).flip(-1)
 
 
 def _block_mean(x: torch.Tensor, start: int, bs: int, n_blocks: int) -> torch.Tensor:
