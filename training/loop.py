@@ -179,8 +179,7 @@ class Trainer:
         losses = []
         for i in range(self.cfg.train.eval_batches):
             x, y = self.batch(i, 0, "val")
-            with self.autocast():
-                losses.append(self.compute_loss(x, y)[1]["ce"].float())
+            losses.append(self.compute_loss(x, y)[1]["ce"].float())   # compute_loss enters autocast
         self.model.train()
         return float(all_reduce_mean(torch.stack(losses).mean(), self.par))
 
