@@ -125,6 +125,18 @@ def test_vertical_slash_mask_matches_independent_estimation():
     assert torch.equal(m, brute_vertical_slash(q, k, 4, 3, 6))
 
 
+@pytest.mark.parametrize("T, L, p0", [(29, 6, 23), (40, 40, 0), (31, 5, 10), (1, 1, 0)])
+def test_diagonal_sums_add_each_rows_mass_by_q_minus_k(T, L, p0):
+    from layers.patterns import _diagonal_sums
+    prob = torch.rand(2, 3, L, T)
+    prob = prob * (torch.arange(T)[None, :] <= torch.arange(p0, p0 + L)[:, None])     # zero where k > q
+    want = torch.zeros(2, 3, T, dtype=torch.float64)
+    for i in range(L):
+        for kk in range(p0 + i + 1):
+            want[..., p0 + i - kk] += prob[:, :, i, kk].double()
+    torch.testing.assert_close(_diagonal_sums(prob, p0).double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_block_topk_mask_matches_independent_pooling():
     torch.manual_seed(1)
     B, H, Hk, T, D, bs, top = 2, 2, 1, 27, 8, 4, 3
