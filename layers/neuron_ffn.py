@@ -49,21 +49,12 @@ from .moe import resolve_backend
 from .moe_experts import GroupedExperts, expert_hidden, make_plan
 from .neuron_cluster import cluster_neurons
 from .neuron_schedule import neuron_phase, phase_bounds
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: all-gathered when it is a sharded DTensor (FSDP2), else itself."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+from .sharding import full_tensor, local_tensor, shard_like
 
 
 def _assign(t: torch.Tensor, value: torch.Tensor) -> None:
     """``t[...] = value`` for a plain tensor or a DTensor (each rank keeps its shard of the same ``value``)."""
-    if hasattr(t, "full_tensor"):
-        from torch.distributed.tensor import distribute_tensor
-        # src_data_rank=None: every rank holds the same value, so each slices its shard without communication
-        t.to_local().copy_(distribute_tensor(value, t.device_mesh, t.placements, src_data_rank=None).to_local())
-    else:
-        t.copy_(value)
+    local_tensor(t).copy_(local_tensor(shard_like(value, t)))
 
 
 class NeuronRoutedFFN(nn.Module):
@@ -152,8 +143,8 @@ class NeuronRoutedFFN(nn.Module):
         """
         H, D, G, Hg = self.hidden_dim, self.dim, self.num_groups, self.group_dim
         gated = self.activation == "swiglu"
-        w1 = _full(self.experts.w1).reshape(H, D)
-        order = cluster_neurons(w1, _full(self.experts.w3).reshape(H, D) if gated else None, G,
+        w1 = full_tensor(self.experts.w1).reshape(H, D)
+        order = cluster_neurons(w1, full_tensor(self.experts.w3).reshape(H, D) if gated else None, G,
                                 self.cfg.kmeans_iters, seed)
 
         def rows(t):   # [G, Hg, D] grouped rows -> regrouped
@@ -166,9 +157,9 @@ class NeuronRoutedFFN(nn.Module):
         for p, regroup in weights:
             state = optimizer.state.get(p, {}) if optimizer is not None else {}
             for t in [p] + [v for v in state.values() if torch.is_tensor(v) and v.shape == p.shape]:
-                _assign(t, regroup(_full(t)))
+                _assign(t, regroup(full_tensor(t)))
         self.neuron_index.copy_(self.neuron_index[order])
-        _assign(self.router.weight, _full(self.experts.w1).float().mean(1).to(self.router.weight.dtype))
+        _assign(self.router.weight, full_tensor(self.experts.w1).float().mean(1).to(self.router.weight.dtype))
         if optimizer is not None:
             optimizer.state.pop(self.router.weight, None)   # moments of the old groups mean nothing now
 
