@@ -83,6 +83,9 @@ def minference_patterns(data, n_layers: int, n_heads: int, key: str = "model.att
             check(str(h).isdigit() and int(h) < n_heads, k, f"head outside 0..{n_heads - 1}")
             check(isinstance(entry, (list, tuple)) and len(entry) >= 3, k, "must be [type, v_size, s_size, score]")
             check_choice(entry[0], tuple(MINFERENCE_TYPES), f"{k}.type")
+            sizes = entry[1:3]
+            check(all(isinstance(x, (int, float)) and not isinstance(x, bool) and float(x).is_integer() for x in sizes),
+                  k, f"v_size and s_size must be integers, got {list(sizes)}")
             pat = MINFERENCE_TYPES[entry[0]](int(entry[1]), int(entry[2]))
             validate_pattern(pat, k)
             out[f"{li}:{int(h)}"] = pat

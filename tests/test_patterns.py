@@ -253,6 +253,10 @@ def test_minference_json_maps_to_our_patterns_and_is_checked(tmp_path):
         minference_patterns([{"5": ["stream_llm", 1, 2, 0.0]}], 2, 2)
     with pytest.raises(ConfigError, match=r"minference_json\[0\]\[0\]\.type"):
         minference_patterns([{"0": ["mystery", 1, 2, 0.0]}], 2, 2)
+    for bad in ("abc", None, 3.5):
+        with pytest.raises(ConfigError, match=r"minference_json\[0\]\[0\]: v_size and s_size must be integers"):
+            minference_patterns([{"0": ["stream_llm", bad, 2, 0.0]}], 2, 2)
+    assert minference_patterns([{"0": ["stream_llm", 4.0, 16, 0.0]}], 1, 1)["0:0"]["sinks"] == 4
 
 
 def test_minference_tool_folds_identical_heads_into_ranges(tmp_path):
