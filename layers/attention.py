@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .patterns import head_patterns
+from .patterns import head_patterns, layer_block_size
 from .rope import apply_rotary
 
 
@@ -69,6 +69,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        if pattern is not None:   # a per-head list of the wrong length or mixed block sizes fails here, not in forward
+            layer_block_size(head_patterns(pattern, n_heads))
         self.pattern = pattern
         self.cache: Optional[KVCache] = None
         self._q_history: Optional[torch.Tensor] = None   # last queries, for decode-time estimation

@@ -217,6 +217,13 @@ def test_flash_attn_backend_maps_window_to_flash_attn_convention(monkeypatch):
         sparse_attention(q, k, v, PATTERNS["a_shape"], backend="flash_attn")
 
 
+def test_attention_rejects_a_bad_per_head_pattern_list_at_construction():
+    with pytest.raises(ValueError, match="3 entries for 4 heads"):
+        Attention(32, 4, 2, pattern=[PATTERNS["local"]] * 3)
+    with pytest.raises(ValueError, match="block_size"):
+        Attention(32, 4, 2, pattern=[PATTERNS["local"], SparsityPattern(type="local", window=4, block_size=32)] * 2)
+
+
 def test_unknown_backend_and_bad_gqa_raise():
     q, k, v = make_inputs(1, 4, 3, 8)
     with pytest.raises(ValueError, match="multiple"):
