@@ -145,9 +145,8 @@ class Trainer:
             (loss / c.train.grad_accum).backward()
             for k, v in parts.items():
                 parts_sum[k] = parts_sum.get(k, 0.0) + v / c.train.grad_accum
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = clip_grad_norm_(params, c.optim.grad_clip, self.par)   # spans the dense and expert meshes
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        # A plain tensor, the same on every rank: the norm spans the dense and expert meshes' shards.
+        grad_norm = clip_grad_norm_(self.model.parameters(), c.optim.grad_clip, self.par)
         # One all-reduce for every loss part; the total is their sum.
         parts_mean = all_reduce_mean(torch.stack([v.detach().float() for v in parts_sum.values()]), self.par)
         loss_val = parts_mean.sum()
