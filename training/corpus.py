@@ -53,6 +53,7 @@ def _hash01(name: str) -> float:
 def load_documents(cfg: DataConfig) -> list[Document]:
     """All documents of the corpus, in a fixed order (sorted by name hash, then capped by max_files)."""
     docs: list[Document] = []
+    stdlib = sysconfig.get_paths()["stdlib"] if cfg.source == "stdlib" else None
     for path in _source_files(cfg.source):
         if path.endswith(".jsonl"):
             with open(path, encoding="utf-8") as f:
@@ -69,8 +70,7 @@ def load_documents(cfg: DataConfig) -> list[Document]:
         else:
             try:
                 with open(path, encoding="utf-8", errors="replace") as f:
-                    docs.append(Document(path if cfg.source != "stdlib" else os.path.relpath(
-                        path, sysconfig.get_paths()["stdlib"]), f.read()))
+                    docs.append(Document(os.path.relpath(path, stdlib) if stdlib else path, f.read()))
             except OSError as e:
                 raise ConfigError("data.source", f"cannot read {path}: {e.strerror}") from None
     docs = [d for d in docs if d.text.strip()]
