@@ -32,7 +32,6 @@ from configs.attention import ATTN_BACKENDS
 from .attention import dense_causal_attention
 from .patterns import PatternLike, PatternPlan, budget_plan, head_patterns, plan_pattern
 
-BACKENDS = ATTN_BACKENDS
 # Tokens; below this, ``auto`` runs the reference (SDPA + materialised mask). Measured on the H200 by
 # bench/attention.py --crossover (BENCHMARKS.md "Sparse attention"): at 2048 tokens flex is already 3.3x
 # faster than masked SDPA (0.56 vs 1.83 ms, A-shape); shorter lengths were not measured.
@@ -57,8 +56,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     T = k.shape[2]
     if Hq % k.shape[1]:
         raise ValueError(f"{Hq} query heads are not a multiple of {k.shape[1]} KV heads")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown sparse attention backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if backend not in ATTN_BACKENDS:
+        raise ValueError(f"unknown sparse attention backend {backend!r}; expected one of {', '.join(ATTN_BACKENDS)}")
     pats = head_patterns(pattern, Hq)
     if all(p.is_dense_at(T) for p in pats):       # e.g. a window longer than the input: exactly causal
         return dense_causal_attention(q, k, v, q_offset)
