@@ -30,8 +30,9 @@ def moe_metrics(model: nn.Module) -> tuple[dict, torch.Tensor | None]:
             entropy.append(stats["router_entropy"].detach().float())
     if not loads:
         return {}, None
-    load = torch.stack([x.cpu() for x in loads]) if len({x.numel() for x in loads}) == 1 else None
-    shares = torch.cat([x.cpu() for x in loads]) if load is None else load
+    # One device-to-host copy each, not one per layer.
+    load = torch.stack(loads).cpu() if len({x.numel() for x in loads}) == 1 else None
+    shares = torch.cat(loads).cpu() if load is None else load
     per_layer_max = torch.stack([x.max() * x.numel() for x in loads]).cpu()
     out = {
         "moe/max_load_ratio": per_layer_max.max(),       # busiest expert vs perfectly even, worst layer
