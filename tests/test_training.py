@@ -123,3 +123,14 @@ def test_train_compile_runs_compiled_blocks_with_the_same_losses(tmp_path, corpu
     for _ in range(2):
         a, b = eager.train_step()["loss/total"], compiled.train_step()["loss/total"]
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
+def test_expert_load_heatmap_is_logged_at_every_eval_step(tmp_path, corpus_dir):
+    cfg = load_config("zoo/tiny_moe.yaml", tiny_overrides(tmp_path, corpus_dir, **{
+        "train.steps": 6, "train.eval_every": 3, "logging.log_every": 4, "checkpoint.every": 0}))
+    tr = Trainer(cfg)
+    heatmaps = []
+    tr.logger.log_heatmap = lambda name, matrix, step, *a: heatmaps.append((name, step, matrix.shape))
+    tr.fit()
+    L, E = cfg.model.n_layers, cfg.model.moe.num_experts
+    assert heatmaps == [("moe/expert_load", 3, (L, E)), ("moe/expert_load", 6, (L, E))]

@@ -224,8 +224,7 @@ class Trainer:
                 m["tokens_per_s"] = tokens_since / dt
                 if self.peak_flops:
                     m["mfu"] = m["tokens_per_s"] * self.flops_per_token / (self.peak_flops * self.par.world_size)
-                moe, load = moe_metrics(self.raw_model)
-                m.update(moe)
+                m.update(moe_metrics(self.raw_model)[0])
                 if self.ffn_phase is not None:
                     m.update(neuron_stats(self.raw_model))
                 if self.dst is not None:
@@ -233,11 +232,13 @@ class Trainer:
                 self.logger.log({k: v for k, v in m.items() if k != "skipped"}, step=self.step)
                 if self.par.is_main:
                     append_metrics(self.metrics_path, m, self.step)
-                if load is not None and self.step % c.train.eval_every == 0:
-                    self.logger.log_heatmap("moe/expert_load", load.numpy(), self.step, "experts", "layers")
                 bar.set_postfix(loss=f"{float(m['loss/total']):.3f}", lr=f"{m['lr']:.2e}")
                 t0, tokens_since = time.perf_counter(), 0
             if self.step % c.train.eval_every == 0 or self.step == c.train.steps:
+                # Before evaluate(): the layers' stats are still those of the last training step.
+                load = moe_metrics(self.raw_model)[1]
+                if load is not None:
+                    self.logger.log_heatmap("moe/expert_load", load.numpy(), self.step, "experts", "layers")
                 v = self.evaluate()
                 self.val_history.append((self.step, v))
                 self.best_val = min(self.best_val, v)
