@@ -64,6 +64,7 @@ def run_cli(*args, cwd=ROOT):
     (["--config", "zoo/tiny_dense.yaml", "model.n_kv_heads=3"], "model.n_kv_heads:"),
     (["--config", "zoo/tiny_dense.yaml", "model.foo=1"], "model.foo: unknown key"),
     (["--config", "zoo/tiny_dense.yaml", "train.steps=ten"], "train.steps:"),
+    (["--config", "zoo/tiny_dense.yaml", "--plan", "--gpus", "0"], "--gpus: must be >= 1"),
 ])
 def test_cli_bad_input_prints_one_line_and_exits_2(args, needle):
     r = run_cli(*args)

@@ -28,6 +28,8 @@ def main(argv=None) -> int:
         overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
         cfg = load_config(args.config, overrides)
         if args.plan:
+            if args.gpus is not None and args.gpus < 1:
+                raise ConfigError("--gpus", f"must be >= 1, got {args.gpus}")
             from training.plan import format_plan, plan
             print(format_plan(plan(cfg, args.gpus)))
             return 0
