@@ -128,10 +128,13 @@ def _fmix32(x):
 
 
 def _ints(values: Sequence[int], device=None) -> torch.Tensor:
-    """int64 ``[len(values)]`` on ``device``. Copied non-blocking: a blocking host-to-GPU copy (what
-    ``torch.tensor(values, device="cuda")`` does) first waits for everything queued on the GPU."""
+    """int64 ``[len(values)]`` on ``device``, without waiting for the GPU: ``torch.tensor(values, device="cuda")``
+    (a copy from pageable memory) first waits for everything queued on the GPU; a pinned source copied
+    non-blocking does not (the caching host allocator keeps it alive until the copy has run)."""
     t = torch.tensor(values, dtype=torch.long)
-    return t if device is None else t.to(device, non_blocking=True)
+    if device is None or torch.device(device).type != "cuda":
+        return t if device is None else t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def random_block_rows(pats: Sequence[SparsityPattern], layer: int, q_blocks: torch.Tensor, n_k_blocks: int) -> torch.Tensor:
