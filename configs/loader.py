@@ -59,9 +59,9 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Co
         for layer in layers:
             cfg = OmegaConf.merge(cfg, layer)
         for ov in overrides:
-            if "=" not in ov:
+            k, eq, v = ov.partition("=")
+            if not eq or not k.strip():
                 raise ConfigError(ov, "override must look like section.key=value")
-            k, v = ov.split("=", 1)
             try:
                 node = OmegaConf.from_dotlist([f"{k.strip()}={v}"])
             except yaml.YAMLError as e:   # the value is parsed as YAML: "[1" or "{a: b" fail here

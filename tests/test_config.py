@@ -46,6 +46,7 @@ def test_llama_ffn_hidden_sizes_follow_the_paper():
     ("train.seq_len=100000", "train.seq_len"),
     ("model.ffn_layers={9: dense}", "model.ffn_layers.9"),
     ("train.steps=[1", "train.steps"),          # a value that is not valid YAML
+    ("=3", "=3"),                               # no key at all
 ])
 def test_bad_values_raise_config_error_naming_the_key(override, key):
     with pytest.raises(ConfigError) as e:
