@@ -5,10 +5,9 @@ import resource
 import pytest
 
 from configs import ConfigError, load_config
+from tests.conftest import ROOT
 from training.plan import PlanDoesNotFit, check_fits, format_plan, plan
 from zoo.flops import flops_per_token, param_counts
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def preset(name, *overrides):
