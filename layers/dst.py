@@ -231,7 +231,7 @@ class DynamicSparsity:
             self._follow_layout(t)
             p, off = t.param(), local_tensor(t.buf("mask")).logical_not()
             for x in [p.detach(), *(self._states(p) if states else [])]:
-                local_tensor(x).masked_fill_(off, 0)                 # 12% faster than mul_ by a bool mask on H200
+                local_tensor(x).masked_fill_(off, 0)           # 12% faster than mul_ by a bool mask on H200
 
     @torch.no_grad()
     def step(self, step: int) -> None:
@@ -308,7 +308,7 @@ class DynamicSparsity:
             changed.append((old.reshape(p.shape) != new).sum())     # summed on device, read once below
             total += t.numel
             new_local = local_tensor(shard_like(new, mask_buf))
-            stay = local_tensor(mask_buf) & new_local               # grown and pruned: value 0, moments 0
+            stay = local_tensor(mask_buf) & new_local         # grown and pruned: value 0, moments 0
             off = stay.logical_not()
             for x in [p.detach(), *self._states(p)]:
                 local_tensor(x).masked_fill_(off, 0)
