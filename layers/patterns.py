@@ -130,9 +130,10 @@ def _fmix32(x):
 def _ints(values: Sequence[int], device=None) -> torch.Tensor:
     """int64 ``[len(values)]`` on ``device``, without waiting for the GPU: ``torch.tensor(values, device="cuda")``
     (a copy from pageable memory) first waits for everything queued on the GPU; a pinned source copied
-    non-blocking does not (the caching host allocator keeps it alive until the copy has run)."""
+    non-blocking does not (the caching host allocator keeps it alive until the copy has run). Under
+    torch.compile the values are constants of the graph, so the plain copy is traced instead."""
     t = torch.tensor(values, dtype=torch.long)
-    if device is None or torch.device(device).type != "cuda":
+    if device is None or torch.device(device).type != "cuda" or torch.compiler.is_compiling():
         return t if device is None else t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
