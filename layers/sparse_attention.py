@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from configs.attention import ATTN_BACKENDS
 
-from .attention import dense_causal_attention
+from .attention import Attention, dense_causal_attention
 from .patterns import PatternLike, PatternPlan, budget_plan, head_patterns, plan_pattern
 
 # Tokens; below this, ``auto`` runs the reference (SDPA + materialised mask). Measured on the H200 by
@@ -205,12 +205,12 @@ def pattern_density(pattern: PatternLike, n_heads: int, seq_len: int, layer: int
         n_chunks = max(max_rows // chunk, 2)
         starts = sorted({round(i * (seq_len - chunk) / (n_chunks - 1)) for i in range(n_chunks)})
     rows = [range(s, min(s + chunk, seq_len)) for s in starts]
-    per_row = [budget_plan(pattern, n_heads, seq_len, layer, r, device).token_mask()[0].sum(-1).double().cpu()
+    per_row = [budget_plan(pattern, n_heads, seq_len, layer, r, device).token_mask()[0].sum(-1).double()
                for r in rows]                                                      # [H, rows] allowed keys
     allowed = sum(c.sum(-1) for c in per_row)
     for a, b, ra, rb in zip(per_row, per_row[1:], rows, rows[1:]):                  # trapezoid over skipped rows
         allowed = allowed + (rb.start - ra.stop) * (a[:, -1] + b[:, 0]) / 2
-    return allowed / (seq_len * (seq_len + 1) / 2)
+    return (allowed / (seq_len * (seq_len + 1) / 2)).cpu()                         # one host copy per layer
 
 
 def attention_density(model_or_attention: torch.nn.Module, seq_len: int, max_rows: int = 2048,
@@ -221,7 +221,6 @@ def attention_density(model_or_attention: torch.nn.Module, seq_len: int, max_row
     every ``layers.Attention`` inside the module (dense heads are 1.0), each layer by ``pattern_density``
     (exact up to ``max_rows``, sampled beyond). Masks are built on the module's device.
     """
-    from .attention import Attention
     out, all_heads = {}, []
     for m in model_or_attention.modules():
         if not isinstance(m, Attention):
