@@ -9,9 +9,14 @@ import torch
 from torch import nn
 
 
-def total_aux_loss(model: nn.Module) -> torch.Tensor:
-    """Sum of ``aux_loss`` over every module of ``model`` that has one (0 when none)."""
-    losses = [m.aux_loss for m in model.modules() if isinstance(getattr(m, "aux_loss", None), torch.Tensor)]
+def sum_aux_losses(modules) -> torch.Tensor:
+    """Sum of the ``aux_loss`` tensors of ``modules`` (0 when none), on the first one's device."""
+    losses = [m.aux_loss for m in modules]
     if not losses:
         return torch.zeros(())
     return torch.stack([l.to(losses[0].device) for l in losses]).sum()
+
+
+def total_aux_loss(model: nn.Module) -> torch.Tensor:
+    """Sum of ``aux_loss`` over every module of ``model`` that has one (0 when none)."""
+    return sum_aux_losses(m for m in model.modules() if isinstance(getattr(m, "aux_loss", None), torch.Tensor))

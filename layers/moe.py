@@ -30,6 +30,7 @@ from torch import nn
 
 from configs import ConfigError, MoEConfig
 from .mlp import SwiGLU
+from .aux_loss import sum_aux_losses
 from .moe_experts import GroupedExperts, local_expert_count, make_plan, run_plan
 from .moe_router import (balance_loss, noisy_logits, route, router_entropy, router_matmul, tokens_per_expert,
                          z_loss)
@@ -223,10 +224,7 @@ def moe_modules(model: nn.Module) -> list[MoE]:
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor:
     """Sum of ``aux_loss`` over every MoE module of ``model`` from its last forward (0 when none)."""
-    losses = [m.aux_loss for m in moe_modules(model)]
-    if not losses:
-        return torch.zeros(())
-    return torch.stack([l.to(losses[0].device) for l in losses]).sum()
+    return sum_aux_losses(moe_modules(model))
 
 
 def moe_update_bias(model: nn.Module, group=None) -> None:

@@ -42,11 +42,9 @@ from torch import nn
 
 from configs import ConfigError
 from configs.neuron import NeuronConfig
-from kernels.moe_combine import moe_combine, moe_combine_reference
-from kernels.moe_permute import moe_permute, moe_permute_reference
 
 from .moe import resolve_backend
-from .moe_experts import GroupedExperts, expert_hidden, make_plan
+from .moe_experts import GroupedExperts, expert_hidden, make_plan, run_plan
 from .neuron_cluster import cluster_neurons
 from .neuron_schedule import neuron_phase, phase_bounds
 from .sharding import full_tensor, local_tensor, shard_like
@@ -220,14 +218,7 @@ class NeuronRoutedFFN(nn.Module):
     def _sparse(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         indices = logits.topk(self.top_k_groups, dim=-1).indices                        # [T, K]
         plan = make_plan(indices, self.num_groups)
-        if self.backend(x.device) == "grouped":
-            xs = moe_permute(x, plan.inv, plan.num_rows, False)
-            ys = self.experts(xs, plan.group_sizes)
-            ones = torch.ones(indices.shape, dtype=torch.float32, device=x.device)
-            y = moe_combine(ys, plan.inv, ones, False)
-        else:
-            xs = moe_permute_reference(x, plan.inv, plan.num_rows)
-            y = moe_combine_reference(self.experts(xs, plan.group_sizes), plan.inv, None)
+        y = run_plan(x, plan, None, self.experts, self.backend(x.device) == "grouped")
         # Zero, but through the router: its weight then gets a (zero) gradient every step, as data-parallel
         # wrappers that expect every parameter to take part in the backward require.
         self.aux_loss = logits.sum() * 0.0

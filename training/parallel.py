@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from configs import Config, ConfigError
+from layers.moe import moe_modules
 
 
 @dataclass
@@ -161,11 +162,6 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         block.forward = functools.partial(_checkpointed, block.forward)
 
 
-def _routed_moes(model: nn.Module):
-    from layers import MoE
-    return [m for m in model.modules() if isinstance(m, MoE)]
-
-
 def parallelize(model: nn.Module, cfg: Config, state: ParallelState) -> nn.Module:
     """Shard ``model`` for ``state``'s layout and put it on ``state.device``.
 
@@ -180,17 +176,17 @@ def parallelize(model: nn.Module, cfg: Config, state: ParallelState) -> nn.Modul
     seed = cfg.train.seed
     if not state.distributed:
         return _materialize(model, state, on_meta, seed)
-    for moe in _routed_moes(model):
+    for moe in moe_modules(model):
         # Every rank is a data-parallel rank: the global balance loss spans the world.
         moe.balance_group = dist.group.WORLD
     if state.ep > 1:
         from layers.moe_ep import shard_experts
-        for moe in _routed_moes(model):
+        for moe in moe_modules(model):
             shard_experts(moe, state.ep_group, state.ep_rank)
     _fully_shard(model, cfg, state)
     if state.ep > 1:
         ckpt_mesh = _expert_checkpoint_mesh(state)
-        for moe in _routed_moes(model):
+        for moe in moe_modules(model):
             moe.ep_checkpoint_mesh = ckpt_mesh
     return _materialize(model, state, on_meta, seed)
 
@@ -204,7 +200,7 @@ def _fully_shard(model: nn.Module, cfg: Config, state: ParallelState) -> None:
     efsdp = state.dp_shard // state.ep
     # Fewer local experts than shard ranks would leave ranks with empty shards: shard the hidden dim then.
     expert_placement = lambda p: Shard(0) if p.shape[0] % efsdp == 0 else Shard(1)  # noqa: E731
-    moes = set(_routed_moes(model))
+    moes = set(moe_modules(model))
     for block in model.layers:
         for m in block.modules():
             if m in moes:
