@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from configs import ConfigError, load_config
+from training.loop import TrainingDiverged, run
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,11 +34,13 @@ def main(argv=None) -> int:
             from training.plan import format_plan, plan
             print(format_plan(plan(cfg, args.gpus)))
             return 0
-        from training.loop import run
         summary = run(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted; the last complete checkpoint is intact (use --resume)", file=sys.stderr)
         return 130

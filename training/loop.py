@@ -35,6 +35,10 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+class TrainingDiverged(RuntimeError):
+    """Too many non-finite steps in a row with nothing to roll back to (train.py: one line, exit 1)."""
+
+
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -185,8 +189,9 @@ class Trainer:
     def rollback(self) -> None:
         path = latest_checkpoint(self.cfg.checkpoint_dir)
         if path is None:
-            raise RuntimeError(f"{self.bad_in_row} non-finite steps in a row at step {self.step} and no checkpoint "
-                               f"in {self.cfg.checkpoint_dir} to roll back to")
+            raise TrainingDiverged(f"{self.bad_in_row} non-finite steps in a row at step {self.step} and no "
+                                   f"checkpoint in {self.cfg.checkpoint_dir} to roll back to; lower optim.lr or "
+                                   f"set checkpoint.every")
         epoch, bad_total = self.epoch, self.bad_total
         self._restore(path)
         # Same weights, new data order: replaying the batches that blew up would blow up again.
