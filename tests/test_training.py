@@ -134,3 +134,41 @@ def test_expert_load_heatmap_is_logged_at_every_eval_step(tmp_path, corpus_dir):
     tr.fit()
     L, E = cfg.model.n_layers, cfg.model.moe.num_experts
     assert heatmaps == [("moe/expert_load", 3, (L, E)), ("moe/expert_load", 6, (L, E))]
+
+
+def test_kill_during_checkpoint_write_leaves_the_previous_checkpoint_resumable(tmp_path, corpus_dir):
+    """SIGKILL a real run while it writes its second checkpoint; --resume then picks the first one."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+    ov = tiny_overrides(tmp_path, corpus_dir, **{"train.steps": 20, "checkpoint.every": 5})
+    # Slow down the write of step 10's train_state.pt (the last file of a checkpoint) to kill inside it.
+    code = f"""
+import sys, time, torch
+import training.checkpoint as ck
+real_save = torch.save
+def slow_save(obj, path, *a, **k):
+    if str(path).endswith("train_state.pt") and obj["step"] == 10:
+        print("WRITING", flush=True); time.sleep(60)
+    return real_save(obj, path, *a, **k)
+ck.torch.save = slow_save
+from configs import load_config
+from training.loop import Trainer
+Trainer(load_config("zoo/tiny_dense.yaml", {ov!r})).fit()
+"""
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    line = ""
+    while time.time() < deadline and "WRITING" not in line:
+        line = p.stdout.readline()
+    assert "WRITING" in line, "the run never reached the slowed checkpoint write"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    cfg = load_config("zoo/tiny_dense.yaml", ov)
+    assert latest_checkpoint(cfg.checkpoint_dir).endswith("step_00000005")
+    resumed = Trainer(load_config("zoo/tiny_dense.yaml", ov + ["checkpoint.resume=true"]))
+    assert resumed.step == 5
+    assert resumed.fit()["step"] == 20
