@@ -172,3 +172,13 @@ Trainer(load_config("zoo/tiny_dense.yaml", {ov!r})).fit()
     resumed = Trainer(load_config("zoo/tiny_dense.yaml", ov + ["checkpoint.resume=true"]))
     assert resumed.step == 5
     assert resumed.fit()["step"] == 20
+
+
+def test_gradient_accumulation_equals_one_large_batch(tmp_path, corpus_dir):
+    big = Trainer(make_cfg(tmp_path / "big", corpus_dir, **{"train.batch_size": 8}))
+    acc = Trainer(make_cfg(tmp_path / "acc", corpus_dir, **{"train.batch_size": 4, "train.grad_accum": 2}))
+    for _ in range(4):
+        a, b = big.train_step()["loss/total"].item(), acc.train_step()["loss/total"].item()
+        assert abs(a - b) < 1e-5, (a, b)
+    pa, pb = _params(big.model), _params(acc.model)
+    assert all(torch.allclose(pa[k], pb[k], atol=1e-5) for k in pa)

@@ -128,8 +128,11 @@ class Trainer:
     def batch(self, step: int, micro: int, split: str = "train"):
         c = self.cfg.train
         tokens = self.data.train if split == "train" else self.data.val
-        x, y = sample_batch(tokens, c.batch_size, c.seq_len, c.seed, step * c.grad_accum + micro,
-                            self.par.dp_rank, self.par.dp_size, self.epoch if split == "train" else -1)
+        # The step's global batch (batch_size x grad_accum x dp_size windows) is split into (micro, rank)
+        # slices, so how it is split between accumulation and ranks does not change the data.
+        accum = c.grad_accum if split == "train" else 1
+        x, y = sample_batch(tokens, c.batch_size, c.seq_len, c.seed, step, micro * self.par.dp_size + self.par.dp_rank,
+                            accum * self.par.dp_size, self.epoch if split == "train" else -1)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def compute_loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
