@@ -61,7 +61,7 @@ def semi_structured_available(device: torch.device, dtype: torch.dtype, shape=(1
         x = torch.ones(32, shape[1], dtype=dtype, device=device)
         torch.mm(x, _pack(w).t())
         return True
-    except (RuntimeError, NotImplementedError, ValueError):
+    except (RuntimeError, NotImplementedError, ValueError):  # capability probe: torch raises these when unsupported
         return False
 
 

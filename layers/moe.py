@@ -45,6 +45,17 @@ def resolve_backend(name: str, device_type: str) -> str:
     return name
 
 
+def cached_backend(module: nn.Module, device: torch.device) -> str:
+    """Resolve ``module.cfg.backend`` once (first forward) and point ``module.experts`` at its path.
+
+    Shared by every module that runs a ``GroupedExperts`` (MoE, NeuronRoutedFFN).
+    """
+    if module._backend is None:
+        module._backend = resolve_backend(module.cfg.backend, device.type)
+        module.experts.backend = "grouped" if module._backend == "grouped" else "loop"
+    return module._backend
+
+
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts; keywords are MoEConfig's fields (``hidden_dim`` is positional)."""
 
@@ -151,10 +162,7 @@ class MoE(nn.Module):
 
     # -- dispatch ---------------------------------------------------------------------------------------
     def backend(self, device: torch.device) -> str:
-        if self._backend is None:
-            self._backend = resolve_backend(self.cfg.backend, device.type)
-            self.experts.backend = "grouped" if self._backend == "grouped" else "loop"
-        return self._backend
+        return cached_backend(self, device)
 
     def _dispatch_local(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                         routed: Optional[torch.Tensor] = None, run_experts=None):

@@ -43,7 +43,7 @@ from torch import nn
 from configs import ConfigError
 from configs.neuron import NeuronConfig
 
-from .moe import resolve_backend
+from .moe import cached_backend
 from .moe_experts import GroupedExperts, expert_hidden, make_plan, run_plan
 from .neuron_cluster import cluster_neurons
 from .neuron_schedule import neuron_phase, phase_bounds
@@ -192,10 +192,7 @@ class NeuronRoutedFFN(nn.Module):
             return F.linear(x.detach().float(), self.router.weight.float())
 
     def backend(self, device: torch.device) -> str:
-        if self._backend is None:
-            self._backend = resolve_backend(self.cfg.backend, device.type)
-            self.experts.backend = "grouped" if self._backend == "grouped" else "loop"
-        return self._backend
+        return cached_backend(self, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
