@@ -10,6 +10,7 @@ import json
 import os
 
 import numpy as np
+import torch
 
 from configs import Config, to_dict
 
@@ -42,8 +43,7 @@ class WandbLogger(NullLogger):
             settings=wandb.Settings(silent=True, console="off", x_disable_stats=True))
 
     def log(self, metrics: dict, step: int) -> None:
-        self.run.log({k: (v.item() if hasattr(v, "item") and getattr(v, "ndim", 0) == 0 else v)
-                      for k, v in metrics.items()}, step=step)
+        self.run.log(to_python(metrics), step=step)
 
     def log_heatmap(self, name: str, matrix, step: int, xlabel: str = "", ylabel: str = "") -> None:
         """A [rows, cols] array as a grey-scale image (e.g. expert load: layers x experts)."""
@@ -60,14 +60,19 @@ class WandbLogger(NullLogger):
         self.run.finish()
 
 
+def to_python(metrics: dict) -> dict:
+    """Scalar tensors -> Python numbers with one device-to-host copy (one sync), others unchanged."""
+    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1]
+    out = dict(metrics)
+    if keys:
+        values = torch.stack([metrics[k].detach().reshape(()).float().to(metrics[keys[0]].device) for k in keys])
+        out.update(zip(keys, values.cpu().tolist()))
+    return out
+
+
 def append_metrics(path: str, metrics: dict, step: int) -> None:
     """One JSON line of scalar metrics per logging step (``<out_dir>/metrics.jsonl``, rank 0), for scripts."""
-    row = {"step": step}
-    for k, v in metrics.items():
-        if hasattr(v, "item") and getattr(v, "numel", lambda: 1)() == 1:
-            v = v.item()
-        if isinstance(v, (int, float, bool)):
-            row[k] = v
+    row = {"step": step, **{k: v for k, v in to_python(metrics).items() if isinstance(v, (int, float, bool))}}
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
 

@@ -23,7 +23,7 @@ from zoo import build_model
 
 from .checkpoint import check_resumable, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import prepare_data, sample_batch
-from .logger import append_metrics, make_logger
+from .logger import append_metrics, make_logger, to_python
 from .metrics import device_peak_flops, moe_metrics
 from .optim import build_optimizer, build_scheduler
 from .parallel import all_reduce_mean, clip_grad_norm_, model_init_device, parallelize, setup_parallel
@@ -237,6 +237,7 @@ class Trainer:
                     m.update(neuron_stats(self.raw_model))
                 if self.dst is not None:
                     m.update({f"dst/{k}": v for k, v in self.dst.stats().items()})
+                m = to_python(m)   # one host copy for every scalar of this log step
                 self.logger.log({k: v for k, v in m.items() if k != "skipped"}, step=self.step)
                 if self.par.is_main:
                     append_metrics(self.metrics_path, m, self.step)
