@@ -228,6 +228,7 @@ class Trainer:
             if self.step % c.logging.log_every == 0 or self.step == c.train.steps:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
+                    m["mem/peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
                 dt = time.perf_counter() - t0
                 m["tokens_per_s"] = tokens_since / dt
                 if self.peak_flops:
