@@ -31,9 +31,9 @@ from torch import nn
 from configs import ConfigError, MoEConfig
 from .mlp import SwiGLU
 from .aux_loss import sum_aux_losses
-from .moe_experts import GroupedExperts, local_expert_count, make_plan, run_plan
-from .moe_router import (balance_loss, noisy_logits, route, router_entropy, router_matmul, tokens_per_expert,
-                         z_loss)
+from .moe_experts import DispatchPlan, GroupedExperts, local_expert_count, make_plan, plan_layout, run_plan
+from .moe_router import balance_loss_of_mean, noisy_logits, route, router_matmul
+from .moe_routing import RoutingSpec, routing_fn
 
 
 def resolve_backend(name: str, device_type: str) -> str:
@@ -63,6 +63,9 @@ class MoE(nn.Module):
     group_align: int = 1
     # bf16 CUDA inputs: router GEMM in bf16 with fp32 output (exact products) instead of an fp32 upcast.
     low_precision_router: bool = True
+    # torch.compile backend of the routing stage (layers.moe_routing) on CUDA with the grouped backend;
+    # None = eager. Fuses ~60 launch-bound small kernels at the start of each forward into a few.
+    compile_routing: Optional[str] = "inductor"
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int = 8, top_k: int = 2, *,
                  router: str = "softmax", softmax_before_topk: bool = False, norm_topk: bool = True,
@@ -164,32 +167,35 @@ class MoE(nn.Module):
     def backend(self, device: torch.device) -> str:
         return cached_backend(self, device)
 
+    def _align(self, x: torch.Tensor) -> int:
+        return self.group_align if self.backend(x.device) == "grouped" and x.is_cuda else 1
+
     def _dispatch_local(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                        routed: Optional[torch.Tensor] = None, run_experts=None):
+                        routed: Optional[torch.Tensor] = None, run_experts=None,
+                        plan: Optional[DispatchPlan] = None):
         """All experts on this rank: x [T, D] -> (y [T, D], kept assignments (scalar tensor)).
 
         ``run_experts(xs[N, D], group_sizes[E]) -> [N, D]`` replaces ``self.experts`` on the sorted
         buffer (expert parallelism: layers.moe_ep sends the rows to the ranks owning the experts).
+        ``plan``: the dispatch plan of ``indices`` when the routing stage already built it.
         """
         fast = self.backend(x.device) == "grouped"
-        align = self.group_align if fast and x.is_cuda else 1
-        plan = make_plan(indices, self.num_experts, self.capacity(x.shape[0]), align, routed)
+        if plan is None:
+            plan = make_plan(indices, self.num_experts, self.capacity(x.shape[0]), self._align(x), routed)
         return run_plan(x, plan, weights, run_experts or self.experts, fast), plan.counts.sum()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.dim)
-        indices, weights, logits, probs = self.route(x2)
-        routed = self._record(logits, probs, indices)
+        r, plan = self._route_and_record(x2)
         if self.ep_group is not None:
             from .moe_ep import ep_dispatch
-            y, kept = ep_dispatch(self, x2, indices, weights, routed)
+            y, _ = ep_dispatch(self, x2, r.indices, r.weights, r.routed, plan)
         elif self.backend(x.device) == "megablocks":
             from .moe_megablocks import megablocks_forward
-            y, kept = megablocks_forward(self, x2), routed.sum()
+            y = megablocks_forward(self, x2)
         else:
-            y, kept = self._dispatch_local(x2, indices, weights, routed)
-        self.stats["dropped_frac"] = (1.0 - kept.float() / max(indices.numel(), 1)).detach()
+            y, _ = self._dispatch_local(x2, r.indices, r.weights, r.routed, plan=plan)
         if hasattr(self, "shared"):
             s = self.shared(x2)
             if hasattr(self, "shared_gate"):
@@ -198,17 +204,34 @@ class MoE(nn.Module):
         return y.reshape(shape)
 
     # -- losses, stats, bias balancing ------------------------------------------------------------------
-    def _record(self, logits: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        routed = tokens_per_expert(indices, self.num_experts)
+    def _route_and_record(self, x: torch.Tensor):
+        """x [T, D] -> (Routed, DispatchPlan or None): the routing stage (layers.moe_routing; compiled on
+        CUDA for the grouped backend) with losses and stats recorded on the module."""
         c = self.cfg
-        bal = balance_loss(probs, routed, self.top_k, self.balance_group if c.global_balance else None)
-        z = z_loss(logits)
-        self.aux_loss = c.aux_loss_coef * bal + c.z_loss_coef * z
-        self.aux_parts = {"balance": bal.detach(), "z": z.detach()}
-        self.stats = {"tokens_per_expert": routed.float(), "router_entropy": router_entropy(probs).detach()}
+        T = x.shape[0]
+        group = self.balance_group if c.global_balance else None
+        local = group is None or torch.distributed.get_world_size(group) == 1
+        backend = self.backend(x.device)
+        align = self._align(x)
+        capacity = self.capacity(T)
+        spec = RoutingSpec(c.router, c.top_k, c.softmax_before_topk, c.norm_topk, self.num_experts,
+                           float(c.aux_loss_coef), float(c.z_loss_coef), capacity, align, local,
+                           plan=backend != "megablocks")
+        fn = routing_fn(x.device, self.compile_routing if backend == "grouped" else None)
+        r = fn(self.router_logits(x), getattr(self, "expert_bias", None), spec)
+        bal, aux = r.balance, r.aux_loss
+        if not local:
+            bal = balance_loss_of_mean(r.p_mean, r.routed, T, c.top_k, group)
+            aux = aux + c.aux_loss_coef * bal
+        self.aux_loss = aux
+        self.aux_parts = {"balance": bal.detach(), "z": r.z.detach()}
+        self.stats = dict(r.stats)
         if c.bias_update_rate > 0 and self.training:
-            self.load_accum += routed
-        return routed
+            self.load_accum += r.routed
+        plan = None
+        if r.plan_tensors is not None:
+            plan = DispatchPlan(*r.plan_tensors, *plan_layout(r.indices.numel(), self.num_experts, capacity, align))
+        return r, plan
 
     @torch.no_grad()
     def update_bias(self, group=None) -> None:

@@ -92,22 +92,23 @@ def ep_run_experts(xs_ND: torch.Tensor, sizes_E: torch.Tensor, experts: nn.Modul
 
 
 def ep_dispatch(moe: nn.Module, x_TD: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor,
-                routed_E: Optional[torch.Tensor] = None):
+                routed_E: Optional[torch.Tensor] = None, plan=None):
     """``MoE.forward``'s dispatch stage under ``moe.ep_group``. A group of one rank holds every expert,
     so it takes the local path unchanged (EP degree 1 costs nothing); otherwise ``all_to_all_dispatch``.
+    ``plan``: the DispatchPlan of ``indices_TK`` if already built (MoE's routing stage builds it).
     Returns ``(y [T, D], kept assignments (scalar tensor))``."""
     if dist.get_world_size(moe.ep_group) == 1:
-        return moe._dispatch_local(x_TD, indices_TK, weights_TK, routed_E)
-    return all_to_all_dispatch(moe, x_TD, indices_TK, weights_TK, routed_E)
+        return moe._dispatch_local(x_TD, indices_TK, weights_TK, routed_E, plan=plan)
+    return all_to_all_dispatch(moe, x_TD, indices_TK, weights_TK, routed_E, plan)
 
 
 def all_to_all_dispatch(moe: nn.Module, x_TD: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor,
-                        routed_E: Optional[torch.Tensor] = None):
+                        routed_E: Optional[torch.Tensor] = None, plan=None):
     """``MoE._dispatch_local`` (same plan over global expert ids, permute and combine of this rank's
     tokens) with the experts run by ``ep_run_experts`` over ``moe.ep_group``."""
     def run(xs_ND, sizes_E):
         return ep_run_experts(xs_ND, sizes_E, moe.experts, moe.ep_group)
-    return moe._dispatch_local(x_TD, indices_TK, weights_TK, routed_E, run_experts=run)
+    return moe._dispatch_local(x_TD, indices_TK, weights_TK, routed_E, run_experts=run, plan=plan)
 
 
 @torch.no_grad()

@@ -42,6 +42,12 @@ class DispatchPlan:
     dense: bool             # every row 0..N-1 is some assignment's (no drops, no padding)
 
 
+def plan_layout(num_assignments: int, num_experts: int, capacity: Optional[int], align: int) -> tuple[int, bool]:
+    """The static part of a DispatchPlan: ``(num_rows, dense)`` for T*K = ``num_assignments``."""
+    dense = capacity is None and align == 1
+    return num_assignments + (num_experts * (align - 1) if align > 1 else 0), dense
+
+
 def make_plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int] = None,
               align: int = 1, routed: Optional[torch.Tensor] = None) -> DispatchPlan:
     """indices [T, K] -> DispatchPlan. ``capacity``: max assignments kept per expert (None = dropless).
@@ -73,8 +79,7 @@ def make_plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int] =
     if capacity is not None:
         pos = torch.where(rank < capacity, pos, torch.full_like(pos, -1))
     inv[order] = pos.to(torch.int32)
-    num_rows = n + (num_experts * (align - 1) if align > 1 else 0)
-    return DispatchPlan(inv.view(T, K), counts, sizes, num_rows, dense=False)
+    return DispatchPlan(inv.view(T, K), counts, sizes, *plan_layout(n, num_experts, capacity, align))
 
 
 def run_plan(x: torch.Tensor, plan: DispatchPlan, weights: Optional[torch.Tensor], run_experts,

@@ -66,8 +66,13 @@ def balance_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int, group=No
     tokens. P is all-reduced with autograd (its backward sums the ranks' gradients), which together
     with the data-parallel gradient average gives exactly the single-process router gradient.
     """
-    T, E = probs.shape
-    p = probs.mean(0)
+    return balance_loss_of_mean(probs.mean(0), counts, probs.shape[0], top_k, group)
+
+
+def balance_loss_of_mean(p: torch.Tensor, counts: torch.Tensor, num_tokens: int, top_k: int,
+                         group=None) -> torch.Tensor:
+    """``balance_loss`` from P = probs.mean(0) [E] and the T (= num_tokens) it was averaged over."""
+    E, T = p.shape[0], num_tokens
     if group is not None and torch.distributed.get_world_size(group) > 1:
         from torch.distributed.nn.functional import all_reduce
         world = torch.distributed.get_world_size(group)
