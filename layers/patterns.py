@@ -255,7 +255,8 @@ class PatternPlan:
     ``cols/diags [B, H, T]`` (vertical-slash heads, else False), ``blocks [B, H, nq, nk]`` whole key
     blocks allowed for query blocks ``q_block0 ..`` (random or top-k; None when no head uses them),
     ``window[H]`` / ``sinks[H]`` (0 = none; a dense head has ``window = T + 1``), ``q_pos[S]`` absolute
-    query positions ``q_start ..``.
+    query positions ``q_start ..``. ``col_budget``: the most columns any head chose (known from the budgets,
+    so a backend can size per-head column slots without reading ``cols`` back from the GPU).
     """
     block_size: int
     q_pos: torch.Tensor
@@ -266,6 +267,7 @@ class PatternPlan:
     cols: Optional[torch.Tensor]
     diags: Optional[torch.Tensor]
     q_start: int
+    col_budget: int = 0
 
     @property
     def q_block0(self) -> int:
@@ -296,13 +298,15 @@ class PatternPlan:
         lo = T - q0 - S                                                                     # start of the last row
         return r[..., lo:lo + S - 1 + T].unfold(-1, T, 1).flip(2)
 
-    def block_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def block_layout(self, include_cols: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """``(partial, full)`` bool ``[B or 1, H, nq, nk]`` for a square plan (queries = keys 0..T-1).
 
         ``full`` blocks are allowed everywhere (no mask needed); ``partial`` blocks hold at least one
         allowed pair and need the token mask. Derived per component, never from the S x T mask, so it
         costs O(H nq nk) at any length; a union of partial pieces that happens to cover a block stays
-        ``partial`` (correct, only slower).
+        ``partial`` (correct, only slower), except a below-diagonal block whose every diagonal is chosen
+        (``full``). ``include_cols=False``: the layout of the rule without the vertical columns (the
+        flex backend attends to those through gathered keys, layers.sparse_attention).
         """
         bs, T, dev = self.block_size, self.T, self.q_pos.device
         if self.q_pos.numel() != T or self.q_start != 0:
@@ -319,13 +323,22 @@ class PatternPlan:
             touch = touch | self.blocks
             full = full | (self.blocks & below)
         if self.cols is not None:
-            pad = n * bs - T
-            has_col = torch.nn.functional.pad(self.cols, (0, pad)).view(*self.cols.shape[:2], n, bs).any(-1)
             cs = torch.nn.functional.pad(self.diags.int().cumsum(-1), (1, 0))                # [B, H, T+1]
             o = torch.arange(n, device=dev)
             lo, hi = (o * bs - (bs - 1)).clamp(0, T), (o * bs + bs).clamp(0, T)
-            has_diag = (cs[..., hi] - cs[..., lo]) > 0                                         # [B, H, n] by offset
-            touch = touch | ((has_col[:, :, None, :] | has_diag[:, :, off.clamp(min=0)]) & causal)
+            n_diag = cs[..., hi] - cs[..., lo]                       # [B, H, n] chosen diagonals by offset
+            oc = off.clamp(min=0)
+            hit = n_diag > 0
+            if include_cols:
+                pad = n * bs - T
+                has_col = torch.nn.functional.pad(self.cols, (0, pad)).view(*self.cols.shape[:2], n, bs).any(-1)
+                hit = hit[:, :, oc] | has_col[:, :, None, :]
+            else:
+                hit = hit[:, :, oc]
+            touch = touch | (hit & causal)
+            # offset o >= 1 spans diagonals o*bs-(bs-1) .. o*bs+(bs-1): all chosen (and all < T) = full
+            every = (n_diag == 2 * bs - 1) & (hi - lo == 2 * bs - 1)
+            full = full | (every[:, :, oc] & below)
         # one batch size for both lists: kernels index partial and full lists with the same strides
         touch, full = torch.broadcast_tensors(touch, full)
         return (touch & ~full).contiguous(), full.contiguous()
@@ -380,7 +393,12 @@ def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: in
                 full |= blocks
             full[:, heads] |= pick
             blocks = full
-    return PatternPlan(bs, q_pos, T, win, sinks, blocks, cols, diags, q_start)
+    return PatternPlan(bs, q_pos, T, win, sinks, blocks, cols, diags, q_start, _col_budget(pats, T))
+
+
+def _col_budget(pats: Sequence[SparsityPattern], T: int) -> int:
+    """The most key columns a vertical-slash head of ``pats`` chooses over ``T`` keys (top-k picks exactly this many)."""
+    return max([min(p.n_vertical, T) for p in pats if p.type == "vertical_slash"], default=0)
 
 
 def _kv_for_heads(k: torch.Tensor, heads: Sequence[int], n_heads: int) -> torch.Tensor:
@@ -435,4 +453,5 @@ def budget_plan(pattern: PatternLike, n_heads: int, T: int, layer: int = 0, rows
             off = qb - torch.arange(nk, device=device)[None, :]
             blocks[0, h] = (off >= 0) & (off < p.top_k)
     plan.cols, plan.diags, plan.blocks = cols, diags, blocks
+    plan.col_budget = _col_budget(pats, T)
     return plan
