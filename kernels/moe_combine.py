@@ -135,9 +135,12 @@ def moe_combine_backward(dout: torch.Tensor, ys: torch.Tensor, inv: torch.Tensor
     if use_triton(ys):
         dys, dw = combine_rows_backward(dout, ys, inv, w, zero_fill)
         return dys, dw.to(w.dtype)
-    with torch.enable_grad():
-        ys_, w_ = ys.detach().requires_grad_(), w.detach().requires_grad_()
-        dys, dw = torch.autograd.grad(moe_combine_reference(ys_, inv, w_), (ys_, w_), dout)
+    # Closed form, not autograd: custom-op bodies run below the autograd key (no graph is recorded).
+    valid = inv >= 0
+    rows = inv.clamp(min=0).long()
+    g = dout.float().unsqueeze(1) * valid.unsqueeze(-1)                 # [T, K, D]
+    dys = torch.zeros_like(ys).index_put((rows[valid],), (g * w.float().unsqueeze(-1))[valid].to(ys.dtype))
+    dw = (g * ys[rows].float()).sum(-1).to(w.dtype)
     return dys, dw
 
 

@@ -217,7 +217,7 @@ class MoE(nn.Module):
         spec = RoutingSpec(c.router, c.top_k, c.softmax_before_topk, c.norm_topk, self.num_experts,
                            float(c.aux_loss_coef), float(c.z_loss_coef), capacity, align, local,
                            plan=backend != "megablocks")
-        fn = routing_fn(x.device, self.compile_routing if backend == "grouped" else None)
+        fn = routing_fn(x.device, self.compile_routing if backend == "grouped" else None, spec)
         r = fn(self.router_logits(x), getattr(self, "expert_bias", None), spec)
         bal, aux = r.balance, r.aux_loss
         if not local:

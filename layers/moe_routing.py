@@ -5,8 +5,8 @@ combine weights (layers.moe_router.route), the balance and z losses, the logged 
 expert, dropped fraction, entropy) and the dispatch plan (layers.moe_experts.make_plan). Eager, that is
 ~60 small kernels at the start of every MoE forward (plus their backward), and the CPU launches them
 more slowly than the GPU runs them (BENCHMARKS.md, MoE layer: 2.4 ms of GPU idle per Mixtral step).
-``routing_fn(device, backend)`` returns ``torch.compile(routing_stage, fullgraph=True)`` for CUDA
-(made once per process and backend, lazily), which fuses the elementwise and reduction chains into a
+``routing_fn(device, backend, spec)`` returns ``torch.compile(routing_stage, fullgraph=True)`` for
+CUDA (made lazily, once per process, backend and spec), which fuses the elementwise and reduction chains into a
 few kernels; elsewhere, or inside an outer ``torch.compile``, the eager function (one definition).
 
 Everything random (noisy gating) and every collective (the global balance loss over a data-parallel
@@ -17,6 +17,7 @@ Legend: T tokens, K experts per token, E experts.
 from __future__ import annotations
 
 import functools
+import types
 from typing import NamedTuple, Optional
 
 import torch
@@ -81,17 +82,21 @@ def routing_stage(logits: torch.Tensor, bias: Optional[torch.Tensor], spec: Rout
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(backend: str):
-    # dynamic=None: static shapes first, one dynamic recompile if the token count changes.
-    return torch.compile(routing_stage, fullgraph=True, dynamic=None, backend=backend)
+def compiled_routing_stage(backend: str, spec: RoutingSpec):
+    """``routing_stage`` compiled for one spec. Each spec gets its own copy of the code object: dynamo
+    counts recompilations per code object (8, then a hard error under fullgraph), and every MoE
+    configuration is a different graph. dynamic=None: static shapes first, one dynamic recompile if the
+    token count changes."""
+    fn = types.FunctionType(routing_stage.__code__.replace(), routing_stage.__globals__, "routing_stage")
+    return torch.compile(fn, fullgraph=True, dynamic=None, backend=backend)
 
 
-def routing_fn(device: torch.device, backend: Optional[str]):
-    """The routing stage to call: compiled with ``backend`` ("inductor") on CUDA, else eager.
+def routing_fn(device: torch.device, backend: Optional[str], spec: RoutingSpec):
+    """The routing stage to call for ``spec``: compiled with ``backend`` ("inductor") on CUDA, else eager.
 
     ``backend=None`` turns compilation off (``MoE.compile_routing``). Inside an outer torch.compile the
     eager function is returned so the outer graph traces it.
     """
     if backend is None or device.type != "cuda" or torch.compiler.is_compiling():
         return routing_stage
-    return _compiled(backend)
+    return compiled_routing_stage(backend, spec)

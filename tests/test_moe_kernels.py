@@ -106,3 +106,19 @@ def test_swiglu_kernel_and_op_gradients_match_reference():
         for x, y in zip(got, want):
             torch.testing.assert_close(x, y)
     torch.library.opcheck(swiglu, (a, b))
+
+
+@pytest.mark.parametrize("H", [300, 4096])     # one partial block per row; two full blocks per row
+def test_packed_swiglu_kernel_and_op_match_reference_on_the_halves(H):
+    from kernels.moe_swiglu import (swiglu_packed, swiglu_packed_bwd, swiglu_packed_fwd,
+                                    swiglu_packed_reference)
+    ab = torch.randn(5, 2 * H, requires_grad=True)
+    want = swiglu_packed_reference(ab)
+    torch.testing.assert_close(want, torch.nn.functional.silu(ab[:, :H]) * ab[:, H:])
+    torch.testing.assert_close(swiglu_packed_fwd(ab.detach()), want)
+    dh = torch.randn(5, H)
+    (want_dab,) = torch.autograd.grad(want, ab, dh)
+    torch.testing.assert_close(swiglu_packed_bwd(dh, ab.detach()), want_dab)
+    (got_dab,) = torch.autograd.grad(swiglu_packed(ab), ab, dh)
+    torch.testing.assert_close(got_dab, want_dab)
+    torch.library.opcheck(swiglu_packed, (ab,))

@@ -1,0 +1,135 @@
+"""MoE fast paths on CPU: the compiled routing stage equals the eager one (values, plan, stats, router
+gradients), and the fused gate|up grouped GEMM equals the unfused grouped path and the per-expert loop
+(torch._grouped_mm runs on CPU in float32 and bfloat16)."""
+import pytest
+import torch
+
+from layers import MoE
+from layers import moe as moe_module
+from layers.moe_experts import GroupedExperts
+from layers.moe_gate_up import fuse_gate_up_pays
+from layers.moe_routing import RoutingSpec, compiled_routing_stage, routing_stage
+
+# aot_eager: dynamo + AOTAutograd tracing (what inductor consumes) without a C++ build on CPU.
+BACKEND = "aot_eager"
+
+
+SPECS = [dict(router="softmax"), dict(router="softmax", softmax_before_topk=True, capacity=9),
+         dict(router="sigmoid", align=4), dict(router="switch", top_k=1, capacity=20),
+         dict(router="softmax", local_balance=False)]
+
+
+@pytest.mark.parametrize("kw", SPECS, ids=str)
+def test_compiled_routing_stage_equals_eager_values_plan_stats_and_gradients(kw):
+    torch.manual_seed(0)
+    args = dict(router="softmax", top_k=2, softmax_before_topk=False, norm_topk=True, num_experts=6,
+                aux_loss_coef=0.01, z_loss_coef=0.001, capacity=None, align=1, local_balance=True, plan=True)
+    args.update(kw)
+    spec = RoutingSpec(**args)
+    logits = torch.randn(40, 6, requires_grad=True)
+    bias = torch.randn(6) * 0.1 if spec.router == "sigmoid" else None
+    got, want = compiled_routing_stage(BACKEND, spec)(logits, bias, spec), routing_stage(logits, bias, spec)
+    torch.testing.assert_close(got.indices, want.indices, rtol=0, atol=0)
+    torch.testing.assert_close(got.routed, want.routed, rtol=0, atol=0)
+    for a, b in zip(got.plan_tensors, want.plan_tensors):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for k in want.stats:
+        torch.testing.assert_close(got.stats[k], want.stats[k])
+    g = torch.randn(40, spec.top_k)
+
+    def loss(r):
+        extra = r.p_mean.square().sum() if r.p_mean is not None else 0.0
+        return (r.weights * g).sum() + r.aux_loss + extra
+
+    torch.testing.assert_close(torch.autograd.grad(loss(got), logits)[0],
+                               torch.autograd.grad(loss(want), logits)[0])
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(capacity_factor=0.6), dict(router="sigmoid", bias_update_rate=1e-3),
+                                dict(router="noisy_topk")], ids=str)
+def test_moe_with_compiled_routing_equals_moe_with_eager_routing(kw, monkeypatch):
+    torch.manual_seed(0)
+    eager = MoE(16, 24, 6, 2, z_loss_coef=1e-3, **kw)
+    fast = MoE(16, 24, 6, 2, z_loss_coef=1e-3, **kw)
+    fast.load_state_dict(eager.state_dict())
+    x = torch.randn(13, 16)
+    g = torch.randn(13, 16)
+    outs = []
+    for m, compiled in ((eager, False), (fast, True)):
+        monkeypatch.setattr(moe_module, "routing_fn", lambda device, backend, spec, compiled=compiled:
+                            compiled_routing_stage(BACKEND, spec) if compiled else routing_stage)
+        xi = x.clone().requires_grad_()
+        torch.manual_seed(1)                       # same gating noise in both
+        y = m(xi)
+        ((y * g).sum() + m.aux_loss).backward()
+        outs.append((y, xi.grad, [p.grad for p in m.parameters()], m.stats, m.aux_parts))
+    (y0, dx0, gp0, st0, ap0), (y1, dx1, gp1, st1, ap1) = outs
+    torch.testing.assert_close(y1, y0)
+    torch.testing.assert_close(dx1, dx0)
+    for a, b in zip(gp1, gp0):
+        torch.testing.assert_close(a, b)
+    for k in st0:
+        torch.testing.assert_close(st1[k], st0[k])
+    for k in ap0:
+        torch.testing.assert_close(ap1[k], ap0[k])
+
+
+def experts_and_inputs(dtype, E=6, D=16, H=24, counts=(5, 0, 9, 3, 1, 12)):
+    torch.manual_seed(0)
+    ex = GroupedExperts(E, D, H)
+    ex.init_weights(0.3, 0.3)
+    ex = ex.to(dtype)
+    counts = torch.tensor(counts)
+    xs = torch.randn(int(counts.sum()), D).to(dtype)
+    dy = torch.randn(int(counts.sum()), D).to(dtype)
+    return ex, xs, dy, counts
+
+
+def run_experts(ex, path, xs, dy, counts):
+    ex.zero_grad(set_to_none=True)
+    x = xs.clone().requires_grad_()
+    y = path(x, counts)
+    y.backward(dy)
+    return [y, x.grad, ex.w1.grad, ex.w2.grad, ex.w3.grad]
+
+
+def grouped(ex, fuse):
+    def path(x, counts):
+        ex.fuse_gate_up = fuse
+        try:
+            return ex._grouped(x, counts)
+        finally:
+            ex.fuse_gate_up = None
+    return path
+
+
+def test_fused_gate_up_equals_unfused_grouped_and_loop_in_float32():
+    ex, xs, dy, counts = experts_and_inputs(torch.float32)
+    loop = run_experts(ex, ex._loop, xs, dy, counts)
+    for fuse in (False, True):
+        got = run_experts(ex, grouped(ex, fuse), xs, dy, counts)
+        for name, a, b in zip(["y", "dx", "dw1", "dw2", "dw3"], got, loop):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"fuse={fuse} {name}")
+    assert torch.count_nonzero(ex.w1.grad[1]) == 0 and torch.count_nonzero(ex.w3.grad[1]) == 0  # no rows
+
+
+def test_fused_gate_up_in_bfloat16_is_within_twice_the_unfused_error():
+    import copy
+    ex32, xs, dy, counts = experts_and_inputs(torch.float32, D=64, H=96, counts=(40, 0, 90, 30, 10, 120))
+    ex = copy.deepcopy(ex32).to(torch.bfloat16)
+    ex32.load_state_dict(ex.state_dict())               # the same bf16-representable weights in both
+    xs, dy = xs.bfloat16(), dy.bfloat16()
+    want = run_experts(ex32, ex32._loop, xs.float(), dy.float(), counts)
+    plain = run_experts(ex, grouped(ex, False), xs, dy, counts)
+    fused = run_experts(ex, grouped(ex, True), xs, dy, counts)
+
+    def rel(a, b):
+        return float((a.detach().float() - b.float()).norm() / b.float().norm())
+    for name, f, p, w in zip(["y", "dx", "dw1", "dw2", "dw3"], fused, plain, want):
+        assert f.dtype == torch.bfloat16
+        assert rel(f, w) <= 2 * rel(p, w) + 1e-6, name
+
+
+def test_fusing_gate_up_pays_for_fine_grained_experts_not_for_mixtral():
+    assert fuse_gate_up_pays(num_rows=16384 * 8, dim=4096, hidden=1024, num_experts=64)
+    assert not fuse_gate_up_pays(num_rows=16384 * 2, dim=4096, hidden=14336, num_experts=8)
