@@ -5,13 +5,16 @@
 Per shape, in one process: (1) correctness of the grouped path at the real shape against a float32
 per-expert loop (relative errors of output and gradients, next to the same-dtype plain-torch error:
 the FlashAttention criterion err(ours) <= 2 err(bf16 torch)); (2) medians of CUDA-event timings of
-forward+backward after warm-up, for our variants, megablocks (when importable) and the reference;
+forward+backward after warm-up, for our variants (VARIANTS: the default path, the path before the
+compiled routing stage and the fused gate|up GEMM, and each change on its own; each variant also gets
+the correctness check of (1)), megablocks (when importable) and the reference;
 (3) the dense GEMM rate at the experts' GEMM shape, measured in the same run; TFLOP/s count the
 routed-expert GEMMs only: 3 GEMMs x 2*T*K*D*H FLOPs, x3 for forward+backward.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -24,7 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from layers import MoE  # noqa: E402
 from layers import moe_experts  # noqa: E402
-from kernels.moe_swiglu import swiglu, swiglu_reference  # noqa: E402
+from layers.moe_experts import GroupedExperts  # noqa: E402
+from layers.moe_gate_up import fuse_gate_up_pays  # noqa: E402
+from kernels.moe_swiglu import swiglu_reference  # noqa: E402
 
 SHAPES = {  # T tokens, D model dim, H expert hidden, E experts, K top-k
     "mixtral": dict(T=16384, D=4096, H=14336, E=8, K=2),
@@ -32,6 +37,32 @@ SHAPES = {  # T tokens, D model dim, H expert hidden, E experts, K top-k
     "tiny": dict(T=256, D=64, H=96, E=8, K=2),        # smoke test of this script (also on CPU)
 }
 DEV = "cuda"
+
+# Our variants, each a set of (owner, attribute) overrides on the default path ("ours": compiled routing
+# stage, gate|up fused when it saves bytes). "ours_before" is the path before those two changes.
+VARIANTS = {
+    "ours": {},
+    "ours_before": {(MoE, "compile_routing"): None, (GroupedExperts, "fuse_gate_up"): False},
+    "ours_eager_routing": {(MoE, "compile_routing"): None},
+    "ours_fused_gate_up": {(GroupedExperts, "fuse_gate_up"): True},
+    "ours_unfused_gate_up": {(GroupedExperts, "fuse_gate_up"): False},
+    "ours_align16": {(MoE, "group_align"): 16},
+    "ours_eager_swiglu": {(moe_experts, "swiglu"): swiglu_reference, (GroupedExperts, "fuse_gate_up"): False},
+    "ours_fp32_router": {(MoE, "low_precision_router"): False},
+}
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """Apply VARIANTS[name]'s overrides for the duration of the block."""
+    saved = {k: getattr(*k) for k in VARIANTS[name]}
+    try:
+        for (owner, attr), value in VARIANTS[name].items():
+            setattr(owner, attr, value)
+        yield
+    finally:
+        for (owner, attr), value in saved.items():
+            setattr(owner, attr, value)
 
 
 def moe_flops(T, D, H, E, K):
@@ -126,37 +157,35 @@ def bench_shape(name, T, D, H, E, K, reps, profile_dir=None, skip=()) -> dict:
     ref16 = MoE(D, H, E, K, backend="torch").to(DEV).to(torch.bfloat16)
     ref16.load_state_dict(moe.state_dict())
     plain = grads_of(ref16, x, dy)
-    ours = grads_of(moe, x, dy)
-    res["rel_err_ours"] = {k: rel(ours[k], want[k]) for k in want}
     res["rel_err_bf16_torch"] = {k: rel(plain[k], want[k]) for k in want}
-    res["ours_within_2x_torch"] = all(res["rel_err_ours"][k] <= 2 * res["rel_err_bf16_torch"][k] + 1e-6
-                                      for k in want)
-    if "ours_align16" not in skip:
-        MoE.group_align = 16
-        al = grads_of(moe, x, dy)
-        MoE.group_align = 1
-        res["rel_err_align16"] = {k: rel(al[k], want[k]) for k in want}
-        del al
     del plain
-    print(name, "rel err ours", {k: f"{v:.2e}" for k, v in res["rel_err_ours"].items()}, flush=True)
     print(name, "rel err bf16 torch", {k: f"{v:.2e}" for k, v in res["rel_err_bf16_torch"].items()}, flush=True)
+    res["fuse_gate_up_auto"] = fuse_gate_up_pays(T * K, D, H, E)
+    res["rel_err"], res["within_2x_torch"], res["variant_errors"] = {}, {}, {}
+    variants = [v for v in VARIANTS if v == "ours" or v not in skip]
+    for v in variants:                     # compiles the routing stage (outside the timings)
+        try:
+            with variant(v):
+                got = grads_of(moe, x, dy)
+        except Exception as e:             # one broken variant must not cost the others' numbers
+            res["variant_errors"][v] = f"{type(e).__name__}: {e}"
+            print(name, v, "failed:", res["variant_errors"][v], flush=True)
+            continue
+        res["rel_err"][v] = {k: rel(got[k], want[k]) for k in want}
+        res["within_2x_torch"][v] = all(res["rel_err"][v][k] <= 2 * res["rel_err_bf16_torch"][k] + 1e-6
+                                        for k in want)
+        del got
+        print(name, "rel err", v, {k: f"{e:.2e}" for k, e in res["rel_err"][v].items()},
+              "within 2x bf16 torch:", res["within_2x_torch"][v], flush=True)
 
     # (2) timings
     t = {}
     zg = zero_grads(moe, x)
-    t["ours"] = time_ms(fwd_bwd(moe, x, dy), reps, before=zg)
-    if "ours_align16" not in skip:
-        MoE.group_align = 16
-        t["ours_align16"] = time_ms(fwd_bwd(moe, x, dy), reps, before=zg)
-        MoE.group_align = 1
-    if "ours_eager_swiglu" not in skip:
-        moe_experts.swiglu = swiglu_reference
-        t["ours_eager_swiglu"] = time_ms(fwd_bwd(moe, x, dy), reps, before=zg)
-        moe_experts.swiglu = swiglu
-    if "ours_fp32_router" not in skip:
-        MoE.low_precision_router = False
-        t["ours_fp32_router"] = time_ms(fwd_bwd(moe, x, dy), reps, before=zg)
-        MoE.low_precision_router = True
+    for v in variants:
+        if v in res["variant_errors"]:
+            continue
+        with variant(v):
+            t[v] = time_ms(fwd_bwd(moe, x, dy), reps, before=zg)
     t["torch_reference"] = time_ms(fwd_bwd(ref16, x, dy), max(3, reps // 4), before=zero_grads(ref16, x))
     del ref16
     try:
@@ -231,12 +260,12 @@ def main():
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
-    print(f"\n{'shape':8s} {'variant':18s} {'ms':>8s} {'TFLOP/s':>8s} {'/dense':>7s} {'vs mb':>6s}")
+    print(f"\n{'shape':8s} {'variant':22s} {'ms':>8s} {'TFLOP/s':>8s} {'/dense':>7s} {'vs mb':>6s}")
     for name, r in out["shapes"].items():
         for k, ms in r["ms"].items():
             sp = r.get("speedup_vs_megablocks", {}).get(k, float("nan"))
-            print(f"{name:8s} {k:18s} {ms:8.2f} {r['tflops'][k]:8.0f} {r['frac_of_dense'][k]:7.3f} {sp:6.2f}")
-        print(f"{name:8s} {'dense GEMM':18s} {'':8s} {r['dense_gemm_tflops']:8.0f}")
+            print(f"{name:8s} {k:22s} {ms:8.2f} {r['tflops'][k]:8.0f} {r['frac_of_dense'][k]:7.3f} {sp:6.2f}")
+        print(f"{name:8s} {'dense GEMM':22s} {'':8s} {r['dense_gemm_tflops']:8.0f}")
 
 
 if __name__ == "__main__":
