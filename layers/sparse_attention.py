@@ -10,6 +10,10 @@ absolute position ``q_offset + i``; returns ``[B, Hq, S, D]``. The mask is the t
   blocks wholly inside the pattern are "full" (no per-element mask), the rest carry a ``mask_mod``
   that evaluates the same token rule. Compiled on GPU (fwd + bwd); eager on CPU (forward only is
   supported there by PyTorch). Masks of static patterns are cached per (pattern, layer, length).
+  Vertical-slash columns are gathered (``column_slots``, ``gather_columns``): each query head's chosen
+  keys and values are copied in front of the keys, ``K' = cat(K[cols], K)`` with ``Hq`` heads, so the
+  columns cost a few dense key blocks instead of touching every key block; ``gathered_mask_mod``
+  allows a gathered column only where the rest of the rule does not, so each pair counts once.
 - ``flash_attn``: flash-attn's ``window_size`` for pure sliding-window layers, when installed.
 - ``auto``: flex on CUDA for square inputs at or above ``DENSE_CROSSOVER`` tokens; otherwise the
   reference, which below the crossover is the faster way to compute the same masked result.
