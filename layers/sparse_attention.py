@@ -194,7 +194,9 @@ def column_slots(plan: PatternPlan) -> torch.Tensor:
     without columns have only empty slots.
     """
     bs, T, cols = plan.block_size, plan.T, plan.cols
-    nvp = max(-(-plan.col_budget // bs), 1) * bs
+    if plan.col_budget < 1:     # plans from plan_pattern / budget_plan always set it with their columns
+        raise ValueError("column_slots needs plan.col_budget (the most columns any head chose)")
+    nvp = -(-plan.col_budget // bs) * bs
     kk = min(nvp, T)
     pos = torch.arange(T, device=cols.device, dtype=torch.int32)
     # chosen columns score T - p (> 0, larger for earlier p); topk's sorted order is then ascending p
