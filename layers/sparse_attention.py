@@ -74,12 +74,12 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     if backend == "flex" and square:   # decode / chunked prefill rows go to the reference: O(S T) mask
         if any(p.dynamic for p in pats):   # estimated from this input: a new mask every call
             plan = plan_pattern(pats, Hq, 0, S, T, layer, q, k, q_history)
-            if plan.cols is not None:      # vertical-slash columns ride in front of the keys (see column_slots)
-                slots = column_slots(plan)
+            # a mask built for this call only: its backward lists are needed only if a backward can follow
+            bwd = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+            slots = column_slots(plan) if plan.cols is not None else None
+            if slots is not None:          # vertical-slash columns ride in front of the keys (see column_slots)
                 k, v = gather_columns(k, v, slots)
-                bm = flex_block_mask(plan, slots)
-            else:
-                bm = flex_block_mask(plan)
+            bm = flex_block_mask(plan, slots, backward=bwd)
         else:
             bm = _static_block_mask(pats, Hq, T, layer, q.device)
         return flex_attention_call(q, k, v, bm)
@@ -247,12 +247,13 @@ def _slot_blocks(slots: torch.Tensor, bs: int, n_q: int, T: int) -> torch.Tensor
     return first[:, :, None, :] <= q_last[None, None, :, None]
 
 
-def flex_block_mask(plan: PatternPlan, slots: Optional[torch.Tensor] = None):
+def flex_block_mask(plan: PatternPlan, slots: Optional[torch.Tensor] = None, backward: bool = True):
     """A FlexAttention BlockMask for a square plan: full/partial blocks from ``plan.block_layout()``
     (built from indices, never by evaluating the mask per block) and ``plan_mask_mod`` on partial blocks.
 
     With ``slots`` (``column_slots(plan)``) the keys are ``K' = cat(K[slots], K)`` (``gather_columns``):
     ``NVp / bs`` slot blocks, then the layout of the rule without columns shifted past them.
+    ``backward=False`` skips the transposed (per key block) lists only the backward pass reads.
     """
     from torch.nn.attention.flex_attention import BlockMask
     bs, T = plan.block_size, plan.T
@@ -269,7 +270,8 @@ def flex_block_mask(plan: PatternPlan, slots: Optional[torch.Tensor] = None):
         mask_mod, kv_len = gathered_mask_mod(plan, slots), slots.shape[-1] + T
     pn, pi = _kv_blocks(partial)
     fn, fi = _kv_blocks(full)
-    return BlockMask.from_kv_blocks(pn, pi, fn, fi, BLOCK_SIZE=bs, mask_mod=mask_mod, seq_lengths=(T, kv_len))
+    return BlockMask.from_kv_blocks(pn, pi, fn, fi, BLOCK_SIZE=bs, mask_mod=mask_mod, seq_lengths=(T, kv_len),
+                                    compute_q_blocks=backward)
 
 
 def flex_attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:
