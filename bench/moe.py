@@ -39,13 +39,16 @@ SHAPES = {  # T tokens, D model dim, H expert hidden, E experts, K top-k
 DEV = "cuda"
 
 # Our variants, each a set of (owner, attribute) overrides on the default path ("ours": compiled routing
-# stage, gate|up fused when it saves bytes). "ours_before" is the path before those two changes.
+# stage, gate|up fused when it saves bytes, routing weights folded into SwiGLU). "ours_before" is the
+# path before those three changes (but with the cheaper unweighted permute backward).
 VARIANTS = {
     "ours": {},
-    "ours_before": {(MoE, "compile_routing"): None, (GroupedExperts, "fuse_gate_up"): False},
+    "ours_before": {(MoE, "compile_routing"): None, (GroupedExperts, "fuse_gate_up"): False,
+                    (MoE, "fold_weights"): False},
     "ours_eager_routing": {(MoE, "compile_routing"): None},
     "ours_fused_gate_up": {(GroupedExperts, "fuse_gate_up"): True},
     "ours_unfused_gate_up": {(GroupedExperts, "fuse_gate_up"): False},
+    "ours_weighted_combine": {(MoE, "fold_weights"): False},
     "ours_align16": {(MoE, "group_align"): 16},
     "ours_eager_swiglu": {(moe_experts, "swiglu"): swiglu_reference, (GroupedExperts, "fuse_gate_up"): False},
     "ours_fp32_router": {(MoE, "low_precision_router"): False},

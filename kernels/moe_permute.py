@@ -5,10 +5,14 @@ xs [num_rows, D] with ``xs[inv[t, j]] = x[t]``. Rows that no valid assignment ma
 alignment padding) are zero when ``zero_fill`` is set and unspecified otherwise; with a dropless,
 unpadded plan every row is written, so the memset is skipped.
 
-Backward: ``dx[t] = sum_j dxs[inv[t, j]]``, i.e. moe_combine with unit weights (kernels.moe_combine).
+Backward: ``dx[t] = sum_j dxs[inv[t, j]]``: ``moe_unpermute``, the unweighted sum of a token's rows (the
+combine kernel of kernels.moe_combine without weights). ``moe_unpermute``'s own backward is this
+permute, so an unweighted combine never reads the rows it summed again (unlike moe_combine, whose
+weight gradient needs them).
 
-Layers: ``@triton.jit`` kernel + launcher -> ``torch.library.custom_op`` ``moezoo::moe_permute``
-(``register_fake`` + autograd); ``moe_permute_reference`` is the pure-torch oracle.
+Layers: ``@triton.jit`` kernel + launcher -> ``torch.library.custom_op`` ``moezoo::moe_permute`` and
+``moezoo::moe_unpermute`` (``register_fake`` + autograd); ``moe_permute_reference`` is the pure-torch
+oracle (and ``moe_combine_reference(ys, inv, None)`` the unpermute's).
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_combine import _block_d, moe_combine
+from .moe_combine import _block_d, combine_rows, moe_combine_reference
 from .moe_launch import jit, use_triton
 
 
@@ -69,15 +73,41 @@ def _(x, inv, num_rows, zero_fill):
     return x.new_empty(num_rows, x.shape[1])
 
 
+@torch.library.custom_op("moezoo::moe_unpermute", mutates_args=())
+def moe_unpermute(ys: torch.Tensor, inv: torch.Tensor, zero_fill: bool) -> torch.Tensor:
+    """ys [N, D] -> out [T, D], ``out[t] = sum_j ys[inv[t, j]]`` over valid assignments.
+
+    ``zero_fill``: some rows of ys are no assignment's (drops, padding); their gradient must be zero.
+    """
+    if use_triton(ys):
+        return combine_rows(ys, inv, None)
+    return moe_combine_reference(ys, inv, None)
+
+
+@moe_unpermute.register_fake
+def _(ys, inv, zero_fill):
+    return ys.new_empty(inv.shape[0], ys.shape[1])
+
+
 def _setup(ctx, inputs, output):
     ctx.save_for_backward(inputs[1])
 
 
 def _backward(ctx, dxs):
     (inv,) = ctx.saved_tensors
-    # dx[t] = sum_j dxs[inv[t, j]]: the combine op with unit weights (an op, so fake tracing sees it).
-    ones = torch.ones(inv.shape, dtype=torch.float32, device=dxs.device)
-    return moe_combine(dxs, inv, ones, False), None, None, None
+    return moe_unpermute(dxs, inv, False), None, None, None
+
+
+def _setup_unpermute(ctx, inputs, output):
+    ys, inv, zero_fill = inputs
+    ctx.save_for_backward(inv)
+    ctx.num_rows, ctx.zero_fill = ys.shape[0], zero_fill
+
+
+def _backward_unpermute(ctx, dout):
+    (inv,) = ctx.saved_tensors
+    return moe_permute(dout, inv, ctx.num_rows, ctx.zero_fill), None, None
 
 
 moe_permute.register_autograd(_backward, setup_context=_setup)
+moe_unpermute.register_autograd(_backward_unpermute, setup_context=_setup_unpermute)

@@ -66,6 +66,9 @@ class MoE(nn.Module):
     # torch.compile backend of the routing stage (layers.moe_routing) on CUDA with the grouped backend;
     # None = eager. Fuses ~60 launch-bound small kernels at the start of each forward into a few.
     compile_routing: Optional[str] = "inductor"
+    # Grouped backend without EP: routing weights folded into the SwiGLU epilogue (per sorted row), so
+    # the combine is an unweighted sum whose backward does not re-read the [N, D] expert outputs.
+    fold_weights: bool = True
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int = 8, top_k: int = 2, *,
                  router: str = "softmax", softmax_before_topk: bool = False, norm_topk: bool = True,
@@ -172,17 +175,19 @@ class MoE(nn.Module):
 
     def _dispatch_local(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                         routed: Optional[torch.Tensor] = None, run_experts=None,
-                        plan: Optional[DispatchPlan] = None):
-        """All experts on this rank: x [T, D] -> (y [T, D], kept assignments (scalar tensor)).
+                        plan: Optional[DispatchPlan] = None, row_weights: Optional[torch.Tensor] = None):
+        """All experts on this rank: x [T, D] -> (y [T, D], kept assignments per expert [E]).
 
         ``run_experts(xs[N, D], group_sizes[E]) -> [N, D]`` replaces ``self.experts`` on the sorted
         buffer (expert parallelism: layers.moe_ep sends the rows to the ranks owning the experts).
         ``plan``: the dispatch plan of ``indices`` when the routing stage already built it.
+        ``row_weights``: ``weights`` in the plan's row order, folded into the experts (run_plan).
         """
         fast = self.backend(x.device) == "grouped"
         if plan is None:
             plan = make_plan(indices, self.num_experts, self.capacity(x.shape[0]), self._align(x), routed)
-        return run_plan(x, plan, weights, run_experts or self.experts, fast), plan.counts.sum()
+        # plan.counts, not its sum: the forward reads dropped_frac from the routing stage, so no launch.
+        return run_plan(x, plan, weights, run_experts or self.experts, fast, row_weights), plan.counts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -195,7 +200,7 @@ class MoE(nn.Module):
             from .moe_megablocks import megablocks_forward
             y = megablocks_forward(self, x2)
         else:
-            y, _ = self._dispatch_local(x2, r.indices, r.weights, r.routed, plan=plan)
+            y, _ = self._dispatch_local(x2, r.indices, r.weights, r.routed, plan=plan, row_weights=r.row_weights)
         if hasattr(self, "shared"):
             s = self.shared(x2)
             if hasattr(self, "shared_gate"):
@@ -216,7 +221,8 @@ class MoE(nn.Module):
         capacity = self.capacity(T)
         spec = RoutingSpec(c.router, c.top_k, c.softmax_before_topk, c.norm_topk, self.num_experts,
                            float(c.aux_loss_coef), float(c.z_loss_coef), capacity, align, local,
-                           plan=backend != "megablocks")
+                           plan=backend != "megablocks",
+                           row_weights=self.fold_weights and backend == "grouped" and self.ep_group is None)
         fn = routing_fn(x.device, self.compile_routing if backend == "grouped" else None, spec)
         r = fn(self.router_logits(x), getattr(self, "expert_bias", None), spec)
         bal, aux = r.balance, r.aux_loss

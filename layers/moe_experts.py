@@ -28,7 +28,7 @@ from torch import nn
 from configs.errors import check, check_choice
 from configs.neuron import NEURON_ACTIVATIONS
 from kernels.moe_combine import moe_combine, moe_combine_reference
-from kernels.moe_permute import moe_permute, moe_permute_reference
+from kernels.moe_permute import moe_permute, moe_permute_reference, moe_unpermute
 from kernels.moe_swiglu import swiglu
 
 from .moe_gate_up import fuse_gate_up_pays, gate_up_swiglu
@@ -85,19 +85,37 @@ def make_plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int] =
 
 
 def run_plan(x: torch.Tensor, plan: DispatchPlan, weights: Optional[torch.Tensor], run_experts,
-             fast: bool) -> torch.Tensor:
+             fast: bool, row_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [T, D] -> y [T, D] = ``sum_j weights[t, j] * ys[inv[t, j]]`` with ``ys = run_experts(xs[N, D],
     plan.group_sizes)`` on the expert-sorted copy ``xs`` of x (``weights=None``: unit weights).
 
+    ``row_weights`` [N] float32 (instead of ``weights``): the same weights in sorted-row order, folded
+    into the experts (``run_experts(xs, sizes, row_weights)`` scales each row's hidden state), so the
+    combine is an unweighted sum: its backward is a permute of dy and never reads ys again (the weight
+    gradient comes out of the SwiGLU backward, over H instead of D).
     ``fast``: the Triton permute/combine ops (kernels.moe_permute / moe_combine), else their references.
     """
+    extra = () if row_weights is None else (row_weights,)
+    if row_weights is not None:
+        weights = None
     if fast:
         xs = moe_permute(x, plan.inv, plan.num_rows, not plan.dense)
+        ys = run_experts(xs, plan.group_sizes, *extra)
         if weights is None:
-            weights = torch.ones(plan.inv.shape, dtype=torch.float32, device=x.device)
-        return moe_combine(run_experts(xs, plan.group_sizes), plan.inv, weights, not plan.dense)
+            return moe_unpermute(ys, plan.inv, not plan.dense)
+        return moe_combine(ys, plan.inv, weights, not plan.dense)
     xs = moe_permute_reference(x, plan.inv, plan.num_rows)
-    return moe_combine_reference(run_experts(xs, plan.group_sizes), plan.inv, weights)
+    return moe_combine_reference(run_experts(xs, plan.group_sizes, *extra), plan.inv, weights)
+
+
+def sorted_row_weights(weights: torch.Tensor, inv: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """weights [T, K], inv [T, K] -> [num_rows] float32 with ``out[inv[t, j]] = weights[t, j]``; rows no
+    assignment maps to are 0. Differentiable; no data-dependent shapes (torch.compile fullgraph):
+    dropped assignments (-1) all land in one extra slot that is cut off."""
+    flat = inv.reshape(-1).long()
+    dest = torch.where(flat >= 0, flat, torch.full_like(flat, num_rows))
+    out = weights.new_zeros(num_rows + 1, dtype=torch.float32)
+    return out.index_put((dest,), weights.reshape(-1).float())[:num_rows]
 
 
 def local_expert_count(num_experts: int, ep_size: int, key: str = "moe") -> int:
@@ -111,6 +129,11 @@ def expert_hidden(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, ac
     """x [n, D], w1/w3 [H, D] -> hidden [n, H]: ``silu(x w1^T) * x w3^T`` (swiglu) or ``relu(x w1^T)^2`` (relu2)."""
     a = F.linear(x, w1)
     return F.silu(a) * F.linear(x, w3) if activation == "swiglu" else F.relu(a).square()
+
+
+def scale_rows(h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """h [n, H] * scale [n] (float32 product, h's dtype), as kernels.moe_swiglu applies it."""
+    return (h.float() * scale.unsqueeze(-1)).to(h.dtype)
 
 
 class GroupedExperts(nn.Module):
@@ -139,35 +162,40 @@ class GroupedExperts(nn.Module):
             nn.init.normal_(self.w3, std=std)
         nn.init.normal_(self.w2, std=out_std)
 
-    def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, xs: torch.Tensor, counts: torch.Tensor, row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``row_scale`` [N] float32: multiplies each row's hidden state (the folded routing weight)."""
         if self.backend == "grouped" and xs.is_cuda and xs.dtype == torch.bfloat16:
-            return self._grouped(xs, counts)
-        return self._loop(xs, counts)
+            return self._grouped(xs, counts, row_scale)
+        return self._loop(xs, counts, row_scale)
 
-    def _loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _loop(self, xs: torch.Tensor, counts: torch.Tensor, row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         pieces, start = [], 0
         w1, w2 = self.w1.to(xs.dtype), self.w2.to(xs.dtype)
         w3 = self.w3.to(xs.dtype) if self.w3 is not None else None
         for e, n in enumerate(counts.tolist()):
             if n:
                 h = expert_hidden(xs[start:start + n], w1[e], w3[e] if w3 is not None else None, self.activation)
+                if row_scale is not None:
+                    h = scale_rows(h, row_scale[start:start + n])
                 pieces.append(F.linear(h, w2[e]))
             start += n
         pieces.append(xs.new_zeros(xs.shape[0] - start, self.dim))
         return torch.cat(pieces)
 
-    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor, row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         # One grouped GEMM per projection over all experts; offs are group ends (int32, on device: no sync).
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         w2 = self.w2.to(xs.dtype)
         if self.activation == "swiglu" and self.fuses_gate_up(xs.shape[0]):
-            h = gate_up_swiglu(xs, self.w1, self.w3, offs)
+            h = gate_up_swiglu(xs, self.w1, self.w3, offs, row_scale)
         else:
             a = torch._grouped_mm(xs, self.w1.to(xs.dtype).transpose(-2, -1), offs=offs)
             if self.activation == "swiglu":
-                h = swiglu(a, torch._grouped_mm(xs, self.w3.to(xs.dtype).transpose(-2, -1), offs=offs))
+                h = swiglu(a, torch._grouped_mm(xs, self.w3.to(xs.dtype).transpose(-2, -1), offs=offs), row_scale)
             else:
                 h = F.relu(a).square()
+                if row_scale is not None:
+                    h = scale_rows(h, row_scale)
         return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
 
     def fuses_gate_up(self, num_rows: int) -> bool:

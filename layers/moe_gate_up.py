@@ -1,8 +1,9 @@
 """Fused gate|up projection of GroupedExperts (SwiGLU): one grouped GEMM over ``W13 = [w1 | w3]``.
 
 Legend: N rows of the expert-sorted buffer, E experts, H expert hidden dim, D model dim.
-``gate_up_swiglu(xs[N, D], w1[E, H, D], w3[E, H, D], offs[E]) -> h[N, H] = silu(xs w1_e^T) * xs w3_e^T``
-row-wise per expert group (``offs``: int32 group ends, as torch._grouped_mm takes them).
+``gate_up_swiglu(xs[N, D], w1[E, H, D], w3[E, H, D], offs[E], scale[N] | None) -> h[N, H]
+= scale * silu(xs w1_e^T) * xs w3_e^T`` row-wise per expert group (``offs``: int32 group ends, as
+torch._grouped_mm takes them; ``scale``: optional per-row factor, kernels.moe_swiglu).
 
 Forward: W13 [E, 2H, D] is built once (w1 rows then w3 rows per expert), ``ab = xs @ W13_e^T`` [N, 2H]
 in one grouped GEMM and ``h = swiglu_packed(ab)`` reads the two halves in place.
@@ -19,6 +20,8 @@ W13 is kept for the backward (E*2H*D extra elements of activation memory).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from kernels.moe_swiglu import swiglu_packed, swiglu_packed_backward
@@ -33,21 +36,21 @@ def fuse_gate_up_pays(num_rows: int, dim: int, hidden: int, num_experts: int) ->
 
 class _GateUpSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, xs, w1, w3, offs):
+    def forward(ctx, xs, w1, w3, offs, scale):
         E, H, D = w1.shape
         # Two copies into one buffer (cast included) rather than cat of casts: W13 written once.
         w13 = torch.empty(E, 2 * H, D, dtype=xs.dtype, device=xs.device)
         w13[:, :H].copy_(w1)
         w13[:, H:].copy_(w3)
         ab = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
-        ctx.save_for_backward(xs, w13, ab, offs)
+        ctx.save_for_backward(xs, w13, ab, offs, scale)
         ctx.w_dtypes = (w1.dtype, w3.dtype)
-        return swiglu_packed(ab)
+        return swiglu_packed(ab, scale)
 
     @staticmethod
     def backward(ctx, dh):
-        xs, w13, ab, offs = ctx.saved_tensors
-        dab = swiglu_packed_backward(dh, ab)
+        xs, w13, ab, offs, scale = ctx.saved_tensors
+        dab, dscale = swiglu_packed_backward(dh, ab, scale)
         dxs = dw1 = dw3 = None
         if ctx.needs_input_grad[0]:
             dxs = torch._grouped_mm(dab, w13, offs=offs)
@@ -55,9 +58,11 @@ class _GateUpSwiGLU(torch.autograd.Function):
             dw13 = torch._grouped_mm(dab.t(), xs, offs=offs)          # [E, 2H, D]
             H = w13.shape[1] // 2
             dw1, dw3 = dw13[:, :H].to(ctx.w_dtypes[0]), dw13[:, H:].to(ctx.w_dtypes[1])
-        return dxs, dw1, dw3, None
+        return dxs, dw1, dw3, None, (dscale if scale is not None else None)
 
 
-def gate_up_swiglu(xs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """xs [N, D], w1 / w3 [E, H, D], offs [E] int32 group ends -> h [N, H] (see the module docstring)."""
-    return _GateUpSwiGLU.apply(xs, w1, w3, offs)
+def gate_up_swiglu(xs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offs: torch.Tensor,
+                   scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """xs [N, D], w1 / w3 [E, H, D], offs [E] int32 group ends, scale [N] float32 or None -> h [N, H]
+    (see the module docstring)."""
+    return _GateUpSwiGLU.apply(xs, w1, w3, offs, scale)

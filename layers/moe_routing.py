@@ -2,7 +2,8 @@
 
 ``routing_stage(logits[T, E], bias[E] | None, spec)`` runs, after the router GEMM: selection and
 combine weights (layers.moe_router.route), the balance and z losses, the logged stats (tokens per
-expert, dropped fraction, entropy) and the dispatch plan (layers.moe_experts.make_plan). Eager, that is
+expert, dropped fraction, entropy), the dispatch plan (layers.moe_experts.make_plan) and optionally the
+combine weights scattered to the plan's rows (folded into the experts' SwiGLU). Eager, that is
 ~60 small kernels at the start of every MoE forward (plus their backward), and the CPU launches them
 more slowly than the GPU runs them (BENCHMARKS.md, MoE layer: 2.4 ms of GPU idle per Mixtral step).
 ``routing_fn(device, backend, spec)`` returns ``torch.compile(routing_stage, fullgraph=True)`` for
@@ -22,7 +23,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .moe_experts import make_plan
+from .moe_experts import make_plan, sorted_row_weights
 from .moe_router import balance_loss_of_mean, route, router_entropy, tokens_per_expert, z_loss
 
 
@@ -39,6 +40,7 @@ class RoutingSpec(NamedTuple):
     align: int                    # dispatch-plan group alignment (rows)
     local_balance: bool           # balance loss on this process's tokens only (no collective)
     plan: bool                    # also build the dispatch plan
+    row_weights: bool = False     # also the combine weights in sorted-row order (needs plan)
 
 
 class Routed(NamedTuple):
@@ -51,6 +53,7 @@ class Routed(NamedTuple):
     z: torch.Tensor                   # scalar with grad
     stats: dict                       # tokens_per_expert [E] float, dropped_frac, router_entropy (detached)
     plan_tensors: Optional[tuple]     # (inv [T, K] int32, counts [E], group_sizes [E]) when spec.plan
+    row_weights: Optional[torch.Tensor]   # [num_rows] float32 with grad when spec.row_weights
 
 
 def routing_stage(logits: torch.Tensor, bias: Optional[torch.Tensor], spec: RoutingSpec) -> Routed:
@@ -74,11 +77,13 @@ def routing_stage(logits: torch.Tensor, bias: Optional[torch.Tensor], spec: Rout
         balance = balance_loss_of_mean(p_mean, routed, T, spec.top_k)
         aux = aux + spec.aux_loss_coef * balance
         p_mean = None
-    plan_tensors = None
+    plan_tensors = row_weights = None
     if spec.plan:
         p = make_plan(indices, spec.num_experts, spec.capacity, spec.align, routed)
         plan_tensors = (p.inv, p.counts, p.group_sizes)
-    return Routed(indices, weights, routed, aux, balance, p_mean, z, stats, plan_tensors)
+        if spec.row_weights:
+            row_weights = sorted_row_weights(weights, p.inv, p.num_rows)
+    return Routed(indices, weights, routed, aux, balance, p_mean, z, stats, plan_tensors, row_weights)
 
 
 @functools.lru_cache(maxsize=None)

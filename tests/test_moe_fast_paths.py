@@ -85,30 +85,33 @@ def experts_and_inputs(dtype, E=6, D=16, H=24, counts=(5, 0, 9, 3, 1, 12)):
     return ex, xs, dy, counts
 
 
-def run_experts(ex, path, xs, dy, counts):
+def run_experts(ex, path, xs, dy, counts, scale=None):
     ex.zero_grad(set_to_none=True)
     x = xs.clone().requires_grad_()
-    y = path(x, counts)
+    extra = () if scale is None else (scale.detach().clone().requires_grad_(),)
+    y = path(x, counts, *extra)
     y.backward(dy)
-    return [y, x.grad, ex.w1.grad, ex.w2.grad, ex.w3.grad]
+    return [y, x.grad, ex.w1.grad, ex.w2.grad, ex.w3.grad] + [s.grad for s in extra]
 
 
 def grouped(ex, fuse):
-    def path(x, counts):
+    def path(x, counts, *scale):
         ex.fuse_gate_up = fuse
         try:
-            return ex._grouped(x, counts)
+            return ex._grouped(x, counts, *scale)
         finally:
             ex.fuse_gate_up = None
     return path
 
 
-def test_fused_gate_up_equals_unfused_grouped_and_loop_in_float32():
+@pytest.mark.parametrize("row_scale", [False, True], ids=["unscaled", "row_scale"])
+def test_fused_gate_up_equals_unfused_grouped_and_loop_in_float32(row_scale):
     ex, xs, dy, counts = experts_and_inputs(torch.float32)
-    loop = run_experts(ex, ex._loop, xs, dy, counts)
+    scale = torch.rand(xs.shape[0]) if row_scale else None
+    loop = run_experts(ex, ex._loop, xs, dy, counts, scale)
     for fuse in (False, True):
-        got = run_experts(ex, grouped(ex, fuse), xs, dy, counts)
-        for name, a, b in zip(["y", "dx", "dw1", "dw2", "dw3"], got, loop):
+        got = run_experts(ex, grouped(ex, fuse), xs, dy, counts, scale)
+        for name, a, b in zip(["y", "dx", "dw1", "dw2", "dw3", "dscale"], got, loop):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"fuse={fuse} {name}")
     assert torch.count_nonzero(ex.w1.grad[1]) == 0 and torch.count_nonzero(ex.w3.grad[1]) == 0  # no rows
 
@@ -124,7 +127,7 @@ def test_fused_gate_up_in_bfloat16_is_within_twice_the_unfused_error():
     fused = run_experts(ex, grouped(ex, True), xs, dy, counts)
 
     def rel(a, b):
-        return float((a.detach().float() - b.float()).norm() / b.float().norm())
+        return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
     for name, f, p, w in zip(["y", "dx", "dw1", "dw2", "dw3"], fused, plain, want):
         assert f.dtype == torch.bfloat16
         assert rel(f, w) <= 2 * rel(p, w) + 1e-6, name

@@ -49,3 +49,85 @@ def test_low_precision_router_logits_equal_fp32_logits_of_the_same_values():
     fast = router_matmul(x, w)
     assert fast.dtype == torch.float32
     torch.testing.assert_close(fast, x.float() @ w.float().T, rtol=1e-5, atol=1e-4)
+
+
+def run_grads(m, x, dy):
+    m.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_()
+    y = m(xi)
+    (y.float() * dy).sum().add(m.aux_loss).backward()
+    return [y, xi.grad] + [p.grad for p in m.parameters()]
+
+
+@pytest.mark.parametrize("E,K,T", [(8, 2, 1000), (64, 8, 600), (64, 2, 40)], ids=str)   # last: empty experts
+def test_fused_gate_up_equals_unfused_grouped_path_output_and_all_grads(E, K, T):
+    from layers.moe_experts import GroupedExperts
+    torch.manual_seed(0)
+    ref = MoE(256, 384, E, K, backend="torch").cuda()
+    m = MoE(256, 384, E, K, backend="grouped").cuda().to(torch.bfloat16)
+    m.load_state_dict(ref.state_dict())
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(T, 256, device="cuda").bfloat16()
+    dy = torch.randn(T, 256, device="cuda")
+    want = run_grads(ref, x.float(), dy)
+    got = {}
+    for fuse in (False, True):
+        GroupedExperts.fuse_gate_up = fuse
+        try:
+            got[fuse] = run_grads(m, x, dy)
+        finally:
+            GroupedExperts.fuse_gate_up = None
+    for i, (u, f, w) in enumerate(zip(got[False], got[True], want)):
+        assert f.dtype == u.dtype
+        assert rel(f, w) <= 2 * rel(u, w) + 1e-6, i          # FlashAttention criterion vs the unfused path
+        assert rel(f, u) < 2e-2, i
+
+
+def test_compiled_routing_equals_eager_routing_on_cuda():
+    torch.manual_seed(0)
+    m = MoE(256, 384, 16, 4, backend="grouped", z_loss_coef=1e-3, capacity_factor=0.9).cuda().to(torch.bfloat16)
+    x = torch.randn(2000, 256, device="cuda").bfloat16()
+    dy = torch.randn(2000, 256, device="cuda")
+    runs = {}
+    for mode in (None, "inductor"):
+        MoE.compile_routing = mode
+        try:
+            runs[mode] = run_grads(m, x, dy) + [m.aux_loss.detach()] + [v.clone() for v in m.stats.values()]
+        finally:
+            MoE.compile_routing = "inductor"
+    for i, (a, b) in enumerate(zip(runs["inductor"], runs[None])):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=1e-5, msg=str(i))
+
+
+def test_packed_swiglu_kernel_matches_reference_in_bf16():
+    from kernels.moe_swiglu import swiglu_packed, swiglu_packed_reference
+    ab = torch.randn(3000, 2 * 1408, device="cuda").bfloat16().requires_grad_()
+    dh = torch.randn(3000, 1408, device="cuda").bfloat16()
+    abf = ab.detach().float().requires_grad_()
+    want = swiglu_packed_reference(abf)
+    got = swiglu_packed(ab)
+    assert rel(got, want) < 1e-2
+    (g,) = torch.autograd.grad(got, ab, dh)
+    (w,) = torch.autograd.grad(want, abf, dh.float())
+    assert rel(g, w) < 1e-2
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.8])
+def test_folded_routing_weights_equal_the_weighted_combine(capacity_factor):
+    torch.manual_seed(0)
+    ref = MoE(256, 384, 16, 4, backend="torch", capacity_factor=capacity_factor).cuda()
+    m = MoE(256, 384, 16, 4, backend="grouped", capacity_factor=capacity_factor).cuda().to(torch.bfloat16)
+    m.load_state_dict(ref.state_dict())
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(1500, 256, device="cuda").bfloat16()
+    dy = torch.randn(1500, 256, device="cuda")
+    want = run_grads(ref, x.float(), dy)
+    got = {}
+    for fold in (False, True):
+        MoE.fold_weights = fold
+        try:
+            got[fold] = run_grads(m, x, dy)
+        finally:
+            MoE.fold_weights = True
+    for i, (u, f, w) in enumerate(zip(got[False], got[True], want)):
+        assert rel(f, w) <= 2 * rel(u, w) + 1e-6, i
