@@ -62,8 +62,12 @@ class Trainer:
         self.raw_model = model
         if cfg.train.compile:
             # Per block and in place, as torchtitan does: parameter names, FSDP2 units and checkpoints unchanged.
+            # Static shapes (a run's batch and length are fixed): automatic dynamic shapes would turn the
+            # per-layer ints (layer id, pattern sizes) into symbols once a second block recompiles, which
+            # compiles slower and runs slower. One graph per distinct block, so the cache must hold them all.
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(model.layers) + 8)
             for block in model.layers:
-                block.compile()
+                block.compile(dynamic=False)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.dst = None
