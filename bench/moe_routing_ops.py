@@ -43,18 +43,24 @@ def count(prof, device: str) -> int:
     return n
 
 
+def loss_of(r):
+    """What the rest of the layer backpropagates into the routing stage."""
+    extra = r.row_weights.sum() if r.row_weights is not None else 0.0
+    return r.weights.sum() + r.aux_loss + extra
+
+
 def measure(fn, logits, spec, device):
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     for _ in range(2):                                   # compile / warm up
         r = fn(logits, None, spec)
-        torch.autograd.grad(r.weights.sum() + r.aux_loss, logits)
+        torch.autograd.grad(loss_of(r), logits)
     if device == "cuda":
         torch.cuda.synchronize()
     with profile(activities=acts) as pf:
         r = fn(logits, None, spec)
         if device == "cuda":
             torch.cuda.synchronize()
-    loss = r.weights.sum() + r.aux_loss
+    loss = loss_of(r)
     with profile(activities=acts) as pb:
         torch.autograd.grad(loss, logits)
         if device == "cuda":
@@ -69,7 +75,7 @@ def main():
     ap.add_argument("--E", type=int, default=64)
     ap.add_argument("--K", type=int, default=8)
     args = ap.parse_args()
-    spec = RoutingSpec("softmax", args.K, False, True, args.E, 0.01, 0.001, None, 1, True, True)
+    spec = RoutingSpec("softmax", args.K, False, True, args.E, 0.01, 0.001, None, 1, True, True, row_weights=True)
     logits = torch.randn(args.T, args.E, device=args.device, requires_grad=True)
     from torch._inductor import metrics
     metrics.reset()

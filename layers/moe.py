@@ -6,10 +6,15 @@ DeepSeekMoE / Qwen2-MoE (always-on shared experts, optional sigmoid shared gate)
 router are in layers.moe_router; DESIGN.md has the contract.
 
 Forward, in three separable stages (expert parallelism replaces only the middle one):
-1. route: router logits in float32 -> ``indices [T, K]``, ``weights [T, K]``; losses and stats recorded.
-2. dispatch: ``_dispatch_local`` (or ``layers.moe_ep.ep_dispatch`` with an ``ep_group``) sorts the
-   assignments by expert (``make_plan``), permutes tokens, runs ``self.experts(xs[N, D], counts[E])``
-   and combines with the weights -> ``y [T, D]``.
+1. route: router logits in float32 -> ``indices [T, K]``, ``weights [T, K]``; losses and stats recorded,
+   dispatch plan built (``make_plan``: assignments sorted by expert). Everything after the router GEMM
+   is one pure function, ``layers.moe_routing.routing_stage``, torch.compile'd on CUDA with the grouped
+   backend (``MoE.compile_routing``): eager it is ~90 launch-bound small kernels forward + backward.
+2. dispatch: ``_dispatch_local`` (or ``layers.moe_ep.ep_dispatch`` with an ``ep_group``) permutes tokens,
+   runs ``self.experts(xs[N, D], counts[E])`` and combines with the weights -> ``y [T, D]``. Grouped
+   backend without EP: the weights are folded into the experts' SwiGLU per sorted row
+   (``MoE.fold_weights``) and the combine is an unweighted sum; gate and up projections run as one
+   grouped GEMM when that moves fewer bytes (``GroupedExperts.fuse_gate_up``, layers.moe_gate_up).
 3. shared experts are added (gated by ``sigmoid(shared_gate(x))`` when ``shared_gate``).
 
 Parameters (HF layout, names fixed for zoo.hf): ``gate.weight [E, D]``; ``noise.weight [E, D]``
