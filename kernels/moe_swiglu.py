@@ -122,8 +122,9 @@ def _bwd(dh, a, b, scale, da, db, N, H, stride, b_off):
     if N and H:
         block, warps = _block(H)
         grid = (N,) if scale is not None else (N, triton.cdiv(H, block))
-        s = scale.contiguous() if scale is not None else dh
-        jit(_swiglu_bwd_kernel)[grid](dh, a, b, s, da, db, ds, H, stride, b_off, HAS_S=scale is not None,
+        # Dummy pointers (never dereferenced) when HAS_S is False: real tensors, not the empty ds.
+        s, ds_arg = (scale.contiguous(), ds) if scale is not None else (dh, dh)
+        jit(_swiglu_bwd_kernel)[grid](dh, a, b, s, da, db, ds_arg, H, stride, b_off, HAS_S=scale is not None,
                                       BLOCK=block, num_warps=warps)
     return ds
 

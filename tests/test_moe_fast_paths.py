@@ -14,9 +14,9 @@ from layers.moe_routing import RoutingSpec, compiled_routing_stage, routing_stag
 BACKEND = "aot_eager"
 
 
-SPECS = [dict(router="softmax"), dict(router="softmax", softmax_before_topk=True, capacity=9),
-         dict(router="sigmoid", align=4), dict(router="switch", top_k=1, capacity=20),
-         dict(router="softmax", local_balance=False)]
+SPECS = [dict(router="softmax"), dict(router="softmax", softmax_before_topk=True, capacity=9, row_weights=True),
+         dict(router="sigmoid", align=4, row_weights=True), dict(router="switch", top_k=1, capacity=20),
+         dict(router="softmax", local_balance=False, row_weights=True)]
 
 
 @pytest.mark.parametrize("kw", SPECS, ids=str)
@@ -37,8 +37,20 @@ def test_compiled_routing_stage_equals_eager_values_plan_stats_and_gradients(kw)
         torch.testing.assert_close(got.stats[k], want.stats[k])
     g = torch.randn(40, spec.top_k)
 
+    if spec.row_weights:
+        torch.testing.assert_close(got.row_weights, want.row_weights)
+        inv = want.plan_tensors[0]
+        for (t, j) in zip(*torch.nonzero(inv >= 0, as_tuple=True)):   # each kept assignment's row
+            assert want.row_weights[inv[t, j]] == want.weights[t, j]
+        used = torch.zeros(want.row_weights.shape[0], dtype=torch.bool)
+        used[inv[inv >= 0].long()] = True
+        assert torch.all(want.row_weights[~used] == 0)                 # padding / unused rows
+    gr = torch.randn(want.row_weights.shape) if spec.row_weights else None
+
     def loss(r):
         extra = r.p_mean.square().sum() if r.p_mean is not None else 0.0
+        if gr is not None:
+            extra = extra + (r.row_weights * gr).sum()
         return (r.weights * g).sum() + r.aux_loss + extra
 
     torch.testing.assert_close(torch.autograd.grad(loss(got), logits)[0],
