@@ -59,25 +59,30 @@ def run_grads(m, x, dy):
     return [y, xi.grad] + [p.grad for p in m.parameters()]
 
 
-@pytest.mark.parametrize("E,K,T", [(8, 2, 1000), (64, 8, 600), (64, 2, 40)], ids=str)   # last: empty experts
-def test_fused_gate_up_equals_unfused_grouped_path_output_and_all_grads(E, K, T):
-    from layers.moe_experts import GroupedExperts
+def grads_by_setting(owner, attr, values, E, K, T, **kw):
+    """fp32 loop reference grads, and the bf16 grouped path's grads with ``owner.attr`` set to each value."""
     torch.manual_seed(0)
-    ref = MoE(256, 384, E, K, backend="torch").cuda()
-    m = MoE(256, 384, E, K, backend="grouped").cuda().to(torch.bfloat16)
+    ref = MoE(256, 384, E, K, backend="torch", **kw).cuda()
+    m = MoE(256, 384, E, K, backend="grouped", **kw).cuda().to(torch.bfloat16)
     m.load_state_dict(ref.state_dict())
     ref.load_state_dict(m.state_dict())
     x = torch.randn(T, 256, device="cuda").bfloat16()
     dy = torch.randn(T, 256, device="cuda")
-    want = run_grads(ref, x.float(), dy)
-    got = {}
-    for fuse in (False, True):
-        GroupedExperts.fuse_gate_up = fuse
+    saved, got = getattr(owner, attr), []
+    for v in values:
+        setattr(owner, attr, v)
         try:
-            got[fuse] = run_grads(m, x, dy)
+            got.append(run_grads(m, x, dy))
         finally:
-            GroupedExperts.fuse_gate_up = None
-    for i, (u, f, w) in enumerate(zip(got[False], got[True], want)):
+            setattr(owner, attr, saved)
+    return got, run_grads(ref, x.float(), dy)
+
+
+@pytest.mark.parametrize("E,K,T", [(8, 2, 1000), (64, 8, 600), (64, 2, 40)], ids=str)   # last: empty experts
+def test_fused_gate_up_equals_unfused_grouped_path_output_and_all_grads(E, K, T):
+    from layers.moe_experts import GroupedExperts
+    (unfused, fused), want = grads_by_setting(GroupedExperts, "fuse_gate_up", (False, True), E, K, T)
+    for i, (u, f, w) in enumerate(zip(unfused, fused, want)):
         assert f.dtype == u.dtype
         assert rel(f, w) <= 2 * rel(u, w) + 1e-6, i          # FlashAttention criterion vs the unfused path
         assert rel(f, u) < 2e-2, i
@@ -114,20 +119,7 @@ def test_packed_swiglu_kernel_matches_reference_in_bf16():
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.8])
 def test_folded_routing_weights_equal_the_weighted_combine(capacity_factor):
-    torch.manual_seed(0)
-    ref = MoE(256, 384, 16, 4, backend="torch", capacity_factor=capacity_factor).cuda()
-    m = MoE(256, 384, 16, 4, backend="grouped", capacity_factor=capacity_factor).cuda().to(torch.bfloat16)
-    m.load_state_dict(ref.state_dict())
-    ref.load_state_dict(m.state_dict())
-    x = torch.randn(1500, 256, device="cuda").bfloat16()
-    dy = torch.randn(1500, 256, device="cuda")
-    want = run_grads(ref, x.float(), dy)
-    got = {}
-    for fold in (False, True):
-        MoE.fold_weights = fold
-        try:
-            got[fold] = run_grads(m, x, dy)
-        finally:
-            MoE.fold_weights = True
-    for i, (u, f, w) in enumerate(zip(got[False], got[True], want)):
+    (weighted, folded), want = grads_by_setting(MoE, "fold_weights", (False, True), 16, 4, 1500,
+                                                capacity_factor=capacity_factor)
+    for i, (u, f, w) in enumerate(zip(weighted, folded, want)):
         assert rel(f, w) <= 2 * rel(u, w) + 1e-6, i
