@@ -148,3 +148,29 @@ def test_fused_gate_up_in_bfloat16_is_within_twice_the_unfused_error():
 def test_fusing_gate_up_pays_for_fine_grained_experts_not_for_mixtral():
     assert fuse_gate_up_pays(num_rows=16384 * 8, dim=4096, hidden=1024, num_experts=64)
     assert not fuse_gate_up_pays(num_rows=16384 * 2, dim=4096, hidden=14336, num_experts=8)
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused_gate_up"])
+@pytest.mark.parametrize("fold", [False, True], ids=["weighted_combine", "folded_weights"])
+@pytest.mark.parametrize("capacity_factor", [None, 0.7])
+def test_grouped_moe_path_on_cpu_equals_the_reference_path(fuse, fold, capacity_factor, monkeypatch):
+    # The CUDA code path, run on CPU: torch._grouped_mm experts (fused or not), folded weights or a
+    # weighted combine, the permute / unpermute / combine ops (their torch bodies off CUDA).
+    monkeypatch.setattr(GroupedExperts, "fuse_gate_up", fuse)
+    monkeypatch.setattr(MoE, "fold_weights", fold)
+    torch.manual_seed(0)
+    ref = MoE(16, 24, 6, 2, capacity_factor=capacity_factor, z_loss_coef=1e-3, backend="torch")
+    fast = MoE(16, 24, 6, 2, capacity_factor=capacity_factor, z_loss_coef=1e-3, backend="torch")
+    fast.load_state_dict(ref.state_dict())
+    fast._backend = "grouped"
+    x = torch.randn(21, 16, requires_grad=True)
+    g = torch.randn(21, 16)
+    monkeypatch.setattr(GroupedExperts, "forward", GroupedExperts._loop)
+    y_ref = ref(x)
+    gr = torch.autograd.grad((y_ref * g).sum() + ref.aux_loss, [x] + list(ref.parameters()))
+    monkeypatch.setattr(GroupedExperts, "forward", GroupedExperts._grouped)
+    y = fast(x)
+    gf = torch.autograd.grad((y * g).sum() + fast.aux_loss, [x] + list(fast.parameters()))
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(gf, gr):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
