@@ -60,7 +60,9 @@ def run_grads(m, x, dy):
 
 
 def grads_by_setting(owner, attr, values, E, K, T, **kw):
-    """fp32 loop reference grads, and the bf16 grouped path's grads with ``owner.attr`` set to each value."""
+    """fp32 loop reference grads, and the bf16 grouped path's grads with ``owner.attr`` set to each value.
+    Eager routing: each compiled routing spec costs seconds of device time, and the compiled stage has
+    its own test (bench/moe.py checks the full default path at the real shapes)."""
     torch.manual_seed(0)
     ref = MoE(256, 384, E, K, backend="torch", **kw).cuda()
     m = MoE(256, 384, E, K, backend="grouped", **kw).cuda().to(torch.bfloat16)
@@ -69,6 +71,7 @@ def grads_by_setting(owner, attr, values, E, K, T, **kw):
     x = torch.randn(T, 256, device="cuda").bfloat16()
     dy = torch.randn(T, 256, device="cuda")
     saved, got = getattr(owner, attr), []
+    m.compile_routing = None
     for v in values:
         setattr(owner, attr, v)
         try:
