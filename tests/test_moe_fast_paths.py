@@ -150,6 +150,10 @@ def test_fusing_gate_up_pays_for_fine_grained_experts_not_for_mixtral():
     assert not fuse_gate_up_pays(num_rows=16384 * 2, dim=4096, hidden=14336, num_experts=8)
 
 
+# Rows past the last group are unspecified in torch._grouped_mm's output (uninitialised memory on CPU)
+# and nobody reads what the SwiGLU kernels make of them; the interpreter warns when they overflow.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused_gate_up"])
 @pytest.mark.parametrize("fold", [False, True], ids=["weighted_combine", "folded_weights"])
 @pytest.mark.parametrize("capacity_factor", [None, 0.7])
