@@ -36,7 +36,8 @@ from torch import nn
 from configs import ConfigError, MoEConfig
 from .mlp import SwiGLU
 from .aux_loss import sum_aux_losses
-from .moe_experts import DispatchPlan, GroupedExperts, local_expert_count, make_plan, plan_layout, run_plan
+from .moe_experts import (DispatchPlan, GroupedExperts, autocast_input, local_expert_count, make_plan,
+                          plan_layout, run_plan)
 from .moe_router import balance_loss_of_mean, noisy_logits, route, router_matmul
 from .moe_routing import RoutingSpec, routing_fn
 
@@ -196,7 +197,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.dim)
+        x2 = autocast_input(x.reshape(-1, self.dim))
         r, plan = self._route_and_record(x2)
         if self.ep_group is not None:
             from .moe_ep import ep_dispatch

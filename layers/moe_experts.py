@@ -118,6 +118,20 @@ def sorted_row_weights(weights: torch.Tensor, inv: torch.Tensor, num_rows: int) 
     return out.index_put((dest,), weights.reshape(-1).float())[:num_rows]
 
 
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """x in the autocast dtype when autocast is on for its device (else unchanged).
+
+    Mixed-precision training keeps the residual stream in float32 and lets autocast cast each matmul's
+    inputs; the expert GEMMs are not autocast ops (``torch._grouped_mm`` takes bf16 only) and the
+    permute/combine kernels would move float32 rows. Casting once before dispatch gives the grouped
+    bf16 path the inputs autocast would have given F.linear, and halves the bytes the dispatch moves.
+    """
+    dev = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(dev):
+        return x.to(torch.get_autocast_dtype(dev))
+    return x
+
+
 def local_expert_count(num_experts: int, ep_size: int, key: str = "moe") -> int:
     """Experts each of ``ep_size`` expert-parallel ranks holds; ConfigError unless they split evenly."""
     check(num_experts % ep_size == 0, f"{key}.num_experts",

@@ -44,7 +44,7 @@ from configs import ConfigError
 from configs.neuron import NeuronConfig
 
 from .moe import cached_backend
-from .moe_experts import GroupedExperts, expert_hidden, make_plan, run_plan
+from .moe_experts import GroupedExperts, autocast_input, expert_hidden, make_plan, run_plan
 from .neuron_cluster import cluster_neurons
 from .neuron_schedule import neuron_phase, phase_bounds
 from .sharding import full_tensor, local_tensor, shard_like
@@ -196,7 +196,7 @@ class NeuronRoutedFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.dim)
+        x2 = autocast_input(x.reshape(-1, self.dim))
         logits = self.router_logits(x2)
         if self.sparse:
             y = self._sparse(x2, logits)

@@ -310,3 +310,18 @@ def test_dropless_plan_shortcut_equals_the_general_plan_and_sorts_stably():
     for e in range(6):                                      # earlier assignments first within an expert
         rows = flat_inv[flat_e == e]
         assert torch.all(rows[1:] > rows[:-1])
+
+
+def test_under_autocast_the_experts_get_the_autocast_dtype_from_a_float32_residual():
+    """Mixed-precision training: float32 residual in, bf16 expert GEMM inputs (the grouped path's dtype)."""
+    torch.manual_seed(0)
+    moe = MoE(32, 48, 4, 2)
+    seen = []
+    moe.experts.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    x = torch.randn(2, 8, 32)
+    want = moe(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = moe(x)
+    assert seen == [torch.float32, torch.bfloat16]
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
