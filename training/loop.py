@@ -205,6 +205,16 @@ class Trainer:
         self.epoch, self.bad_total = epoch + 1, bad_total
         self.print(f"rolled back to {path} (step {self.step}), data epoch {self.epoch}")
 
+    def validate(self) -> float:
+        """Evaluate, record the loss (history, wandb, metrics.jsonl, console) and return it."""
+        v = self.evaluate()
+        self.val_history.append((self.step, v))
+        self.logger.log({"val/loss": v}, step=self.step)
+        if self.par.is_main:
+            append_metrics(self.metrics_path, {"val/loss": v}, self.step)
+        self.print(f"step {self.step}: val loss {v:.4f}")
+        return v
+
     # ---- main loop -------------------------------------------------------------------------------
     def fit(self) -> dict:
         c = self.cfg
@@ -213,10 +223,7 @@ class Trainer:
                 dens = attention_density(self.raw_model, c.train.seq_len)
                 self.logger.log({f"attn_density/{k}": v for k, v in dens.items() if "/head" not in k}, step=0)
                 self.print(f"attention density at seq_len {c.train.seq_len}: {dens['mean']:.3f}")
-            v = self.evaluate()
-            self.val_history.append((self.step, v))
-            self.logger.log({"val/loss": v}, step=self.step)
-            self.print(f"step {self.step}: val loss {v:.4f}")
+            self.validate()
         bar = tqdm(total=c.train.steps, initial=self.step, disable=not (self.par.is_main and c.logging.progress),
                    dynamic_ncols=True, desc=c.name, unit="step")
         t0, tokens_since = time.perf_counter(), 0
@@ -253,13 +260,7 @@ class Trainer:
                 load = moe_metrics(self.raw_model)[1]
                 if load is not None:
                     self.logger.log_heatmap("moe/expert_load", load.numpy(), self.step, "experts", "layers")
-                v = self.evaluate()
-                self.val_history.append((self.step, v))
-                self.best_val = min(self.best_val, v)
-                self.logger.log({"val/loss": v}, step=self.step)
-                if self.par.is_main:
-                    append_metrics(self.metrics_path, {"val/loss": v}, self.step)
-                self.print(f"step {self.step}: val loss {v:.4f}")
+                self.best_val = min(self.best_val, self.validate())
             if (c.checkpoint.every and self.step % c.checkpoint.every == 0) or self.step == c.train.steps:
                 self.save()
         bar.close()
