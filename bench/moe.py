@@ -6,7 +6,7 @@ Per shape, in one process: (1) correctness of the grouped path at the real shape
 per-expert loop (relative errors of output and gradients, next to the same-dtype plain-torch error:
 the FlashAttention criterion err(ours) <= 2 err(bf16 torch)); (2) medians of CUDA-event timings of
 forward+backward after warm-up, for our variants (VARIANTS: the default path, the path before the
-compiled routing stage and the fused gate|up GEMM, and each change on its own; each variant also gets
+compiled routing stage and the folded routing weights, and each change on its own; each variant also gets
 the correctness check of (1)), megablocks (when importable) and the reference;
 (3) the dense GEMM rate at the experts' GEMM shape, measured in the same run; TFLOP/s count the
 routed-expert GEMMs only: 3 GEMMs x 2*T*K*D*H FLOPs, x3 for forward+backward.
@@ -27,8 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from layers import MoE  # noqa: E402
 from layers import moe_experts  # noqa: E402
-from layers.moe_experts import GroupedExperts  # noqa: E402
-from layers.moe_gate_up import fuse_gate_up_pays  # noqa: E402
 from kernels.moe_swiglu import swiglu_reference  # noqa: E402
 
 SHAPES = {  # T tokens, D model dim, H expert hidden, E experts, K top-k
@@ -39,18 +37,15 @@ SHAPES = {  # T tokens, D model dim, H expert hidden, E experts, K top-k
 DEV = "cuda"
 
 # Our variants, each a set of (owner, attribute) overrides on the default path ("ours": compiled routing
-# stage, gate|up fused when it saves bytes, routing weights folded into SwiGLU). "ours_before" is the
-# path before those three changes (but with the cheaper unweighted permute backward).
+# stage, routing weights folded into SwiGLU). "ours_before" is the path before those two changes (but
+# with the cheaper unweighted permute backward).
 VARIANTS = {
     "ours": {},
-    "ours_before": {(MoE, "compile_routing"): None, (GroupedExperts, "fuse_gate_up"): False,
-                    (MoE, "fold_weights"): False},
+    "ours_before": {(MoE, "compile_routing"): None, (MoE, "fold_weights"): False},
     "ours_eager_routing": {(MoE, "compile_routing"): None},
-    "ours_fused_gate_up": {(GroupedExperts, "fuse_gate_up"): True},
-    "ours_unfused_gate_up": {(GroupedExperts, "fuse_gate_up"): False},
     "ours_weighted_combine": {(MoE, "fold_weights"): False},
     "ours_align16": {(MoE, "group_align"): 16},
-    "ours_eager_swiglu": {(moe_experts, "swiglu"): swiglu_reference, (GroupedExperts, "fuse_gate_up"): False},
+    "ours_eager_swiglu": {(moe_experts, "swiglu"): swiglu_reference},
     "ours_fp32_router": {(MoE, "low_precision_router"): False},
 }
 
@@ -163,7 +158,6 @@ def bench_shape(name, T, D, H, E, K, reps, profile_dir=None, skip=()) -> dict:
     res["rel_err_bf16_torch"] = {k: rel(plain[k], want[k]) for k in want}
     del plain
     print(name, "rel err bf16 torch", {k: f"{v:.2e}" for k, v in res["rel_err_bf16_torch"].items()}, flush=True)
-    res["fuse_gate_up_auto"] = fuse_gate_up_pays(T * K, D, H, E)
     res["rel_err"], res["within_2x_torch"], res["variant_errors"] = {}, {}, {}
     variants = [v for v in VARIANTS if v == "ours" or v not in skip]
     for v in variants:                     # compiles the routing stage (outside the timings)

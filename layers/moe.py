@@ -13,8 +13,7 @@ Forward, in three separable stages (expert parallelism replaces only the middle 
 2. dispatch: ``_dispatch_local`` (or ``layers.moe_ep.ep_dispatch`` with an ``ep_group``) permutes tokens,
    runs ``self.experts(xs[N, D], counts[E])`` and combines with the weights -> ``y [T, D]``. Grouped
    backend without EP: the weights are folded into the experts' SwiGLU per sorted row
-   (``MoE.fold_weights``) and the combine is an unweighted sum; gate and up projections run as one
-   grouped GEMM when that moves fewer bytes (``GroupedExperts.fuse_gate_up``, layers.moe_gate_up).
+   (``MoE.fold_weights``) and the combine is an unweighted sum.
 3. shared experts are added (gated by ``sigmoid(shared_gate(x))`` when ``shared_gate``).
 
 Parameters (HF layout, names fixed for zoo.hf): ``gate.weight [E, D]``; ``noise.weight [E, D]``

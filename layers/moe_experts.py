@@ -14,7 +14,7 @@ H expert hidden dim, N rows of the expert-sorted buffer.
   loop path): callers must only read rows some assignment maps to.
   Backends: ``loop`` (per-expert matmuls; any device and dtype, syncs the counts to the host) and
   ``grouped`` (``torch._grouped_mm`` over all experts in one launch per projection; CUDA, bfloat16;
-  SwiGLU gate and up projections fused into one GEMM when that moves fewer bytes, layers.moe_gate_up).
+  SwiGLU: grouped GEMMs for w1 and w3, the fused kernels.moe_swiglu activation, a grouped GEMM for w2).
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ from kernels.moe_combine import moe_combine, moe_combine_reference
 from kernels.moe_permute import moe_permute, moe_permute_reference, moe_unpermute
 from kernels.moe_swiglu import swiglu
 
-from .moe_gate_up import fuse_gate_up_pays, gate_up_swiglu
 from .moe_router import tokens_per_expert
 
 
@@ -157,10 +156,6 @@ class GroupedExperts(nn.Module):
     ``forward(xs[N, D], counts[E]) -> [N, D]``; ``backend`` is "loop" or "grouped" (set by the owner).
     """
 
-    # Grouped path, SwiGLU: one GEMM over [w1 | w3] (layers.moe_gate_up). None = when it saves bytes
-    # (fuse_gate_up_pays), True / False = always / never.
-    fuse_gate_up: Optional[bool] = None
-
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, activation: str = "swiglu"):
         super().__init__()
         check_choice(activation, NEURON_ACTIVATIONS, "activation")
@@ -199,20 +194,13 @@ class GroupedExperts(nn.Module):
     def _grouped(self, xs: torch.Tensor, counts: torch.Tensor, row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         # One grouped GEMM per projection over all experts; offs are group ends (int32, on device: no sync).
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        w2 = self.w2.to(xs.dtype)
-        if self.activation == "swiglu" and self.fuses_gate_up(xs.shape[0]):
-            h = gate_up_swiglu(xs, self.w1, self.w3, offs, row_scale)
+        # SwiGLU gate and up stay two grouped GEMMs: one GEMM over [w1 | w3] measured slower on the
+        # H200 at both benchmark shapes (docs/DESIGN.md, Decisions: MoE).
+        a = torch._grouped_mm(xs, self.w1.to(xs.dtype).transpose(-2, -1), offs=offs)
+        if self.activation == "swiglu":
+            h = swiglu(a, torch._grouped_mm(xs, self.w3.to(xs.dtype).transpose(-2, -1), offs=offs), row_scale)
         else:
-            a = torch._grouped_mm(xs, self.w1.to(xs.dtype).transpose(-2, -1), offs=offs)
-            if self.activation == "swiglu":
-                h = swiglu(a, torch._grouped_mm(xs, self.w3.to(xs.dtype).transpose(-2, -1), offs=offs), row_scale)
-            else:
-                h = F.relu(a).square()
-                if row_scale is not None:
-                    h = scale_rows(h, row_scale)
-        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
-
-    def fuses_gate_up(self, num_rows: int) -> bool:
-        if self.fuse_gate_up is not None:
-            return self.fuse_gate_up
-        return fuse_gate_up_pays(num_rows, self.dim, self.hidden_dim, self.num_experts)
+            h = F.relu(a).square()
+            if row_scale is not None:
+                h = scale_rows(h, row_scale)
+        return torch._grouped_mm(h, self.w2.to(xs.dtype).transpose(-2, -1), offs=offs)

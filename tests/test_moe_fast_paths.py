@@ -1,13 +1,12 @@
 """MoE fast paths on CPU: the compiled routing stage equals the eager one (values, plan, stats, router
-gradients), and the fused gate|up grouped GEMM equals the unfused grouped path and the per-expert loop
-(torch._grouped_mm runs on CPU in float32 and bfloat16)."""
+gradients), and the grouped experts path equals the per-expert loop (torch._grouped_mm runs on CPU in float32 and
+bfloat16)."""
 import pytest
 import torch
 
 from layers import MoE
 from layers import moe as moe_module
 from layers.moe_experts import GroupedExperts
-from layers.moe_gate_up import fuse_gate_up_pays
 from layers.moe_routing import RoutingSpec, compiled_routing_stage, routing_stage
 
 # aot_eager: dynamo + AOTAutograd tracing (what inductor consumes) without a C++ build on CPU.
@@ -106,61 +105,43 @@ def run_experts(ex, path, xs, dy, counts, scale=None):
     return [y, x.grad, ex.w1.grad, ex.w2.grad, ex.w3.grad] + [s.grad for s in extra]
 
 
-def grouped(ex, fuse):
-    def path(x, counts, *scale):
-        ex.fuse_gate_up = fuse
-        try:
-            return ex._grouped(x, counts, *scale)
-        finally:
-            ex.fuse_gate_up = None
-    return path
-
-
 @pytest.mark.parametrize("row_scale", [False, True], ids=["unscaled", "row_scale"])
-def test_fused_gate_up_equals_unfused_grouped_and_loop_in_float32(row_scale):
+def test_grouped_experts_equal_the_per_expert_loop_in_float32(row_scale):
     ex, xs, dy, counts = experts_and_inputs(torch.float32)
     scale = torch.rand(xs.shape[0]) if row_scale else None
     loop = run_experts(ex, ex._loop, xs, dy, counts, scale)
-    for fuse in (False, True):
-        got = run_experts(ex, grouped(ex, fuse), xs, dy, counts, scale)
-        for name, a, b in zip(["y", "dx", "dw1", "dw2", "dw3", "dscale"], got, loop):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"fuse={fuse} {name}")
+    got = run_experts(ex, ex._grouped, xs, dy, counts, scale)
+    for name, a, b in zip(["y", "dx", "dw1", "dw2", "dw3", "dscale"], got, loop):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
     assert torch.count_nonzero(ex.w1.grad[1]) == 0 and torch.count_nonzero(ex.w3.grad[1]) == 0  # no rows
 
 
-def test_fused_gate_up_in_bfloat16_is_within_twice_the_unfused_error():
+def test_grouped_experts_in_bfloat16_are_within_twice_the_bfloat16_loop_error():
     import copy
     ex32, xs, dy, counts = experts_and_inputs(torch.float32, D=64, H=96, counts=(40, 0, 90, 30, 10, 120))
     ex = copy.deepcopy(ex32).to(torch.bfloat16)
     ex32.load_state_dict(ex.state_dict())               # the same bf16-representable weights in both
     xs, dy = xs.bfloat16(), dy.bfloat16()
     want = run_experts(ex32, ex32._loop, xs.float(), dy.float(), counts)
-    plain = run_experts(ex, grouped(ex, False), xs, dy, counts)
-    fused = run_experts(ex, grouped(ex, True), xs, dy, counts)
+    loop = run_experts(ex, ex._loop, xs, dy, counts)
+    grouped = run_experts(ex, ex._grouped, xs, dy, counts)
 
     def rel(a, b):
         return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
-    for name, f, p, w in zip(["y", "dx", "dw1", "dw2", "dw3"], fused, plain, want):
-        assert f.dtype == torch.bfloat16
-        assert rel(f, w) <= 2 * rel(p, w) + 1e-6, name
-
-
-def test_fusing_gate_up_pays_for_fine_grained_experts_not_for_mixtral():
-    assert fuse_gate_up_pays(num_rows=16384 * 8, dim=4096, hidden=1024, num_experts=64)
-    assert not fuse_gate_up_pays(num_rows=16384 * 2, dim=4096, hidden=14336, num_experts=8)
+    for name, g, p, w in zip(["y", "dx", "dw1", "dw2", "dw3"], grouped, loop, want):
+        assert g.dtype == torch.bfloat16
+        assert rel(g, w) <= 2 * rel(p, w) + 1e-6, name
 
 
 # Rows past the last group are unspecified in torch._grouped_mm's output (uninitialised memory on CPU)
 # and nobody reads what the SwiGLU kernels make of them; the interpreter warns when they overflow.
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused_gate_up"])
 @pytest.mark.parametrize("fold", [False, True], ids=["weighted_combine", "folded_weights"])
 @pytest.mark.parametrize("capacity_factor", [None, 0.7])
-def test_grouped_moe_path_on_cpu_equals_the_reference_path(fuse, fold, capacity_factor, monkeypatch):
-    # The CUDA code path, run on CPU: torch._grouped_mm experts (fused or not), folded weights or a
-    # weighted combine, the permute / unpermute / combine ops (their torch bodies off CUDA).
-    monkeypatch.setattr(GroupedExperts, "fuse_gate_up", fuse)
+def test_grouped_moe_path_on_cpu_equals_the_reference_path(fold, capacity_factor, monkeypatch):
+    # The CUDA code path, run on CPU: torch._grouped_mm experts, folded weights or a weighted
+    # combine, the permute / unpermute / combine ops (their torch bodies off CUDA).
     monkeypatch.setattr(MoE, "fold_weights", fold)
     torch.manual_seed(0)
     ref = MoE(16, 24, 6, 2, capacity_factor=capacity_factor, z_loss_coef=1e-3, backend="torch")

@@ -109,39 +109,16 @@ def test_swiglu_kernel_and_op_gradients_match_reference():
 
 
 @pytest.mark.parametrize("H", [300, 4096])     # one partial block per row; two full blocks per row
-def test_packed_swiglu_kernel_and_op_match_reference_on_the_halves(H):
-    from kernels.moe_swiglu import (swiglu_packed, swiglu_packed_bwd, swiglu_packed_fwd,
-                                    swiglu_packed_reference)
-    ab = torch.randn(5, 2 * H, requires_grad=True)
-    want = swiglu_packed_reference(ab)
-    torch.testing.assert_close(want, torch.nn.functional.silu(ab[:, :H]) * ab[:, H:])
-    torch.testing.assert_close(swiglu_packed_fwd(ab.detach()), want)
-    dh = torch.randn(5, H)
-    (want_dab,) = torch.autograd.grad(want, ab, dh)
-    torch.testing.assert_close(swiglu_packed_bwd(dh, ab.detach())[0], want_dab)
-    (got_dab,) = torch.autograd.grad(swiglu_packed(ab), ab, dh)
-    torch.testing.assert_close(got_dab, want_dab)
-    torch.library.opcheck(swiglu_packed, (ab,))
-
-
-@pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("H", [300, 4096])
-def test_swiglu_with_a_row_scale_matches_autograd_of_the_scaled_reference(packed, H):
-    from kernels.moe_swiglu import swiglu, swiglu_packed, swiglu_reference
+def test_swiglu_with_a_row_scale_matches_autograd_of_the_scaled_reference(H):
+    from kernels.moe_swiglu import swiglu, swiglu_reference
     a = torch.randn(6, H, requires_grad=True)
     b = torch.randn(6, H, requires_grad=True)
     scale = torch.rand(6, requires_grad=True)
     dh = torch.randn(6, H)
     want = torch.nn.functional.silu(a) * b * scale[:, None]          # independent of the kernel file
     want_g = torch.autograd.grad(want, (a, b, scale), dh)
-    if packed:
-        ab = torch.cat([a, b], 1).detach().requires_grad_()
-        got = swiglu_packed(ab, scale)
-        dab, ds = torch.autograd.grad(got, (ab, scale), dh)
-        got_g = (dab[:, :H], dab[:, H:], ds)
-    else:
-        got = swiglu(a, b, scale)
-        got_g = torch.autograd.grad(got, (a, b, scale), dh)
+    got = swiglu(a, b, scale)
+    got_g = torch.autograd.grad(got, (a, b, scale), dh)
     torch.testing.assert_close(got, want)
     for x, y in zip(got_g, want_g):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
