@@ -15,7 +15,9 @@ from .ranges import assign_ranges, parse_range
 # static patterns at the density limit forward on the H200; BENCHMARKS.md "Sparse attention").
 ATTN_BACKENDS = ("auto", "reference", "flex", "flash_attn")
 
-# type -> (required params, optional params). Every pattern also takes block_size and seed.
+# type -> (required params, optional params). Every pattern also takes the COMMON_PARAMS: block_size,
+# seed and dense_below (over T keys a head with T < dense_below is dense causal attention: MInference
+# applies its estimated patterns to long inputs only; 0 = never).
 PATTERN_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "dense": ((), ()),
     "local": (("window",), ("sinks",)),
@@ -24,10 +26,10 @@ PATTERN_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "vertical_slash": (("n_vertical", "n_slash"), ("last_q",)),
     "block_topk": (("top_k",), ()),
 }
-COMMON_PARAMS = ("block_size", "seed")
+COMMON_PARAMS = ("block_size", "seed", "dense_below")
 DEFAULT_BLOCK_SIZE = 64
 POSITIVE_PARAMS = ("window", "sinks", "n_vertical", "n_slash", "last_q", "top_k", "block_size")
-NONNEG_PARAMS = ("random_blocks", "seed")
+NONNEG_PARAMS = ("random_blocks", "seed", "dense_below")
 # MInference's per-head JSON names its three kernels; what each budget pair means in our params.
 MINFERENCE_TYPES = {
     "vertical_and_slash": lambda v, s: {"type": "vertical_slash", "n_vertical": v, "n_slash": s, "last_q": 64},
@@ -105,7 +107,9 @@ class AttentionConfig:
     # Unlisted layers/heads are dense. A key without ":" means all heads of those layers.
     patterns: Dict[str, Any] = field(default_factory=dict)
     minference_json: Optional[str] = None  # MInference per-head pattern file, applied under `patterns`
-    dense_below: int = -1                   # run dense below this length; -1 = the measured crossover
+    # backend "auto" runs the reference (same masked result) below this many keys; -1 = the measured
+    # DENSE_CROSSOVER. Not the per-pattern ``dense_below``, which makes a head dense attention.
+    dense_below: int = -1
 
     def layer_head_patterns(self, n_layers: int, n_heads: int, key: str = "model.attention.patterns") -> list[list]:
         """``[layer][head] -> pattern dict or None`` (None = dense). Overlapping head ranges are errors."""

@@ -19,6 +19,13 @@ Every backend (layers.sparse_attention) must compute attention under exactly thi
   choice can depend on later queries of that block (as in MInference and MoBA).
 - ``dense``: causal.
 
+Every type also takes ``dense_below`` (tokens, 0 = never): over ``T`` keys, a head with
+``T < dense_below`` attends every causal pair, i.e. is exactly dense causal attention (MInference applies
+its estimated patterns to long inputs only; below its crossover a sparse kernel is slower than SDPA).
+``T`` is the number of keys of the call, so a decode step at total length T (T keys, new one
+included) follows the same rule as prefill over T keys, and all rows of one call share it.
+``SparsityPattern.is_dense_at`` is the one place that decides; every consumer asks it.
+
 The input-dependent patterns (vertical_slash, block_topk) estimate from the queries of the *input*;
 decode reproduces prefill's estimate from a short history of queries (layers.Attention keeps it), so
 each decode step re-estimates: ``last_q x T`` scores, ``last_q`` times a dense decode step's QK^T.
@@ -54,6 +61,7 @@ class SparsityPattern:
     n_slash: int = 0
     last_q: int = 64
     top_k: int = 0
+    dense_below: int = 0
 
     def __post_init__(self):
         validate_pattern(self.to_dict(), "pattern")
@@ -83,8 +91,9 @@ class SparsityPattern:
         return self.type in DYNAMIC_TYPES
 
     def is_dense_at(self, T: int) -> bool:
-        """True when, over ``T`` keys, the pattern allows every causal pair (so dense attention is exact)."""
-        if self.type == "dense":
+        """True when, over ``T`` keys, the pattern allows every causal pair (so dense attention is exact):
+        fewer keys than ``dense_below``, or a window / budget that covers all ``T`` keys."""
+        if self.type == "dense" or T < self.dense_below:
             return True
         if self.type == "vertical_slash":
             return max(self.n_vertical, self.n_slash) >= T
@@ -94,6 +103,7 @@ class SparsityPattern:
 
 
 PatternLike = Union[SparsityPattern, Sequence[SparsityPattern]]
+_DENSE = SparsityPattern()
 
 
 def head_patterns(pattern: PatternLike, n_heads: int) -> list[SparsityPattern]:
@@ -355,6 +365,9 @@ def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: in
     """
     pats = head_patterns(pattern, n_heads)
     bs = layer_block_size(pats)
+    # a head that allows every causal pair over T keys is planned as a dense head: window T + 1, no
+    # sinks, random blocks or estimation (the same mask; decode at T keys follows prefill of T keys)
+    pats = [_DENSE if p.is_dense_at(T) else p for p in pats]
     dev = device if device is not None else (q.device if q is not None else None)
     q_pos = torch.arange(q_start, q_start + S, device=dev)
     win = _ints([T + 1 if p.type == "dense" else p.window for p in pats], dev)
@@ -430,10 +443,11 @@ def budget_plan(pattern: PatternLike, n_heads: int, T: int, layer: int = 0, rows
     """
     pats = head_patterns(pattern, n_heads)
     rows = range(T) if rows is None else rows
+    dyn = [h for h, p in enumerate(pats) if p.dynamic and not p.is_dense_at(T)]   # heads dense at T: plan_pattern
     # stand-ins that keep the layer's block size; their window is cleared below
-    static = [SparsityPattern(type="local", window=1, block_size=p.block_size) if p.dynamic else p for p in pats]
+    static = [SparsityPattern(type="local", window=1, block_size=p.block_size) if h in dyn else p
+              for h, p in enumerate(pats)]
     plan = plan_pattern(static, n_heads, rows.start, len(rows), T, layer, device=device)
-    dyn = [h for h, p in enumerate(pats) if p.dynamic]
     if not dyn:
         return plan
     idx = torch.arange(T, device=device)
@@ -453,5 +467,5 @@ def budget_plan(pattern: PatternLike, n_heads: int, T: int, layer: int = 0, rows
             off = qb - torch.arange(nk, device=device)[None, :]
             blocks[0, h] = (off >= 0) & (off < p.top_k)
     plan.cols, plan.diags, plan.blocks = cols, diags, blocks
-    plan.col_budget = _col_budget(pats, T)
+    plan.col_budget = _col_budget([pats[h] for h in dyn], T)
     return plan

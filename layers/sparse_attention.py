@@ -19,8 +19,9 @@ absolute position ``q_offset + i``; returns ``[B, Hq, S, D]``. The mask is the t
   reference, which below the crossover is the faster way to compute the same masked result.
 
 Whatever the backend, a pattern that allows every causal pair at this length (a window >= T, budgets
->= T) runs dense causal SDPA: the same result, faster. There is no ``triton`` backend: FlexAttention's
-generated Triton kernel already reaches the density limit forward on the H200 for static patterns, so
+>= T, fewer than its ``dense_below`` keys: ``SparsityPattern.is_dense_at``) runs dense causal SDPA: the
+same result, faster; in a mixed layer such heads are planned as dense heads (no estimation). There is
+no ``triton`` backend: FlexAttention's generated Triton kernel already reaches the density limit forward on the H200 for static patterns, so
 an own block-sparse kernel had nothing to win there (BENCHMARKS.md "Sparse attention").
 """
 from __future__ import annotations
@@ -54,7 +55,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
 
     ``q_history [B, Hq, P, D]``: queries just before this chunk (decode); input-dependent patterns
     estimate from ``cat(q_history, q)`` so a decode step sees the indices prefill would have.
-    ``dense_below``: run the reference below this many keys (-1 = ``DENSE_CROSSOVER``).
+    ``dense_below``: backend ``auto`` runs the reference below this many keys (-1 = ``DENSE_CROSSOVER``);
+    not the pattern parameter of the same name (``SparsityPattern.dense_below``, a head dense below it).
     """
     B, Hq, S, D = q.shape
     T = k.shape[2]
@@ -72,7 +74,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     if backend == "flash_attn":
         return _flash_attn(q, k, v, pats, square)
     if backend == "flex" and square:   # decode / chunked prefill rows go to the reference: O(S T) mask
-        if any(p.dynamic for p in pats):   # estimated from this input: a new mask every call
+        if any(p.dynamic and not p.is_dense_at(T) for p in pats):   # estimated from this input: a new mask every call
             plan = plan_pattern(pats, Hq, 0, S, T, layer, q, k, q_history)
             # a mask built for this call only: its backward lists are needed only if a backward can follow
             bwd = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -285,13 +287,15 @@ def flex_attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block
 
 
 def _flash_attn(q, k, v, pats, square: bool) -> torch.Tensor:
-    """flash-attn's ``window_size=(W-1, 0)`` is exactly our window W (keys q-W+1 .. q)."""
+    """flash-attn's ``window_size=(W-1, 0)`` is exactly our window W (keys q-W+1 .. q); a head dense at
+    these T keys is the window T."""
     try:
         from flash_attn import flash_attn_func
     except ImportError:
         raise ValueError("backend 'flash_attn' needs the flash-attn package") from None
-    windows = {p.window for p in pats}
-    if not square or len(windows) != 1 or any(p.type != "local" or p.sinks for p in pats):
+    T = k.shape[2]
+    windows = {T if p.is_dense_at(T) else p.window for p in pats}
+    if not square or len(windows) != 1 or any(p.type != "local" or p.sinks for p in pats if not p.is_dense_at(T)):
         raise ValueError("backend 'flash_attn' runs one causal window without sinks shared by all heads, square inputs")
     out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
                           window_size=(windows.pop() - 1, 0))

@@ -1,4 +1,5 @@
 """Pattern semantics: each pattern's token mask against an independent brute-force definition."""
+import dataclasses
 import hashlib
 import json
 import os
@@ -212,6 +213,9 @@ def test_budget_plan_density_of_local_pattern_is_exact():
     ({"7:*": {"type": "local", "window": 4}}, "model.attention.patterns.7"),
     ({"0:0-1": {"type": "local", "window": 4, "block_size": 16}, "0:2-3": {"type": "local", "window": 4}},
      "model.attention.patterns.0"),
+    ({"1:2-3": {"type": "vertical_slash", "n_vertical": 8, "n_slash": 8, "dense_below": -1}},
+     "model.attention.patterns.1:2-3.dense_below"),
+    ({"0:*": {"type": "dense", "dense_below": 4.5}}, "model.attention.patterns.0:*.dense_below"),
 ])
 def test_bad_pattern_config_raises_config_error_naming_the_layer_head_key(patterns, key):
     with pytest.raises(ConfigError) as e:
@@ -235,6 +239,79 @@ def test_sparsity_pattern_constructor_and_from_dict_validate():
         SparsityPattern.from_dict({"type": "block_topk", "top_k": 0}, key="L3")
     p = SparsityPattern.from_dict({"type": "a_shape", "sinks": 4, "window": 16, "block_size": 32})
     assert SparsityPattern.from_dict(p.to_dict()) == p
+
+
+# ------------------------------------------------------------------------------------- dense_below
+
+
+def test_dense_below_is_a_common_parameter_of_every_type_and_round_trips():
+    from configs.attention import PATTERN_TYPES
+    need = {"window": 4, "sinks": 2, "random_blocks": 1, "n_vertical": 3, "n_slash": 3, "top_k": 2}
+    for t, (required, _) in PATTERN_TYPES.items():
+        d = {"type": t, **{p: need[p] for p in required}, "dense_below": 4096}
+        p = SparsityPattern.from_dict(d)
+        assert p.dense_below == 4096 and p.to_dict() == d and SparsityPattern.from_dict(p.to_dict()) == p
+    assert "dense_below" not in SparsityPattern(type="local", window=4).to_dict()     # default 0 = never
+    with pytest.raises(ConfigError, match=r"^L2\.dense_below: must be >= 0"):
+        SparsityPattern.from_dict({"type": "local", "window": 4, "dense_below": -3}, key="L2")
+
+
+VS_DB = SparsityPattern(type="vertical_slash", n_vertical=3, n_slash=4, last_q=6, block_size=8, dense_below=40)
+
+
+@pytest.mark.parametrize("p", [VS_DB, SparsityPattern(type="bigbird", window=5, sinks=2, random_blocks=2,
+                                                     block_size=8, dense_below=40)])
+def test_dense_below_head_is_causal_below_and_the_unchanged_pattern_from_there(p):
+    torch.manual_seed(4)
+    H, Hk, D = 4, 2, 8
+    plain = dataclasses.replace(p, dense_below=0)
+    for T in (39, 40, 47):
+        q, k = torch.randn(2, H, T, D), torch.randn(2, Hk, T, D)
+        m = pattern_mask(p, T, T, H, q=q, k=k)
+        if T < 40:
+            assert p.is_dense_at(T) and torch.equal(m, torch.ones(T, T, dtype=torch.bool).tril().expand_as(m))
+        else:
+            assert not p.is_dense_at(T) and torch.equal(m, pattern_mask(plain, T, T, H, q=q, k=k))
+            assert not m.all(-1).all()
+
+
+def test_mixed_layer_plans_only_the_dense_below_heads_dense_and_skips_their_estimation():
+    torch.manual_seed(5)
+    H, T, bs = 4, 33, 8
+    pats = [VS_DB, SparsityPattern(type="a_shape", sinks=2, window=5, block_size=bs),
+            dataclasses.replace(VS_DB, dense_below=0), SparsityPattern(type="block_topk", top_k=2, block_size=bs)]
+    q, k = torch.randn(1, H, T, 8), torch.randn(1, 2, T, 8)
+    m = pattern_mask(pats, T, T, H, q=q, k=k)
+    plain = pattern_mask([dataclasses.replace(p, dense_below=0) for p in pats], T, T, H, q=q, k=k)
+    assert torch.equal(m[:, 0], torch.ones(T, T, dtype=torch.bool).tril()[None])
+    assert torch.equal(m[:, 1:], plain[:, 1:]) and not torch.equal(m[:, 0], plain[:, 0])
+    # a layer whose only input-dependent heads are dense at T needs no q, k: nothing is estimated
+    static = plan_pattern([VS_DB, pats[1]], 2, 0, T, T)
+    assert static.cols is None and static.window.tolist() == [T + 1, 5]
+    with pytest.raises(ValueError, match="need q and k"):
+        plan_pattern([VS_DB, pats[1]], 2, 0, 40, 40)
+
+
+def test_budget_plan_and_density_follow_dense_below():
+    from layers.sparse_attention import pattern_density
+    pats = [VS_DB, SparsityPattern(type="local", window=4, block_size=8, dense_below=40)]
+    assert pattern_density(pats, 2, 39).tolist() == [1.0, 1.0]
+    assert torch.equal(budget_plan(pats, 2, 39).token_mask()[0], torch.ones(2, 39, 39, dtype=torch.bool).tril())
+    plan = budget_plan(pats, 2, 40)
+    assert (pattern_density(pats, 2, 40) < 1).all() and plan.col_budget == 3
+
+
+def test_sparse_preset_runs_vertical_slash_dense_below_64k_only():
+    from zoo.model import build_attention_pattern
+    from zoo.show_attention import layer_images
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "zoo" / "sparse_attn_1b_64k.yaml"))
+    pats = build_attention_pattern(cfg.model, 2, cfg.model.attention.layer_head_patterns(16, 16))
+    assert [p.dense_below for p in pats] == [65536] * 8 + [0] * 8
+    assert pats[0].is_dense_at(65535) and not pats[0].is_dense_at(65536) and not pats[8].is_dense_at(16384)
+    cfg.model.n_layers, cfg.model.attention.patterns = 1, {"0:0-1": {**cfg.model.attention.patterns["2-13:0-7"],
+                                                                      "dense_below": 256}}
+    heads = layer_images(cfg.model, 128)[0][1]
+    assert heads[0][2:] == (1.0, "vertical_slash (dense)") and heads[2][3] == "dense"
 
 
 def test_minference_json_maps_to_our_patterns_and_is_checked(tmp_path):
@@ -269,6 +346,12 @@ def test_minference_tool_folds_identical_heads_into_ranges(tmp_path):
     assert list(pats) == ["0:0-1", "0:2", "0:3"]
     grid = AttentionConfig(patterns=pats).layer_head_patterns(1, 4)
     assert grid == [[minference_patterns(data, 1, 4)[f"0:{h}"] for h in range(4)]]
+    assert all("dense_below" not in p for p in pats.values())            # only when asked for
+    asked = load_minference(str(path), n_layers=1, n_heads=4, dense_below=4096)
+    assert list(asked) == list(pats) and all(asked[s] == {**pats[s], "dense_below": 4096} for s in pats)
+    AttentionConfig(patterns=asked).validate(n_layers=1, n_heads=4)
+    with pytest.raises(ConfigError, match="dense_below"):
+        load_minference(str(path), n_layers=1, n_heads=4, dense_below=-1)
 
 
 def test_show_attention_draws_a_png_of_every_sparse_layer(tmp_path):

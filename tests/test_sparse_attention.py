@@ -1,8 +1,11 @@
 """sparse_attention backends against a float32 reference (FlashAttention's 2x criterion), GQA, decode, density."""
+import dataclasses
+
 import pytest
 import torch
 
 from layers import Attention, RotaryEmbedding, SparsityPattern, attention_density, pattern_mask, sparse_attention
+from layers.attention import dense_causal_attention
 
 BS = 16
 PATTERNS = {
@@ -153,6 +156,69 @@ def test_decode_output_equals_last_row_of_prefill(name):
             attn.cache = None
             pref = attn(x[:, :t + 1], cos[:t + 1], sin[:t + 1])
         torch.testing.assert_close(out[:, 0], pref[:, -1], atol=1e-5, rtol=1e-5)
+
+
+VS_DB = dataclasses.replace(PATTERNS["vertical_slash"], dense_below=46)
+
+
+@pytest.mark.parametrize("backend", ["reference", "flex"])
+def test_vertical_slash_head_below_dense_below_equals_dense_causal_attention(backend):
+    q, k, v = make_inputs(2, 4, 2, 45, dtype=torch.float32, seed=3)
+    want = dense_causal_attention(q, k, v)
+    torch.testing.assert_close(sparse_attention(q, k, v, VS_DB, backend=backend), want, atol=1e-5, rtol=1e-5)
+    # from dense_below keys on, the pattern is the one without dense_below (and not dense)
+    q, k, v = make_inputs(2, 4, 2, 46, dtype=torch.float32, seed=4)
+    got = sparse_attention(q, k, v, VS_DB, backend=backend)
+    torch.testing.assert_close(got, sparse_attention(q, k, v, PATTERNS["vertical_slash"], backend=backend),
+                               atol=1e-6, rtol=1e-6)
+    assert (got - dense_causal_attention(q, k, v)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("backend", ["reference", "flex"])
+def test_mixed_layer_with_dense_below_heads_matches_the_reference_per_head(backend):
+    """Heads 0 and 2 are dense at 45 keys (dense_below 46), the others sparse: per head, the plain
+    float32 softmax under causal rows for the former and the estimated pattern for the latter."""
+    B, H, Hk, T = 2, 8, 2, 45
+    mixed = PATTERNS["mixed"]
+    pats = [dataclasses.replace(p, dense_below=46) if h in (0, 2) else p for h, p in enumerate(mixed)]
+    q, k, v = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=5)
+    mask = pattern_mask(mixed, T, T, H, q=q, k=k).clone()
+    mask[:, [0, 2]] = torch.ones(T, T, dtype=torch.bool).tril()
+    want = plain_attention(q.double(), k.double(), v.double(), mask).float()
+    torch.testing.assert_close(sparse_attention(q, k, v, pats, backend=backend), want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_at_t_keys_follows_prefill_over_t_keys_when_crossing_dense_below():
+    """Prefill of 50 keys and the decode step at 51 keys are below dense_below = 52 (vertical-slash heads
+    dense); decode steps at 52 and 53 keys are sparse again: each step equals the last row of a prefill
+    over the same keys, and that row is the dense (resp. sparse) layer's."""
+    torch.manual_seed(2)
+    dim, H, Hk, T, db = 64, 8, 2, 53, 52
+    mixed = PATTERNS["mixed"]
+    with_db = [dataclasses.replace(p, dense_below=db) if p.dynamic else p for p in mixed]
+    as_dense = [SparsityPattern(type="dense", block_size=BS) if p.dynamic else p for p in mixed]
+    attn = Attention(dim, H, Hk, pattern=with_db, layer_id=1)
+    attn.init_weights(0.2, 0.2)
+    twins = {}
+    for name, pat in (("dense", as_dense), ("sparse", mixed)):
+        twins[name] = Attention(dim, H, Hk, pattern=pat, layer_id=1)
+        twins[name].load_state_dict(attn.state_dict())
+    rope = RotaryEmbedding(dim // H)
+    x = torch.randn(2, T, dim)
+    cos, sin = rope(torch.arange(T))
+    with torch.no_grad():
+        attn.setup_cache(2, T)
+        pre = attn(x[:, :T - 3], cos[:T - 3], sin[:T - 3], 0)
+        steps = [attn(x[:, t:t + 1], cos[t:t + 1], sin[t:t + 1], t) for t in range(T - 3, T)]
+        attn.cache = None
+        torch.testing.assert_close(pre, twins["dense"](x[:, :T - 3], cos[:T - 3], sin[:T - 3]), atol=1e-5, rtol=1e-5)
+        for t, out in zip(range(T - 3, T), steps):
+            n = t + 1                                                     # keys this step attends over
+            pref = attn(x[:, :n], cos[:n], sin[:n])
+            twin = twins["dense" if n < db else "sparse"](x[:, :n], cos[:n], sin[:n])
+            torch.testing.assert_close(out[:, 0], pref[:, -1], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out[:, 0], twin[:, -1], atol=1e-5, rtol=1e-5)
+        assert (twins["dense"](x, cos, sin)[:, -1] - steps[-1][:, 0]).abs().max() > 1e-3   # the sparse rows differ
 
 
 def test_flex_backend_module_decodes_through_the_reference_rows():

@@ -130,8 +130,9 @@ def windowed_layers(cfg: ModelConfig) -> tuple[Optional[int], list[int]]:
         if all(h is None for h in heads):
             continue
         p = heads[0]
-        check(p is not None and all(h == p for h in heads) and p["type"] == "local" and not p.get("sinks"), key,
-              f"layer {i}: only a sliding window (type local, no sinks, on every head) exports to HF")
+        check(p is not None and all(h == p for h in heads) and p["type"] == "local" and not p.get("sinks")
+              and not p.get("dense_below"), key,
+              f"layer {i}: only a sliding window (type local, no sinks or dense_below, on every head) exports to HF")
         windows[i] = p["window"]
     check(len(set(windows.values())) <= 1, key,
           f"HF models take one sliding window, got {sorted(set(windows.values()))}")

@@ -4,7 +4,8 @@ One panel per (layer, head) for layers with a sparse head: white = block skipped
 (the token mask applies inside), black = full block, at the layer's block size. Input-dependent heads
 (vertical_slash, block_topk) are drawn with their budgets placed as ``layers.patterns.budget_plan``
 places them (columns and diagonals first, recent blocks), since the real picks depend on the input.
-Titles give each head's token density (allowed / causal pairs), as ``attention_density`` logs it.
+Titles give each head's token density (allowed / causal pairs), as ``attention_density`` logs it; a
+head that is dense at this length (e.g. below its ``dense_below``) is drawn and titled dense.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def layer_images(cfg_model, length: int) -> list[tuple[int, list]]:
         img = (full.float() + 0.5 * partial.float())[0]
         dens = pattern_density(pattern, H, length, layer)
         pats = head_patterns(pattern, H)
-        out.append((layer, [(h, img[h], float(dens[h]), pats[h].type) for h in range(H)]))
+        kinds = [f"{p.type} (dense)" if p.type != "dense" and p.is_dense_at(length) else p.type for p in pats]
+        out.append((layer, [(h, img[h], float(dens[h]), kinds[h]) for h in range(H)]))
     return out
 
 
