@@ -108,8 +108,8 @@ class AttentionConfig:
     patterns: Dict[str, Any] = field(default_factory=dict)
     minference_json: Optional[str] = None  # MInference per-head pattern file, applied under `patterns`
     # backend "auto" runs the reference (same masked result) below this many keys; -1 = the measured
-    # DENSE_CROSSOVER. Not the per-pattern ``dense_below``, which makes a head dense attention.
-    dense_below: int = -1
+    # DENSE_CROSSOVER. Unlike the per-pattern ``dense_below``, which makes a head dense attention.
+    reference_below: int = -1
 
     def layer_head_patterns(self, n_layers: int, n_heads: int, key: str = "model.attention.patterns") -> list[list]:
         """``[layer][head] -> pattern dict or None`` (None = dense). Overlapping head ranges are errors."""
@@ -136,5 +136,5 @@ class AttentionConfig:
 
     def validate(self, n_layers: int, n_heads: int, key: str = "model.attention") -> None:
         check_choice(self.backend, ATTN_BACKENDS, f"{key}.backend")
-        check(self.dense_below >= -1, f"{key}.dense_below", f"must be >= -1, got {self.dense_below}")
+        check(self.reference_below >= -1, f"{key}.reference_below", f"must be >= -1, got {self.reference_below}")
         self.layer_head_patterns(n_layers, n_heads, f"{key}.patterns")

@@ -58,13 +58,13 @@ class Attention(nn.Module):
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: Optional[int] = None, pattern=None,
-                 backend: str = "auto", layer_id: int = 0, dense_below: int = -1, bias: bool = False):
+                 backend: str = "auto", layer_id: int = 0, reference_below: int = -1, bias: bool = False):
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
         if dim % n_heads or n_heads % n_kv_heads:
             raise ValueError(f"dim={dim}, n_heads={n_heads}, n_kv_heads={n_kv_heads}: heads must divide evenly")
         self.dim, self.n_heads, self.n_kv_heads, self.head_dim = dim, n_heads, n_kv_heads, dim // n_heads
-        self.layer_id, self.backend, self.dense_below = layer_id, backend, dense_below
+        self.layer_id, self.backend, self.reference_below = layer_id, backend, reference_below
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
@@ -111,4 +111,4 @@ class Attention(nn.Module):
             keep = max(max(p.last_q, p.block_size) for p in dyn)
             self._q_history = (q if history is None else torch.cat([history, q], dim=2))[:, :, -keep:].detach()
         return sparse_attention(q, k, v, self.pattern, backend=self.backend, layer=self.layer_id, q_offset=q_offset,
-                                q_history=history, dense_below=self.dense_below)
+                                q_history=history, reference_below=self.reference_below)

@@ -50,13 +50,13 @@ _compiled_flex = None
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: PatternLike,
                      backend: str = "auto", layer: int = 0, q_offset: int = 0,
-                     q_history: Optional[torch.Tensor] = None, dense_below: int = -1) -> torch.Tensor:
+                     q_history: Optional[torch.Tensor] = None, reference_below: int = -1) -> torch.Tensor:
     """Causal attention under ``pattern`` (a SparsityPattern or one per query head).
 
     ``q_history [B, Hq, P, D]``: queries just before this chunk (decode); input-dependent patterns
     estimate from ``cat(q_history, q)`` so a decode step sees the indices prefill would have.
-    ``dense_below``: backend ``auto`` runs the reference below this many keys (-1 = ``DENSE_CROSSOVER``);
-    not the pattern parameter of the same name (``SparsityPattern.dense_below``, a head dense below it).
+    ``reference_below``: backend ``auto`` runs the reference below this many keys (-1 = ``DENSE_CROSSOVER``);
+    unlike the pattern parameter ``SparsityPattern.dense_below`` (a head dense below it), same result either way.
     """
     B, Hq, S, D = q.shape
     T = k.shape[2]
@@ -69,7 +69,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
         return dense_causal_attention(q, k, v, q_offset)
     square = S == T and q_offset == 0
     if backend == "auto":
-        crossover = DENSE_CROSSOVER if dense_below < 0 else dense_below
+        crossover = DENSE_CROSSOVER if reference_below < 0 else reference_below
         backend = "flex" if (q.is_cuda and square and T >= crossover) else "reference"
     if backend == "flash_attn":
         return _flash_attn(q, k, v, pats, square)

@@ -50,7 +50,7 @@ class TransformerBlock(nn.Module):
         self.layer_id = layer_id
         self.attention = Attention(cfg.dim, cfg.n_heads, cfg.kv_heads, pattern=pattern,
                                    backend=cfg.attention.backend, layer_id=layer_id,
-                                   dense_below=cfg.attention.dense_below, bias=cfg.attn_bias)
+                                   reference_below=cfg.attention.reference_below, bias=cfg.attn_bias)
         self.feed_forward = build_ffn(cfg, ffn_type)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
