@@ -196,8 +196,11 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = autocast_input(x.reshape(-1, self.dim))
+        x2 = x.reshape(-1, self.dim)
         r, plan = self._route_and_record(x2)
+        # After routing: the router reads the input as given (float32 routing under autocast too), the
+        # experts its autocast-dtype copy.
+        x2 = autocast_input(x2)
         if self.ep_group is not None:
             from .moe_ep import ep_dispatch
             y, _ = ep_dispatch(self, x2, r.indices, r.weights, r.routed, plan)

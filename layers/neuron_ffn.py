@@ -196,8 +196,9 @@ class NeuronRoutedFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = autocast_input(x.reshape(-1, self.dim))
-        logits = self.router_logits(x2)
+        x2 = x.reshape(-1, self.dim)
+        logits = self.router_logits(x2)       # from the input as given; the groups get the autocast copy
+        x2 = autocast_input(x2)
         if self.sparse:
             y = self._sparse(x2, logits)
         else:

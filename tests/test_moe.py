@@ -325,3 +325,16 @@ def test_under_autocast_the_experts_get_the_autocast_dtype_from_a_float32_residu
     assert seen == [torch.float32, torch.bfloat16]
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+
+
+def test_under_autocast_routing_reads_the_float32_residual_not_its_bf16_copy():
+    """Only the dispatch runs in the autocast dtype: logits, losses and routing stats equal the float32 ones."""
+    moe = make_moe(dim=32, hidden=48, E=4, K=2, z_loss_coef=1e-2)
+    x = torch.randn(2, 8, 32)
+    moe(x)
+    want = moe.aux_loss.detach().clone(), dict(moe.stats)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        moe(x)
+    assert torch.equal(moe.aux_loss.detach(), want[0])
+    for k, v in want[1].items():
+        assert torch.equal(moe.stats[k], v), k

@@ -352,3 +352,15 @@ def _check_recluster_under_fsdp2_matches_one_process(rank, world):
 def test_recluster_of_fsdp2_sharded_weights_matches_one_process():
     from tests.conftest import spawn
     spawn(_check_recluster_under_fsdp2_matches_one_process, 2)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_under_autocast_the_router_reads_the_float32_input_and_the_groups_its_bf16_copy(sparse):
+    torch.manual_seed(0)
+    m = NeuronRoutedFFN(16, 32, 4, 2, backend="torch")
+    m.sparse = sparse
+    seen, route = [], m.router_logits
+    m.router_logits = lambda x: (seen.append(x.dtype), route(x))[1]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(torch.randn(2, 5, 16))
+    assert seen == [torch.float32] and y.dtype == torch.bfloat16
