@@ -125,6 +125,16 @@ def test_train_compile_runs_compiled_blocks_with_the_same_losses(tmp_path, corpu
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
 
 
+def test_train_compile_cache_holds_a_training_and_an_evaluation_graph_of_every_block(tmp_path, corpus_dir,
+                                                                                    monkeypatch):
+    """Evaluation (no_grad, eval mode) recompiles every block; past dynamo's limit a block would run eagerly,
+    and the step-0 validation comes first, so the limit must cover both graphs of every distinct block."""
+    monkeypatch.setattr(torch._dynamo.config, "cache_size_limit", 8)     # restored after the test
+    cfg = make_cfg(tmp_path, corpus_dir, **{"train.steps": 2, "train.compile": True, "model.n_layers": 12})
+    Trainer(cfg)
+    assert torch._dynamo.config.cache_size_limit >= 2 * 12
+
+
 def test_expert_load_heatmap_is_logged_at_every_eval_step(tmp_path, corpus_dir):
     cfg = load_config("zoo/tiny_moe.yaml", tiny_overrides(tmp_path, corpus_dir, **{
         "train.steps": 6, "train.eval_every": 3, "logging.log_every": 4, "checkpoint.every": 0}))

@@ -64,8 +64,11 @@ class Trainer:
             # Per block and in place, as torchtitan does: parameter names, FSDP2 units and checkpoints unchanged.
             # Static shapes (a run's batch and length are fixed): automatic dynamic shapes would turn the
             # per-layer ints (layer id, pattern sizes) into symbols once a second block recompiles, which
-            # compiles slower and runs slower. One graph per distinct block, so the cache must hold them all.
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(model.layers) + 8)
+            # compiles slower and runs slower. Two graphs per distinct block (training; evaluation, whose
+            # no_grad and eval mode are guards), so the cache must hold them all: past the limit a block runs
+            # eagerly, and validation at step 0 fills the cache before the first training step.
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
+                                                        2 * len(model.layers) + 8)
             for block in model.layers:
                 block.compile(dynamic=False)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
