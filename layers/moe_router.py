@@ -57,8 +57,10 @@ def tokens_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
         0, flat, torch.ones_like(flat))
 
 
-def balance_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int, group=None) -> torch.Tensor:
-    """Switch balance loss ``E * sum_e f_e * P_e`` with f_e = counts_e / (T * K), P_e = mean_t probs[t, e].
+def balance_loss_of_mean(p: torch.Tensor, counts: torch.Tensor, num_tokens: int, top_k: int,
+                         group=None) -> torch.Tensor:
+    """Switch balance loss ``E * sum_e f_e * P_e`` with f_e = counts_e / (T * K) and P = ``p`` [E], the mean
+    routing probabilities ``probs.mean(0)`` over the T = ``num_tokens`` tokens.
 
     Normalised as in megablocks / Megatron (1.0 when perfectly balanced); HF's value is K times this.
     ``group``: a data-parallel process group over which f and P are taken on the *global* batch
@@ -66,12 +68,6 @@ def balance_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int, group=No
     tokens. P is all-reduced with autograd (its backward sums the ranks' gradients), which together
     with the data-parallel gradient average gives exactly the single-process router gradient.
     """
-    return balance_loss_of_mean(probs.mean(0), counts, probs.shape[0], top_k, group)
-
-
-def balance_loss_of_mean(p: torch.Tensor, counts: torch.Tensor, num_tokens: int, top_k: int,
-                         group=None) -> torch.Tensor:
-    """``balance_loss`` from P = probs.mean(0) [E] and the T (= num_tokens) it was averaged over."""
     E, T = p.shape[0], num_tokens
     if group is not None and torch.distributed.get_world_size(group) > 1:
         from torch.distributed.nn.functional import all_reduce
