@@ -6,9 +6,10 @@ H expert hidden dim, N rows of the expert-sorted buffer.
 - ``make_plan(indices[T, K], E, capacity, align, routed)`` sorts assignments by expert (stable, so earlier
   tokens win a full expert's slots) and returns ``inv[T, K]`` (row of each assignment in the sorted
   buffer, -1 when dropped) plus per-expert row counts. No host sync.
-- ``run_plan(x[T, D], plan, weights[T, K], run_experts, fast) -> [T, D]``: permute, run the experts on
-  the sorted buffer, weighted combine (the dispatch stage of layers.MoE on one process).
-- ``GroupedExperts(xs[N, D], counts[E]) -> [N, D]``: expert e runs on rows
+- ``run_plan(x[T, D], plan, weights[T, K], run_experts, fast, row_weights[N] | None) -> [T, D]``: permute,
+  run the experts on the sorted buffer, weighted combine (the dispatch stage of layers.MoE on one
+  process); with ``row_weights`` the weights are folded into the experts and the combine is unweighted.
+- ``GroupedExperts(xs[N, D], counts[E], row_scale[N] | None) -> [N, D]``: expert e runs on rows
   ``start_e .. start_e + counts[e]`` where start is the exclusive cumsum of counts. Rows past
   ``counts.sum()`` are not computed (their output is unspecified on the grouped path, zero on the
   loop path): callers must only read rows some assignment maps to.
