@@ -37,15 +37,16 @@ def swiglu_reference(a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Ten
 
 def swiglu_backward_reference(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                               scale: Optional[torch.Tensor] = None):
-    """Closed-form (da, db, dscale) in float32, cast to the inputs' dtypes (dscale: empty without a
-    scale). Not autograd: custom-op bodies run below the autograd dispatch key, where no graph is recorded."""
+    """Closed-form (da, db, dscale) in float32; da, db cast to a's and b's dtypes, dscale [N] float32 as
+    the kernel's (empty without a scale). Not autograd: custom-op bodies run below the autograd dispatch
+    key, where no graph is recorded."""
     dh, af, bf = dh.float(), a.float(), b.float()
     s = torch.sigmoid(af)
     g = dh if scale is None else dh * scale.float().unsqueeze(-1)
     da, db = (g * bf * s * (1.0 + af * (1.0 - s))).to(a.dtype), (g * af * s).to(b.dtype)
     if scale is None:
         return da, db, dh.new_empty(0, dtype=torch.float32)
-    return da, db, (dh * af * s * bf).sum(-1).to(scale.dtype)
+    return da, db, (dh * af * s * bf).sum(-1)
 
 
 def _swiglu_fwd_kernel(a_ptr, b_ptr, s_ptr, h_ptr, H, HAS_S: tl.constexpr, BLOCK: tl.constexpr):
@@ -177,4 +178,3 @@ def _backward(ctx, dh):
 
 
 swiglu.register_autograd(_backward, setup_context=_setup)
-

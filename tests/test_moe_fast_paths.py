@@ -159,3 +159,13 @@ def test_grouped_moe_path_on_cpu_equals_the_reference_path(fold, capacity_factor
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
     for a, b in zip(gf, gr):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_swiglu_backward_cpu_fallback_returns_float32_dscale_as_its_fake_says(monkeypatch):
+    """The closed-form CPU fallback (no Triton) agrees with the registered fake for any scale dtype."""
+    from kernels.moe_swiglu import swiglu_backward
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    a, b, dh = (torch.randn(5, 24, dtype=torch.bfloat16) for _ in range(3))
+    scale = torch.rand(5, dtype=torch.bfloat16)
+    assert swiglu_backward(dh, a, b, scale)[2].dtype == torch.float32
+    torch.library.opcheck(swiglu_backward, (dh, a, b, scale))
