@@ -88,34 +88,49 @@ def test_flex_backend_forward_gqa_extremes(group):
     run_criterion(PATTERNS["mixed"], "flex", B=2, H=8, Hk=8 // group, T=50, grads=False)
 
 
-@pytest.mark.parametrize("name", ["a_shape", "bigbird", "vertical_slash", "block_topk", "mixed"])
-def test_flex_block_lists_reproduce_the_token_mask(name):
-    # Eager flex (the CPU path) ignores the block lists and evaluates mask_mod everywhere; the GPU
-    # kernel visits only listed blocks. Emulate the kernel: full blocks all allowed, partial blocks
-    # through mask_mod, unlisted blocks skipped, per batch element.
-    from layers.patterns import plan_pattern
-    from layers.sparse_attention import flex_block_mask
-    B, H, T = 2, 8, 75
-    q, k, _ = make_inputs(B, H, 2, T)
-    pats = PATTERNS[name]
-    plan = plan_pattern(pats, H, 0, T, T, 0, q, k)
-    want = plan.token_mask().expand(B, H, T, T)
-    bm = flex_block_mask(plan)
-    (pn, pi), (fn, fi) = (bm.kv_num_blocks, bm.kv_indices), (bm.full_kv_num_blocks, bm.full_kv_indices)
-    qi, ki = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    got = torch.zeros(B, H, T, T, dtype=torch.bool)
+def emulated_counts(bm, T, slots=None):
+    """How often each (q, key) pair is attended when a kernel visits only the listed blocks (full: every
+    element, partial: through mask_mod), per batch element: ``[B, H, T, T]``. ``slots [B or 1, H, NVp]``: the
+    keys are ``cat(K[slots], K)`` (layers.sparse_attention.gather_columns); slots map back to their positions."""
+    pn, pi, fn, fi = bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
+    if slots is None:
+        slots = torch.zeros(1, pn.shape[1], 0, dtype=torch.int32)
+    B, H = max(pn.shape[0], slots.shape[0]), pn.shape[1]
+    nvp = slots.shape[-1]
+    L = nvp + T
+    qi, ki = torch.arange(T)[:, None], torch.arange(L)[None, :]
+    counts = torch.zeros(B, H, T, T, dtype=torch.int64)
     for b in range(B):
         pb, fb = min(b, pn.shape[0] - 1), min(b, fn.shape[0] - 1)
         for h in range(H):
             mm = bm.mask_mod(torch.tensor(b), torch.tensor(h), qi, ki)
+            seen = torch.zeros(T, L, dtype=torch.bool)
             for qb in range(pn.shape[2]):
                 rows = slice(qb * BS, (qb + 1) * BS)
                 for kb in pi[pb, h, qb, :pn[pb, h, qb]].tolist():
-                    got[b, h, rows, kb * BS:(kb + 1) * BS] |= mm[rows, kb * BS:(kb + 1) * BS]
+                    seen[rows, kb * BS:(kb + 1) * BS] |= mm[rows, kb * BS:(kb + 1) * BS]
                 for kb in fi[fb, h, qb, :fn[fb, h, qb]].tolist():
-                    got[b, h, rows, kb * BS:(kb + 1) * BS] = True
-    assert pn.shape[0] == fn.shape[0]
-    assert torch.equal(got & (qi >= ki), want)
+                    seen[rows, kb * BS:(kb + 1) * BS] = True
+            pos = torch.cat([slots[min(b, slots.shape[0] - 1), h].long(), torch.arange(T)])
+            real = pos < T                         # empty slots must never be attended
+            assert not seen[:, ~real].any()
+            counts[b, h].index_add_(1, pos[real], seen[:, real].long())
+    return counts
+
+
+@pytest.mark.parametrize("name", ["a_shape", "bigbird", "vertical_slash", "block_topk", "mixed"])
+def test_flex_block_lists_reproduce_the_token_mask(name):
+    # Eager flex (the CPU path) ignores the block lists and evaluates mask_mod everywhere; the GPU
+    # kernel visits only listed blocks: emulated, every allowed pair once and no other.
+    from layers.patterns import plan_pattern
+    from layers.sparse_attention import flex_block_mask
+    B, H, T = 2, 8, 75
+    q, k, _ = make_inputs(B, H, 2, T)
+    plan = plan_pattern(PATTERNS[name], H, 0, T, T, 0, q, k)
+    bm = flex_block_mask(plan)
+    assert bm.kv_num_blocks.shape[0] == bm.full_kv_num_blocks.shape[0]
+    # block lists without a batch dimension of their own (static patterns) serve every batch element
+    assert torch.equal(emulated_counts(bm, T).expand(B, H, T, T), plan.token_mask().expand(B, H, T, T).long())
 
 
 def test_static_block_mask_cache_drops_the_least_recently_used(monkeypatch):

@@ -6,7 +6,7 @@ import torch
 from layers import SparsityPattern
 from layers.patterns import plan_pattern
 from layers.sparse_attention import column_slots, flex_attention_call, flex_block_mask, gather_columns
-from test_sparse_attention import fa_check, make_inputs, plain_attention, run_criterion
+from test_sparse_attention import emulated_counts, fa_check, make_inputs, plain_attention, run_criterion
 
 BS = 16
 
@@ -44,33 +44,6 @@ def handmade_plan(B, H, T, seed=0):
     return plan
 
 
-def emulated_counts(bm, slots, T):
-    """How often each (q, key) pair is attended when a kernel visits only the listed blocks (full: every
-    element, partial: through mask_mod), with prefix slots mapped back to their key positions: ``[B, H, T, T]``."""
-    pn, pi, fn, fi = bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
-    B, H = max(pn.shape[0], slots.shape[0]), pn.shape[1]
-    nvp = slots.shape[-1]
-    L = nvp + T
-    qi, ki = torch.arange(T)[:, None], torch.arange(L)[None, :]
-    counts = torch.zeros(B, H, T, T, dtype=torch.int64)
-    for b in range(B):
-        pb, fb = min(b, pn.shape[0] - 1), min(b, fn.shape[0] - 1)
-        for h in range(H):
-            mm = bm.mask_mod(torch.tensor(b), torch.tensor(h), qi, ki)
-            seen = torch.zeros(T, L, dtype=torch.bool)
-            for qb in range(pn.shape[2]):
-                rows = slice(qb * BS, (qb + 1) * BS)
-                for kb in pi[pb, h, qb, :pn[pb, h, qb]].tolist():
-                    seen[rows, kb * BS:(kb + 1) * BS] |= mm[rows, kb * BS:(kb + 1) * BS]
-                for kb in fi[fb, h, qb, :fn[fb, h, qb]].tolist():
-                    seen[rows, kb * BS:(kb + 1) * BS] = True
-            pos = torch.cat([slots[min(b, slots.shape[0] - 1), h].long(), torch.arange(T)])
-            real = pos < T                         # empty slots must never be attended
-            assert not seen[:, ~real].any()
-            counts[b, h].index_add_(1, pos[real], seen[:, real].long())
-    return counts
-
-
 @pytest.mark.parametrize("case", ["handmade", "mixed", "vs_only"])
 def test_gathered_block_lists_count_every_allowed_pair_exactly_once(case):
     B, H, T = 2, 8, 75
@@ -81,7 +54,7 @@ def test_gathered_block_lists_count_every_allowed_pair_exactly_once(case):
         plan = plan_pattern(MIXED if case == "mixed" else vs(10, 6), H, 0, T, T, 0, q, k)
     slots = column_slots(plan)
     assert slots.shape[-1] % BS == 0 and slots.shape[-1] >= plan.col_budget
-    counts = emulated_counts(flex_block_mask(plan, slots), slots, T)
+    counts = emulated_counts(flex_block_mask(plan, slots), T, slots)
     want = plan.token_mask().expand(B, H, T, T).long()
     assert torch.equal(counts, want)
 
