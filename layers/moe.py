@@ -181,7 +181,7 @@ class MoE(nn.Module):
     def _dispatch_local(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                         routed: Optional[torch.Tensor] = None, run_experts=None,
                         plan: Optional[DispatchPlan] = None, row_weights: Optional[torch.Tensor] = None):
-        """All experts on this rank: x [T, D] -> (y [T, D], kept assignments per expert [E]).
+        """All experts on this rank: x [T, D] -> y [T, D].
 
         ``run_experts(xs[N, D], group_sizes[E]) -> [N, D]`` replaces ``self.experts`` on the sorted
         buffer (expert parallelism: layers.moe_ep sends the rows to the ranks owning the experts).
@@ -191,8 +191,7 @@ class MoE(nn.Module):
         fast = self.backend(x.device) == "grouped"
         if plan is None:
             plan = make_plan(indices, self.num_experts, self.capacity(x.shape[0]), self._align(x), routed)
-        # plan.counts, not its sum: the forward reads dropped_frac from the routing stage, so no launch.
-        return run_plan(x, plan, weights, run_experts or self.experts, fast, row_weights), plan.counts
+        return run_plan(x, plan, weights, run_experts or self.experts, fast, row_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -203,12 +202,12 @@ class MoE(nn.Module):
         x2 = autocast_input(x2)
         if self.ep_group is not None:
             from .moe_ep import ep_dispatch
-            y, _ = ep_dispatch(self, x2, r.indices, r.weights, r.routed, plan)
+            y = ep_dispatch(self, x2, r.indices, r.weights, r.routed, plan)
         elif self.backend(x.device) == "megablocks":
             from .moe_megablocks import megablocks_forward
             y = megablocks_forward(self, x2)
         else:
-            y, _ = self._dispatch_local(x2, r.indices, r.weights, r.routed, plan=plan, row_weights=r.row_weights)
+            y = self._dispatch_local(x2, r.indices, r.weights, r.routed, plan=plan, row_weights=r.row_weights)
         if hasattr(self, "shared"):
             s = self.shared(x2)
             if hasattr(self, "shared_gate"):

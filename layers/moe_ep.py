@@ -96,7 +96,7 @@ def ep_dispatch(moe: nn.Module, x_TD: torch.Tensor, indices_TK: torch.Tensor, we
     """``MoE.forward``'s dispatch stage under ``moe.ep_group``. A group of one rank holds every expert,
     so it takes the local path unchanged (EP degree 1 costs nothing); otherwise ``all_to_all_dispatch``.
     ``plan``: the DispatchPlan of ``indices_TK`` if already built (MoE's routing stage builds it).
-    Returns ``(y [T, D], kept assignments per expert [E])``."""
+    Returns ``y [T, D]``."""
     if dist.get_world_size(moe.ep_group) == 1:
         return moe._dispatch_local(x_TD, indices_TK, weights_TK, routed_E, plan=plan)
     return all_to_all_dispatch(moe, x_TD, indices_TK, weights_TK, routed_E, plan)
