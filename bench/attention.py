@@ -2,6 +2,7 @@
 
     python bench/attention.py --lengths 16384,32768,65536,131072 --out results.jsonl
     python bench/attention.py --patterns vs --vs-inputs structured,local,iid --modes fwd --no-plain
+    python bench/attention.py --lengths "" --stages 131072 --vs-inputs local --profile DIR   # where vs time goes
 
 Shapes: B=1, 32 query heads, 8 KV heads, head dim 128, bf16. Patterns (block 128):
   bigbird  local 1024 + 128 sinks + 4 random blocks (~5% of causal pairs at 64k)
@@ -247,6 +248,38 @@ def sweep_kernel_options(S, out):
     sa_mod._compiled_flex = None
 
 
+def vs_stages(S, family, out, profile_dir=None):
+    """Where a vertical-slash forward's time goes at length S: estimation + plan, column slots + gather,
+    BlockMask build, the flex kernel, and the whole call; plus a kernel table of one call."""
+    p = PATTERNS["vs"]
+    q, k, v = make_inputs(S, family)
+    plan = plan_pattern(p, H, 0, S, S, 0, q, k)
+    slots = sa_mod.column_slots(plan)
+    kg, vg = sa_mod.gather_columns(k, v, slots)
+    bm = sa_mod.flex_block_mask(plan, slots, backward=False)
+    stages = {
+        "plan (estimation)": lambda: plan_pattern(p, H, 0, S, S, 0, q, k),
+        "column_slots + gather_columns": lambda: sa_mod.gather_columns(k, v, sa_mod.column_slots(plan)),
+        "flex_block_mask (fwd lists)": lambda: sa_mod.flex_block_mask(plan, slots, backward=False),
+        "block_layout": lambda: plan.block_layout(include_cols=False),
+        "flex kernel": lambda: sa_mod.flex_attention_call(q, kg, vg, bm),
+        "whole call": lambda: sparse_attention(q, k, v, p, backend="flex"),
+        "sdpa causal": lambda: sdpa_causal(q, k, v),
+    }
+    row = dict(S=S, pattern="vs", inputs=family, mode="fwd-stages", **layout_density(plan))
+    for name, fn in stages.items():
+        row[name] = round(timeit(fn), 3)
+    record(out, row)
+    if profile_dir:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            stages["whole call"]()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
+        with open(os.path.join(profile_dir, f"profile_vs_{S}_{family}.txt"), "w") as f:
+            f.write(table)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="16384,32768,65536,131072")
@@ -257,6 +290,9 @@ def main():
     ap.add_argument("--sweep", type=int, default=0, help="length for a flex tile-shape sweep (0 = none)")
     ap.add_argument("--vs-inputs", default="structured",
                     help=f"input families for the vs rows, comma-separated from {','.join(VS_INPUTS)} (module docstring)")
+    ap.add_argument("--stages", type=int, default=0,
+                    help="length for a vertical-slash forward split into its stages (on each --vs-inputs family)")
+    ap.add_argument("--profile", default=None, help="folder for the --stages kernel tables")
     ap.add_argument("--out", default="bench_attention.jsonl")
     a = ap.parse_args()
     vs_inputs = tuple(x for x in a.vs_inputs.split(",") if x)
@@ -267,6 +303,9 @@ def main():
                           triton=__import__("triton").__version__, cuda=torch.version.cuda)), flush=True)
     for S in (int(x) for x in a.lengths.split(",") if x):
         bench_length(S, a.patterns.split(","), a.modes.split(","), not a.no_plain, a.out, vs_inputs)
+    if a.stages:
+        for fam in vs_inputs:
+            vs_stages(a.stages, fam, a.out, a.profile)
     if a.crossover:
         bench_crossover([int(x) for x in a.crossover.split(",")], a.out)
     if a.sweep:
