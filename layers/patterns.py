@@ -10,9 +10,15 @@ Every backend (layers.sparse_attention) must compute attention under exactly thi
   identical in every process and on every device, and independent of the sequence length (so decode
   sees the blocks prefill saw).
 - ``vertical_slash``: ``k`` in the top-``n_vertical`` key columns or ``q - k`` in the top-``n_slash``
-  diagonals, both ranked by the softmax mass the last ``last_q`` queries of the input put on them
-  (MInference, Jiang et al. 2024, sec. 3.2). Diagonal 0 (each query sees itself) is always kept so no
-  row is empty. Exact token-level columns and diagonals: no block dilation.
+  diagonals, ranked by the softmax mass the last ``last_q`` queries of the input put on them
+  (MInference, Jiang et al. 2024, sec. 3.2): columns first, then diagonals by the mass outside the
+  chosen columns (MInference ranks diagonals by all their mass, so a heavy column's "shadow"
+  diagonals take slash budget that covers nothing new). Diagonal 0 is always chosen. Columns are exact;
+  diagonals are dilated to the query block as in MInference's kernel: a query block starting at ``qs``
+  takes, for each chosen diagonal d, the ``block_size`` keys ``qs - d .. qs - d + block_size - 1`` (the keys
+  its queries meet on d, as one range), i.e. query q keeps key k iff ``qs - k <= d <= qs - k + block_size - 1``
+  for some chosen d (so every key of its own block, up to causality). A diagonal chosen from noise among
+  its neighbours then costs whole blocks, not blocks the kernel must mask element by element.
 - ``block_topk``: the ``top_k`` key blocks (of ``block_size``) with the highest mean-pooled
   ``q_block . k_block`` score per query block, among blocks ``<= qb``; the diagonal block is always one
   of them. Pooling a query block uses all its queries present in the input, so within one block the
@@ -174,9 +180,15 @@ def _group_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """``q[B, H, L, D]``, ``k[B, Hk, T, D]`` -> float32 ``q k^T / sqrt(D)`` of shape ``[B, H, L, T]`` (GQA without repeat)."""
     B, H, L, D = q.shape
     Hk = k.shape[1]
-    qg = q.float().view(B, Hk, H // Hk, L, D)
     with torch.autocast(q.device.type, enabled=False):    # index choice in float32 even under bf16 autocast
-        s = torch.einsum("bkgld,bktd->bkglt", qg, k.float()) * D ** -0.5
+        if q.is_cuda and q.dtype == k.dtype and q.dtype in (torch.bfloat16, torch.float16):
+            # Tensor cores with float32 accumulation and output: 16-bit products are exact in float32, so
+            # this is the float32 GEMM below up to summation order, ~10x faster (CUDA has no TF32 default).
+            s = torch.bmm(q.reshape(B * Hk, H // Hk * L, D), k.reshape(B * Hk, -1, D).transpose(1, 2),
+                          out_dtype=torch.float32).mul_(D ** -0.5)
+        else:
+            qg = q.float().view(B, Hk, H // Hk, L, D)
+            s = torch.einsum("bkgld,bktd->bkglt", qg, k.float()) * D ** -0.5
     return s.reshape(B, H, L, -1)
 
 
@@ -199,30 +211,43 @@ def estimate_vertical_slash(q_est: torch.Tensor, k: torch.Tensor, est_pos: range
     ``q_est[B, H, L, D]`` are the last queries (absolute positions ``est_pos``, a range), ``k[B, Hk, T, D]``.
     Returns ``cols, diags`` bool ``[B, H, T]``: the chosen key columns and diagonals ``d = q - k``.
     """
-    T = k.shape[2]
+    T, L, p0 = k.shape[2], q_est.shape[2], est_pos.start
     s = _group_scores(q_est, k)                                             # [B, H, L, T]
-    d = torch.arange(est_pos.start, est_pos.stop, device=k.device)[:, None] - torch.arange(T, device=k.device)[None, :]
-    s = s.masked_fill(d < 0, float("-inf"))
+    # only keys after the first estimating query can lie in a row's future: mask that tail in place
+    future = torch.arange(p0 + 1, T, device=k.device)[None, :] > torch.arange(p0, p0 + L, device=k.device)[:, None]
+    s[..., p0 + 1:].masked_fill_(future, float("-inf"))
     prob = s.softmax(-1)
     cols = _topk_per_head(prob.sum(-2), n_vertical)
-    diags = _topk_per_head(_diagonal_sums(prob, est_pos.start), n_slash)
+    # Diagonals are ranked by the mass the chosen columns leave: a heavy column key otherwise puts one
+    # row's mass on each of L diagonals ("shadows" of the column) that buy nothing the column does not
+    # already cover, and scatter over the key blocks (BENCHMARKS.md, vertical-slash). MInference ranks
+    # both from the same scores; this is the greedy cover: the union holds at least as much of the
+    # estimating rows' mass for the same budgets.
+    prob.masked_fill_(cols[:, :, None, :], 0.0)
+    diags = _topk_per_head(_diagonal_sums(prob, p0), n_slash)
     diags[..., 0] = True
     return cols, diags
 
 
 def _diagonal_sums(prob: torch.Tensor, p0: int) -> torch.Tensor:
     """``prob[B, H, L, T]`` with row i at position ``p_i = p0 + i < T`` (zero where k > q) -> ``[B, H, T]``: the
-    mass on each diagonal ``d = q - k``, all rows at once (no loop over rows).
+    mass on each diagonal ``d = q - k``, all rows at once (no loop over rows, no copy of prob).
 
-    Row i is left-padded with ``P = T-1-p0`` zeros into a flat buffer of row length ``W = T + P``; reading
-    it in windows of T at step ``W + 1`` shifts row i left by i, so window i holds row i's diagonals
-    ``T-1 .. 0`` (zeros where k < 0) and a plain sum over rows adds them. Memory: one padded copy of prob.
+    Diagonals ``0 .. p0`` cross every row: element ``(i, e)`` at flat offset ``i * (T + 1) + e`` of a row-major
+    ``[L, T]`` slab is row i, key ``i + e``, diagonal ``p0 - e``, so a strided view summed over i gives them
+    all. Diagonals ``p0 + m`` (``m = 1 .. L-1``) exist only in rows ``i >= m`` (key ``i - m``): a gather from
+    the first L keys.
     """
     B, H, L, T = prob.shape
-    P = T - 1 - p0                                                        # >= L - 1, so windows stay in their row
-    g = torch.nn.functional.pad(prob, (P, 0)).flatten(-2)                 # [B, H, L * (T + P)]
-    rows = g.unfold(-1, T, T + P + 1)[..., :L, :]                         # rows[i, e] = prob[i, p_i - (T-1-e)]
-    return rows.sum(-2).flip(-1)
+    prob = prob.contiguous()
+    out = prob.new_zeros(B, H, T)
+    main = prob.as_strided((B, H, L, p0 + 1), (H * L * T, L * T, T + 1, 1), prob.storage_offset())
+    out[..., :p0 + 1] = main.sum(-2).flip(-1)
+    if L > 1:
+        key = torch.arange(L, device=prob.device)[:, None] - torch.arange(1, L, device=prob.device)[None, :]   # [L, L-1]
+        vals = prob[..., :L].gather(-1, key.clamp(min=0).expand(B, H, L, L - 1)) * (key >= 0)
+        out[..., p0 + 1:p0 + L] = vals.sum(-2)
+    return out
 
 
 def _block_mean(x: torch.Tensor, start: int, bs: int, n_blocks: int) -> torch.Tensor:
@@ -298,15 +323,27 @@ class PatternPlan:
             keep = keep | self.cols[:, :, None, :] | self._diag_rows()
         return keep & (d >= 0)
 
-    def _diag_rows(self) -> torch.Tensor:
-        """``diags[q - k]`` as bool ``[B, H, S, T]`` (False where k > q), by sliding a window, not gathering.
+    def diag_reach(self) -> torch.Tensor:
+        """bool ``[B, H, T]``: ``reach[x]`` = some chosen diagonal lies in ``x .. x + block_size - 1``.
 
-        With ``r = [flip(diags), 0 * T]`` row q is ``r[T-1-q : 2T-1-q]``: windows of one padded row.
+        The slash rule in one table: a query q (block start ``qs``) keeps key ``k <= q`` through the
+        diagonals iff ``k >= qs`` or ``reach[qs - k]`` (module docstring).
         """
-        T, S, q0 = self.T, self.q_pos.numel(), self.q_start
-        r = torch.cat([self.diags.flip(-1), torch.zeros_like(self.diags)], dim=-1)        # [B, H, 2T]
-        lo = T - q0 - S                                                                     # start of the last row
-        return r[..., lo:lo + S - 1 + T].unfold(-1, T, 1).flip(2)
+        bs, T = self.block_size, self.T
+        cs = torch.nn.functional.pad(self.diags.int().cumsum(-1), (1, 0))                 # [B, H, T+1]
+        x = torch.arange(T, device=self.diags.device)
+        return cs[..., (x + bs).clamp(max=T)] > cs[..., x]
+
+    def _diag_rows(self) -> torch.Tensor:
+        """The slash rule as bool ``[B, H, S, T]`` (True on and past each query's block start; causality is
+        the caller's): one gathered row per query block, repeated over its queries."""
+        bs, T = self.block_size, self.T
+        qs = torch.div(self.q_pos, bs, rounding_mode="floor") * bs                          # [S]
+        starts, row_of = torch.unique_consecutive(qs, return_inverse=True)
+        x = starts[:, None] - torch.arange(T, device=qs.device)[None, :]                   # [nb, T]
+        reach = self.diag_reach()
+        rows = reach[..., x.clamp(min=0)] | (x <= 0)                                        # [B, H, nb, T]
+        return rows[:, :, row_of]
 
     def block_layout(self, include_cols: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """``(partial, full)`` bool ``[B or 1, H, nq, nk]`` for a square plan (queries = keys 0..T-1).
@@ -333,7 +370,11 @@ class PatternPlan:
             touch = touch | self.blocks
             full = full | (self.blocks & below)
         if self.cols is not None:
+            # Block offset o >= 1 holds the pairs with qs - k in x = o*bs-(bs-1) .. o*bs, kept where
+            # reach[x]: touched when a chosen diagonal lies in o*bs-(bs-1) .. o*bs+(bs-1), full when
+            # reach holds on all bs of them. The diagonal block (o = 0) is kept whole (up to causality).
             cs = torch.nn.functional.pad(self.diags.int().cumsum(-1), (1, 0))                # [B, H, T+1]
+            cr = torch.nn.functional.pad(self.diag_reach().int().cumsum(-1), (1, 0))
             o = torch.arange(n, device=dev)
             lo, hi = (o * bs - (bs - 1)).clamp(0, T), (o * bs + bs).clamp(0, T)
             n_diag = cs[..., hi] - cs[..., lo]                       # [B, H, n] chosen diagonals by offset
@@ -346,8 +387,8 @@ class PatternPlan:
             else:
                 hit = hit[:, :, oc]
             touch = touch | (hit & causal)
-            # offset o >= 1 spans diagonals o*bs-(bs-1) .. o*bs+(bs-1): all chosen (and all < T) = full
-            every = (n_diag == 2 * bs - 1) & (hi - lo == 2 * bs - 1)
+            xlo, xhi = (o * bs - (bs - 1)).clamp(0, T), (o * bs + 1).clamp(0, T)
+            every = (cr[..., xhi] - cr[..., xlo]) == bs
             full = full | (every[:, :, oc] & below)
         # one batch size for both lists: kernels index partial and full lists with the same strides
         touch, full = torch.broadcast_tensors(touch, full)

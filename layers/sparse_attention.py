@@ -132,10 +132,18 @@ def _flex_fn(device: torch.device):
 
 
 def _kv_blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bool ``[B, H, nq, nk]`` -> (counts int32 ``[B, H, nq]``, indices int32 ``[B, H, nq, nk]``, chosen first)."""
+    """bool ``[B, H, nq, nk]`` -> (counts int32 ``[B, H, nq]``, indices int32 ``[B, H, nq, nk]``: each row's
+    chosen blocks ascending, then zeros that FlexAttention never reads, as it reads ``counts`` entries).
+
+    A compaction (cumsum + scatter) rather than a sort: at 128k tokens, 32 heads a stable argsort of the
+    [32, 1024, 1024] layout took 0.6 ms per list on the H200, and vertical-slash builds lists every call.
+    """
+    nk = m.shape[-1]
     num = m.sum(-1, dtype=torch.int32)
-    idx = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-    return num, idx.contiguous()
+    dest = torch.where(m, torch.cumsum(m, -1) - 1, nk)                  # rank among the chosen; others -> slot nk
+    idx = torch.zeros(*m.shape[:-1], nk + 1, dtype=torch.int32, device=m.device)
+    idx.scatter_(-1, dest, torch.arange(nk, dtype=torch.int32, device=m.device).expand(m.shape))
+    return num, idx[..., :nk].contiguous()
 
 
 def _keep_rule(plan: PatternPlan, with_cols: bool = True):
@@ -146,7 +154,7 @@ def _keep_rule(plan: PatternPlan, with_cols: bool = True):
     win, sinks = plan.window.to(torch.int32), plan.sinks.to(torch.int32)
     blocks, cols, diags = plan.blocks, None, None
     if plan.cols is not None:
-        diags = F.pad(plan.diags, (0, Tp - T))
+        diags = F.pad(plan.diag_reach(), (0, Tp - T))      # the slash rule's table (PatternPlan.diag_reach)
         cols = F.pad(plan.cols, (0, Tp - T)) if with_cols else None
     # Tables without a batch dimension of their own (static parts) are read at batch 0.
     blocks_b = blocks is not None and blocks.shape[0] > 1
@@ -159,7 +167,8 @@ def _keep_rule(plan: PatternPlan, with_cols: bool = True):
             out = out | blocks[b if blocks_b else 0, h, q_idx // bs, k // bs]
         if diags is not None:
             bb = b if diags_b else 0
-            out = out | diags[bb, h, torch.where(d >= 0, d, 0)]
+            x = (q_idx // bs) * bs - k                    # query block start - key
+            out = out | (x <= 0) | diags[bb, h, torch.where(x > 0, x, 0)]
             if cols is not None:
                 out = out | cols[bb, h, k]
         return out

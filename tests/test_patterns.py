@@ -91,7 +91,7 @@ def test_random_pattern_identical_across_two_processes():
     assert outs[0] == outs[1] == here
 
 
-def brute_vertical_slash(q, k, nv, ns, last_q):
+def brute_vertical_slash(q, k, nv, ns, last_q, bs):
     """MInference estimation written independently: loops over columns and diagonals, float64."""
     B, H, T, D = q.shape
     g = H // k.shape[1]
@@ -105,15 +105,17 @@ def brute_vertical_slash(q, k, nv, ns, last_q):
                     s[i, kk] = (q[b, h, qi].double() @ k[b, h // g, kk].double()) / D ** 0.5
             p = s.softmax(-1)
             col = p.sum(0)
-            diag = torch.zeros(T, dtype=torch.float64)
+            cols = set(col.topk(min(nv, T)).indices.tolist())
+            diag = torch.zeros(T, dtype=torch.float64)        # diagonals rank the mass outside the columns
             for i, qi in enumerate(rows):
                 for kk in range(qi + 1):
-                    diag[qi - kk] += p[i, kk]
-            cols = set(col.topk(min(nv, T)).indices.tolist())
+                    if kk not in cols:
+                        diag[qi - kk] += p[i, kk]
             diags = set(diag.topk(min(ns, T)).indices.tolist()) | {0}
             for qi in range(T):
+                qs = qi // bs * bs             # the query's block start: diagonals dilate to its block
                 for kk in range(qi + 1):
-                    out[b, h, qi, kk] = kk in cols or (qi - kk) in diags
+                    out[b, h, qi, kk] = kk in cols or any(qs - kk <= d <= qs - kk + bs - 1 for d in diags)
     return out
 
 
@@ -123,7 +125,48 @@ def test_vertical_slash_mask_matches_independent_estimation():
     q, k = torch.randn(B, H, T, D), torch.randn(B, Hk, T, D)
     p = SparsityPattern(type="vertical_slash", n_vertical=4, n_slash=3, last_q=6, block_size=8)
     m = pattern_mask(p, T, T, H, q=q, k=k)
-    assert torch.equal(m, brute_vertical_slash(q, k, 4, 3, 6))
+    assert torch.equal(m, brute_vertical_slash(q, k, 4, 3, 6, bs=8))
+
+
+def _vs_union_mass(q, k, cols, diags, last_q):
+    """Softmax mass of the last ``last_q`` queries inside ``cols | diags`` (bool ``[B, H, T]``), per head."""
+    T, D = k.shape[2], q.shape[-1]
+    g = q.shape[1] // k.shape[1]
+    pos = torch.arange(T - last_q, T)
+    s = (q[:, :, -last_q:].double() @ k.double().repeat_interleave(g, 1).transpose(-1, -2)) / D ** 0.5
+    kk = torch.arange(T)
+    s = s.masked_fill(kk[None, :] > pos[:, None], float("-inf"))
+    d = (pos[:, None] - kk[None, :]).clamp(min=0)
+    inside = cols[:, :, None, :] | diags[:, :, d]
+    return (s.softmax(-1) * inside).sum((-1, -2))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_slash_ranking_skips_column_shadows_and_covers_at_least_minference_mass(seed):
+    # heavy-hitter keys: every query scores them high, so each also adds one row's mass to L diagonals
+    from layers.patterns import estimate_vertical_slash
+    g = torch.Generator().manual_seed(seed)
+    B, H, Hk, T, D, L, nv, ns = 1, 4, 2, 96, 16, 8, 3, 6
+    q, k = torch.randn(B, H, T, D, generator=g), torch.randn(B, Hk, T, D, generator=g)
+    w = torch.randn(D, generator=g)
+    heavy = torch.randperm(T - L, generator=g)[:3]
+    k[:, :, heavy] += 1.5 * w
+    q += 0.5 * w
+    cols, diags = estimate_vertical_slash(q[:, :, -L:], k.repeat_interleave(H // Hk, 1), range(T - L, T), [nv] * H, [ns] * H)
+    # MInference's ranking: diagonals by all their mass (the columns' shadows included)
+    pos = torch.arange(T - L, T)
+    s = q[:, :, -L:] @ k.repeat_interleave(H // Hk, 1).transpose(-1, -2) / D ** 0.5
+    p = s.masked_fill(torch.arange(T)[None, :] > pos[:, None], float("-inf")).softmax(-1)
+    dsum = torch.zeros(B, H, T)
+    for i in range(L):
+        dsum[..., pos[i] - torch.arange(pos[i] + 1)] += p[..., i, :pos[i] + 1]
+    mi_diags = torch.zeros_like(diags).scatter_(-1, dsum.topk(ns).indices, True)
+    mi_diags[..., 0] = True
+    assert torch.equal(cols.sum(-1), torch.full((B, H), nv))
+    ours = _vs_union_mass(q, k, cols, diags, L)
+    theirs = _vs_union_mass(q, k, cols, mi_diags, L)
+    assert (ours >= theirs - 1e-9).all(), (ours, theirs)
+    assert (ours > theirs + 1e-3).any(), (ours, theirs)      # the shadows cost MInference's ranking mass here
 
 
 @pytest.mark.parametrize("T, L, p0", [(29, 6, 23), (40, 40, 0), (31, 5, 10), (1, 1, 0)])
@@ -186,7 +229,8 @@ def test_budget_plan_places_dynamic_budgets_at_the_layer_block_size():
     m = budget_plan(pats, 4, T).token_mask()[0]
     # block top-k stand-in: the diagonal block and the k-1 before it
     assert int(m[0].sum()) == sum(q + 1 - max(0, q // bs - k + 1) * bs for q in range(T))
-    assert int(m[2].sum()) == sum(len({c for c in range(min(2, q + 1))} | {q - d for d in range(min(3, q + 1))})
+    # vertical-slash stand-in: columns 0, 1 and diagonals 0..2 dilated to the query block: keys qs-2 .. q
+    assert int(m[2].sum()) == sum(len({c for c in range(min(2, q + 1))} | set(range(max(0, q // bs * bs - 2), q + 1)))
                                   for q in range(T))
     assert int(m[1].sum()) == T * (T + 1) // 2
 
