@@ -48,6 +48,7 @@ VARIANTS = {
     "ours_align16": {(MoE, "group_align"): 16},
     "ours_eager_swiglu": {(moe_experts, "swiglu"): swiglu_reference},
     "ours_fp32_router": {(MoE, "low_precision_router"): False},
+    "ours_unfused_permute": {(moe_experts.GroupedExperts, "fuse_permute"): False},
 }
 
 

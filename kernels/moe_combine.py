@@ -2,7 +2,10 @@
 
 Shapes: ys [N, D] expert outputs in expert-sorted order, inv [T, K] int32 (sorted row of token t's j-th
 assignment, -1 when the assignment was dropped by capacity), w [T, K] routing weights (float32) ->
-out [T, D] in ys's dtype, accumulated in float32.
+out [T, D] in ys's dtype, accumulated in float32. An optional second source ys2 [N, D] (unit weights
+only: ``moe_unpermute``) adds its rows too, ``out[t] = sum_j ys[inv[t, j]] + ys2[inv[t, j]]``: the
+backward of a permute whose rows fed two GEMMs (SwiGLU gate and up, layers.moe_gate_up) sums both
+input gradients in this one pass instead of adding them as [N, D] tensors first.
 
 Backward: ``dys[inv[t, j]] = w[t, j] * dout[t]`` (rows no assignment maps to are zero) and
 ``dw[t, j] = <dout[t], ys[inv[t, j]]>``; both come from one kernel that reads each ``dout`` row once per
@@ -26,16 +29,21 @@ from .moe_launch import jit, use_triton
 # TRITON_INTERPRET=1 set later (a test) they would be compiled functions inside an interpreted kernel.
 
 
-def moe_combine_reference(ys: torch.Tensor, inv: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
-    """Pure torch, differentiable: ``out[t] = sum_j w[t, j] * ys[inv[t, j]]`` over valid (>= 0) ``inv``."""
+def moe_combine_reference(ys: torch.Tensor, inv: torch.Tensor, w: Optional[torch.Tensor],
+                          ys2: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Pure torch, differentiable: ``out[t] = sum_j w[t, j] * (ys + ys2)[inv[t, j]]`` over valid (>= 0)
+    ``inv`` (``ys2=None``: ys alone), the sum in float32."""
     valid = inv >= 0
-    rows = ys[inv.clamp(min=0).long()].float()                       # [T, K, D]
+    idx = inv.clamp(min=0).long()
+    rows = ys[idx].float()                                           # [T, K, D]
+    if ys2 is not None:
+        rows = rows + ys2[idx].float()
     scale = valid.to(torch.float32) if w is None else w.float() * valid
     return (rows * scale.unsqueeze(-1)).sum(1).to(ys.dtype)
 
 
-def _combine_kernel(ys_ptr, inv_ptr, w_ptr, out_ptr, D,
-                    K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr):
+def _combine_kernel(ys_ptr, ys2_ptr, inv_ptr, w_ptr, out_ptr, D,
+                    K: tl.constexpr, HAS_W: tl.constexpr, HAS_Y2: tl.constexpr, BLOCK_D: tl.constexpr):
     # grid (T, cdiv(D, BLOCK_D)): each program owns one token's slice of D, so the K rows it sums are
     # read once and the output row is written once (memory-bound: 2*K*D + 2*D bytes per token slice).
     t = tl.program_id(0).to(tl.int64)
@@ -48,6 +56,8 @@ def _combine_kernel(ys_ptr, inv_ptr, w_ptr, out_ptr, D,
         # broadcasts the scalar test to a vector mask (the interpreter rejects scalar & vector).
         valid = (offs * 0 + src) >= 0
         y = tl.load(ys_ptr + tl.maximum(src, 0) * D + offs, mask=m & valid, other=0.0).to(tl.float32)
+        if HAS_Y2:
+            y += tl.load(ys2_ptr + tl.maximum(src, 0) * D + offs, mask=m & valid, other=0.0).to(tl.float32)
         if HAS_W:
             y = y * tl.load(w_ptr + t * K + j).to(tl.float32)
         acc += y
@@ -78,9 +88,13 @@ def _block_d(D: int) -> int:
     return min(triton.next_power_of_2(D), 1024)
 
 
-def combine_rows(ys: torch.Tensor, inv: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
-    """Launcher for the forward kernel (no autograd). ``w=None`` means unit weights."""
+def combine_rows(ys: torch.Tensor, inv: torch.Tensor, w: Optional[torch.Tensor],
+                 ys2: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Launcher for the forward kernel (no autograd). ``w=None`` means unit weights; ``ys2`` [N, D]: a
+    second source summed with ys row by row."""
     ys, inv = ys.contiguous(), inv.contiguous()
+    has_y2 = ys2 is not None
+    ys2 = ys2.contiguous() if has_y2 else ys            # dummy pointer when HAS_Y2 is False
     T, K = inv.shape
     D = ys.shape[1]
     out = torch.empty(T, D, dtype=ys.dtype, device=ys.device)
@@ -88,8 +102,8 @@ def combine_rows(ys: torch.Tensor, inv: torch.Tensor, w: Optional[torch.Tensor])
         return out
     BLOCK_D = _block_d(D)
     wt = w.contiguous() if w is not None else inv   # dummy pointer when HAS_W is False
-    jit(_combine_kernel)[(T, triton.cdiv(D, BLOCK_D))](ys, inv, wt, out, D, K=K, HAS_W=w is not None,
-                                                       BLOCK_D=BLOCK_D, num_warps=4)
+    jit(_combine_kernel)[(T, triton.cdiv(D, BLOCK_D))](ys, ys2, inv, wt, out, D, K=K, HAS_W=w is not None,
+                                                       HAS_Y2=has_y2, BLOCK_D=BLOCK_D, num_warps=4)
     return out
 
 

@@ -8,13 +8,16 @@ unpadded plan every row is written, so the memset is skipped.
 Backward: ``dx[t] = sum_j dxs[inv[t, j]]``: ``moe_unpermute``, the unweighted sum of a token's rows (the
 combine kernel of kernels.moe_combine without weights). ``moe_unpermute``'s own backward is this
 permute, so an unweighted combine never reads the rows it summed again (unlike moe_combine, whose
-weight gradient needs them).
+weight gradient needs them). ``moe_unpermute(ys, inv, zero_fill, ys2)`` also sums a second [N, D]
+source row by row: the permute backward when the permuted rows fed two GEMMs (layers.moe_gate_up).
 
 Layers: ``@triton.jit`` kernel + launcher -> ``torch.library.custom_op`` ``moezoo::moe_permute`` and
 ``moezoo::moe_unpermute`` (``register_fake`` + autograd); ``moe_permute_reference`` is the pure-torch
 oracle (and ``moe_combine_reference(ys, inv, None)`` the unpermute's).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -74,18 +77,20 @@ def _(x, inv, num_rows, zero_fill):
 
 
 @torch.library.custom_op("moezoo::moe_unpermute", mutates_args=())
-def moe_unpermute(ys: torch.Tensor, inv: torch.Tensor, zero_fill: bool) -> torch.Tensor:
-    """ys [N, D] -> out [T, D], ``out[t] = sum_j ys[inv[t, j]]`` over valid assignments.
+def moe_unpermute(ys: torch.Tensor, inv: torch.Tensor, zero_fill: bool,
+                  ys2: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """ys [N, D] -> out [T, D], ``out[t] = sum_j ys[inv[t, j]]`` over valid assignments; with ys2 [N, D]
+    ``sum_j ys[inv[t, j]] + ys2[inv[t, j]]`` (one float32 sum, no [N, D] intermediate).
 
     ``zero_fill``: some rows of ys are no assignment's (drops, padding); their gradient must be zero.
     """
     if use_triton(ys):
-        return combine_rows(ys, inv, None)
-    return moe_combine_reference(ys, inv, None)
+        return combine_rows(ys, inv, None, ys2)
+    return moe_combine_reference(ys, inv, None, ys2)
 
 
 @moe_unpermute.register_fake
-def _(ys, inv, zero_fill):
+def _(ys, inv, zero_fill, ys2=None):
     return ys.new_empty(inv.shape[0], ys.shape[1])
 
 
@@ -99,14 +104,15 @@ def _backward(ctx, dxs):
 
 
 def _setup_unpermute(ctx, inputs, output):
-    ys, inv, zero_fill = inputs
+    ys, inv, zero_fill, ys2 = inputs
     ctx.save_for_backward(inv)
-    ctx.num_rows, ctx.zero_fill = ys.shape[0], zero_fill
+    ctx.num_rows, ctx.zero_fill, ctx.two = ys.shape[0], zero_fill, ys2 is not None
 
 
 def _backward_unpermute(ctx, dout):
     (inv,) = ctx.saved_tensors
-    return moe_permute(dout, inv, ctx.num_rows, ctx.zero_fill), None, None
+    dys = moe_permute(dout, inv, ctx.num_rows, ctx.zero_fill)
+    return dys, None, None, (dys if ctx.two else None)     # both sources get the same rows
 
 
 moe_permute.register_autograd(_backward, setup_context=_setup)

@@ -9,13 +9,15 @@ H expert hidden dim, N rows of the expert-sorted buffer.
 - ``run_plan(x[T, D], plan, weights[T, K], run_experts, fast, row_weights[N] | None) -> [T, D]``: permute,
   run the experts on the sorted buffer, weighted combine (the dispatch stage of layers.MoE on one
   process); with ``row_weights`` the weights are folded into the experts and the combine is unweighted.
-- ``GroupedExperts(xs[N, D], counts[E], row_scale[N] | None) -> [N, D]``: expert e runs on rows
-  ``start_e .. start_e + counts[e]`` where start is the exclusive cumsum of counts. Rows past
+- ``GroupedExperts(xs[N, D], counts[E], row_scale[N] | None, plan=None) -> [N, D]``: expert e runs on rows
+  ``start_e .. start_e + counts[e]`` where start is the exclusive cumsum of counts (with ``plan``, xs is
+  the tokens x [T, D] and the rows are its permute by the plan, ``sorted_rows``). Rows past
   ``counts.sum()`` are not computed (their output is unspecified on the grouped path, zero on the
   loop path): callers must only read rows some assignment maps to.
   Backends: ``loop`` (per-expert matmuls; any device and dtype, syncs the counts to the host) and
   ``grouped`` (``torch._grouped_mm`` over all experts in one launch per projection; CUDA, bfloat16;
-  SwiGLU: grouped GEMMs for w1 and w3, the fused kernels.moe_swiglu activation, a grouped GEMM for w2).
+  SwiGLU: grouped GEMMs for w1 and w3 with the permute fused into their backward (layers.moe_gate_up),
+  the fused kernels.moe_swiglu activation, a grouped GEMM for w2).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from kernels.moe_combine import moe_combine, moe_combine_reference
 from kernels.moe_permute import moe_permute, moe_permute_reference, moe_unpermute
 from kernels.moe_swiglu import swiglu
 
+from .moe_gate_up import gate_up
 from .moe_router import tokens_per_expert
 
 
@@ -93,19 +96,29 @@ def run_plan(x: torch.Tensor, plan: DispatchPlan, weights: Optional[torch.Tensor
     into the experts (``run_experts(xs, sizes, row_weights)`` scales each row's hidden state), so the
     combine is an unweighted sum: its backward is a permute of dy and never reads ys again (the weight
     gradient comes out of the SwiGLU backward, over H instead of D).
-    ``fast``: the Triton permute/combine ops (kernels.moe_permute / moe_combine), else their references.
+    ``fast``: the Triton permute/combine ops (kernels.moe_permute / moe_combine), else their references;
+    a GroupedExperts (with ``fuse_permute``) then gets x and the plan and permutes itself (its grouped
+    SwiGLU path fuses the permute into the gate/up projection's backward).
     """
     extra = () if row_weights is None else (row_weights,)
     if row_weights is not None:
         weights = None
     if fast:
-        xs = moe_permute(x, plan.inv, plan.num_rows, not plan.dense)
-        ys = run_experts(xs, plan.group_sizes, *extra)
+        if isinstance(run_experts, GroupedExperts) and run_experts.fuse_permute:
+            ys = run_experts(x, plan.group_sizes, *extra, plan=plan)
+        else:
+            ys = run_experts(sorted_rows(x, plan), plan.group_sizes, *extra)
         if weights is None:
             return moe_unpermute(ys, plan.inv, not plan.dense)
         return moe_combine(ys, plan.inv, weights, not plan.dense)
     xs = moe_permute_reference(x, plan.inv, plan.num_rows)
     return moe_combine_reference(run_experts(xs, plan.group_sizes, *extra), plan.inv, weights)
+
+
+def sorted_rows(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """x [T, D] -> xs [N, D], ``xs[inv[t, j]] = x[t]`` (kernels.moe_permute); rows no assignment maps to
+    are zero unless the plan is dense (then there are none)."""
+    return moe_permute(x, plan.inv, plan.num_rows, not plan.dense)
 
 
 def sorted_row_weights(weights: torch.Tensor, inv: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -155,7 +168,12 @@ class GroupedExperts(nn.Module):
 
     ``activation`` "swiglu" (default) or "relu2" (squared ReLU, Primer: ``w2 relu(w1 x)^2``, no w3).
     ``forward(xs[N, D], counts[E]) -> [N, D]``; ``backend`` is "loop" or "grouped" (set by the owner).
+    ``forward(x[T, D], plan.group_sizes, plan=plan)`` runs the rows ``sorted_rows(x, plan)`` (run_plan).
     """
+
+    # run_plan hands the unpermuted tokens and the plan to forward (False: the permuted rows, as any
+    # other run_experts gets them; bench/moe.py's A/B of the fusion).
+    fuse_permute: bool = True
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, activation: str = "swiglu"):
         super().__init__()
@@ -172,13 +190,18 @@ class GroupedExperts(nn.Module):
             nn.init.normal_(self.w3, std=std)
         nn.init.normal_(self.w2, std=out_std)
 
-    def forward(self, xs: torch.Tensor, counts: torch.Tensor, row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``row_scale`` [N] float32: multiplies each row's hidden state (the folded routing weight)."""
+    def forward(self, xs: torch.Tensor, counts: torch.Tensor, row_scale: Optional[torch.Tensor] = None,
+                plan: Optional[DispatchPlan] = None) -> torch.Tensor:
+        """``row_scale`` [N] float32: multiplies each row's hidden state (the folded routing weight).
+        ``plan``: xs is the tokens x [T, D] and the experts run on ``sorted_rows(x, plan)``."""
         if self.backend == "grouped" and xs.is_cuda and xs.dtype == torch.bfloat16:
-            return self._grouped(xs, counts, row_scale)
-        return self._loop(xs, counts, row_scale)
+            return self._grouped(xs, counts, row_scale, plan)
+        return self._loop(xs, counts, row_scale, plan)
 
-    def _loop(self, xs: torch.Tensor, counts: torch.Tensor, row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _loop(self, xs: torch.Tensor, counts: torch.Tensor, row_scale: Optional[torch.Tensor] = None,
+              plan: Optional[DispatchPlan] = None) -> torch.Tensor:
+        if plan is not None:
+            xs = sorted_rows(xs, plan)
         pieces, start = [], 0
         w1, w2 = self.w1.to(xs.dtype), self.w2.to(xs.dtype)
         w3 = self.w3.to(xs.dtype) if self.w3 is not None else None
@@ -192,16 +215,20 @@ class GroupedExperts(nn.Module):
         pieces.append(xs.new_zeros(xs.shape[0] - start, self.dim))
         return torch.cat(pieces)
 
-    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor, row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor, row_scale: Optional[torch.Tensor] = None,
+                 plan: Optional[DispatchPlan] = None) -> torch.Tensor:
         # One grouped GEMM per projection over all experts; offs are group ends (int32, on device: no sync).
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        # SwiGLU gate and up stay two grouped GEMMs: one GEMM over [w1 | w3] measured slower on the
-        # H200 at both benchmark shapes (docs/DESIGN.md, Decisions: MoE).
-        a = torch._grouped_mm(xs, self.w1.to(xs.dtype).transpose(-2, -1), offs=offs)
         if self.activation == "swiglu":
-            h = swiglu(a, torch._grouped_mm(xs, self.w3.to(xs.dtype).transpose(-2, -1), offs=offs), row_scale)
+            # Gate and up stay two grouped GEMMs: one GEMM over [w1 | w3] measured slower on the H200
+            # at both benchmark shapes (docs/DESIGN.md, Decisions: MoE). With a plan the permute is
+            # fused into them, so their backward adds the two input gradients inside the permute's.
+            perm = () if plan is None else (plan.inv, plan.num_rows, not plan.dense)
+            h = swiglu(*gate_up(xs, self.w1.to(xs.dtype), self.w3.to(xs.dtype), offs, *perm), row_scale)
         else:
-            h = F.relu(a).square()
+            if plan is not None:
+                xs = sorted_rows(xs, plan)
+            h = F.relu(torch._grouped_mm(xs, self.w1.to(xs.dtype).transpose(-2, -1), offs=offs)).square()
             if row_scale is not None:
                 h = scale_rows(h, row_scale)
         return torch._grouped_mm(h, self.w2.to(xs.dtype).transpose(-2, -1), offs=offs)

@@ -169,3 +169,34 @@ def test_swiglu_backward_cpu_fallback_returns_float32_dscale_as_its_fake_says(mo
     scale = torch.rand(5, dtype=torch.bfloat16)
     assert swiglu_backward(dh, a, b, scale)[2].dtype == torch.float32
     torch.library.opcheck(swiglu_backward, (dh, a, b, scale))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")   # rows past the last group
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("align", [1, 4])
+def test_compiled_experts_with_the_fused_permute_equal_eager(align):
+    # torch.compile traces the permute + gate/up autograd.Function and the two-source unpermute op of
+    # its backward (fullgraph: no graph break). bfloat16: the only dtype torch._grouped_mm's meta kernel
+    # (what tracing runs) accepts; aot_eager runs the same ops, so the results are equal.
+    from layers.moe_experts import make_plan
+    ex, _, _, _ = experts_and_inputs(torch.bfloat16)
+    T, K = 10, 2
+    idx = torch.stack([torch.randperm(6)[:K] for _ in range(T)])
+    plan = make_plan(idx, 6, align=align)
+    x = torch.randn(T, 16).bfloat16()
+    dy = torch.randn(plan.num_rows, 16)
+    rows = plan.inv.reshape(-1).long()
+
+    def step(xi):
+        y = ex._grouped(xi, plan.group_sizes, None, plan)
+        return (y[rows].float() * dy[rows]).sum()
+
+    outs = []
+    for fn in (step, torch.compile(step, backend=BACKEND, fullgraph=True)):
+        ex.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        fn(xi).backward()
+        outs.append([xi.grad, ex.w1.grad, ex.w2.grad, ex.w3.grad])
+    for name, a, b in zip(["dx", "dw1", "dw2", "dw3"], *outs):
+        assert a.dtype == torch.bfloat16, name
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5, msg=name)

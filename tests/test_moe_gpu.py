@@ -103,3 +103,44 @@ def test_folded_routing_weights_equal_the_weighted_combine(capacity_factor):
                                                 capacity_factor=capacity_factor)
     for i, (u, f, w) in enumerate(zip(weighted, folded, want)):
         assert rel(f, w) <= 2 * rel(u, w) + 1e-6, i
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(capacity=200), dict(align=16)], ids=str)
+def test_fused_permute_gate_up_matches_the_unfused_path_and_rounds_dx_once(kw):
+    # Fused: dx sums a token's 2K rows of g1 = da w1 and g3 = db w3 in float32 and rounds once; unfused,
+    # autograd first rounds g1 + g3 to bf16 per row. Forward and weight gradients are the same GEMMs.
+    from kernels.moe_combine import moe_combine_reference
+    from kernels.moe_permute import moe_permute
+    from layers.moe_experts import make_plan
+    from layers.moe_gate_up import gate_up
+    torch.manual_seed(0)
+    T, K, E, D, H = 1000, 4, 16, 256, 384
+    plan = make_plan(torch.rand(T, E, device="cuda").topk(K, dim=1).indices, E, **kw)
+    offs = torch.cumsum(plan.group_sizes, 0, dtype=torch.int32)
+    x = torch.randn(T, D, device="cuda").bfloat16()
+    w1, w3 = ((torch.randn(E, H, D, device="cuda") / D ** 0.5).bfloat16() for _ in range(2))
+    keep = torch.zeros(plan.num_rows, 1, device="cuda")
+    keep[plan.inv[plan.inv >= 0].long()] = 1                          # rows some assignment maps to
+    da, db = ((torch.randn(plan.num_rows, H, device="cuda") * keep).bfloat16() for _ in range(2))
+
+    def grads(fn):
+        xi, w1i, w3i = (t.clone().requires_grad_() for t in (x, w1, w3))
+        a, b = fn(xi, w1i, w3i)
+        torch.autograd.backward((a, b), (da, db))
+        used = keep[:, 0].bool()            # other rows of a, b are unspecified (uninitialised memory)
+        return a[used], b[used], xi.grad, w1i.grad, w3i.grad
+
+    def unfused(xi, w1i, w3i):
+        xs = moe_permute(xi, plan.inv, plan.num_rows, not plan.dense)
+        return (torch._grouped_mm(xs, w1i.transpose(-2, -1), offs=offs),
+                torch._grouped_mm(xs, w3i.transpose(-2, -1), offs=offs))
+
+    fused = grads(lambda xi, w1i, w3i: gate_up(xi, w1i, w3i, offs, plan.inv, plan.num_rows, not plan.dense))
+    plain = grads(unfused)
+    for name, f, p in zip(["a", "b", "dx", "dw1", "dw3"], fused, plain):
+        assert f.dtype == torch.bfloat16, name
+        assert rel(f, p) < 1e-2, name
+    g1, g3 = torch._grouped_mm(da, w1, offs=offs), torch._grouped_mm(db, w3, offs=offs)
+    want = sum(moe_combine_reference(g.float(), plan.inv, None) for g in (g1, g3))
+    torch.testing.assert_close(fused[2].float(), want, rtol=4e-3, atol=1e-5)   # one bf16 rounding
+    assert rel(fused[2], want) <= rel(plain[2], want) + 1e-6
