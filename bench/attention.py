@@ -33,9 +33,9 @@ model; a_shape and bigbird always run on ``iid``):
               (one per estimating query) into the slash ranking: a few extra block offsets.
   iid         q, k, v i.i.d. normal: no structure, the estimate's picks scatter over every block and
               no block-sparse kernel can skip work (the worst case).
-Block densities of the gathered vs layout (``layout_density``, computed on CPU with 4 query heads and
-1 KV head of these inputs; prefix + main): structured 99% / 97% / 85% at 16k / 32k / 128k, local 83% /
-54% / 13.6%, iid ~100% throughout.
+Block densities of the gathered vs layout (prefix + main, measured on the H200 with 32 query heads, 8 KV
+heads, BENCHMARKS.md run 3): local 70% / 41% / 22% / 10.6% at 16k / 32k / 64k / 128k, structured 57% at
+128k; iid ~100% throughout.
 Writes one JSON object per measurement to ``--out`` as it goes (a timeout keeps what finished).
 """
 from __future__ import annotations
