@@ -41,6 +41,7 @@ Writes one JSON object per measurement to ``--out`` as it goes (a timeout keeps 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -170,7 +171,7 @@ _SDPA_MS: dict = {}
 
 
 def bench_length(S, names, modes, with_plain, out, vs_inputs=("structured",)):
-    for name, family in [(n, f) for n in names for f in (vs_inputs if n == "vs" else ("iid",))]:
+    for name, family in [(n, f) for n in names for f in (vs_inputs if n.startswith("vs") else ("iid",))]:
         p = PATTERNS[name]
         q, k, v = make_inputs(S, family)
         plan = plan_pattern(p, H, 0, S, S, 0, q, k)
@@ -199,7 +200,7 @@ def bench_length(S, names, modes, with_plain, out, vs_inputs=("structured",)):
                        ours_ms=round(ours, 3), sdpa_ms=round(sdpa, 3), speedup=round(sdpa / ours, 2),
                        limit=round(1 / dens, 2), of_limit=round(sdpa / ours * dens, 3), first_call_s=round(compile_s, 1))
             if with_plain:
-                if name == "vs":   # plain flex must estimate and build its mask every call too
+                if name.startswith("vs"):   # plain flex must estimate and build its mask every call too
                     def pf():
                         pl = plan_pattern(p, H, 0, S, S, 0, qg, kg)
                         return plain_flex(qg, kg, vg, pl)()
@@ -290,6 +291,8 @@ def main():
     ap.add_argument("--sweep", type=int, default=0, help="length for a flex tile-shape sweep (0 = none)")
     ap.add_argument("--vs-inputs", default="structured",
                     help=f"input families for the vs rows, comma-separated from {','.join(VS_INPUTS)} (module docstring)")
+    ap.add_argument("--vs-dense-below", type=int, default=0,
+                    help="time the vs pattern with this dense_below (tokens) too: the layer's crossover fallback")
     ap.add_argument("--stages", type=int, default=0,
                     help="length for a vertical-slash forward split into its stages (on each --vs-inputs family)")
     ap.add_argument("--profile", default=None, help="folder for the --stages kernel tables")
@@ -301,8 +304,11 @@ def main():
         ap.error(f"--vs-inputs: unknown family {bad[0] if bad else '(none)'}; expected some of {','.join(VS_INPUTS)}")
     print(json.dumps(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                           triton=__import__("triton").__version__, cuda=torch.version.cuda)), flush=True)
+    if a.vs_dense_below:
+        PATTERNS["vs_dense_below"] = dataclasses.replace(PATTERNS["vs"], dense_below=a.vs_dense_below)
     for S in (int(x) for x in a.lengths.split(",") if x):
-        bench_length(S, a.patterns.split(","), a.modes.split(","), not a.no_plain, a.out, vs_inputs)
+        names = a.patterns.split(",") + (["vs_dense_below"] if a.vs_dense_below else [])
+        bench_length(S, names, a.modes.split(","), not a.no_plain, a.out, vs_inputs)
     if a.stages:
         for fam in vs_inputs:
             vs_stages(a.stages, fam, a.out, a.profile)
