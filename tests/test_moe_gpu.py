@@ -86,15 +86,26 @@ def test_compiled_routing_equals_eager_routing_on_cuda():
     m = MoE(256, 384, 16, 4, backend="grouped", z_loss_coef=1e-3, capacity_factor=0.9).cuda().to(torch.bfloat16)
     x = torch.randn(2000, 256, device="cuda").bfloat16()
     dy = torch.randn(2000, 256, device="cuda")
-    runs = {}
+    runs, plans = {}, {}
     for mode in (None, "inductor"):
         MoE.compile_routing = mode
         try:
-            runs[mode] = run_grads(m, x, dy) + [m.aux_loss.detach()] + [v.clone() for v in m.stats.values()]
+            plans[mode] = m._route_and_record(x)[1]
+            runs[mode] = [m.aux_loss.detach()] + [v.clone() for v in m.stats.values()] + run_grads(m, x, dy)
         finally:
             MoE.compile_routing = "inductor"
-    for i, (a, b) in enumerate(zip(runs["inductor"], runs[None])):
-        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=1e-5, msg=str(i))
+    # the same decisions exactly: which tokens go where and which are dropped (earlier tokens win)
+    for name in ("inv", "counts", "group_sizes"):
+        assert torch.equal(getattr(plans["inductor"], name), getattr(plans[None], name)), name
+    n_scalar = 1 + len(m.stats)
+    for i, (a, b) in enumerate(zip(runs["inductor"][:n_scalar], runs[None][:n_scalar])):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-6, msg=str(i))
+    # Output and gradients: the routing weights differ in their last float32 bits (Inductor's softmax
+    # sums in another order) and are folded into the bf16 hidden states, so single elements move by a
+    # bf16 rounding step (measured on the H200: 2.4e-4 at most, no row off by 1e-2); in norm, far
+    # below bf16's 3.9e-3.
+    for i, (a, b) in enumerate(zip(runs["inductor"][n_scalar:], runs[None][n_scalar:])):
+        assert rel(a, b) < 2e-3, i
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.8])
