@@ -335,14 +335,15 @@ class PatternPlan:
         return cs[..., (x + bs).clamp(max=T)] > cs[..., x]
 
     def _diag_rows(self) -> torch.Tensor:
-        """The slash rule as bool ``[B, H, S, T]`` (True on and past each query's block start; causality is
-        the caller's): one gathered row per query block, repeated over its queries."""
+        """The slash rule as bool ``[B, H, S, T]`` (for vertical-slash heads True on and past each query's
+        block start; causality is the caller's): one gathered row per query block, repeated over its queries."""
         bs, T = self.block_size, self.T
         qs = torch.div(self.q_pos, bs, rounding_mode="floor") * bs                          # [S]
         starts, row_of = torch.unique_consecutive(qs, return_inverse=True)
         x = starts[:, None] - torch.arange(T, device=qs.device)[None, :]                   # [nb, T]
-        reach = self.diag_reach()
-        rows = reach[..., x.clamp(min=0)] | (x <= 0)                                        # [B, H, nb, T]
+        # x <= 0 (the query's own block) reads reach[0]: true exactly for heads with diagonal 0 chosen,
+        # i.e. the vertical-slash heads; other heads of the plan get nothing from this rule
+        rows = self.diag_reach()[..., x.clamp(min=0)]                                       # [B, H, nb, T]
         return rows[:, :, row_of]
 
     def block_layout(self, include_cols: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

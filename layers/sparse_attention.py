@@ -167,8 +167,8 @@ def _keep_rule(plan: PatternPlan, with_cols: bool = True):
             out = out | blocks[b if blocks_b else 0, h, q_idx // bs, k // bs]
         if diags is not None:
             bb = b if diags_b else 0
-            x = (q_idx // bs) * bs - k                    # query block start - key
-            out = out | (x <= 0) | diags[bb, h, torch.where(x > 0, x, 0)]
+            x = (q_idx // bs) * bs - k                    # query block start - key; own block: reach[0]
+            out = out | diags[bb, h, torch.where(x > 0, x, 0)]
             if cols is not None:
                 out = out | cols[bb, h, k]
         return out

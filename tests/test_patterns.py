@@ -141,6 +141,18 @@ def _vs_union_mass(q, k, cols, diags, last_q):
     return (s.softmax(-1) * inside).sum((-1, -2))
 
 
+def test_vertical_slash_rule_leaves_the_other_heads_of_a_mixed_layer_unchanged():
+    # the slash rule keeps a vertical-slash head's whole own query block; a window head beside it must not
+    torch.manual_seed(1)
+    T, D = 40, 8
+    local = SparsityPattern(type="local", window=3, block_size=8)
+    pats = [local, SparsityPattern(type="vertical_slash", n_vertical=2, n_slash=2, last_q=4, block_size=8)]
+    q, k = torch.randn(1, 2, T, D), torch.randn(1, 2, T, D)
+    mixed = pattern_mask(pats, T, T, 2, q=q, k=k)[0]
+    assert torch.equal(mixed[0], pattern_mask(local, T, T, 1)[0])
+    assert torch.equal(mixed[1], pattern_mask(pats[1], T, T, 2, q=q, k=k)[0, 1])
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_slash_ranking_skips_column_shadows_and_covers_at_least_minference_mass(seed):
     # heavy-hitter keys: every query scores them high, so each also adds one row's mass to L diagonals
