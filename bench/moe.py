@@ -9,7 +9,8 @@ forward+backward after warm-up (the CPU waits for each step; ``*_queued`` rows: 
 a model, where a sync-free layer's launches run ahead of the GPU), for our variants (VARIANTS: the default path, the path before the
 compiled routing stage and the folded routing weights, and each change on its own; each variant also gets
 the correctness check of (1)), megablocks (when importable) and the reference;
-(3) the dense GEMM rate at the experts' GEMM shape, measured in the same run; TFLOP/s count the
+(3) the dense GEMM rate at the experts' GEMM shape, measured in the same run; (4) for "ours", what a
+step can wait on besides kernels (allocator device allocs/frees per step, SM clock and power); TFLOP/s count the
 routed-expert GEMMs only: 3 GEMMs x 2*T*K*D*H FLOPs, x3 for forward+backward.
 """
 from __future__ import annotations
@@ -115,6 +116,33 @@ def time_ms_queued(step, reps: int, warmup: int = 3, before=None) -> float:
     return statistics.median(a.elapsed_time(b) for a, b in ev)
 
 
+def allocator_and_clocks(step, reps: int = 5, before=None) -> dict:
+    """What a timed step may wait on besides its kernels, over ``reps`` back-to-back steps: device
+    allocations / frees by the caching allocator (each cudaFree synchronises the device) and the SM
+    clock (MHz) and power (mW) read through NVML before and after (power-capped clocks drop under load)."""
+    if DEV != "cuda":
+        return {}
+
+    def nvml(fn):
+        try:
+            return fn()
+        except Exception as e:        # NVML (pynvml) missing on the image: report, do not fail the bench
+            return f"unavailable ({type(e).__name__})"
+
+    m0 = torch.cuda.memory_stats()
+    out = {"sm_clock_before": nvml(torch.cuda.clock_rate), "power_before": nvml(torch.cuda.power_draw)}
+    for _ in range(reps):
+        if before:
+            before()
+        step()
+    out.update(sm_clock_after=nvml(torch.cuda.clock_rate), power_after=nvml(torch.cuda.power_draw))
+    torch.cuda.synchronize()
+    m1 = torch.cuda.memory_stats()
+    for k in ("num_device_alloc", "num_device_free", "num_alloc_retries"):
+        out[k + "_per_step"] = (m1.get(k, 0) - m0.get(k, 0)) / reps
+    return out
+
+
 def dense_rate(M, D, H, reps) -> float:
     a = torch.randn(M, D, device=DEV, dtype=torch.bfloat16)
     b = torch.randn(D, H, device=DEV, dtype=torch.bfloat16)
@@ -209,6 +237,8 @@ def bench_shape(name, T, D, H, E, K, reps, profile_dir=None, skip=()) -> dict:
             t[v] = time_ms(fwd_bwd(moe, x, dy), reps, before=zg)
             if v == "ours":
                 t["ours_queued"] = time_ms_queued(fwd_bwd(moe, x, dy), reps, before=zg)
+                res["ours_step_waits"] = allocator_and_clocks(fwd_bwd(moe, x, dy), before=zg)
+                print(name, "ours step waits", res["ours_step_waits"], flush=True)
     t["torch_reference"] = time_ms(fwd_bwd(ref16, x, dy), max(3, reps // 4), before=zero_grads(ref16, x))
     del ref16
     try:
