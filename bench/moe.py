@@ -70,40 +70,27 @@ def moe_flops(T, D, H, E, K):
     return 3 * 2 * T * K * D * H * 3
 
 
-def time_ms(step, reps: int, warmup: int = 3, before=None) -> float:
-    """Median of CUDA-event timings of ``step()``; ``before()`` runs untimed before each rep."""
+def time_ms(step, reps: int, warmup: int = 3, before=None, queued: bool = False) -> float:
+    """Median of CUDA-event timings of ``step()``; ``before()`` runs untimed before each rep.
+
+    ``queued=False``: the CPU waits for each rep. ``queued=True``: it never waits between reps (one sync
+    after all of them), so each step's launches queue behind the previous step's kernels, as a layer's
+    do inside a model: a sync-free layer shows no launch gaps, one that reads back from the GPU still
+    pays its stall. On CPU: wall-clock per rep.
+    """
     for _ in range(warmup):
         if before:
             before()
         step()
-    times = []
-    for _ in range(reps):
-        if before:
-            before()
-        if DEV != "cuda":
+    if DEV != "cuda":
+        times = []
+        for _ in range(reps):
+            if before:
+                before()
             t0 = time.perf_counter()
             step()
             times.append((time.perf_counter() - t0) * 1e3)
-            continue
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def time_ms_queued(step, reps: int, warmup: int = 3, before=None) -> float:
-    """Like time_ms, but the CPU never waits between reps (one sync after all of them): each step's
-    launches queue behind the previous step's kernels, as a layer's do inside a model, so a
-    sync-free layer shows no launch gaps while one that reads back from the GPU still pays its stall."""
-    if DEV != "cuda":
-        return time_ms(step, reps, warmup, before)
-    for _ in range(warmup):
-        if before:
-            before()
-        step()
+        return statistics.median(times)
     torch.cuda.synchronize()
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for a, b in ev:
@@ -112,6 +99,8 @@ def time_ms_queued(step, reps: int, warmup: int = 3, before=None) -> float:
         a.record()
         step()
         b.record()
+        if not queued:
+            b.synchronize()
     torch.cuda.synchronize()
     return statistics.median(a.elapsed_time(b) for a, b in ev)
 
@@ -236,7 +225,7 @@ def bench_shape(name, T, D, H, E, K, reps, profile_dir=None, skip=()) -> dict:
         with variant(v):
             t[v] = time_ms(fwd_bwd(moe, x, dy), reps, before=zg)
             if v == "ours":
-                t["ours_queued"] = time_ms_queued(fwd_bwd(moe, x, dy), reps, before=zg)
+                t["ours_queued"] = time_ms(fwd_bwd(moe, x, dy), reps, before=zg, queued=True)
                 res["ours_step_waits"] = allocator_and_clocks(fwd_bwd(moe, x, dy), before=zg)
                 print(name, "ours step waits", res["ours_step_waits"], flush=True)
     t["torch_reference"] = time_ms(fwd_bwd(ref16, x, dy), max(3, reps // 4), before=zero_grads(ref16, x))
@@ -252,7 +241,7 @@ def bench_shape(name, T, D, H, E, K, reps, profile_dir=None, skip=()) -> dict:
             dmoe(xm).backward(dy.unsqueeze(1))
             clear_load_balancing_loss()
         t["megablocks"] = time_ms(mb_step, reps, before=zero_grads(dmoe, xm))
-        t["megablocks_queued"] = time_ms_queued(mb_step, reps, before=zero_grads(dmoe, xm))
+        t["megablocks_queued"] = time_ms(mb_step, reps, before=zero_grads(dmoe, xm), queued=True)
         mb_backend = MoE(D, H, E, K, backend="megablocks").to(DEV).to(torch.bfloat16)
         mb_backend.load_state_dict(moe.state_dict())
         res["rel_err_megablocks_backend"] = rel(grads_of(mb_backend, x, dy)["y"], want["y"])
