@@ -5,11 +5,14 @@
 Per shape, in one process: (1) correctness of the grouped path at the real shape against a float32
 per-expert loop (relative errors of output and gradients, next to the same-dtype plain-torch error:
 the FlashAttention criterion err(ours) <= 2 err(bf16 torch)); (2) medians of CUDA-event timings of
-forward+backward after warm-up (the CPU waits for each step; ``*_queued`` rows: it does not, as inside
+forward+backward after warm-up, all contenders round-robin (time_interleaved: the H200 is power-capped
+at these shapes, so each must run in the same power state; the CPU waits for each step; ``*_queued`` rows: it does not, as inside
 a model, where a sync-free layer's launches run ahead of the GPU), for our variants (VARIANTS: the default path, the path before the
 compiled routing stage and the folded routing weights, and each change on its own; each variant also gets
 the correctness check of (1)), megablocks (when importable) and the reference;
-(3) the dense GEMM rate at the experts' GEMM shape, measured in the same run; (4) for "ours", what a
+(3) the dense GEMM rate: the same nine GEMMs as plain torch.mm, timed round-robin with ours and
+megablocks (``dense_gemm_step``; "/dense" = its time over the contender's), and one GEMM after a pause
+(``dense_burst_tflops``, full clocks); (4) for "ours", what a
 step can wait on besides kernels (allocator device allocs/frees per step, SM clock and power); TFLOP/s count the
 routed-expert GEMMs only: 3 GEMMs x 2*T*K*D*H FLOPs, x3 for forward+backward.
 """
@@ -71,38 +74,70 @@ def moe_flops(T, D, H, E, K):
 
 
 def time_ms(step, reps: int, warmup: int = 3, before=None, queued: bool = False) -> float:
-    """Median of CUDA-event timings of ``step()``; ``before()`` runs untimed before each rep.
+    """Median of CUDA-event timings of ``step()``; ``before()`` runs untimed before each rep (one entry
+    of time_interleaved)."""
+    return time_interleaved({"step": (step, before)}, reps, warmup, queued)["step"]
 
-    ``queued=False``: the CPU waits for each rep. ``queued=True``: it never waits between reps (one sync
-    after all of them), so each step's launches queue behind the previous step's kernels, as a layer's
-    do inside a model: a sync-free layer shows no launch gaps, one that reads back from the GPU still
-    pays its stall. On CPU: wall-clock per rep.
+
+def time_interleaved(steps: dict, reps: int, warmup: int = 3, queued: bool = False) -> dict:
+    """``steps`` {name: (step, before | None)} -> {name: median ms}, the steps timed round-robin
+    (rep r of every step before rep r + 1 of any), so every contender runs in the same power state.
+
+    Why round-robin: at these shapes the H200 sits at its 700 W cap within two or three steps and its
+    SM clock drops from 1980 to ~1400-1600 MHz (nvidia-smi: clocks event reason 0x4, SW power cap;
+    BENCHMARKS.md, run 6), so a contender timed right after a pause runs faster than one timed after
+    another's steps. ``before()`` runs untimed before each rep. ``queued=False``: the CPU waits for
+    each rep. ``queued=True``: it never waits (one sync at the end), so each step's launches queue
+    behind the previous step's kernels, as a layer's do inside a model: a sync-free layer shows no
+    launch gaps, one that reads back from the GPU still pays its stall. On CPU: wall-clock per rep.
     """
-    for _ in range(warmup):
+    def run(name):
+        step, before = steps[name]
         if before:
             before()
-        step()
-    if DEV != "cuda":
-        times = []
-        for _ in range(reps):
-            if before:
-                before()
+        if DEV != "cuda":
             t0 = time.perf_counter()
             step()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        if before:
-            before()
+            return (time.perf_counter() - t0) * 1e3
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         step()
         b.record()
         if not queued:
             b.synchronize()
+        return a, b
+
+    for _ in range(warmup):
+        for name in steps:
+            run(name)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    got = {name: [] for name in steps}
+    for _ in range(reps):
+        for name in steps:
+            got[name].append(run(name))
+    if DEV != "cuda":
+        return {name: statistics.median(ts) for name, ts in got.items()}
     torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev)
+    return {name: statistics.median(a.elapsed_time(b) for a, b in evs) for name, evs in got.items()}
+
+
+def dense_gemm_step(T, D, H, K):
+    """The nine GEMMs of a SwiGLU expert layer's forward+backward on T*K rows as plain ``torch.mm``
+    (one expert holding every row): the same shapes and FLOPs as the MoE's grouped GEMMs, so timed
+    beside the MoE it gives the dense GEMM rate in the same power state."""
+    g = torch.Generator(device=DEV).manual_seed(1)
+    r = lambda *s: torch.randn(*s, device=DEV, dtype=torch.bfloat16, generator=g)  # noqa: E731
+    M = T * K
+    xs, h, dy = r(M, D), r(M, H), r(M, D)
+    w_in, w_out = r(D, H), r(H, D)
+
+    def step():
+        torch.mm(xs, w_in), torch.mm(xs, w_in), torch.mm(h, w_out)             # gate, up, down
+        torch.mm(dy, w_out.t()), torch.mm(h.t(), dy)                            # down: dh, dw2
+        torch.mm(h, w_in.t()), torch.mm(h, w_in.t())                            # gate/up: dxs
+        torch.mm(xs.t(), h), torch.mm(xs.t(), h)                                # gate/up: dw1, dw3
+    return step
 
 
 def allocator_and_clocks(step, reps: int = 5, before=None) -> dict:
@@ -137,6 +172,14 @@ def dense_rate(M, D, H, reps) -> float:
     b = torch.randn(D, H, device=DEV, dtype=torch.bfloat16)
     ms = time_ms(lambda: torch.mm(a, b), reps)
     return 2 * M * D * H / ms / 1e9
+
+
+def in_variant(name: str, step):
+    """``step`` run under VARIANTS[name]'s overrides."""
+    def run():
+        with variant(name):
+            step()
+    return run
 
 
 def fwd_bwd(module, x, dy):
@@ -216,48 +259,46 @@ def bench_shape(name, T, D, H, E, K, reps, profile_dir=None, skip=()) -> dict:
         print(name, "rel err", v, {k: f"{e:.2e}" for k, e in res["rel_err"][v].items()},
               "within 2x bf16 torch:", res["within_2x_torch"][v], flush=True)
 
-    # (2) timings
-    t = {}
+    # (2) timings: the torch reference alone (slow), then every other contender round-robin
+    # (time_interleaved: same power state), waited-for and queued.
     zg = zero_grads(moe, x)
-    for v in variants:
-        if v in res["variant_errors"]:
-            continue
-        with variant(v):
-            t[v] = time_ms(fwd_bwd(moe, x, dy), reps, before=zg)
-            if v == "ours":
-                t["ours_queued"] = time_ms(fwd_bwd(moe, x, dy), reps, before=zg, queued=True)
-                res["ours_step_waits"] = allocator_and_clocks(fwd_bwd(moe, x, dy), before=zg)
-                print(name, "ours step waits", res["ours_step_waits"], flush=True)
-    t["torch_reference"] = time_ms(fwd_bwd(ref16, x, dy), max(3, reps // 4), before=zero_grads(ref16, x))
+    t = {"torch_reference": time_ms(fwd_bwd(ref16, x, dy), max(3, reps // 4), before=zero_grads(ref16, x))}
     del ref16
+    contenders = {v: (in_variant(v, fwd_bwd(moe, x, dy)), zg) for v in variants if v not in res["variant_errors"]}
     try:
         dmoe = megablocks_peer(moe)
         xm = x.detach().unsqueeze(1).requires_grad_()
-        ym = dmoe(xm).squeeze(1)
-        res["rel_err_megablocks"] = rel(ym, want["y"])
+        res["rel_err_megablocks"] = rel(dmoe(xm).squeeze(1), want["y"])
         from megablocks.layers.moe import clear_load_balancing_loss
 
         def mb_step():
             dmoe(xm).backward(dy.unsqueeze(1))
             clear_load_balancing_loss()
-        t["megablocks"] = time_ms(mb_step, reps, before=zero_grads(dmoe, xm))
-        t["megablocks_queued"] = time_ms(mb_step, reps, before=zero_grads(dmoe, xm), queued=True)
+        contenders["megablocks"] = (mb_step, zero_grads(dmoe, xm))
         mb_backend = MoE(D, H, E, K, backend="megablocks").to(DEV).to(torch.bfloat16)
         mb_backend.load_state_dict(moe.state_dict())
         res["rel_err_megablocks_backend"] = rel(grads_of(mb_backend, x, dy)["y"], want["y"])
-        del dmoe, mb_backend
+        del mb_backend
     except Exception as e:                           # megablocks absent or broken: report, keep going
         res["megablocks_error"] = f"{type(e).__name__}: {e}"
         print(name, "megablocks:", res["megablocks_error"], flush=True)
     del want
+    contenders["dense_gemm_step"] = (dense_gemm_step(T, D, H, K), None)
+    t.update(time_interleaved(contenders, reps))
+    t.update({k + "_queued": v for k, v in time_interleaved(contenders, reps, queued=True).items()})
+    res["ours_step_waits"] = allocator_and_clocks(fwd_bwd(moe, x, dy), before=zg)
+    print(name, "ours step waits", res["ours_step_waits"], flush=True)
+    contenders.clear()
     res["ms"] = t
     res["tflops"] = {k: res["flops"] / v / 1e9 for k, v in t.items()}
-    res["dense_gemm_tflops"] = dense_rate(T * K, D, H, reps)
-    res["frac_of_dense"] = {k: v / res["dense_gemm_tflops"] for k, v in res["tflops"].items()}
+    # "/dense": the time of the same GEMMs as plain torch.mm, timed beside ours in the same mode
+    res["dense_gemm_tflops"] = res["tflops"]["dense_gemm_step"]
+    res["frac_of_dense"] = {k: t["dense_gemm_step_queued" if k.endswith("_queued") else "dense_gemm_step"] / v
+                            for k, v in t.items()}
+    res["dense_burst_tflops"] = dense_rate(T * K, D, H, reps)   # one GEMM after a pause: full clocks
     if "megablocks" in t:
-        # queued rows against megablocks queued, the rest against megablocks timed like them
-        res["speedup_vs_megablocks"] = {k: t["megablocks_queued" if k.endswith("_queued") and "megablocks_queued" in t
-                                            else "megablocks"] / v for k, v in t.items()}
+        res["speedup_vs_megablocks"] = {k: t["megablocks_queued" if k.endswith("_queued") else "megablocks"] / v
+                                        for k, v in t.items()}
 
     if profile_dir:
         from torch.profiler import ProfilerActivity, profile
@@ -305,12 +346,12 @@ def main():
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
-    print(f"\n{'shape':8s} {'variant':22s} {'ms':>8s} {'TFLOP/s':>8s} {'/dense':>7s} {'vs mb':>6s}")
+    print(f"\n{'shape':8s} {'variant':30s} {'ms':>8s} {'TFLOP/s':>8s} {'/dense':>7s} {'vs mb':>6s}")
     for name, r in out["shapes"].items():
         for k, ms in r["ms"].items():
             sp = r.get("speedup_vs_megablocks", {}).get(k, float("nan"))
-            print(f"{name:8s} {k:22s} {ms:8.2f} {r['tflops'][k]:8.0f} {r['frac_of_dense'][k]:7.3f} {sp:6.2f}")
-        print(f"{name:8s} {'dense GEMM':22s} {'':8s} {r['dense_gemm_tflops']:8.0f}")
+            print(f"{name:8s} {k:30s} {ms:8.2f} {r['tflops'][k]:8.0f} {r['frac_of_dense'][k]:7.3f} {sp:6.2f}")
+        print(f"{name:8s} {'dense GEMM, one burst':30s} {'':8s} {r['dense_burst_tflops']:8.0f}")
 
 
 if __name__ == "__main__":
