@@ -2,19 +2,22 @@
 
     python bench/moe.py [--shapes mixtral,fine] [--reps 20] [--out results.json] [--profile DIR]
 
-Per shape, in one process: (1) correctness of the grouped path at the real shape against a float32
-per-expert loop (relative errors of output and gradients, next to the same-dtype plain-torch error:
-the FlashAttention criterion err(ours) <= 2 err(bf16 torch)); (2) medians of CUDA-event timings of
-forward+backward after warm-up, all contenders round-robin (time_interleaved: the H200 is power-capped
-at these shapes, so each must run in the same power state; the CPU waits for each step; ``*_queued`` rows: it does not, as inside
-a model, where a sync-free layer's launches run ahead of the GPU), for our variants (VARIANTS: the default path, the path before the
-compiled routing stage and the folded routing weights, and each change on its own; each variant also gets
-the correctness check of (1)), megablocks (when importable) and the reference;
-(3) the dense GEMM rate: the same nine GEMMs as plain torch.mm, timed round-robin with ours and
-megablocks (``dense_gemm_step``; "/dense" = its time over the contender's), and one GEMM after a pause
-(``dense_burst_tflops``, full clocks); (4) for "ours", what a
-step can wait on besides kernels (allocator device allocs/frees per step, SM clock and power); TFLOP/s count the
-routed-expert GEMMs only: 3 GEMMs x 2*T*K*D*H FLOPs, x3 for forward+backward.
+Per shape, in one process:
+(1) correctness of the grouped path at the real shape against a float32 per-expert loop (relative
+    errors of output and gradients, next to the same-dtype plain-torch error: the FlashAttention
+    criterion err(ours) <= 2 err(bf16 torch)), for every variant timed;
+(2) medians of CUDA-event timings of forward+backward after warm-up: the torch reference alone, then
+    our variants (VARIANTS: the default path and each change on its own), megablocks (when
+    importable) and the dense GEMM step round-robin (time_interleaved: the H200 is power-capped at
+    these shapes, so every contender must run in the same power state), once with the CPU waiting
+    for each step and once queued (``*_queued``: it never waits, as inside a model, where a sync-free
+    layer's launches run ahead of the GPU);
+(3) the dense GEMM rate: ``dense_gemm_step``, the same nine GEMMs as plain torch.mm, timed in that
+    rotation ("/dense" = its time over the contender's, same timing mode), and one GEMM after a
+    pause (``dense_burst_tflops``, full clocks);
+(4) for "ours", what a step can wait on besides kernels: allocator device allocs/frees per step, SM
+    clock and power.
+TFLOP/s count the routed-expert GEMMs only: 3 GEMMs x 2*T*K*D*H FLOPs, x3 for forward+backward.
 """
 from __future__ import annotations
 
@@ -329,8 +332,8 @@ def main():
     global DEV
     DEV = args.device
     import triton
-    env = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else DEV, "torch": torch.__version__, "cuda": torch.version.cuda,
-           "triton": triton.__version__}
+    env = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else DEV, "torch": torch.__version__,
+           "cuda": torch.version.cuda, "triton": triton.__version__}
     try:
         import megablocks
         env["megablocks"] = getattr(megablocks, "__version__", "installed")
