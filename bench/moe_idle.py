@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from layers import MoE  # noqa: E402
-from moe import SHAPES  # noqa: E402  (bench/moe.py)
+from moe import SHAPES, zero_grads  # noqa: E402  (bench/moe.py)
+from moe import fwd_bwd as moe_fwd_bwd  # noqa: E402
 
 
 def main():
@@ -40,11 +41,11 @@ def main():
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
 
+    zero, fwd_bwd = zero_grads(moe, x), moe_fwd_bwd(moe, x, dy)
+
     def step():
-        for p in moe.parameters():
-            p.grad = None
-        x.grad = None
-        moe(x).backward(dy)
+        zero()
+        fwd_bwd()
 
     for _ in range(3):
         step()
