@@ -63,6 +63,19 @@ def grouped_mm_t_reference(a, b, ends, src_b=None):
 
 # -- kernels ----------------------------------------------------------------------------------------------
 @triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+# The kernels use only language builtins and helpers of this module, not triton.language.standard's jitted
+# helpers (cumsum, sum, cdiv, zeros): under TRITON_INTERPRET=1 those are callable from an interpreted kernel
+# only if Triton itself was first imported in interpreter mode, which a test run does not guarantee.
+@triton.jit
 def _tile(ends_ptr, E, n, BM: tl.constexpr, BN: tl.constexpr, E_PAD: tl.constexpr, GROUP_M: tl.constexpr):
     """(valid, e, first row, group end, column tile) of this program."""
     pid = tl.program_id(0)
@@ -70,10 +83,10 @@ def _tile(ends_ptr, E, n, BM: tl.constexpr, BN: tl.constexpr, E_PAD: tl.constexp
     ends = tl.load(ends_ptr + ei, mask=ei < E, other=0).to(tl.int32)
     prev = tl.load(ends_ptr + ei - 1, mask=(ei > 0) & (ei < E), other=0).to(tl.int32)
     counts = tl.where(ei < E, ends - prev, 0)
-    tiles = (counts + BM - 1) // BM
-    cum = tl.cumsum(tiles, 0)
-    total_m = tl.sum(tiles, 0)
-    num_n = tl.cdiv(n, BN)
+    tiles = _cdiv(counts, BM)
+    cum = tl.associative_scan(tiles, 0, _add)
+    total_m = tl.reduce(tiles, 0, _add)
+    num_n = _cdiv(n, BN)
     valid = pid < total_m * num_n
     # L2 swizzle: GROUP_M row tiles share each column tile of b[e] before moving on
     width = GROUP_M * num_n
@@ -81,11 +94,11 @@ def _tile(ends_ptr, E, n, BM: tl.constexpr, BN: tl.constexpr, E_PAD: tl.constexp
     gsz = tl.maximum(tl.minimum(total_m - first_m, GROUP_M), 1)
     pid_m = first_m + (pid % width) % gsz
     pid_n = (pid % width) // gsz
-    e = tl.sum((cum <= pid_m).to(tl.int32), 0)      # first group whose tiles end past pid_m
+    e = tl.reduce((cum <= pid_m).to(tl.int32), 0, _add)      # first group whose tiles end past pid_m
     sel = ei == e
-    tile0 = tl.sum(tl.where(sel, cum - tiles, 0), 0)
-    start = tl.sum(tl.where(sel, prev, 0), 0)
-    end = tl.sum(tl.where(sel, ends, 0), 0)
+    tile0 = tl.reduce(tl.where(sel, cum - tiles, 0), 0, _add)
+    start = tl.reduce(tl.where(sel, prev, 0), 0, _add)
+    end = tl.reduce(tl.where(sel, ends, 0), 0, _add)
     return valid, e, start + (pid_m - tile0) * BM, end, pid_n
 
 
@@ -152,10 +165,10 @@ def _gmm_kernel(a_ptr, src_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr, h_ptr, scale_ptr, 
                 b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * k, n], strides=[n, 1], block_shape=[BK, BN])
             if not GATHER:
                 a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, k], strides=[k, 1], block_shape=[BM, BK])
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.full((BM, BN), 0.0, tl.float32)
         if DUAL:
-            acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-        for ki in range(0, tl.cdiv(k, BK)):
+            acc2 = tl.full((BM, BN), 0.0, tl.float32)
+        for ki in range(0, _cdiv(k, BK)):
             if TMA and not GATHER:
                 x = a_desc.load([row0, ki * BK])
             else:
@@ -182,7 +195,7 @@ def _gmm_t_kernel(a_ptr, b_ptr, src_ptr, w_ptr, ends_ptr, E, p, q,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     # grid (E * cdiv(p, BM) * cdiv(q, BN)): tile (pid_m, pid_n) of w[e], summed over the group's rows
     pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(p, BM), tl.cdiv(q, BN)
+    num_m, num_n = _cdiv(p, BM), _cdiv(q, BN)
     per_e = num_m * num_n
     e = pid // per_e
     t = pid % per_e
@@ -195,7 +208,7 @@ def _gmm_t_kernel(a_ptr, b_ptr, src_ptr, w_ptr, ends_ptr, E, p, q,
     start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
     ii = _span(pid_m * BM, p, BM, EVEN_P)
     jj = _span(pid_n * BN, q, BN, EVEN_Q)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = tl.full((BM, BN), 0.0, tl.float32)
     for r0 in range(start, end, BK):
         rr = r0 + tl.arange(0, BK)
         rm = rr < end
