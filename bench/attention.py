@@ -53,9 +53,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from layers import RotaryEmbedding, SparsityPattern, apply_rotary, sparse_attention  # noqa: E402
-from layers.patterns import plan_pattern  # noqa: E402
+from layers.attention.plan import plan_pattern  # noqa: E402
 
-sa_mod = sys.modules["layers.sparse_attention"]
+from layers.attention import flex as sa_mod  # noqa: E402
 
 H, HK, D, BS = 32, 8, 128, 128
 PATTERNS = {

@@ -5,7 +5,7 @@
 In one process with a one-rank process group (nccl on CUDA, gloo on CPU), bf16 forward+backward of
 the same MoE weights and tokens through three paths:
 - ``plain``: ``MoE`` without an ep_group (what training runs at ep = 1);
-- ``ep1``: ``MoE(..., ep_group=<1 rank>)``, which ``layers.moe_ep.ep_dispatch`` sends down the plain
+- ``ep1``: ``MoE(..., ep_group=<1 rank>)``, which ``layers.moe.expert_parallel.ep_dispatch`` sends down the plain
   path (a one-rank group holds every expert);
 - ``a2a``: the full all-to-all dispatch forced at one rank (count exchange, two all_to_all_single, the
   split sizes' host sync, regrouping): the fixed overhead EP pays on top of the expert GEMMs before any
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench.moe as bm  # noqa: E402
 from layers import MoE  # noqa: E402
-from layers import moe_ep  # noqa: E402
+from layers.moe import expert_parallel as moe_ep  # noqa: E402
 
 
 def run_shape(name: str, reps: int) -> dict:

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from layers import MoE  # noqa: E402
-from layers import moe_experts  # noqa: E402
+from layers.moe import experts as moe_experts  # noqa: E402
 from kernels.moe_swiglu import swiglu_reference  # noqa: E402
 
 SHAPES = {  # T tokens, D model dim, H expert hidden, E experts, K top-k
@@ -218,7 +218,7 @@ def grads_of(moe, x, dy):
 
 def megablocks_peer(moe):
     """A megablocks dMoE holding a copy of ``moe``'s weights (bf16, grouped GEMM)."""
-    from layers.moe_megablocks import build_dmoe, megablocks_params
+    from layers.moe.megablocks import build_dmoe, megablocks_params
     dmoe = build_dmoe(moe.dim, moe.hidden_dim, moe.num_experts, moe.top_k, torch.device(DEV))
     with torch.no_grad():
         for name, t in megablocks_params(moe).items():

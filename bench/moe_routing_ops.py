@@ -1,5 +1,5 @@
 """Launch count of MoE's routing stage (logits -> top-k, weights, losses, stats, dispatch plan) and of
-its backward, eager vs torch.compile'd (layers.moe_routing), counted with torch.profiler.
+its backward, eager vs torch.compile'd (layers.moe.routing_stage), counted with torch.profiler.
 
     python bench/moe_routing_ops.py [--device cpu|cuda] [--T 4096 --E 64 --K 8]
 
@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from layers.moe_routing import RoutingSpec, compiled_routing_stage, routing_stage  # noqa: E402
+from layers.moe.routing_stage import RoutingSpec, compiled_routing_stage, routing_stage  # noqa: E402
 
 # aten ops that launch no kernel (metadata, allocation, autograd bookkeeping).
 NO_KERNEL = {"aten::view", "aten::reshape", "aten::_unsafe_view", "aten::as_strided", "aten::empty",

@@ -4,7 +4,7 @@ Shapes: ys [N, D] expert outputs in expert-sorted order, inv [T, K] int32 (sorte
 assignment, -1 when the assignment was dropped by capacity), w [T, K] routing weights (float32) ->
 out [T, D] in ys's dtype, accumulated in float32. An optional second source ys2 [N, D] (unit weights
 only: ``moe_unpermute``) adds its rows too, ``out[t] = sum_j ys[inv[t, j]] + ys2[inv[t, j]]``: the
-backward of a permute whose rows fed two GEMMs (SwiGLU gate and up, layers.moe_gate_up) sums both
+backward of a permute whose rows fed two GEMMs (SwiGLU gate and up, kernels.moe_gate_up) sums both
 input gradients in this one pass instead of adding them as [N, D] tensors first.
 
 Backward: ``dys[inv[t, j]] = w[t, j] * dout[t]`` (rows no assignment maps to are zero) and
@@ -19,10 +19,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
 import triton
 import triton.language as tl
 
-from .moe_launch import jit, use_triton
+from .launch import jit, use_triton
 
 # Kernels here use only triton.language builtins (tl.full, tl.reduce, tl.exp), not its @jit standard
 # library (tl.zeros, tl.sum, tl.sigmoid): those are jitted when triton is first imported, so under a

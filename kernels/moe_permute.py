@@ -9,7 +9,7 @@ Backward: ``dx[t] = sum_j dxs[inv[t, j]]``: ``moe_unpermute``, the unweighted su
 combine kernel of kernels.moe_combine without weights). ``moe_unpermute``'s own backward is this
 permute, so an unweighted combine never reads the rows it summed again (unlike moe_combine, whose
 weight gradient needs them). ``moe_unpermute(ys, inv, zero_fill, ys2)`` also sums a second [N, D]
-source row by row: the permute backward when the permuted rows fed two GEMMs (layers.moe_gate_up).
+source row by row: the permute backward when the permuted rows fed two GEMMs (kernels.moe_gate_up).
 
 Layers: ``@triton.jit`` kernel + launcher -> ``torch.library.custom_op`` ``moezoo::moe_permute`` and
 ``moezoo::moe_unpermute`` (``register_fake`` + autograd); ``moe_permute_reference`` is the pure-torch
@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import jit, use_triton
 from .moe_combine import _block_d, combine_rows, moe_combine_reference
-from .moe_launch import jit, use_triton
 
 
 def moe_permute_reference(x: torch.Tensor, inv: torch.Tensor, num_rows: int) -> torch.Tensor:

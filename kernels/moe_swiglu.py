@@ -3,7 +3,7 @@ optionally times a per-row scale: ``h[r] = scale[r] * silu(a[r]) * b[r]``.
 
 Shapes: a, b [N, H] (any matching shapes; the last dim is H) -> h [N, H] in a's dtype, computed in
 float32; scale [N] float32 (the MoE routing weight of each expert-sorted row: folding it here makes the
-combine an unweighted sum whose backward never reads the expert outputs, layers.moe_experts.run_plan).
+combine an unweighted sum whose backward never reads the expert outputs, layers.moe.experts.run_plan).
 Backward: with g = dh * scale and s = sigmoid(a): ``da = g * b * s * (1 + a * (1 - s))``,
 ``db = g * a * s``, ``dscale[r] = sum_h dh * silu(a) * b``.
 
@@ -22,10 +22,11 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
 import triton
 import triton.language as tl
 
-from .moe_launch import jit, use_triton
+from .launch import jit, use_triton
 
 MAX_BLOCK = 2048   # columns per program: 4 KB of bf16 per operand, enough bytes in flight per SM
 

@@ -1,14 +1,16 @@
-"""Reusable sparse-LLM layers. Plain nn.Modules; import any of them into your own model."""
-from .attention import Attention, KVCache, dense_causal_attention
+"""Reusable sparse-LLM layers. Plain nn.Modules; import any of them into your own model.
+
+One subpackage per concept: ``attention/`` (dense + sparse), ``moe/``, ``neuron/``, ``dst/``; the small
+shared blocks (``norm``, ``rope``, ``mlp``, ``aux_loss``, ``sharding``) sit beside them.
+"""
+from .attention import Attention, KVCache, SparsityPattern, attention_density, dense_causal_attention, pattern_mask, sparse_attention
 from .aux_loss import total_aux_loss
 from .dst import DynamicSparsity
 from .mlp import SwiGLU
 from .moe import MoE, moe_aux_loss, moe_update_bias
-from .neuron_ffn import NeuronRoutedFFN, neuron_schedule_step, neuron_stats
+from .neuron import NeuronRoutedFFN, neuron_schedule_step, neuron_stats
 from .norm import RMSNorm
-from .patterns import SparsityPattern, pattern_mask
 from .rope import RotaryEmbedding, apply_rotary
-from .sparse_attention import attention_density, sparse_attention
 
 __all__ = ["Attention", "DynamicSparsity", "KVCache", "MoE", "RMSNorm", "RotaryEmbedding", "SwiGLU", "apply_rotary", "dense_causal_attention", "moe_aux_loss",
            "moe_update_bias", "SparsityPattern", "sparse_attention", "pattern_mask", "attention_density",

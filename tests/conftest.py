@@ -1,14 +1,24 @@
 """Shared fixtures: tiny configs and corpora so every training test runs in seconds on 2 CPU cores."""
 import os
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-os.environ.setdefault("WANDB_SILENT", "true")
+# The repository root and tests/ are on sys.path through pyproject's ``[tool.pytest.ini_options]
+# pythonpath``; nothing here changes process-wide state at import (a GPU run collects every test first).
+
+
+@pytest.fixture(autouse=True)
+def _quiet_wandb(monkeypatch):
+    """wandb prints banners unless told not to; per test, so no process state changes at collection."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """Run Triton kernels through the interpreter on CPU tensors for this test only (kernels are jitted
+    per interpret mode at first launch, kernels.launch), so GPU tests in the same run stay compiled."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -37,37 +47,3 @@ def corpus_dir(tmp_path_factory):
             with open(p, encoding="utf-8", errors="replace") as f, open(d / n, "w") as g:
                 g.write(f.read())
     return str(d)
-
-
-def tiny_overrides(tmp, corpus, **extra) -> list[str]:
-    """Overrides that make any preset a ~30k-parameter model training on ``corpus`` under ``tmp``."""
-    ov = {
-        "model.vocab_size": 512, "model.dim": 32, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
-        "model.ffn_hidden": 64, "model.max_seq_len": 64, "data.source": corpus, "data.cache_dir": f"{tmp}/cache",
-        "data.max_files": 0, "train.seq_len": 32, "train.batch_size": 4, "train.steps": 20, "train.eval_every": 10,
-        "train.eval_batches": 2, "train.out_dir": f"{tmp}/run", "logging.wandb": "disabled", "logging.log_every": 5,
-        "logging.progress": False, "optim.warmup_steps": 2, "optim.lr": 3e-3, "checkpoint.every": 10,
-    }
-    ov.update(extra)
-    return [f"{k}={v}" for k, v in ov.items()]
-
-
-def spawn(fn, world: int, *args) -> None:
-    """Fork ``world`` CPU ranks joined in a gloo process group; each runs ``fn(rank, world, *args)``.
-    The one process-spawn helper of the multi-process tests."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_spawn_entry, args=(fn, world, os.path.join(d, "store"), args), nprocs=world,
-                           join=True, start_method="fork")
-
-
-def _spawn_entry(rank, fn, world, store, args):
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()

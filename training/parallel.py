@@ -180,7 +180,7 @@ def parallelize(model: nn.Module, cfg: Config, state: ParallelState) -> nn.Modul
         # Every rank is a data-parallel rank: the global balance loss spans the world.
         moe.balance_group = dist.group.WORLD
     if state.ep > 1:
-        from layers.moe_ep import shard_experts
+        from layers.moe.expert_parallel import shard_experts
         for moe in moe_modules(model):
             shard_experts(moe, state.ep_group, state.ep_rank)
     _fully_shard(model, cfg, state)

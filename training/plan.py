@@ -109,7 +109,7 @@ def _shape(model, cfg: Optional[Config] = None) -> _Shape:
         blocks_expert.append(e)
     dst_dense = dst_expert = 0
     if cfg is not None and cfg.dst.enabled:
-        from layers.dst import is_dst_target
+        from layers.dst.dynamic_sparsity import is_dst_target
         expert_ids = {id(p) for m in model.modules() if is_routed_moe(m) for p in m.experts.parameters()}
         for name, p in model.named_parameters():
             if is_dst_target(name, p, cfg.dst.include, cfg.dst.exclude):
@@ -159,7 +159,7 @@ def memory_per_gpu(cfg: Config, shape: _Shape, layout: Layout, compute_bytes: in
     tokens = cfg.train.batch_size * cfg.train.seq_len
     acts = tokens * activation_bytes_per_token(cfg, compute_bytes, layout.activation_checkpointing)
     dst_held = shape.dst_dense / shard + shape.dst_expert / expert_shard
-    from layers.dst import dst_bytes_per_weight
+    from layers.dst.dynamic_sparsity import dst_bytes_per_weight
     return Memory(weights=held * FP32, grads=held * FP32, optimizer=held * FP32 * ADAM_STATES,
                   fsdp_buffers=buffers, activations=acts, dst_masks=dst_held * dst_bytes_per_weight(cfg.dst.grad_ema))
 

@@ -2,7 +2,7 @@
 
 One panel per (layer, head) for layers with a sparse head: white = block skipped, grey = partial block
 (the token mask applies inside), black = full block, at the layer's block size. Input-dependent heads
-(vertical_slash, block_topk) are drawn with their budgets placed as ``layers.patterns.budget_plan``
+(vertical_slash, block_topk) are drawn with their budgets placed as ``layers.attention.plan.budget_plan``
 places them (columns and diagonals first, recent blocks), since the real picks depend on the input.
 Titles give each head's token density (allowed / causal pairs), as ``attention_density`` logs it; a
 head that is dense at this length (e.g. below its ``dense_below``) is drawn and titled dense.
@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 
 from configs import load_config
-from layers.patterns import budget_plan, head_patterns
-from layers.sparse_attention import pattern_density
+from layers.attention.plan import budget_plan
+from layers.attention.pattern import head_patterns
+from layers.attention.density import pattern_density
 from zoo.model import build_attention_pattern
 
 

@@ -1,0 +1,18 @@
+"""Attention: one module for dense and sparse heads (training, prefill, decode with a KV cache).
+
+- ``module``: ``Attention``, ``KVCache``.
+- ``functional``: ``sparse_attention`` (the backend dispatch) and ``dense_causal_attention``.
+- ``pattern``: ``SparsityPattern``, the per-head pattern type and its YAML form.
+- ``selection``: seeded random blocks, vertical-slash and block top-k estimation.
+- ``plan``: ``PatternPlan`` (a pattern resolved for one input), ``pattern_mask``, ``budget_plan``.
+- ``flex``: FlexAttention BlockMask / mask_mod glue; ``flash``: flash-attn for sliding windows.
+- ``density``: ``attention_density`` / ``pattern_density`` for logging.
+"""
+from .density import attention_density, pattern_density
+from .functional import dense_causal_attention, sparse_attention
+from .module import Attention, KVCache
+from .pattern import SparsityPattern
+from .plan import pattern_mask
+
+__all__ = ["Attention", "KVCache", "SparsityPattern", "attention_density", "dense_causal_attention",
+           "pattern_density", "pattern_mask", "sparse_attention"]

@@ -1,0 +1,59 @@
+"""Attention density for logging: the fraction of causal (q, k) pairs each head attends."""
+from __future__ import annotations
+
+import torch
+
+from .module import Attention
+from .pattern import PatternLike
+from .plan import budget_plan
+
+
+def pattern_density(pattern: PatternLike, n_heads: int, seq_len: int, layer: int = 0, max_rows: int = 2048,
+                    chunk: int = 256, device=None) -> torch.Tensor:
+    """float64 ``[n_heads]``: the fraction of causal (q, k) pairs each head of ``pattern`` attends at ``seq_len``.
+
+    Input-dependent heads count what their budgets allow (``patterns.budget_plan``). Exact when
+    ``seq_len <= max_rows``; longer inputs count ``max_rows`` query rows in evenly spaced chunks and
+    interpolate the allowed keys per row linearly across the rows in between (exact for windows, sinks
+    and dense heads). Masks are built ``chunk`` rows at a time on ``device``.
+    """
+    if seq_len <= max_rows:
+        starts = range(0, seq_len, chunk)
+    else:
+        n_chunks = max(max_rows // chunk, 2)
+        starts = sorted({round(i * (seq_len - chunk) / (n_chunks - 1)) for i in range(n_chunks)})
+    rows = [range(s, min(s + chunk, seq_len)) for s in starts]
+    per_row = [budget_plan(pattern, n_heads, seq_len, layer, r, device).token_mask()[0].sum(-1).double()
+               for r in rows]                                                      # [H, rows] allowed keys
+    allowed = sum(c.sum(-1) for c in per_row)
+    for a, b, ra, rb in zip(per_row, per_row[1:], rows, rows[1:]):                  # trapezoid over skipped rows
+        allowed = allowed + (rb.start - ra.stop) * (a[:, -1] + b[:, 0]) / 2
+    return (allowed / (seq_len * (seq_len + 1) / 2)).cpu()                         # one host copy per layer
+
+
+def attention_density(model_or_attention: torch.nn.Module, seq_len: int, max_rows: int = 2048,
+                      chunk: int = 256) -> dict:
+    """Fraction of causal (q, k) pairs each head attends at ``seq_len``.
+
+    Returns ``{"layer{L}/head{h}": float, "layer{L}": mean over heads, "mean": over all heads}`` for
+    every ``layers.Attention`` inside the module (dense heads are 1.0), each layer by ``pattern_density``
+    (exact up to ``max_rows``, sampled beyond). Masks are built on the module's device.
+    """
+    out, all_heads = {}, []
+    for m in model_or_attention.modules():
+        if not isinstance(m, Attention):
+            continue
+        H, L = m.n_heads, m.layer_id
+        if m.pattern is None:
+            dens = torch.ones(H, dtype=torch.float64)
+        else:
+            # masks are built where the model lives (a 64k model's rows are slow on CPU, instant on GPU)
+            dev = m.wq.weight.device if m.wq.weight.device.type != "meta" else torch.device("cpu")
+            dens = pattern_density(m.pattern, H, seq_len, L, max_rows, chunk, dev)
+        for h in range(H):
+            out[f"layer{L}/head{h}"] = float(dens[h])
+        out[f"layer{L}"] = float(dens.mean())
+        all_heads.append(dens)
+    if all_heads:
+        out["mean"] = float(torch.cat(all_heads).mean())
+    return out

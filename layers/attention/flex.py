@@ -1,0 +1,189 @@
+"""FlexAttention glue for sparse patterns: a BlockMask built from a PatternPlan's block indices, the
+mask_mod that evaluates the same token rule on partial blocks, and the vertical-slash column gather.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .plan import PatternPlan
+
+# Flex kernel tiling; None = PyTorch's per-GPU defaults. bench/attention.py sweeps alternatives.
+FLEX_KERNEL_OPTIONS: Optional[dict] = None
+_compiled_flex = None
+
+
+def _flex_fn(device: torch.device):
+    """Compiled flex on CUDA (the fused kernel); eager elsewhere (unfused, forward-only on CPU)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        # Each pattern structure (which tables the mask_mod reads) and kernel option set is one compiled
+        # entry; past dynamo's default limit of 8 it would silently fall back to eager flex (O(S^2) memory).
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
+def _kv_blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool ``[B, H, nq, nk]`` -> (counts int32 ``[B, H, nq]``, indices int32 ``[B, H, nq, nk]``: each row's
+    chosen blocks ascending, then zeros that FlexAttention never reads, as it reads ``counts`` entries).
+
+    A compaction (cumsum + scatter) rather than a sort: at 128k tokens, 32 heads a stable argsort of the
+    [32, 1024, 1024] layout took 0.6 ms per list on the H200, and vertical-slash builds lists every call.
+    """
+    nk = m.shape[-1]
+    num = m.sum(-1, dtype=torch.int32)
+    dest = torch.where(m, torch.cumsum(m, -1) - 1, nk)                  # rank among the chosen; others -> slot nk
+    idx = torch.zeros(*m.shape[:-1], nk + 1, dtype=torch.int32, device=m.device)
+    idx.scatter_(-1, dest, torch.arange(nk, dtype=torch.int32, device=m.device).expand(m.shape))
+    return num, idx[..., :nk].contiguous()
+
+
+def _keep_rule(plan: PatternPlan, with_cols: bool = True):
+    """The plan's token rule without causality as ``keep(b, h, q_idx, k) -> bool`` on FlexAttention index
+    tensors (square plans); ``with_cols=False`` leaves out the vertical columns (and only them)."""
+    bs, T = plan.block_size, plan.T
+    Tp = (T + bs - 1) // bs * bs      # tables padded so any index inside a padded block is in bounds
+    win, sinks = plan.window.to(torch.int32), plan.sinks.to(torch.int32)
+    blocks, cols, diags = plan.blocks, None, None
+    if plan.cols is not None:
+        diags = F.pad(plan.diag_reach(), (0, Tp - T))      # the slash rule's table (PatternPlan.diag_reach)
+        cols = F.pad(plan.cols, (0, Tp - T)) if with_cols else None
+    # Tables without a batch dimension of their own (static parts) are read at batch 0.
+    blocks_b = blocks is not None and blocks.shape[0] > 1
+    diags_b = diags is not None and diags.shape[0] > 1
+
+    def keep(b, h, q_idx, k):
+        d = q_idx - k
+        out = (d < win[h]) | (k < sinks[h])
+        if blocks is not None:
+            out = out | blocks[b if blocks_b else 0, h, q_idx // bs, k // bs]
+        if diags is not None:
+            bb = b if diags_b else 0
+            x = (q_idx // bs) * bs - k                    # query block start - key; own block: reach[0]
+            out = out | diags[bb, h, torch.where(x > 0, x, 0)]
+            if cols is not None:
+                out = out | cols[bb, h, k]
+        return out
+
+    return keep
+
+
+def plan_mask_mod(plan: PatternPlan):
+    """The plan's token rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (square plans)."""
+    keep = _keep_rule(plan)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & keep(b, h, q_idx, kv_idx)
+
+    return mask_mod
+
+
+# Vertical-slash columns. A chosen column is one key seen by every later query, so in key blocks it
+# marks its whole block "touched" for every query block: ~1000 columns over 128k keys touch nearly all
+# blocks and the block mask is dense (BENCHMARKS.md: 0.55x SDPA at 64k). MInference gathers the
+# columns instead; here each query head's chosen keys are copied in front of the keys
+# (``K' = cat(K[cols], K)``, the same for V) so one flex call sees them as a few dense key blocks, and
+# the columns leave the main part's block layout. Exact: prefix slot j (column p) is allowed for query
+# q iff p <= q and the rest of the rule does not already allow (q, p), so each pair counts once.
+# One call rather than two (columns, rest) merged by their logsumexps: no merge or LSE gradient to
+# get right, one launch; the cost is that K', V' carry every query head (GQA expanded), T + NVp rows
+# of Hq heads each (at 128k, 32 heads, d 128, bf16: ~1 GiB each, plus their gradients in training).
+
+
+def column_slots(plan: PatternPlan) -> torch.Tensor:
+    """int32 ``[B, H, NVp]``: each head's chosen key columns ascending, then ``T`` (an empty slot).
+
+    ``NVp`` = ``plan.col_budget`` rounded up to the block size (no read-back of ``cols``); heads
+    without columns have only empty slots.
+    """
+    bs, T, cols = plan.block_size, plan.T, plan.cols
+    if plan.col_budget < 1:     # plans from plan_pattern / budget_plan always set it with their columns
+        raise ValueError("column_slots needs plan.col_budget (the most columns any head chose)")
+    nvp = -(-plan.col_budget // bs) * bs
+    kk = min(nvp, T)
+    pos = torch.arange(T, device=cols.device, dtype=torch.int32)
+    # chosen columns score T - p (> 0, larger for earlier p); topk's sorted order is then ascending p
+    val, idx = torch.where(cols, T - pos, -1).topk(kk, dim=-1)
+    slots = torch.where(val > 0, idx.to(torch.int32), T)
+    return F.pad(slots, (0, nvp - kk), value=T)
+
+
+def gather_columns(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k, v [B, Hk, T, D]``, ``slots [B or 1, Hq, NVp]`` -> ``k', v' [B, Hq, NVp + T, D]``: per query head
+    the keys (values) at its column slots (empty slots read key T-1; the mask never allows them), then
+    all keys of its KV head. Differentiable: gradients of both parts flow back to ``k, v``."""
+    B, Hk, T, D = k.shape
+    Hq, nvp = slots.shape[1], slots.shape[2]
+    g = Hq // Hk
+    kv_head = torch.arange(Hq, device=k.device) // g
+    base = (torch.arange(B, device=k.device)[:, None] * Hk + kv_head[None, :]) * T          # [B, Hq]
+    flat = (base[:, :, None] + slots.clamp(max=T - 1).expand(B, Hq, nvp)).view(B, Hk, g, nvp)
+
+    def one(x):
+        picked = x.flatten(0, 2)[flat]                                                       # [B, Hk, g, NVp, D]
+        return torch.cat([picked, x[:, :, None].expand(B, Hk, g, T, D)], dim=3).view(B, Hq, nvp + T, D)
+
+    return one(k), one(v)
+
+
+def gathered_mask_mod(plan: PatternPlan, slots: torch.Tensor):
+    """``mask_mod`` over ``K' = cat(K[slots], K)``: slot j (key ``slots[b, h, j]``) where the rest of the rule
+    does not allow it, key ``kv_idx - NVp`` where it does; together exactly ``plan.token_mask()``, once."""
+    keep = _keep_rule(plan, with_cols=False)
+    nvp, T = slots.shape[-1], plan.T
+    slots_b = slots.shape[0] > 1
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        pre = kv_idx < nvp
+        k = torch.where(pre, slots[b if slots_b else 0, h, torch.clamp(kv_idx, max=nvp - 1)], kv_idx - nvp)
+        rest = keep(b, h, q_idx, torch.clamp(k, max=T - 1))     # empty slots (k = T) fail causality
+        return (q_idx >= k) & torch.where(pre, ~rest, rest)
+
+    return mask_mod
+
+
+def _slot_blocks(slots: torch.Tensor, bs: int, n_q: int, T: int) -> torch.Tensor:
+    """bool ``[B, H, nq, NVp / bs]``: slot block j is touched by query block qb when its first (smallest)
+    column is <= the block's last query; never full (pairs the rest allows are masked out there)."""
+    first = slots[..., ::bs]                                                                 # [B, H, nj]
+    q_last = (torch.arange(n_q, device=slots.device) * bs + bs - 1).clamp(max=T - 1)
+    return first[:, :, None, :] <= q_last[None, None, :, None]
+
+
+def flex_block_mask(plan: PatternPlan, slots: Optional[torch.Tensor] = None, backward: bool = True):
+    """A FlexAttention BlockMask for a square plan: full/partial blocks from ``plan.block_layout()``
+    (built from indices, never by evaluating the mask per block) and ``plan_mask_mod`` on partial blocks.
+
+    With ``slots`` (``column_slots(plan)``) the keys are ``K' = cat(K[slots], K)`` (``gather_columns``):
+    ``NVp / bs`` slot blocks, then the layout of the rule without columns shifted past them.
+    ``backward=False`` skips the transposed (per key block) lists only the backward pass reads.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+    bs, T = plan.block_size, plan.T
+    if slots is None:
+        partial, full = plan.block_layout()
+        mask_mod, kv_len = plan_mask_mod(plan), T
+    else:
+        partial, full = plan.block_layout(include_cols=False)
+        pre = _slot_blocks(slots, bs, partial.shape[2], T)
+        B = max(pre.shape[0], partial.shape[0])
+        pre, partial, full = (x.expand(B, *x.shape[1:]) for x in (pre, partial, full))
+        partial = torch.cat([pre, partial], dim=-1)
+        full = torch.cat([torch.zeros_like(pre), full], dim=-1)
+        mask_mod, kv_len = gathered_mask_mod(plan, slots), slots.shape[-1] + T
+    pn, pi = _kv_blocks(partial)
+    fn, fi = _kv_blocks(full)
+    return BlockMask.from_kv_blocks(pn, pi, fn, fi, BLOCK_SIZE=bs, mask_mod=mask_mod, seq_lengths=(T, kv_len),
+                                    compute_q_blocks=backward)
+
+
+def flex_attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:
+    """FlexAttention (compiled on CUDA) over a BlockMask from ``flex_block_mask``."""
+    return _flex_fn(q.device)(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1],
+                              kernel_options=FLEX_KERNEL_OPTIONS)

@@ -1,0 +1,124 @@
+"""Sparse causal attention: ``sparse_attention(q, k, v, pattern) -> out``, one mask, several backends.
+
+``q [B, Hq, S, D]``, ``k, v [B, Hk, T, D]`` (RoPE already applied; GQA when Hk divides Hq), query i at
+absolute position ``q_offset + i``; returns ``[B, Hq, S, D]``. The mask is the token-level
+``allowed(q, k)`` of layers.attention.pattern (DESIGN.md conventions); every backend computes exactly it:
+
+- ``reference``: SDPA with the materialised bool mask. The oracle and the CPU path (fwd + bwd).
+- ``flex``: FlexAttention with a BlockMask built straight from block indices (``from_kv_blocks``)
+  for square inputs (training, prefill; decode and chunked-prefill rows use the reference):
+  blocks wholly inside the pattern are "full" (no per-element mask), the rest carry a ``mask_mod``
+  that evaluates the same token rule. Compiled on GPU (fwd + bwd); eager on CPU (forward only is
+  supported there by PyTorch). Masks of static patterns are cached per (pattern, layer, length).
+  Vertical-slash columns are gathered (``column_slots``, ``gather_columns``): each query head's chosen
+  keys and values are copied in front of the keys, ``K' = cat(K[cols], K)`` with ``Hq`` heads, so the
+  columns cost a few dense key blocks instead of touching every key block; ``gathered_mask_mod``
+  allows a gathered column only where the rest of the rule does not, so each pair counts once.
+- ``flash_attn``: flash-attn's ``window_size`` for pure sliding-window layers, when installed.
+- ``auto``: flex on CUDA for square inputs at or above ``DENSE_CROSSOVER`` tokens; otherwise the
+  reference, which below the crossover is the faster way to compute the same masked result.
+
+Whatever the backend, a pattern that allows every causal pair at this length (a window >= T, budgets
+>= T, fewer than its ``dense_below`` keys: ``SparsityPattern.is_dense_at``) runs dense causal SDPA: the
+same result, faster; in a mixed layer such heads are planned as dense heads (no estimation). There is
+no ``triton`` backend: FlexAttention's generated Triton kernel already reaches the density limit forward on the H200 for static patterns, so
+an own block-sparse kernel had nothing to win there (BENCHMARKS.md "Sparse attention").
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from configs.attention import ATTN_BACKENDS
+
+from .flash import flash_attn_window
+from .flex import column_slots, flex_attention_call, flex_block_mask, gather_columns
+from .pattern import PatternLike, head_patterns
+from .plan import PatternPlan, plan_pattern
+
+# Tokens; below this, ``auto`` runs the reference (SDPA + materialised mask). Measured on the H200 by
+# bench/attention.py --crossover (BENCHMARKS.md "Sparse attention"): at 2048 tokens flex is already 3.3x
+# faster than masked SDPA (0.56 vs 1.83 ms, A-shape); shorter lengths were not measured.
+DENSE_CROSSOVER = 2048
+_MASK_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
+_MASK_CACHE_SIZE = 32
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
+    """``q [B, Hq, S, Dh]``, ``k, v [B, Hk, T, Dh]`` with query i at absolute position ``q_offset + i``."""
+    S, T = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if q_offset == 0 and S == T:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if S == 1:  # one decode step sees every cached key
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    allowed = torch.arange(T, device=q.device)[None, :] <= (q_offset + torch.arange(S, device=q.device))[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: PatternLike,
+                     backend: str = "auto", layer: int = 0, q_offset: int = 0,
+                     q_history: Optional[torch.Tensor] = None, reference_below: int = -1) -> torch.Tensor:
+    """Causal attention under ``pattern`` (a SparsityPattern or one per query head).
+
+    ``q_history [B, Hq, P, D]``: queries just before this chunk (decode); input-dependent patterns
+    estimate from ``cat(q_history, q)`` so a decode step sees the indices prefill would have.
+    ``reference_below``: backend ``auto`` runs the reference below this many keys (-1 = ``DENSE_CROSSOVER``);
+    unlike the pattern parameter ``SparsityPattern.dense_below`` (a head dense below it), same result either way.
+    """
+    B, Hq, S, D = q.shape
+    T = k.shape[2]
+    if Hq % k.shape[1]:
+        raise ValueError(f"{Hq} query heads are not a multiple of {k.shape[1]} KV heads")
+    if backend not in ATTN_BACKENDS:
+        raise ValueError(f"unknown sparse attention backend {backend!r}; expected one of {', '.join(ATTN_BACKENDS)}")
+    pats = head_patterns(pattern, Hq)
+    if all(p.is_dense_at(T) for p in pats):       # e.g. a window longer than the input: exactly causal
+        return dense_causal_attention(q, k, v, q_offset)
+    square = S == T and q_offset == 0
+    if backend == "auto":
+        crossover = DENSE_CROSSOVER if reference_below < 0 else reference_below
+        backend = "flex" if (q.is_cuda and square and T >= crossover) else "reference"
+    if backend == "flash_attn":
+        return flash_attn_window(q, k, v, pats, square)
+    if backend == "flex" and square:   # decode / chunked prefill rows go to the reference: O(S T) mask
+        if any(p.dynamic and not p.is_dense_at(T) for p in pats):   # estimated from this input: a new mask every call
+            plan = plan_pattern(pats, Hq, 0, S, T, layer, q, k, q_history)
+            # a mask built for this call only: its backward lists are needed only if a backward can follow
+            bwd = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+            slots = column_slots(plan) if plan.cols is not None else None
+            if slots is not None:          # vertical-slash columns ride in front of the keys (see column_slots)
+                k, v = gather_columns(k, v, slots)
+            bm = flex_block_mask(plan, slots, backward=bwd)
+        else:
+            bm = _static_block_mask(pats, Hq, T, layer, q.device)
+        return flex_attention_call(q, k, v, bm)
+    return reference_sparse_attention(q, k, v, plan_pattern(pats, Hq, q_offset, S, T, layer, q, k, q_history))
+
+
+def _static_block_mask(pats: list, n_heads: int, T: int, layer: int, device: torch.device):
+    """A static pattern's BlockMask, cached per (pattern, layer, length, device); least recently used dropped first."""
+    key = (tuple(pats), layer, T, device)
+    bm = _MASK_CACHE.get(key)
+    if bm is None:
+        bm = _MASK_CACHE[key] = flex_block_mask(plan_pattern(pats, n_heads, 0, T, T, layer, device=device))
+    _MASK_CACHE.move_to_end(key)
+    while len(_MASK_CACHE) > _MASK_CACHE_SIZE:
+        _MASK_CACHE.popitem(last=False)
+    return bm
+
+
+def reference_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan) -> torch.Tensor:
+    """SDPA with the materialised ``[B or 1, Hq, S, T]`` mask; differentiable, any device."""
+    mask = plan.token_mask()
+    gqa = q.shape[1] != k.shape[1]
+    if q.device.type == "cpu":
+        # CPU's fused SDPA sums GQA groups' dk/dv in low precision (bf16 error ~2.5x plain torch);
+        # the math kernel accumulates in float32 and meets the FlashAttention criterion.
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

@@ -1,0 +1,101 @@
+"""Multi-head attention with GQA, RoPE and a KV cache; dense (SDPA) or sparse by pattern.
+
+One module for training, prefill and decode. LLaMA naming: ``wq [Hq*Dh, D]``, ``wk, wv [Hk*Dh, D]``,
+``wo [D, Hq*Dh]``, no bias unless ``bias=True`` (q/k/v biases only, as in Qwen2). ``pattern`` is None
+(dense), a ``SparsityPattern`` or a per-head list; sparse patterns go through
+``layers.attention.functional.sparse_attention`` with the same causal semantics in every mode.
+
+Shapes: B batch, S new tokens, T cached + new tokens, D model dim, Hq/Hk query/KV heads, Dh head dim.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .functional import dense_causal_attention, sparse_attention
+from .pattern import head_patterns, layer_block_size
+from ..rope import apply_rotary
+
+
+class KVCache(nn.Module):
+    """Static-size cache ``k, v [B, Hk, max_len, Dh]`` (gpt-fast style: no reallocation in decode)."""
+
+    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype=torch.float32, device=None):
+        super().__init__()
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k, v [B, Hk, S, Dh]`` at ``start_pos``; return the filled prefix ``[B, Hk, start_pos+S, Dh]``."""
+        end = start_pos + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache overflow: {end} > max_len {self.k.shape[2]}")
+        self.k[:, :, start_pos:end] = k.to(self.k.dtype)
+        self.v[:, :, start_pos:end] = v.to(self.v.dtype)
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class Attention(nn.Module):
+    """``forward(x[B, S, D], cos[S, Dh], sin[S, Dh], start_pos=0) -> [B, S, D]``.
+
+    ``cos/sin`` are the rotary angles of positions ``start_pos .. start_pos + S - 1``. With a cache set
+    up (``setup_cache``), keys/values are appended at ``start_pos`` and queries attend to the prefix.
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: Optional[int] = None, pattern=None,
+                 backend: str = "auto", layer_id: int = 0, reference_below: int = -1, bias: bool = False):
+        super().__init__()
+        n_kv_heads = n_kv_heads or n_heads
+        if dim % n_heads or n_heads % n_kv_heads:
+            raise ValueError(f"dim={dim}, n_heads={n_heads}, n_kv_heads={n_kv_heads}: heads must divide evenly")
+        self.dim, self.n_heads, self.n_kv_heads, self.head_dim = dim, n_heads, n_kv_heads, dim // n_heads
+        self.layer_id, self.backend, self.reference_below = layer_id, backend, reference_below
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        if pattern is not None:   # a per-head list of the wrong length or mixed block sizes fails here, not in forward
+            layer_block_size(head_patterns(pattern, n_heads))
+        self.pattern = pattern
+        self.cache: Optional[KVCache] = None
+        self._q_history: Optional[torch.Tensor] = None   # last queries, for decode-time estimation
+
+    def setup_cache(self, batch: int, max_len: int, dtype=None, device=None) -> None:
+        dtype = dtype or self.wk.weight.dtype
+        device = device or self.wk.weight.device
+        self.cache = KVCache(batch, self.n_kv_heads, max_len, self.head_dim, dtype, device)
+
+    def init_weights(self, std: float = 0.02, out_std: float = 0.02) -> None:
+        for w in (self.wq, self.wk, self.wv):
+            nn.init.normal_(w.weight, std=std)
+            if w.bias is not None:
+                nn.init.zeros_(w.bias)
+        nn.init.normal_(self.wo.weight, std=out_std)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.cache is not None:
+            k, v = self.cache.update(start_pos, k, v)
+        out = self._attend(q, k, v, start_pos)
+        return self.wo(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> torch.Tensor:
+        if self.pattern is None:
+            return dense_causal_attention(q, k, v, q_offset)
+        history = None
+        dyn = [p for p in head_patterns(self.pattern, self.n_heads) if p.dynamic]
+        if dyn and self.cache is not None:
+            # Input-dependent patterns estimate from the last queries; keep enough of them that a decode
+            # step re-estimates exactly what prefill of the same tokens would (last_q rows, pooled block).
+            history = self._q_history if q_offset > 0 else None
+            keep = max(max(p.last_q, p.block_size) for p in dyn)
+            self._q_history = (q if history is None else torch.cat([history, q], dim=2))[:, :, -keep:].detach()
+        return sparse_attention(q, k, v, self.pattern, backend=self.backend, layer=self.layer_id, q_offset=q_offset,
+                                q_history=history, reference_below=self.reference_below)

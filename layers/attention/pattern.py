@@ -1,0 +1,127 @@
+"""Sparse attention patterns: the causal token-level mask ``allowed(q, k)`` of each (layer, head), defined once.
+
+Every backend (layers.attention.functional) must compute attention under exactly this mask. Conventions
+(DESIGN.md), for a query at absolute position q and a key at position k, always with ``k <= q``:
+
+- ``local``:  ``q - k < window`` (window W covers keys q-W+1 .. q), optionally plus ``sinks``.
+- ``a_shape``: ``k < sinks`` or ``q - k < window`` (StreamingLLM / MInference A-shape).
+- ``bigbird``: A-shape plus ``random_blocks`` whole key blocks per query block, drawn from the strictly
+  earlier blocks ``0 .. qb-1`` by a counter-based hash of (seed, layer, head, query block, key block):
+  identical in every process and on every device, and independent of the sequence length (so decode
+  sees the blocks prefill saw).
+- ``vertical_slash``: ``k`` in the top-``n_vertical`` key columns or ``q - k`` in the top-``n_slash``
+  diagonals, ranked by the softmax mass the last ``last_q`` queries of the input put on them
+  (MInference, Jiang et al. 2024, sec. 3.2): columns first, then diagonals by the mass outside the
+  chosen columns (MInference ranks diagonals by all their mass, so a heavy column's "shadow"
+  diagonals take slash budget that covers nothing new). Diagonal 0 is always chosen. Columns are exact;
+  diagonals are dilated to the query block as in MInference's kernel: a query block starting at ``qs``
+  takes, for each chosen diagonal d, the ``block_size`` keys ``qs - d .. qs - d + block_size - 1`` (the keys
+  its queries meet on d, as one range), i.e. query q keeps key k iff ``qs - k <= d <= qs - k + block_size - 1``
+  for some chosen d (so every key of its own block, up to causality). A diagonal chosen from noise among
+  its neighbours then costs whole blocks, not blocks the kernel must mask element by element.
+- ``block_topk``: the ``top_k`` key blocks (of ``block_size``) with the highest mean-pooled
+  ``q_block . k_block`` score per query block, among blocks ``<= qb``; the diagonal block is always one
+  of them. Pooling a query block uses all its queries present in the input, so within one block the
+  choice can depend on later queries of that block (as in MInference and MoBA).
+- ``dense``: causal.
+
+Every type also takes ``dense_below`` (tokens, 0 = never): over ``T`` keys, a head with
+``T < dense_below`` attends every causal pair, i.e. is exactly dense causal attention (MInference applies
+its estimated patterns to long inputs only; below its crossover a sparse kernel is slower than SDPA).
+``T`` is the number of keys of the call, so a decode step at total length T (T keys, new one
+included) follows the same rule as prefill over T keys, and all rows of one call share it.
+``SparsityPattern.is_dense_at`` is the one place that decides; every consumer asks it.
+
+The input-dependent patterns (vertical_slash, block_topk) estimate from the queries of the *input*;
+decode reproduces prefill's estimate from a short history of queries (layers.Attention keeps it), so
+each decode step re-estimates: ``last_q x T`` scores, ``last_q`` times a dense decode step's QK^T.
+
+Shapes: B batch, H query heads, S queries, T keys, D head dim, nq/nk query/key blocks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+from configs.attention import COMMON_PARAMS, DEFAULT_BLOCK_SIZE, PATTERN_TYPES, validate_pattern
+from configs.errors import ConfigError, check_choice
+
+DYNAMIC_TYPES = ("vertical_slash", "block_topk")
+
+
+@dataclass(frozen=True)
+class SparsityPattern:
+    """One head's pattern. Params are named as in DESIGN.md; 0 means "not used" for optional counts."""
+
+    type: str = "dense"
+    window: int = 0
+    sinks: int = 0
+    random_blocks: int = 0
+    block_size: int = DEFAULT_BLOCK_SIZE
+    seed: int = 0
+    n_vertical: int = 0
+    n_slash: int = 0
+    last_q: int = 64
+    top_k: int = 0
+    dense_below: int = 0
+
+    def __post_init__(self):
+        validate_pattern(self.to_dict(), "pattern")
+
+    @classmethod
+    def from_dict(cls, d: dict, key: str = "pattern") -> "SparsityPattern":
+        """``{type: a_shape, sinks: 64, window: 1024}`` -> pattern; bad dicts raise ConfigError naming ``key``."""
+        validate_pattern(d, key)
+        return cls(**dict(d))
+
+    def to_dict(self) -> dict:
+        """The YAML form: type, its required params, and optional ones that differ from the default."""
+        check_choice(self.type, tuple(PATTERN_TYPES), "pattern.type")
+        required, optional = PATTERN_TYPES[self.type]
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        out = {"type": self.type}
+        for name in required:
+            out[name] = getattr(self, name)
+        for name in optional + COMMON_PARAMS:
+            if getattr(self, name) != defaults[name]:
+                out[name] = getattr(self, name)
+        return out
+
+    @property
+    def dynamic(self) -> bool:
+        """True when the mask depends on the input (needs q, k)."""
+        return self.type in DYNAMIC_TYPES
+
+    def is_dense_at(self, T: int) -> bool:
+        """True when, over ``T`` keys, the pattern allows every causal pair (so dense attention is exact):
+        fewer keys than ``dense_below``, or a window / budget that covers all ``T`` keys."""
+        if self.type == "dense" or T < self.dense_below:
+            return True
+        if self.type == "vertical_slash":
+            return max(self.n_vertical, self.n_slash) >= T
+        if self.type == "block_topk":
+            return self.top_k >= (T + self.block_size - 1) // self.block_size
+        return self.window >= T
+
+
+PatternLike = Union[SparsityPattern, Sequence[SparsityPattern]]
+DENSE_PATTERN = SparsityPattern()
+
+
+def head_patterns(pattern: PatternLike, n_heads: int) -> list[SparsityPattern]:
+    """One pattern per query head (a single pattern is shared by all heads)."""
+    if isinstance(pattern, SparsityPattern):
+        return [pattern] * n_heads
+    pats = list(pattern)
+    if len(pats) != n_heads:
+        raise ValueError(f"per-head pattern list has {len(pats)} entries for {n_heads} heads")
+    return [p if p is not None else SparsityPattern() for p in pats]
+
+
+def layer_block_size(pats: Sequence[SparsityPattern]) -> int:
+    """The block size shared by a layer's sparse heads (kernels tile one block size per layer)."""
+    sizes = {p.block_size for p in pats if p.type != "dense"} or {SparsityPattern().block_size}
+    if len(sizes) != 1:
+        raise ConfigError("pattern.block_size", f"heads of one layer must share block_size, got {sorted(sizes)}")
+    return sizes.pop()

@@ -1,0 +1,244 @@
+"""A layer's pattern resolved for one input (``PatternPlan``: windows, sinks, columns, diagonals, blocks)
+and the token-level mask it means (``pattern_mask``, ``budget_plan``).
+
+Shapes: B batch, H query heads, S queries, T keys, D head dim, nq/nk query/key blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .pattern import DENSE_PATTERN, PatternLike, SparsityPattern, head_patterns, layer_block_size
+from .selection import estimate_block_topk, estimate_vertical_slash, index_tensor, random_block_rows
+
+
+@dataclass
+class PatternPlan:
+    """What one layer's pattern resolves to for one input: everything a backend needs.
+
+    ``cols/diags [B, H, T]`` (vertical-slash heads, else False), ``blocks [B, H, nq, nk]`` whole key
+    blocks allowed for query blocks ``q_block0 ..`` (random or top-k; None when no head uses them),
+    ``window[H]`` / ``sinks[H]`` (0 = none; a dense head has ``window = T + 1``), ``q_pos[S]`` absolute
+    query positions ``q_start ..``. ``col_budget``: the most columns any head chose (known from the budgets,
+    so a backend can size per-head column slots without reading ``cols`` back from the GPU).
+    """
+    block_size: int
+    q_pos: torch.Tensor
+    T: int
+    window: torch.Tensor
+    sinks: torch.Tensor
+    blocks: Optional[torch.Tensor]
+    cols: Optional[torch.Tensor]
+    diags: Optional[torch.Tensor]
+    q_start: int
+    col_budget: int = 0
+
+    @property
+    def q_block0(self) -> int:
+        return self.q_start // self.block_size
+
+    def token_mask(self) -> torch.Tensor:
+        """bool ``[B or 1, H, S, T]``."""
+        k_pos = torch.arange(self.T, device=self.q_pos.device)
+        d = self.q_pos[:, None] - k_pos[None, :]                                            # [S, T]
+        keep = (d[None] < self.window[:, None, None]) | (k_pos[None, None, :] < self.sinks[:, None, None])
+        keep = keep[None]                                                                   # [1, H, S, T]
+        if self.blocks is not None:
+            bs = self.block_size
+            qb = torch.div(self.q_pos, bs, rounding_mode="floor") - self.q_block0
+            kb = torch.div(k_pos, bs, rounding_mode="floor")
+            keep = keep | self.blocks[:, :, qb][:, :, :, kb]
+        if self.cols is not None:
+            keep = keep | self.cols[:, :, None, :] | self._diag_rows()
+        return keep & (d >= 0)
+
+    def diag_reach(self) -> torch.Tensor:
+        """bool ``[B, H, T]``: ``reach[x]`` = some chosen diagonal lies in ``x .. x + block_size - 1``.
+
+        The slash rule in one table: a query q (block start ``qs``) keeps key ``k <= q`` through the
+        diagonals iff ``k >= qs`` or ``reach[qs - k]`` (module docstring).
+        """
+        bs, T = self.block_size, self.T
+        cs = torch.nn.functional.pad(self.diags.int().cumsum(-1), (1, 0))                 # [B, H, T+1]
+        x = torch.arange(T, device=self.diags.device)
+        return cs[..., (x + bs).clamp(max=T)] > cs[..., x]
+
+    def _diag_rows(self) -> torch.Tensor:
+        """The slash rule as bool ``[B, H, S, T]`` (for vertical-slash heads True on and past each query's
+        block start; causality is the caller's): one gathered row per query block, repeated over its queries."""
+        bs, T = self.block_size, self.T
+        qs = torch.div(self.q_pos, bs, rounding_mode="floor") * bs                          # [S]
+        starts, row_of = torch.unique_consecutive(qs, return_inverse=True)
+        x = starts[:, None] - torch.arange(T, device=qs.device)[None, :]                   # [nb, T]
+        # x <= 0 (the query's own block) reads reach[0]: true exactly for heads with diagonal 0 chosen,
+        # i.e. the vertical-slash heads; other heads of the plan get nothing from this rule
+        rows = self.diag_reach()[..., x.clamp(min=0)]                                       # [B, H, nb, T]
+        return rows[:, :, row_of]
+
+    def block_layout(self, include_cols: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(partial, full)`` bool ``[B or 1, H, nq, nk]`` for a square plan (queries = keys 0..T-1).
+
+        ``full`` blocks are allowed everywhere (no mask needed); ``partial`` blocks hold at least one
+        allowed pair and need the token mask. Derived per component, never from the S x T mask, so it
+        costs O(H nq nk) at any length; a union of partial pieces that happens to cover a block stays
+        ``partial`` (correct, only slower), except a below-diagonal block whose every diagonal is chosen
+        (``full``). ``include_cols=False``: the layout of the rule without the vertical columns (the
+        flex backend attends to those through gathered keys, layers.sparse_attention).
+        """
+        bs, T, dev = self.block_size, self.T, self.q_pos.device
+        if self.q_pos.numel() != T or self.q_start != 0:
+            raise ValueError("block_layout needs queries at positions 0..T-1")
+        n = (T + bs - 1) // bs
+        off = torch.arange(n, device=dev)[:, None] - torch.arange(n, device=dev)[None, :]     # qb - kb
+        causal, below = off >= 0, off > 0
+        win, sinks = self.window[:, None, None], self.sinks[:, None, None]
+        kb_lo = torch.arange(n, device=dev)[None, :] * bs
+        touch = causal & (((off * bs - (bs - 1)) < win) | (kb_lo < sinks))                   # [H, n, n]
+        full = below & (((off * bs + (bs - 1)) < win) | (kb_lo + bs <= sinks))
+        touch, full = touch[None], full[None]
+        if self.blocks is not None:
+            touch = touch | self.blocks
+            full = full | (self.blocks & below)
+        if self.cols is not None:
+            # Block offset o >= 1 holds the pairs with qs - k in x = o*bs-(bs-1) .. o*bs, kept where
+            # reach[x]: touched when a chosen diagonal lies in o*bs-(bs-1) .. o*bs+(bs-1), full when
+            # reach holds on all bs of them. The diagonal block (o = 0) is kept whole (up to causality).
+            cs = torch.nn.functional.pad(self.diags.int().cumsum(-1), (1, 0))                # [B, H, T+1]
+            cr = torch.nn.functional.pad(self.diag_reach().int().cumsum(-1), (1, 0))
+            o = torch.arange(n, device=dev)
+            lo, hi = (o * bs - (bs - 1)).clamp(0, T), (o * bs + bs).clamp(0, T)
+            n_diag = cs[..., hi] - cs[..., lo]                       # [B, H, n] chosen diagonals by offset
+            oc = off.clamp(min=0)
+            hit = n_diag > 0
+            if include_cols:
+                pad = n * bs - T
+                has_col = torch.nn.functional.pad(self.cols, (0, pad)).view(*self.cols.shape[:2], n, bs).any(-1)
+                hit = hit[:, :, oc] | has_col[:, :, None, :]
+            else:
+                hit = hit[:, :, oc]
+            touch = touch | (hit & causal)
+            xlo, xhi = (o * bs - (bs - 1)).clamp(0, T), (o * bs + 1).clamp(0, T)
+            every = (cr[..., xhi] - cr[..., xlo]) == bs
+            full = full | (every[:, :, oc] & below)
+        # one batch size for both lists: kernels index partial and full lists with the same strides
+        touch, full = torch.broadcast_tensors(touch, full)
+        return (touch & ~full).contiguous(), full.contiguous()
+
+
+def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: int, layer: int = 0,
+                 q: Optional[torch.Tensor] = None, k: Optional[torch.Tensor] = None,
+                 q_history: Optional[torch.Tensor] = None, device=None) -> PatternPlan:
+    """Resolve a (per-head) pattern for queries at positions ``q_start .. q_start+S-1`` over keys ``0..T-1``.
+
+    Input-dependent heads need ``q[B, H, S, D]`` and ``k[B, Hk, T, D]``; ``q_history[B, H, P, D]``
+    holds the queries at positions just before ``q_start`` (decode), used for estimation only.
+    Positions are Python ints, so planning never waits on the GPU.
+    """
+    pats = head_patterns(pattern, n_heads)
+    bs = layer_block_size(pats)
+    # a head that allows every causal pair over T keys is planned as a dense head: window T + 1, no
+    # sinks, random blocks or estimation (the same mask; decode at T keys follows prefill of T keys)
+    pats = [DENSE_PATTERN if p.is_dense_at(T) else p for p in pats]
+    dev = device if device is not None else (q.device if q is not None else None)
+    q_pos = torch.arange(q_start, q_start + S, device=dev)
+    win = index_tensor([T + 1 if p.type == "dense" else p.window for p in pats], dev)
+    sinks = index_tensor([p.sinks for p in pats], dev)
+    qb0 = q_start // bs
+    q_blocks = torch.arange(qb0, (q_start + S - 1) // bs + 1 if S else qb0, device=dev)
+    nk = (T + bs - 1) // bs
+    blocks = cols = diags = None
+    if any(p.random_blocks for p in pats):
+        blocks = random_block_rows(pats, layer, q_blocks, nk)[None]
+    dyn = [h for h, p in enumerate(pats) if p.dynamic]
+    if dyn:
+        if q is None or k is None:
+            raise ValueError("input-dependent patterns (vertical_slash, block_topk) need q and k")
+        src = q if q_history is None else torch.cat([q_history.to(q.dtype), q], dim=2)
+        src_start = q_start - (src.shape[2] - S)
+        B = q.shape[0]
+        vs = [h for h in dyn if pats[h].type == "vertical_slash"]
+        if vs:
+            L = min(max(pats[h].last_q for h in vs), src.shape[2])
+            src_end = src_start + src.shape[2]
+            heads = index_tensor(vs, dev)      # index tensors, not lists: a list index is a blocking host-to-GPU copy
+            c, dg = estimate_vertical_slash(src[:, heads, -L:], _kv_for_heads(k, vs, n_heads), range(src_end - L, src_end),
+                                            [pats[h].n_vertical for h in vs], [pats[h].n_slash for h in vs])
+            cols = torch.zeros(B, n_heads, T, dtype=torch.bool, device=dev)
+            diags = torch.zeros_like(cols)
+            cols[:, heads], diags[:, heads] = c, dg
+        bt = [h for h in dyn if pats[h].type == "block_topk"]
+        if bt:
+            first = max(qb0 * bs - src_start, 0)       # pool from the first query block's start on
+            heads = index_tensor(bt, dev)
+            pick = estimate_block_topk(src[:, heads, first:], src_start + first, _kv_for_heads(k, bt, n_heads),
+                                       q_blocks, qb0, bs, [pats[h].top_k for h in bt])
+            full = torch.zeros(B, n_heads, q_blocks.numel(), nk, dtype=torch.bool, device=dev)
+            if blocks is not None:
+                full |= blocks
+            full[:, heads] |= pick
+            blocks = full
+    return PatternPlan(bs, q_pos, T, win, sinks, blocks, cols, diags, q_start, _col_budget(pats, T))
+
+
+def _col_budget(pats: Sequence[SparsityPattern], T: int) -> int:
+    """The most key columns a vertical-slash head of ``pats`` chooses over ``T`` keys (top-k picks exactly this many)."""
+    return max([min(p.n_vertical, T) for p in pats if p.type == "vertical_slash"], default=0)
+
+
+def _kv_for_heads(k: torch.Tensor, heads: Sequence[int], n_heads: int) -> torch.Tensor:
+    """KV heads serving query heads ``heads`` (one per query head, so the GQA group is 1)."""
+    g = n_heads // k.shape[1]
+    return k[:, index_tensor([h // g for h in heads], k.device)]
+
+
+def pattern_mask(pattern: PatternLike, q_len: int, kv_len: int, n_heads: int, layer: int = 0,
+                 q: Optional[torch.Tensor] = None, k: Optional[torch.Tensor] = None, device=None) -> torch.Tensor:
+    """The token-level mask a pattern means: bool ``[n_heads, q_len, kv_len]`` (``[B, ...]`` with ``q, k``).
+
+    Queries are the last ``q_len`` positions of the ``kv_len`` keys (decode: ``q_len = 1``).
+    Input-dependent patterns need ``q[B, n_heads, q_len, D]`` and ``k[B, Hk, kv_len, D]``.
+    """
+    dev = device or (q.device if q is not None else None)
+    plan = plan_pattern(pattern, n_heads, kv_len - q_len, q_len, kv_len, layer, q, k, device=dev)
+    m = plan.token_mask()
+    return m if q is not None else m[0]
+
+
+def budget_plan(pattern: PatternLike, n_heads: int, T: int, layer: int = 0, rows: Optional[range] = None,
+                device=None) -> PatternPlan:
+    """A plan that needs no input: input-dependent heads get the places their budgets allow.
+
+    Vertical-slash heads take columns ``0 .. n_vertical-1`` and diagonals ``0 .. n_slash-1``; block
+    top-k heads take the diagonal block and the ``top_k - 1`` blocks before it. Used for density logs
+    and pictures; the density it gives is what the budgets buy when the picks do not overlap.
+    """
+    pats = head_patterns(pattern, n_heads)
+    rows = range(T) if rows is None else rows
+    dyn = [h for h, p in enumerate(pats) if p.dynamic and not p.is_dense_at(T)]   # heads dense at T: plan_pattern
+    # stand-ins that keep the layer's block size; their window is cleared below
+    static = [SparsityPattern(type="local", window=1, block_size=p.block_size) if h in dyn else p
+              for h, p in enumerate(pats)]
+    plan = plan_pattern(static, n_heads, rows.start, len(rows), T, layer, device=device)
+    if not dyn:
+        return plan
+    idx = torch.arange(T, device=device)
+    plan.window, plan.sinks = plan.window.clone(), plan.sinks.clone()
+    plan.window[dyn] = 0
+    cols = torch.zeros(1, n_heads, T, dtype=torch.bool, device=device)
+    diags = torch.zeros_like(cols)
+    nq = (rows.stop - 1) // plan.block_size - plan.q_block0 + 1 if len(rows) else 0
+    nk = (T + plan.block_size - 1) // plan.block_size
+    qb = torch.arange(plan.q_block0, plan.q_block0 + nq, device=device)[:, None]
+    blocks = torch.zeros(1, n_heads, nq, nk, dtype=torch.bool, device=device) if plan.blocks is None else plan.blocks.clone()
+    for h in dyn:
+        p = pats[h]
+        if p.type == "vertical_slash":
+            cols[0, h], diags[0, h] = idx < p.n_vertical, idx < p.n_slash
+        else:
+            off = qb - torch.arange(nk, device=device)[None, :]
+            blocks[0, h] = (off >= 0) & (off < p.top_k)
+    plan.cols, plan.diags, plan.blocks = cols, diags, blocks
+    plan.col_budget = _col_budget([pats[h] for h in dyn], T)
+    return plan

@@ -1,0 +1,159 @@
+"""Which keys an input-dependent or random head keeps: seeded random blocks (BigBird), vertical-slash
+estimation (MInference) and block top-k estimation (MoBA-style pooled scores).
+
+Semantics in layers.attention.pattern. Shapes: B batch, H query heads, S queries, T keys, D head dim.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .pattern import SparsityPattern
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _fmix32(x):
+    """Murmur3 finaliser on Python ints or int64 tensors holding 32-bit values (wrapping multiply, low 32 bits kept)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def index_tensor(values: Sequence[int], device=None) -> torch.Tensor:
+    """int64 ``[len(values)]`` on ``device``, without waiting for the GPU: ``torch.tensor(values, device="cuda")``
+    (a copy from pageable memory) first waits for everything queued on the GPU; a pinned source copied
+    non-blocking does not (the caching host allocator keeps it alive until the copy has run). Under
+    torch.compile the values are constants of the graph, so the plain copy is traced instead."""
+    t = torch.tensor(values, dtype=torch.long)
+    if device is None or torch.device(device).type != "cuda" or torch.compiler.is_compiling():
+        return t if device is None else t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def random_block_rows(pats: Sequence[SparsityPattern], layer: int, q_blocks: torch.Tensor, n_k_blocks: int) -> torch.Tensor:
+    """``bool[H, len(q_blocks), n_k_blocks]``: the ``random_blocks`` key blocks each head's query blocks draw.
+
+    Block ``qb`` of head h picks the ``r`` blocks of ``0 .. qb-1`` with the largest 32-bit hash of
+    (seed, layer, h, qb, kb) (all of them when ``qb <= r``); integer ops only, so equal on every device,
+    and the hash of a (qb, kb) pair never depends on the sequence length.
+    """
+    dev = q_blocks.device
+    kb = torch.arange(n_k_blocks, device=dev)
+    base = index_tensor([_fmix32((p.seed * 0x9E3779B1 + layer * 0x85EBCA77 + h * 0xC2B2AE3D) & _MASK32)
+                  for h, p in enumerate(pats)], dev)                                     # [H]
+    hq = _fmix32(base[:, None] ^ ((q_blocks.long() * 0x27D4EB2F) & _MASK32)[None, :])   # [H, nq]
+    h = _fmix32(hq[:, :, None] ^ ((kb * 0x165667B1) & _MASK32))                          # [H, nq, nk]
+    earlier = kb[None, :] < q_blocks[:, None]                                             # [nq, nk]
+    score = torch.where(earlier, (h << 20) | kb, -1)     # distinct scores: ties never depend on topk order
+    return _topk_per_head(score[None], [p.random_blocks for p in pats])[0] & earlier
+
+
+# ---------------------------------------------------------------------------------------------------
+# Input-dependent estimation (vertical-slash, block top-k)
+
+
+def _group_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``q[B, H, L, D]``, ``k[B, Hk, T, D]`` -> float32 ``q k^T / sqrt(D)`` of shape ``[B, H, L, T]`` (GQA without repeat)."""
+    B, H, L, D = q.shape
+    Hk = k.shape[1]
+    with torch.autocast(q.device.type, enabled=False):    # index choice in float32 even under bf16 autocast
+        if q.is_cuda and q.dtype == k.dtype and q.dtype in (torch.bfloat16, torch.float16):
+            # Tensor cores with float32 accumulation and output: 16-bit products are exact in float32, so
+            # this is the float32 GEMM below up to summation order, ~10x faster (CUDA has no TF32 default).
+            s = torch.bmm(q.reshape(B * Hk, H // Hk * L, D), k.reshape(B * Hk, -1, D).transpose(1, 2),
+                          out_dtype=torch.float32).mul_(D ** -0.5)
+        else:
+            qg = q.float().view(B, Hk, H // Hk, L, D)
+            s = torch.einsum("bkgld,bktd->bkglt", qg, k.float()) * D ** -0.5
+    return s.reshape(B, H, L, -1)
+
+
+def _topk_per_head(score: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
+    """``score[B, H, ..., N]``, per-head budgets ``ks[H]`` -> bool, same shape, marking each row's top-k."""
+    H, N = score.shape[1], score.shape[-1]
+    kmax = min(max(ks), N)
+    idx = score.topk(kmax, dim=-1).indices
+    rank_ok = torch.arange(kmax, device=score.device)[None, :] < index_tensor(ks, score.device)[:, None]
+    rank_ok = rank_ok.view(H, *([1] * (score.dim() - 3)), kmax)
+    out = torch.zeros(score.shape, dtype=torch.bool, device=score.device)
+    return out.scatter_(-1, idx, rank_ok.expand_as(idx))
+
+
+@torch.no_grad()   # indices only: nothing differentiable leaves, so record no graph
+def estimate_vertical_slash(q_est: torch.Tensor, k: torch.Tensor, est_pos: range,
+                            n_vertical: Sequence[int], n_slash: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """MInference's online index estimation.
+
+    ``q_est[B, H, L, D]`` are the last queries (absolute positions ``est_pos``, a range), ``k[B, Hk, T, D]``.
+    Returns ``cols, diags`` bool ``[B, H, T]``: the chosen key columns and diagonals ``d = q - k``.
+    """
+    T, L, p0 = k.shape[2], q_est.shape[2], est_pos.start
+    s = _group_scores(q_est, k)                                             # [B, H, L, T]
+    # only keys after the first estimating query can lie in a row's future: mask that tail in place
+    future = torch.arange(p0 + 1, T, device=k.device)[None, :] > torch.arange(p0, p0 + L, device=k.device)[:, None]
+    s[..., p0 + 1:].masked_fill_(future, float("-inf"))
+    prob = s.softmax(-1)
+    cols = _topk_per_head(prob.sum(-2), n_vertical)
+    # Diagonals are ranked by the mass the chosen columns leave: a heavy column key otherwise puts one
+    # row's mass on each of L diagonals ("shadows" of the column) that buy nothing the column does not
+    # already cover, and scatter over the key blocks (BENCHMARKS.md, vertical-slash). MInference ranks
+    # both from the same scores; this is the greedy cover: the union holds at least as much of the
+    # estimating rows' mass for the same budgets.
+    prob.masked_fill_(cols[:, :, None, :], 0.0)
+    diags = _topk_per_head(_diagonal_sums(prob, p0), n_slash)
+    diags[..., 0] = True
+    return cols, diags
+
+
+def _diagonal_sums(prob: torch.Tensor, p0: int) -> torch.Tensor:
+    """``prob[B, H, L, T]`` with row i at position ``p_i = p0 + i < T`` (zero where k > q) -> ``[B, H, T]``: the
+    mass on each diagonal ``d = q - k``, all rows at once (no loop over rows, no copy of prob).
+
+    Diagonals ``0 .. p0`` cross every row: element ``(i, e)`` at flat offset ``i * (T + 1) + e`` of a row-major
+    ``[L, T]`` slab is row i, key ``i + e``, diagonal ``p0 - e``, so a strided view summed over i gives them
+    all. Diagonals ``p0 + m`` (``m = 1 .. L-1``) exist only in rows ``i >= m`` (key ``i - m``): a gather from
+    the first L keys.
+    """
+    B, H, L, T = prob.shape
+    prob = prob.contiguous()
+    out = prob.new_zeros(B, H, T)
+    main = prob.as_strided((B, H, L, p0 + 1), (H * L * T, L * T, T + 1, 1), prob.storage_offset())
+    out[..., :p0 + 1] = main.sum(-2).flip(-1)
+    if L > 1:
+        key = torch.arange(L, device=prob.device)[:, None] - torch.arange(1, L, device=prob.device)[None, :]   # [L, L-1]
+        vals = prob[..., :L].gather(-1, key.clamp(min=0).expand(B, H, L, L - 1)) * (key >= 0)
+        out[..., p0 + 1:p0 + L] = vals.sum(-2)
+    return out
+
+
+def _block_mean(x: torch.Tensor, start: int, bs: int, n_blocks: int) -> torch.Tensor:
+    """Mean of ``x[B, H, N, D]`` over blocks ``[start + i*bs, ...)`` that the rows cover; empty blocks are 0."""
+    B, H, N, D = x.shape
+    blk = torch.div(torch.arange(N, device=x.device) + start, bs, rounding_mode="floor") - start // bs
+    s = torch.zeros(B, H, n_blocks, D, device=x.device, dtype=torch.float32)
+    s.index_add_(2, blk, x.float())
+    cnt = torch.zeros(n_blocks, device=x.device).index_add_(0, blk, torch.ones(N, device=x.device))
+    return s / cnt.clamp(min=1)[:, None]
+
+
+@torch.no_grad()
+def estimate_block_topk(q_pool_src: torch.Tensor, src_start: int, k: torch.Tensor, q_blocks: torch.Tensor,
+                        first: int, bs: int, top_k: Sequence[int]) -> torch.Tensor:
+    """Block top-k by mean-pooled scores.
+
+    ``q_pool_src[B, H, N, D]`` holds queries at positions ``src_start ..`` covering every query block in
+    ``q_blocks[nq] = first, first+1, ..``; ``k[B, Hk, T, D]``. Returns bool ``[B, H, nq, nk]``.
+    """
+    T = k.shape[2]
+    nk = (T + bs - 1) // bs
+    qp = _block_mean(q_pool_src, src_start - first * bs, bs, q_blocks.numel())   # [B, H, nq, D]
+    kp = _block_mean(k, 0, bs, nk)                                                 # [B, Hk, nk, D]
+    s = _group_scores(qp, kp)                                                      # [B, H, nq, nk]
+    kb = torch.arange(nk, device=k.device)
+    s = s.masked_fill(kb[None, :] > q_blocks[:, None], float("-inf"))
+    s = torch.where(kb[None, :] == q_blocks[:, None], torch.full_like(s, float("inf")), s)
+    return _topk_per_head(s, top_k) & (kb[None, :] <= q_blocks[:, None])

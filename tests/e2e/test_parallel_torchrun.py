@@ -1,0 +1,30 @@
+"""train.py under torchrun on CPU (gloo) with expert parallelism: zoo/tiny_moe.yaml at ep=2.
+
+The balance loss is taken over the global batch (``model.moe.global_balance``, the default), so 2 ranks
+reproduce 1 rank's losses with it on; with ``global_balance=false`` (each rank's own tokens, as in
+megablocks and torchtitan) they differ by the balance term.
+"""
+import os
+import shutil
+
+import pytest
+
+from helpers import train_cli
+
+
+
+@pytest.mark.slow
+def test_two_rank_ep2_run_matches_one_rank_with_the_same_global_batch(tmp_path, corpus_dir):
+    one = train_cli(str(tmp_path / "one"), corpus_dir, 1, preset="zoo/tiny_moe.yaml", batch=8)
+    two = train_cli(str(tmp_path / "two"), corpus_dir, 2, "parallel.ep=2", preset="zoo/tiny_moe.yaml", batch=4)
+    assert len(one) == len(two) == 6
+    assert max(abs(a - b) for a, b in zip(one, two)) < 1e-5, (one, two)
+
+
+@pytest.mark.slow
+def test_two_rank_ep2_resume_replays_the_same_losses(tmp_path, corpus_dir):
+    run = str(tmp_path / "r")
+    first = train_cli(run, corpus_dir, 2, "parallel.ep=2", preset="zoo/tiny_moe.yaml")
+    shutil.rmtree(os.path.join(run, "run", "checkpoints", "step_00000006"))  # as if killed after step 3's save
+    both = train_cli(run, corpus_dir, 2, "parallel.ep=2", "--resume", preset="zoo/tiny_moe.yaml")
+    assert len(first) == 6 and both[6:] == first[3:], (first, both)

@@ -1,0 +1,187 @@
+"""Helpers shared by the tests (the one place they live; tests import them, never each other).
+
+- the repository root ``ROOT``; training runs: ``tiny_overrides``, ``train_cli``, ``tiny_moe_cfg``; multi-process: ``spawn`` (forked gloo ranks);
+- HF parity: ``TOL``, ``V``, ``randomize_``, ``tokens``, ``assert_same_logits``;
+- attention: ``BS``, ``plain_attention``, ``make_inputs``, ``fa_check``, ``run_criterion``, ``emulated_counts``.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from configs import load_config
+
+from layers import pattern_mask, sparse_attention
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository
+
+
+def tiny_overrides(tmp, corpus, **extra) -> list[str]:
+    """Overrides that make any preset a ~30k-parameter model training on ``corpus`` under ``tmp``."""
+    ov = {
+        "model.vocab_size": 512, "model.dim": 32, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
+        "model.ffn_hidden": 64, "model.max_seq_len": 64, "data.source": corpus, "data.cache_dir": f"{tmp}/cache",
+        "data.max_files": 0, "train.seq_len": 32, "train.batch_size": 4, "train.steps": 20, "train.eval_every": 10,
+        "train.eval_batches": 2, "train.out_dir": f"{tmp}/run", "logging.wandb": "disabled", "logging.log_every": 5,
+        "logging.progress": False, "optim.warmup_steps": 2, "optim.lr": 3e-3, "checkpoint.every": 10,
+    }
+    ov.update(extra)
+    return [f"{k}={v}" for k, v in ov.items()]
+
+
+def train_cli(tmp, corpus, nproc, *extra, preset="zoo/tiny_dense.yaml", batch=4):
+    """Run train.py (``nproc`` > 1: under torchrun) on a tiny model for 6 steps; the per-step total losses."""
+    ov = tiny_overrides(tmp, corpus, **{"train.steps": 6, "logging.log_every": 1, "train.eval_every": 6,
+                                        "train.batch_size": batch, "checkpoint.every": 3,
+                                        "data.cache_dir": f"{os.path.dirname(tmp)}/cache"})
+    if nproc == 1:
+        cmd = [sys.executable, "train.py"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(cmd + ["--config", preset, *ov, *extra], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(os.path.join(tmp, "run", "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return [row["loss/total"] for row in rows if "loss/total" in row]
+
+
+def tiny_moe_cfg(*overrides):
+    """A 2-layer, 4-expert MoE config on CPU (parallel and checkpoint tests)."""
+    return load_config(None, ["model.vocab_size=64", "model.dim=16", "model.n_layers=2", "model.n_heads=2",
+                              "model.ffn=moe", "model.moe.num_experts=4", "model.moe.top_k=2",
+                              "model.moe.hidden_dim=24", "model.moe.aux_loss_coef=0.1", "model.moe.z_loss_coef=0.01",
+                              "model.max_seq_len=16",
+                              "train.seq_len=8", "train.batch_size=2", "train.device=cpu", *overrides])
+
+
+def spawn(fn, world: int, *args) -> None:
+    """Fork ``world`` CPU ranks joined in a gloo process group; each runs ``fn(rank, world, *args)``.
+    The one process-spawn helper of the multi-process tests."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_spawn_entry, args=(fn, world, os.path.join(d, "store"), args), nprocs=world,
+                           join=True, start_method="fork")
+
+
+def _spawn_entry(rank, fn, world, store, args):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+# --- HF parity
+
+TOL = 1e-4
+
+
+V = 96
+
+
+def randomize_(module: torch.nn.Module, seed: int, std: float = 0.2) -> None:
+    """Fresh random weights: matrices and biases N(0, std), 1-D norm weights 1 + N(0, 0.1)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else std * noise)
+
+
+def tokens(seed: int, b: int = 2, s: int = 13) -> torch.Tensor:
+    return torch.randint(0, V, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_same_logits(hf_model, model, seed: int = 0) -> None:
+    x = tokens(seed)
+    with torch.no_grad():
+        ref = hf_model(x).logits.float()
+        out = model(x)
+    assert ref.std() > 0.1, "logits too small for the tolerance to mean anything"
+    assert (out - ref).abs().max().item() < TOL
+
+
+# --- attention
+
+BS = 16
+
+
+def plain_attention(q, k, v, mask):
+    """Textbook softmax(q k^T / sqrt(D) + mask) v in the inputs' dtype; KV repeated for GQA."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~mask, float("-inf"))
+    return s.softmax(-1) @ v
+
+
+def make_inputs(B, H, Hk, T, D=16, dtype=torch.bfloat16, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, T, D, generator=g).to(device, dtype) for h in (H, Hk, Hk))
+    return q, k, v
+
+
+def fa_check(name, got, ref32, plain):
+    """FlashAttention acceptance: |got - ref32| <= 2 |plain - ref32| (plus float noise)."""
+    err = (got.float() - ref32).abs().max().item()
+    base = (plain.float() - ref32).abs().max().item()
+    assert err <= 2 * base + 1e-5, f"{name}: error {err:.3g} vs plain-torch {base:.3g}"
+
+
+def run_criterion(pattern, backend, B, H, Hk, T, grads=True, D=16, device="cpu"):
+    q, k, v = make_inputs(B, H, Hk, T, D=D, device=device)
+    mask = pattern_mask(pattern, T, T, H, q=q, k=k)          # estimation sees the same bf16 values
+    if mask.dim() == 3:
+        mask = mask[None]
+    leaves32 = [t.float().requires_grad_() for t in (q, k, v)]
+    leaves16 = [t.clone().requires_grad_() for t in (q, k, v)]
+    leavesb = [t.clone().requires_grad_(grads) for t in (q, k, v)]
+    ref32 = plain_attention(*leaves32, mask)
+    plain = plain_attention(*leaves16, mask)
+    got = sparse_attention(*leavesb, pattern, backend=backend)
+    fa_check("out", got, ref32.detach(), plain.detach())
+    if not grads:
+        return
+    do = torch.randn(ref32.shape, generator=torch.Generator().manual_seed(1)).to(ref32.device)
+    for out, leaves in ((ref32, leaves32), (plain, leaves16), (got, leavesb)):
+        out.backward(do.to(out.dtype))
+    for name, a, b, c in zip(("dq", "dk", "dv"), leavesb, leaves32, leaves16):
+        fa_check(name, a.grad, b.grad, c.grad)
+
+
+def emulated_counts(bm, T, slots=None):
+    """How often each (q, key) pair is attended when a kernel visits only the listed blocks (full: every
+    element, partial: through mask_mod), per batch element: ``[B, H, T, T]``. ``slots [B or 1, H, NVp]``: the
+    keys are ``cat(K[slots], K)`` (layers.sparse_attention.gather_columns); slots map back to their positions."""
+    pn, pi, fn, fi = bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
+    if slots is None:
+        slots = torch.zeros(1, pn.shape[1], 0, dtype=torch.int32)
+    B, H = max(pn.shape[0], slots.shape[0]), pn.shape[1]
+    nvp = slots.shape[-1]
+    L = nvp + T
+    qi, ki = torch.arange(T)[:, None], torch.arange(L)[None, :]
+    counts = torch.zeros(B, H, T, T, dtype=torch.int64)
+    for b in range(B):
+        pb, fb = min(b, pn.shape[0] - 1), min(b, fn.shape[0] - 1)
+        for h in range(H):
+            mm = bm.mask_mod(torch.tensor(b), torch.tensor(h), qi, ki)
+            seen = torch.zeros(T, L, dtype=torch.bool)
+            for qb in range(pn.shape[2]):
+                rows = slice(qb * BS, (qb + 1) * BS)
+                for kb in pi[pb, h, qb, :pn[pb, h, qb]].tolist():
+                    seen[rows, kb * BS:(kb + 1) * BS] |= mm[rows, kb * BS:(kb + 1) * BS]
+                for kb in fi[fb, h, qb, :fn[fb, h, qb]].tolist():
+                    seen[rows, kb * BS:(kb + 1) * BS] = True
+            pos = torch.cat([slots[min(b, slots.shape[0] - 1), h].long(), torch.arange(T)])
+            real = pos < T                         # empty slots must never be attended
+            assert not seen[:, ~real].any()
+            counts[b, h].index_add_(1, pos[real], seen[:, real].long())
+    return counts

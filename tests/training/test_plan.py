@@ -1,0 +1,119 @@
+"""training.plan / zoo.flops: parameter counts, FLOPs and memory plans built on the meta device."""
+import os
+import resource
+
+import pytest
+
+from configs import ConfigError, load_config
+from helpers import ROOT
+from training.plan import PlanDoesNotFit, check_fits, format_plan, plan
+from zoo.flops import flops_per_token, param_counts
+
+
+def preset(name, *overrides):
+    path = os.path.join(ROOT, "zoo", name)
+    if not os.path.exists(path):
+        pytest.skip(f"{name} not present")
+    return load_config(path, list(overrides))
+
+
+def rss_gb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # ru_maxrss is KiB on Linux
+
+
+def test_llama_65b_plan_reports_65_2b_params_without_allocating():
+    before = rss_gb()
+    p = plan(preset("llama_65b.yaml"), n_gpus=64)
+    assert abs(p.counts.total - 65.2e9) / 65.2e9 < 0.01
+    assert p.counts.active == p.counts.total and p.counts.expert == 0
+    assert rss_gb() - before < 2.0  # 65B fp32 weights would be 260 GB
+    text = format_plan(p)
+    assert "65.29B" in text and "64 GPU(s)" in text
+
+
+def test_dense_counts_match_llama_formula():
+    cfg = preset("llama_65b.yaml").model
+    D, H, L, V = cfg.dim, cfg.hidden_dim, cfg.n_layers, cfg.vocab_size
+    assert H == 22016
+    expected = L * (4 * D * D + 3 * D * H + 2 * D) + 2 * V * D + D
+    assert param_counts(cfg).total == expected
+
+
+def test_flops_per_token_is_6n_plus_attention():
+    cfg = preset("llama_65b.yaml")
+    c = param_counts(cfg.model)
+    S = cfg.train.seq_len
+    expected = 6 * (c.total - c.embedding) + 12 * cfg.model.n_layers * cfg.model.dim * S
+    assert flops_per_token(cfg.model, S, c) == pytest.approx(expected)
+
+
+def test_moe_65b_plan_has_65b_active_and_1_4t_total():
+    cfg = preset("moe_65b.yaml")
+    m = cfg.model
+    assert (m.moe.num_experts, m.moe.top_k, m.expert_hidden_dim) == (256, 8, 2752)
+    before = rss_gb()
+    p = plan(cfg, n_gpus=256)
+    assert rss_gb() - before < 2.0
+    D, L, E, K, He = m.dim, m.n_layers, 256, 8, 2752
+    experts = L * E * 3 * D * He
+    assert p.counts.expert == experts
+    assert 1.35e12 < p.counts.total < 1.45e12
+    assert 64e9 < p.counts.active < 67e9
+    assert p.counts.active - (p.counts.total - experts) == L * K * 3 * D * He
+    # 256 experts over 256 GPUs: one expert per GPU per layer, no expert gathering
+    assert p.layout.ep == 256 and p.layout.dp_shard == 256
+    assert "1.4" in format_plan(p)
+
+
+def test_moe_65b_does_not_fit_on_one_gpu_and_says_why():
+    p = plan(preset("moe_65b.yaml"), n_gpus=1)
+    assert not p.fits
+    assert any("does not fit" in n for n in p.notes)
+
+
+def test_plan_without_gpu_count_picks_smallest_power_of_two_that_fits():
+    cfg = preset("llama_65b.yaml")
+    p = plan(cfg)
+    assert p.fits
+    assert not plan(cfg, p.n_gpus // 2).fits
+
+
+def test_config_layout_is_used_when_it_resolves():
+    cfg = preset("llama_65b.yaml", "parallel.dp_replicate=2", "parallel.activation_checkpointing=true")
+    p = plan(cfg, n_gpus=32)
+    assert p.layout_source == "config"
+    assert (p.layout.dp_replicate, p.layout.dp_shard, p.layout.ep) == (2, 16, 1)
+    assert p.layout.activation_checkpointing
+
+
+def test_check_fits_raises_config_error_with_the_plan():
+    cfg = preset("llama_65b.yaml")
+    with pytest.raises(PlanDoesNotFit) as e:
+        check_fits(cfg, 1, "cpu")
+    assert isinstance(e.value, ConfigError)
+    first, *rest = str(e.value).splitlines()
+    assert first.startswith("parallel: llama_65b needs") and "GB per device" in first
+    assert any("memory/GPU" in line for line in rest)
+
+
+def test_check_fits_passes_for_tiny_preset():
+    p = check_fits(preset("tiny_dense.yaml"), 1, "cpu")
+    assert p.fits
+
+
+def test_config_layout_that_does_not_fit_is_reported_with_the_fix():
+    cfg = preset("moe_65b.yaml", "parallel.ep=8", "parallel.activation_checkpointing=false", "dst.enabled=false")
+    p = plan(cfg, n_gpus=256)
+    assert p.layout_source == "config" and p.layout.ep == 8 and not p.fits
+    assert any("activation_checkpointing=true" in n for n in p.notes)
+    assert any("fits from 256 GPUs" in n for n in p.notes)
+    ok = plan(preset("moe_65b.yaml", "parallel.ep=8", "dst.enabled=false"), n_gpus=256)
+    assert ok.fits
+
+
+def test_dst_masks_are_counted_and_their_fix_suggested():
+    with_dst, without = plan(preset("moe_65b.yaml"), n_gpus=256), plan(preset("moe_65b.yaml", "dst.enabled=false"), n_gpus=256)
+    # 2 B (mask + ever-active) + 4 B (EMA score) per masked weight, sharded over 256 ranks
+    assert 30e9 < with_dst.memory.dst_masks < 36e9 and without.memory.dst_masks == 0
+    assert not with_dst.fits and without.fits
+    assert any("dst.grad_ema=null" in n for n in with_dst.notes)
