@@ -1,4 +1,9 @@
-"""Launch helpers shared by the MoE kernels: when Triton runs, and compile-on-first-launch.
+"""Launch helpers shared by the Triton kernels: whether Triton is here, when it runs, compile-on-first-launch.
+
+Triton is optional (pyproject installs it on Linux only; a laptop may lack it): whether it imports is
+decided once, here, at import. Without it every op runs its torch reference (``use_triton`` is False) and
+the kernel modules still import (their ``triton`` / ``tl`` names are None; kernel bodies are only
+compiled on a launch, which never happens then).
 
 Kernels are wrapped with ``triton.jit`` at their first launch rather than at import, because Triton
 decides between compiled and interpreted execution at decoration time: a test that sets
@@ -12,13 +17,24 @@ import os
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except ImportError:
+    triton = tl = None
+    HAVE_TRITON = False
+
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """Triton runs on CUDA tensors, and on CPU tensors only under ``TRITON_INTERPRET=1`` (tests)."""
+    """Triton runs on CUDA tensors, and on CPU tensors only under ``TRITON_INTERPRET=1`` (tests); never
+    without triton installed."""
+    if not HAVE_TRITON:
+        return False
     if t.is_cuda:
         return True
     return interpreting() and t.device.type == "cpu"
@@ -26,7 +42,6 @@ def use_triton(t: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _jit(fn, interpret: bool):
-    import triton
     return triton.jit(fn)
 
 

@@ -20,10 +20,7 @@ from typing import Optional
 
 import torch
 
-import triton
-import triton.language as tl
-
-from .launch import jit, use_triton
+from .launch import jit, tl, triton, use_triton
 
 # Kernels here use only triton.language builtins (tl.full, tl.reduce, tl.exp), not its @jit standard
 # library (tl.zeros, tl.sum, tl.sigmoid): those are jitted when triton is first imported, so under a

@@ -20,10 +20,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
-
-from .launch import jit, use_triton
+from .launch import jit, tl, triton, use_triton
 from .moe_combine import _block_d, combine_rows, moe_combine_reference
 
 

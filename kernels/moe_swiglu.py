@@ -23,10 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-import triton
-import triton.language as tl
-
-from .launch import jit, use_triton
+from .launch import jit, tl, triton, use_triton
 
 MAX_BLOCK = 2048   # columns per program: 4 KB of bf16 per operand, enough bytes in flight per SM
 

@@ -37,6 +37,8 @@ from torch import nn
 from configs import Config, ConfigError
 from layers.moe import moe_modules
 
+from .plan import device_memory_bytes, moe_num_experts
+
 
 @dataclass
 class ParallelState:
@@ -93,10 +95,6 @@ def resolve_device(cfg: Config, local_rank: int = 0) -> torch.device:
     if want == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", local_rank % torch.cuda.device_count())
-
-
-def moe_num_experts(cfg: Config) -> Optional[int]:
-    return cfg.model.moe.num_experts if "moe" in cfg.model.layer_ffn_types() else None
 
 
 def setup_parallel(cfg: Config) -> ParallelState:
@@ -308,7 +306,6 @@ def model_init_device(cfg: Config, state: ParallelState, max_fraction: float = 0
         return state.device
     from zoo.flops import param_counts
 
-    from .plan import device_memory_bytes
     full = 4 * param_counts(cfg.model).total
     return "meta" if full > max_fraction * device_memory_bytes(state.device) else state.device
 

@@ -286,6 +286,11 @@ class PlanDoesNotFit(ConfigError):
         return super().__str__() + "\n" + self.report
 
 
+def moe_num_experts(cfg: Config) -> Optional[int]:
+    """Routed experts per MoE layer (what ``parallel.ep`` must divide), None for a model without MoE."""
+    return cfg.model.moe.num_experts if "moe" in cfg.model.layer_ffn_types() else None
+
+
 def device_memory_bytes(device) -> float:
     """Total memory of one device: the GPU's, or this host's RAM split over its local ranks on CPU."""
     import torch
@@ -301,7 +306,6 @@ def check_fits(cfg: Config, world_size: int, device, model=None) -> Plan:
     ``PlanDoesNotFit`` (a ConfigError) before anything is allocated when it cannot fit."""
     import torch
 
-    from .parallel import moe_num_experts
     device = torch.device(device)
     p = cfg.parallel
     rep, shard, ep = p.resolve(world_size, moe_num_experts(cfg))
