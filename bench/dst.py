@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import ModelConfig  # noqa: E402
 from layers import DynamicSparsity  # noqa: E402
 from layers.dst.masks import transposable_nm_select  # noqa: E402
-from layers.dst.semi_structured import SemiSparseLinear  # noqa: E402
+from kernels.semi_sparse_linear import SemiSparseLinear  # noqa: E402
 from zoo import build_model  # noqa: E402
 
 ONE_B = ModelConfig(vocab_size=32000, dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_hidden=5632,

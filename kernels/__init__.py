@@ -1,0 +1,14 @@
+"""Every custom forward/backward of moezoo, one file per op: Triton kernel (where there is one) + launcher ->
+``torch.library.custom_op`` / ``autograd.Function`` -> used by a layer. Each has a pure-torch reference
+with the same signature; without triton (or on CPU tensors) the references run (kernels.launch decides).
+
+| op | file | used by |
+| --- | --- | --- |
+| ``moe_permute`` / ``moe_unpermute`` (tokens -> expert-sorted rows and back) | moe_permute | layers.moe.experts |
+| ``moe_combine`` (weighted sum of each token's expert rows) | moe_combine | layers.moe.experts |
+| ``swiglu`` (``scale * silu(a) * b``, fwd + bwd) | moe_swiglu | layers.moe.experts |
+| ``gate_up`` (permute fused into the SwiGLU gate/up grouped GEMMs' backward) | moe_gate_up | layers.moe.experts |
+| ``router_matmul`` (bf16 inputs, float32 logits) | router_matmul | layers.moe.layer |
+| ``SemiSparseLinear`` (2:4 sparse linear, cuSPARSELt) | semi_sparse_linear | layers.dst.semi_structured |
+| ``jit`` / ``use_triton`` / ``HAVE_TRITON`` (launch helpers) | launch | the Triton ops above |
+"""

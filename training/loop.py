@@ -18,13 +18,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from configs import Config
-from layers import attention_density, moe_update_bias, neuron_schedule_step, neuron_stats
+from layers import DynamicSparsity, ExpertBalancing, NeuronSchedule, attention_density
 from zoo import build_model
 
 from .checkpoint import check_resumable, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import prepare_data, sample_batch
 from .logger import append_metrics, make_logger, to_python
-from .metrics import device_peak_flops, moe_metrics
+from .metrics import device_peak_flops
 from .optim import build_optimizer, build_scheduler
 from .parallel import all_reduce_mean, clip_grad_norm_, model_init_device, parallelize, setup_parallel
 
@@ -58,8 +58,7 @@ class Trainer:
         if self.resume_path:
             check_resumable(self.resume_path, cfg, self.par.world_size, self.data.tokenizer.digest)
         model = build_model(cfg.model, model_init_device(cfg, self.par))   # "meta" when too big to build whole
-        self.model = parallelize(model, cfg, self.par)
-        self.raw_model = model
+        self.model = parallelize(model, cfg, self.par)   # in place (FSDP2 / EP): still the Transformer
         if cfg.train.compile:
             # Per block and in place, as torchtitan does: parameter names, FSDP2 units and checkpoints unchanged.
             # Static shapes (a run's batch and length are fixed): automatic dynamic shapes would turn the
@@ -73,13 +72,9 @@ class Trainer:
                 block.compile(dynamic=False)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
-        self.dst = None
-        if cfg.dst.enabled:
-            from layers import DynamicSparsity
-            self.dst = DynamicSparsity.from_config(self.model, cfg.dst, self.optimizer, total_steps=cfg.train.steps)
+        self.sparsity = self._sparsity_methods()
         self.autocast = self._autocast()
         self.step, self.epoch, self.bad_total, self.bad_in_row = 0, 0, 0, 0
-        self.ffn_phase = None
         self.best_val, self.wandb_id = float("inf"), None
         self.val_history: list[tuple[int, float]] = []
         # Different per-rank stream for anything stochastic in the model (router noise on different tokens).
@@ -103,6 +98,20 @@ class Trainer:
         if dt == "bfloat16" or (dt == "auto" and self.device.type == "cuda"):
             return lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext
+
+    def _sparsity_methods(self) -> list:
+        """What acts between steps (layers.sparsity_method): MoE bias balancing and load stats, the neuron
+        FFN schedule, DST. The trainer calls each the same way and knows none of them."""
+        c, out = self.cfg, []
+        ffn_types = c.model.layer_ffn_types()
+        if "moe" in ffn_types:
+            # Aux-loss-free balancing: every rank applies the same bias update from the global load.
+            out.append(ExpertBalancing(self.model, dist.group.WORLD if self.par.distributed else None))
+        if "neuron" in ffn_types:
+            out.append(NeuronSchedule(self.model, c.train.steps, self.optimizer))
+        if c.dst.enabled:
+            out.append(DynamicSparsity.from_config(self.model, c.dst, self.optimizer, total_steps=c.train.steps))
+        return out
 
     def print(self, msg: str) -> None:
         if self.par.is_main:
@@ -150,8 +159,8 @@ class Trainer:
         """One optimizer step over ``grad_accum`` micro-batches; returns detached metrics."""
         c = self.cfg
         self.model.train()
-        # Neuron-routed FFNs: dense warm-up / sparse-dense alternation / dense finish, a function of the step.
-        self.ffn_phase = neuron_schedule_step(self.raw_model, self.step, c.train.steps, self.optimizer)
+        for method in self.sparsity:
+            method.before_step(self.step)
         parts_sum: dict[str, torch.Tensor] = {}
         for micro in range(c.train.grad_accum):
             x, y = self.batch(self.step, micro)
@@ -170,13 +179,12 @@ class Trainer:
                         "lr": self.optimizer.param_groups[0]["lr"]})
         if finite:
             self.optimizer.step()
-            if self.raw_model.has_moe:
-                # Aux-loss-free balancing: every rank applies the same bias update from the global load.
-                moe_update_bias(self.raw_model, dist.group.WORLD if self.par.distributed else None)
-            if self.dst is not None:
-                self.dst.step(self.step)
+            for method in self.sparsity:
+                method.after_optimizer_step(self.step)
             self.bad_in_row = 0
         else:
+            for method in self.sparsity:
+                method.skipped_step()
             self.bad_total += 1
             self.bad_in_row += 1
         self.optimizer.zero_grad(set_to_none=True)
@@ -222,8 +230,8 @@ class Trainer:
     def fit(self) -> dict:
         c = self.cfg
         if self.step == 0 or not self.val_history:
-            if any(layer.attention.pattern is not None for layer in self.raw_model.layers):
-                dens = attention_density(self.raw_model, c.train.seq_len)
+            if any(layer.attention.pattern is not None for layer in self.model.layers):
+                dens = attention_density(self.model, c.train.seq_len)
                 self.logger.log({f"attn_density/{k}": v for k, v in dens.items() if "/head" not in k}, step=0)
                 self.print(f"attention density at seq_len {c.train.seq_len}: {dens['mean']:.3f}")
             self.validate()
@@ -247,11 +255,8 @@ class Trainer:
                 m["tokens_per_s"] = tokens_since / dt
                 if self.peak_flops:
                     m["mfu"] = m["tokens_per_s"] * self.flops_per_token / (self.peak_flops * self.par.world_size)
-                m.update(moe_metrics(self.raw_model)[0])
-                if self.ffn_phase is not None:
-                    m.update(neuron_stats(self.raw_model))
-                if self.dst is not None:
-                    m.update({f"dst/{k}": v for k, v in self.dst.stats().items()})
+                for method in self.sparsity:
+                    m.update(method.metrics())
                 m = to_python(m)   # one host copy for every scalar of this log step
                 self.logger.log({k: v for k, v in m.items() if k != "skipped"}, step=self.step)
                 if self.par.is_main:
@@ -260,7 +265,7 @@ class Trainer:
                 t0, tokens_since = time.perf_counter(), 0
             if self.step % c.train.eval_every == 0 or self.step == c.train.steps:
                 # Before evaluate(): the layers' stats are still those of the last training step.
-                load = moe_metrics(self.raw_model)[1]
+                load = next((s.expert_load() for s in self.sparsity if isinstance(s, ExpertBalancing)), None)
                 if load is not None:
                     self.logger.log_heatmap("moe/expert_load", load.numpy(), self.step, "experts", "layers")
                 self.best_val = min(self.best_val, self.validate())

@@ -4,7 +4,7 @@
     model = build_model(cfg.model, model_init_device(cfg, state))   # same seed on every rank, or "meta"
     model = parallelize(model, cfg, state)
     ... model.loss(x, y).backward(); clip_grad_norm_(model.parameters(), max_norm, state); opt.step()
-    teardown_parallel(state)
+    dist.destroy_process_group()       # training.run does this when the run ends
 
 Layout (configs/parallel.py): ranks are numbered ``r = (replica * efsdp + i) * ep + j``, so the ``ep``
 ranks of an expert group are consecutive (one node when ep <= GPUs per node). Meshes:
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from configs import Config, ConfigError
-from layers.moe import moe_modules
+from layers.moe import MoE, moe_modules
 
 from .plan import device_memory_bytes, moe_num_experts
 
@@ -68,11 +68,6 @@ class ParallelState:
     @property
     def dp_size(self) -> int:
         return self.world_size
-
-    @property
-    def dp_group(self):
-        """Group to average the loss and metrics over: the whole world (None = default group)."""
-        return None
 
     @property
     def ep_group(self):
@@ -130,11 +125,6 @@ def build_meshes(device_type: str, rep: int, shard: int, ep: int):
     mesh = DeviceMesh(device_type, ranks.view(rep, shard // ep, ep), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
     dense = DeviceMesh(device_type, ranks.view(rep, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
     return mesh, dense
-
-
-def teardown_parallel(state: ParallelState) -> None:
-    if state.distributed and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _fsdp_mesh(mesh, rep: int, shard_dim: str):
@@ -235,7 +225,7 @@ def checkpoint_views(sd: dict, model: nn.Module) -> dict:
     from torch.distributed.tensor import DTensor, Replicate, Shard
     fqns = {}
     for name, m in model.named_modules():
-        mesh = getattr(m, "ep_checkpoint_mesh", None)
+        mesh = m.ep_checkpoint_mesh if isinstance(m, MoE) else None
         if mesh is not None:
             for pname, _ in m.experts.named_parameters():
                 fqns[f"{name}.experts.{pname}"] = mesh
@@ -340,5 +330,5 @@ def all_reduce_mean(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     if not state.distributed:
         return x
     x = x.detach().clone()
-    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=state.dp_group)
+    dist.all_reduce(x, op=dist.ReduceOp.SUM)   # every rank is a data-parallel rank
     return x / state.dp_size

@@ -319,6 +319,19 @@ class DynamicSparsity:
     # ---- logging --------------------------------------------------------------------------------
 
     @torch.no_grad()
+    # ---- the trainer's sparsity-method protocol (layers.sparsity_method) -----------------------------
+    def before_step(self, step: int) -> None:
+        pass
+
+    def after_optimizer_step(self, step: int) -> None:
+        self.step(step)
+
+    def skipped_step(self) -> None:
+        pass
+
+    def metrics(self) -> dict:
+        return {f"dst/{k}": v for k, v in self.stats().items()}
+
     def stats(self) -> dict:
         """Scalars for logging (the trainer prefixes ``dst/``): ``density`` (global), ``density/<param>``
         per layer, ``flip_rate`` (share of mask entries changed by the last update), ``ever_active``

@@ -1,16 +1,8 @@
-"""2:4 DST layers through torch's semi-structured sparse kernels (cuSPARSELt / CUTLASS), CUDA only.
+"""2:4 DST layers on GPU: route every 2:4-masked ``nn.Linear`` target through kernels.semi_sparse_linear.
 
-``SemiSparseLinear.apply(x[..., in], weight[out, in], dtype, transposable) -> [..., out]`` computes
-``F.linear(x, weight)`` for a weight whose zeros already form a 2:4 pattern along ``in`` (the DST mask):
-  forward   y  = x W^T        with W packed by ``to_sparse_semi_structured`` (re-packed every call:
-                               the weight changes every optimizer step)
-  backward  gx = g W          sparse too when the mask is transposable (W^T is then 2:4 along ``out``),
-                               else a dense matmul
-            gW = g^T x        dense: RigL grows by |dL/dW| at masked positions, so the weight gradient
-                               must stay dense.
-The pure-torch reference is ``F.linear`` on the masked weight (what a DST layer computes without this
-path). Hu et al. (ICML'24) and torchao's runtime 2:4 training follow the same split. Expect modest
-gains at best on Hopper (see BENCHMARKS.md): packing costs a pass over W per call.
+``enable_semi_structured(targets, transposable)`` swaps the forward of each eligible Linear (CUDA, fp16 /
+bf16, 2:4 mask along ``in``) for ``SemiSparseLinear``; ``disable_semi_structured`` undoes it. Expect
+modest gains at best on Hopper (BENCHMARKS.md): packing costs a pass over W per call.
 """
 from __future__ import annotations
 
@@ -21,33 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.semi_sparse_linear import SemiSparseLinear, pack_semi_structured
+
 _OK_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def _pack(w: torch.Tensor):
-    from torch.sparse import to_sparse_semi_structured
-    return to_sparse_semi_structured(w)
-
-
-class SemiSparseLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, dtype, transposable):
-        with torch.autocast("cuda", enabled=False):
-            x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-            w = weight.to(dtype)
-            y = torch.mm(x2, _pack(w).t())
-        ctx.save_for_backward(x2, w)
-        ctx.transposable, ctx.wdtype, ctx.xdtype = transposable, weight.dtype, x.dtype
-        return y.view(*x.shape[:-1], w.shape[0])
-
-    @staticmethod
-    def backward(ctx, gy):
-        x2, w = ctx.saved_tensors
-        with torch.autocast("cuda", enabled=False):
-            g2 = gy.reshape(-1, gy.shape[-1]).to(w.dtype)
-            gx = torch.mm(g2, _pack(w.t().contiguous()).t()) if ctx.transposable else torch.mm(g2, w)
-            gw = torch.mm(g2.t(), x2)
-        return gx.view(*gy.shape[:-1], w.shape[1]).to(ctx.xdtype), gw.to(ctx.wdtype), None, None
 
 
 def semi_structured_available(device: torch.device, dtype: torch.dtype, shape=(128, 128)) -> bool:
@@ -59,7 +27,7 @@ def semi_structured_available(device: torch.device, dtype: torch.dtype, shape=(1
     try:
         w = torch.tensor([1, 1, 0, 0], dtype=dtype, device=device).repeat(shape[0], shape[1] // 4)
         x = torch.ones(32, shape[1], dtype=dtype, device=device)
-        torch.mm(x, _pack(w).t())
+        torch.mm(x, pack_semi_structured(w).t())
         return True
     except (RuntimeError, NotImplementedError, ValueError):  # capability probe: torch raises these when unsupported
         return False

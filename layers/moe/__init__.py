@@ -6,7 +6,9 @@
 - ``experts``: the token -> expert-sorted ``DispatchPlan`` and ``GroupedExperts`` (stacked expert FFNs).
 - ``expert_parallel``: all-to-all dispatch over an EP process group.
 - ``megablocks``: the optional megablocks dMoE backend.
+- ``balancing``: ``ExpertBalancing``, the MoE layers as one sparsity method for the trainer (bias updates, load stats).
 """
+from .balancing import ExpertBalancing
 from .layer import MoE, moe_aux_loss, moe_modules, moe_update_bias
 
-__all__ = ["MoE", "moe_aux_loss", "moe_modules", "moe_update_bias"]
+__all__ = ["ExpertBalancing", "MoE", "moe_aux_loss", "moe_modules", "moe_update_bias"]

@@ -30,26 +30,13 @@ from torch import nn
 from .experts import local_expert_count
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list, in_splits: list, group) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty(sum(out_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out_splits, in_splits = ctx.splits
-        dx = grad.new_empty(sum(in_splits), *grad.shape[1:])
-        dist.all_to_all_single(dx, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return dx, None, None, None
-
-
 def all_to_all(x: torch.Tensor, out_splits: list, in_splits: list, group) -> torch.Tensor:
     """Differentiable ``all_to_all_single``: send ``in_splits[p]`` rows of ``x`` to rank p, receive
-    ``out_splits[p]`` rows from rank p, concatenated in rank order."""
-    return _AllToAll.apply(x, out_splits, in_splits, group)
+    ``out_splits[p]`` rows from rank p, concatenated in rank order (torch's autograd collective: its
+    backward is the reverse exchange)."""
+    import torch.distributed.nn.functional as dist_nn   # loads the autograd collectives only under EP
+    out = x.new_empty(sum(out_splits), *x.shape[1:])
+    return dist_nn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
 
 
 def ep_run_experts(xs_ND: torch.Tensor, sizes_E: torch.Tensor, experts: nn.Module, group) -> torch.Tensor:

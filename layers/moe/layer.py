@@ -33,11 +33,13 @@ import torch
 from torch import nn
 
 from configs import ConfigError, MoEConfig
+from kernels.router_matmul import router_matmul
+
 from ..aux_loss import sum_aux_losses
 from ..mlp import SwiGLU
-from .experts import (DispatchPlan, GroupedExperts, autocast_input, local_expert_count, make_plan,
-                          plan_layout, run_plan)
-from .router import balance_loss_of_mean, noisy_logits, route, router_matmul
+from .experts import (DispatchPlan, GroupedExperts, autocast_input, local_expert_count, make_plan, plan_layout,
+                      run_plan)
+from .router import balance_loss_of_mean, noisy_logits, route
 from .routing_stage import RoutingSpec, routing_fn
 
 
@@ -99,6 +101,9 @@ class MoE(nn.Module):
         self.ep_group = ep_group
         # Data-parallel group for the global balance loss; set by training.parallel (None = this rank only).
         self.balance_group = None
+        # The mesh (ep ranks x expert-FSDP ranks) the checkpoint's global [E, ...] expert views live on;
+        # set by training.parallel under expert parallelism (None: the experts are stored as they are).
+        self.ep_checkpoint_mesh = None
         self.num_local_experts = local_expert_count(num_experts, 1 if ep_group is None else ep_group.size(), key)
 
         self.gate = nn.Linear(dim, num_experts, bias=False)

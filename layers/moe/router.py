@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 
+
 def route(logits: torch.Tensor, router: str, top_k: int, softmax_before_topk: bool = False,
           norm_topk: bool = True, bias: Optional[torch.Tensor] = None):
     """logits [T, E] float32 -> (indices [T, K] int64, weights [T, K] float32, probs [T, E] float32).
@@ -88,33 +89,6 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
 def router_entropy(probs: torch.Tensor) -> torch.Tensor:
     """Mean per-token entropy (nats) of the routing distribution."""
     return -(probs * torch.log(probs.clamp_min(1e-20))).sum(-1).mean()
-
-
-class _LowPrecisionRouterMM(torch.autograd.Function):
-    """``x[T, D] @ w[E, D]^T`` for bf16/fp16 CUDA inputs with float32 output and accumulation.
-
-    Products of bf16 values are exact in fp32, so the logits equal the fp32 GEMM of the same values up
-    to summation order, without the fp32 copy of x and the fp32 GEMMs (1.5 ms of 21 at E=64, T=16K,
-    D=4K on an H200). Gradients are computed from the bf16-rounded dlogits, like every other bf16 grad.
-    """
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return torch.mm(x, w.t(), out_dtype=torch.float32)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        g = g.to(x.dtype)
-        return g @ w, torch.mm(g.t(), x, out_dtype=torch.float32).to(w.dtype)
-
-
-def router_matmul(x: torch.Tensor, w: torch.Tensor, low_precision: bool = True) -> torch.Tensor:
-    """Float32 logits ``x[T, D] @ w[E, D]^T``; bf16/fp16 CUDA inputs skip the fp32 upcast of x."""
-    if low_precision and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-        return _LowPrecisionRouterMM.apply(x, w.to(x.dtype))
-    return F.linear(x.float(), w.float())
 
 
 def noisy_logits(clean: torch.Tensor, noise_logits: torch.Tensor) -> torch.Tensor:

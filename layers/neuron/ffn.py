@@ -268,3 +268,26 @@ def neuron_stats(model: nn.Module) -> dict:
         if vals:
             out[f"neuron/{name}"] = torch.stack([v.to(vals[0].device) for v in vals]).mean().detach()
     return out
+
+
+class NeuronSchedule:
+    """The NeuronRoutedFFN layers of a model as one sparsity method (layers.sparsity_method): each step's
+    phase before its forward (``neuron_schedule_step``), their stats and phase as metrics."""
+
+    PHASES = ("warmup", "sparse", "dense", "finish")
+
+    def __init__(self, model: nn.Module, total_steps: int, optimizer: Optional[torch.optim.Optimizer] = None):
+        self.model, self.total_steps, self.optimizer = model, total_steps, optimizer
+        self.phase: Optional[str] = None
+
+    def before_step(self, step: int) -> None:
+        self.phase = neuron_schedule_step(self.model, step, self.total_steps, self.optimizer)
+
+    def after_optimizer_step(self, step: int) -> None:
+        pass
+
+    def skipped_step(self) -> None:
+        pass
+
+    def metrics(self) -> dict:
+        return neuron_stats(self.model) if self.phase is not None else {}

@@ -118,7 +118,7 @@ def test_wandb_offline_writes_a_run_and_disabled_writes_nothing(tmp_path, corpus
 def test_train_compile_runs_compiled_blocks_with_the_same_losses(tmp_path, corpus_dir):
     eager = Trainer(make_cfg(tmp_path / "e", corpus_dir, **{"train.steps": 2}))
     compiled = Trainer(make_cfg(tmp_path / "c", corpus_dir, **{"train.steps": 2, "train.compile": True}))
-    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in compiled.raw_model.layers)
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in compiled.model.layers)
     assert eager.model.state_dict().keys() == compiled.model.state_dict().keys()
     for _ in range(2):
         a, b = eager.train_step()["loss/total"], compiled.train_step()["loss/total"]

@@ -43,7 +43,7 @@ def test_grouped_bf16_matches_fp32_reference_within_bf16_error(kw, align):
 
 
 def test_low_precision_router_logits_equal_fp32_logits_of_the_same_values():
-    from layers.moe.router import router_matmul
+    from kernels.router_matmul import router_matmul
     x = torch.randn(4096, 512, device="cuda").bfloat16()
     w = torch.randn(64, 512, device="cuda").bfloat16()
     fast = router_matmul(x, w)
