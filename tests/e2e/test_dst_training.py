@@ -3,10 +3,16 @@ import torch
 
 from configs import load_config
 from helpers import tiny_overrides
+from layers import DynamicSparsity
 from training.loop import Trainer
 
 DST = {"dst.enabled": True, "dst.sparsity": 0.8, "dst.update_every": 3, "dst.stop_fraction": 1.0,
        "train.steps": 16}
+
+
+def dst_of(trainer):
+    """The trainer's DynamicSparsity among its sparsity methods."""
+    return next(m for m in trainer.sparsity if isinstance(m, DynamicSparsity))
 
 
 def make_cfg(tmp_path, corpus, **extra):
@@ -16,9 +22,9 @@ def make_cfg(tmp_path, corpus, **extra):
 def test_trainer_with_dst_keeps_density_and_resumes_bit_exactly(tmp_path, corpus_dir):
     straight = Trainer(make_cfg(tmp_path / "a", corpus_dir))
     losses_straight = [straight.train_step()["loss/total"].item() for _ in range(16)]
-    st = straight.dst.stats()
+    st = dst_of(straight).stats()
     assert abs(st["density"] - 0.2) < 1e-2 and st["ever_active"] > st["density"]
-    for t in straight.dst.targets:
+    for t in dst_of(straight).targets:
         assert torch.all(t.param()[~t.buf("mask")] == 0)
 
     first = Trainer(make_cfg(tmp_path / "b", corpus_dir))
@@ -39,9 +45,9 @@ def test_trainer_with_dst_on_the_moe_preset_masks_experts_per_expert(tmp_path, c
     tr = Trainer(cfg)
     for _ in range(6):
         tr.train_step()
-    names = {t.name for t in tr.dst.targets}
+    names = {t.name for t in dst_of(tr).targets}
     assert any(n.endswith("experts.w1") for n in names) and not any("gate" in n for n in names)
-    for t, k in zip(tr.dst.targets, tr.dst._counts(0.8)):
+    for t, k in zip(dst_of(tr).targets, dst_of(tr)._counts(0.8)):
         m = t.buf("mask")
         assert (m.flatten(1).sum(1) == k).all() if m.dim() == 3 else int(m.sum()) == k
         assert torch.all(t.param()[~m] == 0)
