@@ -7,7 +7,9 @@ from typing import Optional
 from .errors import check, check_choice, check_positive
 
 ROUTERS = ("softmax", "noisy_topk", "sigmoid", "switch")
-MOE_BACKENDS = ("auto", "torch", "grouped", "megablocks")
+# One vocabulary with model.attention.backend: auto | reference | <fast paths>. "torch" is the old name
+# of "reference", still accepted.
+MOE_BACKENDS = ("auto", "reference", "grouped", "megablocks", "torch")
 
 
 @dataclass
@@ -27,7 +29,7 @@ class MoEConfig:
     shared_gate: bool = False             # Qwen2-MoE: sigmoid gate on the shared expert output
     global_balance: bool = True           # balance loss on the global data-parallel batch (= one process);
                                           # false: each rank's own tokens (megablocks / torchtitan)
-    backend: str = "auto"                 # auto | torch | grouped | megablocks
+    backend: str = "auto"                 # auto | reference | grouped | megablocks
 
     def validate(self, key: str = "model.moe") -> None:
         check_positive(self, key, "num_experts", "top_k", "hidden_dim", "shared_hidden_dim")

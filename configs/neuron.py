@@ -15,7 +15,7 @@ from .errors import check, check_choice
 
 NEURON_ACTIVATIONS = ("swiglu", "relu2")
 NEURON_ROUTER_LOSSES = ("ce", "mse")
-NEURON_BACKENDS = ("auto", "torch", "grouped")
+NEURON_BACKENDS = ("auto", "reference", "grouped", "torch")   # as model.moe.backend ("torch" = "reference")
 
 
 @dataclass
@@ -30,7 +30,7 @@ class NeuronConfig:
     finish_fraction: float = 0.1        # dense steps at the end, as a fraction of train.steps
     kmeans_iters: int = 20              # balanced k-means iterations when clustering W1 rows (from_dense, recluster)
     recluster: bool = False             # re-group the units by k-means on the trained W1 rows when warm-up ends
-    backend: str = "auto"               # auto | torch | grouped (as model.moe.backend)
+    backend: str = "auto"               # auto | reference | grouped (as model.moe.backend)
 
     def validate(self, key: str = "model.neuron", hidden_dim: Optional[int] = None) -> None:
         """Raise ConfigError naming the key; ``hidden_dim`` (the FFN's) checks that the groups divide it."""

@@ -44,11 +44,11 @@ from .routing_stage import RoutingSpec, routing_fn
 
 
 def resolve_backend(name: str, device_type: str) -> str:
-    """``auto`` -> ``grouped`` on CUDA, ``torch`` elsewhere (modules call it once and keep the answer)."""
+    """``auto`` -> ``grouped`` on CUDA, ``reference`` elsewhere (modules call it once and keep the answer)."""
     if name == "auto":
-        return "grouped" if device_type == "cuda" else "torch"
-    if name in ("grouped", "megablocks") and device_type != "cuda":
-        return "torch"       # the CPU path of every backend is the reference
+        return "grouped" if device_type == "cuda" else "reference"
+    if name in ("grouped", "megablocks") and device_type != "cuda" or name == "torch":
+        return "reference"   # the CPU path of every backend is the reference; "torch" is its old name
     return name
 
 
