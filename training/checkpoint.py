@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from configs import Config, ConfigError, save_config
@@ -294,7 +295,12 @@ def load_checkpoint(path: str, model, optimizer, trust: bool = False) -> dict:
                  planner=SafeLoadPlanner(path, trust))
     except CheckpointError:
         raise
-    except Exception as e:   # a shard that is short, garbled or of another shape
+    except (Exception, CheckpointException) as e:   # a shard that is short, garbled or of another shape
+        # DCP wraps each rank's exception (ours among them) into one CheckpointException (a BaseException).
+        for failure in getattr(e, "failures", {}).values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, CheckpointError):
+                raise inner from None
         msg = str(e).strip().splitlines()
         raise CheckpointError(path, f"cannot load the model/optimizer shards ({type(e).__name__}: "
                                     f"{msg[0][:200] if msg else ''})") from None
