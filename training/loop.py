@@ -104,7 +104,8 @@ class Trainer:
         # Different per-rank stream for anything stochastic in the model (router noise on different tokens).
         seed_everything(cfg.train.seed + 1000 * self.par.rank)
         if self.par.is_main:
-            clear_previous_run(cfg, replaced)
+            if self.resume_path is None:
+                clear_previous_run(cfg, replaced)   # metrics.jsonl rows of an earlier attempt would mix in
             os.makedirs(cfg.out_dir, exist_ok=True)
         if cfg.checkpoint.resume and self.resume_path is None:
             self.warn(f"no checkpoint in {cfg.checkpoint_dir}; starting from step 0")
