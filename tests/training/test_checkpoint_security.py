@@ -30,8 +30,13 @@ def _fix_manifest(ckpt: str) -> None:
         json.dump(manifest, f)
 
 
-def _resume(run, capsys, *flags) -> tuple[int, list[str]]:
-    rc = main(["--config", "zoo/tiny_dense.yaml", *run.overrides(), "--resume", *flags])
+def _plant_and_resume(run, capsys, write) -> tuple[int, list[str]]:
+    """``write(ckpt_dir)`` plants files in the newest checkpoint; the manifest is then fixed to match
+    (an attacker controls every file) and the run resumed through the command line."""
+    ckpt = run.step_dir(10)
+    write(ckpt)
+    _fix_manifest(ckpt)
+    rc = main(["--config", "zoo/tiny_dense.yaml", *run.overrides(), "--resume"])
     return rc, [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
 
 
@@ -43,20 +48,19 @@ def _assert_refused(rc, err, marker, culprit):
 
 def test_payload_in_rng_state_does_not_run(run_copy, tmp_path, capsys):
     marker = str(tmp_path / "pwned")
-    ckpt = run_copy.step_dir(10)
-    torch.save({"python": Payload(marker)}, os.path.join(ckpt, "rng_rank0.pt"))
-    _fix_manifest(ckpt)
-    rc, err = _resume(run_copy, capsys)
+    rc, err = _plant_and_resume(run_copy, capsys, lambda ckpt: torch.save(
+        {"python": Payload(marker)}, os.path.join(ckpt, "rng_rank0.pt")))
     _assert_refused(rc, err, marker, "rng_rank0.pt")
 
 
 def test_payload_in_dcp_metadata_does_not_run(run_copy, tmp_path, capsys):
     marker = str(tmp_path / "pwned")
-    ckpt = run_copy.step_dir(10)
-    with open(os.path.join(ckpt, ".metadata"), "wb") as f:
-        pickle.dump(Payload(marker), f)
-    _fix_manifest(ckpt)
-    rc, err = _resume(run_copy, capsys)
+
+    def write(ckpt):
+        with open(os.path.join(ckpt, ".metadata"), "wb") as f:
+            pickle.dump(Payload(marker), f)
+
+    rc, err = _plant_and_resume(run_copy, capsys, write)
     _assert_refused(rc, err, marker, ".metadata")
 
 
@@ -69,19 +73,14 @@ def test_payload_as_a_dcp_byte_entry_does_not_run(run_copy, tmp_path, capsys):
     tr = Trainer(load_config("zoo/tiny_dense.yaml", run_copy.overrides(**{"checkpoint.resume": True})))
     model_sd, optim_sd = get_state_dict(tr.model, tr.optimizer)
     name = next(iter(model_sd))
-    model_sd = {**model_sd, name: Payload(marker)}
-    ckpt = run_copy.step_dir(10)
-    dcp.save({"model": model_sd, "optim": {"state": optim_sd["state"]}}, checkpoint_id=ckpt)
-    _fix_manifest(ckpt)
-    rc, err = _resume(run_copy, capsys)
+    crafted = {"model": {**model_sd, name: Payload(marker)}, "optim": {"state": optim_sd["state"]}}
+    rc, err = _plant_and_resume(run_copy, capsys, lambda ckpt: dcp.save(crafted, checkpoint_id=ckpt))
     _assert_refused(rc, err, marker, name)
 
 
 def test_pickled_train_state_beside_the_checkpoint_is_never_read(run_copy, tmp_path, capsys):
     """The old format's train_state.pt is not part of a checkpoint any more: a planted one is ignored."""
     marker = str(tmp_path / "pwned")
-    ckpt = run_copy.step_dir(10)
-    torch.save({"step": Payload(marker)}, os.path.join(ckpt, "train_state.pt"))
-    _fix_manifest(ckpt)
-    rc, err = _resume(run_copy, capsys)
+    rc, err = _plant_and_resume(run_copy, capsys, lambda ckpt: torch.save(
+        {"step": Payload(marker)}, os.path.join(ckpt, "train_state.pt")))
     assert rc == 0 and not os.path.exists(marker)
