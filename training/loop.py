@@ -372,7 +372,7 @@ class Trainer:
                 self.best_val = min(self.best_val, self.validate())
             if (c.checkpoint.every and self.step % c.checkpoint.every == 0) or self.step == c.train.steps:
                 self.save()
-            if self._stop_requested():
+            if self.step < c.train.steps and self._stop_requested():   # a finished run just finishes
                 path = self.save() if self.saved_step != self.step else os.path.join(c.checkpoint_dir,
                                                                                         f"step_{self.step:08d}")
                 raise Interrupted(f"interrupted at step {self.step}; checkpoint saved in {path} "
