@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from typing import Iterable, Optional
 
 import yaml
@@ -19,6 +20,20 @@ from .config import Config
 from .errors import ConfigError
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last one silently, so
+    two ``train:`` sections would merge into one without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def _read_yaml(path: str, seen: tuple = ()) -> list:
     """The file's includes (depth first) followed by the file itself, as plain dicts."""
     if not os.path.isfile(path):
@@ -26,21 +41,44 @@ def _read_yaml(path: str, seen: tuple = ()) -> list:
     if path in seen:
         raise ConfigError("include", f"include cycle through {path}")
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+        with open(path, encoding="utf-8") as f:
+            data = yaml.load(f, Loader=_UniqueKeyLoader)
+    except UnicodeDecodeError:
+        raise ConfigError(path, "not a YAML text file (not UTF-8)") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""
         raise ConfigError(path, f"invalid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if data is None or data == {}:
+        # An empty file would silently train the defaults (LLaMA-7B).
+        raise ConfigError(path, "is empty; a config needs at least one section (model:, train:, ...)")
     if not isinstance(data, dict):
         raise ConfigError(path, "top level must be a mapping of sections")
     includes = data.pop("include", []) or []
     if isinstance(includes, str):
         includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise ConfigError("include", f"in {path} must be a file name or a list of file names, got {includes!r}")
+    _check_sections(data, Config, "")
     layers = []
     for inc in includes:
         layers += _read_yaml(os.path.join(os.path.dirname(path), inc), seen + (path,))
     return layers + [data]
+
+
+def _check_sections(data: dict, cls, prefix: str) -> None:
+    """A key naming a section (a nested config dataclass) must hold a mapping: ``model: 5`` otherwise
+    reaches OmegaConf as "int is not a subclass of ModelConfig", without the key."""
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        sub = hints.get(key)
+        if not (isinstance(sub, type) and dataclasses.is_dataclass(sub)):
+            continue
+        if isinstance(value, dict):
+            _check_sections(value, sub, f"{prefix}{key}.")
+        elif value is not None:
+            raise ConfigError(f"{prefix}{key}", f"is a section (keys of {sub.__name__}), got {type(value).__name__} "
+                                                f"{value!r}")
 
 
 def _omegaconf_error(e: OmegaConfBaseException) -> ConfigError:
@@ -66,6 +104,7 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Co
                 node = OmegaConf.from_dotlist([f"{k.strip()}={v}"])
             except yaml.YAMLError as e:   # the value is parsed as YAML: "[1" or "{a: b" fail here
                 raise ConfigError(k.strip(), f"invalid value {v!r}: {getattr(e, 'problem', e)}") from None
+            _check_sections(OmegaConf.to_container(node), Config, "")
             cfg = OmegaConf.merge(cfg, node)
         obj: Config = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:

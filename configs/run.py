@@ -36,12 +36,14 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 8
     max_bad_steps: int = 3            # consecutive non-finite steps before rolling back to the last checkpoint
+    max_rollbacks: int = 3            # rollbacks without a new checkpoint in between before the run stops
     out_dir: Optional[str] = None     # default runs/<name>
+    overwrite: bool = False           # start fresh in a folder holding another run's checkpoints, deleting them
     threads: int = 0                  # torch CPU threads; 0 = torch default
 
     def validate(self, key: str = "train") -> None:
         check_positive(self, key, "steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches",
-                       "max_bad_steps")
+                       "max_bad_steps", "max_rollbacks")
         check_choice(self.device, ("auto", "cpu", "cuda"), f"{key}.device")
         check_choice(self.dtype, ("auto", "float32", "bfloat16"), f"{key}.dtype")
         check(self.threads >= 0, f"{key}.threads", f"must be >= 0, got {self.threads}")
@@ -88,6 +90,9 @@ class CheckpointConfig:
     every: int = 0                    # steps between checkpoints; 0 = only at the end
     keep_last: int = 3
     resume: bool = False              # continue from the latest complete checkpoint (train.py --resume)
+    # Lift the allowlists that keep checkpoint files from running code (train.py --trust-checkpoint):
+    # only for a checkpoint whose author you trust.
+    trust: bool = False
 
     def validate(self, key: str = "checkpoint") -> None:
         check(self.every >= 0, f"{key}.every", f"must be >= 0, got {self.every}")

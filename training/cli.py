@@ -1,4 +1,5 @@
-"""Command line: ``python train.py --config zoo/tiny_dense.yaml [key=value ...] [--resume] [--plan [--gpus N]]``.
+"""Command line: ``python train.py --config zoo/tiny_dense.yaml [key=value ...] [--resume [--trust-checkpoint]]
+[--plan [--gpus N]]``.
 
 Bad input (unknown key, wrong type, missing file, inconsistent sizes, a run that cannot fit) prints one
 line naming the key or file and exits with code 2, before any training starts.
@@ -13,10 +14,15 @@ from training.loop import TrainingDiverged, run
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="train.py", description="Train a moezoo model from a YAML config.")
+    # allow_abbrev=False: "--resum" must be an error, not quietly taken as --resume.
+    p = argparse.ArgumentParser(prog="train.py", description="Train a moezoo model from a YAML config.",
+                                allow_abbrev=False)
     p.add_argument("--config", required=True, help="preset YAML, e.g. zoo/tiny_dense.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides applied last, e.g. model.n_layers=2 train.steps=50")
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="load checkpoint files the safe reader refuses (pickled objects): THEY CAN RUN CODE; only "
+                        "for a checkpoint whose author you trust")
     p.add_argument("--plan", action="store_true", help="print params, FLOPs/token, memory and a parallel layout; "
                    "allocate nothing")
     p.add_argument("--gpus", type=int, default=None, help="GPU count for --plan (default: the smallest power of two that fits)")
@@ -26,7 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
+        overrides = (list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
+                     + (["checkpoint.trust=true"] if args.trust_checkpoint else []))
         cfg = load_config(args.config, overrides)
         if args.plan:
             if args.gpus is not None and args.gpus < 1:
@@ -41,8 +48,8 @@ def main(argv=None) -> int:
     except TrainingDiverged as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted; the last complete checkpoint is intact (use --resume)", file=sys.stderr)
+    except KeyboardInterrupt as e:   # Interrupted says which checkpoint it saved; a second Ctrl-C says nothing
+        print(str(e) or "\ninterrupted; the last complete checkpoint is intact (use --resume)", file=sys.stderr)
         return 130
     hist = summary["val_history"]
     if hist:

@@ -3,13 +3,18 @@
 Each step is a pure function of (checkpointed state, step index): batches come from
 ``data.sample_batch(seed, step, dp_rank, epoch)``, so ``--resume`` continues bit-exactly. A step whose
 loss or gradient norm is not finite is skipped and counted; ``train.max_bad_steps`` of them in a row
-roll the run back to the last checkpoint and move the data stream to a new epoch.
+roll the run back to the last checkpoint and move the data stream to a new epoch; ``train.max_rollbacks``
+rollbacks without a new checkpoint in between stop the run. Ctrl-C saves a checkpoint and stops.
 """
 from __future__ import annotations
 
 import os
 import random
+import signal
+import sys
+import threading
 import time
+import warnings
 from contextlib import nullcontext
 
 import numpy as np
@@ -21,12 +26,14 @@ from configs import Config
 from layers import DynamicSparsity, ExpertBalancing, NeuronSchedule, attention_density
 from zoo import build_model
 
-from .checkpoint import check_resumable, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, check_resumable, find_resumable, load_checkpoint, save_checkpoint
 from .data import prepare_data, sample_batch
 from .logger import append_metrics, make_logger, to_python
 from .metrics import device_peak_flops
 from .optim import build_optimizer, build_scheduler
 from .parallel import all_reduce_mean, clip_grad_norm_, model_init_device, parallelize, setup_parallel
+from .preflight import check_model, check_paths
+from .run_folder import check_fresh_start, clear_previous_run, new_run_id, trim_metrics
 
 
 def seed_everything(seed: int) -> None:
@@ -36,22 +43,32 @@ def seed_everything(seed: int) -> None:
 
 
 class TrainingDiverged(RuntimeError):
-    """Too many non-finite steps in a row with nothing to roll back to (train.py: one line, exit 1)."""
+    """Non-finite steps with nothing (left) to roll back to (train.py: one line, exit 1)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, after the checkpoint of the step it stopped at was saved; ``str`` says where."""
 
 
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        check_paths(cfg)
         self.par = setup_parallel(cfg)
         self.device = self.par.device
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         from .plan import check_fits
-        # The plan's meta-device model also gives the FLOPs per token for MFU (no second build).
-        self.flops_per_token = check_fits(cfg, self.par.world_size, self.device).flops_per_token
-        self.resume_path = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
-        if self.resume_path:
-            check_resumable(self.resume_path, cfg, self.par.world_size)
+        # One meta-device model (no memory) for the plan, the FLOPs per token for MFU and the shape checks.
+        meta_model = build_model(cfg.model, "meta")
+        self.flops_per_token = check_fits(cfg, self.par.world_size, self.device, meta_model).flops_per_token
+        check_model(cfg, meta_model)
+        del meta_model
+        self.resume_path, replaced = None, []
+        if cfg.checkpoint.resume:
+            self.resume_path = self._find_resume()
+        else:
+            replaced = check_fresh_start(cfg)
         # Same seed on every rank: identical initial weights before sharding.
         seed_everything(cfg.train.seed)
         self.data = prepare_data(cfg, self.par.is_main, self.barrier)
@@ -74,23 +91,33 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.sparsity = self._sparsity_methods()
         self.autocast = self._autocast()
-        self.step, self.epoch, self.bad_total, self.bad_in_row = 0, 0, 0, 0
-        self.best_val, self.wandb_id = float("inf"), None
+        self.step, self.epoch, self.bad_total, self.bad_in_row, self.rollbacks_in_row = 0, 0, 0, 0, 0
+        self.best_val, self.wandb_id, self.run_id = float("inf"), None, new_run_id()
         self.val_history: list[tuple[int, float]] = []
+        self.saved_step, self.stop_requested = -1, False
+        self.metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
         # Different per-rank stream for anything stochastic in the model (router noise on different tokens).
         seed_everything(cfg.train.seed + 1000 * self.par.rank)
+        if self.par.is_main:
+            if self.resume_path is None:
+                clear_previous_run(cfg, replaced)   # metrics.jsonl rows of an earlier attempt would mix in
+            os.makedirs(cfg.out_dir, exist_ok=True)
         if cfg.checkpoint.resume and self.resume_path is None:
-            self.print(f"no checkpoint in {cfg.checkpoint_dir}; starting from step 0")
+            self.warn(f"no checkpoint in {cfg.checkpoint_dir}; starting from step 0")
         elif self.resume_path:
-            self._restore(self.resume_path)
-            self.print(f"resumed from {self.resume_path} at step {self.step}")
+            self._restore(self.resume_path, resuming=True)
+            self.saved_step = self.step
+            if self.par.is_main:
+                trim_metrics(self.metrics_path, self.step)
+            if self.step >= cfg.train.steps:
+                self.print(f"{cfg.name} is already complete: step {self.step} of train.steps={cfg.train.steps} "
+                           f"(raise train.steps to train further)")
+            else:
+                self.print(f"resumed from {self.resume_path} at step {self.step}")
         self.logger = make_logger(cfg, cfg.out_dir, self.par.rank, self.wandb_id)
         self.wandb_id = getattr(self.logger.run, "id", None)
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum * self.par.dp_size
         self.peak_flops = device_peak_flops(self.device)
-        self.metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-        if self.par.is_main:
-            os.makedirs(cfg.out_dir, exist_ok=True)
 
     # ---- setup helpers -------------------------------------------------------------------------
     def _autocast(self):
@@ -117,6 +144,22 @@ class Trainer:
         if self.par.is_main:
             tqdm.write(msg)
 
+    def warn(self, msg: str) -> None:
+        if self.par.is_main:
+            tqdm.write(f"warning: {msg}", file=sys.stderr)
+
+    def _find_resume(self) -> str | None:
+        """The newest usable checkpoint (before anything is built); damaged newer ones are named and skipped."""
+        c = self.cfg
+        path, skipped = find_resumable(c.checkpoint_dir, c.checkpoint.trust)
+        if path is None and skipped:
+            raise CheckpointError(c.checkpoint_dir, f"no usable checkpoint to resume from ({'; '.join(skipped)})")
+        for line in skipped:
+            self.warn(f"skipped damaged checkpoint {line}")
+        if path:
+            check_resumable(path, c, self.par.world_size)
+        return path
+
     def barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
@@ -126,19 +169,42 @@ class Trainer:
         return {"step": self.step, "epoch": self.epoch, "bad_total": self.bad_total, "best_val": self.best_val,
                 "val_history": self.val_history, "scheduler": self.scheduler.state_dict(),
                 "wandb_id": self.wandb_id, "world_size": self.par.world_size,
-                "tokenizer": self.data.tokenizer.digest}
+                "tokenizer": self.data.tokenizer.digest, "run_id": self.run_id, "total_steps": self.cfg.train.steps}
 
-    def _restore(self, path: str) -> None:
-        state = load_checkpoint(path, self.model, self.optimizer)
-        self.scheduler.load_state_dict(state["scheduler"])
+    def _restore(self, path: str, resuming: bool = False) -> None:
+        state = load_checkpoint(path, self.model, self.optimizer, self.cfg.checkpoint.trust)
         self.step, self.epoch, self.bad_total = state["step"], state["epoch"], state["bad_total"]
-        self.best_val, self.val_history = state["best_val"], state["val_history"]
-        self.wandb_id = state.get("wandb_id")
+        self.best_val = state["best_val"]
+        self.val_history = [tuple(v) for v in state["val_history"]]
+        self.wandb_id, self.run_id = state.get("wandb_id"), state.get("run_id", self.run_id)
         self.bad_in_row = 0
+        for method in self.sparsity:   # e.g. the MoE load routed since the last bias update belongs to dropped steps
+            method.skipped_step()
+        old_steps = state.get("total_steps", self.cfg.train.steps)
+        if old_steps == self.cfg.train.steps:
+            self.scheduler.load_state_dict(state["scheduler"])
+        else:
+            self._rebuild_schedule()
+            if resuming:
+                self.print(f"train.steps changed from {old_steps} to {self.cfg.train.steps}: learning-rate schedule "
+                           f"rebuilt for {self.cfg.train.steps} steps (lr now {self.optimizer.param_groups[0]['lr']:.2e})")
+
+    def _rebuild_schedule(self) -> None:
+        """The schedule a run of the new ``train.steps`` would be at now: built fresh and stepped ``step``
+        times (the saved one would keep the old length, or restart its cosine upward when extended)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"]
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.cfg.train.steps)
+        with warnings.catch_warnings():   # "lr_scheduler.step() before optimizer.step()": replaying, on purpose
+            warnings.simplefilter("ignore")
+            for _ in range(self.step):
+                self.scheduler.step()
 
     def save(self) -> str:
-        return save_checkpoint(self.cfg.checkpoint_dir, self.step, self.model, self.optimizer, self.train_state(),
+        path = save_checkpoint(self.cfg.checkpoint_dir, self.step, self.model, self.optimizer, self.train_state(),
                                self.cfg, self.cfg.checkpoint.keep_last)
+        self.saved_step, self.rollbacks_in_row = self.step, 0
+        return path
 
     # ---- steps -----------------------------------------------------------------------------------
     def batch(self, step: int, micro: int, split: str = "train"):
@@ -205,13 +271,19 @@ class Trainer:
         return float(all_reduce_mean(torch.stack(losses).mean(), self.par))
 
     def rollback(self) -> None:
-        path = latest_checkpoint(self.cfg.checkpoint_dir)
+        c = self.cfg
+        path = find_resumable(c.checkpoint_dir, c.checkpoint.trust)[0]
         if path is None:
             raise TrainingDiverged(f"{self.bad_in_row} non-finite steps in a row at step {self.step} and no "
-                                   f"checkpoint in {self.cfg.checkpoint_dir} to roll back to; lower optim.lr or "
+                                   f"checkpoint in {c.checkpoint_dir} to roll back to; lower optim.lr or "
                                    f"set checkpoint.every")
-        epoch, bad_total = self.epoch, self.bad_total
+        if self.rollbacks_in_row >= c.train.max_rollbacks:
+            raise TrainingDiverged(f"non-finite steps at step {self.step} after {self.rollbacks_in_row} rollbacks in a "
+                                   f"row to {path} (train.max_rollbacks={c.train.max_rollbacks}); lower optim.lr")
+        self.rollbacks_in_row += 1
+        epoch, bad_total, rollbacks = self.epoch, self.bad_total, self.rollbacks_in_row
         self._restore(path)
+        self.rollbacks_in_row = rollbacks
         # Same weights, new data order: replaying the batches that blew up would blow up again.
         self.epoch, self.bad_total = epoch + 1, bad_total
         self.print(f"rolled back to {path} (step {self.step}), data epoch {self.epoch}")
@@ -228,21 +300,55 @@ class Trainer:
 
     # ---- main loop -------------------------------------------------------------------------------
     def fit(self) -> dict:
+        """Train to ``train.steps``. The first Ctrl-C stops after the current step with a checkpoint
+        (``Interrupted``); a second one stops at once."""
+        def on_sigint(signum, frame):
+            self.stop_requested = True
+            signal.signal(signal.SIGINT, previous)   # the next Ctrl-C raises KeyboardInterrupt right away
+
+        previous = signal.getsignal(signal.SIGINT)
+        # Only the main thread may set handlers (a Trainer driven from another thread keeps Ctrl-C as it is).
+        handle = previous is signal.default_int_handler and threading.current_thread() is threading.main_thread()
+        if handle:
+            signal.signal(signal.SIGINT, on_sigint)
+        bar = tqdm(total=self.cfg.train.steps, initial=self.step, dynamic_ncols=True, desc=self.cfg.name,
+                   unit="step", disable=not (self.par.is_main and self.cfg.logging.progress))
+        try:
+            self._fit(bar)
+        finally:
+            bar.close()   # before any message: it then starts on a fresh line
+            if handle:
+                signal.signal(signal.SIGINT, previous)
+            self.logger.finish()
+        return {"step": self.step, "val_history": self.val_history, "bad_steps": self.bad_total}
+
+    def _stop_requested(self) -> bool:
+        """Ctrl-C on any rank (all ranks must agree on the step they stop and save at)."""
+        if not self.par.distributed:
+            return self.stop_requested
+        flag = torch.tensor([float(self.stop_requested)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _fit(self, bar) -> None:
         c = self.cfg
+        if self.step >= c.train.steps:
+            return
         if self.step == 0 or not self.val_history:
             if any(layer.attention.pattern is not None for layer in self.model.layers):
                 dens = attention_density(self.model, c.train.seq_len)
                 self.logger.log({f"attn_density/{k}": v for k, v in dens.items() if "/head" not in k}, step=0)
                 self.print(f"attention density at seq_len {c.train.seq_len}: {dens['mean']:.3f}")
             self.validate()
-        bar = tqdm(total=c.train.steps, initial=self.step, disable=not (self.par.is_main and c.logging.progress),
-                   dynamic_ncols=True, desc=c.name, unit="step")
         t0, tokens_since = time.perf_counter(), 0
         while self.step < c.train.steps:
             m = self.train_step()
             tokens_since += self.tokens_per_step
             bar.update(1)
             if self.bad_in_row >= c.train.max_bad_steps:
+                # The step that triggers the rollback is logged: the rows after it restart at the checkpoint.
+                if self.par.is_main:
+                    append_metrics(self.metrics_path, {**to_python(m), "rollback": True}, self.step)
                 self.rollback()
                 bar.n = self.step
                 bar.refresh()
@@ -271,9 +377,11 @@ class Trainer:
                 self.best_val = min(self.best_val, self.validate())
             if (c.checkpoint.every and self.step % c.checkpoint.every == 0) or self.step == c.train.steps:
                 self.save()
-        bar.close()
-        self.logger.finish()
-        return {"step": self.step, "val_history": self.val_history, "bad_steps": self.bad_total}
+            if self.step < c.train.steps and self._stop_requested():   # a finished run just finishes
+                path = self.save() if self.saved_step != self.step else os.path.join(c.checkpoint_dir,
+                                                                                        f"step_{self.step:08d}")
+                raise Interrupted(f"interrupted at step {self.step}; checkpoint saved in {path} "
+                                  f"(continue with --resume)")
 
 
 def run(cfg: Config) -> dict:

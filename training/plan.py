@@ -273,13 +273,22 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
+# The keys that make each part of the memory big: the error names the one behind the largest part.
+# Model-sized parts shrink per device with more GPUs / sharding (parallel.*).
+_PART_KEYS = {"activations": "train.batch_size", "weights": "parallel", "grads": "parallel", "optimizer": "parallel",
+              "fsdp_buffers": "parallel", "dst_masks": "dst.grad_ema"}
+
+
 class PlanDoesNotFit(ConfigError):
     """Raised by ``check_fits``: first line names the problem, the rest is the plan."""
 
     def __init__(self, p: Plan, where: str):
         self.plan = p
-        super().__init__("parallel", f"{p.name} needs {p.memory.total / GB:.1f} GB per device on {where} "
-                                     f"({p.layout}) but has {p.device_bytes / GB:.1f} GB")
+        part, size = max(((k, getattr(p.memory, k)) for k in _PART_KEYS), key=lambda kv: kv[1])
+        why = f" (train.batch_size={p.batch_size} x train.seq_len={p.seq_len})" if part == "activations" else ""
+        super().__init__(_PART_KEYS[part], f"{p.name} needs {p.memory.total / GB:.1f} GB per device on {where} "
+                                           f"({p.layout}) but has {p.device_bytes / GB:.1f} GB; the largest part is "
+                                           f"{part.replace('_', ' ')} {size / GB:.1f} GB{why}")
         self.report = format_plan(p)
 
     def __str__(self) -> str:

@@ -15,6 +15,8 @@ from configs import ConfigError
 
 # Caps the text sentencepiece trains on: the vocabulary barely changes past a few MB, training time does.
 TRAIN_CHARS = 4_000_000
+# 256 byte pieces + 3 specials must fit before a byte-fallback BPE can merge anything.
+MIN_TRAINED_VOCAB = 300
 
 
 class Tokenizer:
@@ -22,7 +24,10 @@ class Tokenizer:
 
     def __init__(self, model_path: str):
         self.path = model_path
-        self.sp = spm.SentencePieceProcessor(model_file=model_path)
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=model_path)
+        except (RuntimeError, OSError):   # "could not parse ModelProto": any other file
+            raise ConfigError("data.tokenizer", f"{model_path} is not a sentencepiece .model file") from None
         self.vocab_size = self.sp.get_piece_size()
         self.eos_id = self.sp.eos_id()
         with open(model_path, "rb") as f:
@@ -79,9 +84,9 @@ def get_tokenizer(model_path: str | None, texts: list[str], vocab_size: int, cac
         os.makedirs(cache_dir, exist_ok=True)
         prefix = os.path.join(cache_dir, f"spm_{corpus_key}_v{vocab_size}")
         if not os.path.isfile(prefix + ".model"):
-            # 256 byte pieces + 3 specials must fit before any merge.
-            if vocab_size < 300:
-                raise ConfigError("model.vocab_size", f"{vocab_size} is too small for a byte-fallback tokenizer (>= 300)")
+            if vocab_size < MIN_TRAINED_VOCAB:
+                raise ConfigError("model.vocab_size", f"{vocab_size} is too small for a byte-fallback tokenizer "
+                                                      f"(>= {MIN_TRAINED_VOCAB})")
             train_tokenizer(texts, vocab_size, prefix)
         tok = Tokenizer(prefix + ".model")
     if tok.vocab_size != vocab_size:

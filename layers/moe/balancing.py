@@ -13,25 +13,22 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .layer import moe_modules
+from .layer import moe_modules, moe_reset_load, moe_update_bias
 
 
 class ExpertBalancing:
     def __init__(self, model: nn.Module, group=None):
-        self.layers = moe_modules(model)
+        self.model, self.layers = model, moe_modules(model)
         self.group = group
 
     def before_step(self, step: int) -> None:
         pass
 
     def after_optimizer_step(self, step: int) -> None:
-        for m in self.layers:
-            m.update_bias(self.group)
+        moe_update_bias(self.model, self.group)
 
     def skipped_step(self) -> None:
-        for m in self.layers:
-            if hasattr(m, "load_accum"):
-                m.load_accum.zero_()
+        moe_reset_load(self.model)
 
     def _shares(self) -> list[torch.Tensor]:
         out = []

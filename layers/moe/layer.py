@@ -280,3 +280,10 @@ def moe_update_bias(model: nn.Module, group=None) -> None:
     """Apply the aux-loss-free bias update of every MoE module (after ``optimizer.step()``)."""
     for m in moe_modules(model):
         m.update_bias(group)
+
+
+def moe_reset_load(model: nn.Module) -> None:
+    """Forget the load routed since the last bias update (a skipped or rolled-back step's)."""
+    for m in moe_modules(model):
+        if hasattr(m, "load_accum"):
+            m.load_accum.zero_()

@@ -94,7 +94,7 @@ def test_checkpoint_write_is_atomic_and_keeps_last_k(tmp_path, corpus_dir):
     cfg = make_cfg(tmp_path, corpus_dir, **{"train.steps": 20, "checkpoint.every": 5, "checkpoint.keep_last": 2})
     Trainer(cfg).fit()
     assert [s for s, _ in list_checkpoints(cfg.checkpoint_dir)] == [15, 20]
-    # A save killed midway leaves only a temp dir (or a dir without train_state.pt): never picked for resume.
+    # A save killed midway leaves only a temp dir (or a dir without manifest.json): never picked for resume.
     os.makedirs(os.path.join(cfg.checkpoint_dir, ".tmp_step_00000025"))
     torn = os.path.join(cfg.checkpoint_dir, "step_00000030")
     os.makedirs(torn)
@@ -155,16 +155,16 @@ def test_kill_during_checkpoint_write_leaves_the_previous_checkpoint_resumable(t
 
     from helpers import ROOT
     ov = tiny_overrides(tmp_path, corpus_dir, **{"train.steps": 20, "checkpoint.every": 5})
-    # Slow down the write of step 10's train_state.pt (the last file of a checkpoint) to kill inside it.
+    # Slow down the write of step 10's manifest.json (the last file of a checkpoint) to kill inside it.
     code = f"""
-import sys, time, torch
+import sys, time
 import training.checkpoint as ck
-real_save = torch.save
-def slow_save(obj, path, *a, **k):
-    if str(path).endswith("train_state.pt") and obj["step"] == 10:
+real_write = ck._write_json
+def slow_write(path, obj):
+    if str(path).endswith(ck.MANIFEST) and obj["step"] == 10:
         print("WRITING", flush=True); time.sleep(60)
-    return real_save(obj, path, *a, **k)
-ck.torch.save = slow_save
+    return real_write(path, obj)
+ck._write_json = slow_write
 from configs import load_config
 from training.loop import Trainer
 Trainer(load_config("zoo/tiny_dense.yaml", {ov!r})).fit()

@@ -1,0 +1,55 @@
+"""Checks a run makes from its config before any expensive work (reading the corpus, building the model).
+
+Each failure is a ConfigError naming the key: one line, exit 2 from train.py.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+from configs import Config, ConfigError
+
+from .tokenizer import MIN_TRAINED_VOCAB, Tokenizer
+
+
+def _check_dir(path: str, key: str) -> None:
+    """``path`` is a directory or can be created as one: no file on it or on any of its parents."""
+    p = os.path.abspath(path)
+    while True:
+        if os.path.exists(p):
+            if not os.path.isdir(p):
+                what = "is" if p == os.path.abspath(path) else f"is inside {p}, which is"
+                raise ConfigError(key, f"{path} {what} a file, not a directory")
+            return
+        parent = os.path.dirname(p)
+        if parent == p:
+            return
+        p = parent
+
+
+def check_paths(cfg: Config) -> None:
+    """Every path the run will read or write, from the config alone."""
+    _check_dir(cfg.data.cache_dir, "data.cache_dir")
+    _check_dir(cfg.out_dir, "train.out_dir")
+    _check_dir(cfg.checkpoint_dir, "checkpoint.dir" if cfg.checkpoint.dir else "train.out_dir")
+    src = cfg.data.source
+    if src != "stdlib" and not os.path.exists(src) and not glob.glob(src, recursive=True):
+        raise ConfigError("data.source", f"no file matches {src!r} (a file, directory, glob, .jsonl or 'stdlib')")
+    if cfg.data.tokenizer:
+        if not os.path.isfile(cfg.data.tokenizer):
+            raise ConfigError("data.tokenizer", f"file not found: {cfg.data.tokenizer}")
+        tok = Tokenizer(cfg.data.tokenizer)   # a small file: loading it is the check that it is a model
+        if tok.vocab_size != cfg.model.vocab_size:
+            raise ConfigError("model.vocab_size", f"is {cfg.model.vocab_size} but tokenizer {tok.path} has "
+                                                  f"{tok.vocab_size} pieces")
+    elif cfg.model.vocab_size < MIN_TRAINED_VOCAB:
+        raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is too small for a byte-fallback tokenizer "
+                                              f"(>= {MIN_TRAINED_VOCAB}); or give data.tokenizer")
+
+
+def check_model(cfg: Config, meta_model) -> None:
+    """Checks that need the model's shapes, on a meta-device build (no memory): DST targets and blocks."""
+    if cfg.dst.enabled:
+        from layers import DynamicSparsity
+        # The real constructor on the throwaway meta model: the same checks, run before anything is allocated.
+        DynamicSparsity.from_config(meta_model, cfg.dst, None, total_steps=cfg.train.steps)
