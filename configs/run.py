@@ -14,7 +14,8 @@ class DataConfig:
     source: str = "stdlib"
     tokenizer: Optional[str] = None   # a sentencepiece .model; None = train one on the corpus (cached)
     jsonl_field: str = "text"
-    val_fraction: float = 0.05        # share of files (or jsonl records) held out, chosen by a hash of the name
+    val_fraction: float = 0.05        # share of files (or jsonl records) held out, chosen by a hash of the name;
+                                      # a single document: the last val_fraction of its tokens
     cache_dir: str = ".cache/moezoo"  # tokenizer and token memmaps, keyed by corpus + vocab
     max_files: int = 0                # 0 = all documents; else the first N in name-hash order (a varied subset)
 
