@@ -268,7 +268,7 @@ class Trainer:
                 self.save()
         bar.close()
         self.logger.finish()
-        return {"step": self.step, "val_history": self.val_history, "bad_steps": self.bad_total}
+        return {"step": self.step, "val_history": self.val_history, "bad_steps": self.bad_total, "rank": self.par.rank}
 
 
 def run(cfg: Config) -> dict:
