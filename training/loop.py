@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import time
 from contextlib import nullcontext
 
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from configs import Config
+from configs import Config, ConfigError
 from layers import attention_density, moe_update_bias, neuron_schedule_step, neuron_stats
 from zoo import build_model
 
@@ -27,6 +28,7 @@ from .logger import append_metrics, make_logger, to_python
 from .metrics import device_peak_flops, moe_metrics
 from .optim import build_optimizer, build_scheduler
 from .parallel import all_reduce_mean, clip_grad_norm_, model_init_device, parallelize, setup_parallel
+from .trained import TOKENIZER_FILE
 
 
 def seed_everything(seed: int) -> None:
@@ -52,12 +54,22 @@ class Trainer:
         self.resume_path = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
         if self.resume_path:
             check_resumable(self.resume_path, cfg, self.par.world_size)
+        init_from = cfg.model.init_from and not self.resume_path   # a resumed run has its own weights
+        if init_from:
+            from zoo.pretrained import check_init_from
+            check_init_from(cfg.model)   # reads the HF config only: a mismatch fails before the data work
         # Same seed on every rank: identical initial weights before sharding.
         seed_everything(cfg.train.seed)
         self.data = prepare_data(cfg, self.par.is_main, self.barrier)
         if self.resume_path:
             check_resumable(self.resume_path, cfg, self.par.world_size, self.data.tokenizer.digest)
         model = build_model(cfg.model, model_init_device(cfg, self.par))   # "meta" when too big to build whole
+        if init_from:
+            if next(model.parameters()).is_meta:
+                raise ConfigError("model.init_from", "needs a model built whole on each rank (this one is built "
+                                                     "on the meta device and sharded)")
+            from zoo.pretrained import load_init_from
+            load_init_from(model, cfg.model)
         self.model = parallelize(model, cfg, self.par)
         self.raw_model = model
         if cfg.train.compile:
@@ -96,6 +108,8 @@ class Trainer:
         self.metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
         if self.par.is_main:
             os.makedirs(cfg.out_dir, exist_ok=True)
+            # The run folder keeps its tokenizer, so generate/export find it there (training.trained).
+            shutil.copyfile(self.data.tokenizer.path, os.path.join(cfg.out_dir, TOKENIZER_FILE))
 
     # ---- setup helpers -------------------------------------------------------------------------
     def _autocast(self):
