@@ -76,7 +76,8 @@ class LoggingConfig:
     entity: Optional[str] = None
     run_name: Optional[str] = None    # default: the config name
     log_every: int = 10
-    progress: bool = True             # tqdm bar with ETA on rank 0
+    progress: bool = True             # rank 0: a tqdm bar on a terminal, plain lines when stdout is not one
+    plots: bool = True                # <out_dir>/plots/*.png at every evaluation (training.plot)
 
     def validate(self, key: str = "logging") -> None:
         check_choice(self.wandb, ("online", "offline", "disabled"), f"{key}.wandb")

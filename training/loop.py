@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 import time
 from contextlib import nullcontext
 
@@ -232,6 +233,20 @@ class Trainer:
         self.print(f"step {self.step}: val loss {v:.4f}")
         return v
 
+    def write_plots(self, expert_load) -> None:
+        """``<out_dir>/plots/``: metrics.png and this step's expert load (rank 0, ``logging.plots``)."""
+        if not (self.par.is_main and self.cfg.logging.plots):
+            return
+        from . import plot
+        try:
+            plot.write_metrics_plot(self.cfg.out_dir, self.cfg.name)
+            if expert_load is not None:
+                plot.save_figure(plot.expert_load_figure(expert_load.numpy(), self.step), os.path.join(
+                    self.cfg.out_dir, plot.PLOTS_DIR, f"expert_load_step_{self.step:08d}.png"))
+        except ImportError as e:   # pictures are a convenience: a run without matplotlib still trains
+            self.print(f"no plots: {e}")
+            self.cfg.logging.plots = False
+
     # ---- main loop -------------------------------------------------------------------------------
     def fit(self) -> dict:
         c = self.cfg
@@ -241,7 +256,10 @@ class Trainer:
                 self.logger.log({f"attn_density/{k}": v for k, v in dens.items() if "/head" not in k}, step=0)
                 self.print(f"attention density at seq_len {c.train.seq_len}: {dens['mean']:.3f}")
             self.validate()
-        bar = tqdm(total=c.train.steps, initial=self.step, disable=not (self.par.is_main and c.logging.progress),
+        progress = self.par.is_main and c.logging.progress
+        # A bar on a terminal; in a log file (not a TTY) its redraws are noise, so plain lines instead.
+        log_lines = progress and not sys.stdout.isatty()
+        bar = tqdm(total=c.train.steps, initial=self.step, disable=not progress or log_lines,
                    dynamic_ncols=True, desc=c.name, unit="step")
         t0, tokens_since = time.perf_counter(), 0
         while self.step < c.train.steps:
@@ -271,13 +289,19 @@ class Trainer:
                 if self.par.is_main:
                     append_metrics(self.metrics_path, m, self.step)
                 bar.set_postfix(loss=f"{float(m['loss/total']):.3f}", lr=f"{m['lr']:.2e}")
+                if log_lines:
+                    self.print(f"step {self.step}/{c.train.steps}: loss {float(m['loss/total']):.4f} lr {m['lr']:.2e} "
+                               f"{m['tokens_per_s']:,.0f} tokens/s")
                 t0, tokens_since = time.perf_counter(), 0
             if self.step % c.train.eval_every == 0 or self.step == c.train.steps:
                 # Before evaluate(): the layers' stats are still those of the last training step.
                 load = moe_metrics(self.raw_model)[1]
                 if load is not None:
-                    self.logger.log_heatmap("moe/expert_load", load.numpy(), self.step, "experts", "layers")
+                    # A fixed scale, 0 .. twice the uniform share, so the pictures of different steps compare.
+                    self.logger.log_heatmap("moe/expert_load", load.numpy(), self.step, "expert", "layer",
+                                            2.0 / load.shape[1])
                 self.best_val = min(self.best_val, self.validate())
+                self.write_plots(load)
             if (c.checkpoint.every and self.step % c.checkpoint.every == 0) or self.step == c.train.steps:
                 self.save()
         bar.close()
