@@ -17,18 +17,9 @@ import sys
 
 import numpy as np
 
+from zoo.pyplot import pyplot
+
 PLOTS_DIR = "plots"
-
-
-def pyplot():
-    """matplotlib.pyplot on the Agg backend, or an ImportError that says how to get it."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ImportError("matplotlib is needed to draw pictures: pip install matplotlib") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
 
 
 def heatmap_figure(matrix, xlabel: str, ylabel: str, title: str, vmax: float | None = None,
