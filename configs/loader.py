@@ -85,7 +85,9 @@ def _omegaconf_error(e: OmegaConfBaseException) -> ConfigError:
     key = getattr(e, "full_key", None) or ""
     msg = str(e).splitlines()[0].strip()
     if "Key '" in msg and "not in" in msg:
-        msg = "unknown key"
+        from .suggest import suggest
+        close = suggest(key)
+        msg = f"unknown key (did you mean {close}?)" if close else "unknown key"
     return ConfigError(key, msg)
 
 

@@ -52,6 +52,9 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     neuron: NeuronConfig = field(default_factory=NeuronConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    # An HF folder or a model id already in the HF cache (no download): training starts from its
+    # weights (zoo.pretrained), and the fields above must describe the same architecture.
+    init_from: Optional[str] = None
 
     @property
     def kv_heads(self) -> int:

@@ -14,7 +14,8 @@ class DataConfig:
     source: str = "stdlib"
     tokenizer: Optional[str] = None   # a sentencepiece .model; None = train one on the corpus (cached)
     jsonl_field: str = "text"
-    val_fraction: float = 0.05        # share of files (or jsonl records) held out, chosen by a hash of the name
+    val_fraction: float = 0.05        # share of files (or jsonl records) held out, chosen by a hash of the name;
+                                      # a single document: the last val_fraction of its tokens
     cache_dir: str = ".cache/moezoo"  # tokenizer and token memmaps, keyed by corpus + vocab
     max_files: int = 0                # 0 = all documents; else the first N in name-hash order (a varied subset)
 
@@ -77,7 +78,8 @@ class LoggingConfig:
     entity: Optional[str] = None
     run_name: Optional[str] = None    # default: the config name
     log_every: int = 10
-    progress: bool = True             # tqdm bar with ETA on rank 0
+    progress: bool = True             # rank 0: a tqdm bar on a terminal, plain lines when stdout is not one
+    plots: bool = True                # <out_dir>/plots/*.png at every evaluation (training.plot)
 
     def validate(self, key: str = "logging") -> None:
         check_choice(self.wandb, ("online", "offline", "disabled"), f"{key}.wandb")

@@ -25,7 +25,7 @@ def tiny_overrides(tmp, corpus, **extra) -> list[str]:
         "model.ffn_hidden": 64, "model.max_seq_len": 64, "data.source": corpus, "data.cache_dir": f"{tmp}/cache",
         "data.max_files": 0, "train.seq_len": 32, "train.batch_size": 4, "train.steps": 20, "train.eval_every": 10,
         "train.eval_batches": 2, "train.out_dir": f"{tmp}/run", "logging.wandb": "disabled", "logging.log_every": 5,
-        "logging.progress": False, "optim.warmup_steps": 2, "optim.lr": 3e-3, "checkpoint.every": 10,
+        "logging.progress": False, "logging.plots": False, "optim.warmup_steps": 2, "optim.lr": 3e-3, "checkpoint.every": 10,
     }
     ov.update(extra)
     return [f"{k}={v}" for k, v in ov.items()]

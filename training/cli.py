@@ -1,23 +1,28 @@
-"""Command line: ``python train.py --config zoo/tiny_dense.yaml [key=value ...] [--resume [--trust-checkpoint]]
-[--plan [--gpus N]]``.
+"""Command line: ``python train.py --config tiny_dense [key=value ...] [--resume [--trust-checkpoint]]
+[--plan [--gpus N]] [--print-config]``.
 
-Bad input (unknown key, wrong type, missing file, inconsistent sizes, a run that cannot fit) prints one
-line naming the key or file and exits with code 2, before any training starts.
+``--config`` takes a YAML path or a shipped preset's name (``tiny_dense``, zoo/*.yaml). Bad input
+(unknown key, wrong type, missing file, inconsistent sizes, a run that cannot fit) prints one line
+naming the key or file and exits with code 2, before any training starts.
+
+Only training imports torch.distributed, the layers and the kernels (seconds of imports), so
+``--help``, ``--print-config`` and config errors answer without torch, and ``--plan`` with torch alone
+plus the model's layers on the meta device.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from configs import ConfigError, load_config
-from training.loop import TrainingDiverged, run
+from configs import ConfigError, load_config, to_dict
+from configs.presets import resolve_config_path
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     # allow_abbrev=False: "--resum" must be an error, not quietly taken as --resume.
     p = argparse.ArgumentParser(prog="train.py", description="Train a moezoo model from a YAML config.",
                                 allow_abbrev=False)
-    p.add_argument("--config", required=True, help="preset YAML, e.g. zoo/tiny_dense.yaml")
+    p.add_argument("--config", required=True, help="preset YAML path, or a shipped preset's name, e.g. tiny_dense")
     p.add_argument("overrides", nargs="*", help="dotted overrides applied last, e.g. model.n_layers=2 train.steps=50")
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     p.add_argument("--trust-checkpoint", action="store_true",
@@ -26,33 +31,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plan", action="store_true", help="print params, FLOPs/token, memory and a parallel layout; "
                    "allocate nothing")
     p.add_argument("--gpus", type=int, default=None, help="GPU count for --plan (default: the smallest power of two that fits)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config (every key, defaults "
+                   "included) as YAML and exit")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        overrides = (list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
-                     + (["checkpoint.trust=true"] if args.trust_checkpoint else []))
-        cfg = load_config(args.config, overrides)
-        if args.plan:
-            if args.gpus is not None and args.gpus < 1:
-                raise ConfigError("--gpus", f"must be >= 1, got {args.gpus}")
-            from training.plan import format_plan, plan
-            print(format_plan(plan(cfg, args.gpus)))
-            return 0
-        summary = run(cfg)
+        return _main(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except TrainingDiverged as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt as e:   # Interrupted says which checkpoint it saved; a second Ctrl-C says nothing
         print(str(e) or "\ninterrupted; the last complete checkpoint is intact (use --resume)", file=sys.stderr)
         return 130
+
+
+def _main(args: argparse.Namespace) -> int:
+    overrides = (list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
+                 + (["checkpoint.trust=true"] if args.trust_checkpoint else []))
+    cfg = load_config(resolve_config_path(args.config), overrides)
+    if args.print_config:
+        import yaml
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        return 0
+    if args.plan:
+        if args.gpus is not None and args.gpus < 1:
+            raise ConfigError("--gpus", f"must be >= 1, got {args.gpus}")
+        from training.plan import format_plan, plan
+        print(format_plan(plan(cfg, args.gpus)))
+        return 0
+    from training.loop import TrainingDiverged, run   # torch.distributed, layers, kernels: only to train
+    try:
+        summary = run(cfg)
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     hist = summary["val_history"]
-    if hist:
+    if hist and summary.get("rank", 0) == 0:   # every rank returns a summary; one line is enough
         print(f"done: {summary['step']} steps, val loss {hist[0][1]:.4f} -> {hist[-1][1]:.4f}, "
               f"skipped steps {summary['bad_steps']}")
     return 0

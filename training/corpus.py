@@ -7,7 +7,7 @@
 - a text file, a directory (its files, recursively) or a glob.
 
 Documents are split into train/val by a hash of their name, so the split is deterministic and does not
-move when files are added.
+move when files are added. A corpus of one document is split by tokens instead (training.data).
 """
 from __future__ import annotations
 

@@ -3,6 +3,10 @@
 
 Layout in ``data.cache_dir``: ``tokens_<key>_{train,val}.bin`` (uint16 when the vocab fits, else uint32),
 documents joined with EOS. ``<key>`` hashes the corpus names/sizes and the tokenizer.
+
+A corpus of several documents is split by document (``corpus.split_documents``). A corpus of one
+document (one text file, one jsonl record) is split by tokens as nanoGPT does: the last
+``data.val_fraction`` of its tokens is the validation split, and the tokenizer is trained on the rest.
 """
 from __future__ import annotations
 
@@ -19,12 +23,16 @@ from .corpus import load_documents, split_documents
 from .tokenizer import Tokenizer, get_tokenizer
 
 
-def _write_tokens(tok: Tokenizer, texts: list[str], path: str, dtype) -> None:
+def _encode(tok: Tokenizer, texts: list[str]) -> list[int]:
     ids: list[int] = []
     for chunk in range(0, len(texts), 256):
         for doc in tok.encode_batch(texts[chunk:chunk + 256]):
             ids.extend(doc)
             ids.append(tok.eos_id)
+    return ids
+
+
+def _write_ids(ids: list[int], path: str, dtype) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     np.asarray(ids, dtype=dtype).tofile(tmp)
     os.replace(tmp, path)  # atomic: a killed run never leaves a truncated token file
@@ -40,28 +48,40 @@ class TokenData:
 def prepare_data(cfg: Config, is_main: bool = True, barrier=lambda: None) -> TokenData:
     """Load the corpus, get the tokenizer, and memmap the token files (rank 0 writes, others wait)."""
     docs = load_documents(cfg.data)
-    train_docs, val_docs = split_documents(docs, cfg.data.val_fraction)
+    val_fraction = cfg.data.val_fraction
+    one_doc = len(docs) == 1   # split by tokens below, since a split by document would leave one side empty
+    if one_doc:
+        train_texts = [docs[0].text[:int(len(docs[0].text) * (1 - val_fraction))]]
+    else:
+        train_docs, val_docs = split_documents(docs, val_fraction)
+        train_texts = [d.text for d in train_docs]
     corpus_key = hashlib.sha1("\n".join(f"{d.name}:{len(d.text)}" for d in docs).encode()).hexdigest()[:12]
     cache = cfg.data.cache_dir
     if is_main:
-        tok = get_tokenizer(cfg.data.tokenizer, [d.text for d in train_docs], cfg.model.vocab_size, cache, corpus_key)
+        tok = get_tokenizer(cfg.data.tokenizer, train_texts, cfg.model.vocab_size, cache, corpus_key)
     barrier()
     if not is_main:
         tok = get_tokenizer(cfg.data.tokenizer, [], cfg.model.vocab_size, cache, corpus_key)
     dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
-    key = f"{corpus_key}_{tok.digest}"
+    key = f"{corpus_key}_{tok.digest}" + (f"_tail{val_fraction}" if one_doc else "")
     paths = {s: os.path.join(cache, f"tokens_{key}_{s}.bin") for s in ("train", "val")}
-    if is_main:
+    if is_main and not all(os.path.isfile(p) for p in paths.values()):
         os.makedirs(cache, exist_ok=True)
-        for split, split_docs in (("train", train_docs), ("val", val_docs)):
-            if not os.path.isfile(paths[split]):
-                _write_tokens(tok, [d.text for d in split_docs], paths[split], dtype)
+        if one_doc:
+            ids = _encode(tok, [docs[0].text])
+            cut = int(len(ids) * (1 - val_fraction))
+            splits = {"train": ids[:cut], "val": ids[cut:]}
+        else:
+            splits = {"train": _encode(tok, train_texts), "val": _encode(tok, [d.text for d in val_docs])}
+        for split, ids in splits.items():
+            _write_ids(ids, paths[split], dtype)
     barrier()
     arrays = {s: np.memmap(p, dtype=dtype, mode="r") for s, p in paths.items()}
     need = cfg.train.seq_len + 1
     for s, a in arrays.items():
         if len(a) < need:
-            raise ConfigError("data.source", f"{s} split has {len(a)} tokens, fewer than train.seq_len+1={need}")
+            raise ConfigError("data.source", f"{s} split has {len(a)} tokens, fewer than train.seq_len+1={need}"
+                                             + (" (raise data.val_fraction or add text)" if s == "val" else ""))
     return TokenData(tok, arrays["train"], arrays["val"])
 
 

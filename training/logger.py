@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import torch
 
 from configs import Config, to_dict
@@ -23,7 +22,8 @@ class NullLogger:
     def log(self, metrics: dict, step: int) -> None:
         pass
 
-    def log_heatmap(self, name: str, matrix, step: int, xlabel: str = "", ylabel: str = "") -> None:
+    def log_heatmap(self, name: str, matrix, step: int, xlabel: str = "", ylabel: str = "",
+                    vmax: float | None = None) -> None:
         pass
 
     def finish(self) -> None:
@@ -45,16 +45,13 @@ class WandbLogger(NullLogger):
     def log(self, metrics: dict, step: int) -> None:
         self.run.log(to_python(metrics), step=step)
 
-    def log_heatmap(self, name: str, matrix, step: int, xlabel: str = "", ylabel: str = "") -> None:
-        """A [rows, cols] array as a grey-scale image (e.g. expert load: layers x experts)."""
-        m = np.asarray(matrix, dtype=np.float64)
-        span = m.max() - m.min()
-        img = ((m - m.min()) / span * 255 if span > 0 else np.zeros_like(m)).astype(np.uint8)
-        # Upscale small matrices so each cell is visible in the UI.
-        scale = max(1, 256 // max(img.shape))
-        img = np.kron(img, np.ones((scale, scale), dtype=np.uint8))
-        caption = f"{ylabel} x {xlabel}, min {m.min():.3g} max {m.max():.3g}"
-        self.run.log({name: self.wandb.Image(img, caption=caption)}, step=step)
+    def log_heatmap(self, name: str, matrix, step: int, xlabel: str = "", ylabel: str = "",
+                    vmax: float | None = None) -> None:
+        """A [rows, cols] array (e.g. expert load: layers x experts) as a picture with axes and a colour bar;
+        ``vmax`` fixes the scale at 0 .. vmax so the pictures of different steps compare."""
+        from .plot import figure_array, heatmap_figure
+        fig = heatmap_figure(matrix, xlabel, ylabel, f"{name}, step {step}", vmax)
+        self.run.log({name: self.wandb.Image(figure_array(fig))}, step=step)
 
     def finish(self) -> None:
         self.run.finish()

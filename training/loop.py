@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from configs import Config
+from configs import Config, ConfigError
 from layers import DynamicSparsity, ExpertBalancing, NeuronSchedule, attention_density
 from zoo import build_model
 
@@ -34,6 +35,7 @@ from .optim import build_optimizer, build_scheduler
 from .parallel import all_reduce_mean, clip_grad_norm_, model_init_device, parallelize, setup_parallel
 from .preflight import check_model, check_paths
 from .run_folder import check_fresh_start, clear_previous_run, new_run_id, trim_metrics
+from .trained import TOKENIZER_FILE
 
 
 def seed_everything(seed: int) -> None:
@@ -69,12 +71,22 @@ class Trainer:
             self.resume_path = self._find_resume()
         else:
             replaced = check_fresh_start(cfg)
+        init_from = cfg.model.init_from and not self.resume_path   # a resumed run has its own weights
+        if init_from:
+            from zoo.pretrained import check_init_from
+            check_init_from(cfg.model)   # reads the HF config only: a mismatch fails before the data work
         # Same seed on every rank: identical initial weights before sharding.
         seed_everything(cfg.train.seed)
         self.data = prepare_data(cfg, self.par.is_main, self.barrier)
         if self.resume_path:
             check_resumable(self.resume_path, cfg, self.par.world_size, self.data.tokenizer.digest)
         model = build_model(cfg.model, model_init_device(cfg, self.par))   # "meta" when too big to build whole
+        if init_from:
+            if next(model.parameters()).is_meta:
+                raise ConfigError("model.init_from", "needs a model built whole on each rank (this one is built "
+                                                     "on the meta device and sharded)")
+            from zoo.pretrained import load_init_from
+            load_init_from(model, cfg.model)
         self.model = parallelize(model, cfg, self.par)   # in place (FSDP2 / EP): still the Transformer
         if cfg.train.compile:
             # Per block and in place, as torchtitan does: parameter names, FSDP2 units and checkpoints unchanged.
@@ -118,6 +130,9 @@ class Trainer:
         self.wandb_id = getattr(self.logger.run, "id", None)
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum * self.par.dp_size
         self.peak_flops = device_peak_flops(self.device)
+        if self.par.is_main:
+            # The run folder keeps its tokenizer, so generate/export find it there (training.trained).
+            shutil.copyfile(self.data.tokenizer.path, os.path.join(cfg.out_dir, TOKENIZER_FILE))
 
     # ---- setup helpers -------------------------------------------------------------------------
     def _autocast(self):
@@ -298,6 +313,20 @@ class Trainer:
         self.print(f"step {self.step}: val loss {v:.4f}")
         return v
 
+    def write_plots(self, expert_load) -> None:
+        """``<out_dir>/plots/``: metrics.png and this step's expert load (rank 0, ``logging.plots``)."""
+        if not (self.par.is_main and self.cfg.logging.plots):
+            return
+        from . import plot
+        try:
+            plot.write_metrics_plot(self.cfg.out_dir, self.cfg.name)
+            if expert_load is not None:
+                plot.save_figure(plot.expert_load_figure(expert_load.numpy(), self.step), os.path.join(
+                    self.cfg.out_dir, plot.PLOTS_DIR, f"expert_load_step_{self.step:08d}.png"))
+        except ImportError as e:   # pictures are a convenience: a run without matplotlib still trains
+            self.print(f"no plots: {e}")
+            self.cfg.logging.plots = False
+
     # ---- main loop -------------------------------------------------------------------------------
     def fit(self) -> dict:
         """Train to ``train.steps``. The first Ctrl-C stops after the current step with a checkpoint
@@ -311,8 +340,11 @@ class Trainer:
         handle = previous is signal.default_int_handler and threading.current_thread() is threading.main_thread()
         if handle:
             signal.signal(signal.SIGINT, on_sigint)
+        progress = self.par.is_main and self.cfg.logging.progress
+        # A bar on a terminal; in a log file (not a TTY) its redraws are noise, so plain lines instead.
+        self.log_lines = progress and not sys.stdout.isatty()
         bar = tqdm(total=self.cfg.train.steps, initial=self.step, dynamic_ncols=True, desc=self.cfg.name,
-                   unit="step", disable=not (self.par.is_main and self.cfg.logging.progress))
+                   unit="step", disable=not progress or self.log_lines)
         try:
             self._fit(bar)
         finally:
@@ -320,7 +352,7 @@ class Trainer:
             if handle:
                 signal.signal(signal.SIGINT, previous)
             self.logger.finish()
-        return {"step": self.step, "val_history": self.val_history, "bad_steps": self.bad_total}
+        return {"step": self.step, "val_history": self.val_history, "bad_steps": self.bad_total, "rank": self.par.rank}
 
     def _stop_requested(self) -> bool:
         """Ctrl-C on any rank (all ranks must agree on the step they stop and save at)."""
@@ -368,13 +400,19 @@ class Trainer:
                 if self.par.is_main:
                     append_metrics(self.metrics_path, m, self.step)
                 bar.set_postfix(loss=f"{float(m['loss/total']):.3f}", lr=f"{m['lr']:.2e}")
+                if self.log_lines:
+                    self.print(f"step {self.step}/{c.train.steps}: loss {float(m['loss/total']):.4f} lr {m['lr']:.2e} "
+                               f"{m['tokens_per_s']:,.0f} tokens/s")
                 t0, tokens_since = time.perf_counter(), 0
             if self.step % c.train.eval_every == 0 or self.step == c.train.steps:
                 # Before evaluate(): the layers' stats are still those of the last training step.
                 load = next((s.expert_load() for s in self.sparsity if isinstance(s, ExpertBalancing)), None)
                 if load is not None:
-                    self.logger.log_heatmap("moe/expert_load", load.numpy(), self.step, "experts", "layers")
+                    # A fixed scale, 0 .. twice the uniform share, so the pictures of different steps compare.
+                    self.logger.log_heatmap("moe/expert_load", load.numpy(), self.step, "expert", "layer",
+                                            2.0 / load.shape[1])
                 self.best_val = min(self.best_val, self.validate())
+                self.write_plots(load)
             if (c.checkpoint.every and self.step % c.checkpoint.every == 0) or self.step == c.train.steps:
                 self.save()
             if self.step < c.train.steps and self._stop_requested():   # a finished run just finishes

@@ -81,6 +81,7 @@ class Plan:
     memory: Memory
     device_bytes: float
     notes: list = field(default_factory=list)
+    device: str = "GPU"         # what the report calls one device: "GPU" on CUDA, else "device"
 
     @property
     def fits(self) -> bool:
@@ -230,8 +231,11 @@ def plan(cfg: Config, n_gpus: Optional[int] = None, device_bytes: float = H200_B
     mem = memory_per_gpu(cfg, shape, layout, cb)
     out = Plan(name=cfg.name, counts=counts, flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len, counts),
                seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, compute_bytes=cb, n_gpus=n_gpus,
-               layout=layout, layout_source=source, memory=mem, device_bytes=device_bytes, notes=notes)
+               layout=layout, layout_source=source, memory=mem, device_bytes=device_bytes, notes=notes,
+               device="GPU" if device_type == "cuda" else "device")
     if not out.fits:
+        if source == "recommended":   # the best layout tried, but one to change, not to follow
+            out.layout_source = "best found, does not fit"
         smallest = smallest_fitting_gpus(cfg, shape, cb, device_bytes)
         notes.append(f"the recommended layout fits from {smallest} GPUs (power of two)")
         need = mem.total / (HEADROOM * device_bytes)
@@ -258,8 +262,8 @@ def format_plan(p: Plan) -> str:
         f"  params        total {_fmt(c.total)} ({c.total:,})   active {_fmt(c.active)} ({c.active:,})",
         f"                routed experts {_fmt(c.expert)}   embedding {_fmt(c.embedding)}",
         f"  FLOPs/token   {_fmt(p.flops_per_token, ((1e12, ' T'), (1e9, ' G'), (1e6, ' M'), (1, ' ')))}FLOP (training fwd+bwd, active params, seq_len {p.seq_len})",
-        f"  layout        {p.n_gpus} GPU(s): {p.layout}   [{p.layout_source}]",
-        f"  memory/GPU    (micro-batch {p.batch_size} x {p.seq_len} tokens, {dtype} compute, fp32 master + AdamW)",
+        f"  layout        {p.n_gpus} {p.device}(s): {p.layout}   [{p.layout_source}]",
+        f"  {'memory/' + p.device:<14}(micro-batch {p.batch_size} x {p.seq_len} tokens, {dtype} compute, fp32 master + AdamW)",
         f"    weights       {m.weights / GB:9.1f} GB",
         f"    grads         {m.grads / GB:9.1f} GB",
         f"    optimizer     {m.optimizer / GB:9.1f} GB",

@@ -8,6 +8,7 @@ Shapes: B batch, S sequence, D model dim, V vocab.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -134,10 +135,30 @@ class Transformer(nn.Module):
         return total, parts
 
 
+# torch.nn.init's in-place initialisers, which nn.Linear / nn.Embedding call from their constructors.
+_INITIALISERS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "xavier_uniform_",
+                 "xavier_normal_", "zeros_", "ones_", "constant_")
+
+
+@contextlib.contextmanager
+def _skip_constructor_init():
+    """No-op torch.nn.init while modules are built on the meta device: there the initialisers compute
+    nothing, yet run torch._refs, whose first use imports torch._dynamo (~2 s of a --plan's startup)."""
+    saved = {n: getattr(nn.init, n) for n in _INITIALISERS}
+    for n in saved:
+        setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(nn.init, n, fn)
+
+
 def build_model(cfg: ModelConfig, device=None) -> Transformer:
     """Build and initialise. ``device="meta"`` allocates nothing (for --plan and FSDP2 init)."""
-    with torch.device(device or "cpu"):
+    meta = str(device) == "meta"
+    with torch.device(device or "cpu"), (_skip_constructor_init() if meta else contextlib.nullcontext()):
         model = Transformer(cfg)
-    if str(device) != "meta":
+    if not meta:
         model.init_weights()
     return model

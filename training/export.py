@@ -1,0 +1,62 @@
+"""Export a trained run: ``python -m training.export --run runs/X --hf out_dir`` and/or ``--file model.safetensors``.
+
+- ``--hf DIR``: a transformers ``save_pretrained`` folder (config.json + model.safetensors, through
+  ``zoo.hf.to_hf``) plus the run's ``tokenizer.model``; ``AutoModelForCausalLM.from_pretrained(DIR)``
+  loads it, and ``model.init_from: DIR`` starts a new run from it.
+- ``--file PATH``: one consolidated file of the zoo state dict (zoo parameter names): ``.safetensors``
+  (resolved config as YAML in the metadata) or anything else as a ``torch.save`` of
+  ``{"model": state_dict, "config": dict}``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+import yaml
+
+from configs import Config, ConfigError, to_dict
+
+
+def export_hf(model, tokenizer_path: str, out_dir: str) -> None:
+    from zoo.hf import to_hf
+    to_hf(model).save_pretrained(out_dir, safe_serialization=True)
+    shutil.copyfile(tokenizer_path, os.path.join(out_dir, "tokenizer.model"))
+
+
+def export_file(model, cfg: Config, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if path.endswith(".safetensors"):
+        from safetensors.torch import save_model
+        # save_model, not save_file: it drops the tied output weight that shares the embedding's storage.
+        save_model(model, path, metadata={"config": yaml.safe_dump(to_dict(cfg), sort_keys=False)})
+    else:
+        import torch
+        torch.save({"model": model.state_dict(), "config": to_dict(cfg)}, path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.export", description=__doc__.splitlines()[0])
+    p.add_argument("--run", required=True, help="run folder (runs/<name>), checkpoint dir or step_* checkpoint")
+    p.add_argument("--hf", default=None, help="write a transformers save_pretrained folder here")
+    p.add_argument("--file", default=None, help="write one consolidated .safetensors (or torch.save) file here")
+    a = p.parse_args(argv)
+    try:
+        if not (a.hf or a.file):
+            raise ConfigError("export", "give --hf DIR and/or --file PATH")
+        from .trained import load_run
+        model, tok, cfg, ckpt = load_run(a.run)
+        if a.hf:
+            export_hf(model, tok.path, a.hf)
+        if a.file:
+            export_file(model, cfg, a.file)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {ckpt} -> {', '.join(x for x in (a.hf, a.file) if x)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

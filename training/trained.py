@@ -1,0 +1,58 @@
+"""A trained run, loaded for inference: the latest checkpoint's model, its config and the run's tokenizer.
+
+    model, tokenizer, cfg, path = load_run("runs/tiny_dense")
+
+``run`` is a run folder (``train.out_dir``, holding ``checkpoints/`` and the ``tokenizer.model`` the
+trainer copies there), a checkpoint directory, or one ``step_*`` checkpoint. The tokenizer is the run
+folder's copy (checked against the digest the checkpoint recorded), never a search through a cache.
+"""
+from __future__ import annotations
+
+import os
+
+from configs import Config, ConfigError, load_config
+
+TOKENIZER_FILE = "tokenizer.model"   # the run folder's copy of the tokenizer it trained with
+
+
+def find_checkpoint(run: str) -> str:
+    """The checkpoint ``run`` names: itself (a ``step_*`` dir), else the latest under it or its checkpoints/."""
+    from .checkpoint import latest_checkpoint
+    if os.path.isfile(os.path.join(run, "train_state.pt")):
+        return run
+    for d in (os.path.join(run, "checkpoints"), run):
+        path = latest_checkpoint(d)
+        if path:
+            return path
+    raise ConfigError("--run", f"no complete checkpoint in {run} or {os.path.join(run, 'checkpoints')}")
+
+
+def run_folder(ckpt: str, cfg: Config) -> str:
+    """The run folder of checkpoint ``ckpt``: the folder above its ``checkpoints/`` (so a moved run still
+    loads), else the config's ``train.out_dir`` (a custom ``checkpoint.dir``)."""
+    ckpt_dir = os.path.dirname(os.path.abspath(ckpt))
+    return os.path.dirname(ckpt_dir) if os.path.basename(ckpt_dir) == "checkpoints" else cfg.out_dir
+
+
+def load_run(run: str, device: str = "cpu"):
+    """``(model, tokenizer, cfg, checkpoint_path)``: the model in eval mode with the checkpoint's weights."""
+    import torch
+
+    from zoo import build_model
+
+    from .checkpoint import load_checkpoint
+    from .optim import build_optimizer
+    from .tokenizer import Tokenizer
+    ckpt = find_checkpoint(run)
+    cfg = load_config(os.path.join(ckpt, "config.yaml"))
+    tok_path = os.path.join(run_folder(ckpt, cfg), TOKENIZER_FILE)
+    if not os.path.isfile(tok_path):
+        raise ConfigError("--run", f"{tok_path} not found (the trainer copies its tokenizer there)")
+    tokenizer = Tokenizer(tok_path)
+    state = torch.load(os.path.join(ckpt, "train_state.pt"), weights_only=False)
+    if state.get("tokenizer") and state["tokenizer"] != tokenizer.digest:
+        raise ConfigError("--run", f"{tok_path} is not the tokenizer {ckpt} was trained with")
+    model = build_model(cfg.model, device)
+    # The checkpoint's one public loader restores model and optimizer together; the optimizer is dropped.
+    load_checkpoint(ckpt, model, build_optimizer(model, cfg.optim, torch.device(device).type))
+    return model.eval(), tokenizer, cfg, ckpt
