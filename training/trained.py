@@ -17,8 +17,8 @@ TOKENIZER_FILE = "tokenizer.model"   # the run folder's copy of the tokenizer it
 
 def find_checkpoint(run: str) -> str:
     """The checkpoint ``run`` names: itself (a ``step_*`` dir), else the latest under it or its checkpoints/."""
-    from .checkpoint import latest_checkpoint
-    if os.path.isfile(os.path.join(run, "train_state.pt")):
+    from .checkpoint import MANIFEST, latest_checkpoint
+    if os.path.isfile(os.path.join(run, MANIFEST)):
         return run
     for d in (os.path.join(run, "checkpoints"), run):
         path = latest_checkpoint(d)
@@ -40,7 +40,7 @@ def load_run(run: str, device: str = "cpu"):
 
     from zoo import build_model
 
-    from .checkpoint import load_checkpoint
+    from .checkpoint import load_checkpoint, read_train_state
     from .optim import build_optimizer
     from .tokenizer import Tokenizer
     ckpt = find_checkpoint(run)
@@ -49,7 +49,7 @@ def load_run(run: str, device: str = "cpu"):
     if not os.path.isfile(tok_path):
         raise ConfigError("--run", f"{tok_path} not found (the trainer copies its tokenizer there)")
     tokenizer = Tokenizer(tok_path)
-    state = torch.load(os.path.join(ckpt, "train_state.pt"), weights_only=False)
+    state = read_train_state(ckpt)   # JSON: a checkpoint from elsewhere is data, never code
     if state.get("tokenizer") and state["tokenizer"] != tokenizer.digest:
         raise ConfigError("--run", f"{tok_path} is not the tokenizer {ckpt} was trained with")
     model = build_model(cfg.model, device)
