@@ -8,41 +8,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from configs import ConfigError  # noqa: E402
-from helpers import TOL, V, assert_same_logits, randomize_, tokens  # noqa: E402
+from helpers import HF_FAMILIES, TOL, assert_same_logits, tiny_hf, tokens  # noqa: E402
 from zoo.hf import from_hf, to_hf  # noqa: E402
 
-BASE = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=64, rope_theta=500.0, intermediate_size=40)
-MOE = dict(moe_intermediate_size=16, num_experts=6, num_experts_per_tok=2)
-MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
-           v_head_dim=12, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3,
-           moe_intermediate_size=16, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5)
-FAMILIES = {
-    "mistral": ("Mistral", dict(head_dim=12, sliding_window=5)),
-    "qwen2": ("Qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
-    "qwen3": ("Qwen3", dict(head_dim=12, attention_bias=False)),
-    "qwen3_moe": ("Qwen3Moe", dict(head_dim=12, norm_topk_prob=True, mlp_only_layers=[0], **MOE)),
-    "olmoe": ("Olmoe", dict(num_experts=6, num_experts_per_tok=2, intermediate_size=16)),
-    "deepseek_v3": ("DeepseekV3", dict(num_hidden_layers=3, **MLA)),
-}
-
-
-def hf_model(family: str, seed: int = 0, **kw):
-    name, extra = FAMILIES[family]
-    torch.manual_seed(seed)
-    cfg = getattr(transformers, f"{name}Config")(**{**BASE, **extra, **kw})
-    m = getattr(transformers, f"{name}ForCausalLM")(cfg).eval()
-    randomize_(m, seed)
-    with torch.no_grad():   # the selection bias is a buffer: draw it too, large enough to change choices
-        for mod in m.modules():
-            if hasattr(mod, "e_score_correction_bias"):
-                mod.e_score_correction_bias.normal_(0, 0.3, generator=torch.Generator().manual_seed(seed))
-    return m
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(HF_FAMILIES))
 def test_from_hf_and_back_matches_hf_logits_for_each_family(family):
-    hf = hf_model(family, seed=1)
+    hf = tiny_hf(family, seed=1)
     model = from_hf(hf, moe_backend="torch")
     assert_same_logits(hf, model, seed=1)
     back = to_hf(model).eval()
@@ -51,11 +22,11 @@ def test_from_hf_and_back_matches_hf_logits_for_each_family(family):
 
 
 def test_imported_options_say_what_each_family_is():
-    q3 = from_hf(hf_model("qwen3")).cfg
+    q3 = from_hf(tiny_hf("qwen3")).cfg
     assert (q3.qk_norm, q3.head_dim, q3.attn_head_dim) == ("head", 12, 12)
-    ol = from_hf(hf_model("olmoe")).cfg
+    ol = from_hf(tiny_hf("olmoe")).cfg
     assert (ol.qk_norm, ol.moe.norm_topk, ol.layer_ffn_types()) == ("full", False, ["moe", "moe"])
-    ds = from_hf(hf_model("deepseek_v3")).cfg
+    ds = from_hf(tiny_hf("deepseek_v3")).cfg
     m = ds.moe
     assert ds.attention_type == "mla" and ds.layer_ffn_types() == ["dense", "moe", "moe"]
     assert (m.router, m.n_group, m.topk_group, m.routed_scaling_factor, m.shared_experts) == ("sigmoid", 4, 2, 2.5, 1)
@@ -75,12 +46,12 @@ def _decode_matches_full_pass(hf, model, prefill: int = 5):
 
 @pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
 def test_kv_cache_decode_equals_hf_full_pass(family):
-    hf = hf_model(family, seed=4)
+    hf = tiny_hf(family, seed=4)
     _decode_matches_full_pass(hf, from_hf(hf, moe_backend="torch"))
 
 
 def test_deepseek_without_q_lora_and_with_rotate_half_rope_matches_hf():
-    hf = hf_model("deepseek_v3", seed=5, q_lora_rank=None, rope_interleave=False, norm_topk_prob=False)
+    hf = tiny_hf("deepseek_v3", seed=5, q_lora_rank=None, rope_interleave=False, norm_topk_prob=False)
     model = from_hf(hf, moe_backend="torch")
     assert not hasattr(model.layers[0].attention, "wq_a")
     assert_same_logits(hf, model, seed=5)
@@ -98,7 +69,7 @@ def test_yarn_and_dynamic_ntk_rope_match_hf(family, rope):
     kw = dict(rope_parameters=rope)
     if rope["rope_type"] == "dynamic":
         kw["max_position_embeddings"] = 8        # the 13-token input runs past it: theta grows
-    hf = hf_model(family, seed=6, **kw)
+    hf = tiny_hf(family, seed=6, **kw)
     model = from_hf(hf, moe_backend="torch")
     assert model.cfg.rope_scaling.type == rope["rope_type"]
     assert_same_logits(hf, model, seed=6)
@@ -107,7 +78,7 @@ def test_yarn_and_dynamic_ntk_rope_match_hf(family, rope):
 
 @pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "relu2"])
 def test_ffn_activations_match_hf_in_dense_and_expert_ffns(act):
-    hf = hf_model("qwen3_moe", seed=7, hidden_act=act)
+    hf = tiny_hf("qwen3_moe", seed=7, hidden_act=act)
     model = from_hf(hf, moe_backend="torch")
     assert model.cfg.layer_ffn_types() == ["dense", "moe"]
     assert_same_logits(hf, model, seed=7)
@@ -117,7 +88,7 @@ def test_ffn_activations_match_hf_in_dense_and_expert_ffns(act):
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("with_positions", [False, True])
 def test_left_padded_batch_with_attention_mask_matches_hf_on_kept_positions(family, with_positions):
-    hf = hf_model(family, seed=8)
+    hf = tiny_hf(family, seed=8)
     model = from_hf(hf, moe_backend="torch")
     x = tokens(8)
     mask = torch.ones_like(x)
@@ -138,11 +109,11 @@ def test_left_padded_batch_with_attention_mask_matches_hf_on_kept_positions(fami
 ])
 def test_olmoe_features_moezoo_lacks_are_refused_by_name(override, key):
     with pytest.raises(ConfigError) as e:
-        from_hf(hf_model("olmoe", **override))
+        from_hf(tiny_hf("olmoe", **override))
     assert e.value.key == key
 
 
 def test_deepseek_features_moezoo_lacks_are_refused_by_name():
     with pytest.raises(ConfigError) as e:
-        from_hf(hf_model("deepseek_v3", attention_bias=True))
+        from_hf(tiny_hf("deepseek_v3", attention_bias=True))
     assert e.value.key == "hf.attention_bias"
