@@ -45,3 +45,26 @@ def test_model_imported_from_hf_saves_loads_and_trains(family, tmp_path, corpus_
         opt.zero_grad()
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_minference_json_patterns_apply_to_imported_models(family, tmp_path):
+    import copy
+    import json
+    imported = from_hf(tiny_hf(family, seed=10), moe_backend="torch")
+    layer = {"0": ["stream_llm", 1, 3, 0.9], "1": ["vertical_and_slash", 2, 2, 0.8],
+             "2": ["stream_llm", 2, 2, 0.7], "3": ["block_sparse", 1, 0, 0.6]}
+    path = tmp_path / "minference.json"
+    path.write_text(json.dumps([layer] * imported.cfg.n_layers))
+    cfg = copy.deepcopy(imported.cfg)
+    cfg.attention.minference_json = str(path)
+    cfg.validate()
+    sparse = build_model(cfg).eval()
+    sparse.load_state_dict(imported.state_dict())
+    x = tokens(3, b=2, s=13)
+    with torch.no_grad():
+        dense_out, sparse_out = imported(x), sparse(x)
+    assert torch.isfinite(sparse_out).all() and (sparse_out - dense_out).abs().max() > 1e-2
+    loss, _ = sparse.train().loss(x, tokens(4, b=2, s=13))
+    loss.backward()
+    assert torch.isfinite(loss)
