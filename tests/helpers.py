@@ -123,6 +123,11 @@ HF_FAMILIES = {
                                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, n_routed_experts=8,
                                        n_group=4, topk_group=2, num_experts_per_tok=3, moe_intermediate_size=16,
                                        first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5)),
+    "deepseek_v2": ("DeepseekV2", dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                                       qk_nope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_group=4, topk_group=2,
+                                       topk_method="group_limited_greedy", num_experts_per_tok=3,
+                                       moe_intermediate_size=16, first_k_dense_replace=1, n_shared_experts=2,
+                                       routed_scaling_factor=1.5)),
 }
 
 

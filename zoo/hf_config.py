@@ -1,6 +1,6 @@
 """Translate between HF ``transformers`` configs and ``configs.ModelConfig`` (used by zoo.hf).
 
-Nine HF families map onto the one zoo Transformer exactly (same logits); what differs between them is
+Ten HF families map onto the one zoo Transformer exactly (same logits); what differs between them is
 options of it, not code:
 
 ======================  ==========================================================================
@@ -16,6 +16,8 @@ options of it, not code:
 ``deepseek_v3``         MLA (``attention_type: mla``), sigmoid group-limited routing with the
                         selection-only ``e_score_correction_bias``, ``routed_scaling_factor``,
                         ungated shared experts, ``first_k_dense_replace`` dense layers
+``deepseek_v2``         MLA (rope pairs always interleaved) + softmax routing, greedy or group-limited
+                        (best expert per group), never renormalised, ``routed_scaling_factor``
 ======================  ==========================================================================
 
 A sliding window maps to a moezoo ``local`` attention pattern (both let query q see keys ``q-W+1 .. q``).
@@ -39,10 +41,10 @@ from .hf_moe import moe_from_hf, moe_hf_kwargs, moe_model_type
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-                 "deepseek_v3": "DeepseekV3ForCausalLM"}
+                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                   "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig",
-                  "olmoe": "OlmoeConfig", "deepseek_v3": "DeepseekV3Config"}
+                  "olmoe": "OlmoeConfig", "deepseek_v2": "DeepseekV2Config", "deepseek_v3": "DeepseekV3Config"}
 ACTS_FROM_HF = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
                 "gelu_new": "gelu_tanh", "relu2": "relu2"}
 ACTS_TO_HF = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu2": "relu2"}
@@ -135,7 +137,7 @@ def _mla_from_hf(hc) -> MLAConfig:
           f"={hc.num_key_value_heads}: MLA expands its latent to num_attention_heads={hc.num_attention_heads} heads")
     return MLAConfig(q_lora_rank=hc.q_lora_rank, kv_lora_rank=hc.kv_lora_rank, qk_nope_head_dim=hc.qk_nope_head_dim,
                      qk_rope_head_dim=hc.qk_rope_head_dim, v_head_dim=hc.v_head_dim,
-                     rope_interleave=bool(hc.rope_interleave))
+                     rope_interleave=bool(getattr(hc, "rope_interleave", True)))   # V2: complex pairs
 
 
 def config_from_hf(hc) -> ModelConfig:
@@ -153,7 +155,7 @@ def config_from_hf(hc) -> ModelConfig:
         init_std=hc.initializer_range, ffn_act=ACTS_FROM_HF[hc.hidden_act], qk_norm=QK_NORM.get(t, "none"),
         # Qwen2 always biases q/k/v; Llama-style attention_bias also biases o_proj, accepted only when zero.
         attn_bias=t == "qwen2" or bool(getattr(hc, "attention_bias", False) or getattr(hc, "qkv_bias", False)))
-    if t == "deepseek_v3":
+    if t in ("deepseek_v2", "deepseek_v3"):
         cfg.attention_type, cfg.mla, cfg.attn_bias = "mla", _mla_from_hf(hc), False
     elif head_dim not in (None, natural):
         cfg.attn_head_dim = head_dim
@@ -236,6 +238,8 @@ def config_to_hf(cfg: ModelConfig):
                   layer_types=["sliding_attention" if i in windowed else "full_attention" for i in range(cfg.n_layers)])
     if cfg.attention_type == "mla":
         m = cfg.mla
+        check(model_type == "deepseek_v3" or m.rope_interleave, "model.mla.rope_interleave",
+              "DeepSeek-V2 rotates interleaved pairs; must be true")
         kw.update(q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
                   qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, rope_interleave=m.rope_interleave,
                   attention_bias=False, num_key_value_heads=cfg.n_heads)

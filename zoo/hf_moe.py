@@ -10,6 +10,9 @@
   selection only; group-limited top-k (``n_group``, ``topk_group``); ``norm_topk_prob``; weights times
   ``routed_scaling_factor``; ``n_shared_experts`` ungated shared experts of ``moe_intermediate_size`` each;
   the first ``first_k_dense_replace`` layers dense.
+- ``deepseek_v2``: softmax over all experts, ``topk_method`` greedy or group_limited_greedy (a group scores
+  its best probability), weights the chosen probabilities times ``routed_scaling_factor``, never
+  renormalised (HF's V2 router ignores ``norm_topk_prob``); shared experts and dense layers as V3.
 
 The balance-loss coefficient is converted, not copied: HF's ``load_balancing_loss_func`` counts each
 token K times (``E * sum_e (c_e / T) * P_e``), K times moezoo's Switch/megablocks normalisation, so
@@ -49,16 +52,23 @@ def moe_from_hf(hc, cfg: ModelConfig) -> None:
         cfg.ffn = "moe"
         cfg.moe = MoEConfig(num_experts=hc.num_experts, hidden_dim=hc.intermediate_size,
                             norm_topk=bool(hc.norm_topk_prob), **common)
-    elif t == "deepseek_v3":
+    elif t in ("deepseek_v2", "deepseek_v3"):
         dense = min(hc.first_k_dense_replace or 0, hc.num_hidden_layers)
         cfg.ffn, cfg.ffn_layers = "moe", ({f"0-{dense - 1}": "dense"} if dense else {})
         check(hc.n_group is None or hc.n_routed_experts % hc.n_group == 0, "hf.n_group",
               f"={hc.n_group} does not divide n_routed_experts={hc.n_routed_experts}")
+        grouped = t == "deepseek_v3" or hc.topk_method == "group_limited_greedy"
+        if t == "deepseek_v2":
+            check(hc.topk_method in ("greedy", "group_limited_greedy"), "hf.topk_method",
+                  f"={hc.topk_method!r}: moezoo routes greedy or group_limited_greedy")
+            router = dict(router="softmax", softmax_before_topk=True, norm_topk=False)
+        else:
+            router = dict(router="sigmoid", norm_topk=bool(hc.norm_topk_prob))
         cfg.moe = MoEConfig(num_experts=hc.n_routed_experts, top_k=K, hidden_dim=hc.moe_intermediate_size,
-                            router="sigmoid", norm_topk=bool(hc.norm_topk_prob), aux_loss_coef=0.0,
-                            n_group=hc.n_group or 1, topk_group=hc.topk_group or 1,
+                            aux_loss_coef=0.0, n_group=(hc.n_group or 1) if grouped else 1,
+                            topk_group=(hc.topk_group or 1) if grouped else 1,
                             routed_scaling_factor=float(hc.routed_scaling_factor),
-                            shared_experts=hc.n_shared_experts or 0)
+                            shared_experts=hc.n_shared_experts or 0, **router)
 
 
 def _renormalised(m: MoEConfig) -> bool:
@@ -82,13 +92,21 @@ def moe_model_type(cfg: ModelConfig, windowed: list[int]) -> str:
     dense = [i for i, t in enumerate(types) if t == "dense"]
     if cfg.attention_type == "mla":
         check(dense == list(range(len(dense))), "model.ffn_layers",
-              "DeepSeek-V3's dense layers are the first first_k_dense_replace ones")
-        check("moe" not in types or m.router == "sigmoid", "model.moe.router", "DeepSeek-V3 routes by sigmoid scores")
+              "DeepSeek's dense layers are the first first_k_dense_replace ones")
+        check(m.router in ("sigmoid", "softmax"), "model.moe.router",
+              "DeepSeek routes by sigmoid scores (V3) or softmax probabilities (V2)")
         check(not m.shared_gate, "model.moe.shared_gate", "DeepSeek-V3's shared experts are ungated")
         check(not m.shared_hidden_dim or m.shared_hidden_dim == cfg.expert_hidden_dim * max(m.shared_experts, 1),
               "model.moe.shared_hidden_dim", "DeepSeek-V3's shared experts are n_shared_experts * moe_intermediate_size")
-        check(not windowed, "model.attention.patterns", "DeepSeek-V3 has no sliding window")
-        return "deepseek_v3"
+        check(not windowed, "model.attention.patterns", "DeepSeek has no sliding window")
+        if m.router == "sigmoid":
+            return "deepseek_v3"
+        check(not (m.norm_topk and m.softmax_before_topk), "model.moe.norm_topk",
+              "DeepSeek-V2 never renormalises its softmax weights; must be false")
+        check(m.softmax_before_topk or m.top_k == 1, "model.moe.softmax_before_topk",
+              "DeepSeek-V2 weights are the full-softmax probabilities; must be true")
+        check(m.bias_update_rate == 0, "model.moe.bias_update_rate", "DeepSeek-V2 has no selection bias; must be 0")
+        return "deepseek_v2"
     check(cfg.attention_type == "mha", "model.attention_type", "only MHA/GQA MoE models export as Mixtral/Qwen/OLMoE")
     _check_softmax_family(cfg, "HF")
     if cfg.qk_norm == "full":
@@ -129,6 +147,12 @@ def moe_hf_kwargs(cfg: ModelConfig, model_type: str) -> dict:
     if model_type == "olmoe":
         return dict(num_experts=m.num_experts, intermediate_size=cfg.expert_hidden_dim,
                     norm_topk_prob=_renormalised(m), **aux)
+    if model_type == "deepseek_v2":
+        return dict(n_routed_experts=m.num_experts, num_experts_per_tok=m.top_k,
+                    moe_intermediate_size=cfg.expert_hidden_dim, n_shared_experts=m.shared_experts,
+                    topk_method="group_limited_greedy" if m.n_group > 1 else "greedy",
+                    n_group=m.n_group, topk_group=m.topk_group, routed_scaling_factor=m.routed_scaling_factor,
+                    first_k_dense_replace=len(dense))
     if model_type == "deepseek_v3":
         return dict(n_routed_experts=m.num_experts, num_experts_per_tok=m.top_k,
                     moe_intermediate_size=cfg.expert_hidden_dim, n_shared_experts=m.shared_experts,
