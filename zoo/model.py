@@ -128,13 +128,13 @@ class Transformer(nn.Module):
         - ``document_ids [B, S]`` (training.data.pack_documents): attention stays inside a document, and
           positions restart at each document unless ``position_ids`` are given. Not with a KV cache.
         """
-        from layers.attention.masking import allowed_mask, check_token_mask, document_positions
+        from layers.attention.masking import AttnMask, check_token_mask, document_positions
         B, S = tokens.shape
         T = start_pos + S
         if document_ids is not None and start_pos:
             raise ValueError("document_ids: packed documents are for training and full passes, not decode")
         check_token_mask("position_ids", position_ids, B, S)
-        mask = allowed_mask(B, S, T, start_pos, attention_mask, document_ids, tokens.device)
+        mask = AttnMask.build(B, S, T, start_pos, attention_mask, document_ids, tokens.device)
         if position_ids is None and document_ids is not None:
             position_ids = document_positions(document_ids)
         h = self.tok_embeddings(tokens)

@@ -70,8 +70,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     estimate from ``cat(q_history, q)`` so a decode step sees the indices prefill would have.
     ``reference_below``: backend ``auto`` runs the reference below this many keys (-1 = ``DENSE_CROSSOVER``);
     unlike the pattern parameter ``SparsityPattern.dense_below`` (a head dense below it), same result either way.
-    ``mask [B, 1, S, T]`` bool (padding / packed documents, layers.attention.masking): ANDed with the
-    pattern's mask; such calls run the reference (or dense masked SDPA when the pattern is dense here).
+    ``mask`` (a layers.attention.masking.AttnMask: padding / packed documents): ANDed with the pattern's
+    mask; such calls run the reference (or dense masked attention when the pattern is dense here).
     """
     B, Hq, S, D = q.shape
     T = k.shape[2]
@@ -86,7 +86,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
         return dense_causal_attention(q, k, v, q_offset)
     if mask is not None:
         return reference_sparse_attention(q, k, v, plan_pattern(pats, Hq, q_offset, S, T, layer, q, k, q_history),
-                                          mask)
+                                          mask.dense(S, T))
     square = S == T and q_offset == 0
     if backend == "auto":
         crossover = DENSE_CROSSOVER if reference_below < 0 else reference_below

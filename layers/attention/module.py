@@ -4,8 +4,8 @@ One module for training, prefill and decode. LLaMA naming: ``wq [Hq*Dh, D]``, ``
 ``wo [D, Hq*Dh]``, no bias unless ``bias=True`` (q/k/v biases only, as in Qwen2). ``head_dim`` defaults to
 ``D / Hq`` (Qwen3 sets it apart). ``qk_norm``: RMSNorm of q and k before RoPE, ``head`` over each head's Dh
 (Qwen3: ``q_norm, k_norm [Dh]``) or ``full`` over the whole projection (OLMoE: ``q_norm [Hq*Dh]``,
-``k_norm [Hk*Dh]``). ``mask [B, 1, S, T]`` (optional, layers.attention.masking): pairs allowed besides
-causality and the pattern (padding, packed documents). ``pattern`` is None
+``k_norm [Hk*Dh]``). ``mask`` (optional ``layers.attention.masking.AttnMask``): the pairs padding and
+packed documents leave, ANDed with causality and the pattern. ``pattern`` is None
 (dense), a ``SparsityPattern`` or a per-head list; sparse patterns go through
 ``layers.attention.functional.sparse_attention`` with the same causal semantics in every mode.
 

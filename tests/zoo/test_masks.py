@@ -114,3 +114,24 @@ def test_pack_documents_targets_stay_inside_documents():
     assert p.tokens.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 0, 0]]
     assert p.targets.tolist() == [[2, 3, -100, 5, -100], [7, 8, 9, 10, -100], [12, -100, -100, -100, -100]]
     assert p.document_ids.tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 0, 0], [0, 0, 1, -1, -1]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v_dim", [16, 8])
+def test_flex_path_of_packed_and_padded_attention_matches_masked_sdpa_on_cuda(v_dim):
+    import torch.nn.functional as F
+
+    from layers.attention.masking import AttnMask, causal_mask, masked_causal_attention
+    T, dev = 2048, torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(2, 4, T, 16, device=dev, generator=g)
+    k = torch.randn(2, 2, T, 16, device=dev, generator=g)
+    v = torch.randn(2, 2, T, v_dim, device=dev, generator=g)
+    doc = (torch.arange(T, device=dev) // 300).expand(2, T).contiguous()
+    valid = torch.ones(2, T, dtype=torch.bool, device=dev)
+    valid[1, :100] = False
+    mask = AttnMask.build(2, T, T, 0, valid, doc, dev)
+    got = masked_causal_attention(q, k, v, mask)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(T, T) & causal_mask(T, T, 0, dev),
+                                         enable_gqa=True)
+    assert (got - ref).abs().max().item() < 1e-3
