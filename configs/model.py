@@ -138,4 +138,5 @@ class ModelConfig:
             self.moe.validate(f"{key}.moe")
         if "neuron" in types:
             self.neuron.validate(f"{key}.neuron", self.hidden_dim)
+            check(self.ffn_act == "silu", f"{key}.ffn_act", "neuron-routed FFNs take model.neuron.activation instead")
         self.attention.validate(self.n_layers, self.n_heads, f"{key}.attention")

@@ -94,6 +94,9 @@ class MoE(nn.Module):
                         n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor)
         cfg.validate(key)
         if backend == "megablocks":
+            if act != "silu" or n_group > 1 or routed_scaling_factor != 1.0:
+                raise ConfigError(f"{key}.backend", "megablocks runs SwiGLU experts behind its own Mixtral router: "
+                                  "no other activation, group-limited routing or routed_scaling_factor")
             from .megablocks import check_megablocks_config
             check_megablocks_config(cfg, key)
         self.cfg = cfg
