@@ -46,7 +46,8 @@ class MoEConfig:
         check(self.topk_group <= self.n_group, f"{key}.topk_group",
               f"topk_group={self.topk_group} > n_group={self.n_group}")
         if self.n_group > 1:
-            check(self.router in ("sigmoid", "softmax"), f"{key}.router", "group-limited routing needs sigmoid or softmax")
+            check(self.router in ("sigmoid", "softmax"), f"{key}.router",
+                  "group-limited routing needs sigmoid or softmax")
             check(self.top_k <= self.topk_group * self.num_experts // self.n_group, f"{key}.top_k",
                   f"top_k={self.top_k} > the experts of topk_group={self.topk_group} groups")
         if self.capacity_factor is not None:

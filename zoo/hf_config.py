@@ -60,7 +60,8 @@ def hf_rope(hc) -> tuple[float, RopeScalingConfig]:
     prf = params.get("partial_rotary_factor", getattr(hc, "partial_rotary_factor", 1.0))
     check(prf in (None, 1.0), "hf.partial_rotary_factor", f"={prf}: moezoo rotates every head dim")
     if kind != "yarn" and params.get("mscale_all_dim"):
-        raise ConfigError("hf.rope_parameters.mscale_all_dim", f"={params['mscale_all_dim']} is read only with yarn here")
+        raise ConfigError("hf.rope_parameters.mscale_all_dim",
+                          f"={params['mscale_all_dim']} is read only with yarn here")
     if kind == "default":
         return theta, RopeScalingConfig()
     if kind == "linear":

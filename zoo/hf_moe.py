@@ -97,7 +97,8 @@ def moe_model_type(cfg: ModelConfig, windowed: list[int]) -> str:
               "DeepSeek routes by sigmoid scores (V3) or softmax probabilities (V2)")
         check(not m.shared_gate, "model.moe.shared_gate", "DeepSeek-V3's shared experts are ungated")
         check(not m.shared_hidden_dim or m.shared_hidden_dim == cfg.expert_hidden_dim * max(m.shared_experts, 1),
-              "model.moe.shared_hidden_dim", "DeepSeek-V3's shared experts are n_shared_experts * moe_intermediate_size")
+              "model.moe.shared_hidden_dim",
+              "DeepSeek's shared experts are n_shared_experts * moe_intermediate_size")
         check(not windowed, "model.attention.patterns", "DeepSeek has no sliding window")
         if m.router == "sigmoid":
             return "deepseek_v3"
