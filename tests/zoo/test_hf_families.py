@@ -44,7 +44,7 @@ def _decode_matches_full_pass(hf, model, prefill: int = 5):
     assert (torch.cat(outs, 1) - ref).abs().max().item() < TOL
 
 
-@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "deepseek_v3"])     # mistral: sliding-window decode
 def test_kv_cache_decode_equals_hf_full_pass(family):
     hf = tiny_hf(family, seed=4)
     _decode_matches_full_pass(hf, from_hf(hf, moe_backend="torch"))
