@@ -7,6 +7,7 @@ from .config import Config
 from .dst import DSTConfig
 from .errors import ConfigError
 from .loader import load_config, save_config, to_dict
+from .mla import MLAConfig
 from .model import ModelConfig, RopeScalingConfig
 from .moe import MoEConfig
 from .neuron import NeuronConfig
@@ -15,6 +16,6 @@ from .ranges import assign_ranges, parse_range
 from .run import CheckpointConfig, DataConfig, LoggingConfig, OptimConfig, TrainConfig
 
 __all__ = ["AttentionConfig", "CheckpointConfig", "Config", "ConfigError", "DSTConfig", "DataConfig",
-           "LoggingConfig", "MoEConfig", "ModelConfig", "NeuronConfig", "OptimConfig", "ParallelConfig", "RopeScalingConfig",
+           "LoggingConfig", "MLAConfig", "MoEConfig", "ModelConfig", "NeuronConfig", "OptimConfig", "ParallelConfig", "RopeScalingConfig",
            "TrainConfig", "assign_ranges", "load_config", "parse_range", "save_config", "to_dict",
            "validate_pattern"]

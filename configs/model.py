@@ -5,27 +5,40 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 from .attention import AttentionConfig
+from .mla import MLAConfig
 from .errors import check, check_choice, check_positive
 from .moe import MoEConfig
 from .neuron import NeuronConfig
 from .ranges import assign_ranges
 
 FFN_TYPES = ("dense", "moe", "neuron")
-ROPE_SCALINGS = ("none", "linear", "ntk", "llama3")
+ROPE_SCALINGS = ("none", "linear", "ntk", "llama3", "yarn", "dynamic")
+QK_NORMS = ("none", "head", "full")
+FFN_ACTS = ("silu", "gelu", "gelu_tanh", "relu2")   # gate activation of the gated FFN (SwiGLU, GeGLU, ...)
+ATTENTION_TYPES = ("mha", "mla")
 
 
 @dataclass
 class RopeScalingConfig:
     type: str = "none"                 # none | linear (position interpolation) | ntk (NTK-aware theta) | llama3
+                                       # | yarn (Peng et al. 2023) | dynamic (HF dynamic NTK: theta grows with length)
     factor: float = 1.0                # context extension factor
     original_max_seq_len: int = 2048   # length the base model was trained at (llama3: where its bands are set)
     low_freq_factor: float = 1.0       # llama3: wavelengths > original_max_seq_len / this are divided by factor
     high_freq_factor: float = 4.0      # llama3: wavelengths < original_max_seq_len / this are kept; blended between
+    beta_fast: float = 32.0            # yarn: rotations per original length above which a dim is kept
+    beta_slow: float = 1.0             # yarn: ... below which it is interpolated (divided by factor)
+    mscale: float = 1.0                # yarn: cos/sin scale 0.1*mscale*ln(factor)+1, over that of mscale_all_dim
+    mscale_all_dim: float = 0.0        # yarn (DeepSeek): also multiplies the MLA softmax scale by its mscale^2
+    attention_factor: Optional[float] = None  # yarn: explicit cos/sin scale (None: from mscale / mscale_all_dim)
+    truncate: bool = True              # yarn: round the correction range to whole dims (HF default)
 
     def validate(self, key: str = "model.rope_scaling") -> None:
         check_choice(self.type, ROPE_SCALINGS, f"{key}.type")
         check(self.factor >= 1.0, f"{key}.factor", f"must be >= 1, got {self.factor}")
         check_positive(self, key, "original_max_seq_len", "low_freq_factor", "high_freq_factor")
+        check(self.beta_fast > self.beta_slow > 0, f"{key}.beta_fast",
+              f"must be > beta_slow={self.beta_slow} > 0, got {self.beta_fast}")
         check(self.high_freq_factor > self.low_freq_factor, f"{key}.high_freq_factor",
               f"must be > low_freq_factor={self.low_freq_factor}, got {self.high_freq_factor}")
 
@@ -46,6 +59,12 @@ class ModelConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     attn_bias: bool = False              # q/k/v projection biases (Qwen2 family); LLaMA has none
+    attn_head_dim: Optional[int] = None  # per-head q/k/v size; None = dim // n_heads (Qwen3 sets it apart)
+    qk_norm: str = "none"                # RMSNorm on q and k before RoPE: none | head (Qwen3: over each head)
+                                         # | full (OLMoE: over the whole q / k projection)
+    ffn_act: str = "silu"                # gate activation of dense and expert FFNs: silu | gelu | gelu_tanh | relu2
+    attention_type: str = "mha"          # mha (GQA, Attention) | mla (DeepSeek-V2/V3 latent attention, see mla)
+    mla: MLAConfig = field(default_factory=MLAConfig)
     init_std: float = 0.02
     ffn: str = "dense"                   # FFN of every layer: dense | moe | neuron
     ffn_layers: Dict[str, str] = field(default_factory=dict)  # per-layer override, e.g. {"0": dense}
@@ -62,7 +81,15 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        """Query/key head size (MLA: nope + rope dims)."""
+        if self.attention_type == "mla":
+            return self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim
+        return self.attn_head_dim or self.dim // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Rotated dims per head: all of head_dim, or MLA's decoupled qk_rope_head_dim."""
+        return self.mla.qk_rope_head_dim if self.attention_type == "mla" else self.head_dim
 
     @property
     def hidden_dim(self) -> int:
@@ -94,11 +121,19 @@ class ModelConfig:
 
     def validate(self, key: str = "model") -> None:
         check_positive(self, key, "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
-                       "multiple_of", "ffn_dim_multiplier", "norm_eps", "rope_theta", "max_seq_len", "init_std")
-        check(self.dim % self.n_heads == 0, f"{key}.dim", f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+                       "multiple_of", "ffn_dim_multiplier", "norm_eps", "rope_theta", "max_seq_len", "init_std",
+                       "attn_head_dim")
+        check(self.attn_head_dim is not None or self.attention_type == "mla" or self.dim % self.n_heads == 0,
+              f"{key}.dim", f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        check_choice(self.qk_norm, QK_NORMS, f"{key}.qk_norm")
+        check_choice(self.ffn_act, FFN_ACTS, f"{key}.ffn_act")
+        check_choice(self.attention_type, ATTENTION_TYPES, f"{key}.attention_type")
+        if self.attention_type == "mla":
+            self.mla.validate(f"{key}.mla")
+            check(self.qk_norm == "none", f"{key}.qk_norm", "MLA normalises its latents; qk_norm must be none")
         check(self.n_heads % self.kv_heads == 0, f"{key}.n_kv_heads",
               f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}")
-        check(self.head_dim % 2 == 0, f"{key}.dim", f"head_dim={self.head_dim} must be even for RoPE")
+        check(self.rope_dim % 2 == 0, f"{key}.dim", f"head_dim={self.rope_dim} must be even for RoPE")
         check_choice(self.ffn, FFN_TYPES, f"{key}.ffn")
         self.rope_scaling.validate(f"{key}.rope_scaling")
         types = self.layer_ffn_types()
@@ -106,4 +141,5 @@ class ModelConfig:
             self.moe.validate(f"{key}.moe")
         if "neuron" in types:
             self.neuron.validate(f"{key}.neuron", self.hidden_dim)
+            check(self.ffn_act == "silu", f"{key}.ffn_act", "neuron-routed FFNs take model.neuron.activation instead")
         self.attention.validate(self.n_layers, self.n_heads, f"{key}.attention")

@@ -30,6 +30,9 @@ class MoEConfig:
     global_balance: bool = True           # balance loss on the global data-parallel batch (= one process);
                                           # false: each rank's own tokens (megablocks / torchtitan)
     backend: str = "auto"                 # auto | reference | grouped | megablocks
+    n_group: int = 1                      # DeepSeek-V2/V3 group-limited routing: experts in n_group groups,
+    topk_group: int = 1                   # ... each token picks its top-k inside its topk_group best groups
+    routed_scaling_factor: float = 1.0    # multiplies the routed experts' weights (DeepSeek-V3: 2.5)
 
     def validate(self, key: str = "model.moe") -> None:
         check_positive(self, key, "num_experts", "top_k", "hidden_dim", "shared_hidden_dim")
@@ -39,6 +42,16 @@ class MoEConfig:
         check_choice(self.router, ROUTERS, f"{key}.router")
         check(self.router != "switch" or self.top_k == 1, f"{key}.top_k", "the switch router is top-1")
         check_choice(self.backend, MOE_BACKENDS, f"{key}.backend")
+        check_positive(self, key, "n_group", "topk_group", "routed_scaling_factor")
+        check(self.num_experts % self.n_group == 0, f"{key}.n_group",
+              f"num_experts={self.num_experts} is not divisible by n_group={self.n_group}")
+        check(self.topk_group <= self.n_group, f"{key}.topk_group",
+              f"topk_group={self.topk_group} > n_group={self.n_group}")
+        if self.n_group > 1:
+            check(self.router in ("sigmoid", "softmax"), f"{key}.router",
+                  "group-limited routing needs sigmoid or softmax")
+            check(self.top_k <= self.topk_group * self.num_experts // self.n_group, f"{key}.top_k",
+                  f"top_k={self.top_k} > the experts of topk_group={self.topk_group} groups")
         if self.capacity_factor is not None:
             check(self.capacity_factor > 0, f"{key}.capacity_factor", f"must be > 0, got {self.capacity_factor}")
         for n in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):

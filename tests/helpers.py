@@ -1,7 +1,7 @@
 """Helpers shared by the tests (the one place they live; tests import them, never each other).
 
 - the repository root ``ROOT``; training runs: ``tiny_overrides``, ``train_cli``, ``tiny_moe_cfg``; multi-process: ``spawn`` (forked gloo ranks);
-- HF parity: ``TOL``, ``V``, ``randomize_``, ``tokens``, ``assert_same_logits``;
+- HF parity: ``TOL``, ``V``, ``randomize_``, ``tokens``, ``assert_same_logits``, ``HF_FAMILIES``, ``tiny_hf``;
 - attention: ``BS``, ``plain_attention``, ``make_inputs``, ``fa_check``, ``run_criterion``, ``emulated_counts``.
 """
 import json
@@ -107,6 +107,43 @@ def assert_same_logits(hf_model, model, seed: int = 0) -> None:
         out = model(x)
     assert ref.std() > 0.1, "logits too small for the tolerance to mean anything"
     assert (out - ref).abs().max().item() < TOL
+
+
+# tiny configs of the HF families beyond Llama / Mixtral / Qwen2-MoE (zoo.hf): class prefix, extra fields
+HF_BASE = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=64, rope_theta=500.0, intermediate_size=40)
+HF_FAMILIES = {
+    "mistral": ("Mistral", dict(head_dim=12, sliding_window=5)),
+    "qwen2": ("Qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    "qwen3": ("Qwen3", dict(head_dim=12, attention_bias=False)),
+    "qwen3_moe": ("Qwen3Moe", dict(head_dim=12, norm_topk_prob=True, mlp_only_layers=[0], moe_intermediate_size=16,
+                                   num_experts=6, num_experts_per_tok=2)),
+    "olmoe": ("Olmoe", dict(num_experts=6, num_experts_per_tok=2, intermediate_size=16)),
+    "deepseek_v3": ("DeepseekV3", dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24,
+                                       qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+                                       n_group=4, topk_group=2, num_experts_per_tok=3, moe_intermediate_size=16,
+                                       first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5)),
+    "deepseek_v2": ("DeepseekV2", dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                                       qk_nope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_group=4, topk_group=2,
+                                       topk_method="group_limited_greedy", num_experts_per_tok=3,
+                                       moe_intermediate_size=16, first_k_dense_replace=1, n_shared_experts=2,
+                                       routed_scaling_factor=1.5)),
+}
+
+
+def tiny_hf(family: str, seed: int = 0, **kw):
+    """A tiny random ``<family>ForCausalLM`` in eval mode, weights (and DeepSeek's selection bias) re-drawn."""
+    import transformers
+    name, extra = HF_FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, f"{name}Config")(**{**HF_BASE, **extra, **kw})
+    m = getattr(transformers, f"{name}ForCausalLM")(cfg).eval()
+    randomize_(m, seed)
+    with torch.no_grad():   # the selection bias is a buffer: draw it too, large enough to change choices
+        for mod in m.modules():
+            if hasattr(mod, "e_score_correction_bias"):
+                mod.e_score_correction_bias.normal_(0, 0.3, generator=torch.Generator().manual_seed(seed))
+    return m
 
 
 # --- attention

@@ -95,3 +95,44 @@ def sample_batch(tokens: np.ndarray, batch: int, seq_len: int, seed: int, step: 
     windows = np.stack([np.asarray(tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts.numpy()])
     t = torch.from_numpy(windows)
     return t[:, :-1], t[:, 1:]
+
+
+@dataclass
+class PackedBatch:
+    """Documents packed into rows: ``tokens, targets, document_ids [N, S]`` int64.
+
+    ``targets`` is the next token of the same document, -100 (no loss) on each document's last token and
+    on padding; ``document_ids`` numbers the documents of a row 0, 1, ... (padding: -1, its own document).
+    Feed ``model(tokens, targets, document_ids=document_ids)``: attention stays inside a document and RoPE
+    positions restart at each (zoo.Transformer.forward).
+    """
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    document_ids: torch.Tensor
+
+
+def pack_documents(docs, seq_len: int, pad_id: int = 0) -> PackedBatch:
+    """Greedy first-fit in order: each token list of ``docs`` goes into the current row if it fits, else
+    starts a new row; a document longer than ``seq_len`` is cut into ``seq_len`` pieces (each its own
+    document: the later pieces lose the context before the cut). Rows are padded with ``pad_id``."""
+    if seq_len <= 0:
+        raise ValueError(f"seq_len: must be > 0, got {seq_len}")
+    pieces = [list(d[i:i + seq_len]) for d in docs for i in range(0, max(len(d), 1), seq_len) if len(d)]
+    rows: list[list[list[int]]] = []
+    for p in pieces:
+        if not rows or sum(map(len, rows[-1])) + len(p) > seq_len:
+            rows.append([])
+        rows[-1].append(p)
+    N = len(rows)
+    tokens = torch.full((N, seq_len), pad_id, dtype=torch.int64)
+    targets = torch.full((N, seq_len), -100, dtype=torch.int64)
+    ids = torch.full((N, seq_len), -1, dtype=torch.int64)
+    for r, row in enumerate(rows):
+        at = 0
+        for j, p in enumerate(row):
+            t = torch.tensor(p, dtype=torch.int64)
+            tokens[r, at:at + len(p)] = t
+            targets[r, at:at + len(p) - 1] = t[1:]
+            ids[r, at:at + len(p)] = j
+            at += len(p)
+    return PackedBatch(tokens, targets, ids)

@@ -78,8 +78,10 @@ def param_counts(cfg_or_model: Union[ModelConfig, nn.Module]) -> ParamCounts:
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int, density: float = 1.0) -> float:
-    """Scores (QK^T) and weighted values (PV), forward + backward: ``12 * L * D * S * density``."""
-    return 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len * density
+    """Scores (QK^T) and weighted values (PV), forward + backward: ``6 * L * H * (Dqk + Dv) * S * density``
+    (``12 * L * D * S`` when the heads tile D; MLA's values have their own ``v_head_dim``)."""
+    dv = cfg.mla.v_head_dim if cfg.attention_type == "mla" else cfg.head_dim
+    return 6.0 * cfg.n_layers * cfg.n_heads * (cfg.head_dim + dv) * seq_len * density
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, counts: ParamCounts | None = None,

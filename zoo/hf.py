@@ -1,10 +1,11 @@
 """Import/export between HF ``transformers`` models and the zoo Transformer, with logit parity.
 
     from zoo.hf import from_hf, to_hf
-    model = from_hf(hf_model)   # LlamaForCausalLM, MixtralForCausalLM or Qwen2MoeForCausalLM -> Transformer
+    model = from_hf(hf_model)   # a Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE or
+                                # DeepSeek-V3 ...ForCausalLM -> Transformer
     hf_model = to_hf(model)     # the inverse: a fresh HF model of the family that expresses model.cfg
 
-Configs are translated by zoo.hf_config. Weights go through one table of ``Link``s (HF names <->
+Configs are translated by zoo.hf_config (MoE part: zoo.hf_moe). Weights go through one table of ``Link``s (HF names <->
 zoo names, plus how tensors are joined or split), used in both directions, so import and export
 cannot drift apart. The table is built against the HF model at hand, so both expert layouts load:
 
@@ -14,7 +15,11 @@ cannot drift apart. The table is built against the HF model at hand, so both exp
   ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` (Qwen2-MoE).
 
 Zoo MoE weights are stacked (DESIGN.md): ``experts.w1/w3 [E, H, D]``, ``experts.w2 [E, D, H]``.
-RoPE uses HF's rotate-half layout, so q/k weights copy without permutation.
+RoPE uses HF's rotate-half layout, so q/k weights copy without permutation; DeepSeek's interleaved
+rope dims stay interleaved in the weights (``model.mla.rope_interleave``, applied at run time as HF does).
+MLA (DeepSeek's own names): ``q_proj | q_a_proj, q_a_layernorm, q_b_proj`` <-> ``wq | wq_a, q_norm, wq_b``,
+``kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj`` <-> ``wkv_a, kv_norm, wkv_b, wo``; the router's
+``e_score_correction_bias`` <-> the MoE's ``expert_bias`` buffer.
 """
 from __future__ import annotations
 
@@ -85,6 +90,25 @@ def _experts(hf_model: nn.Module, keys: set[str], hf: str, zoo: str, num_experts
             for n, w in zip(names, ("w1", "w3", "w2"))]
 
 
+def _attention(cfg: ModelConfig, keys: set[str], hf: str, zoo: str) -> list[Link]:
+    """``hf`` = ``model.layers.{i}.self_attn``, ``zoo`` = ``layers.{i}.attention``."""
+    if cfg.attention_type == "mla":
+        q = ([("q_a_proj", "wq_a"), ("q_a_layernorm", "q_norm"), ("q_b_proj", "wq_b")]
+             if cfg.mla.q_lora_rank else [("q_proj", "wq")])
+        pairs = q + [("kv_a_proj_with_mqa", "wkv_a"), ("kv_a_layernorm", "kv_norm"), ("kv_b_proj", "wkv_b"),
+                     ("o_proj", "wo")]
+        return [link for h, z in pairs for link in _linear(f"{hf}.{h}", f"{zoo}.{z}")]
+    links = []
+    for p, w in (("q", "wq"), ("k", "wk"), ("v", "wv")):
+        links += _linear(f"{hf}.{p}_proj", f"{zoo}.{w}", cfg.attn_bias)
+    links += _linear(f"{hf}.o_proj", f"{zoo}.wo")
+    if f"{hf}.o_proj.bias" in keys:
+        links.append(Link((f"{hf}.o_proj.bias",), (), "zero"))
+    if cfg.qk_norm != "none":
+        links += _linear(f"{hf}.q_norm", f"{zoo}.q_norm") + _linear(f"{hf}.k_norm", f"{zoo}.k_norm")
+    return links
+
+
 def weight_links(cfg: ModelConfig, hf_model: nn.Module) -> list[Link]:
     """Every weight of ``cfg``'s zoo model linked to the HF model's names and layout."""
     keys = set(hf_model.state_dict())
@@ -93,11 +117,7 @@ def weight_links(cfg: ModelConfig, hf_model: nn.Module) -> list[Link]:
              Link(("lm_head.weight",), ("output.weight",))]
     for i, ffn in enumerate(cfg.layer_ffn_types()):
         hf, zoo = f"model.layers.{i}", f"layers.{i}"
-        for p, w in (("q", "wq"), ("k", "wk"), ("v", "wv")):
-            links += _linear(f"{hf}.self_attn.{p}_proj", f"{zoo}.attention.{w}", cfg.attn_bias)
-        links += _linear(f"{hf}.self_attn.o_proj", f"{zoo}.attention.wo")
-        if f"{hf}.self_attn.o_proj.bias" in keys:
-            links.append(Link((f"{hf}.self_attn.o_proj.bias",), (), "zero"))
+        links += _attention(cfg, keys, f"{hf}.self_attn", f"{zoo}.attention")
         links += _linear(f"{hf}.input_layernorm", f"{zoo}.attention_norm")
         links += _linear(f"{hf}.post_attention_layernorm", f"{zoo}.ffn_norm")
         mlp = f"{hf}.block_sparse_moe" if any(k.startswith(f"{hf}.block_sparse_moe.") for k in keys) else f"{hf}.mlp"
@@ -106,10 +126,14 @@ def weight_links(cfg: ModelConfig, hf_model: nn.Module) -> list[Link]:
             links += _swiglu(mlp, ff)
             continue
         links += _linear(f"{mlp}.gate", f"{ff}.gate")
+        if f"{mlp}.gate.e_score_correction_bias" in keys:     # DeepSeek-V3's selection bias
+            links.append(Link((f"{mlp}.gate.e_score_correction_bias",), (f"{ff}.expert_bias",)))
         links += _experts(hf_model, keys, f"{mlp}.experts", f"{ff}.experts", cfg.moe.num_experts)
-        if cfg.moe.shared_experts:
+        if cfg.moe.shared_experts and cfg.moe.shared_gate:      # Qwen2-MoE
             links += _swiglu(f"{mlp}.shared_expert", f"{ff}.shared") + _linear(f"{mlp}.shared_expert_gate",
                                                                                f"{ff}.shared_gate")
+        elif cfg.moe.shared_experts:                            # DeepSeek-V3
+            links += _swiglu(f"{mlp}.shared_experts", f"{ff}.shared")
     return links
 
 
@@ -175,7 +199,7 @@ def from_hf(hf_model: nn.Module, moe_backend: str = "auto") -> Transformer:
 
 @torch.no_grad()
 def to_hf(model: Transformer) -> nn.Module:
-    """A fresh HF model (Llama, Mixtral or Qwen2-MoE, whichever expresses ``model.cfg``) with the same logits."""
+    """A fresh HF model (of the family zoo.hf_config.hf_model_type picks for ``model.cfg``) with the same logits."""
     import transformers
 
     hc = config_to_hf(model.cfg)

@@ -1,36 +1,55 @@
 """Translate between HF ``transformers`` configs and ``configs.ModelConfig`` (used by zoo.hf).
 
-Three HF families map onto the zoo Transformer exactly (same logits):
+Ten HF families map onto the one zoo Transformer exactly (same logits); what differs between them is
+options of it, not code:
 
-- ``llama``: dense SwiGLU, GQA, rope_theta, linear or Llama 3.1 (``llama3``) RoPE scaling, tied or untied
-  embeddings.
-- ``mixtral``: every FFN an MoE, softmax router over all experts, top-k, renormalised.
-- ``qwen2_moe``: MoE with one always-on shared expert scaled by ``sigmoid(shared_expert_gate(x))``,
-  top-k weights renormalised only with ``norm_topk_prob``, q/k/v biases, dense layers where
-  ``mlp_only_layers`` / ``decoder_sparse_step`` say so.
+======================  ==========================================================================
+``llama``               dense gated FFN, GQA, ``head_dim``, ``attention_bias`` (o_proj bias must be zero)
+``mistral``             Llama + a sliding window on every layer
+``qwen2``               q/k/v biases, sliding window on the layers ``layer_types`` names
+``qwen3``               per-head q/k RMSNorm (``qk_norm: head``), explicit ``head_dim``
+``mixtral``             every FFN an MoE (softmax top-k, renormalised); zoo.hf_moe
+``qwen2_moe``           MoE + a sigmoid-gated shared expert, dense layers by ``mlp_only_layers`` /
+                        ``decoder_sparse_step``, ``norm_topk_prob``
+``qwen3_moe``           Qwen3 attention + Qwen2-MoE routing without the shared expert
+``olmoe``               q/k RMSNorm over the whole projection (``qk_norm: full``), MoE every layer
+``deepseek_v3``         MLA (``attention_type: mla``), sigmoid group-limited routing with the
+                        selection-only ``e_score_correction_bias``, ``routed_scaling_factor``,
+                        ungated shared experts, ``first_k_dense_replace`` dense layers
+``deepseek_v2``         MLA (rope pairs always interleaved) + softmax routing, greedy or group-limited
+                        (best expert per group), never renormalised, ``routed_scaling_factor``
+======================  ==========================================================================
 
-A sliding window (Mixtral ``sliding_window``, Qwen2-MoE ``use_sliding_window`` + ``layer_types``) maps
-to a moezoo ``local`` attention pattern: both let query q see keys ``q-W+1 .. q``.
+A sliding window maps to a moezoo ``local`` attention pattern (both let query q see keys ``q-W+1 .. q``).
+RoPE: default, linear, llama3, yarn (with DeepSeek's mscale / mscale_all_dim) and dynamic NTK, as HF
+computes them (layers.rope). FFN ``hidden_act``: silu, gelu, gelu_pytorch_tanh / gelu_new, relu2.
 
-Anything else that would change the function (another activation, HF's dynamic NTK RoPE whose theta
-depends on the current sequence length, a separate head_dim) raises ``ConfigError("hf.<field>", reason)``
-rather than importing a model that silently differs.
-Both transformers 5.x (``rope_parameters``) and 4.x (``rope_theta`` + ``rope_scaling``) configs are read.
-
-The balance-loss coefficient is converted, not copied: HF's ``load_balancing_loss_func`` counts each
-token K times (``E * sum_e (c_e / T) * P_e``), K times moezoo's Switch/megablocks normalisation, so
-``aux_loss_coef = router_aux_loss_coef * K``. (HF also pools all layers into one loss where moezoo sums
-per-layer losses; that only matters for training, and HF applies it only with ``output_router_logits``.)
+Anything else that would change the function raises ``ConfigError("hf.<field>", reason)`` naming the HF
+field and value, rather than importing a model that silently differs. Both transformers 5.x
+(``rope_parameters``) and 4.x (``rope_theta`` + ``rope_scaling``) configs are read.
 """
 from __future__ import annotations
 
 from typing import Optional
 
-from configs import AttentionConfig, ConfigError, ModelConfig, MoEConfig, RopeScalingConfig
+from configs import AttentionConfig, ConfigError, MLAConfig, ModelConfig, RopeScalingConfig
 from configs.errors import check
 
+from .hf_moe import moe_from_hf, moe_hf_kwargs, moe_model_type
+
 # HF model_type -> transformers class name
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+                  "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig",
+                  "olmoe": "OlmoeConfig", "deepseek_v2": "DeepseekV2Config", "deepseek_v3": "DeepseekV3Config"}
+ACTS_FROM_HF = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                "gelu_new": "gelu_tanh", "relu2": "relu2"}
+ACTS_TO_HF = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu2": "relu2"}
+QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "full"}
+_YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 
 
 def hf_rope(hc) -> tuple[float, RopeScalingConfig]:
@@ -38,6 +57,11 @@ def hf_rope(hc) -> tuple[float, RopeScalingConfig]:
     params = {**(getattr(hc, "rope_scaling", None) or {}), **(getattr(hc, "rope_parameters", None) or {})}
     theta = float(params.get("rope_theta", getattr(hc, "rope_theta", 10000.0)))
     kind = params.get("rope_type") or params.get("type") or "default"
+    prf = params.get("partial_rotary_factor", getattr(hc, "partial_rotary_factor", 1.0))
+    check(prf in (None, 1.0), "hf.partial_rotary_factor", f"={prf}: moezoo rotates every head dim")
+    if kind != "yarn" and params.get("mscale_all_dim"):
+        raise ConfigError("hf.rope_parameters.mscale_all_dim",
+                          f"={params['mscale_all_dim']} is read only with yarn here")
     if kind == "default":
         return theta, RopeScalingConfig()
     if kind == "linear":
@@ -52,68 +76,94 @@ def hf_rope(hc) -> tuple[float, RopeScalingConfig]:
         return theta, RopeScalingConfig(type="llama3", factor=float(params["factor"]), original_max_seq_len=orig,
                                         low_freq_factor=float(params["low_freq_factor"]),
                                         high_freq_factor=float(params["high_freq_factor"]))
-    if kind == "dynamic":
-        raise ConfigError("hf.rope_parameters.rope_type",
-                          "HF dynamic NTK recomputes theta from the current sequence length; moezoo's ntk "
-                          "scaling is static (theta * factor**(d/(d-2))), so no moezoo RoPE matches it at every length")
+    if kind == "dynamic":   # HF grows theta past max_position_embeddings (its L0)
+        return theta, RopeScalingConfig(type="dynamic", factor=float(params["factor"]),
+                                        original_max_seq_len=int(hc.max_position_embeddings))
+    if kind == "yarn":
+        orig = params.get("original_max_position_embeddings")
+        check(orig is not None, "hf.rope_parameters.original_max_position_embeddings", "yarn RoPE scaling needs it")
+        factor = params.get("factor") or hc.max_position_embeddings / orig
+        y = {k: params[k] for k in _YARN_KEYS if params.get(k) is not None}
+        y.setdefault("beta_fast", 32.0)
+        y.setdefault("beta_slow", 1.0)
+        return theta, RopeScalingConfig(type="yarn", factor=float(factor), original_max_seq_len=int(orig), **y)
     raise ConfigError("hf.rope_parameters.rope_type", f"RoPE type {kind!r} has no moezoo equivalent "
-                      "(supported: default, linear, llama3)")
+                      "(supported: default, linear, llama3, yarn, dynamic)")
+
+
+def hf_rope_scaling(rs: RopeScalingConfig) -> Optional[dict]:
+    """The HF ``rope_scaling`` dict of ``rs``; None for none/ntk (ntk is a larger theta)."""
+    if rs.type == "linear":
+        return {"rope_type": "linear", "factor": rs.factor}
+    if rs.type == "llama3":
+        return {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+                "high_freq_factor": rs.high_freq_factor, "original_max_position_embeddings": rs.original_max_seq_len}
+    if rs.type == "dynamic":
+        return {"rope_type": "dynamic", "factor": rs.factor}
+    if rs.type == "yarn":
+        d = {"rope_type": "yarn", "factor": rs.factor, "original_max_position_embeddings": rs.original_max_seq_len,
+             "beta_fast": rs.beta_fast, "beta_slow": rs.beta_slow, "mscale": rs.mscale,
+             "mscale_all_dim": rs.mscale_all_dim, "truncate": rs.truncate}
+        return d if rs.attention_factor is None else {**d, "attention_factor": rs.attention_factor}
+    return None
 
 
 def _check_common(hc) -> None:
     check(hc.model_type in ARCHITECTURES, "hf.model_type",
           f"unsupported model type {hc.model_type!r}; expected one of {', '.join(ARCHITECTURES)}")
-    check(hc.hidden_act == "silu", "hf.hidden_act", f"moezoo FFNs are SwiGLU (silu), got {hc.hidden_act!r}")
-    head_dim = getattr(hc, "head_dim", None)
-    natural = hc.hidden_size // hc.num_attention_heads
-    check(head_dim in (None, natural), "hf.head_dim",
-          f"head_dim={head_dim} != hidden_size/num_attention_heads={natural}; moezoo derives it from dim")
-    check(not getattr(hc, "mlp_bias", False), "hf.mlp_bias", "moezoo FFNs have no bias")
+    check(hc.hidden_act in ACTS_FROM_HF, "hf.hidden_act",
+          f"={hc.hidden_act!r}; moezoo's gated FFNs take {', '.join(ACTS_FROM_HF)}")
+    check(not getattr(hc, "mlp_bias", False), "hf.mlp_bias", "=True; moezoo FFNs have no bias")
+    if hc.model_type == "olmoe":
+        check(hc.clip_qkv is None, "hf.clip_qkv", f"={hc.clip_qkv}: moezoo does not clamp q/k/v")
 
 
 def _hf_windowed_layers(hc) -> tuple[Optional[int], list[int]]:
     """``(W, layers)``: the sliding window of an HF config and the layers using it (``(None, [])``: none)."""
-    if hc.model_type == "mixtral" and hc.sliding_window:
-        return hc.sliding_window, list(range(hc.num_hidden_layers))
-    if hc.model_type == "qwen2_moe" and hc.use_sliding_window and hc.sliding_window:
-        types = getattr(hc, "layer_types", None)
+    window = getattr(hc, "sliding_window", None)
+    if not window or not getattr(hc, "use_sliding_window", True):
+        return None, []
+    types = getattr(hc, "layer_types", None)
+    if hc.model_type in ("qwen2", "qwen3", "qwen2_moe"):
         check(types is not None, "hf.layer_types", "use_sliding_window needs layer_types to say which layers slide")
-        return hc.sliding_window, [i for i, t in enumerate(types) if t == "sliding_attention"]
-    return None, []
+        return window, [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if hc.model_type in ("mistral", "mixtral", "qwen3_moe"):     # one window on every layer
+        return window, list(range(hc.num_hidden_layers))
+    raise ConfigError("hf.sliding_window", f"={window}: {hc.model_type} models have no sliding window in moezoo")
+
+
+def _mla_from_hf(hc) -> MLAConfig:
+    check(not hc.attention_bias, "hf.attention_bias", "=True: moezoo MLA projections have no bias")
+    check(hc.num_key_value_heads == hc.num_attention_heads, "hf.num_key_value_heads",
+          f"={hc.num_key_value_heads}: MLA expands its latent to num_attention_heads={hc.num_attention_heads} heads")
+    return MLAConfig(q_lora_rank=hc.q_lora_rank, kv_lora_rank=hc.kv_lora_rank, qk_nope_head_dim=hc.qk_nope_head_dim,
+                     qk_rope_head_dim=hc.qk_rope_head_dim, v_head_dim=hc.v_head_dim,
+                     rope_interleave=bool(getattr(hc, "rope_interleave", True)))   # V2: complex pairs
 
 
 def config_from_hf(hc) -> ModelConfig:
     """A ``ModelConfig`` computing the same function as the HF config ``hc`` (validated)."""
     _check_common(hc)
     theta, scaling = hf_rope(hc)
+    t = hc.model_type
+    head_dim = getattr(hc, "head_dim", None)
+    natural = hc.hidden_size // hc.num_attention_heads
     cfg = ModelConfig(
         vocab_size=hc.vocab_size, dim=hc.hidden_size, n_layers=hc.num_hidden_layers,
         n_heads=hc.num_attention_heads, n_kv_heads=hc.num_key_value_heads or hc.num_attention_heads,
         ffn_hidden=hc.intermediate_size, norm_eps=hc.rms_norm_eps, rope_theta=theta, rope_scaling=scaling,
         max_seq_len=hc.max_position_embeddings, tie_embeddings=bool(hc.tie_word_embeddings),
-        init_std=hc.initializer_range,
-        # Llama's attention_bias also biases o_proj; zoo.hf accepts that only when those biases are zero.
-        attn_bias=bool(getattr(hc, "attention_bias", False) or getattr(hc, "qkv_bias", False)))
+        init_std=hc.initializer_range, ffn_act=ACTS_FROM_HF[hc.hidden_act], qk_norm=QK_NORM.get(t, "none"),
+        # Qwen2 always biases q/k/v; Llama-style attention_bias also biases o_proj, accepted only when zero.
+        attn_bias=t == "qwen2" or bool(getattr(hc, "attention_bias", False) or getattr(hc, "qkv_bias", False)))
+    if t in ("deepseek_v2", "deepseek_v3"):
+        cfg.attention_type, cfg.mla, cfg.attn_bias = "mla", _mla_from_hf(hc), False
+    elif head_dim not in (None, natural):
+        cfg.attn_head_dim = head_dim
     window, windowed = _hf_windowed_layers(hc)
     if windowed:
         cfg.attention = AttentionConfig(patterns={",".join(map(str, windowed)): {"type": "local", "window": window}})
-    if hc.model_type == "mixtral":
-        check(not hc.router_jitter_noise, "hf.router_jitter_noise",
-              "multiplicative router jitter has no moezoo equivalent; set it to 0")
-        cfg.ffn = "moe"
-        cfg.moe = MoEConfig(num_experts=hc.num_local_experts, top_k=hc.num_experts_per_tok,
-                            hidden_dim=hc.intermediate_size, router="softmax", softmax_before_topk=True,
-                            norm_topk=True, aux_loss_coef=hc.router_aux_loss_coef * hc.num_experts_per_tok)
-    elif hc.model_type == "qwen2_moe" and hc.num_experts > 0:
-        cfg.ffn = "moe"
-        cfg.ffn_layers = {str(i): "dense" for i in range(hc.num_hidden_layers)
-                          if i in (hc.mlp_only_layers or []) or (i + 1) % hc.decoder_sparse_step}
-        cfg.moe = MoEConfig(num_experts=hc.num_experts, top_k=hc.num_experts_per_tok,
-                            hidden_dim=hc.moe_intermediate_size, router="softmax", softmax_before_topk=True,
-                            norm_topk=bool(hc.norm_topk_prob),
-                            aux_loss_coef=hc.router_aux_loss_coef * hc.num_experts_per_tok,
-                            shared_experts=1, shared_hidden_dim=hc.shared_expert_intermediate_size,
-                            shared_gate=True)
+    moe_from_hf(hc, cfg)
     cfg.validate("hf")
     return cfg
 
@@ -145,39 +195,19 @@ def hf_model_type(cfg: ModelConfig) -> str:
     types = cfg.layer_ffn_types()
     check(set(types) <= {"dense", "moe"}, "model.ffn",
           f"only dense and moe FFNs export to HF, got {sorted(set(types))}")
-    if "moe" not in types:
-        check(not windowed, "model.attention.patterns", "HF Llama has no sliding window")
-        return "llama"
-    m = cfg.moe
-    check(m.router == "softmax", "model.moe.router", f"HF routers are softmax top-k, got {m.router!r}")
-    check(m.capacity_factor is None, "model.moe.capacity_factor", "HF MoE is dropless; capacity_factor must be null")
-    check(m.bias_update_rate == 0, "model.moe.bias_update_rate",
-          "aux-loss-free selection bias has no HF equivalent; must be 0")
-    if m.shared_experts:
-        check(m.shared_gate, "model.moe.shared_gate", "Qwen2-MoE gates its shared expert; shared_gate must be true")
-        return "qwen2_moe"
-    check(not cfg.attn_bias, "model.attn_bias", "Mixtral attention has no bias")
-    check(len(windowed) in (0, cfg.n_layers), "model.attention.patterns",
-          "Mixtral's sliding window applies to every layer or none")
-    check("dense" not in types, "model.ffn_layers",
-          "Mixtral has an MoE in every layer; dense layers need a shared-expert (Qwen2-MoE) model")
-    check(_renormalised(m), "model.moe.norm_topk", "Mixtral renormalises the top-k weights; norm_topk must be true")
-    return "mixtral"
-
-
-def _renormalised(m: MoEConfig) -> bool:
-    # top-k-then-softmax weights sum to one whatever norm_topk says
-    return m.norm_topk or not m.softmax_before_topk
-
-
-def hf_rope_scaling(rs: RopeScalingConfig) -> Optional[dict]:
-    """The HF ``rope_scaling`` dict of a linear or llama3 scaling; None for none/ntk (ntk is a larger theta)."""
-    if rs.type == "linear":
-        return {"rope_type": "linear", "factor": rs.factor}
-    if rs.type == "llama3":
-        return {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
-                "high_freq_factor": rs.high_freq_factor, "original_max_position_embeddings": rs.original_max_seq_len}
-    return None
+    every = len(windowed) == cfg.n_layers
+    if cfg.attention_type == "mla" or "moe" in types:
+        return moe_model_type(cfg, windowed)
+    if cfg.qk_norm == "head":
+        return "qwen3"
+    check(cfg.qk_norm == "none", "model.qk_norm", "a whole-projection q/k norm exports only as OLMoE (an MoE)")
+    if cfg.attn_bias:
+        return "qwen2"
+    if windowed:
+        check(every, "model.attention.patterns", "Mistral's sliding window applies to every layer "
+              "(a per-layer window needs q/k/v biases: Qwen2)")
+        return "mistral"
+    return "llama"
 
 
 def config_to_hf(cfg: ModelConfig):
@@ -186,31 +216,33 @@ def config_to_hf(cfg: ModelConfig):
 
     model_type = hf_model_type(cfg)
     window, windowed = windowed_layers(cfg)
-    rope_theta, rope_type = cfg.rope_theta, cfg.rope_scaling.type
-    if rope_type == "ntk":  # static NTK-aware scaling is just a larger theta
-        rope_theta = cfg.rope_theta * cfg.rope_scaling.factor ** (cfg.head_dim / (cfg.head_dim - 2))
+    rope_theta, rs = cfg.rope_theta, cfg.rope_scaling
+    if rs.type == "ntk":  # static NTK-aware scaling is just a larger theta
+        rope_theta = cfg.rope_theta * rs.factor ** (cfg.rope_dim / (cfg.rope_dim - 2))
+    max_pos = rs.original_max_seq_len if rs.type == "dynamic" else cfg.max_seq_len   # HF dynamic's L0
     # rope_theta + rope_scaling: the 4.x keywords, which 5.x folds into rope_parameters
-    scaling = hf_rope_scaling(cfg.rope_scaling)
-    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.hidden_dim,
-                  num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                  num_key_value_heads=cfg.kv_heads, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
-                  initializer_range=cfg.init_std, rms_norm_eps=cfg.norm_eps,
-                  tie_word_embeddings=cfg.tie_embeddings, rope_theta=rope_theta, rope_scaling=scaling)
-    if model_type == "llama":
-        return transformers.LlamaConfig(attention_bias=cfg.attn_bias, **common)
-    m = cfg.moe
-    if model_type == "mixtral":
-        common["intermediate_size"] = cfg.expert_hidden_dim
-        return transformers.MixtralConfig(num_local_experts=m.num_experts, num_experts_per_tok=m.top_k,
-                                          router_aux_loss_coef=m.aux_loss_coef / m.top_k, sliding_window=window,
-                                          **common)
-    dense = [i for i, t in enumerate(cfg.layer_ffn_types()) if t == "dense"]
-    return transformers.Qwen2MoeConfig(
-        num_experts=m.num_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=cfg.expert_hidden_dim,
-        shared_expert_intermediate_size=cfg.shared_expert_hidden_dim, norm_topk_prob=_renormalised(m),
-        router_aux_loss_coef=m.aux_loss_coef / m.top_k, decoder_sparse_step=1, mlp_only_layers=dense,
-        qkv_bias=cfg.attn_bias, use_sliding_window=bool(windowed), sliding_window=window,
-        max_window_layers=cfg.n_layers,
-        layer_types=["sliding_attention" if i in windowed else "full_attention" for i in range(cfg.n_layers)],
-        **common)
-
+    kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.hidden_dim,
+              num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+              num_key_value_heads=cfg.kv_heads, hidden_act=ACTS_TO_HF[cfg.ffn_act], max_position_embeddings=max_pos,
+              initializer_range=cfg.init_std, rms_norm_eps=cfg.norm_eps,
+              tie_word_embeddings=cfg.tie_embeddings, rope_theta=rope_theta, rope_scaling=hf_rope_scaling(rs))
+    if cfg.attention_type != "mla":
+        kw["head_dim"] = cfg.head_dim
+    if model_type in ("llama", "qwen3", "qwen3_moe", "olmoe"):
+        kw["attention_bias"] = cfg.attn_bias
+    if model_type in ("mistral", "mixtral", "qwen3_moe"):
+        kw["sliding_window"] = window
+        if model_type == "qwen3_moe":
+            kw["use_sliding_window"] = bool(windowed)
+    if model_type in ("qwen2", "qwen3", "qwen2_moe"):
+        kw.update(use_sliding_window=bool(windowed), sliding_window=window, max_window_layers=cfg.n_layers,
+                  layer_types=["sliding_attention" if i in windowed else "full_attention" for i in range(cfg.n_layers)])
+    if cfg.attention_type == "mla":
+        m = cfg.mla
+        check(model_type == "deepseek_v3" or m.rope_interleave, "model.mla.rope_interleave",
+              "DeepSeek-V2 rotates interleaved pairs; must be true")
+        kw.update(q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+                  qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, rope_interleave=m.rope_interleave,
+                  attention_bias=False, num_key_value_heads=cfg.n_heads)
+    kw.update(moe_hf_kwargs(cfg, model_type))
+    return getattr(transformers, CONFIG_CLASSES[model_type])(**kw)

@@ -1,5 +1,10 @@
 """LLaMA-style decoder assembled from ``ModelConfig``: per-layer FFN (dense SwiGLU or MoE) and attention pattern.
 
+The HF families of zoo.hf are options of this one model, not copies of it: q/k RMSNorm and a separate
+head_dim (Qwen3, OLMoE), Multi-head Latent Attention (DeepSeek-V2/V3, layers.attention.mla), routed
+MoE options (group-limited sigmoid routing, shared experts), gate activations, RoPE scalings.
+Padding (``attention_mask``), explicit ``position_ids`` and packed documents (``document_ids``) follow HF.
+
 Parameter names follow Meta's LLaMA (``tok_embeddings``, ``layers.{i}.attention.wq``,
 ``layers.{i}.feed_forward.w1``, ``attention_norm``, ``ffn_norm``, ``norm``, ``output``) so weights map
 one-to-one to HF checkpoints (zoo.hf).
@@ -22,11 +27,11 @@ from layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
 
 def build_ffn(cfg: ModelConfig, ffn_type: str) -> nn.Module:
     if ffn_type == "dense":
-        return SwiGLU(cfg.dim, cfg.hidden_dim)
+        return SwiGLU(cfg.dim, cfg.hidden_dim, cfg.ffn_act)
     if ffn_type == "moe":
         from layers import MoE
         kw = {k: v for k, v in dataclasses.asdict(cfg.moe).items() if k != "hidden_dim"}
-        return MoE(cfg.dim, cfg.expert_hidden_dim, **kw)
+        return MoE(cfg.dim, cfg.expert_hidden_dim, act=cfg.ffn_act, **kw)
     if ffn_type == "neuron":
         from layers import NeuronRoutedFFN
         return NeuronRoutedFFN(cfg.dim, cfg.hidden_dim, **dataclasses.asdict(cfg.neuron), key="model.neuron")
@@ -49,28 +54,34 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, ffn_type: str, pattern=None):
         super().__init__()
         self.layer_id = layer_id
-        self.attention = Attention(cfg.dim, cfg.n_heads, cfg.kv_heads, pattern=pattern,
-                                   backend=cfg.attention.backend, layer_id=layer_id,
-                                   reference_below=cfg.attention.reference_below, bias=cfg.attn_bias)
+        common = dict(pattern=pattern, backend=cfg.attention.backend, layer_id=layer_id,
+                      reference_below=cfg.attention.reference_below)
+        if cfg.attention_type == "mla":
+            from layers.attention.mla import MLA
+            self.attention = MLA.from_config(cfg, **common)
+        else:
+            self.attention = Attention(cfg.dim, cfg.n_heads, cfg.kv_heads, bias=cfg.attn_bias,
+                                       head_dim=cfg.attn_head_dim, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
+                                       **common)
         self.feed_forward = build_ffn(cfg, ffn_type)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
-    """``forward(tokens[B, S], start_pos=0) -> logits[B, S, V]``; ``loss(tokens, targets) -> (loss, parts)``."""
+    """``forward(tokens[B, S], *, attention_mask, position_ids, document_ids, start_pos) -> logits[B, S, V]``;
+    ``loss(tokens, targets) -> (loss, parts)``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        rs = cfg.rope_scaling
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, rs.type, rs.factor, rs.low_freq_factor,
-                                    rs.high_freq_factor, rs.original_max_seq_len)
+        self.rope = RotaryEmbedding.from_config(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
         grid = cfg.attention.layer_head_patterns(cfg.n_layers, cfg.n_heads)
         self.layers = nn.ModuleList(
             TransformerBlock(cfg, i, t, build_attention_pattern(cfg, i, grid))
@@ -103,18 +114,41 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.cache = None
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *, start_pos: int = 0):
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None, start_pos: int = 0):
         """Logits ``[B, S, V]`` (float32); with ``targets [B, S]``, ``(loss, parts)`` as in ``loss``.
 
-        Training calls ``model(tokens, targets)`` so that DDP/FSDP2 forward hooks run on the root module.
+        Training calls ``model(tokens, targets)`` so that DDP/FSDP2 forward hooks run on the root module;
+        the masks are keywords, so a positional second argument is always ``targets``.
+
+        - ``attention_mask [B, start_pos + S]`` (HF: 1 real, 0 padding; left or right padding): no query
+          sees a padding key; padding positions get no loss. In decode pass the mask of the whole prefix.
+        - ``position_ids [B, S]``: RoPE positions (HF; default ``start_pos + arange(S)``, also under padding,
+          as HF's forward does).
+        - ``document_ids [B, S]`` (training.data.pack_documents): attention stays inside a document, and
+          positions restart at each document unless ``position_ids`` are given. Not with a KV cache.
         """
-        S = tokens.shape[1]
+        from layers.attention.masking import AttnMask, check_token_mask, document_positions
+        B, S = tokens.shape
+        T = start_pos + S
+        if document_ids is not None and start_pos:
+            raise ValueError("document_ids: packed documents are for training and full passes, not decode")
+        check_token_mask("position_ids", position_ids, B, S)
+        mask = AttnMask.build(B, S, T, start_pos, attention_mask, document_ids, tokens.device)
+        if position_ids is None and document_ids is not None:
+            position_ids = document_positions(document_ids)
         h = self.tok_embeddings(tokens)
-        cos, sin = self.rope(torch.arange(start_pos, start_pos + S, device=tokens.device))
+        positions = torch.arange(start_pos, T, device=tokens.device) if position_ids is None else position_ids
+        cos, sin = self.rope(positions)
         for layer in self.layers:
-            h = layer(h, cos, sin, start_pos)
+            h = layer(h, cos, sin, start_pos, mask)
         logits = self.output(self.norm(h)).float()
-        return logits if targets is None else self._loss(logits, targets)
+        if targets is None:
+            return logits
+        if attention_mask is not None:   # padding gets no loss (HF: labels -100 there)
+            targets = targets.masked_fill(~attention_mask[:, start_pos:].bool(), -100)
+        return self._loss(logits, targets)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Cross-entropy plus the weighted auxiliary losses of every MoE and neuron-routed FFN layer.
@@ -124,7 +158,7 @@ class Transformer(nn.Module):
         return self(tokens, targets)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
         parts = {"ce": ce.detach()}
         total = ce
         if self.has_aux:

@@ -1,6 +1,7 @@
 """Attention: one module for dense and sparse heads (training, prefill, decode with a KV cache).
 
-- ``module``: ``Attention``, ``KVCache``.
+- ``module``: ``Attention``, ``KVCache``; ``mla``: ``MLA`` (DeepSeek-V2/V3 latent attention, same interface).
+- ``masking``: ``AttnMask`` (padding / packed-document restriction shared by every layer of a forward).
 - ``functional``: ``sparse_attention`` (the backend dispatch) and ``dense_causal_attention``.
 - ``pattern``: ``SparsityPattern``, the per-head pattern type and its YAML form.
 - ``selection``: seeded random blocks, vertical-slash and block top-k estimation.

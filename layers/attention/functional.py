@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from configs.attention import ATTN_BACKENDS
 
 from .flash import flash_attn_window
+from .masking import masked_causal_attention
 from .flex import column_slots, flex_attention_call, flex_block_mask, gather_columns
 from .pattern import PatternLike, head_patterns
 from .plan import PatternPlan, plan_pattern
@@ -61,13 +62,16 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: PatternLike,
                      backend: str = "auto", layer: int = 0, q_offset: int = 0,
-                     q_history: Optional[torch.Tensor] = None, reference_below: int = -1) -> torch.Tensor:
+                     q_history: Optional[torch.Tensor] = None, reference_below: int = -1,
+                     mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention under ``pattern`` (a SparsityPattern or one per query head).
 
     ``q_history [B, Hq, P, D]``: queries just before this chunk (decode); input-dependent patterns
     estimate from ``cat(q_history, q)`` so a decode step sees the indices prefill would have.
     ``reference_below``: backend ``auto`` runs the reference below this many keys (-1 = ``DENSE_CROSSOVER``);
     unlike the pattern parameter ``SparsityPattern.dense_below`` (a head dense below it), same result either way.
+    ``mask`` (a layers.attention.masking.AttnMask: padding / packed documents): ANDed with the pattern's
+    mask; such calls run the reference (or dense masked attention when the pattern is dense here).
     """
     B, Hq, S, D = q.shape
     T = k.shape[2]
@@ -77,7 +81,12 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
         raise ValueError(f"unknown sparse attention backend {backend!r}; expected one of {', '.join(ATTN_BACKENDS)}")
     pats = head_patterns(pattern, Hq)
     if all(p.is_dense_at(T) for p in pats):       # e.g. a window longer than the input: exactly causal
+        if mask is not None:
+            return masked_causal_attention(q, k, v, mask, q_offset)
         return dense_causal_attention(q, k, v, q_offset)
+    if mask is not None:
+        return reference_sparse_attention(q, k, v, plan_pattern(pats, Hq, q_offset, S, T, layer, q, k, q_history),
+                                          mask.dense(S, T))
     square = S == T and q_offset == 0
     if backend == "auto":
         crossover = DENSE_CROSSOVER if reference_below < 0 else reference_below
@@ -111,9 +120,12 @@ def _static_block_mask(pats: list, n_heads: int, T: int, layer: int, device: tor
     return bm
 
 
-def reference_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan) -> torch.Tensor:
-    """SDPA with the materialised ``[B or 1, Hq, S, T]`` mask; differentiable, any device."""
+def reference_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                               extra: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """SDPA with the materialised ``[B or 1, Hq, S, T]`` mask (ANDed with ``extra [B, 1, S, T]``); differentiable."""
     mask = plan.token_mask()
+    if extra is not None:
+        mask = mask & extra
     gqa = q.shape[1] != k.shape[1]
     if q.device.type == "cpu":
         # CPU's fused SDPA sums GQA groups' dk/dv in low precision (bf16 error ~2.5x plain torch);

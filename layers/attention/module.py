@@ -1,7 +1,11 @@
 """Multi-head attention with GQA, RoPE and a KV cache; dense (SDPA) or sparse by pattern.
 
 One module for training, prefill and decode. LLaMA naming: ``wq [Hq*Dh, D]``, ``wk, wv [Hk*Dh, D]``,
-``wo [D, Hq*Dh]``, no bias unless ``bias=True`` (q/k/v biases only, as in Qwen2). ``pattern`` is None
+``wo [D, Hq*Dh]``, no bias unless ``bias=True`` (q/k/v biases only, as in Qwen2). ``head_dim`` defaults to
+``D / Hq`` (Qwen3 sets it apart). ``qk_norm``: RMSNorm of q and k before RoPE, ``head`` over each head's Dh
+(Qwen3: ``q_norm, k_norm [Dh]``) or ``full`` over the whole projection (OLMoE: ``q_norm [Hq*Dh]``,
+``k_norm [Hk*Dh]``). ``mask`` (optional ``layers.attention.masking.AttnMask``): the pairs padding and
+packed documents leave, ANDed with causality and the pattern. ``pattern`` is None
 (dense), a ``SparsityPattern`` or a per-head list; sparse patterns go through
 ``layers.attention.functional.sparse_attention`` with the same causal semantics in every mode.
 
@@ -15,7 +19,9 @@ import torch
 from torch import nn
 
 from .functional import dense_causal_attention, sparse_attention
+from .masking import masked_causal_attention
 from .pattern import head_patterns, layer_block_size
+from ..norm import RMSNorm
 from ..rope import apply_rotary
 
 
@@ -46,17 +52,26 @@ class Attention(nn.Module):
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: Optional[int] = None, pattern=None,
-                 backend: str = "auto", layer_id: int = 0, reference_below: int = -1, bias: bool = False):
+                 backend: str = "auto", layer_id: int = 0, reference_below: int = -1, bias: bool = False,
+                 head_dim: Optional[int] = None, qk_norm: str = "none", norm_eps: float = 1e-6):
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
-        if dim % n_heads or n_heads % n_kv_heads:
+        if (head_dim is None and dim % n_heads) or n_heads % n_kv_heads:
             raise ValueError(f"dim={dim}, n_heads={n_heads}, n_kv_heads={n_kv_heads}: heads must divide evenly")
-        self.dim, self.n_heads, self.n_kv_heads, self.head_dim = dim, n_heads, n_kv_heads, dim // n_heads
+        self.dim, self.n_heads, self.n_kv_heads = dim, n_heads, n_kv_heads
+        self.head_dim = head_dim or dim // n_heads
         self.layer_id, self.backend, self.reference_below = layer_id, backend, reference_below
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        if qk_norm not in ("none", "head", "full"):
+            raise ValueError(f"qk_norm must be none, head or full, got {qk_norm!r}")
+        self.qk_norm = qk_norm
+        if qk_norm != "none":
+            per_head = qk_norm == "head"
+            self.q_norm = RMSNorm(self.head_dim if per_head else n_heads * self.head_dim, norm_eps)
+            self.k_norm = RMSNorm(self.head_dim if per_head else n_kv_heads * self.head_dim, norm_eps)
         if pattern is not None:   # a per-head list of the wrong length or mixed block sizes fails here, not in forward
             layer_block_size(head_patterns(pattern, n_heads))
         self.pattern = pattern
@@ -75,19 +90,29 @@ class Attention(nn.Module):
                 nn.init.zeros_(w.bias)
         nn.init.normal_(self.wo.weight, std=out_std)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, S, _ = x.shape
-        q = self.wq(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.wq(x), self.wk(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, S, self.n_heads, self.head_dim)
+        k = k.view(B, S, self.n_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.cache is not None:
             k, v = self.cache.update(start_pos, k, v)
-        out = self._attend(q, k, v, start_pos)
+        out = self._attend(q, k, v, start_pos, mask)
         return self.wo(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.pattern is None:
+            if mask is not None:
+                return masked_causal_attention(q, k, v, mask, q_offset)
             return dense_causal_attention(q, k, v, q_offset)
         history = None
         dyn = [p for p in head_patterns(self.pattern, self.n_heads) if p.dynamic]
@@ -98,4 +123,4 @@ class Attention(nn.Module):
             keep = max(max(p.last_q, p.block_size) for p in dyn)
             self._q_history = (q if history is None else torch.cat([history, q], dim=2))[:, :, -keep:].detach()
         return sparse_attention(q, k, v, self.pattern, backend=self.backend, layer=self.layer_id, q_offset=q_offset,
-                                q_history=history, reference_below=self.reference_below)
+                                q_history=history, reference_below=self.reference_below, mask=mask)

@@ -36,6 +36,7 @@ from kernels.moe_swiglu import swiglu
 
 from kernels.moe_gate_up import gate_up
 
+from ..mlp import gate_act as _gate_act
 from .router import tokens_per_expert
 
 
@@ -153,10 +154,14 @@ def local_expert_count(num_experts: int, ep_size: int, key: str = "moe") -> int:
     return num_experts // ep_size
 
 
-def expert_hidden(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, activation: str) -> torch.Tensor:
-    """x [n, D], w1/w3 [H, D] -> hidden [n, H]: ``silu(x w1^T) * x w3^T`` (swiglu) or ``relu(x w1^T)^2`` (relu2)."""
+def expert_hidden(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, activation: str,
+                  gate_act: str = "silu") -> torch.Tensor:
+    """x [n, D], w1/w3 [H, D] -> hidden [n, H]: ``act(x w1^T) * x w3^T`` (swiglu; act = ``gate_act``, silu by
+    default) or ``relu(x w1^T)^2`` (relu2)."""
     a = F.linear(x, w1)
-    return F.silu(a) * F.linear(x, w3) if activation == "swiglu" else F.relu(a).square()
+    if activation != "swiglu":
+        return F.relu(a).square()
+    return (F.silu(a) if gate_act == "silu" else _gate_act(gate_act)(a)) * F.linear(x, w3)
 
 
 def scale_rows(h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -176,10 +181,12 @@ class GroupedExperts(nn.Module):
     # other run_experts gets them; bench/moe.py's A/B of the fusion).
     fuse_permute: bool = True
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int, activation: str = "swiglu"):
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, activation: str = "swiglu", gate_act: str = "silu"):
         super().__init__()
         check_choice(activation, NEURON_ACTIVATIONS, "activation")
+        _gate_act(gate_act)
         self.num_experts, self.dim, self.hidden_dim, self.activation = num_experts, dim, hidden_dim, activation
+        self.gate_act = gate_act   # the gated (swiglu) layout's gate activation: silu | gelu | gelu_tanh | relu2
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim)) if activation == "swiglu" else None
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
@@ -195,7 +202,8 @@ class GroupedExperts(nn.Module):
                 plan: Optional[DispatchPlan] = None) -> torch.Tensor:
         """``row_scale`` [N] float32: multiplies each row's hidden state (the folded routing weight).
         ``plan``: xs is the tokens x [T, D] and the experts run on ``sorted_rows(x, plan)``."""
-        if self.backend == "grouped" and xs.is_cuda and xs.dtype == torch.bfloat16:
+        # the fused grouped path computes silu gates; other gate activations take the loop
+        if self.backend == "grouped" and xs.is_cuda and xs.dtype == torch.bfloat16 and self.gate_act == "silu":
             return self._grouped(xs, counts, row_scale, plan)
         return self._loop(xs, counts, row_scale, plan)
 
@@ -208,7 +216,8 @@ class GroupedExperts(nn.Module):
         w3 = self.w3.to(xs.dtype) if self.w3 is not None else None
         for e, n in enumerate(counts.tolist()):
             if n:
-                h = expert_hidden(xs[start:start + n], w1[e], w3[e] if w3 is not None else None, self.activation)
+                h = expert_hidden(xs[start:start + n], w1[e], w3[e] if w3 is not None else None, self.activation,
+                                  self.gate_act)
                 if row_scale is not None:
                     h = scale_rows(h, row_scale[start:start + n])
                 pieces.append(F.linear(h, w2[e]))

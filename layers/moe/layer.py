@@ -82,7 +82,8 @@ class MoE(nn.Module):
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
                  capacity_factor: Optional[float] = None, shared_experts: int = 0,
                  shared_hidden_dim: Optional[int] = None, shared_gate: bool = False,
-                 global_balance: bool = True, backend: str = "auto", ep_group=None, key: str = "moe"):
+                 global_balance: bool = True, backend: str = "auto", n_group: int = 1, topk_group: int = 1,
+                 routed_scaling_factor: float = 1.0, act: str = "silu", ep_group=None, key: str = "moe"):
         super().__init__()
         if not (isinstance(dim, int) and dim > 0):
             raise ConfigError(f"{key}.dim", f"must be > 0, got {dim}")
@@ -91,9 +92,13 @@ class MoE(nn.Module):
                         aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
                         bias_update_rate=bias_update_rate, capacity_factor=capacity_factor,
                         shared_experts=shared_experts, shared_hidden_dim=shared_hidden_dim,
-                        shared_gate=shared_gate, global_balance=global_balance, backend=backend)
+                        shared_gate=shared_gate, global_balance=global_balance, backend=backend,
+                        n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor)
         cfg.validate(key)
         if backend == "megablocks":
+            if act != "silu" or n_group > 1 or routed_scaling_factor != 1.0:
+                raise ConfigError(f"{key}.backend", "megablocks runs SwiGLU experts behind its own Mixtral router: "
+                                  "no other activation, group-limited routing or routed_scaling_factor")
             from .megablocks import check_megablocks_config
             check_megablocks_config(cfg, key)
         self.cfg = cfg
@@ -114,9 +119,9 @@ class MoE(nn.Module):
         if bias_update_rate > 0:
             # int64: model-wide dtype casts (.to(bfloat16)) leave it alone and counts stay exact.
             self.register_buffer("load_accum", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
-        self.experts = GroupedExperts(self.num_local_experts, dim, hidden_dim)
+        self.experts = GroupedExperts(self.num_local_experts, dim, hidden_dim, gate_act=act)
         if shared_experts > 0:
-            self.shared = SwiGLU(dim, shared_hidden_dim or hidden_dim * shared_experts)
+            self.shared = SwiGLU(dim, shared_hidden_dim or hidden_dim * shared_experts, act)
             if shared_gate:
                 self.shared_gate = nn.Linear(dim, 1, bias=False)
         self._backend: Optional[str] = None
@@ -168,7 +173,8 @@ class MoE(nn.Module):
         logits = self.router_logits(x)
         bias = getattr(self, "expert_bias", None)
         c = self.cfg
-        indices, weights, probs = route(logits, c.router, c.top_k, c.softmax_before_topk, c.norm_topk, bias)
+        indices, weights, probs = route(logits, c.router, c.top_k, c.softmax_before_topk, c.norm_topk, bias,
+                                        c.n_group, c.topk_group, c.routed_scaling_factor)
         return indices, weights, logits, probs
 
     def capacity(self, num_tokens: int) -> Optional[int]:
@@ -234,7 +240,9 @@ class MoE(nn.Module):
         spec = RoutingSpec(c.router, c.top_k, c.softmax_before_topk, c.norm_topk, self.num_experts,
                            float(c.aux_loss_coef), float(c.z_loss_coef), capacity, align, local,
                            plan=backend != "megablocks",
-                           row_weights=self.fold_weights and backend == "grouped" and self.ep_group is None)
+                           row_weights=self.fold_weights and backend == "grouped" and self.ep_group is None,
+                           n_group=c.n_group, topk_group=c.topk_group,
+                           routed_scaling_factor=float(c.routed_scaling_factor))
         fn = routing_fn(x.device, self.compile_routing if backend == "grouped" else None, spec)
         r = fn(self.router_logits(x), getattr(self, "expert_bias", None), spec)
         bal, aux = r.balance, r.aux_loss

@@ -17,6 +17,10 @@ Routers (``router=``):
   renormalised (renormalising would make it 1 and cut the router off from the task gradient).
 
 The DeepSeek-V3 ``bias`` [E] is added to the ranking quantity for selection only; weights never see it.
+Group-limited selection (DeepSeek-V2/V3, ``n_group > 1``): the E experts form ``n_group`` groups of
+consecutive experts, each token first keeps its ``topk_group`` best groups (V3, sigmoid: a group scores the
+sum of its two best biased scores; V2, softmax: its best probability) and picks its top-k inside them.
+``routed_scaling_factor`` multiplies the final weights (DeepSeek-V3: 2.5), after any renormalisation.
 """
 from __future__ import annotations
 
@@ -26,9 +30,18 @@ import torch
 import torch.nn.functional as F
 
 
+def group_limited(sel: torch.Tensor, n_group: int, topk_group: int, pair_sum: bool) -> torch.Tensor:
+    """sel [T, E] -> sel with every expert outside the token's ``topk_group`` best groups set to -inf."""
+    T, E = sel.shape
+    grouped = sel.view(T, n_group, E // n_group)
+    score = grouped.topk(2, dim=-1).values.sum(-1) if pair_sum else grouped.amax(-1)   # [T, n_group]
+    keep = torch.zeros_like(score, dtype=torch.bool).scatter_(1, score.topk(topk_group, dim=-1).indices, True)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
+
 
 def route(logits: torch.Tensor, router: str, top_k: int, softmax_before_topk: bool = False,
-          norm_topk: bool = True, bias: Optional[torch.Tensor] = None):
+          norm_topk: bool = True, bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
+          routed_scaling_factor: float = 1.0):
     """logits [T, E] float32 -> (indices [T, K] int64, weights [T, K] float32, probs [T, E] float32).
 
     ``probs`` are the per-token expert probabilities the balance loss and entropy use.
@@ -41,6 +54,8 @@ def route(logits: torch.Tensor, router: str, top_k: int, softmax_before_topk: bo
         probs = torch.softmax(logits, dim=-1)
         rank = logits if topk_then_softmax else probs
     sel = rank if bias is None else rank + bias
+    if n_group > 1:
+        sel = group_limited(sel, n_group, topk_group, pair_sum=router == "sigmoid")
     indices = sel.topk(top_k, dim=-1).indices
     if topk_then_softmax:
         weights = torch.softmax(logits.gather(-1, indices), dim=-1)
@@ -48,6 +63,8 @@ def route(logits: torch.Tensor, router: str, top_k: int, softmax_before_topk: bo
         weights = rank.gather(-1, indices)
         if norm_topk and router != "switch":
             weights = weights / weights.sum(-1, keepdim=True)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
     return indices, weights, probs
 
 

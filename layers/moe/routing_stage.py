@@ -41,6 +41,9 @@ class RoutingSpec(NamedTuple):
     local_balance: bool           # balance loss on this process's tokens only (no collective)
     plan: bool                    # also build the dispatch plan
     row_weights: bool = False     # also the combine weights in sorted-row order (needs plan)
+    n_group: int = 1              # group-limited selection (DeepSeek-V2/V3; layers.moe.router.route)
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
 
 class Routed(NamedTuple):
@@ -60,7 +63,7 @@ def routing_stage(logits: torch.Tensor, bias: Optional[torch.Tensor], spec: Rout
     """logits [T, E] float32 -> Routed (see the module docstring)."""
     T = logits.shape[0]
     indices, weights, probs = route(logits, spec.router, spec.top_k, spec.softmax_before_topk,
-                                    spec.norm_topk, bias)
+                                    spec.norm_topk, bias, spec.n_group, spec.topk_group, spec.routed_scaling_factor)
     routed = tokens_per_expert(indices, spec.num_experts)
     p_mean = probs.mean(0)
     z = z_loss(logits)
