@@ -50,7 +50,8 @@ class TransformerBlock(nn.Module):
         self.layer_id = layer_id
         self.attention = Attention(cfg.dim, cfg.n_heads, cfg.kv_heads, pattern=pattern,
                                    backend=cfg.attention.backend, layer_id=layer_id,
-                                   reference_below=cfg.attention.reference_below, bias=cfg.attn_bias)
+                                   reference_below=cfg.attention.reference_below, bias=cfg.attn_bias,
+                                   flex_kernel=cfg.attention.flex_kernel, kernel_options=cfg.attention.kernel_options)
         self.feed_forward = build_ffn(cfg, ffn_type)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)

@@ -374,9 +374,14 @@ def test_minference_json_maps_to_our_patterns_and_is_checked(tmp_path):
     data = [{"0": ["vertical_and_slash", 1000, 6096, 0.9], "1": ["stream_llm", 100, 800, 0.5]},
             {"0": ["block_sparse", 8, 1, 0.7]}]
     pats = minference_patterns(data, n_layers=2, n_heads=2)
-    assert pats["0:0"] == {"type": "vertical_slash", "n_vertical": 1000, "n_slash": 6096, "last_q": 64}
+    # what MInference's runtime computes: forced first 30 columns / nearest 100 diagonals, budgets of at
+    # least 30 / 50, and block_sparse always as top-100 blocks of 64x64 (the JSON's 8 is ignored there)
+    assert pats["0:0"] == {"type": "vertical_slash", "n_vertical": 1000, "n_slash": 6096, "last_q": 64,
+                           "keep_columns": 30, "keep_diagonals": 100, "block_size": 64}
     assert pats["0:1"] == {"type": "a_shape", "sinks": 100, "window": 800}
-    assert pats["1:0"] == {"type": "block_topk", "top_k": 8}
+    assert pats["1:0"] == {"type": "block_topk", "top_k": 100, "block_size": 64}
+    small = minference_patterns([{"0": ["vertical_and_slash", 10, 20, 0.9]}], 1, 1)["0:0"]
+    assert (small["n_vertical"], small["n_slash"]) == (30, 50)
     path = tmp_path / "mi.json"
     path.write_text(json.dumps(data))
     grid = AttentionConfig(minference_json=str(path), patterns={"1:1": {"type": "local", "window": 8}}
