@@ -19,6 +19,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     p.add_argument("--plan", action="store_true", help="print params, FLOPs/token, memory and a parallel layout; "
                    "allocate nothing")
+    p.add_argument("--eval", choices=["passkey"], default=None,
+                   help="evaluate instead of training: passkey retrieval at eval.passkey_lengths (with --resume: the latest checkpoint)")
     p.add_argument("--gpus", type=int, default=None, help="GPU count for --plan (default: the smallest power of two that fits)")
     return p.parse_args(argv)
 
@@ -33,6 +35,10 @@ def main(argv=None) -> int:
                 raise ConfigError("--gpus", f"must be >= 1, got {args.gpus}")
             from training.plan import format_plan, plan
             print(format_plan(plan(cfg, args.gpus)))
+            return 0
+        if args.eval == "passkey":
+            from training.passkey import run_passkey
+            run_passkey(cfg)
             return 0
         summary = run(cfg)
     except ConfigError as e:

@@ -19,12 +19,13 @@ from tqdm import tqdm
 
 from configs import Config
 from layers import attention_density, moe_update_bias, neuron_schedule_step, neuron_stats
+from layers.attention.density import attention_metrics
 from zoo import build_model
 
 from .checkpoint import check_resumable, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import prepare_data, sample_batch
 from .logger import append_metrics, make_logger, to_python
-from .metrics import device_peak_flops, moe_metrics
+from .metrics import device_peak_flops, mfu_metrics, moe_metrics
 from .optim import build_optimizer, build_scheduler
 from .parallel import all_reduce_mean, clip_grad_norm_, model_init_device, parallelize, setup_parallel
 
@@ -44,11 +45,14 @@ class Trainer:
         self.cfg = cfg
         self.par = setup_parallel(cfg)
         self.device = self.par.device
+        cfg.model.attention.check_runtime(self.device.type)   # flash-attn-4 asked for but absent: fail now
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         from .plan import check_fits
         # The plan's meta-device model also gives the FLOPs per token for MFU (no second build).
         self.flops_per_token = check_fits(cfg, self.par.world_size, self.device).flops_per_token
+        from zoo.flops import attention_flops_per_token
+        self.dense_attn_flops = attention_flops_per_token(cfg.model, cfg.train.seq_len)   # mfu: the work done
         self.resume_path = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
         if self.resume_path:
             check_resumable(self.resume_path, cfg, self.par.world_size)
@@ -216,6 +220,15 @@ class Trainer:
         if self.par.is_main:
             append_metrics(self.metrics_path, {"val/loss": v}, self.step)
         self.print(f"step {self.step}: val loss {v:.4f}")
+        if self.cfg.eval.passkey_lengths:     # retrieval at several lengths (training/passkey.py)
+            from .passkey import format_passkey_table, passkey_eval, passkey_metrics
+            e = self.cfg.eval
+            pk = passkey_eval(self.model, self.data.tokenizer, self.data.val, e.passkey_lengths, e.passkey_samples,
+                              self.cfg.train.seed, self.device, self.autocast)
+            self.logger.log(passkey_metrics(pk), step=self.step)
+            if self.par.is_main:
+                append_metrics(self.metrics_path, passkey_metrics(pk), self.step)
+            self.print(format_passkey_table(pk, f"step {self.step}"))
         return v
 
     # ---- main loop -------------------------------------------------------------------------------
@@ -245,8 +258,10 @@ class Trainer:
                     m["mem/peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
                 dt = time.perf_counter() - t0
                 m["tokens_per_s"] = tokens_since / dt
+                m.update(attention_metrics(self.raw_model, c.train.seq_len))
                 if self.peak_flops:
-                    m["mfu"] = m["tokens_per_s"] * self.flops_per_token / (self.peak_flops * self.par.world_size)
+                    m.update(mfu_metrics(m["tokens_per_s"], self.flops_per_token, self.dense_attn_flops,
+                                         m.get("attn/density"), self.peak_flops * self.par.world_size))
                 m.update(moe_metrics(self.raw_model)[0])
                 if self.ffn_phase is not None:
                     m.update(neuron_stats(self.raw_model))

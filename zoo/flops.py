@@ -16,9 +16,9 @@ full square). Two totals (the trainer logs both):
 - *model FLOPs* (``flops_per_token``, density 1): what the dense model would compute for these tokens;
   ``mfu_model`` divides by it, so a sparse model that trains faster shows more than its hardware did.
 - *hardware FLOPs* (``flops_per_token(..., attn_density=d)``): the attention work actually done, ``d`` =
-  the mean over every head of every layer of the pairs its kernel computes over the causal pairs (for
-  block-sparse kernels the visited blocks times the block area, so partial blocks count whole; dense
-  heads 1). ``mfu`` uses this one: it can never exceed what the GPU did.
+  the mean over every head of every layer of its kernel's visited blocks over the causal blocks (partial
+  blocks count whole, as they cost whole; dense heads 1; layers.attention.density.attention_metrics).
+  ``mfu`` uses this one: it can never exceed what the GPU did.
 """
 from __future__ import annotations
 

@@ -73,7 +73,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     unlike the pattern parameter ``SparsityPattern.dense_below`` (a head dense below it), same result either way.
     ``kernel`` (auto | triton | flash) and ``kernel_options``: the flex kernel of this call
     (``flex.pick_flex_kernel``, ``flex.kernel_options_for``). ``stats``: a dict that receives, for square
-    inputs, ``density`` float32 ``[Hq]`` (pairs computed / causal pairs, the visited blocks counted whole)
+    inputs, ``density`` float32 ``[Hq]`` (a block-sparse kernel's visited blocks / the causal blocks)
     and, for block top-k heads, ``entropy`` / ``topk_mass`` of the selection (tensors on q's device).
     """
     B, Hq, S, D = q.shape
@@ -117,15 +117,21 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     return reference_sparse_attention(q, k, v, plan)
 
 
+def _causal_blocks(bs: int, T: int) -> float:
+    n = (T + bs - 1) // bs
+    return n * (n + 1) / 2
+
+
 def _density_of(blocks: torch.Tensor, bs: int, T: int) -> torch.Tensor:
-    """float32 ``[H]``: ``blocks`` bool ``[B, H, nq, nk]`` (visited) as computed pairs over causal pairs."""
-    return blocks.sum((-1, -2)).float().mean(0) * (bs * bs) / (T * (T + 1) / 2)
+    """float32 ``[H]``: visited blocks (bool ``[B, H, nq, nk]``) over the causal blocks (a dense causal
+    kernel's work, diagonal blocks whole; so dense heads are 1 and a block-sparse layout at most ~1)."""
+    return blocks.sum((-1, -2)).float().mean(0) / _causal_blocks(bs, T)
 
 
 def _visited_density(bm, bs: int, T: int) -> torch.Tensor:
     """``_density_of`` a BlockMask's lists (partial + full blocks per query block; gathered columns included)."""
     n = bm.kv_num_blocks.sum(-1) + bm.full_kv_num_blocks.sum(-1)                 # [B, H]
-    return n.float().mean(0) * (bs * bs) / (T * (T + 1) / 2)
+    return n.float().mean(0) / _causal_blocks(bs, T)
 
 
 def _static_block_mask(pats: list, n_heads: int, T: int, layer: int, device: torch.device):

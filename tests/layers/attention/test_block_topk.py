@@ -85,11 +85,10 @@ def test_stats_report_visited_block_density_and_selection_sharpness(backend):
     with torch.no_grad():
         sparse_attention(q, k, v, pats, backend=backend, stats=stats)
     n = T // BS
-    causal_pairs = T * (T + 1) / 2
     # top-2 of the causal blocks per query block (1 for the first), a_shape: window blocks + sink column
     topk_blocks = sum(min(2, i + 1) for i in range(n))
     a_blocks = sum(len({0} | {j for j in range(n) if j <= i and (i - j) * BS - (BS - 1) < 9}) for i in range(n))
-    want = torch.tensor([topk_blocks, topk_blocks, a_blocks, n * (n + 1) / 2]) * BS * BS / causal_pairs
+    want = torch.tensor([topk_blocks, topk_blocks, a_blocks, n * (n + 1) / 2]) / (n * (n + 1) / 2)
     assert torch.allclose(stats["density"].cpu(), want.float())
     assert 0 < float(stats["entropy"]) <= 1 and 0 < float(stats["topk_mass"]) <= 1
 
