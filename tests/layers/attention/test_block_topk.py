@@ -125,3 +125,21 @@ def test_backend_that_cannot_tile_or_is_missing_fails_before_any_work():
     with pytest.raises(ConfigError, match=r"model\.attention\.backend: needs flash-attn-4 .*device is cpu"):
         AttentionConfig(backend="flash_attn").check_runtime("cpu")
     AttentionConfig(backend="flex").check_runtime("cpu")       # nothing asked of flash: no error
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernel", ["triton", "auto"])
+def test_preset_layer_on_gpu_flex_meets_fa_criterion_fwd_bwd(kernel):
+    # the long-context presets' layer: A-shape heads and GQA-shared block top-k heads (plus a topk head
+    # with its own sinks + window), 128-token blocks, compiled flex forward and backward
+    a = SparsityPattern(type="a_shape", sinks=16, window=200, block_size=128)
+    t = SparsityPattern(type="block_topk", top_k=3, share_group=1, block_size=128)
+    tw = SparsityPattern(type="block_topk", top_k=2, sinks=4, window=100, block_size=128)
+    pats = [a, a, a, a, t, t, tw, tw]
+    run_criterion(pats, "flex", B=2, H=8, Hk=2, T=1000, D=64, device="cuda")
+    q, k, v = make_inputs(1, 8, 2, 1024, D=64, device="cuda")
+    stats = {}
+    with torch.no_grad():
+        sparse_attention(q, k, v, pats, backend="flex", kernel=kernel, stats=stats)
+    assert (stats["density"] <= 1).all() and (stats["density"][4:6] < 1).all()
