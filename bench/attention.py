@@ -3,12 +3,18 @@
     python bench/attention.py --lengths 16384,32768,65536,131072 --out results.jsonl
     python bench/attention.py --patterns vs --vs-inputs structured,local,iid --modes fwd --no-plain
     python bench/attention.py --lengths "" --stages 131072 --vs-inputs local --profile DIR   # where vs time goes
+    python bench/attention.py --patterns topk,mix,a_shape --kernels triton,flash --no-plain   # FLASH vs Triton
 
 Shapes: B=1, 32 query heads, 8 KV heads, head dim 128, bf16. Patterns (block 128):
   bigbird  local 1024 + 128 sinks + 4 random blocks (~5% of causal pairs at 64k)
   a_shape  128 sinks + 2048 window (3.5% block density at 64k)
   vs       vertical-slash, MInference budgets (1000 columns, 6096 diagonals, last_q 64),
            timed *including* the per-input index estimation, column gather and block-mask build
+  topk     block top-k, 16 blocks per query block (own block included), one selection per KV group
+           (``share_group``), timed including the pooled estimation and block-mask build, on iid inputs
+           (a model at init: the picks scatter, every visited block but the diagonal is full)
+  mix      the long-context presets' layer: heads 0-15 A-shape, 16-31 block top-k (as topk)
+``--kernels triton,flash``: flex's Triton backend and its FLASH backend (flash-attn-4), each row one kernel.
 Modes: fwd, and fwd+bwd (``out.backward(do)``). Each number is the median of CUDA-event timings
 after warm-up (compile excluded). ``block_density`` = visited 128x128 blocks / causal blocks (for vs:
 the gathered-column blocks in front of the keys, ``prefix_density``, plus the rest of the rule's blocks,
@@ -62,7 +68,9 @@ PATTERNS = {
     "bigbird": SparsityPattern(type="bigbird", window=1024, sinks=128, random_blocks=4, block_size=BS),
     "a_shape": SparsityPattern(type="a_shape", sinks=128, window=2048, block_size=BS),
     "vs": SparsityPattern(type="vertical_slash", n_vertical=1000, n_slash=6096, last_q=64, block_size=BS),
+    "topk": SparsityPattern(type="block_topk", top_k=16, share_group=1, block_size=BS),
 }
+PATTERNS["mix"] = [PATTERNS["a_shape"]] * (H // 2) + [PATTERNS["topk"]] * (H // 2)
 
 
 def timeit(fn, min_reps=3, budget_s=1.5):
@@ -170,7 +178,11 @@ def record(out, row):
 _SDPA_MS: dict = {}
 
 
-def bench_length(S, names, modes, with_plain, out, vs_inputs=("structured",)):
+def _dynamic(p):
+    return any(x.dynamic for x in (p if isinstance(p, list) else [p]))
+
+
+def bench_length(S, names, modes, with_plain, out, vs_inputs=("structured",), kernels=("triton",)):
     for name, family in [(n, f) for n in names for f in (vs_inputs if n.startswith("vs") else ("iid",))]:
         p = PATTERNS[name]
         q, k, v = make_inputs(S, family)
@@ -190,17 +202,26 @@ def bench_length(S, names, modes, with_plain, out, vs_inputs=("structured",)):
                         o.backward(do)
                 return go
 
-            t0 = time.perf_counter()
-            ours = timeit(run(lambda: sparse_attention(qg, kg, vg, p, backend="flex")))
-            compile_s = time.perf_counter() - t0
             if (S, mode) not in _SDPA_MS:      # dense causal does not depend on the pattern
                 _SDPA_MS[S, mode] = timeit(run(lambda: sdpa_causal(qg, kg, vg)))
             sdpa = _SDPA_MS[S, mode]
-            row = dict(S=S, pattern=name, inputs=family, mode=mode, **{**densities, "block_density": round(dens, 4)},
-                       ours_ms=round(ours, 3), sdpa_ms=round(sdpa, 3), speedup=round(sdpa / ours, 2),
-                       limit=round(1 / dens, 2), of_limit=round(sdpa / ours * dens, 3), first_call_s=round(compile_s, 1))
-            if with_plain:
-                if name.startswith("vs"):   # plain flex must estimate and build its mask every call too
+            for kern in kernels:
+                t0 = time.perf_counter()
+                try:
+                    ours = timeit(run(lambda: sparse_attention(qg, kg, vg, p, backend="flex", kernel=kern)))
+                except Exception as e:    # a kernel that cannot run this pattern is a result too
+                    record(out, dict(S=S, pattern=name, mode=mode, kernel=kern, error=str(e)[:300]))
+                    continue
+                compile_s = time.perf_counter() - t0
+                row = dict(S=S, pattern=name, inputs=family, mode=mode, kernel=kern,
+                           **{**densities, "block_density": round(dens, 4)},
+                           ours_ms=round(ours, 3), sdpa_ms=round(sdpa, 3), speedup=round(sdpa / ours, 2),
+                           limit=round(1 / dens, 2), of_limit=round(sdpa / ours * dens, 3),
+                           first_call_s=round(compile_s, 1))
+                if kern != kernels[0] or not with_plain:
+                    record(out, row)
+                    continue
+                if _dynamic(p):   # plain flex must estimate and build its mask every call too
                     def pf():
                         pl = plan_pattern(p, H, 0, S, S, 0, qg, kg)
                         return plain_flex(qg, kg, vg, pl)()
@@ -209,7 +230,7 @@ def bench_length(S, names, modes, with_plain, out, vs_inputs=("structured",)):
                     pl = plan_pattern(p, H, 0, S, S, 0, device="cuda")
                     plain = timeit(run(plain_flex(qg, kg, vg, pl)))
                 row.update(plain_flex_ms=round(plain, 3), vs_plain=round(plain / ours, 2))
-            record(out, row)
+                record(out, row)
             del qg, kg, vg, do
             torch.cuda.empty_cache()
 
@@ -231,22 +252,16 @@ def sweep_kernel_options(S, out):
     p = PATTERNS["a_shape"]
     q, k, v = (t.requires_grad_() for t in make_inputs(S))
     do = torch.randn_like(q)
-
-    def step():
-        sparse_attention(q, k, v, p, backend="flex").backward(do)
-
     for opts in (None, {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64, "num_stages": 3, "num_warps": 4},
                  {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32, "num_stages": 3, "num_warps": 8},
                  {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64, "num_stages": 2, "num_warps": 8}):
-        sa_mod.FLEX_KERNEL_OPTIONS = opts
-        sa_mod._compiled_flex = None
+        def step():
+            sparse_attention(q, k, v, p, backend="flex", kernel="triton", kernel_options=opts).backward(do)
         try:
             ms = timeit(step)
             record(out, dict(S=S, pattern="a_shape", mode="fwdbwd", kernel_options=opts, ours_ms=round(ms, 3)))
         except Exception as e:  # a tile shape the template rejects is a result too
             record(out, dict(S=S, pattern="a_shape", mode="fwdbwd", kernel_options=opts, error=str(e)[:200]))
-    sa_mod.FLEX_KERNEL_OPTIONS = None
-    sa_mod._compiled_flex = None
 
 
 def vs_stages(S, family, out, profile_dir=None):
@@ -287,6 +302,7 @@ def main():
     ap.add_argument("--patterns", default="a_shape,bigbird,vs")
     ap.add_argument("--modes", default="fwd,fwdbwd")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain-FlexAttention baseline")
+    ap.add_argument("--kernels", default="triton", help="flex kernels to time, from triton,flash (flash-attn-4)")
     ap.add_argument("--crossover", default="", help="short lengths for the dense crossover, e.g. 1024,2048,4096")
     ap.add_argument("--sweep", type=int, default=0, help="length for a flex tile-shape sweep (0 = none)")
     ap.add_argument("--vs-inputs", default="structured",
@@ -308,7 +324,7 @@ def main():
         PATTERNS["vs_dense_below"] = dataclasses.replace(PATTERNS["vs"], dense_below=a.vs_dense_below)
     for S in (int(x) for x in a.lengths.split(",") if x):
         names = a.patterns.split(",") + (["vs_dense_below"] if a.vs_dense_below else [])
-        bench_length(S, names, a.modes.split(","), not a.no_plain, a.out, vs_inputs)
+        bench_length(S, names, a.modes.split(","), not a.no_plain, a.out, vs_inputs, tuple(a.kernels.split(",")))
     if a.stages:
         for fam in vs_inputs:
             vs_stages(a.stages, fam, a.out, a.profile)

@@ -23,19 +23,31 @@ PATTERN_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "local": (("window",), ("sinks",)),
     "a_shape": (("sinks", "window"), ()),
     "bigbird": (("window", "sinks", "random_blocks"), ()),
-    "vertical_slash": (("n_vertical", "n_slash"), ("last_q",)),
-    "block_topk": (("top_k",), ()),
+    "vertical_slash": (("n_vertical", "n_slash"), ("last_q", "keep_columns", "keep_diagonals")),
+    "block_topk": (("top_k",), ("window", "sinks", "share_group")),
 }
 COMMON_PARAMS = ("block_size", "seed", "dense_below")
 DEFAULT_BLOCK_SIZE = 64
 POSITIVE_PARAMS = ("window", "sinks", "n_vertical", "n_slash", "last_q", "top_k", "block_size")
-NONNEG_PARAMS = ("random_blocks", "seed", "dense_below")
-# MInference's per-head JSON names its three kernels; what each budget pair means in our params.
+NONNEG_PARAMS = ("random_blocks", "seed", "dense_below", "keep_columns", "keep_diagonals")
+FLAG_PARAMS = ("share_group",)      # 0 or 1
+# MInference's per-head JSON names its three kernels; what each entry computes in MInference's runtime
+# (minference/modules/minference_forward.py), in our params:
+# - vertical_and_slash: budgets raised to at least 30 columns / 50 diagonals, the first 30 key columns and
+#   the 100 diagonals nearest the main one forced into the top-k (scores set to +inf before it), last_q 64;
+# - stream_llm: streaming_forward(n_init, n_local);
+# - block_sparse: its kernel runs top-100 blocks of 64x64 per head whatever v_size / s_size say.
 MINFERENCE_TYPES = {
-    "vertical_and_slash": lambda v, s: {"type": "vertical_slash", "n_vertical": v, "n_slash": s, "last_q": 64},
-    "stream_llm": lambda v, s: {"type": "a_shape", "sinks": v, "window": s},     # streaming_forward(n_init, n_local)
-    "block_sparse": lambda v, s: {"type": "block_topk", "top_k": v},           # block_sparse_attention(top_k)
+    "vertical_and_slash": lambda v, s: {"type": "vertical_slash", "n_vertical": max(v, 30), "n_slash": max(s, 50),
+                                        "last_q": 64, "keep_columns": 30, "keep_diagonals": 100, "block_size": 64},
+    "stream_llm": lambda v, s: {"type": "a_shape", "sinks": v, "window": s},
+    "block_sparse": lambda v, s: {"type": "block_topk", "top_k": 100, "block_size": 64},
 }
+# FlexAttention kernels (``model.attention.flex_kernel``): auto = FLASH where the measured table in
+# layers/attention/flex.py says it is faster and flash-attn-4 runs here, else Triton.
+FLEX_KERNELS = ("auto", "triton", "flash")
+MIN_FLEX_BLOCK = 16       # Triton's smallest tensor-core tile; smaller blocks run only on the reference
+FLASH_BLOCK = 128         # FA4's Hopper/Blackwell tile: the FLASH kernel was checked with 128-token blocks only
 
 
 def validate_pattern(pat: dict, key: str) -> None:
@@ -57,6 +69,8 @@ def validate_pattern(pat: dict, key: str) -> None:
             check(v > 0, f"{key}.{p}", f"must be > 0, got {v}")
         if p in NONNEG_PARAMS:
             check(v >= 0, f"{key}.{p}", f"must be >= 0, got {v}")
+        if p in FLAG_PARAMS:
+            check(v in (0, 1), f"{key}.{p}", f"must be 0 or 1, got {v}")
     if "block_size" in pat:
         b = pat["block_size"]
         check(b & (b - 1) == 0, f"{key}.block_size", f"must be a power of two, got {b}")
@@ -110,6 +124,10 @@ class AttentionConfig:
     # backend "auto" runs the reference (same masked result) below this many keys; -1 = the measured
     # DENSE_CROSSOVER. Unlike the per-pattern ``dense_below``, which makes a head dense attention.
     reference_below: int = -1
+    # FlexAttention kernel per layer: auto | triton | flash (FA4 through flex, Hopper/Blackwell), and
+    # Triton tile options passed to every flex call of these layers (e.g. {BLOCK_M: 128, num_stages: 3}).
+    flex_kernel: str = "auto"
+    kernel_options: Dict[str, Any] = field(default_factory=dict)
 
     def layer_head_patterns(self, n_layers: int, n_heads: int, key: str = "model.attention.patterns") -> list[list]:
         """``[layer][head] -> pattern dict or None`` (None = dense). Overlapping head ranges are errors."""
@@ -136,5 +154,41 @@ class AttentionConfig:
 
     def validate(self, n_layers: int, n_heads: int, key: str = "model.attention") -> None:
         check_choice(self.backend, ATTN_BACKENDS, f"{key}.backend")
+        check_choice(self.flex_kernel, FLEX_KERNELS, f"{key}.flex_kernel")
         check(self.reference_below >= -1, f"{key}.reference_below", f"must be >= -1, got {self.reference_below}")
-        self.layer_head_patterns(n_layers, n_heads, f"{key}.patterns")
+        check(hasattr(self.kernel_options, "keys"), f"{key}.kernel_options", "must be a mapping of flex kernel options")
+        grid = self.layer_head_patterns(n_layers, n_heads, f"{key}.patterns")
+        sizes = {p.get("block_size", DEFAULT_BLOCK_SIZE) for row in grid for p in row if p and p["type"] != "dense"}
+        if self.backend == "flex":
+            bad = sorted(b for b in sizes if b < MIN_FLEX_BLOCK)
+            check(not bad, f"{key}.patterns", f"block_size {bad[0] if bad else 0} is below the {MIN_FLEX_BLOCK} tokens "
+                  f"flex tiles (use backend reference for smaller blocks)")
+        if self.flex_kernel == "flash":
+            bad = sorted(b for b in sizes if b % FLASH_BLOCK)
+            check(not bad, f"{key}.flex_kernel", f"flash tiles {FLASH_BLOCK}-token blocks; block_size {bad[0] if bad else 0} "
+                  f"cannot run on it")
+
+    def check_runtime(self, device_type: str, key: str = "model.attention") -> None:
+        """Before any work: the fast paths this config asks for explicitly exist on this machine."""
+        if self.backend == "flash_attn" or self.flex_kernel == "flash":
+            k = f"{key}.backend" if self.backend == "flash_attn" else f"{key}.flex_kernel"
+            why = fast_path_missing(device_type)
+            check(why is None, k, f"needs flash-attn-4 on a Hopper/Blackwell GPU: {why}")
+
+
+def fast_path_missing(device_type: str) -> Optional[str]:
+    """None when flash-attn-4 (``flash_attn.cute``) imports and the GPU is sm90/sm100; else why not."""
+    import importlib.util
+    if device_type != "cuda":
+        return f"device is {device_type}"
+    import torch
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    major = torch.cuda.get_device_capability()[0]
+    if major not in (9, 10):
+        return f"GPU compute capability {major}.x is not Hopper (9.x) or Blackwell (10.x)"
+    try:
+        found = importlib.util.find_spec("flash_attn.cute") is not None
+    except (ImportError, ValueError):
+        found = False
+    return None if found else "flash_attn.cute is not importable (pip install -e \".[gpu]\")"

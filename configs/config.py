@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from .dst import DSTConfig
 from .errors import check
+from .eval import EvalConfig
 from .model import ModelConfig
 from .parallel import ParallelConfig
 from .run import CheckpointConfig, DataConfig, LoggingConfig, OptimConfig, TrainConfig
@@ -21,6 +22,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     @property
     def out_dir(self) -> str:
@@ -40,6 +42,7 @@ class Config:
         self.parallel.validate()
         self.logging.validate()
         self.checkpoint.validate()
+        self.eval.validate(self.model.max_seq_len)
         check(self.train.seq_len <= self.model.max_seq_len, "train.seq_len",
               f"seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
         return self

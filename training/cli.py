@@ -30,6 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "for a checkpoint whose author you trust")
     p.add_argument("--plan", action="store_true", help="print params, FLOPs/token, memory and a parallel layout; "
                    "allocate nothing")
+    p.add_argument("--eval", choices=["passkey"], default=None,
+                   help="evaluate instead of training: passkey retrieval at eval.passkey_lengths (with --resume: the latest checkpoint)")
     p.add_argument("--gpus", type=int, default=None, help="GPU count for --plan (default: the smallest power of two that fits)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config (every key, defaults "
                    "included) as YAML and exit")
@@ -61,6 +63,10 @@ def _main(args: argparse.Namespace) -> int:
             raise ConfigError("--gpus", f"must be >= 1, got {args.gpus}")
         from training.plan import format_plan, plan
         print(format_plan(plan(cfg, args.gpus)))
+        return 0
+    if args.eval == "passkey":
+        from training.passkey import run_passkey
+        run_passkey(cfg)
         return 0
     from training.loop import TrainingDiverged, run   # torch.distributed, layers, kernels: only to train
     try:

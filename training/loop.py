@@ -24,13 +24,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from configs import Config, ConfigError
-from layers import DynamicSparsity, ExpertBalancing, NeuronSchedule, attention_density
+from layers import AttentionStats, DynamicSparsity, ExpertBalancing, NeuronSchedule, attention_density
 from zoo import build_model
 
 from .checkpoint import CheckpointError, check_resumable, find_resumable, load_checkpoint, save_checkpoint
 from .data import prepare_data, sample_batch
 from .logger import append_metrics, make_logger, to_python
-from .metrics import device_peak_flops
+from .metrics import device_peak_flops, mfu_metrics
 from .optim import build_optimizer, build_scheduler
 from .parallel import all_reduce_mean, clip_grad_norm_, model_init_device, parallelize, setup_parallel
 from .preflight import check_model, check_paths
@@ -58,6 +58,7 @@ class Trainer:
         check_paths(cfg)
         self.par = setup_parallel(cfg)
         self.device = self.par.device
+        cfg.model.attention.check_runtime(self.device.type)   # flash-attn-4 asked for but absent: fail now
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         from .plan import check_fits
@@ -65,6 +66,8 @@ class Trainer:
         meta_model = build_model(cfg.model, "meta")
         self.flops_per_token = check_fits(cfg, self.par.world_size, self.device, meta_model).flops_per_token
         check_model(cfg, meta_model)
+        from zoo.flops import attention_flops_per_token
+        self.dense_attn_flops = attention_flops_per_token(cfg.model, cfg.train.seq_len)   # mfu: the work done
         del meta_model
         self.resume_path, replaced = None, []
         if cfg.checkpoint.resume:
@@ -149,6 +152,8 @@ class Trainer:
         if "moe" in ffn_types:
             # Aux-loss-free balancing: every rank applies the same bias update from the global load.
             out.append(ExpertBalancing(self.model, dist.group.WORLD if self.par.distributed else None))
+        if any(layer.attention.pattern is not None for layer in self.model.layers):
+            out.append(AttentionStats(self.model, c.train.seq_len))   # density (for mfu) and selection stats
         if "neuron" in ffn_types:
             out.append(NeuronSchedule(self.model, c.train.steps, self.optimizer))
         if c.dst.enabled:
@@ -311,6 +316,15 @@ class Trainer:
         if self.par.is_main:
             append_metrics(self.metrics_path, {"val/loss": v}, self.step)
         self.print(f"step {self.step}: val loss {v:.4f}")
+        if self.cfg.eval.passkey_lengths:     # retrieval at several lengths (training/passkey.py)
+            from .passkey import format_passkey_table, passkey_eval, passkey_metrics
+            e = self.cfg.eval
+            pk = passkey_eval(self.model, self.data.tokenizer, self.data.val, e.passkey_lengths, e.passkey_samples,
+                              self.cfg.train.seed, self.device, self.autocast)
+            self.logger.log(passkey_metrics(pk), step=self.step)
+            if self.par.is_main:
+                append_metrics(self.metrics_path, passkey_metrics(pk), self.step)
+            self.print(format_passkey_table(pk, f"step {self.step}"))
         return v
 
     def write_plots(self, expert_load) -> None:
@@ -391,10 +405,11 @@ class Trainer:
                     m["mem/peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
                 dt = time.perf_counter() - t0
                 m["tokens_per_s"] = tokens_since / dt
-                if self.peak_flops:
-                    m["mfu"] = m["tokens_per_s"] * self.flops_per_token / (self.peak_flops * self.par.world_size)
                 for method in self.sparsity:
                     m.update(method.metrics())
+                if self.peak_flops:
+                    m.update(mfu_metrics(m["tokens_per_s"], self.flops_per_token, self.dense_attn_flops,
+                                         m.get("attn/density"), self.peak_flops * self.par.world_size))
                 m = to_python(m)   # one host copy for every scalar of this log step
                 self.logger.log({k: v for k, v in m.items() if k != "skipped"}, step=self.step)
                 if self.par.is_main:

@@ -8,8 +8,17 @@ all of its router.
 FLOPs follow torchtitan / PaLM (appendix B): a matmul with N weights costs 2N per token forward and
 4N backward, so ``6 * N_matmul`` per token for training, where N_matmul is the *active* parameters
 minus the input embedding (a lookup; it counts again when tied to the output). Attention scores and
-values add ``12 * L * D * S`` per token (fwd + bwd, the non-causal convention PaLM uses), scaled by
-the attention density for sparse patterns.
+values cost ``4 * Dh`` per (query, key) pair forward and twice that backward, over the causal pairs
+only: a token at length S meets ``(S + 1) / 2`` keys on average, so ``6 * L * H * Dh * (S + 1)`` per token
+for dense causal attention (FlashAttention's causal convention; PaLM's ``12 * L * D * S`` counts the
+full square). Two totals (the trainer logs both):
+
+- *model FLOPs* (``flops_per_token``, density 1): what the dense model would compute for these tokens;
+  ``mfu_model`` divides by it, so a sparse model that trains faster shows more than its hardware did.
+- *hardware FLOPs* (``flops_per_token(..., attn_density=d)``): the attention work actually done, ``d`` =
+  the mean over every head of every layer of its kernel's visited blocks over the causal blocks (partial
+  blocks count whole, as they cost whole; dense heads 1; layers.attention.density.attention_metrics).
+  ``mfu`` uses this one: it can never exceed what the GPU did.
 """
 from __future__ import annotations
 
@@ -78,10 +87,11 @@ def param_counts(cfg_or_model: Union[ModelConfig, nn.Module]) -> ParamCounts:
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int, density: float = 1.0) -> float:
-    """Scores (QK^T) and weighted values (PV), forward + backward: ``6 * L * H * (Dqk + Dv) * S * density``
-    (``12 * L * D * S`` when the heads tile D; MLA's values have their own ``v_head_dim``)."""
+    """Scores (QK^T) and weighted values (PV) over the causal pairs, forward + backward:
+    ``3 * L * H * (Dqk + Dv) * (S + 1) * density`` (``6 * L * H * Dh * (S + 1)`` when q, k and v share the head
+    dim; MLA's values have their own ``v_head_dim``; ``density``: the mean per-head fraction of causal pairs computed)."""
     dv = cfg.mla.v_head_dim if cfg.attention_type == "mla" else cfg.head_dim
-    return 6.0 * cfg.n_layers * cfg.n_heads * (cfg.head_dim + dv) * seq_len * density
+    return 3.0 * cfg.n_layers * cfg.n_heads * (cfg.head_dim + dv) * (seq_len + 1) * density
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, counts: ParamCounts | None = None,

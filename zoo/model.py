@@ -55,7 +55,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         common = dict(pattern=pattern, backend=cfg.attention.backend, layer_id=layer_id,
-                      reference_below=cfg.attention.reference_below)
+                      reference_below=cfg.attention.reference_below, flex_kernel=cfg.attention.flex_kernel,
+                      kernel_options=cfg.attention.kernel_options)
         if cfg.attention_type == "mla":
             from layers.attention.mla import MLA
             self.attention = MLA.from_config(cfg, **common)

@@ -9,11 +9,11 @@
 - ``flex``: FlexAttention BlockMask / mask_mod glue; ``flash``: flash-attn for sliding windows.
 - ``density``: ``attention_density`` / ``pattern_density`` for logging.
 """
-from .density import attention_density, pattern_density
+from .density import AttentionStats, attention_density, attention_metrics, pattern_density
 from .functional import dense_causal_attention, sparse_attention
 from .module import Attention, KVCache
 from .pattern import SparsityPattern
 from .plan import pattern_mask
 
-__all__ = ["Attention", "KVCache", "SparsityPattern", "attention_density", "dense_causal_attention",
+__all__ = ["AttentionStats", "Attention", "KVCache", "SparsityPattern", "attention_density", "attention_metrics", "dense_causal_attention",
            "pattern_density", "pattern_mask", "sparse_attention"]

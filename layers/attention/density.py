@@ -57,3 +57,68 @@ def attention_density(model_or_attention: torch.nn.Module, seq_len: int, max_row
     if all_heads:
         out["mean"] = float(torch.cat(all_heads).mean())
     return out
+
+
+def attention_metrics(model: torch.nn.Module, seq_len: int) -> dict:
+    """Scalars (0-d tensors, no host sync) from every ``layers.Attention``'s last forward, for logging:
+
+    - ``attn/density``: the mean over all heads of all layers of the causal pairs computed (block-sparse
+      heads: visited blocks x block area / causal pairs; dense heads 1): what hardware FLOPs count.
+      A sparse layer without recorded stats (compiled blocks record none) counts its budget density at
+      ``seq_len`` (``pattern_density``, token-level, so never more than its kernel did; computed once).
+    - ``attn/topk_entropy``, ``attn/topk_mass``: block top-k selection sharpness (mean over the layers
+      with block top-k heads): normalised entropy of the softmax over each query block's pooled scores
+      (1 = uniform, falls as the choice sharpens) and the share of that softmax the chosen blocks hold.
+    Empty when the model has no sparse layer.
+    """
+    dens, ent, mass, any_sparse = [], [], [], False
+    for m in model.modules():
+        if not isinstance(m, Attention):
+            continue
+        s = m.attn_stats
+        if m.pattern is None:
+            dens.append(torch.ones((), device=next(m.parameters()).device))
+            continue
+        any_sparse = True
+        if "density" in s:
+            dens.append(s["density"].float().mean())
+        else:
+            cached = m.__dict__.get("_budget_density")
+            if cached is None or cached[0] != seq_len:
+                dev = m.wq.weight.device if m.wq.weight.device.type != "meta" else torch.device("cpu")
+                m._budget_density = cached = (seq_len, pattern_density(m.pattern, m.n_heads, seq_len, m.layer_id,
+                                                                       device=dev).mean().float())
+            dens.append(cached[1])
+        if "entropy" in s:
+            ent.append(s["entropy"].float())
+            mass.append(s["topk_mass"].float())
+    if not any_sparse:
+        return {}
+    dev = dens[0].device
+    out = {"attn/density": torch.stack([d.to(dev) for d in dens]).mean()}
+    if ent:
+        out["attn/topk_entropy"] = torch.stack(ent).mean()
+        out["attn/topk_mass"] = torch.stack(mass).mean()
+    return out
+
+
+class AttentionStats:
+    """The sparse attention layers as one sparsity method (layers.sparsity_method): nothing acts between
+    steps; ``metrics()`` is ``attention_metrics`` of the last forward (density for the honest MFU, block
+    top-k selection sharpness)."""
+
+    def __init__(self, model: torch.nn.Module, seq_len: int):
+        self.model, self.seq_len = model, seq_len
+
+    def before_step(self, step: int) -> None:
+        pass
+
+    def after_optimizer_step(self, step: int) -> None:
+        pass
+
+    def skipped_step(self) -> None:
+        pass
+
+    def metrics(self) -> dict:
+        return attention_metrics(self.model, self.seq_len)
+

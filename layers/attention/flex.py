@@ -3,6 +3,7 @@ mask_mod that evaluates the same token rule on partial blocks, and the vertical-
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -10,9 +11,16 @@ import torch.nn.functional as F
 
 from .plan import PatternPlan
 
-# Flex kernel tiling; None = PyTorch's per-GPU defaults. bench/attention.py sweeps alternatives.
-FLEX_KERNEL_OPTIONS: Optional[dict] = None
 _compiled_flex = None
+
+# FlexAttention's FLASH backend (flash-attn-4's CuTe kernels, ``kernel_options={"BACKEND": "FLASH"}``,
+# torch >= 2.10, Hopper/Blackwell) against its Triton backend, per pattern type: the lengths from which
+# FLASH was measured faster both forward and forward+backward on the H200 (32/8 heads, d 128, bf16,
+# 128-token blocks). ``flex_kernel: auto`` runs FLASH for a layer only when every sparse head's type is
+# listed here at this length; unmeasured types run Triton. Sources: A-shape, 16k and 64k (FLASH fwd
+# 1.04 / 3.95 ms, fwd+bwd 4.43 / 19.01 ms against Triton 1.56 / 6.14 and 7.07 / 29.06;
+# ../shared/peers/stage_flash_attn4.sh header, BENCHMARKS.md "Sparse attention").
+FLASH_FASTER_FROM = {"a_shape": 16384, "local": 16384}
 
 
 def _flex_fn(device: torch.device):
@@ -27,6 +35,31 @@ def _flex_fn(device: torch.device):
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex
+
+
+@functools.lru_cache(maxsize=None)
+def flash_kernel_available() -> bool:
+    """flash-attn-4 importable and a Hopper/Blackwell GPU (probed once per process)."""
+    from configs.attention import fast_path_missing
+    return fast_path_missing("cuda") is None
+
+
+def pick_flex_kernel(kernel: str, pats, T: int, block_size: int) -> str:
+    """``triton`` or ``flash`` for one layer's flex call (``kernel``: auto | triton | flash)."""
+    if kernel != "auto":
+        return kernel
+    types = {p.type for p in pats if not p.is_dense_at(T)}
+    if not types or block_size % 128 or any(T < FLASH_FASTER_FROM.get(t, float("inf")) for t in types):
+        return "triton"
+    return "flash" if flash_kernel_available() else "triton"
+
+
+def kernel_options_for(kernel: str, options: Optional[dict]) -> Optional[dict]:
+    """The ``kernel_options`` of one flex call: the layer's Triton options, FLASH's backend switch."""
+    opts = dict(options or {})
+    if kernel == "flash":
+        opts["BACKEND"] = "FLASH"
+    return opts or None
 
 
 def _kv_blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,7 +216,11 @@ def flex_block_mask(plan: PatternPlan, slots: Optional[torch.Tensor] = None, bac
                                     compute_q_blocks=backward)
 
 
-def flex_attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:
-    """FlexAttention (compiled on CUDA) over a BlockMask from ``flex_block_mask``."""
+def flex_attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask,
+                        kernel_options: Optional[dict] = None) -> torch.Tensor:
+    """FlexAttention (compiled on CUDA) over a BlockMask from ``flex_block_mask``; ``kernel_options`` per
+    call (``kernel_options_for``): Triton tiles, or ``{"BACKEND": "FLASH"}``. Eager CPU flex takes none."""
+    if q.device.type != "cuda":
+        kernel_options = None
     return _flex_fn(q.device)(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1],
-                              kernel_options=FLEX_KERNEL_OPTIONS)
+                              kernel_options=kernel_options)

@@ -35,9 +35,10 @@ import torch.nn.functional as F
 from configs.attention import ATTN_BACKENDS
 
 from .flash import flash_attn_window
+from .flex import (column_slots, flex_attention_call, flex_block_mask, gather_columns, kernel_options_for,
+                   pick_flex_kernel)
 from .masking import masked_causal_attention
-from .flex import column_slots, flex_attention_call, flex_block_mask, gather_columns
-from .pattern import PatternLike, head_patterns
+from .pattern import PatternLike, head_patterns, layer_block_size as plan_block_size
 from .plan import PatternPlan, plan_pattern
 
 # Tokens; below this, ``auto`` runs the reference (SDPA + materialised mask). Measured on the H200 by
@@ -63,7 +64,8 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: PatternLike,
                      backend: str = "auto", layer: int = 0, q_offset: int = 0,
                      q_history: Optional[torch.Tensor] = None, reference_below: int = -1,
-                     mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     mask: Optional[torch.Tensor] = None, kernel: str = "auto",
+                     kernel_options: Optional[dict] = None, stats: Optional[dict] = None) -> torch.Tensor:
     """Causal attention under ``pattern`` (a SparsityPattern or one per query head).
 
     ``q_history [B, Hq, P, D]``: queries just before this chunk (decode); input-dependent patterns
@@ -72,6 +74,10 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     unlike the pattern parameter ``SparsityPattern.dense_below`` (a head dense below it), same result either way.
     ``mask`` (a layers.attention.masking.AttnMask: padding / packed documents): ANDed with the pattern's
     mask; such calls run the reference (or dense masked attention when the pattern is dense here).
+    ``kernel`` (auto | triton | flash) and ``kernel_options``: the flex kernel of this call
+    (``flex.pick_flex_kernel``, ``flex.kernel_options_for``). ``stats``: a dict that receives, for square
+    inputs, ``density`` float32 ``[Hq]`` (a block-sparse kernel's visited blocks / the causal blocks)
+    and, for block top-k heads, ``entropy`` / ``topk_mass`` of the selection (tensors on q's device).
     """
     B, Hq, S, D = q.shape
     T = k.shape[2]
@@ -81,6 +87,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
         raise ValueError(f"unknown sparse attention backend {backend!r}; expected one of {', '.join(ATTN_BACKENDS)}")
     pats = head_patterns(pattern, Hq)
     if all(p.is_dense_at(T) for p in pats):       # e.g. a window longer than the input: exactly causal
+        if stats is not None:
+            stats["density"] = torch.ones(Hq, device=q.device)
         if mask is not None:
             return masked_causal_attention(q, k, v, mask, q_offset)
         return dense_causal_attention(q, k, v, q_offset)
@@ -95,29 +103,57 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
         return flash_attn_window(q, k, v, pats, square)
     if backend == "flex" and square:   # decode / chunked prefill rows go to the reference: O(S T) mask
         if any(p.dynamic and not p.is_dense_at(T) for p in pats):   # estimated from this input: a new mask every call
-            plan = plan_pattern(pats, Hq, 0, S, T, layer, q, k, q_history)
+            plan = plan_pattern(pats, Hq, 0, S, T, layer, q, k, q_history, stats=stats)
             # a mask built for this call only: its backward lists are needed only if a backward can follow
             bwd = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
             slots = column_slots(plan) if plan.cols is not None else None
             if slots is not None:          # vertical-slash columns ride in front of the keys (see column_slots)
                 k, v = gather_columns(k, v, slots)
             bm = flex_block_mask(plan, slots, backward=bwd)
+            if stats is not None:
+                stats["density"] = _visited_density(bm, plan.block_size, T)
         else:
-            bm = _static_block_mask(pats, Hq, T, layer, q.device)
-        return flex_attention_call(q, k, v, bm)
-    return reference_sparse_attention(q, k, v, plan_pattern(pats, Hq, q_offset, S, T, layer, q, k, q_history))
+            bm, dens = _static_block_mask(pats, Hq, T, layer, q.device)
+            if stats is not None:
+                stats["density"] = dens
+        kern = pick_flex_kernel(kernel, pats, T, plan_block_size(pats))
+        return flex_attention_call(q, k, v, bm, kernel_options_for(kern, kernel_options))
+    plan = plan_pattern(pats, Hq, q_offset, S, T, layer, q, k, q_history, stats=stats)
+    if stats is not None and square:
+        partial, full = plan.block_layout()
+        stats["density"] = _density_of(partial | full, plan.block_size, T)
+    return reference_sparse_attention(q, k, v, plan)
+
+
+def _causal_blocks(bs: int, T: int) -> float:
+    n = (T + bs - 1) // bs
+    return n * (n + 1) / 2
+
+
+def _density_of(blocks: torch.Tensor, bs: int, T: int) -> torch.Tensor:
+    """float32 ``[H]``: visited blocks (bool ``[B, H, nq, nk]``) over the causal blocks (a dense causal
+    kernel's work, diagonal blocks whole; so dense heads are 1 and a block-sparse layout at most ~1)."""
+    return blocks.sum((-1, -2)).float().mean(0) / _causal_blocks(bs, T)
+
+
+def _visited_density(bm, bs: int, T: int) -> torch.Tensor:
+    """``_density_of`` a BlockMask's lists (partial + full blocks per query block; gathered columns included)."""
+    n = bm.kv_num_blocks.sum(-1) + bm.full_kv_num_blocks.sum(-1)                 # [B, H]
+    return n.float().mean(0) / _causal_blocks(bs, T)
 
 
 def _static_block_mask(pats: list, n_heads: int, T: int, layer: int, device: torch.device):
-    """A static pattern's BlockMask, cached per (pattern, layer, length, device); least recently used dropped first."""
+    """A static pattern's (BlockMask, density ``[H]``), cached per (pattern, layer, length, device); least
+    recently used dropped first."""
     key = (tuple(pats), layer, T, device)
-    bm = _MASK_CACHE.get(key)
-    if bm is None:
-        bm = _MASK_CACHE[key] = flex_block_mask(plan_pattern(pats, n_heads, 0, T, T, layer, device=device))
+    hit = _MASK_CACHE.get(key)
+    if hit is None:
+        bm = flex_block_mask(plan_pattern(pats, n_heads, 0, T, T, layer, device=device))
+        hit = _MASK_CACHE[key] = (bm, _visited_density(bm, plan_block_size(pats), T))
     _MASK_CACHE.move_to_end(key)
     while len(_MASK_CACHE) > _MASK_CACHE_SIZE:
         _MASK_CACHE.popitem(last=False)
-    return bm
+    return hit
 
 
 def reference_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,

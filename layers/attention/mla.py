@@ -63,7 +63,7 @@ class MLA(Attention):
     def __init__(self, dim: int, n_heads: int, q_lora_rank: Optional[int], kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope_interleave: bool = True,
                  softmax_scale_factor: float = 1.0, pattern=None, backend: str = "auto", layer_id: int = 0,
-                 reference_below: int = -1):
+                 reference_below: int = -1, flex_kernel: str = "auto", kernel_options: Optional[dict] = None):
         nn.Module.__init__(self)   # own projections; Attention contributes only the pattern dispatch
         self.dim, self.n_heads, self.n_kv_heads = dim, n_heads, n_heads
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
@@ -71,6 +71,7 @@ class MLA(Attention):
         self.head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.rope_interleave, self.softmax_scale_factor = rope_interleave, softmax_scale_factor
         self.layer_id, self.backend, self.reference_below = layer_id, backend, reference_below
+        self.flex_kernel, self.kernel_options = flex_kernel, kernel_options
         if q_lora_rank:
             self.wq_a = nn.Linear(dim, q_lora_rank, bias=False)
             self.q_norm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)

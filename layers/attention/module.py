@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .flash import flash_attn_dense
 from .functional import dense_causal_attention, sparse_attention
 from .masking import masked_causal_attention
 from .pattern import head_patterns, layer_block_size
@@ -53,7 +54,8 @@ class Attention(nn.Module):
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: Optional[int] = None, pattern=None,
                  backend: str = "auto", layer_id: int = 0, reference_below: int = -1, bias: bool = False,
-                 head_dim: Optional[int] = None, qk_norm: str = "none", norm_eps: float = 1e-6):
+                 head_dim: Optional[int] = None, qk_norm: str = "none", norm_eps: float = 1e-6,
+                 flex_kernel: str = "auto", kernel_options: Optional[dict] = None):
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
         if (head_dim is None and dim % n_heads) or n_heads % n_kv_heads:
@@ -61,6 +63,8 @@ class Attention(nn.Module):
         self.dim, self.n_heads, self.n_kv_heads = dim, n_heads, n_kv_heads
         self.head_dim = head_dim or dim // n_heads
         self.layer_id, self.backend, self.reference_below = layer_id, backend, reference_below
+        self.flex_kernel, self.kernel_options = flex_kernel, dict(kernel_options or {})
+        self.attn_stats: dict = {}   # last forward's density / block top-k selection stats (layers.attention.density)
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
@@ -113,6 +117,8 @@ class Attention(nn.Module):
         if self.pattern is None:
             if mask is not None:
                 return masked_causal_attention(q, k, v, mask, q_offset)
+            if self.backend == "flash_attn":
+                return flash_attn_dense(q, k, v, q_offset)
             return dense_causal_attention(q, k, v, q_offset)
         history = None
         dyn = [p for p in head_patterns(self.pattern, self.n_heads) if p.dynamic]
@@ -122,5 +128,11 @@ class Attention(nn.Module):
             history = self._q_history if q_offset > 0 else None
             keep = max(max(p.last_q, p.block_size) for p in dyn)
             self._q_history = (q if history is None else torch.cat([history, q], dim=2))[:, :, -keep:].detach()
-        return sparse_attention(q, k, v, self.pattern, backend=self.backend, layer=self.layer_id, q_offset=q_offset,
-                                q_history=history, reference_below=self.reference_below, mask=mask)
+        # stats only in eager mode: a dict written inside a compiled block would be a graph side effect
+        stats = None if torch.compiler.is_compiling() else {}
+        out = sparse_attention(q, k, v, self.pattern, backend=self.backend, layer=self.layer_id, q_offset=q_offset,
+                               q_history=history, reference_below=self.reference_below, kernel=self.flex_kernel,
+                               kernel_options=self.kernel_options, stats=stats, mask=mask)
+        if stats:
+            self.attn_stats = stats
+        return out

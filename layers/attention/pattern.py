@@ -22,7 +22,15 @@ Every backend (layers.attention.functional) must compute attention under exactly
 - ``block_topk``: the ``top_k`` key blocks (of ``block_size``) with the highest mean-pooled
   ``q_block . k_block`` score per query block, among blocks ``<= qb``; the diagonal block is always one
   of them. Pooling a query block uses all its queries present in the input, so within one block the
-  choice can depend on later queries of that block (as in MInference and MoBA).
+  choice can depend on later queries of that block (as in MInference and MoBA). Optional ``sinks`` and
+  ``window`` add A-shape's rule on top (NSA's sliding branch). ``share_group: 1``: one selection per
+  KV group (NSA): every block_topk head of a group scores blocks by the mean of the group's heads'
+  scores (= the group-mean pooled query . pooled key), so the heads of a group read the same blocks.
+  Selection gets no gradient (MoBA, NSA's selection branch); it trains through the attention it
+  gates: q and k learn inside the chosen blocks, and the choice sharpens as they do.
+- ``vertical_slash`` extras (MInference's kernel): ``keep_columns`` forces the first N key columns and
+  ``keep_diagonals`` the N diagonals nearest the main one into the top-k (their scores set above every
+  estimate before it, earliest / nearest first when the budget is smaller).
 - ``dense``: causal.
 
 Every type also takes ``dense_below`` (tokens, 0 = never): over ``T`` keys, a head with
@@ -65,6 +73,9 @@ class SparsityPattern:
     last_q: int = 64
     top_k: int = 0
     dense_below: int = 0
+    keep_columns: int = 0       # vertical-slash: the first N key columns always among the chosen (MInference: 30)
+    keep_diagonals: int = 0     # vertical-slash: the N diagonals nearest the main one always chosen (MInference: 100)
+    share_group: int = 0        # block top-k: 1 = one selection per KV group (NSA-style, GQA-native)
 
     def __post_init__(self):
         validate_pattern(self.to_dict(), "pattern")
@@ -101,7 +112,7 @@ class SparsityPattern:
         if self.type == "vertical_slash":
             return max(self.n_vertical, self.n_slash) >= T
         if self.type == "block_topk":
-            return self.top_k >= (T + self.block_size - 1) // self.block_size
+            return self.top_k >= (T + self.block_size - 1) // self.block_size or self.window >= T
         return self.window >= T
 
 

@@ -129,11 +129,12 @@ class PatternPlan:
 
 def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: int, layer: int = 0,
                  q: Optional[torch.Tensor] = None, k: Optional[torch.Tensor] = None,
-                 q_history: Optional[torch.Tensor] = None, device=None) -> PatternPlan:
+                 q_history: Optional[torch.Tensor] = None, device=None, stats: Optional[dict] = None) -> PatternPlan:
     """Resolve a (per-head) pattern for queries at positions ``q_start .. q_start+S-1`` over keys ``0..T-1``.
 
     Input-dependent heads need ``q[B, H, S, D]`` and ``k[B, Hk, T, D]``; ``q_history[B, H, P, D]``
     holds the queries at positions just before ``q_start`` (decode), used for estimation only.
+    ``stats``: a dict to receive the block top-k selection's entropy and top-k mass (estimate_block_topk).
     Positions are Python ints, so planning never waits on the GPU.
     """
     pats = head_patterns(pattern, n_heads)
@@ -164,7 +165,8 @@ def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: in
             src_end = src_start + src.shape[2]
             heads = index_tensor(vs, dev)      # index tensors, not lists: a list index is a blocking host-to-GPU copy
             c, dg = estimate_vertical_slash(src[:, heads, -L:], _kv_for_heads(k, vs, n_heads), range(src_end - L, src_end),
-                                            [pats[h].n_vertical for h in vs], [pats[h].n_slash for h in vs])
+                                            [pats[h].n_vertical for h in vs], [pats[h].n_slash for h in vs],
+                                            [pats[h].keep_columns for h in vs], [pats[h].keep_diagonals for h in vs])
             cols = torch.zeros(B, n_heads, T, dtype=torch.bool, device=dev)
             diags = torch.zeros_like(cols)
             cols[:, heads], diags[:, heads] = c, dg
@@ -172,8 +174,12 @@ def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: in
         if bt:
             first = max(qb0 * bs - src_start, 0)       # pool from the first query block's start on
             heads = index_tensor(bt, dev)
+            g = n_heads // k.shape[1]
+            # share_group heads of one KV group with one budget share a slot (one selection); others their own
+            slot_key = [(h // g, pats[h].top_k) if pats[h].share_group else ("head", h) for h in bt]
+            slot = [sorted(set(slot_key), key=str).index(x) for x in slot_key]
             pick = estimate_block_topk(src[:, heads, first:], src_start + first, _kv_for_heads(k, bt, n_heads),
-                                       q_blocks, qb0, bs, [pats[h].top_k for h in bt])
+                                       q_blocks, qb0, bs, [pats[h].top_k for h in bt], slot, stats)
             full = torch.zeros(B, n_heads, q_blocks.numel(), nk, dtype=torch.bool, device=dev)
             if blocks is not None:
                 full |= blocks

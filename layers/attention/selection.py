@@ -85,11 +85,14 @@ def _topk_per_head(score: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
 
 @torch.no_grad()   # indices only: nothing differentiable leaves, so record no graph
 def estimate_vertical_slash(q_est: torch.Tensor, k: torch.Tensor, est_pos: range,
-                            n_vertical: Sequence[int], n_slash: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                            n_vertical: Sequence[int], n_slash: Sequence[int],
+                            keep_columns: Sequence[int] = (), keep_diagonals: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """MInference's online index estimation.
 
     ``q_est[B, H, L, D]`` are the last queries (absolute positions ``est_pos``, a range), ``k[B, Hk, T, D]``.
     Returns ``cols, diags`` bool ``[B, H, T]``: the chosen key columns and diagonals ``d = q - k``.
+    ``keep_columns[h]`` / ``keep_diagonals[h]``: the first columns / nearest diagonals forced into head h's
+    top-k (MInference's kernel sets their scores to +inf), earliest / nearest first.
     """
     T, L, p0 = k.shape[2], q_est.shape[2], est_pos.start
     s = _group_scores(q_est, k)                                             # [B, H, L, T]
@@ -97,16 +100,27 @@ def estimate_vertical_slash(q_est: torch.Tensor, k: torch.Tensor, est_pos: range
     future = torch.arange(p0 + 1, T, device=k.device)[None, :] > torch.arange(p0, p0 + L, device=k.device)[:, None]
     s[..., p0 + 1:].masked_fill_(future, float("-inf"))
     prob = s.softmax(-1)
-    cols = _topk_per_head(prob.sum(-2), n_vertical)
+    cols = _topk_per_head(_force_first(prob.sum(-2), keep_columns, L), n_vertical)
     # Diagonals are ranked by the mass the chosen columns leave: a heavy column key otherwise puts one
     # row's mass on each of L diagonals ("shadows" of the column) that buy nothing the column does not
     # already cover, and scatter over the key blocks (BENCHMARKS.md, vertical-slash). MInference ranks
     # both from the same scores; this is the greedy cover: the union holds at least as much of the
     # estimating rows' mass for the same budgets.
     prob.masked_fill_(cols[:, :, None, :], 0.0)
-    diags = _topk_per_head(_diagonal_sums(prob, p0), n_slash)
+    diags = _topk_per_head(_force_first(_diagonal_sums(prob, p0), keep_diagonals, L), n_slash)
     diags[..., 0] = True
     return cols, diags
+
+
+def _force_first(score: torch.Tensor, keep: Sequence[int], L: int) -> torch.Tensor:
+    """``score[B, H, T]`` (masses, each <= L) with entries ``0 .. keep[h]-1`` raised above every mass,
+    decreasing with the index (so a budget below ``keep`` takes the first ones)."""
+    if not any(keep):
+        return score
+    T = score.shape[-1]
+    idx = torch.arange(T, device=score.device, dtype=score.dtype)
+    forced = idx[None, :] < index_tensor(list(keep), score.device)[:, None]              # [H, T]
+    return torch.where(forced, L + 2 - idx / T, score)
 
 
 def _diagonal_sums(prob: torch.Tensor, p0: int) -> torch.Tensor:
@@ -142,18 +156,40 @@ def _block_mean(x: torch.Tensor, start: int, bs: int, n_blocks: int) -> torch.Te
 
 @torch.no_grad()
 def estimate_block_topk(q_pool_src: torch.Tensor, src_start: int, k: torch.Tensor, q_blocks: torch.Tensor,
-                        first: int, bs: int, top_k: Sequence[int]) -> torch.Tensor:
+                        first: int, bs: int, top_k: Sequence[int], slot: Sequence[int] | None = None,
+                        stats: dict | None = None) -> torch.Tensor:
     """Block top-k by mean-pooled scores.
 
     ``q_pool_src[B, H, N, D]`` holds queries at positions ``src_start ..`` covering every query block in
-    ``q_blocks[nq] = first, first+1, ..``; ``k[B, Hk, T, D]``. Returns bool ``[B, H, nq, nk]``.
+    ``q_blocks[nq] = first, first+1, ..``; ``k[B, H, T, D]`` (the KV head of each query head). Returns
+    bool ``[B, H, nq, nk]``. ``slot[h]``: heads with the same slot share one selection (a KV group's
+    ``share_group`` heads, same ``top_k``): scored by their mean pooled query, top-k taken once per slot.
+    ``stats``: filled with the selection's mean normalised entropy (of the softmax over each query
+    block's causal pooled scores; 1 = uniform, 0 = one block) and the softmax mass the chosen blocks hold.
     """
-    T = k.shape[2]
+    T, H = k.shape[2], k.shape[1]
     nk = (T + bs - 1) // bs
     qp = _block_mean(q_pool_src, src_start - first * bs, bs, q_blocks.numel())   # [B, H, nq, D]
-    kp = _block_mean(k, 0, bs, nk)                                                 # [B, Hk, nk, D]
-    s = _group_scores(qp, kp)                                                      # [B, H, nq, nk]
+    reps = list(range(H))
+    if slot is not None and len(set(slot)) < H:
+        reps = [list(slot).index(x) for x in sorted(set(slot))]                   # first head of each slot
+        sl = index_tensor(list(slot), qp.device)
+        cnt = torch.zeros(len(reps), device=qp.device).index_add_(0, sl, torch.ones(H, device=qp.device))
+        qp = torch.zeros(qp.shape[0], len(reps), *qp.shape[2:], device=qp.device).index_add_(1, sl, qp)
+        qp = qp / cnt[None, :, None, None]
+        k = k[:, index_tensor(reps, k.device)]
+        top_k = [top_k[r] for r in reps]
+    kp = _block_mean(k, 0, bs, nk)                                                 # [B, Hs, nk, D]
+    s = _group_scores(qp, kp)                                                      # [B, Hs, nq, nk]
     kb = torch.arange(nk, device=k.device)
     s = s.masked_fill(kb[None, :] > q_blocks[:, None], float("-inf"))
-    s = torch.where(kb[None, :] == q_blocks[:, None], torch.full_like(s, float("inf")), s)
-    return _topk_per_head(s, top_k) & (kb[None, :] <= q_blocks[:, None])
+    pick = _topk_per_head(torch.where(kb[None, :] == q_blocks[:, None], torch.full_like(s, float("inf")), s), top_k)
+    pick &= kb[None, :] <= q_blocks[:, None]
+    if stats is not None:
+        p = s.softmax(-1)
+        n = (q_blocks + 1).clamp(min=2).log()[:, None]                             # log of causal blocks per row
+        stats["entropy"] = (-(p * p.clamp_min(1e-30).log()).sum(-1) / n[:, 0]).mean()
+        stats["topk_mass"] = (p * pick).sum(-1).mean()
+    if len(reps) < H:
+        pick = pick[:, index_tensor(list(slot), pick.device)]
+    return pick

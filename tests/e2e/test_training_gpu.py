@@ -17,11 +17,10 @@ CASES = {
     "moe_shared_first_dense": ("zoo/deepseek_moe_16b.yaml", {
         "model.moe.hidden_dim": 128, "model.moe.num_experts": 16, "model.moe.top_k": 4, "model.n_layers": 3,
         "train.seq_len": 256, "model.max_seq_len": 256}),
-    # the long-context preset's per-head patterns (vertical-slash, A-shape, BigBird) on a small backbone
+    # the long-context preset's per-head patterns (A-shape, GQA-shared block top-k) on a small backbone
     "sparse_attention": ("zoo/sparse_attn_1b_64k.yaml", {
-        "model.n_layers": 14, "model.n_heads": 16, "model.n_kv_heads": 4, "train.seq_len": 8192,
-        "model.max_seq_len": 8192, "train.batch_size": 1,
-        "model.attention.patterns.2-13:0-7.dense_below": 0}),   # the preset's 64k switch-on, off at 8k
+        "model.n_layers": 16, "model.n_heads": 16, "model.n_kv_heads": 4, "train.seq_len": 8192,
+        "model.max_seq_len": 8192, "train.batch_size": 1, "eval.passkey_lengths": "[]"}),
 }
 
 

@@ -43,7 +43,7 @@ def test_flops_per_token_is_6n_plus_attention():
     cfg = preset("llama_65b.yaml")
     c = param_counts(cfg.model)
     S = cfg.train.seq_len
-    expected = 6 * (c.total - c.embedding) + 12 * cfg.model.n_layers * cfg.model.dim * S
+    expected = 6 * (c.total - c.embedding) + 6 * cfg.model.n_layers * cfg.model.dim * (S + 1)   # causal pairs
     assert flops_per_token(cfg.model, S, c) == pytest.approx(expected)
 
 

@@ -357,15 +357,21 @@ def test_budget_plan_and_density_follow_dense_below():
     assert (pattern_density(pats, 2, 40) < 1).all() and plan.col_budget == 3
 
 
-def test_sparse_preset_runs_vertical_slash_dense_below_64k_only():
+def test_long_context_presets_are_sparse_in_every_layer_with_trainable_selection():
     from zoo.model import build_attention_pattern
     from zoo.show_attention import layer_images
-    cfg = load_config(os.path.join(ROOT, "zoo", "sparse_attn_1b_64k.yaml"))
-    pats = build_attention_pattern(cfg.model, 2, cfg.model.attention.layer_head_patterns(16, 16))
-    assert [p.dense_below for p in pats] == [65536] * 8 + [0] * 8
-    assert pats[0].is_dense_at(65535) and not pats[0].is_dense_at(65536) and not pats[8].is_dense_at(16384)
-    cfg.model.n_layers, cfg.model.attention.patterns = 1, {"0:0-1": {**cfg.model.attention.patterns["2-13:0-7"],
-                                                                      "dense_below": 256}}
+    for name, T in (("sparse_attn_1b_64k.yaml", 65536), ("sparse_attn_1b_128k.yaml", 131072)):
+        cfg = load_config(os.path.join(ROOT, "zoo", name))
+        assert cfg.train.seq_len == T and T in cfg.eval.passkey_lengths
+        grid = cfg.model.attention.layer_head_patterns(16, 16)
+        for layer in range(16):
+            pats = build_attention_pattern(cfg.model, layer, grid)
+            assert [p.type for p in pats] == ["a_shape"] * 8 + ["block_topk"] * 8
+            assert all(p.share_group for p in pats[8:]) and not any(p.is_dense_at(T) for p in pats)
+    # vertical-slash's dense_below switch (for continued training of a trained model) as pictures show it
+    cfg.model.n_layers = 1
+    cfg.model.attention.patterns = {"0:0-1": {"type": "vertical_slash", "n_vertical": 1000, "n_slash": 6096,
+                                              "last_q": 64, "block_size": 128, "dense_below": 256}}
     heads = layer_images(cfg.model, 128)[0][1]
     assert heads[0][2:] == (1.0, "vertical_slash (dense)") and heads[2][3] == "dense"
 
@@ -374,9 +380,14 @@ def test_minference_json_maps_to_our_patterns_and_is_checked(tmp_path):
     data = [{"0": ["vertical_and_slash", 1000, 6096, 0.9], "1": ["stream_llm", 100, 800, 0.5]},
             {"0": ["block_sparse", 8, 1, 0.7]}]
     pats = minference_patterns(data, n_layers=2, n_heads=2)
-    assert pats["0:0"] == {"type": "vertical_slash", "n_vertical": 1000, "n_slash": 6096, "last_q": 64}
+    # what MInference's runtime computes: forced first 30 columns / nearest 100 diagonals, budgets of at
+    # least 30 / 50, and block_sparse always as top-100 blocks of 64x64 (the JSON's 8 is ignored there)
+    assert pats["0:0"] == {"type": "vertical_slash", "n_vertical": 1000, "n_slash": 6096, "last_q": 64,
+                           "keep_columns": 30, "keep_diagonals": 100, "block_size": 64}
     assert pats["0:1"] == {"type": "a_shape", "sinks": 100, "window": 800}
-    assert pats["1:0"] == {"type": "block_topk", "top_k": 8}
+    assert pats["1:0"] == {"type": "block_topk", "top_k": 100, "block_size": 64}
+    small = minference_patterns([{"0": ["vertical_and_slash", 10, 20, 0.9]}], 1, 1)["0:0"]
+    assert (small["n_vertical"], small["n_slash"]) == (30, 50)
     path = tmp_path / "mi.json"
     path.write_text(json.dumps(data))
     grid = AttentionConfig(minference_json=str(path), patterns={"1:1": {"type": "local", "window": 8}}

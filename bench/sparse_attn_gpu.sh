@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The sparse-attention runs of BENCHMARKS.md "Sparse attention that trains" in one GPU call (H200):
+# end to end dense vs the sparse preset at 64k and 128k (bench/train_attention.py, the trainer itself:
+# vocab 8192, activation checkpointing, bf16, eager blocks), the layer rows for block top-k and the
+# presets' layer (bench/attention.py), and the GPU tests of layers/attention. Each part has its own
+# time limit so a slow one leaves the rest. Results under $OUT (one log, the jsonl rows).
+#     OUT=/tmp/out bash bench/sparse_attn_gpu.sh [e2e64 layer e2e128 tests layer_short]
+set -u
+OUT=${OUT:-/tmp/sparse_attn_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+PY=${PY:-python3}
+COMMON="model.vocab_size=8192 data.max_files=700 train.eval_batches=1 eval.passkey_lengths=[] data.cache_dir=/tmp/moezoo_cache"
+PARTS=${*:-e2e64 layer e2e128 tests}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+for part in $PARTS; do
+  t0=$(date +%s)
+  case $part in
+    e2e64)  timeout ${T_E2E64:-130} $PY bench/train_attention.py --config zoo/sparse_attn_1b_64k.yaml --steps 5 \
+              --variants dense,preset --out /tmp/e2e64 $COMMON ;
+            cp /tmp/e2e64/train_attention.jsonl "$OUT/e2e64.jsonl" 2>/dev/null ;;
+    e2e128) timeout ${T_E2E128:-130} $PY bench/train_attention.py --config zoo/sparse_attn_1b_128k.yaml --steps 3 \
+              --variants preset,dense --out /tmp/e2e128 $COMMON ;
+            cp /tmp/e2e128/train_attention.jsonl "$OUT/e2e128.jsonl" 2>/dev/null ;;
+    layer)  timeout ${T_LAYER:-70} $PY bench/attention.py --lengths 65536,131072 --patterns topk,mix --modes fwd,fwdbwd \
+              --no-plain --out "$OUT/layer.jsonl" ;;
+    layer_short) timeout 90 $PY bench/attention.py --lengths 16384,32768 --patterns topk --modes fwd,fwdbwd \
+              --no-plain --out "$OUT/layer.jsonl" ;;
+    flash)  timeout 150 $PY bench/attention.py --lengths 65536 --patterns a_shape,topk,mix --modes fwd,fwdbwd \
+              --no-plain --kernels triton,flash --out "$OUT/flash.jsonl" ;;
+    tests)  timeout ${T_TESTS:-45} $PY -m pytest -q -m gpu tests/layers/attention/test_block_topk.py -p no:cacheprovider 2>&1 | tail -n 15 ;;
+  esac
+  echo "== $part: $(( $(date +%s) - t0 )) s"
+done

@@ -1,0 +1,112 @@
+"""End to end: the same model trained dense and sparse in one process, the trainer itself (train.py's loop).
+
+    python bench/train_attention.py --config zoo/sparse_attn_1b_64k.yaml --steps 8 \\
+        --variants dense,preset model.vocab_size=8192 --out DIR
+
+Variants (same config, seed, data and steps; only ``model.attention.patterns`` differs):
+  dense    every head dense causal attention (patterns cleared)
+  preset   the config's patterns as written
+  a_shape  every head of every layer A-shape (128 sinks + ``--a-shape-window`` window, the preset's block
+           size): the static baseline, expected to lose retrieval beyond its window
+Per variant: tokens/s (mean over log steps after the first, which holds compilation and warm-up),
+``mfu`` (the attention work done: visited-block density) and ``mfu_model`` (dense-equivalent FLOPs),
+peak memory, the last validation loss, the logged attention density and, with
+``eval.passkey_lengths`` set, passkey accuracy at the end. Checkpoints are not written (a 1B model's
+optimizer state is ~12 GB of disk per save). Rows go to ``DIR/train_attention.jsonl`` as they finish.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from configs import load_config  # noqa: E402
+from training.loop import Trainer  # noqa: E402
+
+VARIANTS = ("dense", "preset", "a_shape")
+
+
+class _NoSaveTrainer(Trainer):
+    def save(self) -> str:
+        return ""
+
+
+def variant_config(path: str, overrides: list[str], variant: str, steps: int, out_dir: str, window: int = 2048):
+    cfg = load_config(path, overrides + [f"train.steps={steps}", f"train.eval_every={steps}",
+                                         f"train.out_dir={out_dir}/{variant}", "logging.wandb=disabled",
+                                         "logging.progress=false", f"logging.log_every={max(steps // 4, 1)}"])
+    # the preset's warm-up unless it is longer than a quarter of the run (a speed run of a few steps)
+    cfg.optim.warmup_steps = min(cfg.optim.warmup_steps, max(steps // 4, 1))
+    att = cfg.model.attention
+    if variant == "dense":
+        att.patterns, att.minference_json = {}, None
+    elif variant == "a_shape":
+        bs = next((p.get("block_size", 64) for p in att.patterns.values()), 128)
+        att.patterns = {f"0-{cfg.model.n_layers - 1}:*": {"type": "a_shape", "sinks": min(128, window // 8),
+                                                          "window": window, "block_size": bs}}
+    elif variant != "preset":
+        raise SystemExit(f"--variants: unknown {variant!r}; expected some of {','.join(VARIANTS)}")
+    return cfg.validate()
+
+
+def run_variant(cfg, variant: str) -> dict:
+    import torch
+    t0 = time.perf_counter()
+    torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
+    trainer = _NoSaveTrainer(cfg)
+    summary = trainer.fit()
+    with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    steps = [r for r in rows if "tokens_per_s" in r]
+    timed = steps[1:] or steps
+    mean = lambda k: sum(r[k] for r in timed if k in r) / max(sum(1 for r in timed if k in r), 1)  # noqa: E731
+    out = dict(variant=variant, steps=summary["step"], tokens_per_s=round(mean("tokens_per_s")),
+               mfu=round(mean("mfu"), 4), mfu_model=round(mean("mfu_model"), 4),
+               peak_gb=round(max((r.get("mem/peak_gb", 0) for r in steps), default=0), 1),
+               val_loss=round(summary["val_history"][-1][1], 4), attn_density=round(mean("attn/density") if any("attn/density" in r for r in timed) else 1.0, 4),
+               wall_s=round(time.perf_counter() - t0, 1))
+    if any("attn/topk_entropy" in r for r in timed):
+        out["topk_entropy"] = round(mean("attn/topk_entropy"), 4)
+    pk = [r for r in rows if any(k.startswith("passkey/") for k in r)]
+    if pk:
+        out["passkey"] = {k.split("/")[1]: v for k, v in pk[-1].items() if k.startswith("passkey/")}
+    del trainer
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--variants", default="dense,preset")
+    ap.add_argument("--out", default="runs/train_attention")
+    ap.add_argument("--a-shape-window", type=int, default=2048, help="window of the a_shape variant (sinks: 128 or window/8)")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides for every variant, e.g. model.vocab_size=8192")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    results = []
+    for v in a.variants.split(","):
+        cfg = variant_config(a.config, a.overrides, v, a.steps, a.out, a.a_shape_window)
+        r = run_variant(cfg, v)
+        r["seq_len"] = cfg.train.seq_len
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        with open(os.path.join(a.out, "train_attention.jsonl"), "a") as f:
+            f.write(json.dumps(r) + "\n")
+    base = next((r["tokens_per_s"] for r in results if r["variant"] == "dense"), None)
+    print(f"\n| variant | seq | tok/s | vs dense | mfu (work done) | mfu_model | peak GB | val loss | attn density | passkey |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
+        print(f"| {r['variant']} | {r['seq_len']} | {r['tokens_per_s']} | {ratio} | {r['mfu']:.3f} | {r['mfu_model']:.3f} | "
+              f"{r['peak_gb']} | {r['val_loss']:.4f} | {r['attn_density']:.3f} | {r.get('passkey', '')} |")
+
+
+if __name__ == "__main__":
+    main()

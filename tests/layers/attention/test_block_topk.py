@@ -1,0 +1,145 @@
+"""Block top-k as the trainable workhorse (GQA-shared selection, sinks + window), MInference's forced
+vertical-slash picks, per-call density / selection stats, flex kernel choice, and the config errors."""
+import pytest
+import torch
+
+from configs import ConfigError
+from configs.attention import AttentionConfig, validate_pattern
+from helpers import make_inputs, run_criterion
+from layers import SparsityPattern, pattern_mask, sparse_attention
+from layers.attention.flex import kernel_options_for, pick_flex_kernel
+from layers.attention.plan import plan_pattern
+
+BS = 8
+
+
+def _pooled_topk_reference(q, k, bs, top_k, group_shared):
+    """Independent MoBA/NSA selection: mean-pooled q (group-mean when shared) . mean-pooled k, causal,
+    own block forced, top-k -> bool [B, H, nq, nk]."""
+    B, H, T, D = q.shape
+    g = H // k.shape[1]
+    n = (T + bs - 1) // bs
+    qp = torch.stack([q[:, :, i * bs:(i + 1) * bs].float().mean(2) for i in range(n)], 2)   # [B, H, n, D]
+    kp = torch.stack([k[:, :, i * bs:(i + 1) * bs].float().mean(2) for i in range(n)], 2)   # [B, Hk, n, D]
+    if group_shared:
+        qp = qp.view(B, H // g, g, n, D).mean(2).repeat_interleave(g, 1)
+    s = qp @ kp.repeat_interleave(g, 1).transpose(-1, -2)
+    causal = torch.ones(n, n).tril().bool()
+    s = s.masked_fill(~causal, float("-inf")) + torch.diag(torch.full((n,), float("inf"))).nan_to_num(posinf=1e9)
+    out = torch.zeros_like(s, dtype=torch.bool)
+    idx = s.topk(min(top_k, n), -1).indices
+    return out.scatter_(-1, idx, True) & causal
+
+
+@pytest.mark.parametrize("shared", [0, 1])
+def test_block_topk_selection_matches_pooled_reference_and_shares_kv_groups(shared):
+    B, H, Hk, T = 2, 8, 2, 64
+    q, k, _ = make_inputs(B, H, Hk, T)
+    p = SparsityPattern(type="block_topk", top_k=3, block_size=BS, share_group=shared)
+    plan = plan_pattern(p, H, 0, T, T, 0, q, k)
+    ref = _pooled_topk_reference(q, k, BS, 3, shared)
+    assert torch.equal(plan.blocks, ref)
+    same = [torch.equal(plan.blocks[:, h], plan.blocks[:, (h // 4) * 4]) for h in range(H)]
+    assert all(same) if shared else not all(same)
+
+
+@pytest.mark.parametrize("backend,grads", [("reference", True), ("flex", False)])
+def test_block_topk_with_sinks_and_window_meets_fa_criterion(backend, grads):
+    p = SparsityPattern(type="block_topk", top_k=2, sinks=3, window=11, block_size=BS, share_group=1)
+    run_criterion(p, backend, B=2, H=8, Hk=2, T=75, grads=grads)
+
+
+def test_block_topk_sinks_window_mask_is_the_union_of_its_parts():
+    B, H, T = 1, 4, 48
+    q, k, _ = make_inputs(B, H, 2, T)
+    both = pattern_mask(SparsityPattern(type="block_topk", top_k=2, sinks=2, window=5, block_size=BS), T, T, H, q=q, k=k)
+    topk = pattern_mask(SparsityPattern(type="block_topk", top_k=2, block_size=BS), T, T, H, q=q, k=k)
+    ash = pattern_mask(SparsityPattern(type="a_shape", sinks=2, window=5, block_size=BS), T, T, H)
+    assert torch.equal(both, topk | ash[None])
+
+
+def test_vertical_slash_keeps_first_columns_and_nearest_diagonals_like_minference():
+    B, H, T = 1, 2, 96
+    q, k, _ = make_inputs(B, H, 2, T)
+    k[:, :, 40] += 5 * q[:, :, -1:].mean(2)          # one heavy column far from the forced ones
+    p = SparsityPattern(type="vertical_slash", n_vertical=6, n_slash=12, last_q=8, block_size=BS,
+                        keep_columns=4, keep_diagonals=10)
+    plan = plan_pattern(p, H, 0, T, T, 0, q, k)
+    assert plan.cols[..., :4].all() and plan.diags[..., :10].all()
+    assert int(plan.cols.sum(-1).max()) == 6 and int(plan.diags.sum(-1).max()) == 12
+    assert plan.cols[..., 40].all()                   # the estimate still picks within the rest of the budget
+    tight = SparsityPattern(type="vertical_slash", n_vertical=2, n_slash=3, last_q=8, block_size=BS, keep_columns=4,
+                            keep_diagonals=10)
+    plan = plan_pattern(tight, H, 0, T, T, 0, q, k)  # a budget below the forced count keeps the first / nearest
+    assert plan.cols[..., :2].all() and int(plan.cols.sum(-1).max()) == 2 and plan.diags[..., :3].all()
+    run_criterion(p, "reference", B=1, H=4, Hk=2, T=70)
+
+
+@pytest.mark.parametrize("backend", ["reference", "flex"])
+def test_stats_report_visited_block_density_and_selection_sharpness(backend):
+    B, H, T = 2, 4, 64
+    q, k, v = make_inputs(B, H, 2, T)
+    pats = [SparsityPattern(type="block_topk", top_k=2, block_size=BS)] * 2 + \
+           [SparsityPattern(type="a_shape", sinks=2, window=9, block_size=BS), SparsityPattern(block_size=BS)]
+    stats = {}
+    with torch.no_grad():
+        sparse_attention(q, k, v, pats, backend=backend, stats=stats)
+    n = T // BS
+    # top-2 of the causal blocks per query block (1 for the first), a_shape: window blocks + sink column
+    topk_blocks = sum(min(2, i + 1) for i in range(n))
+    a_blocks = sum(len({0} | {j for j in range(n) if j <= i and (i - j) * BS - (BS - 1) < 9}) for i in range(n))
+    want = torch.tensor([topk_blocks, topk_blocks, a_blocks, n * (n + 1) / 2]) / (n * (n + 1) / 2)
+    assert torch.allclose(stats["density"].cpu(), want.float())
+    assert 0 < float(stats["entropy"]) <= 1 and 0 < float(stats["topk_mass"]) <= 1
+
+
+def test_flex_kernel_choice_and_options():
+    a = SparsityPattern(type="a_shape", sinks=128, window=2048, block_size=128)
+    t = SparsityPattern(type="block_topk", top_k=16, block_size=128)
+    assert pick_flex_kernel("triton", [a], 65536, 128) == "triton"
+    assert pick_flex_kernel("auto", [t], 65536, 128) == "triton"        # FLASH not measured faster for block_topk
+    assert pick_flex_kernel("auto", [a], 8192, 128) == "triton"          # below the measured length
+    assert kernel_options_for("flash", {"num_stages": 2}) == {"num_stages": 2, "BACKEND": "FLASH"}
+    assert kernel_options_for("triton", {}) is None
+
+
+@pytest.mark.parametrize("pat,match", [
+    ({"type": "block_topk", "top_k": 0}, r"pattern\.top_k: must be > 0"),
+    ({"type": "block_topk", "top_k": 2, "share_group": 2}, r"pattern\.share_group: must be 0 or 1"),
+    ({"type": "block_topk", "top_k": 2, "n_slash": 3}, r"pattern\.n_slash: unknown parameter"),
+    ({"type": "vertical_slash", "n_vertical": 2, "n_slash": 2, "keep_columns": -1}, r"pattern\.keep_columns"),
+])
+def test_bad_pattern_dicts_fail_naming_the_key(pat, match):
+    with pytest.raises(ConfigError, match=match):
+        validate_pattern(pat, "pattern")
+
+
+def test_backend_that_cannot_tile_or_is_missing_fails_before_any_work():
+    pats = {"0:*": {"type": "block_topk", "top_k": 2, "block_size": 8}}
+    with pytest.raises(ConfigError, match=r"model\.attention\.patterns: block_size 8 is below the 16"):
+        AttentionConfig(backend="flex", patterns=pats).validate(1, 2)
+    with pytest.raises(ConfigError, match=r"model\.attention\.flex_kernel: flash tiles 128-token blocks"):
+        AttentionConfig(flex_kernel="flash", patterns=pats).validate(1, 2)
+    with pytest.raises(ConfigError, match=r"model\.attention\.flex_kernel"):
+        AttentionConfig(flex_kernel="cute").validate(1, 2)
+    with pytest.raises(ConfigError, match=r"model\.attention\.backend: needs flash-attn-4 .*device is cpu"):
+        AttentionConfig(backend="flash_attn").check_runtime("cpu")
+    AttentionConfig(backend="flex").check_runtime("cpu")       # nothing asked of flash: no error
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernel", ["triton", "auto"])
+def test_preset_layer_on_gpu_flex_meets_fa_criterion_fwd_bwd(kernel):
+    # the long-context presets' layer: A-shape heads and GQA-shared block top-k heads (plus a topk head
+    # with its own sinks + window), 128-token blocks, compiled flex forward and backward
+    a = SparsityPattern(type="a_shape", sinks=16, window=200, block_size=128)
+    t = SparsityPattern(type="block_topk", top_k=3, share_group=1, block_size=128)
+    tw = SparsityPattern(type="block_topk", top_k=2, sinks=4, window=100, block_size=128)
+    pats = [a, a, a, a, t, t, tw, tw]
+    run_criterion(pats, "flex", B=2, H=8, Hk=2, T=1000, D=64, device="cuda")
+    q, k, v = make_inputs(1, 8, 2, 1024, D=64, device="cuda")
+    stats = {}
+    with torch.no_grad():
+        sparse_attention(q, k, v, pats, backend="flex", kernel=kernel, stats=stats)
+    assert (stats["density"] <= 1).all() and (stats["density"][4:6] < 1).all()

@@ -1,0 +1,91 @@
+"""Passkey retrieval eval: sample layout, teacher-forced scoring, and the two ways a user runs it
+(periodically via eval.passkey_lengths, and train.py --resume --eval passkey)."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from configs import ConfigError, load_config
+from helpers import ROOT, tiny_overrides
+from training.metrics import mfu_metrics
+from training.passkey import format_passkey_table, passkey_eval, passkey_sample
+
+
+class CharTokenizer:
+    """One id per character (ids 0..255): the eval needs only ``encode``."""
+
+    def encode(self, text):
+        return [ord(c) % 256 for c in text]
+
+
+HAY = np.random.default_rng(0).integers(97, 123, size=5000)     # lowercase "text"
+
+
+def test_sample_has_needle_at_depth_and_key_as_answer():
+    tok = CharTokenizer()
+    for depth in (0.0, 0.5, 1.0):
+        toks, n = passkey_sample(tok, HAY, 300, depth, seed=3)
+        assert len(toks) == 300
+        key = toks[-n:]
+        text = "".join(map(chr, toks))
+        at = text.index(" The pass key is")
+        assert text[at:].startswith(" The pass key is" + "".join(map(chr, key)) + ". Remember it.")
+        hay_len = 300 - len(text[at:at + text[at:].index(" is the pass key.") + 17]) - (len(" What is the pass key? The pass key is") + n)
+        assert abs(at - depth * hay_len) <= 1
+        assert text.endswith(" What is the pass key? The pass key is" + "".join(map(chr, key)))
+    assert passkey_sample(tok, HAY, 300, 0.5, 3) == passkey_sample(tok, HAY, 300, 0.5, 3)   # a pure function
+    with pytest.raises(ValueError, match="no room"):
+        passkey_sample(tok, HAY, 40, 0.5, 3)
+
+
+class Oracle(torch.nn.Module):
+    """Predicts the true next token when ``copy``, else always token 0."""
+
+    def __init__(self, copy):
+        super().__init__()
+        self.copy, self.w = copy, torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        nxt = torch.roll(x, -1, 1) if self.copy else torch.zeros_like(x)
+        return torch.nn.functional.one_hot(nxt, 256).float()
+
+
+def test_scoring_is_all_answer_tokens_argmax():
+    tok = CharTokenizer()
+    assert passkey_eval(Oracle(True), tok, HAY, [200, 400], samples=3) == {200: 1.0, 400: 1.0}
+    assert passkey_eval(Oracle(False), tok, HAY, [200], samples=3) == {200: 0.0}
+    assert "100%" in format_passkey_table({200: 1.0})
+
+
+def test_bad_lengths_fail_naming_the_key():
+    with pytest.raises(ConfigError, match=r"eval\.passkey_lengths"):
+        load_config(os.path.join(ROOT, "zoo", "tiny_sparse_attn.yaml"), ["eval.passkey_lengths=[32]"])
+
+
+def test_mfu_counts_the_work_done_and_model_flops_separately():
+    m = mfu_metrics(1000.0, model_flops=10e9, dense_attn_flops=6e9, attn_density=0.1, peak=1e13)
+    assert m["mfu"] == pytest.approx(1000 * (4e9 + 0.6e9) / 1e13) and m["mfu_model"] == pytest.approx(1.0)
+    dense = mfu_metrics(1000.0, 10e9, 6e9, None, 1e13)
+    assert dense["mfu"] == dense["mfu_model"]
+
+
+def test_passkey_runs_during_training_and_from_the_cli_on_a_checkpoint(tmp_path, corpus_dir):
+    ov = tiny_overrides(tmp_path, corpus_dir, **{"train.steps": 4, "train.eval_every": 4, "model.max_seq_len": 256, "model.n_layers": 4, "train.seq_len": 64,
+                                                  "eval.passkey_lengths": "[128,256]", "eval.passkey_samples": 2})
+    cmd = [sys.executable, "train.py", "--config", "zoo/tiny_sparse_attn.yaml", *ov]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert any("passkey/128" in row and "passkey/256" in row for row in rows)
+    logged = [row for row in rows if "attn/density" in row]
+    assert logged and all(0 < row["attn/density"] < 1 and 0 <= row["attn/topk_entropy"] <= 1 for row in logged)
+    r = subprocess.run(cmd + ["--resume", "--eval", "passkey"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "step 4" in r.stdout + r.stderr and "accuracy" in r.stdout + r.stderr

@@ -1,0 +1,95 @@
+"""Passkey retrieval (needle in a haystack; Mohtashami & Jaggi 2023, as in LongLoRA / RULER's NIAH).
+
+A sample of length L is validation text (the haystack) with a needle inserted at a depth, and a
+question at the end; the answer is the passkey's tokens, scored teacher-forced: a sample passes when
+the model's argmax at every answer position is the answer token (exactly what greedy decoding of the
+answer would produce). Tokens: ``haystack[:i] + needle + haystack[i:] + question + key`` with
+
+    needle   = " The pass key is" KEY ". Remember it." KEY " is the pass key."
+    question = " What is the pass key? The pass key is" KEY
+
+``KEY`` = the tokens of a random 5-digit number (encoded once, the same ids everywhere). Samples are a
+pure function of (seed, length, index): the same haystack offsets, depths and keys in every run, so
+dense and sparse models are scored on identical inputs. Depths go evenly from 0 to 1 over a length's
+samples. A model trained on text without such tasks retrieves by induction (copying what followed
+"The pass key is" before), which is what this probes: attention that cannot reach the needle fails.
+
+``passkey_eval(model, tokenizer, val_tokens, lengths, samples)`` -> ``{length: accuracy}``;
+``format_passkey_table`` prints it; ``run_passkey(cfg)`` is ``train.py --config X --resume --eval passkey``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+NEEDLE = (" The pass key is", ". Remember it.", " is the pass key.")
+QUESTION = " What is the pass key? The pass key is"
+
+
+def passkey_sample(tokenizer, haystack: np.ndarray, length: int, depth: float, seed: int) -> tuple[list[int], int]:
+    """``(tokens[length], n_answer)``: one sample; its last ``n_answer`` tokens are the key."""
+    rng = np.random.default_rng(seed)
+    key = tokenizer.encode(f" {int(rng.integers(10000, 100000))}")
+    a, b, c = (tokenizer.encode(t) for t in NEEDLE)
+    needle = a + key + b + key + c
+    tail = tokenizer.encode(QUESTION) + key
+    n_hay = length - len(needle) - len(tail)
+    if n_hay < 1 or len(haystack) <= n_hay:
+        raise ValueError(f"passkey length {length} leaves no room for haystack text (or the validation split "
+                         f"has only {len(haystack)} tokens)")
+    start = int(rng.integers(0, len(haystack) - n_hay))
+    hay = [int(t) for t in haystack[start:start + n_hay]]
+    at = int(round(depth * n_hay))
+    return hay[:at] + needle + hay[at:] + tail, len(key)
+
+
+@torch.no_grad()
+def passkey_eval(model, tokenizer, val_tokens: np.ndarray, lengths, samples: int = 10, seed: int = 0,
+                 device=None, autocast=None) -> dict[int, float]:
+    """Accuracy per length over ``samples`` needles at depths ``0, 1/(n-1), .., 1`` (one forward each)."""
+    device = device or next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out = {}
+    for L in lengths:
+        hits = 0
+        for i in range(samples):
+            depth = i / max(samples - 1, 1)
+            toks, n = passkey_sample(tokenizer, val_tokens, L, depth, seed * 1_000_003 + L * 1009 + i)
+            x = torch.tensor(toks, device=device)[None]
+            with (autocast() if autocast else torch.autocast(device.type, enabled=False)):
+                logits = model(x)
+            pred = logits[0, -n - 1:-1].argmax(-1)
+            hits += int(torch.equal(pred, x[0, -n:]))
+        out[L] = hits / samples
+    model.train(was_training)
+    return out
+
+
+def format_passkey_table(results: dict[int, float], title: str = "passkey") -> str:
+    rows = [f"{title:>10} | " + " | ".join(f"{L:>7}" for L in results),
+            f"{'accuracy':>10} | " + " | ".join(f"{a:>7.0%}" for a in results.values())]
+    return "\n".join(rows)
+
+
+def passkey_metrics(results: dict[int, float]) -> dict:
+    """wandb / metrics.jsonl keys: ``passkey/<length>`` and their mean ``passkey/mean``."""
+    out = {f"passkey/{L}": a for L, a in results.items()}
+    if results:
+        out["passkey/mean"] = sum(results.values()) / len(results)
+    return out
+
+
+def run_passkey(cfg) -> dict[int, float]:
+    """``train.py --config X --resume --eval passkey``: restore the latest checkpoint (no training step),
+    score ``eval.passkey_lengths`` (default: train.seq_len), print the table, log it at the checkpoint's step."""
+    from .loop import Trainer
+    if not cfg.eval.passkey_lengths:
+        cfg.eval.passkey_lengths = [cfg.train.seq_len]
+    t = Trainer(cfg)
+    res = passkey_eval(t.model, t.data.tokenizer, t.data.val, cfg.eval.passkey_lengths, cfg.eval.passkey_samples,
+                       cfg.train.seed, t.device, t.autocast)
+    t.logger.log(passkey_metrics(res), step=t.step)
+    t.print(format_passkey_table(res, f"step {t.step}"))
+    t.logger.finish()
+    return res
