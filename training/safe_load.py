@@ -40,7 +40,8 @@ def _allowed_global(module: str, name: str):
     """The object a DCP ``.metadata`` pickle may reference, or None."""
     if module == dcp_metadata.__name__:
         obj = getattr(dcp_metadata, name, None)
-        return obj if isinstance(obj, type) else None   # its dataclasses and enums, no functions
+        # Its own dataclasses and enums: no functions, nothing it merely imported.
+        return obj if isinstance(obj, type) and obj.__module__ == module else None
     if (module, name) == ("torch.distributed.checkpoint.filesystem", "_StorageInfo"):
         from torch.distributed.checkpoint.filesystem import _StorageInfo
         return _StorageInfo
