@@ -65,7 +65,7 @@ def _main(args: argparse.Namespace) -> int:
         print(format_plan(plan(cfg, args.gpus)))
         return 0
     if args.eval == "passkey":
-        from training.passkey import run_passkey
+        from training.evaluate import run_passkey
         run_passkey(cfg)
         return 0
     from training.loop import TrainingDiverged, run   # torch.distributed, layers, kernels: only to train

@@ -15,7 +15,7 @@ samples. A model trained on text without such tasks retrieves by induction (copy
 "The pass key is" before), which is what this probes: attention that cannot reach the needle fails.
 
 ``passkey_eval(model, tokenizer, val_tokens, lengths, samples)`` -> ``{length: accuracy}``;
-``format_passkey_table`` prints it; ``run_passkey(cfg)`` is ``train.py --config X --resume --eval passkey``.
+``format_passkey_table`` prints it; ``training.evaluate.run_passkey(cfg)`` is ``train.py --config X --resume --eval passkey``.
 """
 from __future__ import annotations
 
@@ -78,18 +78,3 @@ def passkey_metrics(results: dict[int, float]) -> dict:
     if results:
         out["passkey/mean"] = sum(results.values()) / len(results)
     return out
-
-
-def run_passkey(cfg) -> dict[int, float]:
-    """``train.py --config X --resume --eval passkey``: restore the latest checkpoint (no training step),
-    score ``eval.passkey_lengths`` (default: train.seq_len), print the table, log it at the checkpoint's step."""
-    from .loop import Trainer
-    if not cfg.eval.passkey_lengths:
-        cfg.eval.passkey_lengths = [cfg.train.seq_len]
-    t = Trainer(cfg)
-    res = passkey_eval(t.model, t.data.tokenizer, t.data.val, cfg.eval.passkey_lengths, cfg.eval.passkey_samples,
-                       cfg.train.seed, t.device, t.autocast)
-    t.logger.log(passkey_metrics(res), step=t.step)
-    t.print(format_passkey_table(res, f"step {t.step}"))
-    t.logger.finish()
-    return res

@@ -2,7 +2,7 @@
 
 - ``module``: ``Attention``, ``KVCache``; ``mla``: ``MLA`` (DeepSeek-V2/V3 latent attention, same interface).
 - ``masking``: ``AttnMask`` (padding / packed-document restriction shared by every layer of a forward).
-- ``functional``: ``sparse_attention`` (the backend dispatch) and ``dense_causal_attention``.
+- ``functional``: ``sparse_attention`` (the backend dispatch); ``dense``: ``dense_causal_attention``.
 - ``pattern``: ``SparsityPattern``, the per-head pattern type and its YAML form.
 - ``selection``: seeded random blocks, vertical-slash and block top-k estimation.
 - ``plan``: ``PatternPlan`` (a pattern resolved for one input), ``pattern_mask``, ``budget_plan``.

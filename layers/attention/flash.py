@@ -34,7 +34,7 @@ def _call(q, k, v, window: int | None) -> torch.Tensor:
 def flash_attn_dense(q, k, v, q_offset: int = 0) -> torch.Tensor:
     """Dense causal attention through flash-attn (square inputs; decode rows go to SDPA)."""
     if q_offset or q.shape[2] != k.shape[2]:
-        from .functional import dense_causal_attention
+        from .dense import dense_causal_attention
         return dense_causal_attention(q, k, v, q_offset)
     return _call(q, k, v, None)
 

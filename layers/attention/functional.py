@@ -37,28 +37,13 @@ from configs.attention import ATTN_BACKENDS
 from .flash import flash_attn_window
 from .flex import (column_slots, flex_attention_call, flex_block_mask, gather_columns, kernel_options_for,
                    pick_flex_kernel)
+from .dense import DENSE_CROSSOVER, dense_causal_attention
 from .masking import masked_causal_attention
 from .pattern import PatternLike, head_patterns, layer_block_size as plan_block_size
 from .plan import PatternPlan, plan_pattern
 
-# Tokens; below this, ``auto`` runs the reference (SDPA + materialised mask). Measured on the H200 by
-# bench/attention.py --crossover (BENCHMARKS.md "Sparse attention"): at 2048 tokens flex is already 3.3x
-# faster than masked SDPA (0.56 vs 1.83 ms, A-shape); shorter lengths were not measured.
-DENSE_CROSSOVER = 2048
 _MASK_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
 _MASK_CACHE_SIZE = 32
-
-
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
-    """``q [B, Hq, S, Dh]``, ``k, v [B, Hk, T, Dh]`` with query i at absolute position ``q_offset + i``."""
-    S, T = q.shape[2], k.shape[2]
-    gqa = q.shape[1] != k.shape[1]
-    if q_offset == 0 and S == T:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if S == 1:  # one decode step sees every cached key
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-    allowed = torch.arange(T, device=q.device)[None, :] <= (q_offset + torch.arange(S, device=q.device))[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: PatternLike,

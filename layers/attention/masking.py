@@ -114,7 +114,7 @@ def masked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     """Dense causal attention restricted by ``mask``: q [B, Hq, S, Dh], k [B, Hk, T, Dh], v [B, Hk, T, Dv]
     -> [B, Hq, S, Dv]. FlexAttention for square CUDA calls of at least DENSE_CROSSOVER tokens, else SDPA."""
     from .flex import flex_attention_call
-    from .functional import DENSE_CROSSOVER
+    from .dense import DENSE_CROSSOVER
     S, T = q.shape[2], k.shape[2]
     if q.is_cuda and S == T and q_offset == 0 and T >= DENSE_CROSSOVER:
         return flex_attention_call(q, k, v, mask.block_mask(T, q.device))
