@@ -18,6 +18,13 @@ from layers import pattern_mask, sparse_attention
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository
 
 
+def subprocess_env(**extra) -> dict:
+    """The environment for a child Python: this one's, with the checkout first on PYTHONPATH (kept, not
+    replaced: dependencies installed with ``pip --target`` on a GPU box live there)."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def tiny_overrides(tmp, corpus, **extra) -> list[str]:
     """Overrides that make any preset a ~30k-parameter model training on ``corpus`` under ``tmp``."""
     ov = {

@@ -9,7 +9,7 @@ import yaml
 from configs import ConfigError, load_config, to_dict
 from configs.presets import resolve_config_path
 from configs.suggest import suggest, valid_keys
-from helpers import ROOT
+from helpers import ROOT, subprocess_env
 from training.cli import main
 
 
@@ -51,7 +51,7 @@ def test_presets_resolve_by_name_from_any_directory(tmp_path):
     # As the installed moezoo-train runs it: another working directory, training.cli:main.
     code = "import sys; from training.cli import main; sys.exit(main(['--config', 'tiny_dense', '--print-config']))"
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": ROOT})
+                       env=subprocess_env())
     assert r.returncode == 0 and yaml.safe_load(r.stdout)["name"] == "tiny_dense", r.stderr
 
 

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from helpers import ROOT
+from helpers import ROOT, subprocess_env
 
 PACKAGES = ["configs", "kernels", "layers", "zoo", "training"]
 # What each package may import (besides itself); everything may import configs.
@@ -110,7 +110,7 @@ print("ok")
 
 
 def test_library_imports_and_trains_on_cpu_without_triton():
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = subprocess_env()
     env.pop("TRITON_INTERPRET", None)
     r = subprocess.run([sys.executable, "-c", HIDE_TRITON], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT
+from helpers import ROOT, subprocess_env
 from configs import AttentionConfig, ConfigError, load_config
 from configs.attention import minference_patterns
 from layers import SparsityPattern, pattern_mask
@@ -84,7 +84,7 @@ def test_random_pattern_identical_across_two_processes():
             "print(hashlib.sha256(m.numpy().tobytes()).hexdigest())")
     root = ROOT
     outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
-                           env={**os.environ, "PYTHONPATH": root, "PYTHONHASHSEED": seed}).stdout.strip()
+                           env=subprocess_env(PYTHONHASHSEED=seed)).stdout.strip()
             for seed in ("1", "2")]
     p = SparsityPattern(type="bigbird", window=8, sinks=4, random_blocks=3, block_size=8, seed=11)
     here = hashlib.sha256(pattern_mask(p, 200, 200, 4, layer=3).numpy().tobytes()).hexdigest()

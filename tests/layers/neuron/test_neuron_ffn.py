@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from configs import ConfigError, load_config
-from helpers import ROOT
+from helpers import ROOT, subprocess_env
 from layers import (MoE, NeuronRoutedFFN, SwiGLU, moe_aux_loss, neuron_schedule_step, neuron_stats,
                     total_aux_loss)
 from layers.neuron.cluster import balanced_assign, balanced_kmeans, cluster_neurons
@@ -268,7 +268,7 @@ def test_fast_dispatch_path_under_triton_interpreter_equals_reference_path():
     import subprocess
     import sys
     root = ROOT
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+    env = subprocess_env(TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", FAST_PATH_CHECK], env=env, cwd=root, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
