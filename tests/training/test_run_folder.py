@@ -7,7 +7,7 @@ import signal
 import pytest
 import torch
 
-from configs import ConfigError, load_config
+from configs import load_config
 from training.checkpoint import list_checkpoints, save_checkpoint
 from training.cli import main, parse_args
 from training.loop import Interrupted, Trainer

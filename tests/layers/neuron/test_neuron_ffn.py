@@ -264,7 +264,6 @@ def test_fast_dispatch_path_under_triton_interpreter_equals_reference_path():
 
     A subprocess, because the interpreter must be switched on before triton is first imported.
     """
-    import os
     import subprocess
     import sys
     root = ROOT
