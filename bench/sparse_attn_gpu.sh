@@ -7,7 +7,7 @@
 #     OUT=/tmp/out bash bench/sparse_attn_gpu.sh [e2e64 layer e2e128 tests layer_short]
 set -u
 OUT=${OUT:-/tmp/sparse_attn_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # keeps a wheel folder the caller put there
 PY=${PY:-python3}
 COMMON="model.vocab_size=8192 data.max_files=700 train.eval_batches=1 eval.passkey_lengths=[] data.cache_dir=/tmp/moezoo_cache"
 PARTS=${*:-e2e64 layer e2e128 tests}

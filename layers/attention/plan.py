@@ -231,7 +231,8 @@ def budget_plan(pattern: PatternLike, n_heads: int, T: int, layer: int = 0, rows
         return plan
     idx = torch.arange(T, device=device)
     plan.window, plan.sinks = plan.window.clone(), plan.sinks.clone()
-    plan.window[dyn] = 0
+    for h in dyn:   # block top-k heads keep their own sinks / window on top of the blocks
+        plan.window[h], plan.sinks[h] = (pats[h].window, pats[h].sinks) if pats[h].type == "block_topk" else (0, 0)
     cols = torch.zeros(1, n_heads, T, dtype=torch.bool, device=device)
     diags = torch.zeros_like(cols)
     nq = (rows.stop - 1) // plan.block_size - plan.q_block0 + 1 if len(rows) else 0

@@ -58,6 +58,18 @@ def test_block_topk_sinks_window_mask_is_the_union_of_its_parts():
     assert torch.equal(both, topk | ash[None])
 
 
+def test_budget_density_counts_block_topk_sinks_and_window():
+    from layers.attention.density import pattern_density
+    from layers.attention.plan import budget_plan
+    T = 64
+    p = SparsityPattern(type="block_topk", top_k=2, sinks=2, window=20, block_size=BS)
+    got = budget_plan(p, 1, T).token_mask()[0, 0]
+    blocks = budget_plan(SparsityPattern(type="block_topk", top_k=2, block_size=BS), 1, T).token_mask()[0, 0]
+    ash = pattern_mask(SparsityPattern(type="a_shape", sinks=2, window=20, block_size=BS), T, T, 1)[0]
+    assert torch.equal(got, blocks | ash)
+    assert float(pattern_density(p, 1, T)[0]) == pytest.approx(float((blocks | ash).sum()) / (T * (T + 1) / 2))
+
+
 def test_vertical_slash_keeps_first_columns_and_nearest_diagonals_like_minference():
     B, H, T = 1, 2, 96
     q, k, _ = make_inputs(B, H, 2, T)
