@@ -109,14 +109,13 @@ def _shape(model, cfg: Optional[Config] = None) -> _Shape:
         blocks_expert.append(e)
     dst_dense = dst_expert = 0
     if cfg is not None and cfg.dst.enabled:
-        from layers.dst.dynamic_sparsity import is_dst_target
+        from layers.dst.targets import dst_parameters
         expert_ids = {id(p) for m in model.modules() if is_routed_moe(m) for p in m.experts.parameters()}
-        for name, p in model.named_parameters():
-            if is_dst_target(name, p, cfg.dst.include, cfg.dst.exclude):
-                if id(p) in expert_ids:
-                    dst_expert += p.numel()
-                else:
-                    dst_dense += p.numel()
+        for _, p in dst_parameters(model, cfg.dst.include, cfg.dst.exclude):
+            if id(p) in expert_ids:
+                dst_expert += p.numel()
+            else:
+                dst_dense += p.numel()
     return _Shape(counts.total - counts.expert, counts.expert, max(blocks_dense), max(blocks_expert), experts,
                   dst_dense, dst_expert)
 
