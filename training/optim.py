@@ -48,9 +48,13 @@ class CompactAdamW(torch.optim.AdamW):
     and ``capacity`` the most entries ``p`` (this rank's shard) can have active. Then per step, for ``p``:
 
         idx  = flat indices of the active entries (int32, rebuilt only when the mask buffer changes)
-        w_A  = p[idx]; g_A = grad[idx]          # gathered into fixed [capacity] leaves
+        w_A  = p[idx]; g_A = grad[idx]          # gathered into [capacity] leaves
         AdamW on (w_A, g_A) with compact exp_avg / exp_avg_sq [capacity]   (the same fused/foreach kernel)
         p[idx] = w_A
+
+Persistent per active entry: the two fp32 moments and the int32 index (12 B). The leaves ``w_A``, ``g_A``
+(8 B per active entry) exist only inside ``step()``: their storage is freed after it (as FSDP2 frees
+unsharded parameters), when the step's activations are gone already.
 
     Inactive weights are never touched, so they stay exactly zero and DST need not re-mask each step;
     ``p.grad`` stays dense (RigL grows by it, clipping sees it). Unmasked parameters take the plain AdamW
@@ -73,8 +77,11 @@ class CompactAdamW(torch.optim.AdamW):
         gi = next(i for i, g in enumerate(self.param_groups) if any(q is p for q in g["params"]))
         local = local_tensor(p)
         capacity = min(capacity, local.numel())
+        if local.numel() >= 2 ** 31:
+            raise ConfigError("dst.compact_state", f"int32 indices: a weight shard of {local.numel()} entries is too big")
         leaf = _like_shards(torch.zeros(capacity, dtype=p.dtype, device=local.device), p)
         leaf.grad = _like_shards(torch.zeros(capacity, dtype=p.dtype, device=local.device), p)
+        _free(leaf), _free(leaf.grad)
         c = _Compact(leaf, mask, p.shape[-1])
         self._compact[p] = c
         if self._inner is None:
@@ -106,8 +113,6 @@ class CompactAdamW(torch.optim.AdamW):
             raise RuntimeError(f"compact DST state: {idx.numel()} active entries on this rank exceed the capacity {cap}"
                                " (a sharded weight's rows drew more active weights than the margin allows)")
         c.idx, c.k, c.key = idx, idx.numel(), (id(packed), packed._version)
-        local_tensor(c.leaf)[c.k:].zero_()
-        local_tensor(c.leaf.grad)[c.k:].zero_()
 
     def compact_remap(self, p: torch.Tensor) -> None:
         """After DST wrote ``p``'s new mask: move the moments to the new active set."""
@@ -139,9 +144,11 @@ class CompactAdamW(torch.optim.AdamW):
                 continue
             if c.key != (id(packed := c.mask()), packed._version):
                 self._index(c)                              # the mask buffer was reloaded (checkpoint)
-            lw, lg = local_tensor(c.leaf), local_tensor(c.leaf.grad)
+            lw, lg = _alloc(c.leaf), _alloc(c.leaf.grad)
             torch.index_select(local_tensor(p).reshape(-1), 0, c.idx, out=lw[:c.k])
             torch.index_select(local_tensor(p.grad).reshape(-1), 0, c.idx, out=lg[:c.k])
+            lw[c.k:].zero_()                                # padding: zero weight, grad, moments: stays zero
+            lg[c.k:].zero_()
             hidden[p] = p.grad
             p.grad = None                                   # the dense AdamW below skips it
         try:
@@ -156,6 +163,7 @@ class CompactAdamW(torch.optim.AdamW):
         for p, c in self._compact.items():
             if p in hidden:
                 local_tensor(p).view(-1).index_put_((c.idx,), local_tensor(c.leaf)[:c.k])
+                _free(c.leaf), _free(c.leaf.grad)
                 if self.state.get(p) is not self._inner.state.get(c.leaf):
                     self.state[p] = self._inner.state[c.leaf]    # one dict: saved with the outer state
             elif c.leaf_grad is not None:
@@ -179,6 +187,19 @@ class _Compact:
     k: int = 0
     key: Optional[tuple] = None
     leaf_grad: Optional[torch.Tensor] = None   # parked while the weight has no grad this step
+
+
+def _alloc(t: torch.Tensor) -> torch.Tensor:
+    """Give ``t`` (a leaf whose storage was freed) its storage back; returns its local tensor."""
+    local = local_tensor(t)
+    nbytes = local.numel() * local.element_size()
+    if local.untyped_storage().size() != nbytes:
+        local.untyped_storage().resize_(nbytes)
+    return local
+
+
+def _free(t: torch.Tensor) -> None:
+    local_tensor(t).untyped_storage().resize_(0)
 
 
 def _like_shards(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

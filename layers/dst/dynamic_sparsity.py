@@ -65,11 +65,6 @@ from ..sharding import DTensor, full_tensor, local_tensor, shard_like
 
 
 
-def dst_bytes_per_weight(grad_ema) -> int:
-    """Buffers per masked weight: the bool mask and ever-active flag, plus a float32 EMA score."""
-    return 2 + (4 if grad_ema is not None else 0)
-
-
 def resolve_config(cfg: Optional[DSTConfig], overrides: dict) -> DSTConfig:
     """``cfg`` (default ``DSTConfig()``) with keyword ``overrides`` of its fields, enabled and validated."""
     names = {f.name for f in dataclasses.fields(DSTConfig)} - {"enabled"}

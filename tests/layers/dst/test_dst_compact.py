@@ -147,7 +147,8 @@ def _state_bytes(model, opt, dst):
         per += sum(v.numel() * v.element_size() for v in opt.state[t.param()].values() if v.dim() > 0)
         per += sum(t.buf(k).numel() * t.buf(k).element_size() for k in ("mask", "ever", "score"))
         c = getattr(opt, "_compact", {}).get(t.param())
-        per += 0 if c is None else c.idx.numel() * c.idx.element_size() + 2 * c.leaf.numel() * c.leaf.element_size()
+        if c is not None:                       # the gathered leaves hold storage only inside step()
+            per += c.idx.numel() * c.idx.element_size() + sum(x.untyped_storage().nbytes() for x in (c.leaf, c.leaf.grad))
     return per / sum(t.numel for t in dst.targets)
 
 
