@@ -145,7 +145,7 @@ def _state_bytes(model, opt, dst):
     per = 0
     for t in dst.targets:
         per += sum(v.numel() * v.element_size() for v in opt.state[t.param()].values() if v.dim() > 0)
-        per += sum(t.buf(k).numel() * t.buf(k).element_size() for k in ("mask", "ever", "score"))
+        per += sum(b.numel() * b.element_size() for b in map(t.buf, ("mask", "ever", "score")) if b is not None)
         c = getattr(opt, "_compact", {}).get(t.param())
         if c is not None:                       # the gathered leaves hold storage only inside step()
             per += c.idx.numel() * c.idx.element_size() + sum(x.untyped_storage().nbytes() for x in (c.leaf, c.leaf.grad))
