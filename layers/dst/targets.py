@@ -4,7 +4,8 @@ Default (``include=None``): every 2-D ``weight`` of an ``nn.Linear`` and every p
 held by a module that is not a convolution (stacked MoE experts ``[E, out, in]``, HF layout), except the
 embeddings and the output head. The head is ``model.get_output_embeddings()`` where the model defines it
 (HF ``PreTrainedModel``), else a Linear whose weight is an ``nn.Embedding``'s (tied) or whose ``out_features``
-is an embedding's vocabulary; a model with no embedding (a plain MLP) has its last Linear as the head.
+is an embedding's vocabulary; a model with no embedding (a plain MLP) has its last Linear as the head
+(unless it is the only one).
 With ``include`` given: every >= 2-D parameter whose name matches an ``include`` fnmatch pattern.
 Either way, names matching an ``exclude`` pattern (routers, by default) are skipped.
 
@@ -35,8 +36,8 @@ def _head_and_embeddings(model: nn.Module) -> set[int]:
     if head is None and embeds:
         vocab = {e.num_embeddings for e in embeds}
         head = next((m for m in reversed(linears) if id(m.weight) in skip or m.out_features in vocab), None)
-    if head is None and not embeds and linears:
-        head = linears[-1]
+    if head is None and not embeds and len(linears) > 1:
+        head = linears[-1]                 # a one-Linear model's only layer is what the user means to mask
     if isinstance(head, nn.Module) and isinstance(getattr(head, "weight", None), torch.Tensor):
         skip.add(id(head.weight))
     return skip
