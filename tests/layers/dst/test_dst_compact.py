@@ -159,3 +159,15 @@ def test_compact_state_costs_at_most_half_the_bytes_per_masked_weight_at_20_perc
     mlp_steps(cm, co, cd, 3)
     dense, compact = _state_bytes(rm, ro, rd), _state_bytes(cm, co, cd)
     assert dense == 14.0 and compact <= 0.5 * dense, (dense, compact)
+
+
+def test_default_targets_on_a_hf_llama_skip_embeddings_and_lm_head():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    dst = DynamicSparsity(model, None, total_steps=10)
+    names = [t.name for t in dst.targets]
+    want = [n for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2]
+    assert names == want and len(names) == 2 * 7
