@@ -2,7 +2,8 @@
 
 Papers: RigL (Evci et al. 2020, google-research/rigl), SET (Mocanu et al. 2018), ERK densities (RigL),
 cosine drop fraction (RigL), transposable 2:4 (Hu et al. ICML'24). Mask selection lives in
-``dst_masks``, the schedule in ``dst_schedule``, the optional 2:4 kernel path in ``dst_semi``.
+``masks``, the schedule in ``schedule``, targets in ``targets``, 1-bit packing in ``bits``, the optional 2:4
+kernel path in ``semi_structured``, the bytes each option costs in ``costs``.
 
 Usage (the training loop in training/loop.py does exactly this)::
 
@@ -23,6 +24,12 @@ Masks are bool buffers registered beside their parameter (``<param>_mask``; ``<p
 weights ever active; ``<param>_score`` holds the EMA grow score when ``grad_ema`` is set), so they are
 in ``model.state_dict()`` and travel with checkpoints: create DynamicSparsity before loading a
 checkpoint into the model, and a resumed run continues bit-exactly.
+
+``compact_state``: mask and ever-active are uint8 buffers packed 8 per byte along the weight's last dim,
+the EMA score is bf16, and the optimizer (``training.optim.CompactAdamW``, reached by duck typing:
+``set_compact`` / ``compact_remap``) keeps AdamW moments for the active entries only and never moves
+inactive weights, so ``step()`` skips the per-step re-mask; at an update DST zeroes pruned weights and
+the optimizer moves kept moments to their new slots (grown start at 0, pruned are dropped).
 
 Dense gradients for RigL: masks are applied to the weights (stored dense, inactive entries exactly
 zero), never to the gradients, so after backward ``p.grad`` holds dL/dW at every position, active or
