@@ -11,6 +11,8 @@ weight decay 0.1, clip 1.0, linear warm-up then cosine to 10%. Runs (``RUNS``):
 - ``set``: the same with random growth (SET).
 - ``recipe`` (seeds 000/001): grow by the gradient EMA ``0.1 |g| + 0.9 S``, ERK, sparsity ramping 80% -> 50%
   on a cosine over the first half, the same update cadence, LR 25% lower, warm-up twice as long.
+- ``rigl50``: RigL at the recipe's final density (50% sparse from the start), to separate the recipe's
+  schedule from its density.
 Validation loss: the mean of 40 held-out batches (fixed generator), in nats per byte.
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ RUNS = {
     "set": dict(dst=dict(RIGL, method="set"), lr_scale=1.0, warmup_scale=1.0),
     "recipe": dict(dst=dict(RIGL, grad_ema=0.1, initial_sparsity=0.8, sparsity=0.5, sparsity_schedule="cosine",
                             ramp_fraction=0.5), lr_scale=0.75, warmup_scale=2.0),
+    "rigl50": dict(dst=dict(RIGL, sparsity=0.5), lr_scale=1.0, warmup_scale=1.0),
 }
 
 
