@@ -1,29 +1,24 @@
-"""Dynamic sparse training cost on one GPU: mask-update and per-step overhead on a ~1B LLaMA-style model,
-memory per masked weight, the 2:4 semi-structured path, and a small dense vs 80% ERK-RigL quality run.
+"""Dynamic sparse training cost on one GPU: step time, peak memory and optimizer state of a ~1B LLaMA-style
+model with DST (dense or compact state) against dense, the mask-update cost, and the 2:4 FFN path against
+torchao's. Quality of the schedules: bench/train_dst.py.
 
-    python bench/dst.py --out dst.json [--variants rigl_erk80,...] [--quality-steps 1200] [--skip-quality]
+    python bench/dst.py --out dst.json [--variants rigl_erk80,rigl_erk80_compact,...] [--skip-semi]
+    python bench/dst.py --smoke --out /tmp/dst.json       # CPU, tiny model: checks the script
 
 1B model: TinyLlama-1.1B shape (dim 2048, 22 layers, 32 heads, 4 KV heads, FFN 5632, vocab 32000) built
-with zoo.build_model, fp32 master weights, bf16 autocast, fused AdamW, batch 8 x 2048 tokens.
-Per variant: ``train`` = fwd + bwd + optimizer step (median, CUDA events); ``per_step`` = ``dst.step``
-at a step with no update (re-applies the masks); ``update`` = ``dst.step`` at an update step (scores,
-top-k per layer / expert, moment reset); ``amortised`` = ``(update - per_step) / update_every`` as a
-share of ``train``. Memory: bytes per masked weight of the buffers DST adds (allocated before/after
-construction) and the transient peak during an update.
-2:4 path: one FFN linear (16384 tokens, bf16), fwd+bwd, ``F.linear`` on the masked weight vs
-``SemiSparseLinear`` (cuSPARSELt/CUTLASS), plain and transposable.
-Quality: a ~10M-parameter model on the bytes of this interpreter's standard library (vocab 256, no
-tokenizer), dense vs 80% ERK-RigL at equal tokens, validation loss on held-out files.
+with zoo.build_model, fp32 master weights, bf16 autocast, fused AdamW (CompactAdamW for ``*_compact``),
+batch 8 x 2048 tokens. Per variant (bench_1b): ``step_ms`` (fwd + bwd + optimizer step + ``dst.step``
+without an update, median, CUDA events), ``step_peak_gb``, ``optimizer_gb``, ``dst_buffers_gb``; the
+mask update's extra time amortised over ``update_every`` as a share of the step.
+2:4 path (bench_semi): one LLaMA-7B SwiGLU FFN (4096 -> 11008 -> 4096), 16384 tokens, bf16, fwd+bwd:
+dense vs ours (kernels.semi_sparse_linear) vs torchao.sparsity.training (when installed).
 """
 from __future__ import annotations
 
 import argparse
-import glob
 import json
-import math
 import os
 import sys
-import sysconfig
 import time
 
 import torch
@@ -35,12 +30,15 @@ from configs import ModelConfig  # noqa: E402
 from layers import DynamicSparsity  # noqa: E402
 from layers.dst.masks import transposable_nm_select  # noqa: E402
 from kernels.semi_sparse_linear import SemiSparseLinear  # noqa: E402
+from training.optim import CompactAdamW  # noqa: E402
 from zoo import build_model  # noqa: E402
 
 ONE_B = ModelConfig(vocab_size=32000, dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_hidden=5632,
                     max_seq_len=2048)
 VARIANTS = {
     "rigl_erk80": dict(sparsity=0.8, method="rigl", distribution="erk"),
+    "rigl_erk80_compact": dict(sparsity=0.8, method="rigl", distribution="erk", compact_state=True),
+    "rigl_erk80_ema_compact": dict(sparsity=0.8, method="rigl", distribution="erk", grad_ema=0.1, compact_state=True),
     "rigl_erk80_ema": dict(sparsity=0.8, method="rigl", distribution="erk", grad_ema=0.1),
     "set_erk80": dict(sparsity=0.8, method="set", distribution="erk"),
     "rigl_block1x128": dict(sparsity=0.8, method="rigl", distribution="uniform", granularity="block", block=[1, 128]),
@@ -50,6 +48,10 @@ VARIANTS = {
 
 
 def cuda_ms(fn) -> float:
+    if not torch.cuda.is_available():                              # --smoke on CPU: wall clock
+        t0 = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t0)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     fn()
@@ -63,98 +65,157 @@ def median(xs):
     return xs[len(xs) // 2]
 
 
-def bench_1b(variants, batch, seq, steps, update_every):
+def _mem():
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+def _peak_reset():
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak():
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
+def optimizer_state_bytes(opt) -> int:
+    """Bytes the optimizer keeps between steps: its state tensors, plus CompactAdamW's active indices."""
+    n = sum(v.untyped_storage().nbytes() for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+    n += sum(c.idx.numel() * c.idx.element_size() for c in getattr(opt, "_compact", {}).values())
+    return n
+
+
+def bench_1b(variants, batch, seq, steps, update_every, mcfg=ONE_B, dev="cuda"):
+    """Per variant: ``step_ms`` = fwd + bwd + optimizer step + ``dst.step`` (no update) against dense;
+    ``step_peak_gb`` = peak allocated during one such step; ``optimizer_gb`` = optimizer state (+ indices);
+    ``dst_buffers_gb`` = DST's buffers; the mask update amortised over ``update_every`` steps."""
     results = []
-    x = torch.randint(0, ONE_B.vocab_size, (batch, seq + 1), device="cuda")
+    x = torch.randint(0, mcfg.vocab_size, (batch, seq + 1), device=dev)
     tokens, targets = x[:, :-1], x[:, 1:]
 
     def train(model, opt):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
             loss, _ = model.loss(tokens, targets)
         loss.backward()
         opt.step()
 
     for name in ["dense", *variants]:
         torch.manual_seed(0)
-        model = build_model(ONE_B, device="cuda")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        n_params = sum(p.numel() for p in model.parameters())
-        r = {"variant": name, "params": n_params}
-        train(model, opt)                                          # allocate optimizer state first
-        torch.cuda.synchronize()
+        model = build_model(mcfg, device=dev)
+        opts = VARIANTS.get(name, {})
+        Opt = CompactAdamW if opts.get("compact_state") else torch.optim.AdamW
+        opt = Opt(model.parameters(), lr=1e-4, fused=dev == "cuda")
+        r = {"variant": name, "params": sum(p.numel() for p in model.parameters())}
         dst = None
         if name != "dense":
-            before = torch.cuda.memory_allocated()
+            before = _mem()
             t0 = time.perf_counter()
             dst = DynamicSparsity(model, opt, total_steps=100 * update_every, update_every=update_every,
-                                  stop_fraction=1.0, **VARIANTS[name])
-            torch.cuda.synchronize()
+                                  stop_fraction=1.0, **opts)
+            if dev == "cuda":
+                torch.cuda.synchronize()
             r["setup_s"] = time.perf_counter() - t0
             masked = sum(t.numel for t in dst.targets)
             r["masked_weights"] = masked
-            r["bytes_per_masked_weight"] = (torch.cuda.memory_allocated() - before) / masked
-        t_train, t_step = [], []
-        for i in range(steps):
-            opt.zero_grad(set_to_none=True)
-            t_train.append(cuda_ms(lambda: train(model, opt)))
+            r["dst_buffers_gb"] = (_mem() - before) / 1e9
+            r["dst_bytes_per_masked_weight"] = (_mem() - before) / masked
+
+        def step(i):
+            train(model, opt)
             if dst is not None:
-                t_step.append(cuda_ms(lambda: dst.step(i + 1)))      # i + 1 < update_every: no update
-        r["train_ms"] = median(t_train[1:])
+                dst.step(i)                                        # i < update_every: no update
+            opt.zero_grad(set_to_none=True)
+
+        step(1)                                                    # optimizer state exists from here
+        t_step, peaks = [], []
+        for i in range(steps):
+            base = _mem()
+            _peak_reset()
+            t_step.append(cuda_ms(lambda: step(i + 2)))
+            peaks.append(_peak() - base)
+        r["step_ms"] = median(t_step)
+        r["resident_gb"] = _mem() / 1e9
+        r["step_peak_gb"] = (_mem() + max(peaks)) / 1e9
+        r["optimizer_gb"] = optimizer_state_bytes(opt) / 1e9
         if dst is not None:
-            r["per_step_ms"] = median(t_step[1:])
-            t_upd, peaks = [], []
+            per = median([cuda_ms(lambda: dst.step(3)) for _ in range(3)])    # dst.step alone, no update
+            train(model, opt)                                      # grads present for the update's scores
+            t_upd = []
             for j in (1, 2, 3):
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
                 t_upd.append(cuda_ms(lambda: dst.step(j * update_every)))
-                peaks.append(torch.cuda.max_memory_allocated() - base)
+            opt.zero_grad(set_to_none=True)
+            r["dst_step_ms"] = per
             r["update_ms"] = median(t_upd)
-            r["update_peak_extra_mb"] = max(peaks) / 2 ** 20
-            r["amortised_ms"] = (r["update_ms"] - r["per_step_ms"]) / update_every
-            r["amortised_share"] = r["amortised_ms"] / r["train_ms"]
-            r["per_step_share"] = r["per_step_ms"] / r["train_ms"]
+            r["amortised_share"] = (r["update_ms"] - per) / update_every / r["step_ms"]
             r["density"] = dst.stats()["density"]
         print(json.dumps(r), flush=True)
         results.append(r)
         del model, opt, dst
-        torch.cuda.empty_cache()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    dense = results[0]
+    for r in results[1:]:
+        r["step_vs_dense"] = r["step_ms"] / dense["step_ms"]
+        r["optimizer_vs_dense"] = r["optimizer_gb"] / dense["optimizer_gb"]
+        r["peak_vs_dense"] = r["step_peak_gb"] / dense["step_peak_gb"] if dense["step_peak_gb"] else None
     return results
 
 
-def bench_semi(tokens=16384, shapes=((5632, 2048), (2048, 5632))):
-    out = []
-    for o, i in shapes:
-        torch.manual_seed(0)
-        w = torch.randn(o, i, device="cuda")
-        w = (w * transposable_nm_select(w.abs().view(1, o, i), 2, 4).view(o, i)).requires_grad_()  # 2:4 both ways
-        x = torch.randn(tokens, i, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        g = torch.randn(tokens, o, device="cuda", dtype=torch.bfloat16)
+def _torchao_sparsify():
+    """torchao's semi-structured training path (``torchao.sparsity.training``), or None when not installed."""
+    try:
+        from torchao.sparsity.training.autograd import semi_structured_sparsify
+        return semi_structured_sparsify
+    except ImportError:
+        return None
 
-        def dense():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                y = F.linear(x, w)
-            y.backward(g)
 
-        def semi(transposable):
-            return lambda: SemiSparseLinear.apply(x, w, torch.bfloat16, transposable).backward(g)
+def bench_semi(tokens=16384, dim=4096, hidden=11008):
+    """One LLaMA-7B SwiGLU FFN (w1, w3 [H, D], w2 [D, H], transposable 2:4 weights, bf16), ``tokens`` x D
+    input, fwd + bwd: dense ``F.linear`` vs ours (``SemiSparseLinear``, plain and transposable) vs torchao
+    (``semi_structured_sparsify`` then ``F.linear``, cuSPARSELt and CUTLASS backends)."""
+    torch.manual_seed(0)
 
-        r = {"shape_out_in": [o, i], "tokens": tokens}
-        for name, fn in (("dense", dense), ("semi", semi(False)), ("semi_transposable", semi(True))):
-            try:
-                for _ in range(3):
-                    fn()
-                r[f"{name}_ms"] = median([cuda_ms(fn) for _ in range(10)])
-            except Exception as e:  # report, don't crash: the kernels are shape/arch dependent
-                r[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        with torch.no_grad():
-            ref = F.linear(x.float(), w).float()
-            got = SemiSparseLinear.apply(x, w, torch.bfloat16, False).float() if "semi_ms" in r else None
-            if got is not None:
-                r["semi_rel_err"] = ((got - ref).norm() / ref.norm()).item()
-                r["bf16_dense_rel_err"] = ((F.linear(x, w.bfloat16()).float() - ref).norm() / ref.norm()).item()
-        print(json.dumps(r), flush=True)
-        out.append(r)
-    return out
+    def weight(o, i):
+        w = torch.randn(o, i, device="cuda") * 0.02
+        w = w * transposable_nm_select(w.abs().view(1, o, i), 2, 4).view(o, i)
+        return w.bfloat16().requires_grad_()
+
+    w1, w3, w2 = weight(hidden, dim), weight(hidden, dim), weight(dim, hidden)
+    x = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16)
+    sparsify = _torchao_sparsify()
+    linears = {
+        "dense": F.linear,
+        "ours": lambda a, w: SemiSparseLinear.apply(a, w, torch.bfloat16, False),
+        "ours_transposable": lambda a, w: SemiSparseLinear.apply(a, w, torch.bfloat16, True),
+    }
+    if sparsify is not None:
+        linears["torchao_cusparselt"] = lambda a, w: F.linear(a, sparsify(w, backend="cusparselt"))
+        linears["torchao_cutlass"] = lambda a, w: F.linear(a, sparsify(w, backend="cutlass"))
+    r = {"tokens": tokens, "dim": dim, "hidden": hidden, "torchao": sparsify is not None}
+    ref = None
+    for name, lin in linears.items():
+        def ffn():
+            return lin(F.silu(lin(x, w1)) * lin(x, w3), w2)
+
+        def fwd_bwd():
+            ffn().backward(g)
+        try:
+            for _ in range(3):
+                fwd_bwd()
+            r[f"{name}_ms"] = median([cuda_ms(fwd_bwd) for _ in range(10)])
+            with torch.no_grad():
+                y = ffn().float()
+                ref = y if ref is None else ref
+                r[f"{name}_rel_err"] = ((y - ref).norm() / ref.norm()).item()
+        except Exception as e:  # report, don't crash: the kernels are shape/arch dependent
+            r[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    for name in linears:
+        if f"{name}_ms" in r and name != "dense":
+            r[f"{name}_speedup"] = r["dense_ms"] / r[f"{name}_ms"]
+    print(json.dumps(r), flush=True)
+    return r
 
 
 def bench_apply():
@@ -188,61 +249,6 @@ def bench_apply():
     return r
 
 
-def stdlib_bytes():
-    """Train/val byte streams: the standard library's .py files, split by file name (every 20th is val)."""
-    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True))
-    tr, va = [], []
-    for k, f in enumerate(files):
-        with open(f, "rb") as fh:
-            (va if k % 20 == 0 else tr).append(fh.read())
-    as_t = lambda bs: torch.frombuffer(bytearray(b"\n".join(bs)), dtype=torch.uint8).long()  # noqa: E731
-    return as_t(tr), as_t(va)
-
-
-def quality(steps, batch=32, seq=256, sparsity=0.8, dev="cuda"):
-    train_t, val_t = (t.to(dev) for t in stdlib_bytes())
-    cfg = ModelConfig(vocab_size=256, dim=384, n_layers=6, n_heads=6, n_kv_heads=6, ffn_hidden=1024, max_seq_len=seq)
-
-    def batch_at(data, gen):
-        ix = torch.randint(0, data.numel() - seq - 1, (batch,), generator=gen, device=dev)
-        x = torch.stack([data[i:i + seq + 1] for i in ix.tolist()])
-        return x[:, :-1], x[:, 1:]
-
-    out = {}
-    for name in ("dense", f"rigl_erk{int(sparsity * 100)}"):
-        torch.manual_seed(0)
-        model = build_model(cfg, device=dev)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=dev == "cuda")
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: min(1.0, (s + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps))))
-        dst = None if name == "dense" else DynamicSparsity(model, opt, sparsity=sparsity, method="rigl",
-                                                           distribution="erk", update_every=50, total_steps=steps)
-        gen = torch.Generator(device=dev).manual_seed(1)
-        t0 = time.perf_counter()
-        for s in range(steps):
-            x, y = batch_at(train_t, gen)
-            with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-                loss, _ = model.loss(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            if dst is not None:
-                dst.step(s)
-            opt.zero_grad(set_to_none=True)
-            sched.step()
-        model.eval()
-        vgen = torch.Generator(device=dev).manual_seed(2)
-        with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-            vl = sum(model.loss(*batch_at(val_t, vgen))[0].item() for _ in range(40)) / 40
-        out[name] = {"val_loss": vl, "train_s": time.perf_counter() - t0,
-                     "params": sum(p.numel() for p in model.parameters()),
-                     **({"density": dst.stats()["density"], "ever_active": dst.stats()["ever_active"]} if dst else {})}
-        print(json.dumps({name: out[name]}), flush=True)
-    out.update(steps=steps, tokens=steps * batch * seq, model=dict(dim=cfg.dim, n_layers=cfg.n_layers,
-                                                                   ffn_hidden=cfg.ffn_hidden, vocab=256))
-    return out
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="dst.json")
@@ -251,21 +257,23 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--update-every", type=int, default=100)
-    ap.add_argument("--quality-steps", type=int, default=1500)
-    ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--skip-semi", action="store_true")
+    ap.add_argument("--skip-apply", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, the 1B section only (checks the script)")
     a = ap.parse_args()
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    res["apply"] = bench_apply()
-    if not a.skip_semi:
-        res["semi_structured"] = bench_semi()
-    res["one_b"] = bench_1b([v for v in a.variants.split(",") if v], a.batch, a.seq, a.steps, a.update_every)
+    variants = [v for v in a.variants.split(",") if v]
+    if a.smoke:
+        tiny = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=64)
+        res = {"one_b": bench_1b(variants, 2, 32, 2, 4, tiny, "cpu")}
+    else:
+        res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+        if not a.skip_apply:
+            res["apply"] = bench_apply()
+        if not a.skip_semi:
+            res["semi_structured"] = bench_semi()
+        res["one_b"] = bench_1b(variants, a.batch, a.seq, a.steps, a.update_every)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
-    if not a.skip_quality:
-        res["quality"] = quality(a.quality_steps)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
-"""``dst``: weight-level dynamic sparse training (layers.DynamicSparsity). Keywords mirror its constructor."""
+"""``dst``: weight-level dynamic sparse training (layers.DynamicSparsity).
+
+The one place each option and its default is declared: ``DynamicSparsity(model, opt, cfg=..., **overrides)``
+takes this dataclass plus keyword overrides of its fields, and the YAML ``dst:`` section fills it.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,13 +37,16 @@ class DSTConfig:
     transposable: bool = False             # N:M on W and W^T
     dense_finish: bool = False             # drop masks for the last steps after stop_fraction
     erk_power: float = 1.0                 # ERK raw density ((n_in + n_out) / (n_in * n_out)) ** erk_power
-    # fnmatch patterns on parameter names; every >= 2-D parameter matching include and no exclude is masked.
-    # Default: all linear weights of the transformer blocks (embeddings and head are outside layers.*),
-    # MoE experts included (per expert), routers excluded.
-    include: List[str] = field(default_factory=lambda: ["layers.*"])
+    # fnmatch patterns on parameter names. include=None (default, any model): every 2-D nn.Linear weight and
+    # every >= 3-D stacked-expert weight except embeddings and the output head (layers.dst.targets); a list:
+    # every >= 2-D parameter matching one. Names matching exclude (routers, by default) are never masked.
+    include: Optional[List[str]] = None
     exclude: List[str] = field(default_factory=lambda: ["*.gate.weight", "*.noise.weight", "*router*"])
     seed: int = 0                          # SET random growth: drawn from (seed, step, layer), same on every rank
     semi_structured: bool = False          # 2:4 layers run through torch.sparse semi-structured kernels (CUDA)
+    # Optimizer and DST state for active weights only (layers.dst.compact): bit-packed masks, a bf16 EMA score
+    # and AdamW moments held for the active entries (training.optim.CompactAdamW). Needs that optimizer.
+    compact_state: bool = False
 
     def validate(self, key: str = "dst") -> None:
         check(0.0 <= self.sparsity < 1.0, f"{key}.sparsity", f"must be in [0, 1), got {self.sparsity}")
@@ -61,7 +68,8 @@ class DSTConfig:
         check(len(self.block) == 2 and all(b > 0 for b in self.block), f"{key}.block",
               f"must be two positive ints [rows, cols], got {list(self.block)}")
         check(self.erk_power > 0, f"{key}.erk_power", f"must be > 0, got {self.erk_power}")
-        check(len(self.include) > 0, f"{key}.include", "needs at least one pattern")
+        if self.include is not None:
+            check(len(self.include) > 0, f"{key}.include", "needs at least one pattern (or null for the default)")
         if self.granularity == "nm":
             check(abs(self.sparsity - (1 - self.n / self.m)) < 1e-9, f"{key}.sparsity",
                   f"N:M {self.n}:{self.m} fixes sparsity at {1 - self.n / self.m:g}, got {self.sparsity}")
@@ -72,6 +80,9 @@ class DSTConfig:
         if self.semi_structured:
             check(self.granularity == "nm" and (self.n, self.m) == (2, 4), f"{key}.semi_structured",
                   "needs granularity=nm with n=2, m=4")
+        if self.compact_state:
+            check(not self.dense_finish, f"{key}.compact_state",
+                  "dense_finish makes every weight active: there is no compact state to keep")
         if self.sparsity_schedule == "cosine":
             check(self.initial_sparsity is not None, f"{key}.initial_sparsity", "the cosine schedule ramps from it; set it")
             check(self.ramp_fraction <= self.stop_fraction, f"{key}.ramp_fraction",

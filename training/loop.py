@@ -102,7 +102,8 @@ class Trainer:
                                                         2 * len(model.layers) + 8)
             for block in model.layers:
                 block.compile(dynamic=False)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type,
+                                         compact=cfg.dst.enabled and cfg.dst.compact_state)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.sparsity = self._sparsity_methods()
         self.autocast = self._autocast()

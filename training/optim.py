@@ -1,15 +1,24 @@
-"""AdamW with decoupled weight decay on matrices only, and linear warm-up + cosine decay (torch schedulers)."""
+"""AdamW with decoupled weight decay on matrices only, and linear warm-up + cosine decay (torch schedulers);
+``CompactAdamW``: the same AdamW keeping DST-masked weights' moments for their active entries only."""
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
-from configs import OptimConfig
+from configs import ConfigError, OptimConfig
+from layers.dst.bits import unpack_bits
+from layers.sharding import DTensor, local_tensor
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str = "cpu") -> torch.optim.AdamW:
-    """Weight decay on >= 2-D parameters (linears, embeddings, stacked experts); none on norms and biases."""
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str = "cpu",
+                    compact: bool = False) -> torch.optim.AdamW:
+    """Weight decay on >= 2-D parameters (linears, embeddings, stacked experts); none on norms and biases.
+    ``compact``: a ``CompactAdamW`` (for ``dst.compact_state``)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
@@ -17,7 +26,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str = "cpu"
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # The fused CUDA kernel is one launch for all parameters; on CPU the foreach path is the fast one.
     fused = device_type == "cuda"
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
+    cls = CompactAdamW if compact else torch.optim.AdamW
+    return cls(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
 
 
 def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
@@ -28,3 +38,178 @@ def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: i
         return cosine
     ramp = LinearLR(opt, start_factor=1.0 / warmup, end_factor=1.0, total_iters=warmup)
     return SequentialLR(opt, [ramp, cosine], milestones=[warmup])
+
+
+class CompactAdamW(torch.optim.AdamW):
+    """AdamW whose moments for DST-masked weights are held for the active entries only.
+
+    ``layers.dst.DynamicSparsity(..., compact_state=True)`` registers each masked weight ``p`` with
+    ``set_compact(p, mask, capacity)``: ``mask()`` returns this rank's bit-packed mask (``layers.dst.bits``)
+    and ``capacity`` the most entries ``p`` (this rank's shard) can have active. Then per step, for ``p``:
+
+        idx  = flat indices of the active entries (int32, rebuilt only when the mask buffer changes)
+        w_A  = p[idx]; g_A = grad[idx]          # gathered into [capacity] leaves
+        AdamW on (w_A, g_A) with compact exp_avg / exp_avg_sq [capacity]   (the same fused/foreach kernel)
+        p[idx] = w_A
+
+Persistent per active entry: the two fp32 moments and the int32 index (12 B). The leaves ``w_A``, ``g_A``
+(8 B per active entry) exist only inside ``step()``: their storage is freed after it (as FSDP2 frees
+unsharded parameters), when the step's activations are gone already.
+
+    Inactive weights are never touched, so they stay exactly zero and DST need not re-mask each step;
+    ``p.grad`` stays dense (RigL grows by it, clipping sees it). Unmasked parameters take the plain AdamW
+    path, bit for bit. At a mask update DST calls ``compact_remap(p)``: kept entries keep their moments,
+    grown ones start at zero, pruned ones are dropped. State is plain tensors (DTensors ``[ranks x
+    capacity]`` under FSDP2, one ``[capacity]`` block per rank) + the AdamW step, with fixed shapes, so DCP
+    saves and restores it bit-exactly at the same world size.
+    """
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self._compact: dict = {}       # param -> _Compact
+        self._inner: Optional[torch.optim.AdamW] = None
+        self._inner_group: dict = {}   # outer group index -> inner group index
+
+    # ---- registration ---------------------------------------------------------------------------
+    def set_compact(self, p: torch.Tensor, mask: Callable[[], torch.Tensor], capacity: int) -> None:
+        if self.defaults.get("amsgrad"):
+            raise ConfigError("dst.compact_state", "CompactAdamW keeps no compact max_exp_avg_sq: needs amsgrad=False")
+        gi = next(i for i, g in enumerate(self.param_groups) if any(q is p for q in g["params"]))
+        local = local_tensor(p)
+        capacity = min(capacity, local.numel())
+        if local.numel() >= 2 ** 31:
+            raise ConfigError("dst.compact_state", f"int32 indices: a weight shard of {local.numel()} entries is too big")
+        leaf = _like_shards(torch.zeros(capacity, dtype=p.dtype, device=local.device), p)
+        leaf.grad = _like_shards(torch.zeros(capacity, dtype=p.dtype, device=local.device), p)
+        _free(leaf), _free(leaf.grad)
+        c = _Compact(leaf, mask, p.shape[-1])
+        self._compact[p] = c
+        if self._inner is None:
+            # hyperparameters are copied from the outer groups at every step (schedulers change lr there)
+            self._inner = torch.optim.AdamW([leaf], fused=self.defaults.get("fused"), foreach=self.defaults.get("foreach"))
+            self._inner_group[gi] = 0
+        elif gi in self._inner_group:
+            self._inner.param_groups[self._inner_group[gi]]["params"].append(leaf)
+        else:
+            self._inner.add_param_group({"params": [leaf]})
+            self._inner_group[gi] = len(self._inner.param_groups) - 1
+        self._index(c)
+        old = self.state.pop(p, None)
+        if old:                                             # dense moments from earlier steps: keep the active ones
+            new = {"step": old["step"]}
+            for name in ("exp_avg", "exp_avg_sq"):
+                s = torch.zeros(capacity, dtype=old[name].dtype, device=local.device)
+                s[:c.k] = local_tensor(old[name]).reshape(-1)[c.idx]
+                new[name] = _like_shards(s, p)
+            self._inner.state[leaf] = new
+            self.state[p] = new
+
+    def _index(self, c: "_Compact") -> None:
+        """Active indices from the mask buffer (a host sync: only after an update or a load)."""
+        packed = c.mask()
+        idx = unpack_bits(packed, c.cols).reshape(-1).nonzero().squeeze(1).to(torch.int32)
+        cap = local_tensor(c.leaf).numel()
+        if idx.numel() > cap:
+            raise RuntimeError(f"compact DST state: {idx.numel()} active entries on this rank exceed the capacity {cap}"
+                               " (a sharded weight's rows drew more active weights than the margin allows)")
+        c.idx, c.k, c.key = idx, idx.numel(), (id(packed), packed._version)
+
+    def compact_remap(self, p: torch.Tensor) -> None:
+        """After DST wrote ``p``'s new mask: move the moments to the new active set."""
+        c = self._compact[p]
+        old_idx, old_k = c.idx, c.k
+        self._index(c)
+        n = local_tensor(p).numel()
+        for name in ("exp_avg", "exp_avg_sq"):
+            s = self.state.get(p, {}).get(name)
+            if s is None:
+                continue
+            s = local_tensor(s)
+            dense = torch.zeros(n, dtype=s.dtype, device=s.device)   # one weight's worth, transient
+            dense[old_idx] = s[:old_k]
+            s.zero_()
+            s[:c.k] = dense[c.idx]
+
+    # ---- step -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        hidden = {}
+        for p, c in self._compact.items():
+            if p.grad is None:
+                c.leaf_grad, c.leaf.grad = c.leaf.grad, None
+                continue
+            if c.key != (id(packed := c.mask()), packed._version):
+                self._index(c)                              # the mask buffer was reloaded (checkpoint)
+            lw, lg = _alloc(c.leaf), _alloc(c.leaf.grad)
+            torch.index_select(local_tensor(p).reshape(-1), 0, c.idx, out=lw[:c.k])
+            torch.index_select(local_tensor(p.grad).reshape(-1), 0, c.idx, out=lg[:c.k])
+            lw[c.k:].zero_()                                # padding: zero weight, grad, moments: stays zero
+            lg[c.k:].zero_()
+            hidden[p] = p.grad
+            p.grad = None                                   # the dense AdamW below skips it
+        try:
+            super().step()
+        finally:
+            for p, g in hidden.items():
+                p.grad = g
+        if self._inner is not None and hidden:
+            for gi, ii in self._inner_group.items():
+                self._inner.param_groups[ii].update({k: v for k, v in self.param_groups[gi].items() if k != "params"})
+            self._inner.step()
+        for p, c in self._compact.items():
+            if p in hidden:
+                local_tensor(p).view(-1).index_put_((c.idx,), local_tensor(c.leaf)[:c.k])
+                _free(c.leaf), _free(c.leaf.grad)
+                if self.state.get(p) is not self._inner.state.get(c.leaf):
+                    self.state[p] = self._inner.state[c.leaf]    # one dict: saved with the outer state
+            elif c.leaf_grad is not None:
+                c.leaf.grad, c.leaf_grad = c.leaf_grad, None
+        return loss
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        for p, c in self._compact.items():
+            if p in self.state:
+                self._inner.state[c.leaf] = self.state[p]
+            c.key = None                                    # indices re-derived from the reloaded mask
+
+
+@dataclass
+class _Compact:
+    leaf: torch.Tensor          # [capacity] gathered active weights (a DTensor [ranks x capacity] under FSDP2)
+    mask: Callable              # -> this rank's packed mask buffer
+    cols: int                   # the weight's last dim (packed along it)
+    idx: Optional[torch.Tensor] = None
+    k: int = 0
+    key: Optional[tuple] = None
+    leaf_grad: Optional[torch.Tensor] = None   # parked while the weight has no grad this step
+
+
+def _alloc(t: torch.Tensor) -> torch.Tensor:
+    """Give ``t`` (a leaf whose storage was freed) its storage back; returns its local tensor."""
+    local = local_tensor(t)
+    nbytes = local.numel() * local.element_size()
+    if local.untyped_storage().size() != nbytes:
+        local.untyped_storage().resize_(nbytes)
+    return local
+
+
+def _free(t: torch.Tensor) -> None:
+    local_tensor(t).untyped_storage().resize_(0)
+
+
+def _like_shards(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A 1-D per-rank block as a DTensor sharded over the mesh dims ``p`` is sharded on (one block per rank,
+    so DCP keeps every rank's), or ``local`` itself for a plain ``p``."""
+    if not isinstance(p, DTensor):
+        return local
+    from torch.distributed.tensor import Replicate, Shard
+    mesh = p.device_mesh
+    placements = [Shard(0) if pl.is_shard() else Replicate() for pl in p.placements]
+    n = math.prod(mesh.size(i) for i, pl in enumerate(placements) if pl.is_shard())
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=(n * local.numel(),), stride=(1,))
+

@@ -61,10 +61,13 @@ class Memory:
     fsdp_buffers: float
     activations: float
     dst_masks: float = 0.0      # DST mask / ever-active / EMA-score buffers, sharded like the weights
+    dst_step: float = 0.0       # compact DST state: gathered active weights + grads inside optimizer.step()
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.fsdp_buffers + self.activations + self.dst_masks
+        # the compact store's gather lives only inside the optimizer step, after backward freed the activations
+        return self.weights + self.grads + self.optimizer + self.fsdp_buffers + self.dst_masks \
+            + max(self.activations, self.dst_step)
 
 
 @dataclass
@@ -110,14 +113,13 @@ def _shape(model, cfg: Optional[Config] = None) -> _Shape:
         blocks_expert.append(e)
     dst_dense = dst_expert = 0
     if cfg is not None and cfg.dst.enabled:
-        from layers.dst.dynamic_sparsity import is_dst_target
+        from layers.dst.targets import dst_parameters
         expert_ids = {id(p) for m in model.modules() if is_routed_moe(m) for p in m.experts.parameters()}
-        for name, p in model.named_parameters():
-            if is_dst_target(name, p, cfg.dst.include, cfg.dst.exclude):
-                if id(p) in expert_ids:
-                    dst_expert += p.numel()
-                else:
-                    dst_dense += p.numel()
+        for _, p in dst_parameters(model, cfg.dst.include, cfg.dst.exclude):
+            if id(p) in expert_ids:
+                dst_expert += p.numel()
+            else:
+                dst_dense += p.numel()
     return _Shape(counts.total - counts.expert, counts.expert, max(blocks_dense), max(blocks_expert), experts,
                   dst_dense, dst_expert)
 
@@ -160,9 +162,18 @@ def memory_per_gpu(cfg: Config, shape: _Shape, layout: Layout, compute_bytes: in
     tokens = cfg.train.batch_size * cfg.train.seq_len
     acts = tokens * activation_bytes_per_token(cfg, compute_bytes, layout.activation_checkpointing)
     dst_held = shape.dst_dense / shard + shape.dst_expert / expert_shard
-    from layers.dst.dynamic_sparsity import dst_bytes_per_weight
-    return Memory(weights=held * FP32, grads=held * FP32, optimizer=held * FP32 * ADAM_STATES,
-                  fsdp_buffers=buffers, activations=acts, dst_masks=dst_held * dst_bytes_per_weight(cfg.dst.grad_ema))
+    cost = dst_cost(cfg, layout)
+    return Memory(weights=held * FP32, grads=held * FP32,
+                  optimizer=(held - dst_held) * FP32 * ADAM_STATES + dst_held * cost.optimizer,
+                  fsdp_buffers=buffers, activations=acts, dst_masks=dst_held * cost.buffers,
+                  dst_step=dst_held * cost.step_only)
+
+
+def dst_cost(cfg: Config, layout: Layout):
+    """Bytes per masked weight of the DST options (layers.dst.costs); the compact store keeps a 10% margin
+    for weights sharded over ranks."""
+    from layers.dst.costs import dst_state_bytes
+    return dst_state_bytes(cfg.dst, margin=1.1 if layout.fsdp and layout.dp_shard > 1 else 1.0)
 
 
 def _divisors(n: int) -> list[int]:
@@ -229,6 +240,9 @@ def plan(cfg: Config, n_gpus: Optional[int] = None, device_bytes: float = H200_B
         if layout is None:
             layout, source = recommend_layout(cfg, shape, n_gpus, cb, device_bytes), "recommended"
     mem = memory_per_gpu(cfg, shape, layout, cb)
+    if cfg.dst.enabled and shape.dst_dense + shape.dst_expert:
+        parts = dst_cost(cfg, layout).parts
+        notes.append("dst state per masked weight: " + ", ".join(f"{k} {v:.2f} B" for k, v in parts.items()))
     out = Plan(name=cfg.name, counts=counts, flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len, counts),
                seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, compute_bytes=cb, n_gpus=n_gpus,
                layout=layout, layout_source=source, memory=mem, device_bytes=device_bytes, notes=notes,
@@ -241,7 +255,10 @@ def plan(cfg: Config, n_gpus: Optional[int] = None, device_bytes: float = H200_B
         need = mem.total / (HEADROOM * device_bytes)
         fixes = "more GPUs, a smaller train.batch_size"
         fixes += "" if layout.activation_checkpointing else " or parallel.activation_checkpointing=true"
-        fixes += ", dst.grad_ema=null (4 B less per masked weight)" if mem.dst_masks and cfg.dst.grad_ema is not None else ""
+        if mem.dst_masks and not cfg.dst.compact_state:
+            fixes += ", dst.compact_state=true (optimizer and DST state for active weights only)"
+        elif mem.dst_masks and cfg.dst.grad_ema is not None:
+            fixes += ", dst.grad_ema=null (2 B less per masked weight)"
         notes.append(f"does not fit: needs {need:.2f}x the usable {HEADROOM:.0%} of device memory; try {fixes}")
     return out
 
@@ -270,6 +287,8 @@ def format_plan(p: Plan) -> str:
         f"    fsdp buffers  {m.fsdp_buffers / GB:9.1f} GB",
         f"    activations   {m.activations / GB:9.1f} GB",
         *([f"    dst masks     {m.dst_masks / GB:9.1f} GB"] if m.dst_masks else []),
+        *([f"    dst step      {m.dst_step / GB:9.1f} GB   (compact store's gather, optimizer step only: "
+           "counted as max(activations, dst step))"] if m.dst_step else []),
         f"    total         {m.total / GB:9.1f} GB of {cap / GB:.0f} GB ({100 * m.total / cap:.0f}%) -> "
         + ("fits" if p.fits else "DOES NOT FIT"),
     ]

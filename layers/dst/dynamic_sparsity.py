@@ -2,26 +2,34 @@
 
 Papers: RigL (Evci et al. 2020, google-research/rigl), SET (Mocanu et al. 2018), ERK densities (RigL),
 cosine drop fraction (RigL), transposable 2:4 (Hu et al. ICML'24). Mask selection lives in
-``dst_masks``, the schedule in ``dst_schedule``, the optional 2:4 kernel path in ``dst_semi``.
+``masks``, the schedule in ``schedule``, targets in ``targets``, 1-bit packing in ``bits``, the optional 2:4
+kernel path in ``semi_structured``, the bytes each option costs in ``costs``.
 
 Usage (the training loop in training/loop.py does exactly this)::
 
     dst = DynamicSparsity(model, optimizer, sparsity=0.8, method="rigl", total_steps=10_000)
-    # or DynamicSparsity.from_config(model, cfg.dst, optimizer, total_steps=cfg.train.steps)
+    # or DynamicSparsity(model, optimizer, cfg=cfg.dst, total_steps=cfg.train.steps, update_every=50)
     for step in range(total_steps):
         loss.backward(); optimizer.step()
         dst.step(step)          # re-apply masks, update them on schedule, clean optimizer moments
         optimizer.zero_grad()
         log(dst.stats())
 
-Targets: every >= 2-D parameter whose name matches an ``include`` fnmatch pattern and no ``exclude``
-pattern (default: the linear weights of ``layers.*``, routers excluded). A weight ``[out, in]`` is one
-slice; stacked MoE experts ``[E, out, in]`` are E slices, each with its own top-k at the layer's density.
+Targets (``layers.dst.targets``): by default every nn.Linear weight and stacked-expert weight except
+embeddings, the output head and routers, on any model; or the parameters named by ``include`` patterns.
+A weight ``[out, in]`` is one slice; stacked MoE experts ``[E, out, in]`` are E slices, each with its own
+top-k at the layer's density.
 
 Masks are bool buffers registered beside their parameter (``<param>_mask``; ``<param>_ever`` marks
 weights ever active; ``<param>_score`` holds the EMA grow score when ``grad_ema`` is set), so they are
 in ``model.state_dict()`` and travel with checkpoints: create DynamicSparsity before loading a
 checkpoint into the model, and a resumed run continues bit-exactly.
+
+``compact_state``: mask and ever-active are uint8 buffers packed 8 per byte along the weight's last dim,
+the EMA score is bf16, and the optimizer (``training.optim.CompactAdamW``, reached by duck typing:
+``set_compact`` / ``compact_remap``) keeps AdamW moments for the active entries only and never moves
+inactive weights, so ``step()`` skips the per-step re-mask; at an update DST zeroes pruned weights and
+the optimizer moves kept moments to their new slots (grown start at 0, pruned are dropped).
 
 Dense gradients for RigL: masks are applied to the weights (stored dense, inactive entries exactly
 zero), never to the gradients, so after backward ``p.grad`` holds dL/dW at every position, active or
@@ -47,8 +55,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
-from fnmatch import fnmatch
 from typing import Optional
 
 import torch
@@ -57,67 +63,54 @@ from torch import nn
 
 from configs import ConfigError, DSTConfig
 
+from .bits import pack_bits, unpack_bits
 from .masks import (block_expand, block_of, block_pool, erk_densities, nm_select, nm_update, rigl_update,
                         topk_mask, transposable_nm_select)
 from .schedule import DSTSchedule
+from .targets import Target, dst_parameters
 from ..sharding import DTensor, full_tensor, local_tensor, shard_like
 
 
 
-def is_dst_target(name: str, p: torch.Tensor, include, exclude) -> bool:
-    """A >= 2-D parameter whose name matches an ``include`` fnmatch pattern and no ``exclude`` one."""
-    return p.dim() >= 2 and any(fnmatch(name, pat) for pat in include) and not any(fnmatch(name, pat) for pat in exclude)
-
-
-def dst_bytes_per_weight(grad_ema) -> int:
-    """Buffers per masked weight: the bool mask and ever-active flag, plus a float32 EMA score."""
-    return 2 + (4 if grad_ema is not None else 0)
-
-
-@dataclass
-class _Target:
-    """One masked parameter ``module.<attr>``, viewed as slices ``[S, R, C]``."""
-    name: str
-    module: nn.Module
-    attr: str
-    shape: tuple
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def param(self) -> torch.Tensor:
-        return getattr(self.module, self.attr)
-
-    def buf(self, kind: str) -> Optional[torch.Tensor]:
-        return getattr(self.module, f"{self.attr}_{kind}", None)
+def resolve_config(cfg: Optional[DSTConfig], overrides: dict) -> DSTConfig:
+    """``cfg`` (default ``DSTConfig()``) with keyword ``overrides`` of its fields, enabled and validated."""
+    names = {f.name for f in dataclasses.fields(DSTConfig)} - {"enabled"}
+    for k in overrides:
+        if k not in names:
+            raise ConfigError(f"dst.{k}", f"unknown option; options are {', '.join(sorted(names))}")
+    cfg = dataclasses.replace(cfg if cfg is not None else DSTConfig(), enabled=True, **overrides)
+    cfg.validate("dst")
+    return cfg
 
 
 class DynamicSparsity:
     """Masks chosen weights of ``model`` and evolves the masks during training.
 
-    Keywords: every field of ``configs.DSTConfig`` except ``enabled`` (sparsity, initial_sparsity,
-    sparsity_schedule, ramp_fraction, method, distribution, update_every, drop_fraction, drop_schedule,
-    stop_fraction, grad_ema, granularity, block, n, m, transposable, dense_finish, erk_power, include,
-    exclude, seed, semi_structured), plus ``total_steps`` (required: the schedule is in fractions of it)
-    and ``process_group`` (for the score all-reduce; default the world group when initialised).
-    A bad value raises ``ConfigError`` naming ``dst.<key>`` before any mask is computed.
+    ``cfg``: a ``configs.DSTConfig`` (default: its defaults); keyword ``overrides`` replace any of its
+    fields (``DynamicSparsity(model, opt, sparsity=0.9, method="set")``), so each option and its default is
+    declared once, in ``DSTConfig``. ``total_steps``: the run's length, needed only by schedules written
+    in fractions of it (``stop_fraction < 1``, cosine drop / sparsity schedules, ``dense_finish``; a
+    ``ConfigError`` on ``dst.total_steps`` says so). ``process_group``: for the score all-reduce (default
+    the world group when initialised). A bad value raises ``ConfigError`` naming ``dst.<key>`` before any
+    mask is computed.
     """
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
-                 total_steps: int, process_group=None, **options):
-        cfg = DSTConfig(enabled=True, **options)
-        cfg.validate("dst")
+                 cfg: Optional[DSTConfig] = None, total_steps: Optional[int] = None, process_group=None,
+                 **overrides):
+        cfg = resolve_config(cfg, overrides)
+        if cfg.compact_state and not callable(getattr(optimizer, "set_compact", None)):
+            raise ConfigError("dst.compact_state", f"needs an optimizer that keeps state for active weights only "
+                                                   f"(training.optim.CompactAdamW), got {type(optimizer).__name__}")
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module                               # parameter names without "module."
         model = getattr(model, "_orig_mod", model)             # torch.compile wrapper: no "_orig_mod."
-        if not (isinstance(total_steps, int) and total_steps > 0):
-            raise ConfigError("train.steps", f"DST needs total_steps > 0, got {total_steps}")
         self.cfg, self.model, self.optimizer, self.group = cfg, model, optimizer, process_group
-        self.schedule = DSTSchedule(total_steps, cfg.update_every, cfg.stop_fraction, cfg.drop_fraction,
-                                    cfg.drop_schedule, cfg.sparsity, cfg.initial_sparsity,
-                                    cfg.sparsity_schedule, cfg.ramp_fraction, cfg.dense_finish)
+        self.schedule = DSTSchedule.from_config(cfg, total_steps)
         self.targets = self._find_targets()
+        if cfg.semi_structured:
+            from .semi_structured import check_semi_structured_device
+            check_semi_structured_device(self.targets[0].param().device)
         for s in {self.schedule.sparsity_at(0), cfg.sparsity}:
             self._counts(s)                                     # infeasible densities fail here, before work
         self.last_flip_rate = 0.0
@@ -131,24 +124,20 @@ class DynamicSparsity:
             self.semi_structured = []
 
     @classmethod
-    def from_config(cls, model: nn.Module, cfg: DSTConfig, optimizer=None, total_steps: int = 0,
+    def from_config(cls, model: nn.Module, cfg: DSTConfig, optimizer=None, total_steps: Optional[int] = None,
                     process_group=None) -> "DynamicSparsity":
-        opts = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "enabled"}
-        return cls(model, optimizer, total_steps=total_steps, process_group=process_group, **opts)
+        return cls(model, optimizer, cfg=cfg, total_steps=total_steps, process_group=process_group)
 
     # ---- setup ----------------------------------------------------------------------------------
 
-    def _find_targets(self) -> list[_Target]:
-        cfg, out = self.cfg, []
-        for name, p in self.model.named_parameters():
-            if not is_dst_target(name, p, cfg.include, cfg.exclude):
-                continue
-            mod_name, _, attr = name.rpartition(".")
-            shape = (1, *p.shape) if p.dim() == 2 else (p.shape[0], p.shape[1], math.prod(p.shape[2:]))
-            out.append(_Target(name, self.model.get_submodule(mod_name), attr, shape))
+    def _find_targets(self) -> list[Target]:
+        cfg = self.cfg
+        out = [Target.of(self.model, name, p) for name, p in dst_parameters(self.model, cfg.include, cfg.exclude)]
         if not out:
-            raise ConfigError("dst.include", f"patterns {list(cfg.include)} (minus exclude {list(cfg.exclude)}) "
-                                             "match no parameter of 2 or more dims")
+            what = "the default (nn.Linear weights, expert stacks)" if cfg.include is None \
+                else f"patterns {list(cfg.include)}"
+            raise ConfigError("dst.include", f"{what} minus exclude {list(cfg.exclude)} match no parameter "
+                                             "of 2 or more dims")
         for t in out:
             _, R, C = t.shape
             if cfg.granularity == "block" and (R % cfg.block[0] or C % cfg.block[1]):
@@ -157,7 +146,7 @@ class DynamicSparsity:
                 raise ConfigError("dst.m", f"m={cfg.m} does not divide {t.name} ({R} x {C})")
         return out
 
-    def _units(self, t: _Target) -> int:
+    def _units(self, t: Target) -> int:
         """Maskable units per slice: elements, or blocks for granularity=block."""
         _, R, C = t.shape
         if self.cfg.granularity == "block":
@@ -199,13 +188,47 @@ class DynamicSparsity:
             else:
                 mask = topk_mask(W.reshape(t.shape[0], -1), k)
             mask = mask.reshape(p.shape)
-            t.module.register_buffer(f"{t.attr}_mask", shard_like(mask, p))
-            t.module.register_buffer(f"{t.attr}_ever", shard_like(mask.clone(), p))
+            t.module.register_buffer(f"{t.attr}_mask", shard_like(self._stored(mask), p))
+            t.module.register_buffer(f"{t.attr}_ever", shard_like(self._stored(mask), p))
             if cfg.grad_ema is not None:
-                t.module.register_buffer(f"{t.attr}_score", shard_like(torch.zeros(p.shape, device=mask.device), p))
+                dtype = torch.bfloat16 if cfg.compact_state else torch.float32
+                t.module.register_buffer(f"{t.attr}_score",
+                                         shard_like(torch.zeros(p.shape, dtype=dtype, device=mask.device), p))
         self._apply_masks(states=True)
+        if cfg.compact_state:
+            for t, cap in zip(self.targets, self._capacities()):
+                self.optimizer.set_compact(t.param(), lambda t=t: local_tensor(t.buf("mask")), cap)
 
-    def _follow_layout(self, t: _Target) -> None:
+    # ---- mask storage: bool buffers, or bit-packed along the last dim (compact_state) ------------
+
+    def _stored(self, mask: torch.Tensor) -> torch.Tensor:
+        return (pack_bits(mask) if self.cfg.compact_state else mask.clone()).contiguous()
+
+    def _mask(self, t: Target, kind: str = "mask", full: bool = False) -> torch.Tensor:
+        """The ``mask`` / ``ever`` buffer as bool of the parameter's (local, or ``full``) shape."""
+        b = full_tensor(t.buf(kind)) if full else local_tensor(t.buf(kind))
+        return unpack_bits(b, t.param().shape[-1]) if self.cfg.compact_state else b
+
+    def _write(self, t: Target, kind: str, local_mask: torch.Tensor) -> None:
+        local_tensor(t.buf(kind)).copy_(pack_bits(local_mask) if self.cfg.compact_state else local_mask)
+
+    def _capacities(self) -> list[int]:
+        """Most active entries each target's compact optimizer state must hold on this rank: the exact count
+        at the schedule's densest point, plus a margin for a sharded weight (its rows' share varies)."""
+        area = self.cfg.block[0] * self.cfg.block[1] if self.cfg.granularity == "block" else 1
+        ks = [max(a, b) for a, b in zip(self._counts(self.schedule.sparsity_at(0)), self._counts(self.cfg.sparsity))]
+        out = []
+        for t, k in zip(self.targets, ks):
+            p, active = t.param(), t.shape[0] * k * area
+            if isinstance(p, DTensor):
+                n = math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements) if pl.is_shard())
+                rows = p.shape[0]
+                local = math.ceil(rows / n) * (t.numel // rows)
+                active = min(local, math.ceil(1.1 * active / t.numel * local) + 64)
+            out.append(active)
+        return out
+
+    def _follow_layout(self, t: Target) -> None:
         """If the parameter became a DTensor after DST was set up (fully_shard applied later), shard the
         buffers the same way."""
         p = t.param()
@@ -229,7 +252,7 @@ class DynamicSparsity:
         """Zero the inactive weights (and, with ``states``, their optimizer states)."""
         for t in self.targets:
             self._follow_layout(t)
-            p, off = t.param(), local_tensor(t.buf("mask")).logical_not()
+            p, off = t.param(), self._mask(t).logical_not()
             for x in [p.detach(), *(self._states(p) if states else [])]:
                 local_tensor(x).masked_fill_(off, 0)           # 12% faster than mul_ by a bool mask on H200
 
@@ -254,12 +277,14 @@ class DynamicSparsity:
             for t in self.targets:
                 g = t.param().grad
                 if g is not None:                               # one layer's |g| temporary at a time
-                    local_tensor(t.buf("score")).lerp_(local_tensor(g).abs(), self.cfg.grad_ema)
+                    score = local_tensor(t.buf("score"))
+                    score.lerp_(local_tensor(g).abs().to(score.dtype), self.cfg.grad_ema)
         if self.schedule.is_update(step):
             self._update(step)
-        self._apply_masks()
+        if not self.cfg.compact_state:                          # CompactAdamW never moves inactive weights
+            self._apply_masks()
 
-    def _grow_score(self, t: _Target, i: int, step: int, like: torch.Tensor) -> torch.Tensor:
+    def _grow_score(self, t: Target, i: int, step: int, like: torch.Tensor) -> torch.Tensor:
         """Full-size grow score: |grad| or its EMA (RigL, all-reduced so ranks agree), or uniform random
         (SET, and magnitude when the density rises) from a generator seeded by (seed, step, layer)."""
         if self.cfg.method == "rigl":
@@ -291,9 +316,9 @@ class DynamicSparsity:
         ks = self._counts(self.schedule.sparsity_at(step))
         changed, total = [], 0
         for i, (t, k) in enumerate(zip(self.targets, ks)):
-            p, mask_buf = t.param(), t.buf("mask")
+            p = t.param()
             W = full_tensor(p.detach()).reshape(t.shape).abs()
-            old = full_tensor(mask_buf).reshape(t.shape)
+            old = self._mask(t, full=True).reshape(t.shape)
             grow = self._grow_score(t, i, step, W).reshape(t.shape)
             if cfg.granularity == "nm":
                 new = nm_update(old, W, grow, cfg.n, cfg.m, frac, cfg.transposable)
@@ -307,13 +332,15 @@ class DynamicSparsity:
             new = new.reshape(p.shape)
             changed.append((old.reshape(p.shape) != new).sum())     # summed on device, read once below
             total += t.numel
-            new_local = local_tensor(shard_like(new, mask_buf))
-            stay = local_tensor(mask_buf) & new_local         # grown and pruned: value 0, moments 0
+            new_local = local_tensor(shard_like(new, p))
+            stay = self._mask(t) & new_local                  # grown and pruned: value 0, moments 0
             off = stay.logical_not()
             for x in [p.detach(), *self._states(p)]:
                 local_tensor(x).masked_fill_(off, 0)
-            local_tensor(mask_buf).copy_(new_local)
-            local_tensor(t.buf("ever")).logical_or_(new_local)
+            self._write(t, "ever", self._mask(t, "ever") | new_local)
+            self._write(t, "mask", new_local)
+            if self.cfg.compact_state:                          # kept moments move, grown start at 0, pruned go
+                self.optimizer.compact_remap(p)
         self.last_flip_rate = int(torch.stack(changed).sum()) / total
 
     # ---- logging --------------------------------------------------------------------------------
@@ -337,7 +364,9 @@ class DynamicSparsity:
         per layer, ``flip_rate`` (share of mask entries changed by the last update), ``ever_active``
         (share of maskable weights active at some point: the in-time over-parameterisation rate) and
         ``target_sparsity``. One host sync."""
-        counts = torch.stack([full_tensor(t.buf(k).sum()) for t in self.targets for k in ("mask", "ever")]).tolist()
+        count = (lambda t, k: self._mask(t, k, full=True).sum()) if self.cfg.compact_state \
+            else (lambda t, k: full_tensor(t.buf(k).sum()))
+        counts = torch.stack([count(t, k) for t in self.targets for k in ("mask", "ever")]).tolist()
         active, ever = counts[0::2], counts[1::2]
         total = sum(t.numel for t in self.targets)
         out = {"density": sum(active) / total, "ever_active": sum(ever) / total,

@@ -6,18 +6,23 @@ every step ``t`` with ``0 < t <= stop_step`` and ``t % update_every == 0``, ``st
 int(stop_fraction * total_steps)``. Cosine drop fraction: ``a/2 * (1 + cos(pi * t / stop_step))``.
 Cosine sparsity ramp (seed 001): from ``initial_sparsity`` at step 0 to ``sparsity`` at
 ``ramp_fraction * total_steps``; it takes effect at update steps only. With ``dense_finish`` every mask
-is dropped at ``stop_step`` and training ends dense.
+is dropped at ``stop_step`` and training ends dense. ``total_steps=None`` is open-ended training: updates
+never stop, which only a schedule with no fraction of training in it allows (``from_config`` checks).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import sys
 from dataclasses import dataclass
 from typing import Optional
+
+from configs import ConfigError, DSTConfig
 
 
 @dataclass(frozen=True)
 class DSTSchedule:
-    total_steps: int
+    total_steps: Optional[int]
     update_every: int = 100
     stop_fraction: float = 0.75
     drop_fraction: float = 0.3
@@ -28,9 +33,24 @@ class DSTSchedule:
     ramp_fraction: float = 0.5
     dense_finish: bool = False
 
+    @classmethod
+    def from_config(cls, cfg: DSTConfig, total_steps: Optional[int]) -> "DSTSchedule":
+        """The schedule of ``cfg``; ``ConfigError`` when it needs ``total_steps`` and has none."""
+        if total_steps is None:
+            need = {"stop_fraction": cfg.stop_fraction < 1.0, "drop_schedule": cfg.drop_schedule != "constant",
+                    "sparsity_schedule": cfg.sparsity_schedule != "constant", "dense_finish": cfg.dense_finish}
+            named = ", ".join(f"{k}={getattr(cfg, k)!r}" for k, v in need.items() if v)
+            if named:
+                raise ConfigError("dst.total_steps", f"{named} are fractions of training: pass total_steps=N, or "
+                                                     "drop_schedule='constant', stop_fraction=1.0 for open-ended runs")
+        elif not (isinstance(total_steps, int) and total_steps > 0):
+            raise ConfigError("train.steps", f"DST needs total_steps > 0, got {total_steps}")
+        fields = {f.name for f in dataclasses.fields(cls)} - {"total_steps"}
+        return cls(total_steps, **{k: getattr(cfg, k) for k in fields})
+
     @property
     def stop_step(self) -> int:
-        return int(self.stop_fraction * self.total_steps)
+        return sys.maxsize if self.total_steps is None else int(self.stop_fraction * self.total_steps)
 
     def is_update(self, step: int) -> bool:
         return 0 < step <= self.stop_step and step % self.update_every == 0

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from configs import ConfigError
 from kernels.semi_sparse_linear import SemiSparseLinear, pack_semi_structured
 
 _OK_DTYPES = (torch.float16, torch.bfloat16)
@@ -31,6 +32,16 @@ def semi_structured_available(device: torch.device, dtype: torch.dtype, shape=(1
         return True
     except (RuntimeError, NotImplementedError, ValueError):  # capability probe: torch raises these when unsupported
         return False
+
+
+def check_semi_structured_device(device: torch.device) -> None:
+    """``ConfigError`` on ``dst.semi_structured`` for a GPU without 2:4 tensor cores (before sm80); on CPU the
+    layers run the masked dense reference (the fallback ``enable_semi_structured`` warns about)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        raise ConfigError("dst.semi_structured", f"{torch.cuda.get_device_name(device)} (sm {cap}) has no 2:4 "
+                                                 "sparse tensor cores (needs sm80+); set it false")
 
 
 def _semi_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""DST wired into the trainer (cfg.dst.enabled): densities logged, masks checkpointed, resume bit-exact."""
+"""DST wired into the trainer (cfg.dst.enabled): densities logged, masks checkpointed, resume bit-exact,
+with dense or compact (dst.compact_state: CompactAdamW) optimizer state."""
+import pytest
 import torch
 
 from configs import load_config
@@ -19,18 +21,25 @@ def make_cfg(tmp_path, corpus, **extra):
     return load_config("zoo/tiny_dense.yaml", tiny_overrides(tmp_path, corpus, **{**DST, **extra}))
 
 
-def test_trainer_with_dst_keeps_density_and_resumes_bit_exactly(tmp_path, corpus_dir):
-    straight = Trainer(make_cfg(tmp_path / "a", corpus_dir))
+@pytest.mark.parametrize("compact", [False, True])
+def test_trainer_with_dst_keeps_density_and_resumes_bit_exactly(tmp_path, corpus_dir, compact):
+    if compact:
+        DST_C = {"dst.compact_state": True, "dst.grad_ema": 0.5}
+        make = lambda d, **kw: make_cfg(d, corpus_dir, **DST_C, **kw)  # noqa: E731
+    else:
+        make = lambda d, **kw: make_cfg(d, corpus_dir, **kw)  # noqa: E731
+    straight = Trainer(make(tmp_path / "a"))
     losses_straight = [straight.train_step()["loss/total"].item() for _ in range(16)]
     st = dst_of(straight).stats()
     assert abs(st["density"] - 0.2) < 1e-2 and st["ever_active"] > st["density"]
     for t in dst_of(straight).targets:
-        assert torch.all(t.param()[~t.buf("mask")] == 0)
+        assert torch.all(t.param()[~dst_of(straight)._mask(t)] == 0)
+    assert type(straight.optimizer).__name__ == ("CompactAdamW" if compact else "AdamW")
 
-    first = Trainer(make_cfg(tmp_path / "b", corpus_dir))
+    first = Trainer(make(tmp_path / "b"))
     losses_resumed = [first.train_step()["loss/total"].item() for _ in range(8)]
     first.save()
-    second = Trainer(make_cfg(tmp_path / "b", corpus_dir, **{"checkpoint.resume": True}))
+    second = Trainer(make(tmp_path / "b", **{"checkpoint.resume": True}))
     assert second.step == 8
     losses_resumed += [second.train_step()["loss/total"].item() for _ in range(8)]
 

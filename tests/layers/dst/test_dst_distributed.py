@@ -2,6 +2,7 @@
 equal to the single-process masks of the summed gradient; DTensor (FSDP2-style Shard(0)) parameters give
 the same masks, with mask buffers sharded like their parameters; a real FSDP2 (fully_shard) run matches an
 unsharded run fed the mean gradient, masks and weights."""
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -94,20 +95,22 @@ class Chain(nn.Module):
         return self.layers[2](torch.tanh(self.layers[1](h)))
 
 
-def _check_fsdp2_matches_single_process(rank, world):
+def _check_fsdp2_matches_single_process(rank, world, compact=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from training.optim import CompactAdamW
     mesh = init_device_mesh("cpu", (world,))
     model = Chain()
     for lin in model.layers:
         fully_shard(lin, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    dst = DynamicSparsity(model, opt, **OPTS)
+    Opt, opts = (CompactAdamW, dict(OPTS, compact_state=True)) if compact else (torch.optim.AdamW, OPTS)
+    opt = Opt(model.parameters(), lr=1e-2)
+    dst = DynamicSparsity(model, opt, **opts)
 
     ref = Chain()                                               # unsharded, gradient = mean of both ranks'
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    ref_dst = DynamicSparsity(ref, ref_opt, **OPTS)            # its all-reduce only doubles identical grads
+    ref_opt = Opt(ref.parameters(), lr=1e-2)
+    ref_dst = DynamicSparsity(ref, ref_opt, **opts)            # its all-reduce only doubles identical grads
     for step in (1, 2, 3):
         model(_batch(rank, step)).square().sum().backward()
         opt.step()
@@ -122,11 +125,22 @@ def _check_fsdp2_matches_single_process(rank, world):
             lin.weight.grad = sum(gs) / world
         ref_opt.step()
         ref_dst.step(step)
-    for lin, rl in zip(model.layers, ref.layers):
+    for t, rt in zip(dst.targets, ref_dst.targets):
+        lin, rl = t.module, rt.module
         assert lin.weight_mask.to_local().shape[0] == rl.weight_mask.shape[0] // world
-        assert torch.equal(lin.weight_mask.full_tensor(), rl.weight_mask)
+        assert torch.equal(dst._mask(t, full=True), ref_dst._mask(rt))
         torch.testing.assert_close(lin.weight.full_tensor(), rl.weight, rtol=1e-5, atol=1e-6)
+        if compact:                 # each rank's compact block = its rows' active entries, in the 1-rank order
+            k = int(dst._mask(t).sum())
+            for name in ("exp_avg", "exp_avg_sq"):
+                mine = opt.state[lin.weight][name].to_local()[:k].clone()
+                blocks = [None] * world
+                dist.all_gather_object(blocks, mine)
+                kr = int(ref_dst._mask(rt).sum())
+                torch.testing.assert_close(torch.cat(blocks), ref_opt.state[rl.weight][name][:kr],
+                                           rtol=1e-5, atol=1e-9)
 
 
-def test_fsdp2_sharded_masks_equal_the_single_process_masks():
-    spawn(_check_fsdp2_matches_single_process, 2)
+@pytest.mark.parametrize("compact", [False, True])
+def test_fsdp2_sharded_masks_equal_the_single_process_masks(compact):
+    spawn(_check_fsdp2_matches_single_process, 2, compact)

@@ -42,7 +42,7 @@ def test_semi_structured_linear_matches_masked_dense_forward_and_backward(transp
     ref = Stack(dims).cuda()
     sp = Stack(dims).cuda()
     sp.load_state_dict(ref.state_dict())
-    kw = dict(sparsity=0.5, granularity="nm", transposable=transposable, total_steps=10)
+    kw = dict(sparsity=0.5, granularity="nm", transposable=transposable, total_steps=10, include=["layers.*"])
     DynamicSparsity(ref, None, **kw)
     dst = DynamicSparsity(sp, None, semi_structured=True, **kw)
     assert dst.semi_structured == ["layers.0.weight", "layers.1.weight"]
@@ -53,3 +53,17 @@ def test_semi_structured_linear_matches_masked_dense_forward_and_backward(transp
     for a, b, lin in zip(g, g_ref, sp.layers):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
         assert (a[~lin.weight_mask] != 0).float().mean() > 0.9   # dense weight gradient for RigL
+
+
+def test_semi_structured_on_a_gpu_without_2_4_tensor_cores_is_a_config_error(monkeypatch):
+    """Checked before any mask work; the device query is faked so this runs on any machine."""
+    from configs import ConfigError
+    from layers.dst.semi_structured import check_semi_structured_device
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    with pytest.raises(ConfigError) as e:
+        check_semi_structured_device(torch.device("cuda", 0))
+    assert e.value.key == "dst.semi_structured" and "\n" not in str(e.value)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_semi_structured_device(torch.device("cuda", 0))
+    check_semi_structured_device(torch.device("cpu"))          # CPU: the masked dense reference
