@@ -28,15 +28,24 @@ class MoEConfig:
     global_balance: bool = True           # balance loss on the global data-parallel batch (= one process);
                                           # false: each rank's own tokens (megablocks / torchtitan)
     backend: str = "auto"                 # auto | torch | grouped | megablocks
+    # Speed switches of the grouped CUDA path, read per layer (bench/moe.py's A/B variants flip them on
+    # one instance). None of them changes the math beyond bf16 rounding.
+    compile_routing: Optional[str] = "inductor"  # torch.compile backend of the routing stage; None = eager
+    fold_weights: bool = True             # routing weights folded into the SwiGLU epilogue (no EP)
+    group_align: int = 1                  # grouped-GEMM group alignment (rows); 1 = unpadded groups
+    low_precision_router: bool = True     # bf16 router GEMM with fp32 output (exact products)
+    fuse_permute: bool = True             # permute fused into the gate/up grouped GEMMs' backward
 
     def validate(self, key: str = "model.moe") -> None:
-        check_positive(self, key, "num_experts", "top_k", "hidden_dim", "shared_hidden_dim")
+        check_positive(self, key, "num_experts", "top_k", "hidden_dim", "shared_hidden_dim", "group_align")
         check(self.top_k <= self.num_experts, f"{key}.top_k",
               f"top_k={self.top_k} > num_experts={self.num_experts}")
         check(self.shared_experts >= 0, f"{key}.shared_experts", f"must be >= 0, got {self.shared_experts}")
         check_choice(self.router, ROUTERS, f"{key}.router")
         check(self.router != "switch" or self.top_k == 1, f"{key}.top_k", "the switch router is top-1")
         check_choice(self.backend, MOE_BACKENDS, f"{key}.backend")
+        check(self.compile_routing is None or isinstance(self.compile_routing, str), f"{key}.compile_routing",
+              f"must be a torch.compile backend name or null, got {self.compile_routing!r}")
         if self.capacity_factor is not None:
             check(self.capacity_factor > 0, f"{key}.capacity_factor", f"must be > 0, got {self.capacity_factor}")
         for n in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
