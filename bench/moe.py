@@ -44,32 +44,34 @@ SHAPES = {  # T tokens, D model dim, H expert hidden, E experts, K top-k
 }
 DEV = "cuda"
 
-# Our variants, each a set of (owner, attribute) overrides on the default path ("ours": compiled routing
-# stage, routing weights folded into SwiGLU). "ours_before" is the path before those two changes (but
-# with the cheaper unweighted permute backward).
+# Our variants, each a set of overrides on the default path ("ours": compiled routing stage, routing
+# weights folded into SwiGLU): MoEConfig fields set on the benchmarked layer's own cfg, or an
+# (owner, attribute) pair patched for the block (a kernel swapped for its reference). "ours_before" is
+# the path before the first two changes (but with the cheaper unweighted permute backward).
 VARIANTS = {
     "ours": {},
-    "ours_before": {(MoE, "compile_routing"): None, (MoE, "fold_weights"): False},
-    "ours_eager_routing": {(MoE, "compile_routing"): None},
-    "ours_weighted_combine": {(MoE, "fold_weights"): False},
-    "ours_align16": {(MoE, "group_align"): 16},
+    "ours_before": {"compile_routing": None, "fold_weights": False},
+    "ours_eager_routing": {"compile_routing": None},
+    "ours_weighted_combine": {"fold_weights": False},
+    "ours_align16": {"group_align": 16},
     "ours_eager_swiglu": {(moe_experts, "swiglu"): swiglu_reference},
-    "ours_fp32_router": {(MoE, "low_precision_router"): False},
-    "ours_unfused_permute": {(moe_experts.GroupedExperts, "fuse_permute"): False},
+    "ours_fp32_router": {"low_precision_router": False},
+    "ours_unfused_permute": {"fuse_permute": False},
 }
 
 
 @contextlib.contextmanager
-def variant(name: str):
-    """Apply VARIANTS[name]'s overrides for the duration of the block."""
-    saved = {k: getattr(*k) for k in VARIANTS[name]}
+def variant(name: str, moe: MoE):
+    """Apply VARIANTS[name]'s overrides to ``moe`` (its cfg fields) for the duration of the block."""
+    targets = {k: (moe.cfg, k) if isinstance(k, str) else k for k in VARIANTS[name]}
+    saved = {k: getattr(*t) for k, t in targets.items()}
     try:
-        for (owner, attr), value in VARIANTS[name].items():
-            setattr(owner, attr, value)
+        for k, value in VARIANTS[name].items():
+            setattr(*targets[k], value)
         yield
     finally:
-        for (owner, attr), value in saved.items():
-            setattr(owner, attr, value)
+        for k, value in saved.items():
+            setattr(*targets[k], value)
 
 
 def moe_flops(T, D, H, E, K):
@@ -177,10 +179,10 @@ def dense_rate(M, D, H, reps) -> float:
     return 2 * M * D * H / ms / 1e9
 
 
-def in_variant(name: str, step):
-    """``step`` run under VARIANTS[name]'s overrides."""
+def in_variant(name: str, moe: MoE, step):
+    """``step`` run under VARIANTS[name]'s overrides of ``moe``."""
     def run():
-        with variant(name):
+        with variant(name, moe):
             step()
     return run
 
@@ -249,7 +251,7 @@ def bench_shape(name, T, D, H, E, K, reps, profile_dir=None, skip=()) -> dict:
     variants = [v for v in VARIANTS if v == "ours" or v not in skip]
     for v in variants:                     # compiles the routing stage (outside the timings)
         try:
-            with variant(v):
+            with variant(v, moe):
                 got = grads_of(moe, x, dy)
         except Exception as e:             # one broken variant must not cost the others' numbers
             res["variant_errors"][v] = f"{type(e).__name__}: {e}"
@@ -267,7 +269,7 @@ def bench_shape(name, T, D, H, E, K, reps, profile_dir=None, skip=()) -> dict:
     zg = zero_grads(moe, x)
     t = {"torch_reference": time_ms(fwd_bwd(ref16, x, dy), max(3, reps // 4), before=zero_grads(ref16, x))}
     del ref16
-    contenders = {v: (in_variant(v, fwd_bwd(moe, x, dy)), zg) for v in variants if v not in res["variant_errors"]}
+    contenders = {v: (in_variant(v, moe, fwd_bwd(moe, x, dy)), zg) for v in variants if v not in res["variant_errors"]}
     try:
         dmoe = megablocks_peer(moe)
         xm = x.detach().unsqueeze(1).requires_grad_()

@@ -33,9 +33,16 @@ class MoEConfig:
     n_group: int = 1                      # DeepSeek-V2/V3 group-limited routing: experts in n_group groups,
     topk_group: int = 1                   # ... each token picks its top-k inside its topk_group best groups
     routed_scaling_factor: float = 1.0    # multiplies the routed experts' weights (DeepSeek-V3: 2.5)
+    # Speed switches of the grouped CUDA path, read per layer (bench/moe.py's A/B variants flip them on
+    # one instance). None of them changes the math beyond bf16 rounding.
+    compile_routing: Optional[str] = "inductor"  # torch.compile backend of the routing stage; None = eager
+    fold_weights: bool = True             # routing weights folded into the SwiGLU epilogue (no EP)
+    group_align: int = 1                  # grouped-GEMM group alignment (rows); 1 = unpadded groups
+    low_precision_router: bool = True     # bf16 router GEMM with fp32 output (exact products)
+    fuse_permute: bool = True             # permute fused into the gate/up grouped GEMMs' backward
 
     def validate(self, key: str = "model.moe") -> None:
-        check_positive(self, key, "num_experts", "top_k", "hidden_dim", "shared_hidden_dim")
+        check_positive(self, key, "num_experts", "top_k", "hidden_dim", "shared_hidden_dim", "group_align")
         check(self.top_k <= self.num_experts, f"{key}.top_k",
               f"top_k={self.top_k} > num_experts={self.num_experts}")
         check(self.shared_experts >= 0, f"{key}.shared_experts", f"must be >= 0, got {self.shared_experts}")
@@ -52,6 +59,8 @@ class MoEConfig:
                   "group-limited routing needs sigmoid or softmax")
             check(self.top_k <= self.topk_group * self.num_experts // self.n_group, f"{key}.top_k",
                   f"top_k={self.top_k} > the experts of topk_group={self.topk_group} groups")
+        check(self.compile_routing is None or isinstance(self.compile_routing, str), f"{key}.compile_routing",
+              f"must be a torch.compile backend name or null, got {self.compile_routing!r}")
         if self.capacity_factor is not None:
             check(self.capacity_factor > 0, f"{key}.capacity_factor", f"must be > 0, got {self.capacity_factor}")
         for n in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):

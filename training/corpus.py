@@ -3,6 +3,8 @@
 ``data.source``:
 - ``stdlib``: every ``.py`` file of the running interpreter's standard library (no site-packages);
   always present, so the first command needs no download.
+- ``python_packages``: every installed package's ``.py`` files, one document per package
+  (training.corpus_packages: deduplicated by content; the split keeps each package on one side).
 - a ``.jsonl`` file (one JSON object a line, text in ``data.jsonl_field``);
 - a text file, a directory (its files, recursively) or a glob.
 
@@ -34,6 +36,8 @@ def _stdlib_files() -> list[str]:
 
 
 def _source_files(source: str) -> list[str]:
+    if source == "python_packages":
+        return []                    # documents come from training.corpus_packages (load_documents)
     if source == "stdlib":
         return _stdlib_files()
     if os.path.isdir(source):
@@ -53,6 +57,9 @@ def _hash01(name: str) -> float:
 def load_documents(cfg: DataConfig) -> list[Document]:
     """All documents of the corpus, in a fixed order (sorted by name hash, then capped by max_files)."""
     docs: list[Document] = []
+    if cfg.source == "python_packages":
+        from .corpus_packages import package_texts
+        docs = [Document(name, text) for name, text in package_texts()]
     stdlib = sysconfig.get_paths()["stdlib"] if cfg.source == "stdlib" else None
     for path in _source_files(cfg.source):
         if path.endswith(".jsonl"):

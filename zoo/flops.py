@@ -3,7 +3,10 @@
 Counting walks a model's parameters, so it is exact for whatever ``build_model`` builds; a config is
 first built on the meta device (no memory). A routed MoE layer is any module with ``num_experts``,
 ``top_k`` and an ``experts`` child: a token touches ``top_k / num_experts`` of its expert weights and
-all of its router.
+all of its router. A neuron-routed FFN (layers.NeuronRoutedFFN: ``num_groups``, ``top_k_groups``,
+``experts``) computes ``top_k_groups / num_groups`` of its groups in a sparse step and all of them in
+a dense one; its active weights are the run's average over the schedule (``neuron_active_fraction``),
+so MFU counts the groups actually computed.
 
 FLOPs follow torchtitan / PaLM (appendix B): a matmul with N weights costs 2N per token forward and
 4N backward, so ``6 * N_matmul`` per token for training, where N_matmul is the *active* parameters
@@ -37,6 +40,7 @@ class ParamCounts:
     embedding: int      # input token embedding (not a matmul)
     expert: int         # routed expert weights, all experts
     tied: bool          # output projection shares the embedding weight
+    neuron: int = 0     # neuron-routed FFN group weights, all groups
 
     @property
     def matmul_active(self) -> int:
@@ -48,8 +52,28 @@ def is_routed_moe(m: nn.Module) -> bool:
     return hasattr(m, "num_experts") and hasattr(m, "top_k") and isinstance(getattr(m, "experts", None), nn.Module)
 
 
-def count_params(model: nn.Module) -> ParamCounts:
-    """Counts for a built model (any device, meta included). Expert shards count as held."""
+def is_neuron_routed(m: nn.Module) -> bool:
+    return hasattr(m, "num_groups") and hasattr(m, "top_k_groups") and isinstance(getattr(m, "experts", None),
+                                                                                    nn.Module)
+
+
+def sparse_step_share(cfg) -> float:
+    """Share of a run's training steps that are sparse under a NeuronConfig's schedule (layers.neuron.schedule):
+    ``(1 - warmup_fraction - finish_fraction) * sparse_ratio`` (exact up to the rounding of the bounds)."""
+    return max(0.0, 1.0 - cfg.warmup_fraction - cfg.finish_fraction) * cfg.sparse_ratio
+
+
+def neuron_active_fraction(m: nn.Module, sparse_share: float | None = None) -> float:
+    """Share of a neuron-routed FFN's group weights a token uses, averaged over steps: ``K/G`` in the
+    ``sparse_share`` of sparse steps (default: the layer's schedule), 1 in the dense rest."""
+    s = sparse_step_share(m.cfg) if sparse_share is None else sparse_share
+    return 1.0 - s + s * m.top_k_groups / m.num_groups
+
+
+def count_params(model: nn.Module, sparse_share: float | None = None) -> ParamCounts:
+    """Counts for a built model (any device, meta included). Expert shards count as held.
+    ``sparse_share``: the share of sparse steps for neuron-routed FFNs (None: their schedule's; 1.0: a
+    sparse step's count, 0.0: a dense step's)."""
     seen: set[int] = set()
 
     def numel(params) -> int:
@@ -62,20 +86,25 @@ def count_params(model: nn.Module) -> ParamCounts:
 
     emb = getattr(model, "tok_embeddings", None)
     embedding = numel(emb.parameters()) if emb is not None else 0
-    expert = active_expert = 0
+    expert = active_expert = neuron = active_neuron = 0
     for m in model.modules():
-        if is_routed_moe(m):
+        if is_neuron_routed(m):
+            n = numel(m.experts.parameters())
+            neuron += n
+            active_neuron += n * neuron_active_fraction(m, sparse_share)
+        elif is_routed_moe(m):
             n = numel(m.experts.parameters())
             expert += n
             # an EP-sharded layer holds num_local_experts of num_experts; top_k/E of all E are active
             held = getattr(m, "num_local_experts", m.num_experts)
             active_expert += n * m.top_k / held if held else 0
     rest = numel(model.parameters())
-    total = embedding + expert + rest
+    total = embedding + expert + neuron + rest
     out = getattr(model, "output", None)
     tied = emb is not None and out is not None and out.weight is emb.weight
-    return ParamCounts(total=total, active=int(round(total - expert + active_expert)), embedding=embedding,
-                       expert=expert, tied=tied)
+    active = total - expert + active_expert - neuron + active_neuron
+    return ParamCounts(total=total, active=int(round(active)), embedding=embedding, expert=expert, tied=tied,
+                       neuron=neuron)
 
 
 def param_counts(cfg_or_model: Union[ModelConfig, nn.Module]) -> ParamCounts:

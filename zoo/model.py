@@ -14,7 +14,6 @@ Shapes: B batch, S sequence, D model dim, V vocab.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 
 import torch
@@ -30,11 +29,10 @@ def build_ffn(cfg: ModelConfig, ffn_type: str) -> nn.Module:
         return SwiGLU(cfg.dim, cfg.hidden_dim, cfg.ffn_act)
     if ffn_type == "moe":
         from layers import MoE
-        kw = {k: v for k, v in dataclasses.asdict(cfg.moe).items() if k != "hidden_dim"}
-        return MoE(cfg.dim, cfg.expert_hidden_dim, act=cfg.ffn_act, **kw)
+        return MoE(cfg.dim, cfg.expert_hidden_dim, cfg=cfg.moe, act=cfg.ffn_act, key="model.moe")
     if ffn_type == "neuron":
         from layers import NeuronRoutedFFN
-        return NeuronRoutedFFN(cfg.dim, cfg.hidden_dim, **dataclasses.asdict(cfg.neuron), key="model.neuron")
+        return NeuronRoutedFFN(cfg.dim, cfg.hidden_dim, cfg=cfg.neuron, key="model.neuron")
     raise ValueError(f"unknown ffn type {ffn_type!r}")
 
 

@@ -90,7 +90,7 @@ def make_plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int] =
 
 
 def run_plan(x: torch.Tensor, plan: DispatchPlan, weights: Optional[torch.Tensor], run_experts,
-             fast: bool, row_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+             fast: bool, row_weights: Optional[torch.Tensor] = None, fuse_permute: bool = True) -> torch.Tensor:
     """x [T, D] -> y [T, D] = ``sum_j weights[t, j] * ys[inv[t, j]]`` with ``ys = run_experts(xs[N, D],
     plan.group_sizes)`` on the expert-sorted copy ``xs`` of x (``weights=None``: unit weights).
 
@@ -100,13 +100,14 @@ def run_plan(x: torch.Tensor, plan: DispatchPlan, weights: Optional[torch.Tensor
     gradient comes out of the SwiGLU backward, over H instead of D).
     ``fast``: the Triton permute/combine ops (kernels.moe_permute / moe_combine), else their references;
     a GroupedExperts (with ``fuse_permute``) then gets x and the plan and permutes itself (its grouped
-    SwiGLU path fuses the permute into the gate/up projection's backward).
+    SwiGLU path fuses the permute into the gate/up projection's backward); without, it gets the permuted
+    rows, as any other ``run_experts`` does (bench/moe.py's A/B of the fusion).
     """
     extra = () if row_weights is None else (row_weights,)
     if row_weights is not None:
         weights = None
     if fast:
-        if isinstance(run_experts, GroupedExperts) and run_experts.fuse_permute:
+        if fuse_permute and isinstance(run_experts, GroupedExperts):
             ys = run_experts(x, plan.group_sizes, *extra, plan=plan)
         else:
             ys = run_experts(sorted_rows(x, plan), plan.group_sizes, *extra)
@@ -176,10 +177,6 @@ class GroupedExperts(nn.Module):
     ``forward(xs[N, D], counts[E]) -> [N, D]``; ``backend`` is "loop" or "grouped" (set by the owner).
     ``forward(x[T, D], plan.group_sizes, plan=plan)`` runs the rows ``sorted_rows(x, plan)`` (run_plan).
     """
-
-    # run_plan hands the unpermuted tokens and the plan to forward (False: the permuted rows, as any
-    # other run_experts gets them; bench/moe.py's A/B of the fusion).
-    fuse_permute: bool = True
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, activation: str = "swiglu", gate_act: str = "silu"):
         super().__init__()

@@ -1,4 +1,5 @@
-"""Routed mixture-of-experts FFN: ``MoE(dim, hidden_dim, num_experts, top_k, ...)``, ``forward(x[..., D]) -> [..., D]``.
+"""Routed mixture-of-experts FFN: ``MoE(dim, hidden_dim, num_experts, top_k, *, cfg=None, **MoEConfig fields)``,
+``forward(x[..., D]) -> [..., D]``.
 
 Follows Mixtral (softmax top-k, renormalised; the default), Shazeer et al. 2017 (noisy top-k gating),
 DeepSeek-V3 (sigmoid scores, aux-loss-free bias balancing), Switch (top-1, capacity factor), and
@@ -9,11 +10,11 @@ Forward, in three separable stages (expert parallelism replaces only the middle 
 1. route: router logits in float32 -> ``indices [T, K]``, ``weights [T, K]``; losses and stats recorded,
    dispatch plan built (``make_plan``: assignments sorted by expert). Everything after the router GEMM
    is one pure function, ``layers.moe.routing_stage.routing_stage``, torch.compile'd on CUDA with the grouped
-   backend (``MoE.compile_routing``): eager it is ~90 launch-bound small kernels forward + backward.
+   backend (``cfg.compile_routing``): eager it is ~90 launch-bound small kernels forward + backward.
 2. dispatch: ``_dispatch_local`` (or ``layers.moe.expert_parallel.ep_dispatch`` with an ``ep_group``) permutes tokens,
    runs ``self.experts(xs[N, D], counts[E])`` and combines with the weights -> ``y [T, D]``. Grouped
    backend without EP: the weights are folded into the experts' SwiGLU per sorted row
-   (``MoE.fold_weights``) and the combine is an unweighted sum.
+   (``cfg.fold_weights``) and the combine is an unweighted sum.
 3. shared experts are added (gated by ``sigmoid(shared_gate(x))`` when ``shared_gate``).
 
 Parameters (HF layout, names fixed for zoo.hf): ``gate.weight [E, D]``; ``noise.weight [E, D]``
@@ -26,6 +27,7 @@ router_entropy; all device tensors, no host sync).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -41,6 +43,19 @@ from .experts import (DispatchPlan, GroupedExperts, autocast_input, local_expert
                       run_plan)
 from .router import balance_loss_of_mean, noisy_logits, route
 from .routing_stage import RoutingSpec, routing_fn
+
+
+def layer_config(cls, cfg, positional: dict, overrides: dict, owner: str):
+    """A layer's own config: a copy of ``cfg`` (default ``cls()``) with the non-None ``positional``
+    arguments and the keyword ``overrides`` applied; TypeError naming an unknown keyword, as a
+    signature would. Shared by MoE and NeuronRoutedFFN."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r} "
+                        f"(its options are {cls.__name__}'s fields)")
+    given = {k: v for k, v in positional.items() if v is not None}
+    return dataclasses.replace(cfg if cfg is not None else cls(), **given, **overrides)
 
 
 def resolve_backend(name: str, device_type: str) -> str:
@@ -64,44 +79,35 @@ def cached_backend(module: nn.Module, device: torch.device) -> str:
 
 
 class MoE(nn.Module):
-    """Top-k routed SwiGLU experts; keywords are MoEConfig's fields (``hidden_dim`` is positional)."""
+    """Top-k routed SwiGLU experts. Options are MoEConfig's fields, declared (with their defaults) there
+    only: ``MoE(dim, hidden_dim, num_experts, top_k, **fields)`` or ``MoE(dim, cfg=MoEConfig(...), **fields)``;
+    positional arguments and keywords override ``cfg``. The layer keeps its own copy (``self.cfg``), so
+    the speed switches (``compile_routing``, ``fold_weights``, ``group_align``, ``low_precision_router``,
+    ``fuse_permute``) can be flipped on one instance: they are read at each forward.
+    """
 
-    # Grouped GEMM group alignment (rows). 1 = unpadded groups, which torch._grouped_mm accepts for bf16.
-    group_align: int = 1
-    # bf16 CUDA inputs: router GEMM in bf16 with fp32 output (exact products) instead of an fp32 upcast.
-    low_precision_router: bool = True
-    # torch.compile backend of the routing stage (layers.moe.routing_stage) on CUDA with the grouped backend;
-    # None = eager. Fuses ~60 launch-bound small kernels at the start of each forward into a few.
-    compile_routing: Optional[str] = "inductor"
-    # Grouped backend without EP: routing weights folded into the SwiGLU epilogue (per sorted row), so
-    # the combine is an unweighted sum whose backward does not re-read the [N, D] expert outputs.
-    fold_weights: bool = True
-
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int = 8, top_k: int = 2, *,
-                 router: str = "softmax", softmax_before_topk: bool = False, norm_topk: bool = True,
-                 aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
-                 capacity_factor: Optional[float] = None, shared_experts: int = 0,
-                 shared_hidden_dim: Optional[int] = None, shared_gate: bool = False,
-                 global_balance: bool = True, backend: str = "auto", n_group: int = 1, topk_group: int = 1,
-                 routed_scaling_factor: float = 1.0, act: str = "silu", ep_group=None, key: str = "moe"):
+    def __init__(self, dim: int, hidden_dim: Optional[int] = None, num_experts: Optional[int] = None,
+                 top_k: Optional[int] = None, *, cfg: Optional[MoEConfig] = None, act: str = "silu", ep_group=None,
+                 key: str = "moe", **overrides):
+        """``cfg`` (a MoEConfig) plus keyword overrides of its fields; ``act``: the experts' gate activation
+        (the model's ``ffn_act``: silu, gelu, gelu_tanh, relu2)."""
         super().__init__()
         if not (isinstance(dim, int) and dim > 0):
             raise ConfigError(f"{key}.dim", f"must be > 0, got {dim}")
-        cfg = MoEConfig(num_experts=num_experts, top_k=top_k, hidden_dim=hidden_dim, router=router,
-                        softmax_before_topk=softmax_before_topk, norm_topk=norm_topk,
-                        aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
-                        bias_update_rate=bias_update_rate, capacity_factor=capacity_factor,
-                        shared_experts=shared_experts, shared_hidden_dim=shared_hidden_dim,
-                        shared_gate=shared_gate, global_balance=global_balance, backend=backend,
-                        n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor)
+        cfg = layer_config(MoEConfig, cfg, dict(hidden_dim=hidden_dim, num_experts=num_experts, top_k=top_k),
+                           overrides, "MoE")
+        if cfg.hidden_dim is None:
+            raise ConfigError(f"{key}.hidden_dim", "the layer needs the expert hidden size")
         cfg.validate(key)
-        if backend == "megablocks":
-            if act != "silu" or n_group > 1 or routed_scaling_factor != 1.0:
+        if cfg.backend == "megablocks":
+            if act != "silu" or cfg.n_group > 1 or cfg.routed_scaling_factor != 1.0:
                 raise ConfigError(f"{key}.backend", "megablocks runs SwiGLU experts behind its own Mixtral router: "
                                   "no other activation, group-limited routing or routed_scaling_factor")
             from .megablocks import check_megablocks_config
             check_megablocks_config(cfg, key)
         self.cfg = cfg
+        hidden_dim, num_experts, top_k, router = cfg.hidden_dim, cfg.num_experts, cfg.top_k, cfg.router
+        bias_update_rate, shared_experts = cfg.bias_update_rate, cfg.shared_experts
         self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, num_experts, top_k
         self.ep_group = ep_group
         # Data-parallel group for the global balance loss; set by training.parallel (None = this rank only).
@@ -121,8 +127,8 @@ class MoE(nn.Module):
             self.register_buffer("load_accum", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.experts = GroupedExperts(self.num_local_experts, dim, hidden_dim, gate_act=act)
         if shared_experts > 0:
-            self.shared = SwiGLU(dim, shared_hidden_dim or hidden_dim * shared_experts, act)
-            if shared_gate:
+            self.shared = SwiGLU(dim, cfg.shared_hidden_dim or hidden_dim * shared_experts, act)
+            if cfg.shared_gate:
                 self.shared_gate = nn.Linear(dim, 1, bias=False)
         self._backend: Optional[str] = None
         self.aux_loss = torch.zeros(())
@@ -163,9 +169,9 @@ class MoE(nn.Module):
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> float32 logits [T, E] (noisy in training for noisy_topk). Autocast off: routing in fp32."""
         with torch.autocast(x.device.type, enabled=False):
-            logits = router_matmul(x, self.gate.weight, self.low_precision_router)
+            logits = router_matmul(x, self.gate.weight, self.cfg.low_precision_router)
             if hasattr(self, "noise") and self.training:
-                logits = noisy_logits(logits, router_matmul(x, self.noise.weight, self.low_precision_router))
+                logits = noisy_logits(logits, router_matmul(x, self.noise.weight, self.cfg.low_precision_router))
         return logits
 
     def route(self, x: torch.Tensor):
@@ -187,7 +193,7 @@ class MoE(nn.Module):
         return cached_backend(self, device)
 
     def _align(self, x: torch.Tensor) -> int:
-        return self.group_align if self.backend(x.device) == "grouped" and x.is_cuda else 1
+        return self.cfg.group_align if self.backend(x.device) == "grouped" and x.is_cuda else 1
 
     def _dispatch_local(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                         routed: Optional[torch.Tensor] = None, run_experts=None,
@@ -202,7 +208,7 @@ class MoE(nn.Module):
         fast = self.backend(x.device) == "grouped"
         if plan is None:
             plan = make_plan(indices, self.num_experts, self.capacity(x.shape[0]), self._align(x), routed)
-        return run_plan(x, plan, weights, run_experts or self.experts, fast, row_weights)
+        return run_plan(x, plan, weights, run_experts or self.experts, fast, row_weights, self.cfg.fuse_permute)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -240,10 +246,10 @@ class MoE(nn.Module):
         spec = RoutingSpec(c.router, c.top_k, c.softmax_before_topk, c.norm_topk, self.num_experts,
                            float(c.aux_loss_coef), float(c.z_loss_coef), capacity, align, local,
                            plan=backend != "megablocks",
-                           row_weights=self.fold_weights and backend == "grouped" and self.ep_group is None,
+                           row_weights=c.fold_weights and backend == "grouped" and self.ep_group is None,
                            n_group=c.n_group, topk_group=c.topk_group,
                            routed_scaling_factor=float(c.routed_scaling_factor))
-        fn = routing_fn(x.device, self.compile_routing if backend == "grouped" else None, spec)
+        fn = routing_fn(x.device, c.compile_routing if backend == "grouped" else None, spec)
         r = fn(self.router_logits(x), getattr(self, "expert_bias", None), spec)
         bal, aux = r.balance, r.aux_loss
         if not local:

@@ -102,7 +102,7 @@ def compiled_routing_stage(backend: str, spec: RoutingSpec):
 def routing_fn(device: torch.device, backend: Optional[str], spec: RoutingSpec):
     """The routing stage to call for ``spec``: compiled with ``backend`` ("inductor") on CUDA, else eager.
 
-    ``backend=None`` turns compilation off (``MoE.compile_routing``). Inside an outer torch.compile the
+    ``backend=None`` turns compilation off (``MoEConfig.compile_routing``). Inside an outer torch.compile the
     eager function is returned so the outer graph traces it.
     """
     if backend is None or device.type != "cuda" or torch.compiler.is_compiling():

@@ -1,4 +1,5 @@
-"""Neuron-level expert routing of a dense FFN: ``NeuronRoutedFFN(dim, hidden_dim, num_groups, top_k_groups)``,
+"""Neuron-level expert routing of a dense FFN:
+``NeuronRoutedFFN(dim, hidden_dim, num_groups, top_k_groups, *, cfg=None, **NeuronConfig fields)``,
 ``forward(x[..., D]) -> [..., D]``.
 
 Follows MoEfication (Zhang et al. 2022: balanced k-means on W1 rows splits a dense FFN into expert groups,
@@ -44,7 +45,7 @@ from configs import ConfigError
 from configs.neuron import NeuronConfig
 
 from ..moe.experts import GroupedExperts, autocast_input, expert_hidden, make_plan, run_plan
-from ..moe.layer import cached_backend
+from ..moe.layer import cached_backend, layer_config
 from ..sharding import full_tensor, local_tensor, shard_like
 from .cluster import cluster_neurons
 from .schedule import neuron_phase, phase_bounds
@@ -56,24 +57,23 @@ def _assign(t: torch.Tensor, value: torch.Tensor) -> None:
 
 
 class NeuronRoutedFFN(nn.Module):
-    """A dense FFN whose hidden units form ``num_groups`` routed groups; keywords are NeuronConfig's fields."""
+    """A dense FFN whose hidden units form ``num_groups`` routed groups. Options are NeuronConfig's fields
+    (declared there only): ``NeuronRoutedFFN(dim, hidden_dim, num_groups, top_k_groups, **fields)`` or
+    ``NeuronRoutedFFN(dim, hidden_dim, cfg=NeuronConfig(...), **fields)``; arguments override ``cfg``."""
 
-    def __init__(self, dim: int, hidden_dim: int, num_groups: int = 16, top_k_groups: int = 4, *,
-                 activation: str = "swiglu", router_loss: str = "ce", router_loss_coef: float = 0.1,
-                 warmup_fraction: float = 0.1, sparse_ratio: float = 0.75, finish_fraction: float = 0.1,
-                 kmeans_iters: int = 20, recluster: bool = False, backend: str = "auto", key: str = "neuron"):
+    def __init__(self, dim: int, hidden_dim: int, num_groups: Optional[int] = None,
+                 top_k_groups: Optional[int] = None, *, cfg: Optional[NeuronConfig] = None,
+                 key: str = "neuron", **overrides):
         super().__init__()
         if not (isinstance(dim, int) and dim > 0):
             raise ConfigError(f"{key}.dim", f"must be > 0, got {dim}")
         if not (isinstance(hidden_dim, int) and hidden_dim > 0):
             raise ConfigError(f"{key}.hidden_dim", f"must be > 0, got {hidden_dim}")
-        cfg = NeuronConfig(num_groups=num_groups, top_k_groups=top_k_groups, activation=activation,
-                           router_loss=router_loss, router_loss_coef=router_loss_coef,
-                           warmup_fraction=warmup_fraction, sparse_ratio=sparse_ratio,
-                           finish_fraction=finish_fraction, kmeans_iters=kmeans_iters, recluster=recluster,
-                           backend=backend)
+        cfg = layer_config(NeuronConfig, cfg, dict(num_groups=num_groups, top_k_groups=top_k_groups),
+                           overrides, "NeuronRoutedFFN")
         cfg.validate(key, hidden_dim)
         self.cfg = cfg
+        num_groups, top_k_groups, activation = cfg.num_groups, cfg.top_k_groups, cfg.activation
         self.dim, self.hidden_dim = dim, hidden_dim
         self.num_groups, self.top_k_groups = num_groups, top_k_groups
         self.group_dim = hidden_dim // num_groups

@@ -142,10 +142,9 @@ def test_grouped_experts_in_bfloat16_are_within_twice_the_bfloat16_loop_error():
 def test_grouped_moe_path_on_cpu_equals_the_reference_path(fold, capacity_factor, monkeypatch):
     # The CUDA code path, run on CPU: torch._grouped_mm experts, folded weights or a weighted
     # combine, the permute / unpermute / combine ops (their torch bodies off CUDA).
-    monkeypatch.setattr(MoE, "fold_weights", fold)
     torch.manual_seed(0)
     ref = MoE(16, 24, 6, 2, capacity_factor=capacity_factor, z_loss_coef=1e-3, backend="torch")
-    fast = MoE(16, 24, 6, 2, capacity_factor=capacity_factor, z_loss_coef=1e-3, backend="torch")
+    fast = MoE(16, 24, 6, 2, capacity_factor=capacity_factor, z_loss_coef=1e-3, backend="torch", fold_weights=fold)
     fast.load_state_dict(ref.state_dict())
     fast._backend = "grouped"
     x = torch.randn(21, 16, requires_grad=True)

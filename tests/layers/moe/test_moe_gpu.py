@@ -21,19 +21,15 @@ def test_grouped_bf16_matches_fp32_reference_within_bf16_error(kw, align):
     E, K = kw.pop("E", 8), kw.pop("K", 2)
     torch.manual_seed(0)
     ref = MoE(256, 384, E, K, backend="torch", **kw).cuda().eval()
-    fast = MoE(256, 384, E, K, backend="grouped", **kw).cuda().to(torch.bfloat16).eval()
+    fast = MoE(256, 384, E, K, backend="grouped", group_align=align, **kw).cuda().to(torch.bfloat16).eval()
     fast.load_state_dict(ref.state_dict())
     ref.load_state_dict(fast.state_dict())            # same bf16-representable weights in both
-    MoE.group_align = align
-    try:
-        x = torch.randn(1000, 256, device="cuda").bfloat16().float()   # same values in both dtypes
-        xr, xf = x.clone().requires_grad_(), x.bfloat16().requires_grad_()
-        dy = torch.randn(1000, 256, device="cuda")
-        yr, yf = ref(xr), fast(xf)
-        yr.backward(dy)
-        yf.backward(dy.bfloat16())
-    finally:
-        MoE.group_align = 1
+    x = torch.randn(1000, 256, device="cuda").bfloat16().float()   # same values in both dtypes
+    xr, xf = x.clone().requires_grad_(), x.bfloat16().requires_grad_()
+    dy = torch.randn(1000, 256, device="cuda")
+    yr, yf = ref(xr), fast(xf)
+    yr.backward(dy)
+    yf.backward(dy.bfloat16())
     assert rel(yf, yr) < 2e-2
     assert rel(xf.grad, xr.grad) < 2e-2
     for (n, pr), pf in zip(ref.named_parameters(), fast.parameters()):
@@ -59,8 +55,8 @@ def run_grads(m, x, dy):
     return [y, xi.grad] + [p.grad for p in m.parameters()]
 
 
-def grads_by_setting(owner, attr, values, E, K, T, **kw):
-    """fp32 loop reference grads, and the bf16 grouped path's grads with ``owner.attr`` set to each value.
+def grads_by_setting(attr, values, E, K, T, **kw):
+    """fp32 loop reference grads, and the bf16 grouped path's grads with ``cfg.<attr>`` set to each value.
     Eager routing: each compiled routing spec costs seconds of device time, and the compiled stage has
     its own test (bench/moe.py checks the full default path at the real shapes)."""
     torch.manual_seed(0)
@@ -70,14 +66,11 @@ def grads_by_setting(owner, attr, values, E, K, T, **kw):
     ref.load_state_dict(m.state_dict())
     x = torch.randn(T, 256, device="cuda").bfloat16()
     dy = torch.randn(T, 256, device="cuda")
-    saved, got = getattr(owner, attr), []
-    m.compile_routing = None
+    got = []
+    m.cfg.compile_routing = None
     for v in values:
-        setattr(owner, attr, v)
-        try:
-            got.append(run_grads(m, x, dy))
-        finally:
-            setattr(owner, attr, saved)
+        setattr(m.cfg, attr, v)
+        got.append(run_grads(m, x, dy))
     return got, run_grads(ref, x.float(), dy)
 
 
@@ -88,12 +81,9 @@ def test_compiled_routing_equals_eager_routing_on_cuda():
     dy = torch.randn(2000, 256, device="cuda")
     runs, plans = {}, {}
     for mode in (None, "inductor"):
-        MoE.compile_routing = mode
-        try:
-            plans[mode] = m._route_and_record(x)[1]
-            runs[mode] = [m.aux_loss.detach()] + [v.clone() for v in m.stats.values()] + run_grads(m, x, dy)
-        finally:
-            MoE.compile_routing = "inductor"
+        m.cfg.compile_routing = mode
+        plans[mode] = m._route_and_record(x)[1]
+        runs[mode] = [m.aux_loss.detach()] + [v.clone() for v in m.stats.values()] + run_grads(m, x, dy)
     # the same decisions exactly: which tokens go where and which are dropped (earlier tokens win)
     for name in ("inv", "counts", "group_sizes"):
         assert torch.equal(getattr(plans["inductor"], name), getattr(plans[None], name)), name
@@ -110,7 +100,7 @@ def test_compiled_routing_equals_eager_routing_on_cuda():
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.8])
 def test_folded_routing_weights_equal_the_weighted_combine(capacity_factor):
-    (weighted, folded), want = grads_by_setting(MoE, "fold_weights", (False, True), 16, 4, 1500,
+    (weighted, folded), want = grads_by_setting("fold_weights", (False, True), 16, 4, 1500,
                                                 capacity_factor=capacity_factor)
     for i, (u, f, w) in enumerate(zip(weighted, folded, want)):
         assert rel(f, w) <= 2 * rel(u, w) + 1e-6, i

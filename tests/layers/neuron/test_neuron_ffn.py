@@ -364,3 +364,19 @@ def test_under_autocast_the_router_reads_the_float32_input_and_the_groups_its_bf
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = m(torch.randn(2, 5, 16))
     assert seen == [torch.float32] and y.dtype == torch.bfloat16
+
+
+def test_flops_count_the_groups_a_neuron_routed_ffn_computes():
+    # a sparse step computes K/G of the group weights, a dense step all; the default is the schedule's mean
+    from zoo.flops import count_params, sparse_step_share
+    m = NeuronRoutedFFN(8, 32, 8, 2, backend="torch", warmup_fraction=0.1, finish_fraction=0.2, sparse_ratio=0.5)
+    model = torch.nn.Sequential(m)
+    groups = sum(p.numel() for p in m.experts.parameters())
+    router = m.router.weight.numel()
+    assert count_params(model, sparse_share=1.0).active == router + groups * 2 // 8
+    assert count_params(model, sparse_share=0.0).active == router + groups
+    s = sparse_step_share(m.cfg)
+    assert s == pytest.approx(0.7 * 0.5)
+    c = count_params(model)
+    assert c.active == round(router + groups * (1 - s + s * 2 / 8)) and c.total == router + groups
+    assert c.neuron == groups and c.expert == 0

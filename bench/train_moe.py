@@ -1,0 +1,227 @@
+"""The trainer end to end, MoE and neuron-routed FFN against the dense FFN on one backbone: equal-time
+quality and tokens/s, on one GPU.
+
+    python bench/train_moe.py --prepare DIR [--max-files N]          # tokens, on any machine (CPU)
+    python bench/train_moe.py --tokens DIR [--suite equal_time,speed_2k] [--seconds 15] [--seeds 0,1]
+
+``--prepare`` builds the corpus (``data.source=python_packages`` by default: this interpreter's
+installed packages, one document per package, validation packages held out), trains the tokenizer and
+writes ``tokens_{train,val}.bin`` and ``tokenizer.model`` into DIR, so every run of a suite, and the
+GPU machine, trains on exactly the same tokens (the GPU machine has other packages installed).
+
+Suites (each run is ``training.loop.Trainer`` from a ``load_config`` of a preset plus overrides,
+bf16 autocast, fused AdamW, compiled with ``--compile`` (eager by default: a compile per run costs
+more device time than a short equal-time run trains); the script drives ``train_step`` itself and
+times each step):
+- ``equal_time``: dense, MoE (8 experts top-2, expert hidden FFN/2: the dense FFN's active FLOPs) and
+  neuron-routed (tiny_neuron's schedule: dense warm-up, 3 sparse : 1 dense, dense finish) versions
+  of one backbone (D 512, 8 layers, FFN 1408, seq 1024, batch 32). A probe run per model measures
+  its steady step time; each seed then trains ``seconds / step time`` steps (the LR and neuron
+  schedules know the total), so every model gets the same GPU seconds. Printed: val loss, tokens
+  seen, steady training seconds, tokens/s.
+- ``speed_2k``: tokens/s of a D 2048 backbone (4 layers, FFN 5632, 16k tokens a step) with the dense
+  FFN and with the neuron-routed FFN at 4 of 16 groups in every step (sparse steps only: the
+  schedule's dense steps run the dense FFN plus the router, timed by bench/neuron_ffn.py).
+Steady seconds leave out steps over twice the median (the first compile, recompiles at phase
+changes, the re-clustering step).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from configs import load_config  # noqa: E402
+
+BACKBONE = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4",
+            "model.ffn_hidden=1408", "model.max_seq_len=1024", "train.seq_len=1024", "train.batch_size=32",
+            "optim.lr=2e-3", "optim.warmup_steps=50"]
+BACKBONE_2K = ["model.dim=2048", "model.n_layers=4", "model.n_heads=16", "model.n_kv_heads=8",
+               "model.ffn_hidden=5632", "model.max_seq_len=2048", "train.seq_len=2048", "train.batch_size=8"]
+SUITES = {   # name -> {run: (preset, overrides)}
+    "equal_time": {
+        "dense": ("zoo/tiny_dense.yaml", BACKBONE),
+        "moe": ("zoo/tiny_moe.yaml", BACKBONE + ["model.moe.hidden_dim=704"]),
+        "neuron": ("zoo/tiny_neuron.yaml", BACKBONE),
+    },
+    "speed_2k": {
+        "dense_2k": ("zoo/tiny_dense.yaml", BACKBONE_2K),
+        "neuron_2k": ("zoo/tiny_neuron.yaml", BACKBONE_2K + [
+            "model.neuron.num_groups=16", "model.neuron.top_k_groups=4", "model.neuron.warmup_fraction=0",
+            "model.neuron.finish_fraction=0", "model.neuron.sparse_ratio=1.0", "model.neuron.recluster=false"]),
+    },
+    "smoke": {   # this script on CPU in seconds
+        "dense": ("zoo/tiny_dense.yaml", ["model.n_layers=2", "train.batch_size=2", "train.seq_len=64"]),
+        "moe": ("zoo/tiny_moe.yaml", ["model.n_layers=2", "train.batch_size=2", "train.seq_len=64"]),
+        "neuron": ("zoo/tiny_neuron.yaml", ["model.n_layers=2", "train.batch_size=2", "train.seq_len=64"]),
+    },
+}
+
+
+def make_config(preset, overrides, seed, steps, device, tokens_dir, out_dir, compile_=False):
+    common = ["logging.wandb=disabled", "logging.progress=false", "checkpoint.every=0", f"train.device={device}",
+              f"train.compile={str(compile_).lower()}", f"train.seed={seed}", f"train.steps={steps}",
+              "train.eval_batches=16", f"train.out_dir={out_dir}", f"train.eval_every={max(steps, 1)}",
+              f"data.tokenizer={os.path.join(tokens_dir, 'tokenizer.model')}"]
+    return load_config(preset, overrides + common)
+
+
+def use_tokens(tokens_dir):
+    """Make the trainer read DIR's token files instead of building the corpus (same tokens everywhere)."""
+    import training.loop
+    from training.data import TokenData
+    from training.tokenizer import Tokenizer
+    with open(os.path.join(tokens_dir, "meta.json")) as f:
+        dtype = np.dtype(json.load(f)["dtype"])
+    tok = Tokenizer(os.path.join(tokens_dir, "tokenizer.model"))
+    arrays = {s: np.memmap(os.path.join(tokens_dir, f"tokens_{s}.bin"), dtype=dtype, mode="r")
+              for s in ("train", "val")}
+    training.loop.prepare_data = lambda cfg, *a, **k: TokenData(tok, arrays["train"], arrays["val"])
+
+
+def prepare(out, source, max_files, vocab):
+    """Corpus -> tokenizer + token files in ``out`` (training.data's own code and cache)."""
+    from training.data import prepare_data
+    cfg = load_config("zoo/tiny_dense.yaml", [f"data.source={source}", f"data.max_files={max_files}",
+                                               "data.val_fraction=0.1",
+                                               f"model.vocab_size={vocab}", "train.seq_len=1024",
+                                               "model.max_seq_len=1024"])
+    td = prepare_data(cfg)
+    os.makedirs(out, exist_ok=True)
+    for split in ("train", "val"):
+        getattr(td, split).tofile(os.path.join(out, f"tokens_{split}.bin"))
+    shutil.copy(td.tokenizer.path, os.path.join(out, "tokenizer.model"))
+    from training.corpus import load_documents, split_documents
+    docs = load_documents(cfg.data)
+    train, val = split_documents(docs, cfg.data.val_fraction)
+    meta = {"source": source, "max_files": max_files, "vocab": vocab, "dtype": str(td.train.dtype),
+            "tokens": {"train": len(td.train), "val": len(td.val)},
+            "documents": {"train": len(train), "val": len(val)}, "val_names": sorted(d.name for d in val)}
+    with open(os.path.join(out, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    print({k: v for k, v in meta.items() if k != "val_names"})
+
+
+def train_run(preset, overrides, seed, steps, args, tag) -> dict:
+    """One Trainer run of ``steps`` steps, each timed (synchronised); val loss at the end."""
+    from training.loop import Trainer
+    from layers import NeuronSchedule
+    dev = args.device
+    cfg = make_config(preset, overrides, seed, steps, dev, args.tokens, os.path.join(args.runs, tag), args.compile)
+    tr = Trainer(cfg)
+    neuron = next((s for s in tr.sparsity if isinstance(s, NeuronSchedule)), None)
+    times, phases, losses = [], [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        m = tr.train_step()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        phases.append(neuron.phase if neuron else "dense")
+        losses.append(float(m["loss/total"]))
+    med = statistics.median(times)
+    steady = [t for t in times if t <= 2 * med]
+    out = {"steps": steps, "tokens_seen": steps * tr.tokens_per_step, "wall_s": sum(times),
+           "steady_s": sum(steady), "steady_steps": len(steady),
+           "tokens_per_s": len(steady) * tr.tokens_per_step / sum(steady), "val": tr.evaluate(),
+           "loss_first": losses[0], "loss_last": losses[-1], "skipped": tr.bad_total,
+           "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else 0.0,
+           "mfu_flops_per_token": tr.flops_per_token}
+    for p in sorted(set(phases)):        # per-phase step time (neuron: sparse vs dense steps)
+        ts = [t for t, q in zip(times, phases) if q == p and t <= 2 * med]
+        if ts:
+            out[f"tokens_per_s_{p}"] = len(ts) * tr.tokens_per_step / sum(ts)
+    if tr.peak_flops:
+        out["mfu"] = out["tokens_per_s"] * tr.flops_per_token / tr.peak_flops
+    del tr
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+def equal_time(suite, args) -> dict:
+    res = {}
+    for name, (preset, ov) in SUITES[suite].items():
+        probe = train_run(preset, ov, 0, args.probe_steps, args, f"{name}_probe")
+        per_step = probe["tokens_seen"] / probe["steps"]
+        steps = max(args.probe_steps, int(args.seconds * probe["tokens_per_s"] / per_step))
+        print(f"{name}: probe {probe['tokens_per_s']:.0f} tok/s -> {steps} steps for {args.seconds} s", flush=True)
+        res[name] = {"probe": probe, "seeds": {}}
+        for seed in args.seeds:
+            r = train_run(preset, ov, seed, steps, args, f"{name}_s{seed}")
+            res[name]["seeds"][seed] = r
+            print(name, seed, {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
+    return res
+
+
+def speed(suite, args) -> dict:
+    res = {}
+    for name, (preset, ov) in SUITES[suite].items():
+        res[name] = train_run(preset, ov, 0, args.speed_steps, args, name)
+        print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in res[name].items()}, flush=True)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prepare", default=None, help="write the tokens to this folder and exit")
+    ap.add_argument("--source", default="python_packages")
+    ap.add_argument("--max-files", type=int, default=0)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--tokens", default=None, help="folder written by --prepare")
+    ap.add_argument("--suite", default="equal_time,speed_2k")
+    ap.add_argument("--seconds", type=float, default=15.0, help="steady training seconds per equal-time run")
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--probe-steps", type=int, default=30)
+    ap.add_argument("--speed-steps", type=int, default=25)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--compile", action="store_true", help="train.compile=true (per-block torch.compile)")
+    ap.add_argument("--runs", default="/tmp/train_moe")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.prepare:
+        return prepare(args.prepare, args.source, args.max_files, args.vocab)
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    use_tokens(args.tokens)
+    # a neuron block has a sparse and a dense training graph besides evaluation's: room for all of them
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    out = {"env": {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+                   "torch": torch.__version__}, "args": {k: v for k, v in vars(args).items()}}
+    for suite in args.suite.split(","):
+        out[suite] = speed(suite, args) if suite.startswith("speed") else equal_time(suite, args)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+    report(out)
+
+
+def report(out):
+    for suite, res in out.items():
+        if suite in ("env", "args"):
+            continue
+        print(f"\n{suite}")
+        if suite.startswith("speed"):
+            print(f"{'run':12s} {'tok/s':>10s} {'MFU':>6s} {'peak GB':>8s} {'loss last':>9s}")
+            for name, r in res.items():
+                print(f"{name:12s} {r['tokens_per_s']:10.0f} {r.get('mfu', 0):6.3f} {r['peak_gb']:8.1f} "
+                      f"{r['loss_last']:9.4f}")
+            continue
+        print(f"{'run':8s} {'seed':>4s} {'steps':>6s} {'tokens':>10s} {'steady s':>8s} {'tok/s':>10s} {'val':>7s}")
+        for name, r in res.items():
+            for seed, s in r["seeds"].items():
+                print(f"{name:8s} {seed:>4} {s['steps']:6d} {s['tokens_seen']:10d} {s['steady_s']:8.1f} "
+                      f"{s['tokens_per_s']:10.0f} {s['val']:7.4f}")
+
+
+if __name__ == "__main__":
+    main()
