@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from einops import rearrange
 from torch import nn
 
 from .flash import flash_attn_dense
@@ -96,21 +97,19 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0,
                 mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        B, S, _ = x.shape
         q, k = self.wq(x), self.wk(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(B, S, self.n_heads, self.head_dim)
-        k = k.view(B, S, self.n_kv_heads, self.head_dim)
+        q, k = (rearrange(t, "b s (h d) -> b s h d", d=self.head_dim) for t in (q, k))
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = (rearrange(t, "b s h d -> b h s d") for t in (q, k))
+        v = rearrange(self.wv(x), "b s (h d) -> b h s d", d=self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.cache is not None:
             k, v = self.cache.update(start_pos, k, v)
         out = self._attend(q, k, v, start_pos, mask)
-        return self.wo(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
+        return self.wo(rearrange(out, "b h s d -> b s (h d)"))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
                 mask: Optional[torch.Tensor] = None) -> torch.Tensor:
