@@ -52,4 +52,5 @@ def check_model(cfg: Config, meta_model) -> None:
     if cfg.dst.enabled:
         from layers import DynamicSparsity
         # The real constructor on the throwaway meta model: the same checks, run before anything is allocated.
-        DynamicSparsity.from_config(meta_model, cfg.dst, None, total_steps=cfg.train.steps)
+        # No optimizer exists yet, so the compact optimizer state (checked when the trainer builds it) is off.
+        DynamicSparsity(meta_model, None, cfg=cfg.dst, total_steps=cfg.train.steps, compact_state=False)
