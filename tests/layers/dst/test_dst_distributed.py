@@ -11,7 +11,8 @@ from layers import DynamicSparsity
 from helpers import spawn   # forked gloo ranks: spawn(fn, world) runs fn(rank, world) on each
 
 SHAPES = [(16, 32), (32, 16), (8, 32)]   # (out, in); 16 and 32 rows split evenly over 2 ranks, 8 too
-OPTS = dict(sparsity=0.75, update_every=1, total_steps=4, stop_fraction=1.0, drop_schedule="constant")
+OPTS = dict(sparsity=0.75, update_every=1, total_steps=4, stop_fraction=1.0, drop_schedule="constant",
+            include=["layers.*"])                      # every layer, the last one too (no head here)
 
 
 class Stack(nn.Module):
