@@ -62,10 +62,12 @@ def _combine_kernel(ys_ptr, ys2_ptr, inv_ptr, w_ptr, out_ptr, D,
     tl.store(out_ptr + t * D + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _combine_bwd_kernel(dout_ptr, ys_ptr, inv_ptr, w_ptr, dys_ptr, dw_ptr, D,
+def _combine_bwd_kernel(dout_ptr, ys_ptr, inv_ptr, w_ptr, dys_ptr, dw_ptr, D: tl.constexpr,
                         K: tl.constexpr, BLOCK_D: tl.constexpr):
     # grid (T,): dw[t, j] is a reduction over all of D, so one program walks the whole row instead of
     # splitting D across programs and needing atomics; dout[t] re-reads for j > 0 hit L1/L2.
+    # D is constexpr (one compile per model width): the loop then has a static trip count, which also
+    # keeps Triton 3.6's interpreter working (its range() over a runtime int fails with numpy >= 2.4).
     t = tl.program_id(0).to(tl.int64)
     for j in tl.static_range(K):
         dst = tl.load(inv_ptr + t * K + j).to(tl.int64)
@@ -120,7 +122,7 @@ def combine_rows_backward(dout: torch.Tensor, ys: torch.Tensor, inv: torch.Tenso
     if T == 0:
         return dys, dw
     BLOCK_D = _block_d(D)
-    jit(_combine_bwd_kernel)[(T,)](dout, ys, inv, w, dys, dw, D, K=K, BLOCK_D=BLOCK_D, num_warps=4)
+    jit(_combine_bwd_kernel)[(T,)](dout, ys, inv, w, dys, dw, D=D, K=K, BLOCK_D=BLOCK_D, num_warps=4)
     return dys, dw
 
 

@@ -61,21 +61,20 @@ def _swiglu_fwd_kernel(a_ptr, b_ptr, s_ptr, h_ptr, H, HAS_S: tl.constexpr, BLOCK
 
 
 def _swiglu_bwd_kernel(dh_ptr, a_ptr, b_ptr, s_ptr, da_ptr, db_ptr, ds_ptr, H,
-                       HAS_S: tl.constexpr, BLOCK: tl.constexpr):
+                       HAS_S: tl.constexpr, BLOCK: tl.constexpr, N_BLOCKS: tl.constexpr):
     # dh, a, b, da, db contiguous [N, H]. Without a scale: grid (N, cdiv(H, BLOCK)), one block per
     # program. With one: grid (N,), the program walks the whole row, because dscale[r] reduces over
-    # all of H (no atomics: deterministic, one writer per row).
+    # all of H (no atomics: deterministic, one writer per row). N_BLOCKS (blocks a program walks) is a
+    # constexpr: Triton 3.6's interpreter fails on range() over a runtime value with numpy >= 2.4.
     r = tl.program_id(0).to(tl.int64)
     if HAS_S:
         lo = 0
-        n_blocks = (H + BLOCK - 1) // BLOCK
         sc = tl.load(s_ptr + r).to(tl.float32)
     else:
         lo = tl.program_id(1) * BLOCK
-        n_blocks = 1
         sc = 1.0
     acc = tl.full([BLOCK], 0.0, tl.float32)
-    for i in range(n_blocks):
+    for i in range(N_BLOCKS):
         cols = lo + i * BLOCK + tl.arange(0, BLOCK)
         m = cols < H
         dh = tl.load(dh_ptr + r * H + cols, mask=m, other=0.0).to(tl.float32)
@@ -114,7 +113,8 @@ def _bwd(dh, a, b, scale, da, db, N, H):
         # Dummy pointers (never dereferenced) when HAS_S is False: real tensors, not the empty ds.
         s, ds_arg = (scale.contiguous(), ds) if scale is not None else (dh, dh)
         jit(_swiglu_bwd_kernel)[grid](dh, a, b, s, da, db, ds_arg, H, HAS_S=scale is not None,
-                                      BLOCK=block, num_warps=warps)
+                                      BLOCK=block, N_BLOCKS=triton.cdiv(H, block) if scale is not None else 1,
+                                      num_warps=warps)
     return ds
 
 

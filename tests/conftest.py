@@ -23,6 +23,9 @@ def triton_interpreter(monkeypatch):
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
+        # GPU tests last: the CPU tests that fork gloo ranks (helpers.spawn) then run before any CUDA
+        # backward has started autograd's device threads, which a forked child cannot use.
+        items.sort(key=lambda item: "gpu" in item.keywords)   # stable: collection order within each group
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

@@ -33,6 +33,9 @@ def tiny_overrides(tmp, corpus, **extra) -> list[str]:
         "data.max_files": 0, "train.seq_len": 32, "train.batch_size": 4, "train.steps": 20, "train.eval_every": 10,
         "train.eval_batches": 2, "train.out_dir": f"{tmp}/run", "logging.wandb": "disabled", "logging.log_every": 5,
         "logging.progress": False, "logging.plots": False, "optim.warmup_steps": 2, "optim.lr": 3e-3, "checkpoint.every": 10,
+        # CPU tests stay CPU tests on a GPU machine (losses, tolerances and torchrun ranks as written);
+        # the GPU tests set train.device=cuda themselves.
+        "train.device": "cpu",
     }
     ov.update(extra)
     return [f"{k}={v}" for k, v in ov.items()]
@@ -66,14 +69,19 @@ def tiny_moe_cfg(*overrides):
 
 
 def spawn(fn, world: int, *args) -> None:
-    """Fork ``world`` CPU ranks joined in a gloo process group; each runs ``fn(rank, world, *args)``.
-    The one process-spawn helper of the multi-process tests."""
+    """Start ``world`` CPU ranks joined in a gloo process group; each runs ``fn(rank, world, *args)``.
+    The one process-spawn helper of the multi-process tests.
+
+    Forked (fast: no re-import of torch) unless this process has initialised CUDA: a CUDA backward starts
+    autograd's device threads, and a forked child's backward then fails ("Unable to handle autograd's
+    threading in combination with fork-based multiprocessing"), so such a process spawns fresh children."""
     import tempfile
 
     import torch.multiprocessing as mp
+    method = "spawn" if torch.cuda.is_initialized() else "fork"
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(_spawn_entry, args=(fn, world, os.path.join(d, "store"), args), nprocs=world,
-                           join=True, start_method="fork")
+                           join=True, start_method=method)
 
 
 def _spawn_entry(rank, fn, world, store, args):

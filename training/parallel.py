@@ -89,7 +89,12 @@ def resolve_device(cfg: Config, local_rank: int = 0) -> torch.device:
         raise ConfigError("train.device", "cuda requested but no CUDA device is available")
     if want == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
+    # One GPU per local rank: two ranks sharing a GPU fail later inside NCCL ("Duplicate GPU detected").
+    local_world, gpus = _env_int("LOCAL_WORLD_SIZE", 1), torch.cuda.device_count()
+    if local_world > gpus:
+        raise ConfigError("train.device", f"{local_world} ranks on this node (torchrun --nproc_per_node) but "
+                          f"{gpus} CUDA device(s); start at most {gpus} per node, or train.device=cpu (gloo)")
+    return torch.device("cuda", local_rank)
 
 
 def setup_parallel(cfg: Config) -> ParallelState:

@@ -12,6 +12,14 @@ import torch.nn.functional as F
 # bench/attention.py --crossover (BENCHMARKS.md "Sparse attention"): at 2048 tokens flex is already 3.3x
 # faster than masked SDPA (0.56 vs 1.83 ms, A-shape); shorter lengths were not measured.
 DENSE_CROSSOVER = 2048
+# Inductor's flex lowering needs query/key and value head dims of at least 16 on CUDA (NotImplementedError
+# "embedding dimension ... must be at least 16" otherwise); smaller heads run the SDPA reference.
+FLEX_MIN_HEAD_DIM = 16
+
+
+def flex_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``auto`` may send this CUDA call to FlexAttention: head dims ``q[..., Dh]``, ``v[..., Dv]``."""
+    return q.is_cuda and min(q.shape[-1], v.shape[-1]) >= FLEX_MIN_HEAD_DIM
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0) -> torch.Tensor:

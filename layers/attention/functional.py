@@ -15,7 +15,8 @@ absolute position ``q_offset + i``; returns ``[B, Hq, S, D]``. The mask is the t
   columns cost a few dense key blocks instead of touching every key block; ``gathered_mask_mod``
   allows a gathered column only where the rest of the rule does not, so each pair counts once.
 - ``flash_attn``: flash-attn's ``window_size`` for pure sliding-window layers, when installed.
-- ``auto``: flex on CUDA for square inputs at or above ``DENSE_CROSSOVER`` tokens; otherwise the
+- ``auto``: flex on CUDA for square inputs at or above ``DENSE_CROSSOVER`` tokens with head dims of at
+  least ``FLEX_MIN_HEAD_DIM`` (16, what inductor lowers); otherwise the
   reference, which below the crossover is the faster way to compute the same masked result.
 
 Whatever the backend, a pattern that allows every causal pair at this length (a window >= T, budgets
@@ -37,7 +38,7 @@ from configs.attention import ATTN_BACKENDS
 from .flash import flash_attn_window
 from .flex import (column_slots, flex_attention_call, flex_block_mask, gather_columns, kernel_options_for,
                    pick_flex_kernel)
-from .dense import DENSE_CROSSOVER, dense_causal_attention
+from .dense import DENSE_CROSSOVER, dense_causal_attention, flex_fits
 from .masking import masked_causal_attention
 from .pattern import PatternLike, head_patterns, layer_block_size as plan_block_size
 from .plan import PatternPlan, plan_pattern
@@ -83,7 +84,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     square = S == T and q_offset == 0
     if backend == "auto":
         crossover = DENSE_CROSSOVER if reference_below < 0 else reference_below
-        backend = "flex" if (q.is_cuda and square and T >= crossover) else "reference"
+        backend = "flex" if (flex_fits(q, v) and square and T >= crossover) else "reference"
     if backend == "flash_attn":
         return flash_attn_window(q, k, v, pats, square)
     if backend == "flex" and square:   # decode / chunked prefill rows go to the reference: O(S T) mask

@@ -112,11 +112,12 @@ def causal_mask(S: int, T: int, q_offset: int, device=None) -> torch.Tensor:
 def masked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask,
                             q_offset: int = 0) -> torch.Tensor:
     """Dense causal attention restricted by ``mask``: q [B, Hq, S, Dh], k [B, Hk, T, Dh], v [B, Hk, T, Dv]
-    -> [B, Hq, S, Dv]. FlexAttention for square CUDA calls of at least DENSE_CROSSOVER tokens, else SDPA."""
+    -> [B, Hq, S, Dv]. FlexAttention for square CUDA calls of at least DENSE_CROSSOVER tokens (head dims
+    ``flex_fits``), else SDPA."""
     from .flex import flex_attention_call
-    from .dense import DENSE_CROSSOVER
+    from .dense import DENSE_CROSSOVER, flex_fits
     S, T = q.shape[2], k.shape[2]
-    if q.is_cuda and S == T and q_offset == 0 and T >= DENSE_CROSSOVER:
+    if flex_fits(q, v) and S == T and q_offset == 0 and T >= DENSE_CROSSOVER:
         return flex_attention_call(q, k, v, mask.block_mask(T, q.device))
     allowed = mask.dense(S, T) & causal_mask(S, T, q_offset, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=q.shape[1] != k.shape[1])

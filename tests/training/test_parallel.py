@@ -59,6 +59,19 @@ def test_setup_parallel_rejects_nccl_on_cpu(monkeypatch):
     assert not dist.is_initialized()
 
 
+def test_setup_parallel_rejects_more_local_ranks_than_gpus(monkeypatch):
+    # torchrun --nproc_per_node 2 on a one-GPU node: one line naming train.device, not NCCL's
+    # "Duplicate GPU detected" after the process group is up.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="train.device") as e:
+        setup_parallel(tiny_moe_cfg("train.device=auto"))
+    assert "2 ranks on this node" in str(e.value) and "\n" not in str(e.value)
+    assert not dist.is_initialized()
+
+
 def test_setup_parallel_rejects_megablocks_backend_under_ep(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = tiny_moe_cfg("parallel.ep=2")
