@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from configs import ConfigError, load_config
-from helpers import ROOT
+from helpers import ROOT, subprocess_env
 
 PRESETS = sorted(glob.glob(os.path.join(ROOT, "zoo", "*.yaml")))
 
@@ -55,8 +55,9 @@ def test_bad_values_raise_config_error_naming_the_key(override, key):
 
 
 def run_cli(*args, cwd=ROOT):
+    # A CPU test on any machine: with CUDA hidden the child neither picks the GPU nor pays its start-up.
     return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=subprocess_env(CUDA_VISIBLE_DEVICES=""))
 
 
 @pytest.mark.parametrize("args,needle", [
