@@ -22,9 +22,10 @@ computed from its amax ("dynamic" scaling, no history), and every GEMM is one ``
 
 The wgrad operands are 2-D with the experts along the contraction: CUTLASS needs each group's start 16-byte
 aligned there, so ``quantize_groups_t`` writes them column-major with every group padded to a multiple of
-16 rows (at least 16: an empty expert is a zero block, which Blackwell's kernel also needs) and zero pad
-rows; forward and dgrad group along the rows of a row-major operand and take any group sizes. So the dispatch
-needs no ``group_align``, and expert parallelism's uneven counts run as they are.
+16 rows, zero pad rows (at least 16: an empty expert is a block of zeros, as CUTLASS's Blackwell grouped
+kernels reject empty contraction groups). Forward and dgrad group along the rows of a row-major operand
+and take any group sizes. So the dispatch needs no ``group_align``, and expert parallelism's uneven counts
+run as they are.
 
 Scales are powers of two, ``s = 2^floor(log2(448 / amax))`` (the exponent bits of the correctly rounded
 quotient): scaling is exact, amax lands in (224, 448], and the dequantization scale ``1 / s`` handed to the
@@ -363,7 +364,7 @@ def fp8_grouped_linear_reference(x: torch.Tensor, w: torch.Tensor, offs: torch.T
     """The op's intended math in torch (no autograd), from the reference quantizers and the emulated GEMM:
     y, and with ``dy`` also (dx, dw). The oracle of the CPU tests."""
     xq, xd = quantize_rows_reference(x)
-    E, O, I = w.shape
+    E = w.shape[0]
     wq, wd = quantize_rows_reference(w)
     y = scaled_grouped_mm_reference(xq, wq.transpose(-2, -1), xd, wd, offs)
     if dy is None:
