@@ -3,6 +3,7 @@ quality and tokens/s, on one GPU.
 
     python bench/train_moe.py --prepare DIR [--max-files N]          # tokens, on any machine (CPU)
     python bench/train_moe.py --tokens DIR [--suite equal_time,speed_2k] [--seconds 15] [--seeds 0,1]
+    python bench/train_moe.py --tokens DIR --suite speed_fp8 --speed-steps 300   # bf16 vs FP8 experts
 
 ``--prepare`` builds the corpus (``data.source=python_packages`` by default: this interpreter's
 installed packages, one document per package, validation packages held out), trains the tokenizer and
@@ -22,6 +23,9 @@ times each step):
 - ``speed_2k``: tokens/s of a D 2048 backbone (4 layers, FFN 5632, 16k tokens a step) with the dense
   FFN and with the neuron-routed FFN at 4 of 16 groups in every step (sparse steps only: the
   schedule's dense steps run the dense FFN plus the router, timed by bench/neuron_ffn.py).
+- ``speed_fp8``: equal_time's MoE with bf16 and with FP8 expert GEMMs (``model.moe.precision=fp8``), the
+  same seed and ``--speed-steps`` steps each: val loss (the FP8 run should land within 0.5% of bf16's),
+  last training loss, tokens/s.
 Steady seconds leave out steps over twice the median (the first compile, recompiles at phase
 changes, the re-clustering step).
 """
@@ -58,6 +62,10 @@ SUITES = {   # name -> {run: (preset, overrides)}
         "neuron_2k": ("zoo/tiny_neuron.yaml", BACKBONE_2K + [
             "model.neuron.num_groups=16", "model.neuron.top_k_groups=4", "model.neuron.warmup_fraction=0",
             "model.neuron.finish_fraction=0", "model.neuron.sparse_ratio=1.0", "model.neuron.recluster=false"]),
+    },
+    "speed_fp8": {
+        "moe_bf16": ("zoo/tiny_moe.yaml", BACKBONE + ["model.moe.hidden_dim=704"]),
+        "moe_fp8": ("zoo/tiny_moe.yaml", BACKBONE + ["model.moe.hidden_dim=704", "model.moe.precision=fp8"]),
     },
     "smoke": {   # this script on CPU in seconds
         "dense": ("zoo/tiny_dense.yaml", ["model.n_layers=2", "train.batch_size=2", "train.seq_len=64"]),
@@ -211,10 +219,10 @@ def report(out):
             continue
         print(f"\n{suite}")
         if suite.startswith("speed"):
-            print(f"{'run':12s} {'tok/s':>10s} {'MFU':>6s} {'peak GB':>8s} {'loss last':>9s}")
+            print(f"{'run':12s} {'tok/s':>10s} {'MFU':>6s} {'peak GB':>8s} {'loss last':>9s} {'val':>7s}")
             for name, r in res.items():
                 print(f"{name:12s} {r['tokens_per_s']:10.0f} {r.get('mfu', 0):6.3f} {r['peak_gb']:8.1f} "
-                      f"{r['loss_last']:9.4f}")
+                      f"{r['loss_last']:9.4f} {r['val']:7.4f}")
             continue
         print(f"{'run':8s} {'seed':>4s} {'steps':>6s} {'tokens':>10s} {'steady s':>8s} {'tok/s':>10s} {'val':>7s}")
         for name, r in res.items():

@@ -139,6 +139,7 @@ class ModelConfig:
         types = self.layer_ffn_types()
         if "moe" in types:
             self.moe.validate(f"{key}.moe")
+            self.moe.check_precision_shapes(self.dim, self.expert_hidden_dim, self.ffn_act, f"{key}.moe")
         if "neuron" in types:
             self.neuron.validate(f"{key}.neuron", self.hidden_dim)
             check(self.ffn_act == "silu", f"{key}.ffn_act", "neuron-routed FFNs take model.neuron.activation instead")

@@ -10,6 +10,8 @@ ROUTERS = ("softmax", "noisy_topk", "sigmoid", "switch")
 # One vocabulary with model.attention.backend: auto | reference | <fast paths>. "torch" is the old name
 # of "reference", still accepted.
 MOE_BACKENDS = ("auto", "reference", "grouped", "megablocks", "torch")
+MOE_PRECISIONS = ("bf16", "fp8")
+FP8_DIM_MULTIPLE = 16   # torch._scaled_grouped_mm: every GEMM's inner and outer dims (16-byte fp8 rows)
 
 
 @dataclass
@@ -40,6 +42,11 @@ class MoEConfig:
     group_align: int = 1                  # grouped-GEMM group alignment (rows); 1 = unpadded groups
     low_precision_router: bool = True     # bf16 router GEMM with fp32 output (exact products)
     fuse_permute: bool = True             # permute fused into the gate/up grouped GEMMs' backward
+    # Expert GEMMs' operand precision on the grouped CUDA path. bf16: torch._grouped_mm. fp8: rowwise-scaled
+    # float8_e4m3fn forward, dgrad and wgrad (kernels.moe_fp8; torchao's MoE fp8 rowwise recipe), bf16 out and
+    # bf16 / float32 master weights untouched; needs a Hopper or Blackwell GPU and dims that are multiples
+    # of 16 (ConfigError naming model.moe.precision otherwise). Changes the math by FP8 rounding.
+    precision: str = "bf16"
 
     def validate(self, key: str = "model.moe") -> None:
         check_positive(self, key, "num_experts", "top_k", "hidden_dim", "shared_hidden_dim", "group_align")
@@ -65,7 +72,48 @@ class MoEConfig:
             check(self.capacity_factor > 0, f"{key}.capacity_factor", f"must be > 0, got {self.capacity_factor}")
         for n in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
             check(getattr(self, n) >= 0, f"{key}.{n}", f"must be >= 0, got {getattr(self, n)}")
+        check_choice(self.precision, MOE_PRECISIONS, f"{key}.precision")
+        check(self.precision != "fp8" or self.backend in ("auto", "grouped"), f"{key}.precision",
+              f"fp8 runs on the grouped backend (auto or grouped), not backend={self.backend}")
         if self.backend == "megablocks":
             import importlib.util
             check(importlib.util.find_spec("megablocks") is not None, f"{key}.backend",
                   "megablocks is not installed (see README: optional GPU backends)")
+
+    def check_precision_shapes(self, dim: int, hidden_dim: int, act: str, key: str = "model.moe") -> None:
+        """fp8: the model dim and the expert hidden size are multiples of 16 (torch._scaled_grouped_mm), and the
+        experts are the grouped path's SwiGLU (silu gate). ConfigError naming ``<key>.precision`` otherwise."""
+        if self.precision != "fp8":
+            return
+        bad = [f"{n}={v}" for n, v in (("dim", dim), ("hidden_dim", hidden_dim)) if v % FP8_DIM_MULTIPLE]
+        check(not bad, f"{key}.precision", f"fp8 expert GEMMs need the model dim and the expert hidden size to be "
+              f"multiples of {FP8_DIM_MULTIPLE}; got {', '.join(bad)}")
+        check(act == "silu", f"{key}.precision", f"fp8 runs the grouped SwiGLU path, whose gate is silu, not "
+              f"ffn_act={act}")
+
+    def check_runtime(self, device, key: str = "model.moe") -> None:
+        """Before any work: fp8, when asked for, can run on ``device`` (ConfigError naming ``<key>.precision``)."""
+        if self.precision == "fp8":
+            why = fp8_missing(device)
+            check(why is None, f"{key}.precision", f"fp8 expert GEMMs (torch._scaled_grouped_mm) cannot run here: {why}")
+
+
+def fp8_missing(device="cuda") -> Optional[str]:
+    """None when FP8 grouped GEMMs run on ``device`` (a torch.device or its name); else why not, in words.
+
+    torch._scaled_grouped_mm's rowwise kernels are built for compute capability 9.x (Hopper) and 10.x
+    (Blackwell) only: it refuses 8.9 (Ada) and 12.x although those have FP8 tensor cores."""
+    import torch
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"device is {device.type}"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if torch.version.hip:
+        return "ROCm builds are not supported by this path"
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10):
+        return f"GPU compute capability {major}.{minor} (torch._scaled_grouped_mm needs 9.x or 10.x)"
+    return None

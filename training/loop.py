@@ -33,7 +33,7 @@ from .logger import append_metrics, make_logger, to_python
 from .metrics import device_peak_flops, mfu_metrics
 from .optim import build_optimizer, build_scheduler
 from .parallel import all_reduce_mean, clip_grad_norm_, model_init_device, parallelize, setup_parallel
-from .preflight import check_model, check_paths
+from .preflight import check_model, check_paths, check_runtime
 from .run_folder import check_fresh_start, clear_previous_run, new_run_id, trim_metrics
 from .trained import TOKENIZER_FILE
 
@@ -58,7 +58,7 @@ class Trainer:
         check_paths(cfg)
         self.par = setup_parallel(cfg)
         self.device = self.par.device
-        cfg.model.attention.check_runtime(self.device.type)   # flash-attn-4 asked for but absent: fail now
+        check_runtime(cfg, self.device)   # flash-attn-4 or FP8 experts asked for but unavailable: fail now
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         from .plan import check_fits

@@ -47,6 +47,14 @@ def check_paths(cfg: Config) -> None:
                                               f"(>= {MIN_TRAINED_VOCAB}); or give data.tokenizer")
 
 
+def check_runtime(cfg: Config, device) -> None:
+    """The fast paths the config asks for explicitly run on ``device`` (a torch.device): flash-attn-4 for
+    attention, FP8 expert GEMMs (``model.moe.precision: fp8``)."""
+    cfg.model.attention.check_runtime(device.type)
+    if "moe" in cfg.model.layer_ffn_types():
+        cfg.model.moe.check_runtime(device)
+
+
 def check_model(cfg: Config, meta_model) -> None:
     """Checks that need the model's shapes, on a meta-device build (no memory): DST targets and blocks."""
     if cfg.dst.enabled:

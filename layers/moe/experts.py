@@ -17,7 +17,9 @@ H expert hidden dim, N rows of the expert-sorted buffer.
   Backends: ``loop`` (per-expert matmuls; any device and dtype, syncs the counts to the host) and
   ``grouped`` (``torch._grouped_mm`` over all experts in one launch per projection; CUDA, bfloat16;
   SwiGLU: grouped GEMMs for w1 and w3 with the permute fused into their backward (kernels.moe_gate_up),
-  the fused kernels.moe_swiglu activation, a grouped GEMM for w2).
+  the fused kernels.moe_swiglu activation, a grouped GEMM for w2). ``precision`` "fp8" (set by the owner:
+  ``model.moe.precision``) makes those GEMMs kernels.moe_fp8's rowwise-scaled e4m3 ones, forward and
+  backward, on the grouped path only (ValueError where that path cannot run).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from kernels.moe_combine import moe_combine, moe_combine_reference
 from kernels.moe_permute import moe_permute, moe_permute_reference, moe_unpermute
 from kernels.moe_swiglu import swiglu
 
+from kernels.moe_fp8 import fp8_grouped_linear
 from kernels.moe_gate_up import gate_up
 
 from ..mlp import gate_act as _gate_act
@@ -188,6 +191,7 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim)) if activation == "swiglu" else None
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.backend = "loop"
+        self.precision = "bf16"   # the grouped path's GEMM operands: bf16 | fp8 (set by the owner, as backend)
 
     def init_weights(self, std: float = 0.02, out_std: float = 0.02) -> None:
         nn.init.normal_(self.w1, std=std)
@@ -202,6 +206,9 @@ class GroupedExperts(nn.Module):
         # the fused grouped path computes silu gates; other gate activations take the loop
         if self.backend == "grouped" and xs.is_cuda and xs.dtype == torch.bfloat16 and self.gate_act == "silu":
             return self._grouped(xs, counts, row_scale, plan)
+        if self.precision == "fp8":
+            raise ValueError(f"precision fp8 runs on the grouped CUDA path with bfloat16 activations (a bf16 model or "
+                             f"autocast) and a silu gate; got {xs.dtype} on {xs.device.type}, backend {self.backend}")
         return self._loop(xs, counts, row_scale, plan)
 
     def _loop(self, xs: torch.Tensor, counts: torch.Tensor, row_scale: Optional[torch.Tensor] = None,
@@ -226,16 +233,25 @@ class GroupedExperts(nn.Module):
                  plan: Optional[DispatchPlan] = None) -> torch.Tensor:
         # One grouped GEMM per projection over all experts; offs are group ends (int32, on device: no sync).
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        fp8 = self.precision == "fp8"
         if self.activation == "swiglu":
             # Gate and up stay two grouped GEMMs: one GEMM over [w1 | w3] measured slower on the H200
             # at both benchmark shapes (docs/DESIGN.md, Decisions: MoE). With a plan the permute is
             # fused into them, so their backward adds the two input gradients inside the permute's.
+            # fp8 reads the weights as they are (its quantizers cast them), so no bf16 copy is made.
             perm = () if plan is None else (plan.inv, plan.num_rows, not plan.dense)
-            h = swiglu(*gate_up(xs, self.w1.to(xs.dtype), self.w3.to(xs.dtype), offs, *perm), row_scale)
+            w1, w3 = (self.w1, self.w3) if fp8 else (self.w1.to(xs.dtype), self.w3.to(xs.dtype))
+            h = swiglu(*gate_up(xs, w1, w3, offs, *perm, fp8=fp8), row_scale)
         else:
             if plan is not None:
                 xs = sorted_rows(xs, plan)
-            h = F.relu(torch._grouped_mm(xs, self.w1.to(xs.dtype).transpose(-2, -1), offs=offs)).square()
+            h = F.relu(self._linear(xs, self.w1, offs)).square()
             if row_scale is not None:
                 h = scale_rows(h, row_scale)
-        return torch._grouped_mm(h, self.w2.to(xs.dtype).transpose(-2, -1), offs=offs)
+        return self._linear(h, self.w2, offs)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """x [N, in] -> [N, out]: ``x w[e]^T`` on each expert's rows (w [E, out, in]), in ``self.precision``."""
+        if self.precision == "fp8":
+            return fp8_grouped_linear(x, w, offs)
+        return torch._grouped_mm(x, w.to(x.dtype).transpose(-2, -1), offs=offs)

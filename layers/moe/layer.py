@@ -83,7 +83,9 @@ class MoE(nn.Module):
     only: ``MoE(dim, hidden_dim, num_experts, top_k, **fields)`` or ``MoE(dim, cfg=MoEConfig(...), **fields)``;
     positional arguments and keywords override ``cfg``. The layer keeps its own copy (``self.cfg``), so
     the speed switches (``compile_routing``, ``fold_weights``, ``group_align``, ``low_precision_router``,
-    ``fuse_permute``) can be flipped on one instance: they are read at each forward.
+    ``fuse_permute``) and ``precision`` can be flipped on one instance: they are read at each forward.
+    ``precision="fp8"`` raises ConfigError (a ValueError) when built off the meta device on a machine
+    without a Hopper / Blackwell GPU, and ValueError when run on CPU tensors.
     """
 
     def __init__(self, dim: int, hidden_dim: Optional[int] = None, num_experts: Optional[int] = None,
@@ -126,6 +128,9 @@ class MoE(nn.Module):
             # int64: model-wide dtype casts (.to(bfloat16)) leave it alone and counts stay exact.
             self.register_buffer("load_accum", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.experts = GroupedExperts(self.num_local_experts, dim, hidden_dim, gate_act=act)
+        cfg.check_precision_shapes(dim, hidden_dim, act, key)
+        if not self.experts.w1.is_meta:
+            cfg.check_runtime("cuda", key)   # fp8 on a machine that cannot run it; a meta build (a plan) may
         if shared_experts > 0:
             self.shared = SwiGLU(dim, cfg.shared_hidden_dim or hidden_dim * shared_experts, act)
             if cfg.shared_gate:
@@ -211,6 +216,8 @@ class MoE(nn.Module):
         return run_plan(x, plan, weights, run_experts or self.experts, fast, row_weights, self.cfg.fuse_permute)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.experts.precision != self.cfg.precision:   # read each forward, as the speed switches
+            self.experts.precision = self.cfg.precision
         shape = x.shape
         x2 = x.reshape(-1, self.dim)
         r, plan = self._route_and_record(x2)

@@ -88,3 +88,15 @@ def test_dst_shape_errors_come_from_the_config_before_the_corpus_is_read(tmp_pat
                                                                          extra, key):
     line = _one_line_error(capsys, ["--config", "zoo/tiny_dst.yaml", *tiny_overrides(tmp_path, corpus_dir, **extra)])
     assert line.startswith(f"error: {key}: "), line
+
+
+@pytest.mark.parametrize("extra, expect", [
+    ({"model.moe.hidden_dim": 100}, "multiples of 16; got hidden_dim=100"),
+    ({"train.device": "cpu"}, "cannot run here: device is cpu"),
+], ids=["dims", "device"])
+def test_fp8_experts_that_cannot_run_are_one_line_naming_the_key_before_the_corpus_is_read(
+        tmp_path, corpus_dir, capsys, no_data, extra, expect):
+    argv = ["--config", "zoo/tiny_moe.yaml", *tiny_overrides(tmp_path, corpus_dir, **{"model.moe.precision": "fp8",
+                                                                                       **extra})]
+    line = _one_line_error(capsys, argv)
+    assert line.startswith("error: model.moe.precision: ") and expect in line, line
