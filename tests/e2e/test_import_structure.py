@@ -115,3 +115,14 @@ def test_library_imports_and_trains_on_cpu_without_triton():
     r = subprocess.run([sys.executable, "-c", HIDE_TRITON], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_test_files_have_unique_basenames():
+    # pytest imports test files by basename (tests/ folders are not packages): two files of one name in
+    # different folders stop collection with "import file mismatch".
+    seen = {}
+    for d, _, files in os.walk(os.path.join(ROOT, "tests")):
+        for f in files:
+            if f.startswith("test_") and f.endswith(".py"):
+                assert f not in seen, f"{f} in both {seen[f]} and {d}"
+                seen[f] = d
