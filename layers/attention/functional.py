@@ -88,27 +88,39 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     if backend == "flash_attn":
         return flash_attn_window(q, k, v, pats, square)
     if backend == "flex" and square:   # decode / chunked prefill rows go to the reference: O(S T) mask
-        if any(p.dynamic and not p.is_dense_at(T) for p in pats):   # estimated from this input: a new mask every call
-            plan = plan_pattern(pats, Hq, 0, S, T, layer, q, k, q_history, stats=stats)
-            # a mask built for this call only: its backward lists are needed only if a backward can follow
-            bwd = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-            slots = column_slots(plan) if plan.cols is not None else None
-            if slots is not None:          # vertical-slash columns ride in front of the keys (see column_slots)
-                k, v = gather_columns(k, v, slots)
-            bm = flex_block_mask(plan, slots, backward=bwd)
-            if stats is not None:
-                stats["density"] = _visited_density(bm, plan.block_size, T)
-        else:
-            bm, dens = _static_block_mask(pats, Hq, T, layer, q.device)
-            if stats is not None:
-                stats["density"] = dens
-        kern = pick_flex_kernel(kernel, pats, T, plan_block_size(pats))
-        return flex_attention_call(q, k, v, bm, kernel_options_for(kern, kernel_options))
+        return _flex_sparse(q, k, v, pats, layer, q_history, stats, kernel, kernel_options)
     plan = plan_pattern(pats, Hq, q_offset, S, T, layer, q, k, q_history, stats=stats)
     if stats is not None and square:
         partial, full = plan.block_layout()
         stats["density"] = _density_of(partial | full, plan.block_size, T)
     return reference_sparse_attention(q, k, v, plan)
+
+
+# Eager even inside a torch.compile'd block (a graph break): traced into the trainer's compiled blocks, the
+# per-call block mask and flex call gave gradients 11% off eager's on the H200 (grad norm at step 0, same
+# weights; tests/e2e/test_training_gpu.py), while this eager path meets the float32 reference. The flex
+# kernel itself is compiled either way (``_flex_fn``), so what the break costs is only the fusion of the
+# few elementwise ops around it.
+@torch.compiler.disable
+def _flex_sparse(q, k, v, pats, layer, q_history, stats, kernel, kernel_options):
+    """The flex backend for a square call: q [B, Hq, T, Dh], k, v [B, Hk, T, Dh] -> [B, Hq, T, Dh]."""
+    Hq, S, T = q.shape[1], q.shape[2], k.shape[2]
+    if any(p.dynamic and not p.is_dense_at(T) for p in pats):   # estimated from this input: a new mask every call
+        plan = plan_pattern(pats, Hq, 0, S, T, layer, q, k, q_history, stats=stats)
+        # a mask built for this call only: its backward lists are needed only if a backward can follow
+        bwd = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        slots = column_slots(plan) if plan.cols is not None else None
+        if slots is not None:          # vertical-slash columns ride in front of the keys (see column_slots)
+            k, v = gather_columns(k, v, slots)
+        bm = flex_block_mask(plan, slots, backward=bwd)
+        if stats is not None:
+            stats["density"] = _visited_density(bm, plan.block_size, T)
+    else:
+        bm, dens = _static_block_mask(pats, Hq, T, layer, q.device)
+        if stats is not None:
+            stats["density"] = dens
+    kern = pick_flex_kernel(kernel, pats, T, plan_block_size(pats))
+    return flex_attention_call(q, k, v, bm, kernel_options_for(kern, kernel_options))
 
 
 def _causal_blocks(bs: int, T: int) -> float:

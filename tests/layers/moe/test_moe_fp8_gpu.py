@@ -81,7 +81,7 @@ def grads(m, x, dy, fn=None):
     """Output, input and parameter gradients of ``fn`` (default ``m``; e.g. its torch.compile)."""
     m.zero_grad(set_to_none=True)
     xi = x.clone().requires_grad_()
-    y = (fn or m)(xi)
+    y = (fn if fn is not None else m)(xi)   # not `fn or m`: a compiled module has no truth value (__len__)
     (y.float() * dy).sum().backward()
     return {"y": y, "dx": xi.grad, **{n: p.grad for n, p in m.named_parameters() if p.grad is not None}}
 
