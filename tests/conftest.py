@@ -1,4 +1,5 @@
 """Shared fixtures: tiny configs and corpora so every training test runs in seconds on 2 CPU cores."""
+import importlib
 import os
 
 import pytest
@@ -18,6 +19,12 @@ def _quiet_wandb(monkeypatch):
 def triton_interpreter(monkeypatch):
     """Run Triton kernels through the interpreter on CPU tensors for this test only (kernels are jitted
     per interpret mode at first launch, kernels.launch), so GPU tests in the same run stay compiled."""
+    if torch.cuda.is_available():
+        # Triton picks interpreted or compiled when a function is decorated: inductor's module-level
+        # ``@triton.jit`` helpers, first imported during an interpreted test, would stay interpreted for the
+        # whole worker and break every later compiled flex kernel ("Unsupported function referenced:
+        # InterpretedFunction"). Import them compiled first.
+        importlib.import_module("torch._inductor.runtime.triton_helpers")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 

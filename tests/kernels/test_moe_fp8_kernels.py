@@ -76,6 +76,21 @@ def test_column_and_weight_quantizers_store_each_groups_transpose_with_zero_padd
     assert within_e4m3(wt, wd[..., None], w.transpose(-2, -1))
 
 
+def _interpreter_loops_over_runtime_values() -> bool:
+    """Triton 3.6's interpreter runs ``range()`` over a runtime value through ``int()`` of a 1-element array,
+    which numpy >= 2.4 refuses (seen on the H200 image; Triton 3.9 is fine). The column quantizer's loops run
+    to a group size read from memory, so it cannot take the constexpr bound the other kernels use."""
+    import numpy as np
+    try:
+        import triton
+    except ImportError:
+        return True                        # no triton: the test skips on its fixture's import anyway
+    version = lambda v: tuple(int(p) for p in v.split(".")[:2])   # noqa: E731
+    return version(triton.__version__) >= (3, 7) or version(np.__version__) < (2, 4)
+
+
+@pytest.mark.skipif(not _interpreter_loops_over_runtime_values(), reason="Triton < 3.7's interpreter with "
+                    "numpy >= 2.4 cannot loop to a runtime bound; the compiled kernels' GPU test covers them")
 @pytest.mark.usefixtures("triton_interpreter")
 def test_triton_quantizers_equal_the_reference_bit_for_bit(monkeypatch):
     # Small blocks, so every loop of the kernels runs several steps; float32 outputs cast by torch (the
