@@ -174,7 +174,9 @@ def estimate_block_topk(q_pool_src: torch.Tensor, src_start: int, k: torch.Tenso
     if slot is not None and len(set(slot)) < H:
         reps = [list(slot).index(x) for x in sorted(set(slot))]                   # first head of each slot
         sl = index_tensor(list(slot), qp.device)
-        cnt = torch.zeros(len(reps), device=qp.device).index_add_(0, sl, torch.ones(H, device=qp.device))
+        # heads per slot from the host list (a graph constant under compile; inductor's CPU code for an
+        # index_add_ into a one-element tensor fails to build, e.g. one KV group of shared heads)
+        cnt = index_tensor([list(slot).count(x) for x in sorted(set(slot))], qp.device).to(qp.dtype)
         qp = torch.zeros(qp.shape[0], len(reps), *qp.shape[2:], device=qp.device).index_add_(1, sl, qp)
         qp = qp / cnt[None, :, None, None]
         k = k[:, index_tensor(reps, k.device)]

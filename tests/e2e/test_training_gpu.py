@@ -1,5 +1,8 @@
 """The trainer's GPU paths (bf16 autocast, fused AdamW, grouped MoE, FlexAttention in the model) compiled
-and eager: the same losses over a few steps. Run on a CUDA machine: ``pytest -m gpu tests/test_training_gpu.py``."""
+and eager: the same loss and gradients at each of a few steps, from the same weights. Run on a CUDA
+machine: ``pytest -m gpu tests/e2e/test_training_gpu.py``."""
+import copy
+
 import pytest
 import torch
 
@@ -26,18 +29,40 @@ CASES = {
 }
 
 
-# Compiled and eager from the same weights and optimizer state at every step: each step's loss is one forward
-# of identical weights on identical data, its grad norm one backward, so they differ only by bf16 rounding
-# (and the near ties it flips: block top-k and MoE routing choices). The trajectories themselves are not
-# compared: from step 2 on this 16-layer model trains in an unstable regime (lr 3e-3 after a 2-step warm-up;
-# Adam's first steps are ~lr * sign(grad)) that amplifies any rounding difference ~30x per step. Measured on
-# CPU with the sparse case at 1k tokens (bf16, eager): weights scaled by 1 + 2^-9 N(0, 1), or the block top-k
-# scores by 1 + 1e-3 N(0, 1), moved step 0's loss by <= 3e-5 relative but step 2's by 0.3-0.6% (the unsynced
-# H200 run: 6.445 eager against 6.225 compiled, 3.4%), while from synced weights every step stayed within
-# LOSS_RTOL / 10 and GRAD_RTOL / 10 (layers: tests/layers/attention/test_compiled_sparse.py checks the
-# sparse layer compiled against eager in float32, where nothing may differ). A broken graph (another mask, a
-# stale selection, a wrong backward) is off by far more.
-LOSS_RTOL, GRAD_RTOL = 5e-3, 2e-2
+# Each step starts the compiled trainer from the eager one's weights and optimizer state, so both compute one
+# forward and backward of identical weights on identical data: loss and gradients differ only by bf16
+# rounding (and the near ties it flips: block top-k blocks, MoE experts). Trajectories are not compared:
+# from step 1 on, this 16-layer model at lr 3e-3 (Adam's first steps are ~lr * sign(grad)) amplifies any
+# rounding ~20-30x per step, so two equally correct runs part after 3 unsynced steps (the H200 run that
+# failed the old trajectory check: 6.445 eager against 6.225 compiled). Measured on CPU in bf16:
+# - the sparse case at 1k tokens (16 layers, 64 blocks of 16, top 16), eager against eager with weights
+#   x (1 + 2^-9 N(0,1)) or block top-k scores x (1 + 1e-3 N(0,1)): unsynced, step 1's loss moved by <= 1.2e-3
+#   and step 2's by 0.018-0.038; synced, every step's loss by <= 3.1e-4 relative and every parameter's
+#   gradient by ||dg|| / ||g|| <= 0.052;
+# - compiled against eager, synced: the sparse case with 2 layers loss <= 1.1e-5, gradients <= 0.012; the two
+#   MoE cases at these sizes loss <= 2.5e-5, gradients <= 0.074 (a router);
+# - a broken selection (scores ignoring q . k) moved the loss by only 1.2e-3 (step 0) and 6e-5 (steps 1-2),
+#   but the block top-k heads' gradients by 0.56-0.68 (0.28 with 2 layers): the gradient check is the one
+#   that sees a wrong mask. tests/layers/attention/test_compiled_sparse.py checks the layer compiled
+#   against eager in float32, where nothing may differ.
+# On the H200, synced, the sparse case's step-0 grad norm was 11% off (19.10 eager, 16.97 compiled; loss
+# equal) while the sparse flex call was traced into the compiled blocks; it now runs eager there
+# (layers/attention/functional._flex_sparse) and the case passes.
+LOSS_RTOL = 5e-3   # relative, per step
+GRAD_RTOL = 0.2    # ||g_compiled - g_eager|| / ||g_eager|| of each parameter, per step
+
+
+def _grads_before_step(trainer) -> dict:
+    """``{name: float32 gradient}`` as the optimizer sees them (after clipping), refreshed every step."""
+    grads = {}
+    named = list(trainer.model.named_parameters())
+
+    def hook(optimizer, args, kwargs):
+        grads.clear()
+        grads.update({n: p.grad.detach().float().clone() for n, p in named if p.grad is not None})
+
+    trainer.optimizer.register_step_pre_hook(hook)
+    return grads
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -49,15 +74,20 @@ def test_compiled_training_steps_equal_eager_on_cuda(tmp_path, corpus_dir, case)
         return Trainer(load_config(preset, ov))
 
     eager, compiled = trainer("e", False), trainer("c", True)
+    ge, gc = _grads_before_step(eager), _grads_before_step(compiled)
     seen = []
     for step in range(3):
         compiled.model.load_state_dict(eager.model.state_dict())      # compiled blocks keep the parameter names
-        compiled.optimizer.load_state_dict(eager.optimizer.state_dict())
+        # a copy: Optimizer.load_state_dict keeps tensors already of the right device and dtype (shared state)
+        compiled.optimizer.load_state_dict(copy.deepcopy(eager.optimizer.state_dict()))
         a, b = eager.train_step(), compiled.train_step()
         assert not a["skipped"] and not b["skipped"], (step, a, b)
-        got = {k: (float(a[k]), float(b[k])) for k in ("loss/total", "grad_norm")}
-        seen.append(got)
-        msg = lambda m: f"{m}\nstep {step} (eager, compiled): {got}; all steps so far: {seen}"   # noqa: E731
+        assert ge.keys() == gc.keys() and ge, step
+        rel = {n: float((gc[n] - ge[n]).norm() / ge[n].norm().clamp_min(1e-30)) for n in ge}
+        worst = max(rel, key=rel.get)
+        seen.append({"loss (eager, compiled)": (float(a["loss/total"]), float(b["loss/total"])),
+                     "grad_norm": (float(a["grad_norm"]), float(b["grad_norm"])), "worst grad": (worst, rel[worst])})
+        msg = lambda m: f"{m}\nstep {step}; steps so far: {seen}"   # noqa: E731
         torch.testing.assert_close(b["loss/total"].float(), a["loss/total"].float(), rtol=LOSS_RTOL, atol=0, msg=msg)
-        torch.testing.assert_close(b["grad_norm"].float(), a["grad_norm"].float(), rtol=GRAD_RTOL, atol=0, msg=msg)
+        assert rel[worst] <= GRAD_RTOL, msg(f"gradient of {worst} off by {rel[worst]:.3g} (relative)")
     torch.cuda.synchronize()
