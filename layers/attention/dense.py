@@ -12,8 +12,8 @@ import torch.nn.functional as F
 # bench/attention.py --crossover (BENCHMARKS.md "Sparse attention"): at 2048 tokens flex is already 3.3x
 # faster than masked SDPA (0.56 vs 1.83 ms, A-shape); shorter lengths were not measured.
 DENSE_CROSSOVER = 2048
-# Inductor's flex lowering needs query/key and value head dims of at least 16 on CUDA (NotImplementedError
-# "embedding dimension ... must be at least 16" otherwise); smaller heads run the SDPA reference.
+# Inductor lowers flex attention on CUDA only for query/key and value head dims of at least 16 (it refuses
+# smaller ones with "embedding dimension ... must be at least 16"), so smaller heads run the SDPA reference.
 FLEX_MIN_HEAD_DIM = 16
 
 
