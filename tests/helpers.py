@@ -94,6 +94,30 @@ def _spawn_entry(rank, fn, world, store, args):
         dist.destroy_process_group()
 
 
+# --- MoE experts
+def grouped_grads_eager_and_compiled(ex, tokens: int, top_k: int, align: int = 1, backend: str = "aot_eager"):
+    """GroupedExperts ``ex`` (bfloat16, ``ex.w1 [E, H, D]``) on its grouped path over a random top-k dispatch
+    plan of ``tokens`` rows, eager and ``torch.compile(fullgraph=True)``: two lists [dx, dw1, dw2, dw3] of the
+    same weighted-sum loss (rows past the last group left out)."""
+    from layers.moe.experts import make_plan
+    E, _, D = ex.w1.shape
+    plan = make_plan(torch.stack([torch.randperm(E)[:top_k] for _ in range(tokens)]), E, align=align)
+    x = torch.randn(tokens, D).bfloat16()
+    dy = torch.randn(plan.num_rows, D)
+    rows = plan.inv.reshape(-1).long()
+
+    def step(xi):
+        y = ex._grouped(xi, plan.group_sizes, None, plan)
+        return (y[rows].float() * dy[rows]).sum()
+
+    outs = []
+    for fn in (step, torch.compile(step, backend=backend, fullgraph=True)):
+        ex.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        fn(xi).backward()
+        outs.append([xi.grad, ex.w1.grad, ex.w2.grad, ex.w3.grad])
+    return outs
+
 # --- HF parity
 
 TOL = 1e-4

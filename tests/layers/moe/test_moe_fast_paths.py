@@ -9,6 +9,8 @@ from layers.moe import layer as moe_module
 from layers.moe.experts import GroupedExperts
 from layers.moe.routing_stage import RoutingSpec, compiled_routing_stage, routing_stage
 
+from helpers import grouped_grads_eager_and_compiled
+
 # aot_eager: dynamo + AOTAutograd tracing (what inductor consumes) without a C++ build on CPU.
 BACKEND = "aot_eager"
 
@@ -177,25 +179,8 @@ def test_compiled_experts_with_the_fused_permute_equal_eager(align):
     # torch.compile traces the permute + gate/up autograd.Function and the two-source unpermute op of
     # its backward (fullgraph: no graph break). bfloat16: the only dtype torch._grouped_mm's meta kernel
     # (what tracing runs) accepts; aot_eager runs the same ops, so the results are equal.
-    from layers.moe.experts import make_plan
     ex, _, _, _ = experts_and_inputs(torch.bfloat16)
-    T, K = 10, 2
-    idx = torch.stack([torch.randperm(6)[:K] for _ in range(T)])
-    plan = make_plan(idx, 6, align=align)
-    x = torch.randn(T, 16).bfloat16()
-    dy = torch.randn(plan.num_rows, 16)
-    rows = plan.inv.reshape(-1).long()
-
-    def step(xi):
-        y = ex._grouped(xi, plan.group_sizes, None, plan)
-        return (y[rows].float() * dy[rows]).sum()
-
-    outs = []
-    for fn in (step, torch.compile(step, backend=BACKEND, fullgraph=True)):
-        ex.zero_grad(set_to_none=True)
-        xi = x.clone().requires_grad_()
-        fn(xi).backward()
-        outs.append([xi.grad, ex.w1.grad, ex.w2.grad, ex.w3.grad])
+    outs = grouped_grads_eager_and_compiled(ex, tokens=10, top_k=2, align=align, backend=BACKEND)
     for name, a, b in zip(["dx", "dw1", "dw2", "dw3"], *outs):
         assert a.dtype == torch.bfloat16, name
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5, msg=name)

@@ -10,6 +10,8 @@ from configs.moe import fp8_missing
 from layers import MoE
 from layers.moe.experts import GroupedExperts, make_plan
 
+from helpers import grouped_grads_eager_and_compiled
+
 FP8_HERE = fp8_missing("cuda") is None
 cpu_only = pytest.mark.skipif(FP8_HERE, reason="this machine runs FP8 grouped GEMMs")
 
@@ -124,21 +126,6 @@ def test_compiled_fp8_experts_equal_eager():
     # Functions and their custom ops without a graph break; aot_eager runs the same ops, so equal results.
     ex = experts().to(torch.bfloat16)
     ex.precision = "fp8"
-    T, K, E = 30, 2, 5
-    plan = make_plan(torch.stack([torch.randperm(E)[:K] for _ in range(T)]), E, align=4)
-    x = torch.randn(T, 32).bfloat16()
-    dy = torch.randn(plan.num_rows, 32)
-    rows = plan.inv.reshape(-1).long()
-
-    def step(xi):
-        y = ex._grouped(xi, plan.group_sizes, None, plan)
-        return (y[rows].float() * dy[rows]).sum()
-
-    outs = []
-    for fn in (step, torch.compile(step, backend="aot_eager", fullgraph=True)):
-        ex.zero_grad(set_to_none=True)
-        xi = x.clone().requires_grad_()
-        fn(xi).backward()
-        outs.append([xi.grad, ex.w1.grad, ex.w2.grad, ex.w3.grad])
+    outs = grouped_grads_eager_and_compiled(ex, tokens=30, top_k=2, align=4)
     for name, a, b in zip(["dx", "dw1", "dw2", "dw3"], *outs):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5, msg=name)
