@@ -64,7 +64,22 @@ def build_ours(s, n_layers, device):
     return model, list(model.layers), loss_fn, after_step
 
 
+def _torch_211_stand_in():
+    """torchtitan 0.3.0 imports FSDP2's ``DataParallelMeshDims`` (torch >= 2.12) at module level for its
+    multi-GPU wrapping; the one-GPU model here never builds one. On an older torch (the H200 image has
+    2.11) a stand-in dataclass lets its model code import; only this bench process sees it."""
+    import dataclasses
+    import torch.distributed.fsdp as fsdp
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+        @dataclasses.dataclass(frozen=True)
+        class DataParallelMeshDims:
+            shard: object = None
+            replicate: object = None
+        fsdp.DataParallelMeshDims = DataParallelMeshDims
+
+
 def build_titan(s, n_layers, device):
+    _torch_211_stand_in()
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.config_utils import (get_attention_config, make_gqa_config, make_moe_config,
                                                        make_routed_experts_config, make_router_config)
@@ -99,9 +114,12 @@ def build_titan(s, n_layers, device):
     masks = {}
 
     def loss_fn(x, y):
-        if "m" not in masks:       # the causal BlockMask for this batch shape (positions 0..S-1)
-            pos = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
-            masks["m"] = model.get_attention_masks(positions=pos)
+        if "m" not in masks:       # the causal BlockMask for this sequence length, shared by the batch
+            # built with torch's own create_block_mask: torchtitan 0.3.0's helper passes a keyword
+            # (separate_full_blocks) that torch 2.11 does not take; the mask is the same causal one
+            from torch.nn.attention.flex_attention import create_block_mask
+            S = x.shape[1]
+            masks["m"] = create_block_mask(lambda b, h, q, k: q >= k, None, None, S, S, device=x.device)
         logits = model(x, positions=None, attention_masks=masks["m"])
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
     return model, list(model.layers.values()), loss_fn, None

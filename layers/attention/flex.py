@@ -19,8 +19,11 @@ _compiled_flex = None
 # 128-token blocks). ``flex_kernel: auto`` runs FLASH for a layer only when every sparse head's type is
 # listed here at this length; unmeasured types run Triton. Sources: A-shape, 16k and 64k (FLASH fwd
 # 1.04 / 3.95 ms, fwd+bwd 4.43 / 19.01 ms against Triton 1.56 / 6.14 and 7.07 / 29.06;
-# ../shared/peers/stage_flash_attn4.sh header, BENCHMARKS.md "Sparse attention").
-FLASH_FASTER_FROM = {"a_shape": 16384, "local": 16384}
+# ../shared/peers/stage_flash_attn4.sh header) and 64k again in bench/attention.py (fwd 4.18 vs 6.20 ms,
+# fwd+bwd 19.46 vs 28.13); block top-k (16 of 512 blocks, one selection per KV group, estimation
+# included) at 64k: fwd 9.60 vs 11.69 ms, fwd+bwd 23.96 vs 29.12 (BENCHMARKS.md "Sparse attention that
+# trains", run 6); below 64k FLASH was not measured for it.
+FLASH_FASTER_FROM = {"a_shape": 16384, "local": 16384, "block_topk": 65536}
 
 
 def _flex_fn(device: torch.device):
@@ -87,24 +90,34 @@ def _keep_rule(plan: PatternPlan, with_cols: bool = True):
     if plan.cols is not None:
         diags = F.pad(plan.diag_reach(), (0, Tp - T))      # the slash rule's table (PatternPlan.diag_reach)
         cols = F.pad(plan.cols, (0, Tp - T)) if with_cols else None
-    # Tables without a batch dimension of their own (static parts) are read at batch 0.
-    blocks_b = blocks is not None and blocks.shape[0] > 1
-    diags_b = diags is not None and diags.shape[0] > 1
+    blocks, diags, cols = (_per_batch(t) for t in (blocks, diags, cols))
 
     def keep(b, h, q_idx, k):
         d = q_idx - k
         out = (d < win[h]) | (k < sinks[h])
         if blocks is not None:
-            out = out | blocks[b if blocks_b else 0, h, q_idx // bs, k // bs]
+            out = out | blocks(b, h, q_idx // bs, k // bs)
         if diags is not None:
-            bb = b if diags_b else 0
             x = (q_idx // bs) * bs - k                    # query block start - key; own block: reach[0]
-            out = out | diags[bb, h, torch.where(x > 0, x, 0)]
+            out = out | diags(b, h, torch.where(x > 0, x, 0))
             if cols is not None:
-                out = out | cols[bb, h, k]
+                out = out | cols(b, h, k)
         return out
 
     return keep
+
+
+def _per_batch(table: Optional[torch.Tensor]):
+    """``table [B or 1, ...]`` -> ``read(b, *idx)``: per-batch tables read at ``b``; a table shared by the
+    batch (static parts, or batch 1) is sliced here once, so the mask_mod indexes it without a constant
+    batch index (FLASH's CuTe code generation takes only tensor expressions as indices: ``t[0, h, ...]``
+    failed there with "Expected TensorSSA, but got <class 'int'>")."""
+    if table is None:
+        return None
+    if table.shape[0] > 1:
+        return lambda b, *idx: table[(b, *idx)]
+    shared = table[0]
+    return lambda b, *idx: shared[idx]
 
 
 def plan_mask_mod(plan: PatternPlan):
@@ -170,11 +183,11 @@ def gathered_mask_mod(plan: PatternPlan, slots: torch.Tensor):
     does not allow it, key ``kv_idx - NVp`` where it does; together exactly ``plan.token_mask()``, once."""
     keep = _keep_rule(plan, with_cols=False)
     nvp, T = slots.shape[-1], plan.T
-    slots_b = slots.shape[0] > 1
+    slot = _per_batch(slots)
 
     def mask_mod(b, h, q_idx, kv_idx):
         pre = kv_idx < nvp
-        k = torch.where(pre, slots[b if slots_b else 0, h, torch.clamp(kv_idx, max=nvp - 1)], kv_idx - nvp)
+        k = torch.where(pre, slot(b, h, torch.clamp(kv_idx, max=nvp - 1)), kv_idx - nvp)
         rest = keep(b, h, q_idx, torch.clamp(k, max=T - 1))     # empty slots (k = T) fail causality
         return (q_idx >= k) & torch.where(pre, ~rest, rest)
 

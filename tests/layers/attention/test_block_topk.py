@@ -105,12 +105,20 @@ def test_stats_report_visited_block_density_and_selection_sharpness(backend):
     assert 0 < float(stats["entropy"]) <= 1 and 0 < float(stats["topk_mass"]) <= 1
 
 
-def test_flex_kernel_choice_and_options():
+def test_flex_kernel_choice_and_options(monkeypatch):
+    import layers.attention.flex as flex
     a = SparsityPattern(type="a_shape", sinks=128, window=2048, block_size=128)
     t = SparsityPattern(type="block_topk", top_k=16, block_size=128)
+    v = SparsityPattern(type="vertical_slash", n_vertical=64, n_slash=64, block_size=128)
+    monkeypatch.setattr(flex, "flash_kernel_available", lambda: True)   # as on a Hopper GPU with flash-attn-4
     assert pick_flex_kernel("triton", [a], 65536, 128) == "triton"
-    assert pick_flex_kernel("auto", [t], 65536, 128) == "triton"        # FLASH not measured faster for block_topk
+    assert pick_flex_kernel("auto", [a, t], 65536, 128) == "flash"      # the presets' layer at 64k (measured)
+    assert pick_flex_kernel("auto", [t], 32768, 128) == "triton"        # block top-k: FLASH measured from 64k
     assert pick_flex_kernel("auto", [a], 8192, 128) == "triton"          # below the measured length
+    assert pick_flex_kernel("auto", [a, v], 65536, 128) == "triton"     # one unmeasured type: Triton
+    assert pick_flex_kernel("auto", [a], 65536, 64) == "triton"          # FLASH tiles 128-token blocks
+    monkeypatch.setattr(flex, "flash_kernel_available", lambda: False)  # flash-attn-4 missing: never FLASH
+    assert pick_flex_kernel("auto", [a, t], 65536, 128) == "triton"
     assert kernel_options_for("flash", {"num_stages": 2}) == {"num_stages": 2, "BACKEND": "FLASH"}
     assert kernel_options_for("triton", {}) is None
 
