@@ -4,7 +4,7 @@
 # vocab 8192, activation checkpointing, bf16, eager blocks), the layer rows for block top-k and the
 # presets' layer (bench/attention.py), and the GPU tests of layers/attention. Each part has its own
 # time limit so a slow one leaves the rest. Results under $OUT (one log, the jsonl rows).
-#     OUT=/tmp/out bash bench/sparse_attn_gpu.sh [e2e64 layer e2e128 tests layer_short]
+#     OUT=/tmp/out bash bench/sparse_attn_gpu.sh [e2e64 layer e2e128 tests layer_short flash quality]
 set -u
 OUT=${OUT:-/tmp/sparse_attn_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # keeps a wheel folder the caller put there
@@ -28,6 +28,11 @@ for part in $PARTS; do
               --no-plain --out "$OUT/layer.jsonl" ;;
     flash)  timeout 150 $PY bench/attention.py --lengths 65536 --patterns a_shape,topk,mix --modes fwd,fwdbwd \
               --no-plain --kernels triton,flash --out "$OUT/flash.jsonl" ;;
+    # quality at equal tokens (issue 15): a 31M model at 16k, dense / the presets' recipe / all-A-shape (the
+    # preset's 1024 window), 300 steps each, val loss and passkey at 4k and 16k
+    quality) timeout ${T_QUALITY:-480} $PY bench/train_attention.py --config zoo/sparse_attn_small_16k.yaml --steps 300 \
+              --variants preset,a_shape,dense --a-shape-window 1024 --out /tmp/q16 data.cache_dir=/tmp/moezoo_cache ;
+            cp /tmp/q16/train_attention.jsonl "$OUT/quality.jsonl" 2>/dev/null ;;
     tests)  timeout ${T_TESTS:-45} $PY -m pytest -q -m gpu tests/layers/attention/test_block_topk.py -p no:cacheprovider 2>&1 | tail -n 15 ;;
   esac
   echo "== $part: $(( $(date +%s) - t0 )) s"

@@ -23,6 +23,9 @@ times each step):
 - ``speed_2k``: tokens/s of a D 2048 backbone (4 layers, FFN 5632, 16k tokens a step) with the dense
   FFN and with the neuron-routed FFN at 4 of 16 groups in every step (sparse steps only: the
   schedule's dense steps run the dense FFN plus the router, timed by bench/neuron_ffn.py).
+- ``speed_512``: equal_time's dense and MoE models, ``--speed-steps`` steps each: the MoE step against
+  the dense step (issue 16's small-model overhead); with ``--profile-at N`` each run also profiles
+  three steps (``logging.profile_at``) and prints where the device time went.
 - ``speed_fp8``: equal_time's MoE with bf16 and with FP8 expert GEMMs (``model.moe.precision=fp8``), the
   same seed and ``--speed-steps`` steps each: val loss (the FP8 run should land within 0.5% of bf16's),
   last training loss, tokens/s.
@@ -62,6 +65,10 @@ SUITES = {   # name -> {run: (preset, overrides)}
         "neuron_2k": ("zoo/tiny_neuron.yaml", BACKBONE_2K + [
             "model.neuron.num_groups=16", "model.neuron.top_k_groups=4", "model.neuron.warmup_fraction=0",
             "model.neuron.finish_fraction=0", "model.neuron.sparse_ratio=1.0", "model.neuron.recluster=false"]),
+    },
+    "speed_512": {   # issue 16's small-model overhead: the MoE step against the dense step, same backbone
+        "dense": ("zoo/tiny_dense.yaml", BACKBONE),
+        "moe": ("zoo/tiny_moe.yaml", BACKBONE + ["model.moe.hidden_dim=704"]),
     },
     "speed_fp8": {
         "moe_bf16": ("zoo/tiny_moe.yaml", BACKBONE + ["model.moe.hidden_dim=704"]),
@@ -124,21 +131,30 @@ def train_run(preset, overrides, seed, steps, args, tag) -> dict:
     from training.loop import Trainer
     from layers import NeuronSchedule
     dev = args.device
-    cfg = make_config(preset, overrides, seed, steps, dev, args.tokens, os.path.join(args.runs, tag), args.compile)
+    profile = [f"logging.profile_at={args.profile_at}"] if args.profile_at else []
+    cfg = make_config(preset, overrides + profile, seed, steps, dev, args.tokens, os.path.join(args.runs, tag),
+                      args.compile)
     tr = Trainer(cfg)
     neuron = next((s for s in tr.sparsity if isinstance(s, NeuronSchedule)), None)
-    times, phases, losses = [], [], []
+    times, phases, losses, prof = [], [], [], None
     for _ in range(steps):
+        tr.profiler.before(tr.step + 1)
         t0 = time.perf_counter()
         m = tr.train_step()
         if dev == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        prof = tr.profiler.after(tr.step) or prof
         phases.append(neuron.phase if neuron else "dense")
         losses.append(float(m["loss/total"]))
-    med = statistics.median(times)
-    steady = [t for t in times if t <= 2 * med]
-    out = {"steps": steps, "tokens_seen": steps * tr.tokens_per_step, "wall_s": sum(times),
+    wall = sum(times)
+    if prof:      # the profiled steps carry the profiler's overhead: out of the speed numbers
+        lo = args.profile_at - 1
+        hi = lo + tr.cfg.logging.profile_steps
+        times[lo:hi] = [float("inf")] * len(times[lo:hi])
+    med = statistics.median([t for t in times if t < float("inf")] or [0.0])
+    steady = [t for t in times if t <= 2 * med] or [float("inf")]
+    out = {"steps": steps, "tokens_seen": steps * tr.tokens_per_step, "wall_s": wall,
            "steady_s": sum(steady), "steady_steps": len(steady),
            "tokens_per_s": len(steady) * tr.tokens_per_step / sum(steady), "val": tr.evaluate(),
            "loss_first": losses[0], "loss_last": losses[-1], "skipped": tr.bad_total,
@@ -150,6 +166,8 @@ def train_run(preset, overrides, seed, steps, args, tag) -> dict:
             out[f"tokens_per_s_{p}"] = len(ts) * tr.tokens_per_step / sum(ts)
     if tr.peak_flops:
         out["mfu"] = out["tokens_per_s"] * tr.flops_per_token / tr.peak_flops
+    if prof:
+        out["profile"] = prof         # training.profile's summary; trace + op table under --runs/<tag>/profile
     del tr
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -194,6 +212,8 @@ def main():
     ap.add_argument("--speed-steps", type=int, default=25)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--compile", action="store_true", help="train.compile=true (per-block torch.compile)")
+    ap.add_argument("--profile-at", type=int, default=0,
+                    help="logging.profile_at: profile 3 steps from this one in every run (0 = off)")
     ap.add_argument("--runs", default="/tmp/train_moe")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -223,6 +243,11 @@ def report(out):
             for name, r in res.items():
                 print(f"{name:12s} {r['tokens_per_s']:10.0f} {r.get('mfu', 0):6.3f} {r['peak_gb']:8.1f} "
                       f"{r['loss_last']:9.4f} {r['val']:7.4f}")
+            for name, r in res.items():
+                if "profile" in r:
+                    p = r["profile"]
+                    print(f"{name:12s} profile: {p['profile/step_ms']:.1f} ms a step, {p['profile/kernels_per_step']:.0f} "
+                          "kernels, " + ", ".join(f"{k[8:-6]} {v:.0%}" for k, v in p.items() if k.endswith("_share")))
             continue
         print(f"{'run':8s} {'seed':>4s} {'steps':>6s} {'tokens':>10s} {'steady s':>8s} {'tok/s':>10s} {'val':>7s}")
         for name, r in res.items():

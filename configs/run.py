@@ -80,10 +80,16 @@ class LoggingConfig:
     log_every: int = 10
     progress: bool = True             # rank 0: a tqdm bar on a terminal, plain lines when stdout is not one
     plots: bool = True                # <out_dir>/plots/*.png at every evaluation (training.plot)
+    # torch.profiler over steps [profile_at, profile_at + profile_steps) into <out_dir>/profile
+    # (training.profile: trace, op table, device-time shares by kind); 0 = off
+    profile_at: int = 0
+    profile_steps: int = 3
 
     def validate(self, key: str = "logging") -> None:
         check_choice(self.wandb, ("online", "offline", "disabled"), f"{key}.wandb")
         check(self.log_every > 0, f"{key}.log_every", f"must be > 0, got {self.log_every}")
+        check(self.profile_at >= 0, f"{key}.profile_at", f"must be >= 0 (0 = off), got {self.profile_at}")
+        check(self.profile_steps >= 1, f"{key}.profile_steps", f"must be >= 1, got {self.profile_steps}")
 
 
 @dataclass

@@ -34,6 +34,7 @@ from .metrics import device_peak_flops, mfu_metrics
 from .optim import build_optimizer, build_scheduler
 from .parallel import all_reduce_mean, clip_grad_norm_, model_init_device, parallelize, setup_parallel
 from .preflight import check_model, check_paths, check_runtime
+from .profile import StepProfiler
 from .run_folder import check_fresh_start, clear_previous_run, new_run_id, trim_metrics
 from .trained import TOKENIZER_FILE
 
@@ -134,6 +135,9 @@ class Trainer:
         self.wandb_id = getattr(self.logger.run, "id", None)
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum * self.par.dp_size
         self.peak_flops = device_peak_flops(self.device)
+        lg = cfg.logging
+        self.profiler = StepProfiler(lg.profile_at, lg.profile_steps, os.path.join(cfg.out_dir, "profile"),
+                                     self.par.rank, self.device)
         if self.par.is_main:
             # The run folder keeps its tokenizer, so generate/export find it there (training.trained).
             shutil.copyfile(self.data.tokenizer.path, os.path.join(cfg.out_dir, TOKENIZER_FILE))
@@ -389,7 +393,17 @@ class Trainer:
             self.validate()
         t0, tokens_since = time.perf_counter(), 0
         while self.step < c.train.steps:
+            self.profiler.before(self.step + 1)
             m = self.train_step()
+            prof = self.profiler.after(self.step)
+            if prof is not None:
+                self.logger.log(prof, step=self.step)
+                if self.par.is_main:
+                    append_metrics(self.metrics_path, prof, self.step)
+                self.print(f"profile of steps {c.logging.profile_at}-{self.step}: {prof['profile/step_ms']:.1f} ms a step, "
+                           + ", ".join(f"{k[8:-6]} {v:.0%}" for k, v in prof.items() if k.endswith("_share"))
+                           + f"; {prof['profile/kernels_per_step']:.0f} {'kernels' if self.device.type == 'cuda' else 'ops'}"
+                           + f" a step -> {self.profiler.folder}")
             tokens_since += self.tokens_per_step
             bar.update(1)
             if self.bad_in_row >= c.train.max_bad_steps:

@@ -360,14 +360,16 @@ def test_budget_plan_and_density_follow_dense_below():
 def test_long_context_presets_are_sparse_in_every_layer_with_trainable_selection():
     from zoo.model import build_attention_pattern
     from zoo.show_attention import layer_images
-    for name, T in (("sparse_attn_1b_64k.yaml", 65536), ("sparse_attn_1b_128k.yaml", 131072)):
+    for name, T in (("sparse_attn_1b_64k.yaml", 65536), ("sparse_attn_1b_128k.yaml", 131072),
+                    ("sparse_attn_small_16k.yaml", 16384)):
         cfg = load_config(os.path.join(ROOT, "zoo", name))
         assert cfg.train.seq_len == T and T in cfg.eval.passkey_lengths
-        grid = cfg.model.attention.layer_head_patterns(16, 16)
-        for layer in range(16):
+        L, H = cfg.model.n_layers, cfg.model.n_heads
+        grid = cfg.model.attention.layer_head_patterns(L, H)
+        for layer in range(L):
             pats = build_attention_pattern(cfg.model, layer, grid)
-            assert [p.type for p in pats] == ["a_shape"] * 8 + ["block_topk"] * 8
-            assert all(p.share_group for p in pats[8:]) and not any(p.is_dense_at(T) for p in pats)
+            assert [p.type for p in pats] == ["a_shape"] * (H // 2) + ["block_topk"] * (H // 2)
+            assert all(p.share_group for p in pats[H // 2:]) and not any(p.is_dense_at(T) for p in pats)
     # vertical-slash's dense_below switch (for continued training of a trained model) as pictures show it
     cfg.model.n_layers = 1
     cfg.model.attention.patterns = {"0:0-1": {"type": "vertical_slash", "n_vertical": 1000, "n_slash": 6096,

@@ -1,0 +1,45 @@
+"""logging.profile_at: a profiled run writes its trace and op table and logs where the time went."""
+import json
+import os
+
+import pytest
+
+from configs import ConfigError, load_config
+from helpers import tiny_overrides
+from training.loop import Trainer
+from training.profile import kind_of, summarize
+
+
+def test_profiled_steps_write_trace_table_and_shares(tmp_path, corpus_dir):
+    cfg = load_config("zoo/tiny_moe.yaml", tiny_overrides(tmp_path, corpus_dir, **{
+        "train.steps": 5, "train.eval_every": 5, "checkpoint.every": 0,
+        "logging.profile_at": 2, "logging.profile_steps": 2}))
+    Trainer(cfg).fit()
+    folder = os.path.join(cfg.out_dir, "profile")
+    with open(os.path.join(folder, "trace_rank0.json")) as f:
+        assert json.load(f)["traceEvents"]                      # a trace Perfetto / chrome://tracing opens
+    assert "aten::" in open(os.path.join(folder, "ops_rank0.txt")).read()
+    rows = [json.loads(line) for line in open(os.path.join(cfg.out_dir, "metrics.jsonl"))]
+    prof = [r for r in rows if "profile/step_ms" in r]
+    assert len(prof) == 1 and prof[0]["step"] == 3            # logged once, at the last profiled step
+    shares = {k: v for k, v in prof[0].items() if k.endswith("_share")}
+    assert set(shares) == {f"profile/{k}_share" for k in ("matmul", "attention", "communication", "optimizer", "other")}
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert shares["profile/matmul_share"] > 0 and shares["profile/communication_share"] == 0
+    assert prof[0]["profile/kernels_per_step"] > 10 and prof[0]["profile/step_ms"] > 0
+
+
+def test_kinds_from_kernel_names():
+    assert kind_of("ncclDevKernel_AllToAll_RING") == "communication"
+    assert kind_of("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul"
+    assert kind_of("flash_fwd_kernel") == "attention" and kind_of("aten::_scaled_dot_product_flash_attention") == "attention"
+    assert kind_of("void at::native::multi_tensor_apply_kernel<...FusedAdamMathFunctor...>") == "optimizer"
+    assert kind_of("triton_poi_fused_add_mul_0") == "other"
+    out = summarize([("aten::mm", 300.0, 4), ("aten::add", 100.0, 6)], steps=2, wall_s=0.01)
+    assert out["profile/matmul_share"] == 0.75 and out["profile/kernels_per_step"] == 5 and out["profile/step_ms"] == 5
+
+
+@pytest.mark.parametrize("key,value", [("profile_at", -1), ("profile_steps", 0)])
+def test_bad_profile_settings_name_the_key(key, value):
+    with pytest.raises(ConfigError, match=rf"logging\.{key}"):
+        load_config("zoo/tiny_dense.yaml", [f"logging.{key}={value}"])
