@@ -201,8 +201,9 @@ def _flatten(d: dict, prefix: str) -> dict:
 
 
 def check_resumable(path: str, cfg: Config, world_size: int, tokenizer_digest: str | None = None) -> None:
-    """Before anything is built: the checkpoint's model config, world size and tokenizer must match
-    this run's. Raises ConfigError naming the first key that differs."""
+    """Before anything is built: the checkpoint's model config and tokenizer must match this run's, and
+    at another world size the global batch (the data stays the same; DCP reshards the tensors).
+    Raises ConfigError naming the first key that differs."""
     import yaml
     from configs import to_dict
     with open(os.path.join(path, "config.yaml")) as f:
@@ -212,9 +213,28 @@ def check_resumable(path: str, cfg: Config, world_size: int, tokenizer_digest: s
         if old.get(key) != new.get(key):
             raise ConfigError(key, f"is {new.get(key)!r} but checkpoint {path} was trained with {old.get(key)!r}")
     state = read_train_state(path)
-    if state.get("world_size", 1) != world_size:
-        raise ConfigError("checkpoint", f"{path} was saved with world size {state['world_size']}, this run has "
-                                        f"{world_size}; resume with the same number of ranks")
+    saved_world = state.get("world_size", 1)
+    if saved_world != world_size:
+        # Another world size reshards (DCP holds global tensors, experts included) and sees the same data
+        # if the global batch is the same: each step's windows are split into (micro-batch, rank) slices
+        # of one seeded draw (training.data.sample_batch), however many ranks take them.
+        t = cfg.train
+        was, now = state.get("global_batch"), t.batch_size * t.grad_accum * world_size
+        if cfg.dst.enabled and cfg.dst.compact_state:
+            raise ConfigError("dst.compact_state", f"compact DST moments are stored one block per rank; "
+                                                   f"checkpoint {path} resumes at world size {saved_world} only "
+                                                   f"(this run has {world_size})")
+        if was is None:
+            raise ConfigError("checkpoint", f"{path} was saved with world size {saved_world} before checkpoints "
+                                            f"recorded their global batch; this run has {world_size}: resume "
+                                            f"with {saved_world} ranks")
+        if was != now:
+            per = t.batch_size * world_size
+            fix = f"train.grad_accum={was // per}" if was % per == 0 else f"a train.batch_size dividing {was // world_size}"
+            raise ConfigError("train.grad_accum", f"world size {world_size} x train.batch_size {t.batch_size} x "
+                                                  f"train.grad_accum {t.grad_accum} = {now} sequences a step, but "
+                                                  f"checkpoint {path} trained on {was} (world size {saved_world}); "
+                                                  f"keep the global batch ({fix})")
     saved_tok = state.get("tokenizer")
     if tokenizer_digest and saved_tok and saved_tok != tokenizer_digest:
         raise ConfigError("data.tokenizer", f"differs from the tokenizer checkpoint {path} was trained with "

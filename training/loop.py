@@ -194,6 +194,7 @@ class Trainer:
         return {"step": self.step, "epoch": self.epoch, "bad_total": self.bad_total, "best_val": self.best_val,
                 "val_history": self.val_history, "scheduler": self.scheduler.state_dict(),
                 "wandb_id": self.wandb_id, "world_size": self.par.world_size,
+                "global_batch": self.tokens_per_step // self.cfg.train.seq_len,   # sequences a step (resharding)
                 "tokenizer": self.data.tokenizer.digest, "run_id": self.run_id, "total_steps": self.cfg.train.steps}
 
     def _restore(self, path: str, resuming: bool = False) -> None:
