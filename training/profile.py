@@ -46,7 +46,7 @@ def _device_events(prof, on_gpu: bool):
             is_kernel = str(getattr(e, "device_type", "")).endswith("CUDA")
             if t > 0 and is_kernel:
                 rows.append((e.key, t, e.count))
-        elif e.self_cpu_time_total > 0 and e.key.startswith("aten::"):
+        elif e.self_cpu_time_total > 0 and e.key.startswith(("aten::", "c10d::")):   # ops, not their scopes
             rows.append((e.key, e.self_cpu_time_total, e.count))
     return rows
 
