@@ -10,13 +10,9 @@
 # torchtitan 0.3.0 and what it imports that the H200 image lacks travel as wheels on PYTHONPATH
 # (bench/torchtitan_moe.py's docstring lists them). Results under $OUT (json per part, one log).
 set -u
-OUT=${OUT:-/tmp/moe_gpu_out}; mkdir -p "$OUT"
 TOK=${TOK:?TOK: a folder written by bench/train_moe.py --prepare}
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-PY=${PY:-python3}
 PARTS=${*:-titan small fp8 equal}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+. "$(dirname "$0")/gpu_env.sh" /tmp/moe_gpu_out
 for part in $PARTS; do
   t0=$(date +%s)
   case $part in

@@ -11,12 +11,11 @@
 # Per-GPU batch is fixed (weak scaling): tokens/s per GPU and MFU at each N from metrics.jsonl, efficiency
 # = per-GPU tokens/s at N over N=1. Keep NVLink multicast off (the device README): NCCL_NVLS_ENABLE=0.
 set -u
-OUT=${OUT:-/tmp/multi_gpu_out}; mkdir -p "$OUT"
+PARTS=${*:-scale loss ckpt}
+. "$(dirname "$0")/gpu_env.sh" /tmp/multi_gpu_out
 RUNS=${RUNS:-/tmp/multi_gpu_runs}
 NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=4
-PY=${PY:-python3}
-PARTS=${*:-scale loss ckpt}
+export NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=4
 COMMON="logging.wandb=disabled logging.progress=false logging.log_every=5 train.eval_every=1000 \
 train.eval_batches=2 checkpoint.every=0 data.max_files=700 data.cache_dir=/tmp/moezoo_cache train.compile=true ${EXTRA:-}"
 # the two models (config, then overrides); EP, DENSE and EXTRA (appended to every run) may be set from outside,
@@ -36,8 +35,7 @@ launch() {   # launch N NAME CONFIG OVERRIDES...: train.py on N local GPUs into 
   echo "$name rc=$? $(tail -n 1 "$RUNS/$name.log")"
 }
 
-mkdir -p "$RUNS"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1; echo "ranks: $NGPU"
+mkdir -p "$RUNS"; echo "ranks: $NGPU"
 for part in $PARTS; do
   t0=$(date +%s)
   case $part in

@@ -6,13 +6,9 @@
 # time limit so a slow one leaves the rest. Results under $OUT (one log, the jsonl rows).
 #     OUT=/tmp/out bash bench/sparse_attn_gpu.sh [e2e64 layer e2e128 tests layer_short flash quality]
 set -u
-OUT=${OUT:-/tmp/sparse_attn_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # keeps a wheel folder the caller put there
-PY=${PY:-python3}
-COMMON="model.vocab_size=8192 data.max_files=700 train.eval_batches=1 eval.passkey_lengths=[] data.cache_dir=/tmp/moezoo_cache"
 PARTS=${*:-e2e64 layer e2e128 tests}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+. "$(dirname "$0")/gpu_env.sh" /tmp/sparse_attn_out
+COMMON="model.vocab_size=8192 data.max_files=700 train.eval_batches=1 eval.passkey_lengths=[] data.cache_dir=/tmp/moezoo_cache"
 for part in $PARTS; do
   t0=$(date +%s)
   case $part in

@@ -206,8 +206,7 @@ def train(name, build, s, args, plan) -> dict:
         summary = prof.after(step) or summary
     warm = min(args.warmup, len(times) - 1)
     # the profiled steps (with the profiler's overhead) stay out of tokens/s
-    timed = [t for i, t in enumerate(times[warm:], start=warm + 1)
-             if not (summary and args.profile_at <= i < args.profile_at + 3)]
+    timed = [t for i, t in enumerate(times[warm:], start=warm + 1) if not prof.covers(i)]
     tok_s = len(timed) * args.batch * s["seq"] / sum(timed)
     out = {"tokens_per_s": tok_s, "losses": losses, "step_ms": [t * 1e3 for t in times],
            "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else 0.0,
@@ -253,9 +252,8 @@ def main():
               f"params {r['params']}", "loss", [round(v, 3) for v in r["losses"][:: max(1, args.steps // 6)]],
               flush=True)
         if "profile" in r:
-            p = r["profile"]
-            print(name, f"profile: {p['profile/step_ms']:.1f} ms a step, {p['profile/kernels_per_step']:.0f} kernels, "
-                  + ", ".join(f"{k[8:-6]} {v:.0%}" for k, v in p.items() if k.endswith("_share")), flush=True)
+            from training.profile import format_summary
+            print(name, "profile:", format_summary(r["profile"], args.device == "cuda"), flush=True)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)

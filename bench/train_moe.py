@@ -48,6 +48,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import load_config  # noqa: E402
+from training.profile import format_summary  # noqa: E402
 
 BACKBONE = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4",
             "model.ffn_hidden=1408", "model.max_seq_len=1024", "train.seq_len=1024", "train.batch_size=32",
@@ -148,10 +149,8 @@ def train_run(preset, overrides, seed, steps, args, tag) -> dict:
         phases.append(neuron.phase if neuron else "dense")
         losses.append(float(m["loss/total"]))
     wall = sum(times)
-    if prof:      # the profiled steps carry the profiler's overhead: out of the speed numbers
-        lo = args.profile_at - 1
-        hi = lo + tr.cfg.logging.profile_steps
-        times[lo:hi] = [float("inf")] * len(times[lo:hi])
+    # the profiled steps carry the profiler's overhead: out of the speed numbers (inf: never "steady")
+    times = [float("inf") if tr.profiler.covers(i) else t for i, t in enumerate(times, start=1)]
     med = statistics.median([t for t in times if t < float("inf")] or [0.0])
     steady = [t for t in times if t <= 2 * med] or [float("inf")]
     out = {"steps": steps, "tokens_seen": steps * tr.tokens_per_step, "wall_s": wall,
@@ -245,9 +244,7 @@ def report(out):
                       f"{r['loss_last']:9.4f} {r['val']:7.4f}")
             for name, r in res.items():
                 if "profile" in r:
-                    p = r["profile"]
-                    print(f"{name:12s} profile: {p['profile/step_ms']:.1f} ms a step, {p['profile/kernels_per_step']:.0f} "
-                          "kernels, " + ", ".join(f"{k[8:-6]} {v:.0%}" for k, v in p.items() if k.endswith("_share")))
+                    print(f"{name:12s} profile: {format_summary(r['profile'])}")
             continue
         print(f"{'run':8s} {'seed':>4s} {'steps':>6s} {'tokens':>10s} {'steady s':>8s} {'tok/s':>10s} {'val':>7s}")
         for name, r in res.items():

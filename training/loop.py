@@ -34,7 +34,7 @@ from .metrics import device_peak_flops, mfu_metrics
 from .optim import build_optimizer, build_scheduler
 from .parallel import all_reduce_mean, clip_grad_norm_, model_init_device, parallelize, setup_parallel
 from .preflight import check_model, check_paths, check_runtime
-from .profile import StepProfiler
+from .profile import StepProfiler, format_summary
 from .run_folder import check_fresh_start, clear_previous_run, new_run_id, trim_metrics
 from .trained import TOKENIZER_FILE
 
@@ -401,10 +401,8 @@ class Trainer:
                 self.logger.log(prof, step=self.step)
                 if self.par.is_main:
                     append_metrics(self.metrics_path, prof, self.step)
-                self.print(f"profile of steps {c.logging.profile_at}-{self.step}: {prof['profile/step_ms']:.1f} ms a step, "
-                           + ", ".join(f"{k[8:-6]} {v:.0%}" for k, v in prof.items() if k.endswith("_share"))
-                           + f"; {prof['profile/kernels_per_step']:.0f} {'kernels' if self.device.type == 'cuda' else 'ops'}"
-                           + f" a step -> {self.profiler.folder}")
+                self.print(f"profile of steps {c.logging.profile_at}-{self.step}: "
+                           f"{format_summary(prof, self.device.type == 'cuda')} -> {self.profiler.folder}")
             tokens_since += self.tokens_per_step
             bar.update(1)
             if self.bad_in_row >= c.train.max_bad_steps:

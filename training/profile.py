@@ -64,6 +64,13 @@ def summarize(rows, steps: int, wall_s: float) -> dict:
     return out
 
 
+def format_summary(prof: dict, on_gpu: bool = True) -> str:
+    """One line of ``summarize``'s dict: step time, shares by kind, launches a step."""
+    shares = ", ".join(f"{k[len('profile/'):-len('_share')]} {v:.0%}" for k, v in prof.items() if k.endswith("_share"))
+    return (f"{prof['profile/step_ms']:.1f} ms a step, {shares}; "
+            f"{prof['profile/kernels_per_step']:.0f} {'kernels' if on_gpu else 'ops'} a step")
+
+
 class StepProfiler:
     """Profiles training steps ``[start, start + steps)`` (1-based step numbers, as logged).
 
@@ -78,6 +85,10 @@ class StepProfiler:
     @property
     def enabled(self) -> bool:
         return self.start > 0
+
+    def covers(self, step: int) -> bool:
+        """Whether ``step`` is profiled (its time carries the profiler's overhead)."""
+        return self.enabled and self.start <= step < self.stop
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -7,7 +7,7 @@ import pytest
 from configs import ConfigError, load_config
 from helpers import tiny_overrides
 from training.loop import Trainer
-from training.profile import kind_of, summarize
+from training.profile import format_summary, kind_of, summarize
 
 
 def test_profiled_steps_write_trace_table_and_shares(tmp_path, corpus_dir):
@@ -37,6 +37,8 @@ def test_kinds_from_kernel_names():
     assert kind_of("triton_poi_fused_add_mul_0") == "other"
     out = summarize([("aten::mm", 300.0, 4), ("aten::add", 100.0, 6)], steps=2, wall_s=0.01)
     assert out["profile/matmul_share"] == 0.75 and out["profile/kernels_per_step"] == 5 and out["profile/step_ms"] == 5
+    assert format_summary(out, on_gpu=False) == ("5.0 ms a step, communication 0%, attention 0%, matmul 75%, "
+                                                 "optimizer 0%, other 25%; 5 ops a step")
 
 
 @pytest.mark.parametrize("key,value", [("profile_at", -1), ("profile_steps", 0)])
