@@ -23,6 +23,11 @@ from dataclasses import dataclass
 from configs import ConfigError, DataConfig
 
 
+# data.source values that name a built-in corpus rather than a path
+BUILTIN_SOURCES = ("stdlib", "python_packages")
+NO_MATCH = "(a file, directory, glob, .jsonl, 'stdlib' or 'python_packages')"
+
+
 @dataclass
 class Document:
     name: str
@@ -46,7 +51,7 @@ def _source_files(source: str) -> list[str]:
         return [source]
     files = sorted(f for f in glob.glob(source, recursive=True) if os.path.isfile(f))
     if not files:
-        raise ConfigError("data.source", f"no file matches {source!r} (a file, directory, glob, .jsonl or 'stdlib')")
+        raise ConfigError("data.source", f"no file matches {source!r} {NO_MATCH}")
     return files
 
 

@@ -9,6 +9,7 @@ import os
 
 from configs import Config, ConfigError
 
+from .corpus import BUILTIN_SOURCES, NO_MATCH
 from .tokenizer import MIN_TRAINED_VOCAB, Tokenizer
 
 
@@ -33,8 +34,8 @@ def check_paths(cfg: Config) -> None:
     _check_dir(cfg.out_dir, "train.out_dir")
     _check_dir(cfg.checkpoint_dir, "checkpoint.dir" if cfg.checkpoint.dir else "train.out_dir")
     src = cfg.data.source
-    if src != "stdlib" and not os.path.exists(src) and not glob.glob(src, recursive=True):
-        raise ConfigError("data.source", f"no file matches {src!r} (a file, directory, glob, .jsonl or 'stdlib')")
+    if src not in BUILTIN_SOURCES and not os.path.exists(src) and not glob.glob(src, recursive=True):
+        raise ConfigError("data.source", f"no file matches {src!r} {NO_MATCH}")
     if cfg.data.tokenizer:
         if not os.path.isfile(cfg.data.tokenizer):
             raise ConfigError("data.tokenizer", f"file not found: {cfg.data.tokenizer}")

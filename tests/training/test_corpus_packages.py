@@ -44,3 +44,19 @@ def test_no_package_is_in_both_splits(tmp_path, monkeypatch):
 def test_the_installed_packages_are_found():
     # torch (the one package the tests need) is among the packages of the interpreter's site directories
     assert any("torch" in corpus_packages._package_files(d) for d in corpus_packages.site_dirs())
+
+
+def test_preflight_accepts_every_builtin_source(tmp_path):
+    # train.py's path check runs before any work: a built-in corpus name is not a path to look for
+    from configs import ConfigError, load_config
+    from training.corpus import BUILTIN_SOURCES
+    from training.preflight import check_paths
+    base = ["train.device=cpu", f"train.out_dir={tmp_path}/out", f"data.cache_dir={tmp_path}/cache"]
+    for src in BUILTIN_SOURCES:
+        check_paths(load_config("zoo/tiny_dense.yaml", base + [f"data.source={src}"]))
+    try:
+        check_paths(load_config("zoo/tiny_dense.yaml", base + [f"data.source={tmp_path}/missing*.txt"]))
+    except ConfigError as e:
+        assert str(e).startswith("data.source: ") and "python_packages" in str(e)
+    else:
+        raise AssertionError("a missing data.source passed the path check")
