@@ -18,10 +18,16 @@ class DataConfig:
                                       # a single document: the last val_fraction of its tokens
     cache_dir: str = ".cache/moezoo"  # tokenizer and token memmaps, keyed by corpus + vocab
     max_files: int = 0                # 0 = all documents; else the first N in name-hash order (a varied subset)
+    # Retrieval practice (training.passkey.PasskeyMix): this share of training windows carries a passkey
+    # needle and `passkey_questions` questions about it later in the window; validation text never does.
+    passkey_mix: float = 0.0
+    passkey_questions: int = 4
 
     def validate(self, key: str = "data") -> None:
         check(0.0 < self.val_fraction < 1.0, f"{key}.val_fraction", f"must be in (0, 1), got {self.val_fraction}")
         check(self.max_files >= 0, f"{key}.max_files", f"must be >= 0, got {self.max_files}")
+        check(0.0 <= self.passkey_mix <= 1.0, f"{key}.passkey_mix", f"must be in [0, 1], got {self.passkey_mix}")
+        check(self.passkey_questions >= 1, f"{key}.passkey_questions", f"must be >= 1, got {self.passkey_questions}")
 
 
 @dataclass

@@ -82,6 +82,11 @@ class Trainer:
         # Same seed on every rank: identical initial weights before sharding.
         seed_everything(cfg.train.seed)
         self.data = prepare_data(cfg, self.par.is_main, self.barrier)
+        self.passkey_mix = None
+        if cfg.data.passkey_mix > 0:      # retrieval practice in the training windows (training/passkey.py)
+            from .passkey import PasskeyMix
+            self.passkey_mix = PasskeyMix(self.data.tokenizer, cfg.data.passkey_mix, cfg.data.passkey_questions,
+                                          cfg.train.seq_len)
         if self.resume_path:
             check_resumable(self.resume_path, cfg, self.par.world_size, self.data.tokenizer.digest)
         model = build_model(cfg.model, model_init_device(cfg, self.par))   # "meta" when too big to build whole
@@ -240,7 +245,8 @@ class Trainer:
         # slices, so how it is split between accumulation and ranks does not change the data.
         accum = c.grad_accum if split == "train" else 1
         x, y = sample_batch(tokens, c.batch_size, c.seq_len, c.seed, step, micro * self.par.dp_size + self.par.dp_rank,
-                            accum * self.par.dp_size, self.epoch if split == "train" else -1)
+                            accum * self.par.dp_size, self.epoch if split == "train" else -1,
+                            self.passkey_mix if split == "train" else None)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def compute_loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:

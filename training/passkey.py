@@ -14,6 +14,12 @@ dense and sparse models are scored on identical inputs. Depths go evenly from 0 
 samples. A model trained on text without such tasks retrieves by induction (copying what followed
 "The pass key is" before), which is what this probes: attention that cannot reach the needle fails.
 
+A model trained from scratch for minutes has no reason to have learned that copy. ``PasskeyMix``
+(``data.passkey_mix``) puts the task into training: a share of the training windows carries a needle
+with a fresh key and several questions after it, so what the eval then measures is whether the
+attention pattern can *learn* to reach back to the needle (a static window cannot, beyond its span).
+The eval's haystacks are validation text, which never carries a training needle.
+
 ``passkey_eval(model, tokenizer, val_tokens, lengths, samples)`` -> ``{length: accuracy}``;
 ``format_passkey_table`` prints it; ``training.evaluate.run_passkey(cfg)`` is ``train.py --config X --resume --eval passkey``.
 """
@@ -26,10 +32,14 @@ NEEDLE = (" The pass key is", ". Remember it.", " is the pass key.")
 QUESTION = " What is the pass key? The pass key is"
 
 
+def _random_key(tokenizer, rng: np.random.Generator) -> list[int]:
+    return tokenizer.encode(f" {int(rng.integers(10000, 100000))}")
+
+
 def passkey_sample(tokenizer, haystack: np.ndarray, length: int, depth: float, seed: int) -> tuple[list[int], int]:
     """``(tokens[length], n_answer)``: one sample; its last ``n_answer`` tokens are the key."""
     rng = np.random.default_rng(seed)
-    key = tokenizer.encode(f" {int(rng.integers(10000, 100000))}")
+    key = _random_key(tokenizer, rng)
     a, b, c = (tokenizer.encode(t) for t in NEEDLE)
     needle = a + key + b + key + c
     tail = tokenizer.encode(QUESTION) + key
@@ -41,6 +51,48 @@ def passkey_sample(tokenizer, haystack: np.ndarray, length: int, depth: float, s
     hay = [int(t) for t in haystack[start:start + n_hay]]
     at = int(round(depth * n_hay))
     return hay[:at] + needle + hay[at:] + tail, len(key)
+
+
+class PasskeyMix:
+    """Passkeys written into training windows (``data.passkey_mix``, ``data.passkey_questions``).
+
+    ``apply_(windows, draws)``: ``windows int64 [N, S+1]`` (token windows before the input/target shift),
+    changed in place. Row ``i`` is drawn from ``draws[i]`` alone (training.data.sample_batch passes
+    ``(seed, step, epoch, index in the global batch)``), so which windows carry a key, and where, does
+    not depend on how ranks or accumulation split the batch, and a resumed run sees the same data. A chosen window gets, over
+    its own text, the needle at a uniform position and ``questions`` copies of ``question + key`` at
+    sorted uniform positions after it (never overlapping), each with the same fresh 5-digit key.
+    """
+
+    def __init__(self, tokenizer, share: float, questions: int, seq_len: int):
+        self.tokenizer, self.share, self.questions = tokenizer, share, questions
+        self.needle = [tokenizer.encode(t) for t in NEEDLE]
+        self.question = tokenizer.encode(QUESTION)
+        key = _random_key(tokenizer, np.random.default_rng(0))
+        need = sum(map(len, self.needle)) + 2 * len(key) + questions * (len(self.question) + len(key))
+        if need >= seq_len:
+            from configs import ConfigError
+            raise ConfigError("data.passkey_questions", f"a needle and {questions} questions take ~{need} tokens, "
+                                                        f"more than train.seq_len={seq_len}")
+
+    def apply_(self, windows: np.ndarray, draws) -> None:
+        S1 = windows.shape[1]
+        for w, draw in zip(windows, draws):
+            rng = np.random.default_rng([int(v) & 0x7FFFFFFF for v in draw] + [0x9A55])
+            if rng.random() >= self.share:
+                continue
+            key = _random_key(self.tokenizer, rng)
+            a, b, c = self.needle
+            needle, ask = a + key + b + key + c, self.question + key
+            free = S1 - len(needle) - self.questions * len(ask)
+            if free < 0:           # a key that tokenizes longer than the init check's: leave the text as it is
+                continue
+            at = int(rng.integers(0, free + 1))
+            w[at:at + len(needle)] = needle
+            offsets = np.sort(rng.integers(0, free - at + 1, self.questions))
+            for i, off in enumerate(offsets):
+                q = at + len(needle) + int(off) + i * len(ask)
+                w[q:q + len(ask)] = ask
 
 
 @torch.no_grad()

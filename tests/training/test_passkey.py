@@ -74,8 +74,9 @@ def test_mfu_counts_the_work_done_and_model_flops_separately():
 
 
 def test_passkey_runs_during_training_and_from_the_cli_on_a_checkpoint(tmp_path, corpus_dir):
-    ov = tiny_overrides(tmp_path, corpus_dir, **{"train.steps": 4, "train.eval_every": 4, "model.max_seq_len": 256, "model.n_layers": 4, "train.seq_len": 64,
-                                                  "eval.passkey_lengths": "[128,256]", "eval.passkey_samples": 2})
+    ov = tiny_overrides(tmp_path, corpus_dir, **{"train.steps": 4, "train.eval_every": 4, "model.max_seq_len": 256, "model.n_layers": 4, "train.seq_len": 128,
+                                                  "eval.passkey_lengths": "[128,256]", "eval.passkey_samples": 2,
+                                                  "data.passkey_mix": 1.0, "data.passkey_questions": 1})
     cmd = [sys.executable, "train.py", "--config", "zoo/tiny_sparse_attn.yaml", *ov]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
@@ -89,3 +90,45 @@ def test_passkey_runs_during_training_and_from_the_cli_on_a_checkpoint(tmp_path,
                        timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "step 4" in r.stdout + r.stderr and "accuracy" in r.stdout + r.stderr
+
+
+def test_passkey_mix_writes_a_needle_and_questions_with_one_fresh_key():
+    from training.data import sample_batch
+    from training.passkey import NEEDLE, QUESTION, PasskeyMix
+    tok = CharTokenizer()
+    mix = PasskeyMix(tok, share=1.0, questions=3, seq_len=400)
+    x, y = sample_batch(HAY, 4, 400, seed=1, step=5, passkey=mix)
+    assert torch.equal(x[:, 1:], y[:, :-1])                       # still one window, shifted
+    keys = set()
+    for row in torch.cat([x, y[:, -1:]], 1):
+        text = "".join(map(chr, row.tolist()))
+        at = text.index(NEEDLE[0])
+        key = text[at + len(NEEDLE[0]):text.index(NEEDLE[1], at)]
+        assert len(key) == 6 and key[1:].isdigit() and text.index(NEEDLE[0]) == at
+        assert text[at:].startswith(NEEDLE[0] + key + NEEDLE[1] + key + NEEDLE[2])
+        asks = [i for i in range(len(text)) if text.startswith(QUESTION + key, i)]
+        assert len(asks) == 3 and all(q > at for q in asks)       # every question comes after the needle
+        keys.add(key)
+    assert len(keys) == 4                                         # a fresh key in every window
+    none = PasskeyMix(tok, share=0.0, questions=3, seq_len=400)
+    assert torch.equal(sample_batch(HAY, 4, 400, 1, 5, passkey=none)[0], sample_batch(HAY, 4, 400, 1, 5)[0])
+
+
+def test_passkey_mix_does_not_depend_on_how_the_batch_is_split():
+    from training.data import sample_batch
+    from training.passkey import PasskeyMix
+    mix = PasskeyMix(CharTokenizer(), share=0.5, questions=2, seq_len=300)
+    whole = sample_batch(HAY, 8, 300, seed=2, step=7, passkey=mix)[0]
+    parts = torch.cat([sample_batch(HAY, 2, 300, 2, 7, rank=r, world=4, passkey=mix)[0] for r in range(4)])
+    assert torch.equal(whole, parts)
+    plain = sample_batch(HAY, 8, 300, seed=2, step=7)[0]
+    changed = (whole != plain).any(1)
+    assert 0 < int(changed.sum()) < 8                             # about half of the windows carry a key
+
+
+def test_passkey_mix_that_does_not_fit_the_window_names_the_key(tmp_path):
+    from training.passkey import PasskeyMix
+    with pytest.raises(ConfigError, match=r"^data.passkey_questions: .*train.seq_len=100"):
+        PasskeyMix(CharTokenizer(), share=1.0, questions=4, seq_len=100)
+    with pytest.raises(ConfigError, match=r"^data.passkey_mix: must be in \[0, 1\]"):
+        load_config("zoo/tiny_dense.yaml", ["data.passkey_mix=1.5"])
