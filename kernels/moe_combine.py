@@ -150,10 +150,14 @@ def moe_combine_backward(dout: torch.Tensor, ys: torch.Tensor, inv: torch.Tensor
         dys, dw = combine_rows_backward(dout, ys, inv, w, zero_fill)
         return dys, dw.to(w.dtype)
     # Closed form, not autograd: custom-op bodies run below the autograd key (no graph is recorded).
+    # No boolean-mask indexing (a host sync on CUDA): dropped assignments write their (zero) rows to
+    # one extra row that is cut off.
+    N = ys.shape[0]
     valid = inv >= 0
     rows = inv.clamp(min=0).long()
+    dest = torch.where(valid, rows, torch.full_like(rows, N))
     g = dout.float().unsqueeze(1) * valid.unsqueeze(-1)                 # [T, K, D]
-    dys = torch.zeros_like(ys).index_put((rows[valid],), (g * w.float().unsqueeze(-1))[valid].to(ys.dtype))
+    dys = ys.new_zeros(N + 1, ys.shape[1]).index_put((dest,), (g * w.float().unsqueeze(-1)).to(ys.dtype))[:N]
     dw = (g * ys[rows].float()).sum(-1).to(w.dtype)
     return dys, dw
 

@@ -25,13 +25,17 @@ from .moe_combine import _block_d, combine_rows, moe_combine_reference
 
 
 def moe_permute_reference(x: torch.Tensor, inv: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Pure torch, differentiable: ``xs[inv[t, j]] = x[t]`` for valid (>= 0) ``inv``; other rows zero."""
+    """Pure torch, differentiable: ``xs[inv[t, j]] = x[t]`` for valid (>= 0) ``inv``; other rows zero.
+
+    No host sync and no data-dependent shape (no boolean-mask indexing): dropped assignments (-1) all
+    land in one extra row that is cut off (a CUDA reference backend would otherwise sync twice a call).
+    """
     T, K = inv.shape
     flat = inv.reshape(-1).long()
-    valid = flat >= 0
+    dest = torch.where(flat >= 0, flat, torch.full_like(flat, num_rows))
     tok = torch.arange(T, device=x.device).repeat_interleave(K)
-    xs = x.new_zeros(num_rows, x.shape[1])
-    return xs.index_put((flat[valid],), x[tok[valid]])
+    xs = x.new_zeros(num_rows + 1, x.shape[1])
+    return xs.index_put((dest,), x[tok])[:num_rows]
 
 
 def _permute_kernel(x_ptr, inv_ptr, xs_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr):

@@ -145,13 +145,27 @@ def _diagonal_sums(prob: torch.Tensor, p0: int) -> torch.Tensor:
 
 
 def _block_mean(x: torch.Tensor, start: int, bs: int, n_blocks: int) -> torch.Tensor:
-    """Mean of ``x[B, H, N, D]`` over blocks ``[start + i*bs, ...)`` that the rows cover; empty blocks are 0."""
+    """float32 ``[B, H, n_blocks, D]``: the mean of ``x[B, H, N, D]`` over blocks of ``bs`` positions, row 0
+    at position ``start`` (block 0 = the one holding it); blocks the rows do not reach are 0.
+
+    One float32-accumulating reduction over a ``[.., blocks, bs, D]`` view (zero-padded to whole blocks
+    only when the rows do not start and end on block edges, as in decode): no float32 copy of ``x`` and
+    no atomics, so the sums come out the same on every call, and an activation-checkpointing recompute
+    chooses the blocks the forward chose.
+    """
     B, H, N, D = x.shape
-    blk = torch.div(torch.arange(N, device=x.device) + start, bs, rounding_mode="floor") - start // bs
-    s = torch.zeros(B, H, n_blocks, D, device=x.device, dtype=torch.float32)
-    s.index_add_(2, blk, x.float())
-    cnt = torch.zeros(n_blocks, device=x.device).index_add_(0, blk, torch.ones(N, device=x.device))
-    return s / cnt.clamp(min=1)[:, None]
+    head, tail = start % bs, -(start + N) % bs
+    if head or tail:
+        x = torch.nn.functional.pad(x, (0, 0, head, tail))
+    nb = x.shape[2] // bs
+    sums = x.unflatten(2, (nb, bs)).sum(3, dtype=torch.float32)
+    cnt = torch.full((nb,), float(bs), device=x.device)
+    cnt[0] -= head
+    cnt[-1] -= tail
+    out = torch.zeros(B, H, n_blocks, D, device=x.device, dtype=torch.float32)
+    m = min(nb, n_blocks)
+    out[:, :, :m] = sums[:, :, :m] / cnt[:m, None]
+    return out
 
 
 @torch.no_grad()

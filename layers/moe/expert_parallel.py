@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .experts import local_expert_count
+from .router import stable_order
 
 
 def all_to_all(x: torch.Tensor, out_splits: list, in_splits: list, group) -> torch.Tensor:
@@ -63,7 +64,7 @@ def ep_run_experts(xs_ND: torch.Tensor, sizes_E: torch.Tensor, experts: nn.Modul
     # output_size: the received row count is already on the host, so repeat_interleave need not sync again.
     local_ids = torch.arange(L, device=xs_ND.device).repeat(P).repeat_interleave(
         recv_PL.flatten(), output_size=x_recv.shape[0])
-    order = torch.argsort(local_ids, stable=True)
+    order = stable_order(local_ids, L)
     # One zero row appended to the last local expert: SwiGLU(0) = 0 and adds 0 to every gradient, but it
     # keeps the output tied to the input and the weights when this rank receives no rows. Otherwise its
     # backward would skip the reverse all-to-all (and FSDP's gradient reduction) that its peers wait on.

@@ -40,7 +40,7 @@ from kernels.moe_fp8 import fp8_grouped_linear
 from kernels.moe_gate_up import gate_up
 
 from ..mlp import gate_act as _gate_act
-from .router import tokens_per_expert
+from .router import stable_order, tokens_per_expert
 
 
 @dataclass
@@ -69,7 +69,7 @@ def make_plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int] =
     T, K = indices.shape
     flat = indices.reshape(-1)
     n = flat.numel()
-    order = torch.argsort(flat, stable=True)                    # [T*K] assignment at each sorted position
+    order = stable_order(flat, num_experts)                     # [T*K] assignment at each sorted position
     if routed is None:
         routed = tokens_per_expert(indices, num_experts)
     arange = torch.arange(n, device=flat.device)

@@ -163,3 +163,16 @@ def test_preset_layer_on_gpu_flex_meets_fa_criterion_fwd_bwd(kernel):
     with torch.no_grad():
         sparse_attention(q, k, v, pats, backend="flex", kernel=kernel, stats=stats)
     assert (stats["density"] <= 1).all() and (stats["density"][4:6] < 1).all()
+
+
+@pytest.mark.parametrize("N,start,nb", [(256, 0, 4), (200, 0, 4), (200, 30, 5), (5, 130, 1), (1, 63, 1), (300, 70, 6)])
+def test_block_means_equal_a_per_row_scatter_and_repeat_exactly(N, start, nb):
+    # pooled scores choose the blocks: a recompute under activation checkpointing must see the same sums
+    from layers.attention.selection import _block_mean
+    x = torch.randn(2, 3, N, 8, generator=torch.Generator().manual_seed(N + start)).bfloat16()
+    blk = torch.div(torch.arange(N) + start, 64, rounding_mode="floor") - start // 64
+    sums = torch.zeros(2, 3, nb, 8).index_add_(2, blk, x.float())
+    ref = sums / torch.zeros(nb).index_add_(0, blk, torch.ones(N)).clamp(min=1)[:, None]
+    got = _block_mean(x, start, 64, nb)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got, _block_mean(x, start, 64, nb))
