@@ -44,7 +44,10 @@ def _device_events(prof, on_gpu: bool):
         if on_gpu:
             t = getattr(e, "self_device_time_total", 0) or 0
             is_kernel = str(getattr(e, "device_type", "")).endswith("CUDA")
-            if t > 0 and is_kernel:
+            # record_function scopes also appear on the GPU timeline ("Optimizer.step#AdamW.step", its
+            # span of the optimizer's kernels): counted, they doubled the optimizer's share of a step
+            scope = getattr(e, "is_user_annotation", False) or "#" in e.key
+            if t > 0 and is_kernel and not scope:
                 rows.append((e.key, t, e.count))
         elif e.self_cpu_time_total > 0 and e.key.startswith(("aten::", "c10d::")):   # ops, not their scopes
             rows.append((e.key, e.self_cpu_time_total, e.count))

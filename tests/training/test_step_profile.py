@@ -41,6 +41,20 @@ def test_kinds_from_kernel_names():
                                                  "optimizer 0%, other 25%; 5 ops a step")
 
 
+def test_gpu_scopes_are_not_counted_as_kernels():
+    # a record_function scope on the GPU timeline spans kernels that are listed themselves
+    from types import SimpleNamespace as E
+    from training.profile import _device_events
+    events = [E(key="void multi_tensor_apply_kernel<FusedAdamMathFunctor>", self_device_time_total=29.0,
+                device_type="DeviceType.CUDA", count=2, is_user_annotation=False),
+              E(key="Optimizer.step#AdamW.step", self_device_time_total=29.0, device_type="DeviceType.CUDA",
+                count=1, is_user_annotation=True),
+              E(key="aten::_fused_adamw_", self_device_time_total=29.0, device_type="DeviceType.CPU", count=1,
+                self_cpu_time_total=3.0)]
+    rows = _device_events(E(key_averages=lambda: events), on_gpu=True)
+    assert rows == [("void multi_tensor_apply_kernel<FusedAdamMathFunctor>", 29.0, 2)]
+
+
 @pytest.mark.parametrize("key,value", [("profile_at", -1), ("profile_steps", 0)])
 def test_bad_profile_settings_name_the_key(key, value):
     with pytest.raises(ConfigError, match=rf"logging\.{key}"):
