@@ -42,6 +42,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank_with_the_same_global_batch(tmp_
         train_cli(run, corpus_dir, 1, "--resume", preset="zoo/tiny_moe.yaml")
     one = train_cli(run, corpus_dir, 1, "train.grad_accum=2", "--resume", preset="zoo/tiny_moe.yaml")
     assert len(two) == len(one) == 6 and one[:3] == two[:3]
-    # the same data and weights; fp32 sums in another order (two micro-batches on one rank, no all-reduce):
-    # 2.5e-5 seen on losses of ~6.2
-    assert max(abs(a - b) for a, b in zip(one[3:], two[3:])) < 1e-4, (two, one)
+    # the same data and weights; fp32 sums in another order (two micro-batches on one rank, no all-reduce),
+    # which top-2 routing can amplify when a token's two best experts nearly tie: 2.5e-5 and 1.5e-4 seen
+    # on losses of ~6.2. Another batch or stale weights move a step's loss by ~1e-2 (steps differ by 0.05).
+    assert max(abs(a - b) for a, b in zip(one[3:], two[3:])) < 1e-3, (two, one)
