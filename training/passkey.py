@@ -36,13 +36,22 @@ def _random_key(tokenizer, rng: np.random.Generator) -> list[int]:
     return tokenizer.encode(f" {int(rng.integers(10000, 100000))}")
 
 
+def _encoded_parts(tokenizer) -> tuple[list[list[int]], list[int]]:
+    """The token ids of NEEDLE's three pieces and of QUESTION (the same for every key)."""
+    return [tokenizer.encode(t) for t in NEEDLE], tokenizer.encode(QUESTION)
+
+
+def _needle_and_ask(parts, question: list[int], key: list[int]) -> tuple[list[int], list[int]]:
+    """``(needle, question + key)`` for one key: the layout the eval and the training mix share."""
+    a, b, c = parts
+    return a + key + b + key + c, question + key
+
+
 def passkey_sample(tokenizer, haystack: np.ndarray, length: int, depth: float, seed: int) -> tuple[list[int], int]:
     """``(tokens[length], n_answer)``: one sample; its last ``n_answer`` tokens are the key."""
     rng = np.random.default_rng(seed)
     key = _random_key(tokenizer, rng)
-    a, b, c = (tokenizer.encode(t) for t in NEEDLE)
-    needle = a + key + b + key + c
-    tail = tokenizer.encode(QUESTION) + key
+    needle, tail = _needle_and_ask(*_encoded_parts(tokenizer), key)
     n_hay = length - len(needle) - len(tail)
     if n_hay < 1 or len(haystack) <= n_hay:
         raise ValueError(f"passkey length {length} leaves no room for haystack text (or the validation split "
@@ -59,17 +68,16 @@ class PasskeyMix:
     ``apply_(windows, draws)``: ``windows int64 [N, S+1]`` (token windows before the input/target shift),
     changed in place. Row ``i`` is drawn from ``draws[i]`` alone (training.data.sample_batch passes
     ``(seed, step, epoch, index in the global batch)``), so which windows carry a key, and where, does
-    not depend on how ranks or accumulation split the batch, and a resumed run sees the same data. A chosen window gets, over
-    its own text, the needle at a uniform position and ``questions`` copies of ``question + key`` at
+    not depend on how ranks or accumulation split the batch, and a resumed run sees the same data. A
+    chosen window gets, over its own text, the needle at a uniform position and ``questions`` copies of ``question + key`` at
     sorted uniform positions after it (never overlapping), each with the same fresh 5-digit key.
     """
 
     def __init__(self, tokenizer, share: float, questions: int, seq_len: int):
         self.tokenizer, self.share, self.questions = tokenizer, share, questions
-        self.needle = [tokenizer.encode(t) for t in NEEDLE]
-        self.question = tokenizer.encode(QUESTION)
-        key = _random_key(tokenizer, np.random.default_rng(0))
-        need = sum(map(len, self.needle)) + 2 * len(key) + questions * (len(self.question) + len(key))
+        self.parts, self.question = _encoded_parts(tokenizer)
+        needle, ask = _needle_and_ask(self.parts, self.question, _random_key(tokenizer, np.random.default_rng(0)))
+        need = len(needle) + questions * len(ask)
         if need >= seq_len:
             from configs import ConfigError
             raise ConfigError("data.passkey_questions", f"a needle and {questions} questions take ~{need} tokens, "
@@ -81,9 +89,7 @@ class PasskeyMix:
             rng = np.random.default_rng([int(v) & 0x7FFFFFFF for v in draw] + [0x9A55])
             if rng.random() >= self.share:
                 continue
-            key = _random_key(self.tokenizer, rng)
-            a, b, c = self.needle
-            needle, ask = a + key + b + key + c, self.question + key
+            needle, ask = _needle_and_ask(self.parts, self.question, _random_key(self.tokenizer, rng))
             free = S1 - len(needle) - self.questions * len(ask)
             if free < 0:           # a key that tokenizes longer than the init check's: leave the text as it is
                 continue
