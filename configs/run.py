@@ -18,8 +18,8 @@ class DataConfig:
                                       # a single document: the last val_fraction of its tokens
     cache_dir: str = ".cache/moezoo"  # tokenizer and token memmaps, keyed by corpus + vocab
     max_files: int = 0                # 0 = all documents; else the first N in name-hash order (a varied subset)
-    # Retrieval practice (training.passkey.PasskeyMix): this share of training windows carries a passkey
-    # needle and `passkey_questions` questions about it later in the window; validation text never does.
+    # Retrieval practice (training.passkey.PasskeyMix): this share of training windows carries passkeys, in
+    # 1, 2, 4, .. up to `passkey_questions` segments of a needle + one question; validation text never does.
     passkey_mix: float = 0.0
     passkey_questions: int = 4
 

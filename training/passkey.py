@@ -15,9 +15,10 @@ samples. A model trained on text without such tasks retrieves by induction (copy
 "The pass key is" before), which is what this probes: attention that cannot reach the needle fails.
 
 A model trained from scratch for minutes has no reason to have learned that copy. ``PasskeyMix``
-(``data.passkey_mix``) puts the task into training: a share of the training windows carries a needle
-with a fresh key and several questions after it, so what the eval then measures is whether the
-attention pattern can *learn* to reach back to the needle (a static window cannot, beyond its span).
+(``data.passkey_mix``) puts the task into training: a share of the training windows carries needles
+with fresh keys, each asked once at distances up to the window, so what the eval then measures is
+whether the attention pattern can *learn* to reach back to the needle (a static window cannot, beyond
+its span).
 The eval's haystacks are validation text, which never carries a training needle.
 
 ``passkey_eval(model, tokenizer, val_tokens, lengths, samples)`` -> ``{length: accuracy}``;
@@ -67,21 +68,28 @@ class PasskeyMix:
 
     ``apply_(windows, draws)``: ``windows int64 [N, S+1]`` (token windows before the input/target shift),
     changed in place. Row ``i`` is drawn from ``draws[i]`` alone (training.data.sample_batch passes
-    ``(seed, step, epoch, index in the global batch)``), so which windows carry a key, and where, does
-    not depend on how ranks or accumulation split the batch, and a resumed run sees the same data. A
-    chosen window gets, over its own text, the needle at a uniform position and ``questions`` copies of ``question + key`` at
-    sorted uniform positions after it (never overlapping), each with the same fresh 5-digit key.
+    ``(seed, step, epoch, index in the global batch)``), so which windows carry keys, and where, does
+    not depend on how ranks or accumulation split the batch, and a resumed run sees the same data.
+
+    A chosen window is cut into ``m`` equal segments, ``m`` drawn uniformly from the powers of two up to
+    ``questions`` (1, 2, 4, .. 64 for 64); each segment gets, over its own text, a needle with its own
+    fresh key at a uniform position and one ``question + key`` at the segment's end. So the distance from
+    question to needle spans every scale up to the whole window (the eval's depths do too), and the most
+    recent "The pass key is" before a question is always its own needle: an answer can only be copied
+    from the needle, never from an earlier question (which, with several questions about one key, lets a
+    model learn a short copy that does not reach back: a 31M model trained that way at 16k scored 0%).
     """
 
     def __init__(self, tokenizer, share: float, questions: int, seq_len: int):
-        self.tokenizer, self.share, self.questions = tokenizer, share, questions
+        self.tokenizer, self.share = tokenizer, share
+        self.counts = [1 << i for i in range(questions.bit_length())]     # segments a window: 1, 2, 4, ..
         self.parts, self.question = _encoded_parts(tokenizer)
         needle, ask = _needle_and_ask(self.parts, self.question, _random_key(tokenizer, np.random.default_rng(0)))
-        need = len(needle) + questions * len(ask)
+        need = self.counts[-1] * (len(needle) + len(ask))
         if need >= seq_len:
             from configs import ConfigError
-            raise ConfigError("data.passkey_questions", f"a needle and {questions} questions take ~{need} tokens, "
-                                                        f"more than train.seq_len={seq_len}")
+            raise ConfigError("data.passkey_questions", f"{self.counts[-1]} segments of a needle and a question "
+                                                        f"take ~{need} tokens, more than train.seq_len={seq_len}")
 
     def apply_(self, windows: np.ndarray, draws) -> None:
         S1 = windows.shape[1]
@@ -89,16 +97,17 @@ class PasskeyMix:
             rng = np.random.default_rng([int(v) & 0x7FFFFFFF for v in draw] + [0x9A55])
             if rng.random() >= self.share:
                 continue
-            needle, ask = _needle_and_ask(self.parts, self.question, _random_key(self.tokenizer, rng))
-            free = S1 - len(needle) - self.questions * len(ask)
-            if free < 0:           # a key that tokenizes longer than the init check's: leave the text as it is
-                continue
-            at = int(rng.integers(0, free + 1))
-            w[at:at + len(needle)] = needle
-            offsets = np.sort(rng.integers(0, free - at + 1, self.questions))
-            for i, off in enumerate(offsets):
-                q = at + len(needle) + int(off) + i * len(ask)
-                w[q:q + len(ask)] = ask
+            m = self.counts[int(rng.integers(0, len(self.counts)))]
+            seg = S1 // m
+            for s in range(m):
+                needle, ask = _needle_and_ask(self.parts, self.question, _random_key(self.tokenizer, rng))
+                free = seg - len(needle) - len(ask)
+                if free < 0:       # a key that tokenizes longer than the init check's: leave this segment's text
+                    continue
+                at = s * seg + int(rng.integers(0, free + 1))
+                w[at:at + len(needle)] = needle
+                end = (s + 1) * seg
+                w[end - len(ask):end] = ask
 
 
 @torch.no_grad()

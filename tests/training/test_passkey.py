@@ -92,26 +92,34 @@ def test_passkey_runs_during_training_and_from_the_cli_on_a_checkpoint(tmp_path,
     assert "step 4" in r.stdout + r.stderr and "accuracy" in r.stdout + r.stderr
 
 
-def test_passkey_mix_writes_a_needle_and_questions_with_one_fresh_key():
+def test_passkey_mix_asks_each_fresh_key_once_after_its_own_needle():
     from training.data import sample_batch
     from training.passkey import NEEDLE, QUESTION, PasskeyMix
     tok = CharTokenizer()
-    mix = PasskeyMix(tok, share=1.0, questions=3, seq_len=400)
-    x, y = sample_batch(HAY, 4, 400, seed=1, step=5, passkey=mix)
+    mix = PasskeyMix(tok, share=1.0, questions=4, seq_len=1200)
+    x, y = sample_batch(HAY, 24, 1200, seed=1, step=5, passkey=mix)
     assert torch.equal(x[:, 1:], y[:, :-1])                       # still one window, shifted
-    keys = set()
+    counts, keys = set(), []
     for row in torch.cat([x, y[:, -1:]], 1):
         text = "".join(map(chr, row.tolist()))
-        at = text.index(NEEDLE[0])
-        key = text[at + len(NEEDLE[0]):text.index(NEEDLE[1], at)]
-        assert len(key) == 6 and key[1:].isdigit() and text.index(NEEDLE[0]) == at
-        assert text[at:].startswith(NEEDLE[0] + key + NEEDLE[1] + key + NEEDLE[2])
-        asks = [i for i in range(len(text)) if text.startswith(QUESTION + key, i)]
-        assert len(asks) == 3 and all(q > at for q in asks)       # every question comes after the needle
-        keys.add(key)
-    assert len(keys) == 4                                         # a fresh key in every window
-    none = PasskeyMix(tok, share=0.0, questions=3, seq_len=400)
-    assert torch.equal(sample_batch(HAY, 4, 400, 1, 5, passkey=none)[0], sample_batch(HAY, 4, 400, 1, 5)[0])
+        asks = [i for i in range(len(text)) if text.startswith(QUESTION, i)]
+        inside = {q + len(QUESTION) - len(NEEDLE[0]) for q in asks}          # a question ends in NEEDLE[0] too
+        needles = [i for i in range(len(text)) if text.startswith(NEEDLE[0], i) and i not in inside]
+        assert len(needles) == len(asks) in (1, 2, 4)
+        counts.add(len(asks))
+        seg = len(text) // len(asks)
+        for s, (n, q) in enumerate(zip(needles, asks)):
+            key = text[n + len(NEEDLE[0]):text.index(NEEDLE[1], n)]
+            assert len(key) == 6 and key[1:].isdigit()
+            assert text[n:].startswith(NEEDLE[0] + key + NEEDLE[1] + key + NEEDLE[2])
+            # the question ends its segment and its nearest preceding "pass key is" is its own needle
+            assert text[q:].startswith(QUESTION + key) and q + len(QUESTION + key) == (s + 1) * seg
+            assert s * seg <= n < q and not any(n < a < q for a in needles + asks[:s])
+            keys.append(key)
+    assert counts == {1, 2, 4}                                    # every segment count drawn in 24 windows
+    assert len(set(keys)) == len(keys)                            # a fresh key for every needle
+    none = PasskeyMix(tok, share=0.0, questions=4, seq_len=1200)
+    assert torch.equal(sample_batch(HAY, 4, 1200, 1, 5, passkey=none)[0], sample_batch(HAY, 4, 1200, 1, 5)[0])
 
 
 def test_passkey_mix_does_not_depend_on_how_the_batch_is_split():
