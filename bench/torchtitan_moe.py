@@ -30,6 +30,7 @@ test runs its forward only). On the H200 (torch 2.11, BENCHMARKS.md "Our MoE mod
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -184,9 +185,9 @@ def train(name, build, s, args, plan) -> dict:
     if name == "ours":
         from training.parallel import ParallelState, clip_grad_norm_
         one = ParallelState(1, 0, 0, torch.device(dev), 1, 1, 1)
-        clip = lambda params: clip_grad_norm_(params, 1.0, one, opt)  # noqa: E731
+        clip = functools.partial(clip_grad_norm_, max_norm=1.0, state=one, optimizer=opt)
     else:
-        clip = lambda params: torch.nn.utils.clip_grad_norm_(params, 1.0)  # noqa: E731
+        clip = functools.partial(torch.nn.utils.clip_grad_norm_, max_norm=1.0)
     amp = torch.autocast(dev, dtype=torch.bfloat16) if dev == "cuda" else torch.autocast(dev, enabled=False)
     # FlexAttention has no CPU backward: on CPU (the smoke test) torchtitan's model runs forward only
     forward_only = dev == "cpu" and name == "torchtitan"
