@@ -30,7 +30,6 @@ test runs its forward only). On the H200 (torch 2.11, BENCHMARKS.md "Our MoE mod
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -180,14 +179,6 @@ def train(name, build, s, args, plan) -> dict:
             register_moe_load_balancing_hook(opt, [model], one_gpu)
         except Exception as e:  # noqa: BLE001 - report, keep the speed numbers
             print(name, "no load-balancing hook:", type(e).__name__, e, flush=True)
-    # each trainer's own clipping: ours folds the scale into the fused AdamW (training.parallel), torchtitan's
-    # scales the gradients with torch's foreach clip
-    if name == "ours":
-        from training.parallel import ParallelState, clip_grad_norm_
-        one = ParallelState(1, 0, 0, torch.device(dev), 1, 1, 1)
-        clip = functools.partial(clip_grad_norm_, max_norm=1.0, state=one, optimizer=opt)
-    else:
-        clip = functools.partial(torch.nn.utils.clip_grad_norm_, max_norm=1.0)
     amp = torch.autocast(dev, dtype=torch.bfloat16) if dev == "cuda" else torch.autocast(dev, enabled=False)
     # FlexAttention has no CPU backward: on CPU (the smoke test) torchtitan's model runs forward only
     forward_only = dev == "cpu" and name == "torchtitan"
@@ -205,7 +196,7 @@ def train(name, build, s, args, plan) -> dict:
             summary = prof.after(step) or summary
             continue
         loss.backward()
-        clip(model.parameters())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if after_step:

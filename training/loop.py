@@ -267,7 +267,7 @@ class Trainer:
             for k, v in parts.items():
                 parts_sum[k] = parts_sum.get(k, 0.0) + v / c.train.grad_accum
         # A plain tensor, the same on every rank: the norm spans the dense and expert meshes' shards.
-        grad_norm = clip_grad_norm_(self.model.parameters(), c.optim.grad_clip, self.par, self.optimizer)
+        grad_norm = clip_grad_norm_(self.model.parameters(), c.optim.grad_clip, self.par)
         # One all-reduce for every loss part; the total is their sum.
         parts_mean = all_reduce_mean(torch.stack([v.detach().float() for v in parts_sum.values()]), self.par)
         loss_val = parts_mean.sum()

@@ -306,39 +306,27 @@ def model_init_device(cfg: Config, state: ParallelState, max_fraction: float = 0
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, state: ParallelState, optimizer=None) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, state: ParallelState) -> torch.Tensor:
     """Total gradient norm over the whole (sharded) model, same on every rank; scales the gradients
     down to ``max_norm`` when it is exceeded (``max_norm <= 0``: measure only).
 
     ``torch.nn.utils.clip_grad_norm_`` cannot mix the dense and the expert meshes' DTensors, so this
     sums squares of the local shards and all-reduces once: every parameter element lives on exactly
     ``dp_replicate`` ranks (one per replica group), hence the division.
-
-    ``optimizer``: the optimizer about to step. A fused ``torch.optim.AdamW`` over plain tensors takes the
-    clipping as its ``grad_scale`` (the kernel divides each gradient by it as it reads it, as for AMP's
-    unscaling) instead of a separate pass over every gradient; measured on an H200 with 3.6B fp32
-    parameters the kernel gets ~6.7 ms slower and the 7.8 ms pass is gone (BENCHMARKS.md). Anything else (DTensors, foreach, ``CompactAdamW``'s inner optimizer) gets the in-place scale.
     """
     from torch.distributed.tensor import DTensor
     grads = [p.grad for p in parameters if p.grad is not None]
-    sharded = any(isinstance(g, DTensor) for g in grads)
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     device = local[0].device if local else state.device
     sq = torch.stack(torch._foreach_norm(local)).float().square().sum() if local \
         else torch.zeros((), device=device)
-    if state.distributed and sharded:
+    if state.distributed and any(isinstance(g, DTensor) for g in grads):
         dist.all_reduce(sq)
         sq = sq / state.dp_replicate
     norm = sq.sqrt()
-    fold = type(optimizer) is torch.optim.AdamW and optimizer.defaults.get("fused") and not sharded
-    if fold:
-        optimizer.grad_scale = None          # torch.optim.Adam(W).step reads this attribute
     if max_norm > 0 and local:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        if fold:
-            optimizer.grad_scale = 1.0 / coef
-        else:
-            torch._foreach_mul_(local, coef.to(local[0].dtype))
+        torch._foreach_mul_(local, coef.to(local[0].dtype))
     return norm
 
 
