@@ -29,7 +29,8 @@ for part in $PARTS; do
     # ~450 s: give it a call of its own
     quality) timeout ${T_QUALITY:-570} $PY bench/train_attention.py --config zoo/sparse_attn_small_16k.yaml --steps 1200 \
               --variants dense,preset,a_shape --a-shape-window 1024 --out /tmp/q16 data.cache_dir=/tmp/moezoo_cache ;
-            cp /tmp/q16/train_attention.jsonl "$OUT/quality.jsonl" 2>/dev/null ;;
+            cp /tmp/q16/train_attention.jsonl "$OUT/quality.jsonl" 2>/dev/null ;
+            for v in dense preset a_shape; do cp /tmp/q16/$v/metrics.jsonl "$OUT/quality_$v.metrics.jsonl" 2>/dev/null; done ;;
     tests)  timeout ${T_TESTS:-45} $PY -m pytest -q -m gpu tests/layers/attention/test_block_topk.py -p no:cacheprovider 2>&1 | tail -n 15 ;;
   esac
   echo "== $part: $(( $(date +%s) - t0 )) s"

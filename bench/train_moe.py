@@ -23,6 +23,8 @@ times each step):
 - ``speed_2k``: tokens/s of a D 2048 backbone (4 layers, FFN 5632, 16k tokens a step) with the dense
   FFN and with the neuron-routed FFN at 4 of 16 groups in every step (sparse steps only: the
   schedule's dense steps run the dense FFN plus the router, timed by bench/neuron_ffn.py).
+- ``speed_4k``: the same at LLaMA-7B's width (D 4096, FFN 11008, 32 heads / 8 KV; 4 layers, 16k
+  tokens a step).
 - ``speed_512``: equal_time's dense and MoE models, ``--speed-steps`` steps each: the MoE step against
   the dense step (issue 16's small-model overhead); with ``--profile-at N`` each run also profiles
   three steps (``logging.profile_at``) and prints where the device time went.
@@ -55,6 +57,11 @@ BACKBONE = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_
             "optim.lr=2e-3", "optim.warmup_steps=50"]
 BACKBONE_2K = ["model.dim=2048", "model.n_layers=4", "model.n_heads=16", "model.n_kv_heads=8",
                "model.ffn_hidden=5632", "model.max_seq_len=2048", "train.seq_len=2048", "train.batch_size=8"]
+BACKBONE_4K = ["model.dim=4096", "model.n_layers=4", "model.n_heads=32", "model.n_kv_heads=8",
+               "model.ffn_hidden=11008", "model.max_seq_len=2048", "train.seq_len=2048", "train.batch_size=8"]
+# the neuron-routed FFN at 4 of 16 groups in every step (no dense warm-up, finish or re-grouping steps)
+NEURON_SPARSE = ["model.neuron.num_groups=16", "model.neuron.top_k_groups=4", "model.neuron.warmup_fraction=0",
+                 "model.neuron.finish_fraction=0", "model.neuron.sparse_ratio=1.0", "model.neuron.recluster=false"]
 SUITES = {   # name -> {run: (preset, overrides)}
     "equal_time": {
         "dense": ("zoo/tiny_dense.yaml", BACKBONE),
@@ -63,9 +70,11 @@ SUITES = {   # name -> {run: (preset, overrides)}
     },
     "speed_2k": {
         "dense_2k": ("zoo/tiny_dense.yaml", BACKBONE_2K),
-        "neuron_2k": ("zoo/tiny_neuron.yaml", BACKBONE_2K + [
-            "model.neuron.num_groups=16", "model.neuron.top_k_groups=4", "model.neuron.warmup_fraction=0",
-            "model.neuron.finish_fraction=0", "model.neuron.sparse_ratio=1.0", "model.neuron.recluster=false"]),
+        "neuron_2k": ("zoo/tiny_neuron.yaml", BACKBONE_2K + NEURON_SPARSE),
+    },
+    "speed_4k": {   # a 7B-wide layer (LLaMA-7B's D and FFN), 4 of them: where the layer measured 2.37x
+        "dense_4k": ("zoo/tiny_dense.yaml", BACKBONE_4K),
+        "neuron_4k": ("zoo/tiny_neuron.yaml", BACKBONE_4K + NEURON_SPARSE),
     },
     "speed_512": {   # issue 16's small-model overhead: the MoE step against the dense step, same backbone
         "dense": ("zoo/tiny_dense.yaml", BACKBONE),
