@@ -86,18 +86,24 @@ def prepare_data(cfg: Config, is_main: bool = True, barrier=lambda: None) -> Tok
 
 
 def sample_batch(tokens: np.ndarray, batch: int, seq_len: int, seed: int, step: int, rank: int = 0,
-                 world: int = 1, epoch: int = 0, passkey=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s share ``(x[B, S], y[B, S])`` (int64, y = x shifted by one) of the global batch of
+                 world: int = 1, epoch: int = 0, passkey=None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Rank ``rank``'s share ``(x[B, S], y[B, S], w)`` (int64, y = x shifted by one) of the global batch of
     ``B * world`` random windows drawn for ``(seed, step, epoch)``. So a run's data depends only on the
     global batch, not on how many ranks split it: 2 ranks x B equals 1 rank x 2B. ``passkey``: a
-    training.passkey.PasskeyMix that writes needles into some windows (drawn per global window too)."""
+    training.passkey.PasskeyMix that writes needles into some windows (drawn per global window too);
+    ``w`` float32 [B, S] is the loss weight of each target (the mix's ``answer_weight`` on the asked
+    keys' tokens, 1 elsewhere), None when every target weighs the same."""
     g = torch.Generator().manual_seed(hash((seed, step, epoch)) & 0x7FFFFFFFFFFF)
     starts = torch.randint(0, len(tokens) - seq_len - 1, (batch * world,), generator=g)[rank * batch:(rank + 1) * batch]
     windows = np.stack([np.asarray(tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts.numpy()])
+    w = None
     if passkey is not None:
-        passkey.apply_(windows, [(seed, step, epoch, r) for r in range(rank * batch, (rank + 1) * batch)])
+        answers = passkey.apply_(windows, [(seed, step, epoch, r) for r in range(rank * batch, (rank + 1) * batch)])
+        if passkey.answer_weight != 1.0:
+            w = torch.from_numpy(np.where(answers[:, 1:], np.float32(passkey.answer_weight), np.float32(1.0)))
     t = torch.from_numpy(windows)
-    return t[:, :-1], t[:, 1:]
+    return t[:, :-1], t[:, 1:], w
 
 
 @dataclass

@@ -86,7 +86,7 @@ class Trainer:
         if cfg.data.passkey_mix > 0:      # retrieval practice in the training windows (training/passkey.py)
             from .passkey import PasskeyMix
             self.passkey_mix = PasskeyMix(self.data.tokenizer, cfg.data.passkey_mix, cfg.data.passkey_questions,
-                                          cfg.train.seq_len)
+                                          cfg.train.seq_len, cfg.data.passkey_answer_weight)
         if self.resume_path:
             check_resumable(self.resume_path, cfg, self.par.world_size, self.data.tokenizer.digest)
         model = build_model(cfg.model, model_init_device(cfg, self.par))   # "meta" when too big to build whole
@@ -244,14 +244,16 @@ class Trainer:
         # The step's global batch (batch_size x grad_accum x dp_size windows) is split into (micro, rank)
         # slices, so how it is split between accumulation and ranks does not change the data.
         accum = c.grad_accum if split == "train" else 1
-        x, y = sample_batch(tokens, c.batch_size, c.seq_len, c.seed, step, micro * self.par.dp_size + self.par.dp_rank,
+        x, y, w = sample_batch(tokens, c.batch_size, c.seq_len, c.seed, step, micro * self.par.dp_size + self.par.dp_rank,
                             accum * self.par.dp_size, self.epoch if split == "train" else -1,
                             self.passkey_mix if split == "train" else None)
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True),
+                None if w is None else w.to(self.device, non_blocking=True))
 
-    def compute_loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def compute_loss(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, dict]:
         with self.autocast():
-            return self.model(x, y)
+            return self.model(x, y, loss_weights=w)
 
     def train_step(self) -> dict:
         """One optimizer step over ``grad_accum`` micro-batches; returns detached metrics."""
@@ -261,8 +263,8 @@ class Trainer:
             method.before_step(self.step)
         parts_sum: dict[str, torch.Tensor] = {}
         for micro in range(c.train.grad_accum):
-            x, y = self.batch(self.step, micro)
-            loss, parts = self.compute_loss(x, y)
+            x, y, w = self.batch(self.step, micro)
+            loss, parts = self.compute_loss(x, y, w)
             (loss / c.train.grad_accum).backward()
             for k, v in parts.items():
                 parts_sum[k] = parts_sum.get(k, 0.0) + v / c.train.grad_accum
@@ -297,7 +299,7 @@ class Trainer:
         self.model.eval()
         losses = []
         for i in range(self.cfg.train.eval_batches):
-            x, y = self.batch(i, 0, "val")
+            x, y, _ = self.batch(i, 0, "val")
             losses.append(self.compute_loss(x, y)[1]["ce"].float())   # compute_loss enters autocast
         self.model.train()
         return float(all_reduce_mean(torch.stack(losses).mean(), self.par))

@@ -66,8 +66,9 @@ def passkey_sample(tokenizer, haystack: np.ndarray, length: int, depth: float, s
 class PasskeyMix:
     """Passkeys written into training windows (``data.passkey_mix``, ``data.passkey_questions``).
 
-    ``apply_(windows, draws)``: ``windows int64 [N, S+1]`` (token windows before the input/target shift),
-    changed in place. Row ``i`` is drawn from ``draws[i]`` alone (training.data.sample_batch passes
+    ``apply_(windows, draws) -> answers bool [N, S+1]``: ``windows int64 [N, S+1]`` (token windows before
+    the input/target shift), changed in place; ``answers`` marks the asked keys' tokens (the positions
+    ``answer_weight`` weighs in the training loss, ``training.data.sample_batch``). Row ``i`` is drawn from ``draws[i]`` alone (training.data.sample_batch passes
     ``(seed, step, epoch, index in the global batch)``), so which windows carry keys, and where, does
     not depend on how ranks or accumulation split the batch, and a resumed run sees the same data.
 
@@ -80,8 +81,8 @@ class PasskeyMix:
     model learn a short copy that does not reach back: a 31M model trained that way at 16k scored 0%).
     """
 
-    def __init__(self, tokenizer, share: float, questions: int, seq_len: int):
-        self.tokenizer, self.share = tokenizer, share
+    def __init__(self, tokenizer, share: float, questions: int, seq_len: int, answer_weight: float = 1.0):
+        self.tokenizer, self.share, self.answer_weight = tokenizer, share, answer_weight
         self.counts = [1 << i for i in range(questions.bit_length())]     # segments a window: 1, 2, 4, ..
         self.parts, self.question = _encoded_parts(tokenizer)
         needle, ask = _needle_and_ask(self.parts, self.question, _random_key(tokenizer, np.random.default_rng(0)))
@@ -91,16 +92,18 @@ class PasskeyMix:
             raise ConfigError("data.passkey_questions", f"{self.counts[-1]} segments of a needle and a question "
                                                         f"take ~{need} tokens, more than train.seq_len={seq_len}")
 
-    def apply_(self, windows: np.ndarray, draws) -> None:
+    def apply_(self, windows: np.ndarray, draws) -> np.ndarray:
         S1 = windows.shape[1]
-        for w, draw in zip(windows, draws):
+        answers = np.zeros(windows.shape, dtype=bool)
+        for w, a, draw in zip(windows, answers, draws):
             rng = np.random.default_rng([int(v) & 0x7FFFFFFF for v in draw] + [0x9A55])
             if rng.random() >= self.share:
                 continue
             m = self.counts[int(rng.integers(0, len(self.counts)))]
             seg = S1 // m
             for s in range(m):
-                needle, ask = _needle_and_ask(self.parts, self.question, _random_key(self.tokenizer, rng))
+                key = _random_key(self.tokenizer, rng)
+                needle, ask = _needle_and_ask(self.parts, self.question, key)
                 free = seg - len(needle) - len(ask)
                 if free < 0:       # a key that tokenizes longer than the init check's: leave this segment's text
                     continue
@@ -108,6 +111,8 @@ class PasskeyMix:
                 w[at:at + len(needle)] = needle
                 end = (s + 1) * seg
                 w[end - len(ask):end] = ask
+                a[end - len(key):end] = True
+        return answers
 
 
 @torch.no_grad()

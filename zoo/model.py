@@ -115,7 +115,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, start_pos: int = 0):
+                document_ids: torch.Tensor | None = None, start_pos: int = 0,
+                loss_weights: torch.Tensor | None = None):
         """Logits ``[B, S, V]`` (float32); with ``targets [B, S]``, ``(loss, parts)`` as in ``loss``.
 
         Training calls ``model(tokens, targets)`` so that DDP/FSDP2 forward hooks run on the root module;
@@ -127,6 +128,8 @@ class Transformer(nn.Module):
           as HF's forward does).
         - ``document_ids [B, S]`` (training.data.pack_documents): attention stays inside a document, and
           positions restart at each document unless ``position_ids`` are given. Not with a KV cache.
+        - ``loss_weights [B, S]`` (with ``targets``): each target's weight in the loss that is returned,
+          a weighted mean (training.passkey's answer weight); ``parts["ce"]`` stays the plain mean.
         """
         from layers.attention.masking import AttnMask, check_token_mask, document_positions
         B, S = tokens.shape
@@ -147,7 +150,7 @@ class Transformer(nn.Module):
             return logits
         if attention_mask is not None:   # padding gets no loss (HF: labels -100 there)
             targets = targets.masked_fill(~attention_mask[:, start_pos:].bool(), -100)
-        return self._loss(logits, targets)
+        return self._loss(logits, targets, loss_weights)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Cross-entropy plus the weighted auxiliary losses of every MoE and neuron-routed FFN layer.
@@ -156,10 +159,18 @@ class Transformer(nn.Module):
         """
         return self(tokens, targets)
 
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, dict]:
+        if weights is None:
+            ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+            total = ce
+        else:
+            per = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
+                                  reduction="none")
+            w = weights.reshape(-1).float() * (targets.reshape(-1) != -100)
+            ce = per.sum() / (targets != -100).sum().clamp(min=1)
+            total = (per * w).sum() / w.sum().clamp(min=1e-6)
         parts = {"ce": ce.detach()}
-        total = ce
         if self.has_aux:
             from layers import total_aux_loss
             aux = total_aux_loss(self)

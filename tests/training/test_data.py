@@ -40,11 +40,11 @@ def test_tokenizer_round_trips_code_and_tokens_are_cached(tmp_path, corpus_dir):
 
 def test_batches_are_a_pure_function_of_seed_step_and_rank():
     tokens = np.arange(10_000, dtype=np.uint16)
-    x1, y1 = sample_batch(tokens, 4, 16, seed=0, step=7, rank=0, world=2)
-    x2, _ = sample_batch(tokens, 4, 16, seed=0, step=7, rank=0, world=2)
-    x3, _ = sample_batch(tokens, 4, 16, seed=0, step=7, rank=1, world=2)
+    x1, y1, _ = sample_batch(tokens, 4, 16, seed=0, step=7, rank=0, world=2)
+    x2, _, _ = sample_batch(tokens, 4, 16, seed=0, step=7, rank=0, world=2)
+    x3, _, _ = sample_batch(tokens, 4, 16, seed=0, step=7, rank=1, world=2)
     assert (x1 == x2).all() and not (x1 == x3).all()
     assert (y1[:, :-1] == x1[:, 1:]).all()
     # Two ranks of 4 see exactly the global batch one rank of 8 sees.
-    x_all, _ = sample_batch(tokens, 8, 16, seed=0, step=7)
+    x_all, _, _ = sample_batch(tokens, 8, 16, seed=0, step=7)
     assert (torch.cat([x1, x3]) == x_all).all()

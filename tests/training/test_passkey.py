@@ -97,7 +97,8 @@ def test_passkey_mix_asks_each_fresh_key_once_after_its_own_needle():
     from training.passkey import NEEDLE, QUESTION, PasskeyMix
     tok = CharTokenizer()
     mix = PasskeyMix(tok, share=1.0, questions=4, seq_len=1200)
-    x, y = sample_batch(HAY, 24, 1200, seed=1, step=5, passkey=mix)
+    x, y, w = sample_batch(HAY, 24, 1200, seed=1, step=5, passkey=mix)
+    assert w is None                                              # answer_weight 1: plain loss
     assert torch.equal(x[:, 1:], y[:, :-1])                       # still one window, shifted
     counts, keys = set(), []
     for row in torch.cat([x, y[:, -1:]], 1):
@@ -132,6 +133,35 @@ def test_passkey_mix_does_not_depend_on_how_the_batch_is_split():
     plain = sample_batch(HAY, 8, 300, seed=2, step=7)[0]
     changed = (whole != plain).any(1)
     assert 0 < int(changed.sum()) < 8                             # about half of the windows carry a key
+
+
+def test_answer_weight_weighs_exactly_the_asked_keys_tokens():
+    """data.passkey_answer_weight: w is the weight on the targets that are an asked key's tokens (the
+    digits after each question), 1 elsewhere; the model's loss is the weighted mean, parts["ce"] the plain."""
+    from training.data import sample_batch
+    from training.passkey import QUESTION, PasskeyMix
+    from zoo.model import Transformer
+    mix = PasskeyMix(CharTokenizer(), share=1.0, questions=4, seq_len=1200, answer_weight=8.0)
+    x, y, w = sample_batch(HAY, 6, 1200, seed=1, step=5, passkey=mix)
+    assert w.shape == y.shape and w.dtype == torch.float32 and set(w.unique().tolist()) == {1.0, 8.0}
+    for row, wrow in zip(y, w):
+        text = "".join(map(chr, row.tolist()))
+        want = torch.ones(len(text))
+        for q in [i for i in range(len(text)) if text.startswith(QUESTION, i)]:
+            want[q + len(QUESTION):q + len(QUESTION) + 6] = 8.0      # the key: a space and 5 digits
+        assert torch.equal(wrow, want)
+    cfg = load_config("zoo/tiny_dense.yaml", ["model.vocab_size=256", "model.n_layers=1", "model.dim=32",
+                                              "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_hidden=64"])
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    x, y, w = x[:2, :200], y[:2, :200].clone(), w[:2, :200]
+    y[0, :3] = -100                                               # ignored targets weigh nothing
+    total, parts = model(x, y, loss_weights=w)
+    per = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100, reduction="none")
+    keep = (y.flatten() != -100).float()
+    torch.testing.assert_close(total, (per * w.flatten() * keep).sum() / (w.flatten() * keep).sum())
+    torch.testing.assert_close(parts["ce"], model(x, y)[1]["ce"])
+    torch.testing.assert_close(parts["ce"], per.sum() / keep.sum())
 
 
 def test_passkey_mix_that_does_not_fit_the_window_names_the_key(tmp_path):

@@ -16,8 +16,8 @@ def _poison(tr, bad):
     """Make the loss of every step index for which ``bad(step)`` holds NaN."""
     real = tr.compute_loss
 
-    def poisoned(x, y):
-        loss, parts = real(x, y)
+    def poisoned(x, y, w=None):
+        loss, parts = real(x, y, w)
         return (loss * float("nan"), parts) if bad(tr.step) else (loss, parts)
 
     tr.compute_loss = poisoned

@@ -49,8 +49,8 @@ def test_injected_nan_step_is_skipped_and_training_continues(tmp_path, corpus_di
     tr = Trainer(make_cfg(tmp_path, corpus_dir))
     real = tr.compute_loss
 
-    def poisoned(x, y):
-        loss, parts = real(x, y)
+    def poisoned(x, y, w=None):
+        loss, parts = real(x, y, w)
         if tr.step == 3:
             return loss * float("nan"), parts
         return loss, parts
@@ -74,8 +74,8 @@ def test_repeated_nan_steps_roll_back_to_last_checkpoint(tmp_path, corpus_dir):
     real = tr.compute_loss
     state = {"poison": True}
 
-    def poisoned(x, y):
-        loss, parts = real(x, y)
+    def poisoned(x, y, w=None):
+        loss, parts = real(x, y, w)
         return (loss * float("nan"), parts) if tr.step in (7, 8) and state["poison"] else (loss, parts)
 
     tr.compute_loss = poisoned
