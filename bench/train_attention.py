@@ -35,8 +35,9 @@ class _NoSaveTrainer(Trainer):
         return ""
 
 
-def variant_config(path: str, overrides: list[str], variant: str, steps: int, out_dir: str, window: int = 2048):
-    cfg = load_config(path, overrides + [f"train.steps={steps}", f"train.eval_every={steps}",
+def variant_config(path: str, overrides: list[str], variant: str, steps: int, out_dir: str, window: int = 2048,
+                   eval_every: int = 0):
+    cfg = load_config(path, overrides + [f"train.steps={steps}", f"train.eval_every={eval_every or steps}",
                                          f"train.out_dir={out_dir}/{variant}", "logging.wandb=disabled",
                                          "logging.progress=false", f"logging.log_every={max(steps // 4, 1)}"])
     # the preset's warm-up unless it is longer than a quarter of the run (a speed run of a few steps)
@@ -87,12 +88,14 @@ def main():
     ap.add_argument("--variants", default="dense,preset")
     ap.add_argument("--out", default="runs/train_attention")
     ap.add_argument("--a-shape-window", type=int, default=2048, help="window of the a_shape variant (sinks: 128 or window/8)")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="validate (and run the passkey eval) every N steps; 0 = at the end only")
     ap.add_argument("overrides", nargs="*", help="dotted overrides for every variant, e.g. model.vocab_size=8192")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     results = []
     for v in a.variants.split(","):
-        cfg = variant_config(a.config, a.overrides, v, a.steps, a.out, a.a_shape_window)
+        cfg = variant_config(a.config, a.overrides, v, a.steps, a.out, a.a_shape_window, a.eval_every)
         r = run_variant(cfg, v)
         r["seq_len"] = cfg.train.seq_len
         results.append(r)
