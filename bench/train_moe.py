@@ -28,6 +28,8 @@ times each step):
 - ``speed_512``: equal_time's dense and MoE models, ``--speed-steps`` steps each: the MoE step against
   the dense step (issue 16's small-model overhead); with ``--profile-at N`` each run also profiles
   three steps (``logging.profile_at``) and prints where the device time went.
+- ``speed_512_graphs``: ``speed_512`` with the compiled blocks captured as CUDA graphs
+  (``train.compile_mode=reduce-overhead``; with ``--compile``): the host's launch cost taken out.
 - ``speed_fp8``: equal_time's MoE with bf16 and with FP8 expert GEMMs (``model.moe.precision=fp8``), the
   same seed and ``--speed-steps`` steps each: val loss (the FP8 run should land within 0.5% of bf16's),
   last training loss, tokens/s.
@@ -79,6 +81,10 @@ SUITES = {   # name -> {run: (preset, overrides)}
     "speed_512": {   # issue 16's small-model overhead: the MoE step against the dense step, same backbone
         "dense": ("zoo/tiny_dense.yaml", BACKBONE),
         "moe": ("zoo/tiny_moe.yaml", BACKBONE + ["model.moe.hidden_dim=704"]),
+    },
+    "speed_512_graphs": {   # the same with --compile's blocks as CUDA graphs (train.compile_mode=reduce-overhead)
+        "dense_graphs": ("zoo/tiny_dense.yaml", BACKBONE + ["train.compile_mode=reduce-overhead"]),
+        "moe_graphs": ("zoo/tiny_moe.yaml", BACKBONE + ["model.moe.hidden_dim=704", "train.compile_mode=reduce-overhead"]),
     },
     "speed_fp8": {
         "moe_bf16": ("zoo/tiny_moe.yaml", BACKBONE + ["model.moe.hidden_dim=704"]),

@@ -46,6 +46,9 @@ class TrainConfig:
     device: str = "auto"              # auto | cpu | cuda
     dtype: str = "auto"               # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16
     compile: bool = False             # torch.compile every transformer block (in place; names unchanged)
+    # torch.compile's mode for those blocks: default | reduce-overhead (CUDA graphs: for small models whose
+    # step is bound by kernel launches) | max-autotune-no-cudagraphs
+    compile_mode: str = "default"
     eval_every: int = 100
     eval_batches: int = 8
     max_bad_steps: int = 3            # consecutive non-finite steps before rolling back to the last checkpoint
@@ -59,6 +62,8 @@ class TrainConfig:
                        "max_bad_steps", "max_rollbacks")
         check_choice(self.device, ("auto", "cpu", "cuda"), f"{key}.device")
         check_choice(self.dtype, ("auto", "float32", "bfloat16"), f"{key}.dtype")
+        check_choice(self.compile_mode, ("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+                     f"{key}.compile_mode")
         check(self.threads >= 0, f"{key}.threads", f"must be >= 0, got {self.threads}")
 
 

@@ -107,7 +107,7 @@ class Trainer:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
                                                         2 * len(model.layers) + 8)
             for block in model.layers:
-                block.compile(dynamic=False)
+                block.compile(dynamic=False, mode=cfg.train.compile_mode)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type,
                                          compact=cfg.dst.enabled and cfg.dst.compact_state)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
