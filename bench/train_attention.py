@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configs import load_config  # noqa: E402
+from configs import ConfigError, exit_code, load_config  # noqa: E402
 from training.loop import Trainer  # noqa: E402
 
 VARIANTS = ("dense", "preset", "a_shape")
@@ -50,7 +50,7 @@ def variant_config(path: str, overrides: list[str], variant: str, steps: int, ou
         att.patterns = {f"0-{cfg.model.n_layers - 1}:*": {"type": "a_shape", "sinks": min(128, window // 8),
                                                           "window": window, "block_size": bs}}
     elif variant != "preset":
-        raise SystemExit(f"--variants: unknown {variant!r}; expected some of {','.join(VARIANTS)}")
+        raise ConfigError("--variants", f"unknown {variant!r}; expected some of {','.join(VARIANTS)}")
     return cfg.validate()
 
 
@@ -94,8 +94,10 @@ def main():
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     results = []
-    for v in a.variants.split(","):
-        cfg = variant_config(a.config, a.overrides, v, a.steps, a.out, a.a_shape_window, a.eval_every)
+    # every variant's config first: a bad override or variant stops the script before any training
+    cfgs = {v: variant_config(a.config, a.overrides, v, a.steps, a.out, a.a_shape_window, a.eval_every)
+            for v in a.variants.split(",")}
+    for v, cfg in cfgs.items():
         r = run_variant(cfg, v)
         r["seq_len"] = cfg.train.seq_len
         results.append(r)
@@ -103,7 +105,7 @@ def main():
         with open(os.path.join(a.out, "train_attention.jsonl"), "a") as f:
             f.write(json.dumps(r) + "\n")
     base = next((r["tokens_per_s"] for r in results if r["variant"] == "dense"), None)
-    print(f"\n| variant | seq | tok/s | vs dense | mfu (work done) | mfu_model | peak GB | val loss | attn density | passkey |")
+    print("\n| variant | seq | tok/s | vs dense | mfu (work done) | mfu_model | peak GB | val loss | attn density | passkey |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
@@ -112,4 +114,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_code(main))

@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configs import load_config  # noqa: E402
+from configs import exit_code, load_config  # noqa: E402
 from training.profile import format_summary  # noqa: E402
 
 BACKBONE = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4",
@@ -269,4 +269,4 @@ def report(out):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_code(main))

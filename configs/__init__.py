@@ -5,7 +5,7 @@ Imported by every other package; imports none of them.
 from .attention import AttentionConfig, validate_pattern
 from .config import Config
 from .dst import DSTConfig
-from .errors import ConfigError
+from .errors import ConfigError, exit_code
 from .loader import load_config, save_config, to_dict
 from .mla import MLAConfig
 from .model import ModelConfig, RopeScalingConfig

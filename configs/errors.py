@@ -1,4 +1,5 @@
 """The one error type a bad config raises: its message names the key path and the reason."""
+import sys
 
 
 class ConfigError(ValueError):
@@ -25,3 +26,13 @@ def check_positive(obj, key_prefix: str, *names: str) -> None:
         v = getattr(obj, n)
         if v is not None:
             check(v > 0, f"{key_prefix}.{n}", f"must be > 0, got {v}")
+
+
+def exit_code(main, *args, **kwargs) -> int:
+    """Run a command-line entry point: its return code, or 2 after printing a ConfigError as one line
+    ``error: <key.path>: <reason>`` on stderr (the user's mistake, not a traceback)."""
+    try:
+        return main(*args, **kwargs) or 0
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from configs import ConfigError, load_config, to_dict
+from configs import ConfigError, exit_code, load_config, to_dict
 from configs.presets import resolve_config_path
 
 
@@ -41,10 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        return _main(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exit_code(_main, args)
     except KeyboardInterrupt as e:   # Interrupted says which checkpoint it saved; a second Ctrl-C says nothing
         print(str(e) or "\ninterrupted; the last complete checkpoint is intact (use --resume)", file=sys.stderr)
         return 130

@@ -112,3 +112,18 @@ def test_cli_resume_with_a_changed_model_names_the_key(tmp_path, corpus_dir):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr
     assert lines[0].startswith("error: model.dim: is 64 but checkpoint") and "trained with 128" in lines[0]
+
+
+@pytest.mark.parametrize("script,args,needle", [
+    ("bench/train_attention.py", ["--config", "zoo/tiny_dense.yaml", "--variants", "dense", "model.dimm=3"],
+     "error: model.dimm: unknown key"),
+    ("bench/train_attention.py", ["--config", "zoo/tiny_dense.yaml", "--variants", "dense,foo"],
+     "error: --variants: unknown 'foo'"),
+])
+def test_bench_scripts_report_a_bad_config_in_one_line_with_exit_2(script, args, needle, tmp_path):
+    """The end-to-end bench scripts: a bad override or variant is one line and exit 2 before any training."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, script), *args, "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=subprocess_env(CUDA_VISIBLE_DEVICES=""))
+    assert r.returncode == 2 and r.stderr.startswith(needle), r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
