@@ -252,6 +252,9 @@ class Trainer:
 
     def compute_loss(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, dict]:
+        # a new step for CUDA graphs (train.compile_mode=reduce-overhead): the last replay's outputs are done
+        # with, so the next replay may reuse their memory (a no-op without CUDA graphs)
+        torch.compiler.cudagraph_mark_step_begin()
         with self.autocast():
             return self.model(x, y, loss_weights=w)
 

@@ -129,6 +129,7 @@ def passkey_eval(model, tokenizer, val_tokens: np.ndarray, lengths, samples: int
             depth = i / max(samples - 1, 1)
             toks, n = passkey_sample(tokenizer, val_tokens, L, depth, seed * 1_000_003 + L * 1009 + i)
             x = torch.tensor(toks, device=device)[None]
+            torch.compiler.cudagraph_mark_step_begin()   # as Trainer.compute_loss (CUDA-graphed blocks)
             with (autocast() if autocast else torch.autocast(device.type, enabled=False)):
                 logits = model(x)
             pred = logits[0, -n - 1:-1].argmax(-1)

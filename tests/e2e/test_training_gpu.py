@@ -17,6 +17,9 @@ GPU_SIZES = {"model.dim": 256, "model.n_heads": 4, "model.n_kv_heads": 2, "model
              "train.device": "cuda", "train.batch_size": 2}
 CASES = {
     "moe": ("zoo/tiny_moe.yaml", {"model.moe.hidden_dim": 256, "train.seq_len": 256, "model.max_seq_len": 256}),
+    # train.compile_mode=reduce-overhead: the compiled blocks replayed as CUDA graphs (the eager twin ignores it)
+    "moe_cudagraphs": ("zoo/tiny_moe.yaml", {"model.moe.hidden_dim": 256, "train.seq_len": 256, "model.max_seq_len": 256,
+                                             "train.compile_mode": "reduce-overhead"}),
     "moe_shared_first_dense": ("zoo/deepseek_moe_16b.yaml", {
         "model.moe.hidden_dim": 128, "model.moe.num_experts": 16, "model.moe.top_k": 4, "model.n_layers": 3,
         "train.seq_len": 256, "model.max_seq_len": 256}),
