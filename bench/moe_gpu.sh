@@ -5,6 +5,8 @@
 # equal-time quality (dense, MoE, neuron-routed; two seeds). Each part has its own time limit.
 #
 #     python bench/train_moe.py --prepare .tok2k --max-files 40        # once, on any machine (vocab 2048)
+#     python bench/train_moe.py --prepare .tok25 --max-files 120 --max-tokens 26000000   # for `equal`: 45 s of
+#         the dense D 512 model reads ~50M tokens, 5 epochs of .tok2k's 9.8M; 26M tokens still fit one transfer
 #     OUT=/tmp/out TOK=.tok2k bash bench/moe_gpu.sh [titan small fp8 equal]
 #
 # torchtitan 0.3.0 and what it imports that the H200 image lacks travel as wheels on PYTHONPATH

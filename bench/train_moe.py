@@ -119,8 +119,9 @@ def use_tokens(tokens_dir):
     training.loop.prepare_data = lambda cfg, *a, **k: TokenData(tok, arrays["train"], arrays["val"])
 
 
-def prepare(out, source, max_files, vocab):
-    """Corpus -> tokenizer + token files in ``out`` (training.data's own code and cache)."""
+def prepare(out, source, max_files, vocab, max_tokens=0):
+    """Corpus -> tokenizer + token files in ``out`` (training.data's own code and cache). ``max_tokens``:
+    keep only the first N tokens of each split (a folder that fits one device transfer of 64 MiB)."""
     from training.data import prepare_data
     cfg = load_config("zoo/tiny_dense.yaml", [f"data.source={source}", f"data.max_files={max_files}",
                                                "data.val_fraction=0.1",
@@ -128,14 +129,15 @@ def prepare(out, source, max_files, vocab):
                                                "model.max_seq_len=1024"])
     td = prepare_data(cfg)
     os.makedirs(out, exist_ok=True)
-    for split in ("train", "val"):
-        getattr(td, split).tofile(os.path.join(out, f"tokens_{split}.bin"))
+    keep = {s: getattr(td, s)[:max_tokens] if max_tokens else getattr(td, s) for s in ("train", "val")}
+    for split, arr in keep.items():
+        arr.tofile(os.path.join(out, f"tokens_{split}.bin"))
     shutil.copy(td.tokenizer.path, os.path.join(out, "tokenizer.model"))
     from training.corpus import load_documents, split_documents
     docs = load_documents(cfg.data)
     train, val = split_documents(docs, cfg.data.val_fraction)
     meta = {"source": source, "max_files": max_files, "vocab": vocab, "dtype": str(td.train.dtype),
-            "tokens": {"train": len(td.train), "val": len(td.val)},
+            "tokens": {s: len(a) for s, a in keep.items()}, "max_tokens": max_tokens,
             "documents": {"train": len(train), "val": len(val)}, "val_names": sorted(d.name for d in val)}
     with open(os.path.join(out, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -218,6 +220,8 @@ def main():
     ap.add_argument("--source", default="python_packages")
     ap.add_argument("--max-files", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--max-tokens", type=int, default=0,
+                    help="with --prepare: keep the first N tokens of each split (0 = all)")
     ap.add_argument("--tokens", default=None, help="folder written by --prepare")
     ap.add_argument("--suite", default="equal_time,speed_2k")
     ap.add_argument("--seconds", type=float, default=15.0, help="steady training seconds per equal-time run")
@@ -232,7 +236,7 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.prepare:
-        return prepare(args.prepare, args.source, args.max_files, args.vocab)
+        return prepare(args.prepare, args.source, args.max_files, args.vocab, args.max_tokens)
     args.seeds = [int(s) for s in args.seeds.split(",")]
     use_tokens(args.tokens)
     # a neuron block has a sparse and a dense training graph besides evaluation's: room for all of them
