@@ -68,7 +68,8 @@ class PasskeyMix:
 
     ``apply_(windows, draws) -> answers bool [N, S+1]``: ``windows int64 [N, S+1]`` (token windows before
     the input/target shift), changed in place; ``answers`` marks the asked keys' tokens (the positions
-    ``answer_weight`` weighs in the training loss, ``training.data.sample_batch``). Row ``i`` is drawn from ``draws[i]`` alone (training.data.sample_batch passes
+    ``answer_weight`` weighs in the training loss, ``training.data.sample_batch``). Row ``i`` is drawn
+    from ``draws[i]`` alone (training.data.sample_batch passes
     ``(seed, step, epoch, index in the global batch)``), so which windows carry keys, and where, does
     not depend on how ranks or accumulation split the batch, and a resumed run sees the same data.
 
