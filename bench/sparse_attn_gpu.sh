@@ -27,11 +27,15 @@ for part in $PARTS; do
     # quality at equal tokens (issue 15): a 31M model at 16k, dense / the presets' recipe / all-A-shape (the
     # preset's 1024 window), 2400 steps each (passkeys in the training windows), val loss and passkey at 4k, 16k
     # every 600 steps. ~810 s in all: two calls, Q_VARIANTS=dense,a_shape (~460 s) then Q_VARIANTS=preset (~360 s)
-    # (Q_STEPS, Q_EVAL_EVERY, Q_OVERRIDES: other steps, eval cadence, overrides)
-    quality) timeout ${T_QUALITY:-570} $PY bench/train_attention.py --config zoo/sparse_attn_small_16k.yaml --steps ${Q_STEPS:-2400} \
-              --variants ${Q_VARIANTS:-dense,a_shape} --eval-every ${Q_EVAL_EVERY:-600} --a-shape-window 1024 --out /tmp/q16 data.cache_dir=/tmp/moezoo_cache ${Q_OVERRIDES:-} ;
-            cp /tmp/q16/train_attention.jsonl "$OUT/quality.jsonl" 2>/dev/null ;
-            for v in dense preset a_shape; do cp /tmp/q16/$v/metrics.jsonl "$OUT/quality_$v.metrics.jsonl" 2>/dev/null; done ;;
+    # (Q_STEPS, Q_EVAL_EVERY, Q_OVERRIDES: other steps, eval cadence, overrides; Q_OUT, Q_ARGS: a run longer
+    # than one call: Q_ARGS="--checkpoint-every 600" in the first call, which the time limit stops with a
+    # checkpoint (SIGINT), Q_ARGS="--checkpoint-every 600 --resume" in the next while the machine is warm)
+    quality) Q_OUT=${Q_OUT:-/tmp/q16}
+            timeout -s INT -k 60 ${T_QUALITY:-570} $PY bench/train_attention.py --config zoo/sparse_attn_small_16k.yaml \
+              --steps ${Q_STEPS:-2400} --variants ${Q_VARIANTS:-dense,a_shape} --eval-every ${Q_EVAL_EVERY:-600} \
+              --a-shape-window 1024 --out $Q_OUT ${Q_ARGS:-} data.cache_dir=/tmp/moezoo_cache ${Q_OVERRIDES:-} ;
+            cp $Q_OUT/train_attention.jsonl "$OUT/quality.jsonl" 2>/dev/null ;
+            for v in dense preset a_shape; do cp $Q_OUT/$v/metrics.jsonl "$OUT/quality_$v.metrics.jsonl" 2>/dev/null; done ;;
     tests)  timeout ${T_TESTS:-45} $PY -m pytest -q -m gpu tests/layers/attention/test_block_topk.py -p no:cacheprovider 2>&1 | tail -n 15 ;;
   esac
   echo "== $part: $(( $(date +%s) - t0 )) s"

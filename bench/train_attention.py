@@ -12,7 +12,10 @@ Per variant: tokens/s (mean over log steps after the first, which holds compilat
 ``mfu`` (the attention work done: visited-block density) and ``mfu_model`` (dense-equivalent FLOPs),
 peak memory, the last validation loss, the logged attention density and, with
 ``eval.passkey_lengths`` set, passkey accuracy at the end. Checkpoints are not written (a 1B model's
-optimizer state is ~12 GB of disk per save). Rows go to ``DIR/train_attention.jsonl`` as they finish.
+optimizer state is ~12 GB of disk per save) unless ``--checkpoint-every N``: then each variant saves every
+N steps and on Ctrl-C / SIGINT (``timeout -s INT``), and ``--resume`` continues every variant from its
+latest checkpoint under ``--out``, so a run longer than one GPU call spans two on the same machine.
+Rows go to ``DIR/train_attention.jsonl`` as they finish.
 """
 from __future__ import annotations
 
@@ -36,8 +39,10 @@ class _NoSaveTrainer(Trainer):
 
 
 def variant_config(path: str, overrides: list[str], variant: str, steps: int, out_dir: str, window: int = 2048,
-                   eval_every: int = 0):
-    cfg = load_config(path, overrides + [f"train.steps={steps}", f"train.eval_every={eval_every or steps}",
+                   eval_every: int = 0, checkpoint_every: int = 0, resume: bool = False):
+    saves = [f"checkpoint.every={checkpoint_every}", "checkpoint.keep_last=1"] if checkpoint_every else []
+    cfg = load_config(path, overrides + saves + (["checkpoint.resume=true"] if resume else []) + [
+                                         f"train.steps={steps}", f"train.eval_every={eval_every or steps}",
                                          f"train.out_dir={out_dir}/{variant}", "logging.wandb=disabled",
                                          "logging.progress=false", f"logging.log_every={max(steps // 4, 1)}"])
     # the preset's warm-up unless it is longer than a quarter of the run (a speed run of a few steps)
@@ -54,11 +59,11 @@ def variant_config(path: str, overrides: list[str], variant: str, steps: int, ou
     return cfg.validate()
 
 
-def run_variant(cfg, variant: str) -> dict:
+def run_variant(cfg, variant: str, save: bool = False) -> dict:
     import torch
     t0 = time.perf_counter()
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
-    trainer = _NoSaveTrainer(cfg)
+    trainer = (Trainer if save else _NoSaveTrainer)(cfg)
     summary = trainer.fit()
     with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
@@ -90,15 +95,19 @@ def main():
     ap.add_argument("--a-shape-window", type=int, default=2048, help="window of the a_shape variant (sinks: 128 or window/8)")
     ap.add_argument("--eval-every", type=int, default=0,
                     help="validate (and run the passkey eval) every N steps; 0 = at the end only")
+    ap.add_argument("--checkpoint-every", type=int, default=0,
+                    help="save each variant every N steps and on SIGINT, for --resume (0 = never save)")
+    ap.add_argument("--resume", action="store_true", help="continue each variant from its latest checkpoint")
     ap.add_argument("overrides", nargs="*", help="dotted overrides for every variant, e.g. model.vocab_size=8192")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     results = []
     # every variant's config first: a bad override or variant stops the script before any training
-    cfgs = {v: variant_config(a.config, a.overrides, v, a.steps, a.out, a.a_shape_window, a.eval_every)
+    cfgs = {v: variant_config(a.config, a.overrides, v, a.steps, a.out, a.a_shape_window, a.eval_every,
+                              a.checkpoint_every, a.resume)
             for v in a.variants.split(",")}
     for v, cfg in cfgs.items():
-        r = run_variant(cfg, v)
+        r = run_variant(cfg, v, save=a.checkpoint_every > 0)
         r["seq_len"] = cfg.train.seq_len
         results.append(r)
         print(json.dumps(r), flush=True)
@@ -114,4 +123,8 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(exit_code(main))
+    try:
+        sys.exit(exit_code(main))
+    except KeyboardInterrupt as e:   # the trainer's Interrupted names the checkpoint it saved (--checkpoint-every)
+        print(str(e) or "interrupted", file=sys.stderr)
+        sys.exit(130)
