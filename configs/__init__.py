@@ -17,5 +17,5 @@ from .run import CheckpointConfig, DataConfig, LoggingConfig, OptimConfig, Train
 
 __all__ = ["AttentionConfig", "CheckpointConfig", "Config", "ConfigError", "DSTConfig", "DataConfig",
            "LoggingConfig", "MLAConfig", "MoEConfig", "ModelConfig", "NeuronConfig", "OptimConfig", "ParallelConfig", "RopeScalingConfig",
-           "TrainConfig", "assign_ranges", "load_config", "parse_range", "save_config", "to_dict",
+           "TrainConfig", "assign_ranges", "exit_code", "load_config", "parse_range", "save_config", "to_dict",
            "validate_pattern"]
