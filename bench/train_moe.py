@@ -82,10 +82,6 @@ SUITES = {   # name -> {run: (preset, overrides)}
         "dense": ("zoo/tiny_dense.yaml", BACKBONE),
         "moe": ("zoo/tiny_moe.yaml", BACKBONE + ["model.moe.hidden_dim=704"]),
     },
-    "speed_512_graphs": {   # the same with --compile's blocks as CUDA graphs (train.compile_mode=reduce-overhead)
-        "dense_graphs": ("zoo/tiny_dense.yaml", BACKBONE + ["train.compile_mode=reduce-overhead"]),
-        "moe_graphs": ("zoo/tiny_moe.yaml", BACKBONE + ["model.moe.hidden_dim=704", "train.compile_mode=reduce-overhead"]),
-    },
     "speed_fp8": {
         "moe_bf16": ("zoo/tiny_moe.yaml", BACKBONE + ["model.moe.hidden_dim=704"]),
         "moe_fp8": ("zoo/tiny_moe.yaml", BACKBONE + ["model.moe.hidden_dim=704", "model.moe.precision=fp8"]),
@@ -96,6 +92,9 @@ SUITES = {   # name -> {run: (preset, overrides)}
         "neuron": ("zoo/tiny_neuron.yaml", ["model.n_layers=2", "train.batch_size=2", "train.seq_len=64"]),
     },
 }
+# speed_512 with --compile's blocks replayed as CUDA graphs (train.compile_mode=reduce-overhead)
+SUITES["speed_512_graphs"] = {f"{name}_graphs": (preset, ov + ["train.compile_mode=reduce-overhead"])
+                              for name, (preset, ov) in SUITES["speed_512"].items()}
 
 
 def make_config(preset, overrides, seed, steps, device, tokens_dir, out_dir, compile_=False):
