@@ -30,6 +30,7 @@ times each step):
   three steps (``logging.profile_at``) and prints where the device time went.
 - ``speed_512_graphs``: ``speed_512`` with the compiled blocks captured as CUDA graphs
   (``train.compile_mode=reduce-overhead``; with ``--compile``): the host's launch cost taken out.
+- ``equal_time_graphs``: ``equal_time``'s dense and MoE runs the same way (with ``--compile``).
 - ``speed_fp8``: equal_time's MoE with bf16 and with FP8 expert GEMMs (``model.moe.precision=fp8``), the
   same seed and ``--speed-steps`` steps each: val loss (the FP8 run should land within 0.5% of bf16's),
   last training loss, tokens/s.
@@ -51,7 +52,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configs import exit_code, load_config  # noqa: E402
+from configs import ConfigError, exit_code, load_config  # noqa: E402
 from training.profile import format_summary  # noqa: E402
 
 BACKBONE = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4",
@@ -92,9 +93,18 @@ SUITES = {   # name -> {run: (preset, overrides)}
         "neuron": ("zoo/tiny_neuron.yaml", ["model.n_layers=2", "train.batch_size=2", "train.seq_len=64"]),
     },
 }
-# speed_512 with --compile's blocks replayed as CUDA graphs (train.compile_mode=reduce-overhead)
-SUITES["speed_512_graphs"] = {f"{name}_graphs": (preset, ov + ["train.compile_mode=reduce-overhead"])
-                              for name, (preset, ov) in SUITES["speed_512"].items()}
+
+
+def with_graphs(suite: str, runs=None) -> dict:
+    """``suite``'s runs (those named in ``runs``, else all) with --compile's blocks replayed as CUDA graphs
+    (train.compile_mode=reduce-overhead), each renamed ``<run>_graphs``."""
+    return {f"{name}_graphs": (preset, ov + ["train.compile_mode=reduce-overhead"])
+            for name, (preset, ov) in SUITES[suite].items() if runs is None or name in runs}
+
+
+SUITES["speed_512_graphs"] = with_graphs("speed_512")
+# dense against MoE at equal time, each at its fastest step (graphs took 30% off the MoE step, 1% off dense's)
+SUITES["equal_time_graphs"] = with_graphs("equal_time", ("dense", "moe"))
 
 
 def make_config(preset, overrides, seed, steps, device, tokens_dir, out_dir, compile_=False):
@@ -236,6 +246,11 @@ def main():
     args = ap.parse_args()
     if args.prepare:
         return prepare(args.prepare, args.source, args.max_files, args.vocab, args.max_tokens)
+    for suite in args.suite.split(","):   # before any training: one line, exit 2
+        if suite not in SUITES:
+            raise ConfigError("--suite", f"unknown suite {suite!r} (one of {', '.join(SUITES)})")
+        if suite.endswith("_graphs") and not args.compile:
+            raise ConfigError("--suite", f"{suite} replays the compiled blocks as CUDA graphs: add --compile")
     args.seeds = [int(s) for s in args.seeds.split(",")]
     use_tokens(args.tokens)
     # a neuron block has a sparse and a dense training graph besides evaluation's: room for all of them
@@ -264,10 +279,10 @@ def report(out):
                 if "profile" in r:
                     print(f"{name:12s} profile: {format_summary(r['profile'])}")
             continue
-        print(f"{'run':8s} {'seed':>4s} {'steps':>6s} {'tokens':>10s} {'steady s':>8s} {'tok/s':>10s} {'val':>7s}")
+        print(f"{'run':12s} {'seed':>4s} {'steps':>6s} {'tokens':>10s} {'steady s':>8s} {'tok/s':>10s} {'val':>7s}")
         for name, r in res.items():
             for seed, s in r["seeds"].items():
-                print(f"{name:8s} {seed:>4} {s['steps']:6d} {s['tokens_seen']:10d} {s['steady_s']:8.1f} "
+                print(f"{name:12s} {seed:>4} {s['steps']:6d} {s['tokens_seen']:10d} {s['steady_s']:8.1f} "
                       f"{s['tokens_per_s']:10.0f} {s['val']:7.4f}")
 
 

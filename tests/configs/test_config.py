@@ -119,6 +119,8 @@ def test_cli_resume_with_a_changed_model_names_the_key(tmp_path, corpus_dir):
      "error: model.dimm: unknown key"),
     ("bench/train_attention.py", ["--config", "zoo/tiny_dense.yaml", "--variants", "dense,foo"],
      "error: --variants: unknown 'foo'"),
+    ("bench/train_moe.py", ["--tokens", "none", "--suite", "equal_time,nope"], "error: --suite: unknown suite 'nope'"),
+    ("bench/train_moe.py", ["--tokens", "none", "--suite", "equal_time_graphs"], "error: --suite: equal_time_graphs"),
 ])
 def test_bench_scripts_report_a_bad_config_in_one_line_with_exit_2(script, args, needle, tmp_path):
     """The end-to-end bench scripts: a bad override or variant is one line and exit 2 before any training."""
