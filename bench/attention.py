@@ -13,6 +13,7 @@ Shapes: B=1, 32 query heads, 8 KV heads, head dim 128, bf16. Patterns (block 128
   topk     block top-k, 16 blocks per query block (own block included), one selection per KV group
            (``share_group``), timed including the pooled estimation and block-mask build, on iid inputs
            (a model at init: the picks scatter, every visited block but the diagonal is full)
+  topk_qmax  topk scoring each key block by its query block's best query (``query_max``: per-query scores)
   mix      the long-context presets' layer: heads 0-15 A-shape, 16-31 block top-k (as topk)
 ``--kernels triton,flash``: flex's Triton backend and its FLASH backend (flash-attn-4), each row one kernel.
 Modes: fwd, and fwd+bwd (``out.backward(do)``). Each number is the median of CUDA-event timings
@@ -69,6 +70,7 @@ PATTERNS = {
     "a_shape": SparsityPattern(type="a_shape", sinks=128, window=2048, block_size=BS),
     "vs": SparsityPattern(type="vertical_slash", n_vertical=1000, n_slash=6096, last_q=64, block_size=BS),
     "topk": SparsityPattern(type="block_topk", top_k=16, share_group=1, block_size=BS),
+    "topk_qmax": SparsityPattern(type="block_topk", top_k=16, share_group=1, query_max=1, block_size=BS),
 }
 PATTERNS["mix"] = [PATTERNS["a_shape"]] * (H // 2) + [PATTERNS["topk"]] * (H // 2)
 

@@ -5,6 +5,7 @@
 # presets' layer (bench/attention.py), and the GPU tests of layers/attention. Each part has its own
 # time limit so a slow one leaves the rest. Results under $OUT (one log, the jsonl rows).
 #     OUT=/tmp/out bash bench/sparse_attn_gpu.sh [e2e64 layer e2e128 tests layer_short flash quality]
+# (E2E_VARIANTS: the end-to-end parts' variants, e.g. dense,preset,query_max: bench/train_attention.py's list)
 set -u
 PARTS=${*:-e2e64 layer e2e128 tests}
 . "$(dirname "$0")/gpu_env.sh" /tmp/sparse_attn_out
@@ -13,10 +14,10 @@ for part in $PARTS; do
   t0=$(date +%s)
   case $part in
     e2e64)  timeout ${T_E2E64:-130} $PY bench/train_attention.py --config zoo/sparse_attn_1b_64k.yaml --steps 5 \
-              --variants dense,preset --out /tmp/e2e64 $COMMON ;
+              --variants ${E2E_VARIANTS:-dense,preset} --out /tmp/e2e64 $COMMON ;
             cp /tmp/e2e64/train_attention.jsonl "$OUT/e2e64.jsonl" 2>/dev/null ;;
     e2e128) timeout ${T_E2E128:-130} $PY bench/train_attention.py --config zoo/sparse_attn_1b_128k.yaml --steps 3 \
-              --variants preset,dense --out /tmp/e2e128 $COMMON ;
+              --variants ${E2E_VARIANTS:-preset,dense} --out /tmp/e2e128 $COMMON ;
             cp /tmp/e2e128/train_attention.jsonl "$OUT/e2e128.jsonl" 2>/dev/null ;;
     layer)  timeout ${T_LAYER:-70} $PY bench/attention.py --lengths 65536,131072 --patterns topk,mix --modes fwd,fwdbwd \
               --no-plain --out "$OUT/layer.jsonl" ;;
@@ -27,6 +28,7 @@ for part in $PARTS; do
     # quality at equal tokens (issue 15): a 31M model at 16k, dense / the presets' recipe / all-A-shape (the
     # preset's 1024 window), 2400 steps each (passkeys in the training windows), val loss and passkey at 4k, 16k
     # every 600 steps. ~810 s in all: two calls, Q_VARIANTS=dense,a_shape (~460 s) then Q_VARIANTS=preset (~360 s)
+    # (Q_VARIANTS=query_max: the preset with its block top-k heads scoring by each query block's best query)
     # (Q_STEPS, Q_EVAL_EVERY, Q_OVERRIDES: other steps, eval cadence, overrides; Q_OUT, Q_ARGS: a run longer
     # than one call: Q_ARGS="--checkpoint-every 600" in the first call, which the time limit stops with a
     # checkpoint (SIGINT), Q_ARGS="--checkpoint-every 600 --resume" in the next while the machine is warm)
@@ -35,7 +37,7 @@ for part in $PARTS; do
               --steps ${Q_STEPS:-2400} --variants ${Q_VARIANTS:-dense,a_shape} --eval-every ${Q_EVAL_EVERY:-600} \
               --a-shape-window 1024 --out $Q_OUT ${Q_ARGS:-} data.cache_dir=/tmp/moezoo_cache ${Q_OVERRIDES:-} ;
             cp $Q_OUT/train_attention.jsonl "$OUT/quality.jsonl" 2>/dev/null ;
-            for v in dense preset a_shape; do cp $Q_OUT/$v/metrics.jsonl "$OUT/quality_$v.metrics.jsonl" 2>/dev/null; done ;;
+            for v in dense preset a_shape query_max; do cp $Q_OUT/$v/metrics.jsonl "$OUT/quality_$v.metrics.jsonl" 2>/dev/null; done ;;
     tests)  timeout ${T_TESTS:-45} $PY -m pytest -q -m gpu tests/layers/attention/test_block_topk.py -p no:cacheprovider 2>&1 | tail -n 15 ;;
   esac
   echo "== $part: $(( $(date +%s) - t0 )) s"

@@ -8,6 +8,8 @@ Variants (same config, seed, data and steps; only ``model.attention.patterns`` d
   preset   the config's patterns as written
   a_shape  every head of every layer A-shape (128 sinks + ``--a-shape-window`` window, the preset's block
            size): the static baseline, expected to lose retrieval beyond its window
+  query_max  the preset with its block top-k heads scoring key blocks by each query block's best query
+           (``query_max: 1``: MoBA / NSA's per-query affinity) instead of its mean query
 Per variant: tokens/s (mean over log steps after the first, which holds compilation and warm-up),
 ``mfu`` (the attention work done: visited-block density) and ``mfu_model`` (dense-equivalent FLOPs),
 peak memory, the last validation loss, the logged attention density and, with
@@ -30,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import ConfigError, exit_code, load_config  # noqa: E402
 from training.loop import Trainer  # noqa: E402
 
-VARIANTS = ("dense", "preset", "a_shape")
+VARIANTS = ("dense", "preset", "a_shape", "query_max")
 
 
 class _NoSaveTrainer(Trainer):
@@ -54,6 +56,11 @@ def variant_config(path: str, overrides: list[str], variant: str, steps: int, ou
         bs = next((p.get("block_size", 64) for p in att.patterns.values()), 128)
         att.patterns = {f"0-{cfg.model.n_layers - 1}:*": {"type": "a_shape", "sinks": min(128, window // 8),
                                                           "window": window, "block_size": bs}}
+    elif variant == "query_max":
+        if not any(dict(p).get("type") == "block_topk" for p in att.patterns.values()):
+            raise ConfigError("--variants", f"query_max needs block_topk heads, and {path} has none")
+        att.patterns = {key: {**dict(p), "query_max": 1} if dict(p).get("type") == "block_topk" else p
+                        for key, p in att.patterns.items()}
     elif variant != "preset":
         raise ConfigError("--variants", f"unknown {variant!r}; expected some of {','.join(VARIANTS)}")
     return cfg.validate()

@@ -26,6 +26,10 @@ Every backend (layers.attention.functional) must compute attention under exactly
   ``window`` add A-shape's rule on top (NSA's sliding branch). ``share_group: 1``: one selection per
   KV group (NSA): every block_topk head of a group scores blocks by the mean of the group's heads'
   scores (= the group-mean pooled query . pooled key), so the heads of a group read the same blocks.
+  ``query_max: 1``: a key block's score for a query block is the max over the block's queries of
+  ``q . mean-pooled k`` instead of the pooled query's (MoBA and NSA score per query; the max keeps one
+  query's preference, e.g. the position that must copy a far-back key, from being averaged away by the
+  rest of its block; the top-k budget stays per query block, so the kernel stays block-sparse).
   Selection gets no gradient (MoBA, NSA's selection branch); it trains through the attention it
   gates: q and k learn inside the chosen blocks, and the choice sharpens as they do.
 - ``vertical_slash`` extras (MInference's kernel): ``keep_columns`` forces the first N key columns and
@@ -76,6 +80,7 @@ class SparsityPattern:
     keep_columns: int = 0       # vertical-slash: the first N key columns always among the chosen (MInference: 30)
     keep_diagonals: int = 0     # vertical-slash: the N diagonals nearest the main one always chosen (MInference: 100)
     share_group: int = 0        # block top-k: 1 = one selection per KV group (NSA-style, GQA-native)
+    query_max: int = 0          # block top-k: 1 = a query block scores key blocks by its best query (MoBA/NSA per-query affinity)
 
     def __post_init__(self):
         validate_pattern(self.to_dict(), "pattern")

@@ -173,17 +173,20 @@ def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: in
         bt = [h for h in dyn if pats[h].type == "block_topk"]
         if bt:
             first = max(qb0 * bs - src_start, 0)       # pool from the first query block's start on
-            heads = index_tensor(bt, dev)
             g = n_heads // k.shape[1]
-            # share_group heads of one KV group with one budget share a slot (one selection); others their own
-            slot_key = [(h // g, pats[h].top_k) if pats[h].share_group else ("head", h) for h in bt]
-            slot = [sorted(set(slot_key), key=str).index(x) for x in slot_key]
-            pick = estimate_block_topk(src[:, heads, first:], src_start + first, _kv_for_heads(k, bt, n_heads),
-                                       q_blocks, qb0, bs, [pats[h].top_k for h in bt], slot, stats)
             full = torch.zeros(B, n_heads, q_blocks.numel(), nk, dtype=torch.bool, device=dev)
             if blocks is not None:
                 full |= blocks
-            full[:, heads] |= pick
+            # one estimate per scoring rule (a layer mixing both logs the stats of its query_max heads)
+            for qmax in sorted({pats[h].query_max for h in bt}):
+                hs = [h for h in bt if pats[h].query_max == qmax]
+                heads = index_tensor(hs, dev)
+                # share_group heads of one KV group with one budget share a slot (one selection); others their own
+                slot_key = [(h // g, pats[h].top_k) if pats[h].share_group else ("head", h) for h in hs]
+                slot = [sorted(set(slot_key), key=str).index(x) for x in slot_key]
+                full[:, heads] |= estimate_block_topk(src[:, heads, first:], src_start + first,
+                                                      _kv_for_heads(k, hs, n_heads), q_blocks, qb0, bs,
+                                                      [pats[h].top_k for h in hs], slot, stats, bool(qmax))
             blocks = full
     return PatternPlan(bs, q_pos, T, win, sinks, blocks, cols, diags, q_start, _col_budget(pats, T))
 

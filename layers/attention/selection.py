@@ -168,35 +168,82 @@ def _block_mean(x: torch.Tensor, start: int, bs: int, n_blocks: int) -> torch.Te
     return out
 
 
+def _slot_mean(x: torch.Tensor, slot: Sequence[int]) -> torch.Tensor:
+    """``x[B, H, N, D]`` -> float32 ``[B, Hs, N, D]``: the mean over the heads of each slot (slots 0 .. Hs-1)."""
+    sl = index_tensor(list(slot), x.device)
+    # heads per slot from the host list (a graph constant under compile; inductor's CPU code for an
+    # index_add_ into a one-element tensor fails to build, e.g. one KV group of shared heads)
+    cnt = index_tensor([list(slot).count(v) for v in sorted(set(slot))], x.device).float()
+    out = torch.zeros(x.shape[0], len(cnt), *x.shape[2:], device=x.device).index_add_(1, sl, x.float())
+    return out / cnt[None, :, None, None]
+
+
+# Elements of one chunk of per-query scores (float32, 256 MiB): bounds the query_max estimate's memory at 64k+.
+_QUERY_MAX_CHUNK = 1 << 26
+
+
+def _block_max_scores(q: torch.Tensor, start: int, bs: int, n_blocks: int, kp: torch.Tensor) -> torch.Tensor:
+    """float32 ``[B, H, n_blocks, nk]``: for each query block, the max over its queries of ``q . kp / sqrt(D)``.
+
+    ``q[B, H, N, D]`` rows from position ``start`` (block 0 = the one holding it), ``kp[B, H, nk, D]``
+    pooled keys. Rows a block does not have (partial first / last block) take no part; a block without
+    rows scores -inf. Chunked over query blocks so at most ``_QUERY_MAX_CHUNK`` scores live at once.
+    """
+    B, H, N, D = q.shape
+    nk = kp.shape[2]
+    head, tail = start % bs, -(start + N) % bs
+    valid = torch.nn.functional.pad(torch.ones(N, dtype=torch.bool, device=q.device), (head, tail))
+    if head or tail:
+        q = torch.nn.functional.pad(q, (0, 0, head, tail))
+    nb = q.shape[2] // bs
+    out = torch.full((B, H, n_blocks, nk), float("-inf"), device=q.device)
+    step = max(1, _QUERY_MAX_CHUNK // max(B * H * bs * nk, 1))
+    for b0 in range(0, min(nb, n_blocks), step):
+        b1 = min(b0 + step, nb, n_blocks)
+        s = _group_scores(q[:, :, b0 * bs:b1 * bs], kp)                              # [B, H, rows, nk]
+        s = s.masked_fill(~valid[b0 * bs:b1 * bs, None], float("-inf"))
+        out[:, :, b0:b1] = s.unflatten(2, (b1 - b0, bs)).amax(3)
+    return out
+
+
 @torch.no_grad()
 def estimate_block_topk(q_pool_src: torch.Tensor, src_start: int, k: torch.Tensor, q_blocks: torch.Tensor,
                         first: int, bs: int, top_k: Sequence[int], slot: Sequence[int] | None = None,
-                        stats: dict | None = None) -> torch.Tensor:
-    """Block top-k by mean-pooled scores.
+                        stats: dict | None = None, query_max: bool = False) -> torch.Tensor:
+    """Block top-k by pooled scores.
 
     ``q_pool_src[B, H, N, D]`` holds queries at positions ``src_start ..`` covering every query block in
     ``q_blocks[nq] = first, first+1, ..``; ``k[B, H, T, D]`` (the KV head of each query head). Returns
     bool ``[B, H, nq, nk]``. ``slot[h]``: heads with the same slot share one selection (a KV group's
-    ``share_group`` heads, same ``top_k``): scored by their mean pooled query, top-k taken once per slot.
+    ``share_group`` heads, same ``top_k``): scored by their mean query, top-k taken once per slot.
+    A key block's score for a query block is mean-pooled query . mean-pooled key (MInference's
+    block_sparse); with ``query_max`` the max over the block's queries of query . mean-pooled key (the
+    per-query affinity of MoBA and NSA, reduced to the query block by its best query, so one query's
+    strong preference, e.g. a question's answer position, is not averaged away by its block).
     ``stats``: filled with the selection's mean normalised entropy (of the softmax over each query
-    block's causal pooled scores; 1 = uniform, 0 = one block) and the softmax mass the chosen blocks hold.
+    block's causal scores; 1 = uniform, 0 = one block) and the softmax mass the chosen blocks hold.
     """
     T, H = k.shape[2], k.shape[1]
     nk = (T + bs - 1) // bs
-    qp = _block_mean(q_pool_src, src_start - first * bs, bs, q_blocks.numel())   # [B, H, nq, D]
+    off = src_start - first * bs
+    q = q_pool_src
     reps = list(range(H))
     if slot is not None and len(set(slot)) < H:
         reps = [list(slot).index(x) for x in sorted(set(slot))]                   # first head of each slot
-        sl = index_tensor(list(slot), qp.device)
-        # heads per slot from the host list (a graph constant under compile; inductor's CPU code for an
-        # index_add_ into a one-element tensor fails to build, e.g. one KV group of shared heads)
-        cnt = index_tensor([list(slot).count(x) for x in sorted(set(slot))], qp.device).to(qp.dtype)
-        qp = torch.zeros(qp.shape[0], len(reps), *qp.shape[2:], device=qp.device).index_add_(1, sl, qp)
-        qp = qp / cnt[None, :, None, None]
+        # the group's mean query: its score is the mean of the group's heads' scores (linear in q)
+        q = _slot_mean(q if query_max else _block_mean(q, off, bs, q_blocks.numel()), slot)
         k = k[:, index_tensor(reps, k.device)]
         top_k = [top_k[r] for r in reps]
+    elif not query_max:
+        q = _block_mean(q, off, bs, q_blocks.numel())                               # [B, H, nq, D]
     kp = _block_mean(k, 0, bs, nk)                                                 # [B, Hs, nk, D]
-    s = _group_scores(qp, kp)                                                      # [B, Hs, nq, nk]
+    if query_max:
+        # 16-bit operands on CUDA for the tensor-core GEMM (float32 accumulation, _group_scores); float32 elsewhere
+        half = q_pool_src.is_cuda and q_pool_src.dtype in (torch.bfloat16, torch.float16)
+        dt = q_pool_src.dtype if half else torch.float32
+        s = _block_max_scores(q.to(dt), off, bs, q_blocks.numel(), kp.to(dt))    # [B, Hs, nq, nk]
+    else:
+        s = _group_scores(q, kp)                                                   # [B, Hs, nq, nk]
     kb = torch.arange(nk, device=k.device)
     s = s.masked_fill(kb[None, :] > q_blocks[:, None], float("-inf"))
     pick = _topk_per_head(torch.where(kb[None, :] == q_blocks[:, None], torch.full_like(s, float("inf")), s), top_k)

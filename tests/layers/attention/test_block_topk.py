@@ -13,17 +13,24 @@ from layers.attention.plan import plan_pattern
 BS = 8
 
 
-def _pooled_topk_reference(q, k, bs, top_k, group_shared):
-    """Independent MoBA/NSA selection: mean-pooled q (group-mean when shared) . mean-pooled k, causal,
+def _pooled_topk_reference(q, k, bs, top_k, group_shared, query_max=False):
+    """Independent MoBA/NSA selection: mean-pooled q (group-mean when shared) . mean-pooled k, or with
+    ``query_max`` the max over each query block's queries of q (group-mean) . mean-pooled k; causal,
     own block forced, top-k -> bool [B, H, nq, nk]."""
     B, H, T, D = q.shape
     g = H // k.shape[1]
     n = (T + bs - 1) // bs
-    qp = torch.stack([q[:, :, i * bs:(i + 1) * bs].float().mean(2) for i in range(n)], 2)   # [B, H, n, D]
     kp = torch.stack([k[:, :, i * bs:(i + 1) * bs].float().mean(2) for i in range(n)], 2)   # [B, Hk, n, D]
+    kp = kp.repeat_interleave(g, 1)
+    qf = q.float()
     if group_shared:
-        qp = qp.view(B, H // g, g, n, D).mean(2).repeat_interleave(g, 1)
-    s = qp @ kp.repeat_interleave(g, 1).transpose(-1, -2)
+        qf = qf.view(B, H // g, g, T, D).mean(2).repeat_interleave(g, 1)
+    if query_max:   # each query against every pooled key block, then the best query of each block
+        per_q = qf @ kp.transpose(-1, -2)                                                   # [B, H, T, n]
+        s = torch.stack([per_q[:, :, i * bs:(i + 1) * bs].amax(2) for i in range(n)], 2)
+    else:
+        qp = torch.stack([qf[:, :, i * bs:(i + 1) * bs].mean(2) for i in range(n)], 2)   # [B, H, n, D]
+        s = qp @ kp.transpose(-1, -2)
     causal = torch.ones(n, n).tril().bool()
     s = s.masked_fill(~causal, float("-inf")) + torch.diag(torch.full((n,), float("inf"))).nan_to_num(posinf=1e9)
     out = torch.zeros_like(s, dtype=torch.bool)
@@ -31,16 +38,40 @@ def _pooled_topk_reference(q, k, bs, top_k, group_shared):
     return out.scatter_(-1, idx, True) & causal
 
 
+@pytest.mark.parametrize("query_max", [0, 1])
 @pytest.mark.parametrize("shared", [0, 1])
-def test_block_topk_selection_matches_pooled_reference_and_shares_kv_groups(shared):
+def test_block_topk_selection_matches_pooled_reference_and_shares_kv_groups(shared, query_max):
     B, H, Hk, T = 2, 8, 2, 64
     q, k, _ = make_inputs(B, H, Hk, T)
-    p = SparsityPattern(type="block_topk", top_k=3, block_size=BS, share_group=shared)
+    p = SparsityPattern(type="block_topk", top_k=3, block_size=BS, share_group=shared, query_max=query_max)
     plan = plan_pattern(p, H, 0, T, T, 0, q, k)
-    ref = _pooled_topk_reference(q, k, BS, 3, shared)
+    ref = _pooled_topk_reference(q, k, BS, 3, shared, query_max)
     assert torch.equal(plan.blocks, ref)
     same = [torch.equal(plan.blocks[:, h], plan.blocks[:, (h // 4) * 4]) for h in range(H)]
     assert all(same) if shared else not all(same)
+
+
+def test_query_max_selection_keeps_one_querys_far_block_that_pooling_averages_away(monkeypatch):
+    """The last block's queries all lean (weakly) to block 5; one of them looks for a key planted in block 2.
+    Pooled over the block, block 5 wins; with query_max the one query's block 2 does. Chunking the
+    per-query scores changes nothing."""
+    import layers.attention.selection as sel
+    B, H, Hk, T = 1, 4, 2, 128
+    q, k, _ = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=3)
+    basis = torch.linalg.qr(torch.randn(q.shape[-1], 2))[0].T          # two orthonormal directions
+    k[:, :, 2 * BS + 3] += 16 * basis[0]                                # one key of block 2
+    q[:, :, T - 2] += 16 * basis[0]                                     # one query of the last block asks for it
+    k[:, :, 5 * BS:6 * BS] += 4 * basis[1]                              # every key of block 5 ...
+    q[:, :, T - BS:] += 4 * basis[1]                                    # ... and every query of the last block
+    picks = {}
+    for qmax in (0, 1):
+        p = SparsityPattern(type="block_topk", top_k=2, block_size=BS, share_group=1, query_max=qmax)
+        picks[qmax] = plan_pattern(p, H, 0, T, T, 0, q, k).blocks[0, :, -1]      # [H, nk] of the last block
+    assert picks[0][:, 5].all() and not picks[0][:, 2].any()
+    assert picks[1][:, 2].all() and not picks[1][:, 5].any()
+    monkeypatch.setattr(sel, "_QUERY_MAX_CHUNK", Hk * BS * (T // BS))   # one query block per chunk
+    p = SparsityPattern(type="block_topk", top_k=3, block_size=BS, share_group=1, query_max=1)
+    assert torch.equal(plan_pattern(p, H, 0, T, T, 0, q, k).blocks, _pooled_topk_reference(q, k, BS, 3, 1, True))
 
 
 @pytest.mark.parametrize("backend,grads", [("reference", True), ("flex", False)])
@@ -126,6 +157,8 @@ def test_flex_kernel_choice_and_options(monkeypatch):
 @pytest.mark.parametrize("pat,match", [
     ({"type": "block_topk", "top_k": 0}, r"pattern\.top_k: must be > 0"),
     ({"type": "block_topk", "top_k": 2, "share_group": 2}, r"pattern\.share_group: must be 0 or 1"),
+    ({"type": "block_topk", "top_k": 2, "query_max": 2}, r"pattern\.query_max: must be 0 or 1"),
+    ({"type": "a_shape", "sinks": 2, "window": 8, "query_max": 1}, r"pattern\.query_max: unknown parameter"),
     ({"type": "block_topk", "top_k": 2, "n_slash": 3}, r"pattern\.n_slash: unknown parameter"),
     ({"type": "vertical_slash", "n_vertical": 2, "n_slash": 2, "keep_columns": -1}, r"pattern\.keep_columns"),
 ])

@@ -19,15 +19,18 @@ BS, H, HK, D, T = 16, 8, 2, 64, 128
 # here the shared heads are one KV group, one selection slot
 PATS = [SparsityPattern(type="a_shape", sinks=BS, window=2 * BS, block_size=BS)] * 4 + \
        [SparsityPattern(type="block_topk", top_k=3, share_group=1, block_size=BS)] * 4
+# the same with the block top-k heads scoring by their blocks' best query (query_max)
+PATS_QMAX = PATS[:4] + [SparsityPattern(type="block_topk", top_k=3, share_group=1, query_max=1, block_size=BS)] * 4
 
 
 class _Layer(nn.Module):
     """Attention with its rotary angles, its forward checkpointed as training.parallel does to blocks."""
 
-    def __init__(self, backend: str):
+    def __init__(self, backend: str, pats=PATS):
         super().__init__()
         torch.manual_seed(0)
-        self.attention = Attention(D, H, HK, pattern=PATS, backend=backend, layer_id=5)
+        self.pats = pats
+        self.attention = Attention(D, H, HK, pattern=pats, backend=backend, layer_id=5)
         self.attention.init_weights(std=0.5, out_std=0.05)   # peaked scores: q, k matter for the selection
         self.rope = RotaryEmbedding(D // H, 10000.0)
         self.forward = functools.partial(_checkpointed, self._forward)
@@ -44,7 +47,7 @@ def _selection(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         cos, sin = layer.rope(torch.arange(x.shape[1]))
         q = apply_rotary(a.wq(x).view(1, T, H, D // H).transpose(1, 2), cos, sin)
         k = apply_rotary(a.wk(x).view(1, T, HK, D // H).transpose(1, 2), cos, sin)
-        return plan_pattern(PATS, H, 0, T, T, 5, q, k).blocks[:, 4:]
+        return plan_pattern(layer.pats, H, 0, T, T, 5, q, k).blocks[:, 4:]
 
 
 def _close(got, want):
@@ -63,9 +66,10 @@ def _inputs():
 # checkpointed block, without inductor's code generation (seconds). inductor (what the trainer runs; ~1 min
 # on CPU with a cold compile cache) failed to build the one-slot layer before estimate_block_topk took its
 # heads-per-slot counts from the host (its CPU code for an index_add_ into a one-element tensor asserts).
-@pytest.mark.parametrize("backend", ["aot_eager_decomp_partition", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_compiled_block_topk_a_shape_layer_equals_eager_fwd_bwd_float32(backend):
-    eager, compiled = _Layer("reference"), _Layer("reference")
+@pytest.mark.parametrize("backend,pats", [("aot_eager_decomp_partition", PATS), ("aot_eager_decomp_partition", PATS_QMAX),
+                                          pytest.param("inductor", PATS, marks=pytest.mark.slow)])
+def test_compiled_block_topk_a_shape_layer_equals_eager_fwd_bwd_float32(backend, pats):
+    eager, compiled = _Layer("reference", pats), _Layer("reference", pats)
     compiled.load_state_dict(eager.state_dict())
     compiled.compile(dynamic=False, backend=backend)      # as training.loop compiles each block
     xs = _inputs()

@@ -16,6 +16,11 @@ PATTERNS = {
     "vertical_slash": SparsityPattern(type="vertical_slash", n_vertical=6, n_slash=5, last_q=8, block_size=BS),
     "block_topk": SparsityPattern(type="block_topk", top_k=2, block_size=BS),
     "block_topk_shared": SparsityPattern(type="block_topk", top_k=2, sinks=2, window=5, share_group=1, block_size=BS),
+    "block_topk_qmax": SparsityPattern(type="block_topk", top_k=2, sinks=2, window=5, share_group=1, query_max=1,
+                                       block_size=BS),
+    # one layer, both scoring rules: one estimate per rule
+    "block_topk_rules": [SparsityPattern(type="block_topk", top_k=3, block_size=BS),
+                         SparsityPattern(type="block_topk", top_k=2, query_max=1, block_size=BS)] * 4,
     "dense": SparsityPattern(type="dense", block_size=BS),
     "mixed": [SparsityPattern(type="a_shape", sinks=2, window=8, block_size=BS),
               SparsityPattern(type="vertical_slash", n_vertical=4, n_slash=4, last_q=4, block_size=BS),
@@ -30,7 +35,7 @@ def test_reference_backend_meets_fa_criterion_fwd_bwd_every_pattern(name):
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-@pytest.mark.parametrize("name", ["bigbird", "vertical_slash", "block_topk", "block_topk_shared"])
+@pytest.mark.parametrize("name", ["bigbird", "vertical_slash", "block_topk", "block_topk_shared", "block_topk_qmax"])
 def test_reference_backend_gqa_groups(name, group):
     run_criterion(PATTERNS[name], "reference", B=2, H=8, Hk=8 // group, T=41)
 
@@ -75,7 +80,8 @@ def test_static_block_mask_cache_drops_the_least_recently_used(monkeypatch):
     assert [key[2] for key in sa._MASK_CACHE] == [32, 64]
 
 
-@pytest.mark.parametrize("name", ["local_sinks", "bigbird", "vertical_slash", "block_topk", "block_topk_shared", "mixed"])
+@pytest.mark.parametrize("name", ["local_sinks", "bigbird", "vertical_slash", "block_topk", "block_topk_shared",
+                                  "block_topk_qmax", "mixed"])
 def test_decode_output_equals_last_row_of_prefill(name):
     torch.manual_seed(0)
     dim, H, Hk, T = 64, 8, 2, 53
