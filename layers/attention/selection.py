@@ -144,6 +144,15 @@ def _diagonal_sums(prob: torch.Tensor, p0: int) -> torch.Tensor:
     return out
 
 
+def _whole_blocks(x: torch.Tensor, start: int, bs: int) -> tuple[torch.Tensor, int, int]:
+    """``x[B, H, N, D]`` with row 0 at position ``start`` -> ``(x zero-padded to whole blocks of bs, head, tail)``:
+    the ``head`` rows before it and ``tail`` after it that the padding added (no copy when both are 0)."""
+    head, tail = start % bs, -(start + x.shape[2]) % bs
+    if head or tail:
+        x = torch.nn.functional.pad(x, (0, 0, head, tail))
+    return x, head, tail
+
+
 def _block_mean(x: torch.Tensor, start: int, bs: int, n_blocks: int) -> torch.Tensor:
     """float32 ``[B, H, n_blocks, D]``: the mean of ``x[B, H, N, D]`` over blocks of ``bs`` positions, row 0
     at position ``start`` (block 0 = the one holding it); blocks the rows do not reach are 0.
@@ -154,9 +163,7 @@ def _block_mean(x: torch.Tensor, start: int, bs: int, n_blocks: int) -> torch.Te
     chooses the blocks the forward chose.
     """
     B, H, N, D = x.shape
-    head, tail = start % bs, -(start + N) % bs
-    if head or tail:
-        x = torch.nn.functional.pad(x, (0, 0, head, tail))
+    x, head, tail = _whole_blocks(x, start, bs)
     nb = x.shape[2] // bs
     sums = x.unflatten(2, (nb, bs)).sum(3, dtype=torch.float32)
     cnt = torch.full((nb,), float(bs), device=x.device)
@@ -191,17 +198,17 @@ def _block_max_scores(q: torch.Tensor, start: int, bs: int, n_blocks: int, kp: t
     """
     B, H, N, D = q.shape
     nk = kp.shape[2]
-    head, tail = start % bs, -(start + N) % bs
-    valid = torch.nn.functional.pad(torch.ones(N, dtype=torch.bool, device=q.device), (head, tail))
-    if head or tail:
-        q = torch.nn.functional.pad(q, (0, 0, head, tail))
+    q, head, tail = _whole_blocks(q, start, bs)
     nb = q.shape[2] // bs
     out = torch.full((B, H, n_blocks, nk), float("-inf"), device=q.device)
     step = max(1, _QUERY_MAX_CHUNK // max(B * H * bs * nk, 1))
     for b0 in range(0, min(nb, n_blocks), step):
         b1 = min(b0 + step, nb, n_blocks)
         s = _group_scores(q[:, :, b0 * bs:b1 * bs], kp)                              # [B, H, rows, nk]
-        s = s.masked_fill(~valid[b0 * bs:b1 * bs, None], float("-inf"))
+        if b0 == 0 and head:     # padding rows take no part (only the first and last block have any)
+            s[:, :, :head] = float("-inf")
+        if b1 == nb and tail:
+            s[:, :, s.shape[2] - tail:] = float("-inf")
         out[:, :, b0:b1] = s.unflatten(2, (b1 - b0, bs)).amax(3)
     return out
 
@@ -226,16 +233,15 @@ def estimate_block_topk(q_pool_src: torch.Tensor, src_start: int, k: torch.Tenso
     T, H = k.shape[2], k.shape[1]
     nk = (T + bs - 1) // bs
     off = src_start - first * bs
-    q = q_pool_src
+    # the queries that score: every query (query_max) or each block's mean query [B, H, nq, D]
+    q = q_pool_src if query_max else _block_mean(q_pool_src, off, bs, q_blocks.numel())
     reps = list(range(H))
     if slot is not None and len(set(slot)) < H:
         reps = [list(slot).index(x) for x in sorted(set(slot))]                   # first head of each slot
         # the group's mean query: its score is the mean of the group's heads' scores (linear in q)
-        q = _slot_mean(q if query_max else _block_mean(q, off, bs, q_blocks.numel()), slot)
+        q = _slot_mean(q, slot)
         k = k[:, index_tensor(reps, k.device)]
         top_k = [top_k[r] for r in reps]
-    elif not query_max:
-        q = _block_mean(q, off, bs, q_blocks.numel())                               # [B, H, nq, D]
     kp = _block_mean(k, 0, bs, nk)                                                 # [B, Hs, nk, D]
     if query_max:
         # 16-bit operands on CUDA for the tensor-core GEMM (float32 accumulation, _group_scores); float32 elsewhere
