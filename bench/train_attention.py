@@ -10,6 +10,9 @@ Variants (same config, seed, data and steps; only ``model.attention.patterns`` d
            size): the static baseline, expected to lose retrieval beyond its window
   query_max  the preset with its block top-k heads scoring key blocks by each query block's best query
            (``query_max: 1``: MoBA / NSA's per-query affinity) instead of its mean query
+  nsa      query_max plus NSA's compressed branch on those heads (``compress: 1``: each query's softmax
+           over the mean-pooled blocks, gated with the selected blocks' attention; the gradient path
+           that can teach the selection about blocks outside its top-k)
 Per variant: tokens/s (mean over log steps after the first, which holds compilation and warm-up),
 ``mfu`` (the attention work done: visited-block density) and ``mfu_model`` (dense-equivalent FLOPs),
 peak memory, the last validation loss, the logged attention density and, with
@@ -32,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import ConfigError, exit_code, load_config  # noqa: E402
 from training.loop import Trainer  # noqa: E402
 
-VARIANTS = ("dense", "preset", "a_shape", "query_max")
+VARIANTS = ("dense", "preset", "a_shape", "query_max", "nsa")
 
 
 class _NoSaveTrainer(Trainer):
@@ -56,10 +59,11 @@ def variant_config(path: str, overrides: list[str], variant: str, steps: int, ou
         bs = next((p.get("block_size", 64) for p in att.patterns.values()), 128)
         att.patterns = {f"0-{cfg.model.n_layers - 1}:*": {"type": "a_shape", "sinks": min(128, window // 8),
                                                           "window": window, "block_size": bs}}
-    elif variant == "query_max":
+    elif variant in ("query_max", "nsa"):
         if not any(dict(p).get("type") == "block_topk" for p in att.patterns.values()):
-            raise ConfigError("--variants", f"query_max needs block_topk heads, and {path} has none")
-        att.patterns = {key: {**dict(p), "query_max": 1} if dict(p).get("type") == "block_topk" else p
+            raise ConfigError("--variants", f"{variant} needs block_topk heads, and {path} has none")
+        extra = {"query_max": 1, **({"compress": 1} if variant == "nsa" else {})}
+        att.patterns = {key: {**dict(p), **extra} if dict(p).get("type") == "block_topk" else p
                         for key, p in att.patterns.items()}
     elif variant != "preset":
         raise ConfigError("--variants", f"unknown {variant!r}; expected some of {','.join(VARIANTS)}")

@@ -24,13 +24,13 @@ PATTERN_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "a_shape": (("sinks", "window"), ()),
     "bigbird": (("window", "sinks", "random_blocks"), ()),
     "vertical_slash": (("n_vertical", "n_slash"), ("last_q", "keep_columns", "keep_diagonals")),
-    "block_topk": (("top_k",), ("window", "sinks", "share_group", "query_max")),
+    "block_topk": (("top_k",), ("window", "sinks", "share_group", "query_max", "compress")),
 }
 COMMON_PARAMS = ("block_size", "seed", "dense_below")
 DEFAULT_BLOCK_SIZE = 64
 POSITIVE_PARAMS = ("window", "sinks", "n_vertical", "n_slash", "last_q", "top_k", "block_size")
 NONNEG_PARAMS = ("random_blocks", "seed", "dense_below", "keep_columns", "keep_diagonals")
-FLAG_PARAMS = ("share_group", "query_max")      # 0 or 1
+FLAG_PARAMS = ("share_group", "query_max", "compress")      # 0 or 1
 # MInference's per-head JSON names its three kernels; what each entry computes in MInference's runtime
 # (minference/modules/minference_forward.py), in our params:
 # - vertical_and_slash: budgets raised to at least 30 columns / 50 diagonals, the first 30 key columns and

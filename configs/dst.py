@@ -39,9 +39,11 @@ class DSTConfig:
     erk_power: float = 1.0                 # ERK raw density ((n_in + n_out) / (n_in * n_out)) ** erk_power
     # fnmatch patterns on parameter names. include=None (default, any model): every 2-D nn.Linear weight and
     # every >= 3-D stacked-expert weight except embeddings and the output head (layers.dst.targets); a list:
-    # every >= 2-D parameter matching one. Names matching exclude (routers, by default) are never masked.
+    # every >= 2-D parameter matching one. Names matching exclude (routers and the compressed-attention branch
+    # gates, by default: gates, not features) are never masked.
     include: Optional[List[str]] = None
-    exclude: List[str] = field(default_factory=lambda: ["*.gate.weight", "*.noise.weight", "*router*"])
+    exclude: List[str] = field(default_factory=lambda: ["*.gate.weight", "*.noise.weight", "*router*",
+                                                        "*.branch_gate.weight"])
     seed: int = 0                          # SET random growth: drawn from (seed, step, layer), same on every rank
     semi_structured: bool = False          # 2:4 layers run through torch.sparse semi-structured kernels (CUDA)
     # Optimizer and DST state for active weights only (layers.dst.compact): bit-packed masks, a bf16 EMA score

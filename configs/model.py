@@ -144,3 +144,7 @@ class ModelConfig:
             self.neuron.validate(f"{key}.neuron", self.hidden_dim)
             check(self.ffn_act == "silu", f"{key}.ffn_act", "neuron-routed FFNs take model.neuron.activation instead")
         self.attention.validate(self.n_layers, self.n_heads, f"{key}.attention")
+        if self.attention_type == "mla":
+            grid = self.attention.layer_head_patterns(self.n_layers, self.n_heads)
+            check(not any(p and p.get("compress") for row in grid for p in row), f"{key}.attention.patterns",
+                  "block top-k compress: 1 runs with attention_type mha only (MLA has no compressed branch)")

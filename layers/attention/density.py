@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from .compressed import compressed_density
 from .module import Attention
-from .pattern import PatternLike
+from .pattern import PatternLike, head_patterns
 from .plan import budget_plan
 
 
@@ -66,6 +67,7 @@ def attention_metrics(model: torch.nn.Module, seq_len: int) -> dict:
       heads: visited blocks x block area / causal pairs; dense heads 1): what hardware FLOPs count.
       A sparse layer without recorded stats (compiled blocks record none) counts its budget density at
       ``seq_len`` (``pattern_density``, token-level, so never more than its kernel did; computed once).
+      Block top-k heads with ``compress: 1`` add their compressed branch's pairs (``compressed_density``).
     - ``attn/topk_entropy``, ``attn/topk_mass``: block top-k selection sharpness (mean over the layers
       with block top-k heads): normalised entropy of the softmax over each query block's pooled scores
       (1 = uniform, falls as the choice sharpens) and the share of that softmax the chosen blocks hold.
@@ -86,8 +88,11 @@ def attention_metrics(model: torch.nn.Module, seq_len: int) -> dict:
             cached = m.__dict__.get("_budget_density")
             if cached is None or cached[0] != seq_len:
                 dev = m.wq.weight.device if m.wq.weight.device.type != "meta" else torch.device("cpu")
-                m._budget_density = cached = (seq_len, pattern_density(m.pattern, m.n_heads, seq_len, m.layer_id,
-                                                                       device=dev).mean().float())
+                dens_h = pattern_density(m.pattern, m.n_heads, seq_len, m.layer_id, device=dev)
+                # plus the compressed branch's pooled-key pairs (block top-k compress: 1), a token-level share too
+                dens_h = dens_h + torch.tensor(compressed_density(head_patterns(m.pattern, m.n_heads), seq_len,
+                                                                  seq_len * (seq_len + 1) / 2), dtype=dens_h.dtype)
+                m._budget_density = cached = (seq_len, dens_h.mean().float())
             dens.append(cached[1])
         if "entropy" in s:
             ent.append(s["entropy"].float())

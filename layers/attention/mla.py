@@ -28,6 +28,7 @@ from torch import nn
 from ..norm import RMSNorm
 from ..rope import apply_rotary, yarn_mscale
 from .module import Attention
+from .compressed import compress_heads
 from .pattern import head_patterns, layer_block_size
 
 # HF's DeepseekV3RMSNorm of q_a / kv_a keeps its default eps, not the config's rms_norm_eps
@@ -83,8 +84,12 @@ class MLA(Attention):
         self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=False)
         if pattern is not None:
-            layer_block_size(head_patterns(pattern, n_heads))
+            pats = head_patterns(pattern, n_heads)
+            layer_block_size(pats)
+            if compress_heads(pats):
+                raise ValueError("block top-k compress: 1 runs in layers.Attention only, not in MLA")
         self.pattern = pattern
+        self.compress_heads = []
         self.cache: Optional[MLACache] = None
         self._q_history: Optional[torch.Tensor] = None
 

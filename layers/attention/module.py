@@ -19,10 +19,12 @@ import torch
 from einops import rearrange
 from torch import nn
 
+from .compressed import compress_heads, compressed_attention, compressed_density
 from .flash import flash_attn_dense
 from .functional import dense_causal_attention, sparse_attention
 from .masking import masked_causal_attention
 from .pattern import head_patterns, layer_block_size
+from .selection import index_tensor
 from ..norm import RMSNorm
 from ..rope import apply_rotary
 
@@ -80,6 +82,11 @@ class Attention(nn.Module):
         if pattern is not None:   # a per-head list of the wrong length or mixed block sizes fails here, not in forward
             layer_block_size(head_patterns(pattern, n_heads))
         self.pattern = pattern
+        self.compress_heads = compress_heads(head_patterns(pattern, n_heads)) if pattern is not None else []
+        if self.compress_heads:
+            # NSA's branch gates from the layer input: [fine, compressed] logits per compressed head
+            self.branch_gate = nn.Linear(dim, 2 * len(self.compress_heads))
+        self._compressed_density = None    # ((T, device), float32 [Hq]): the branch's share of the density stat
         self.cache: Optional[KVCache] = None
         self._q_history: Optional[torch.Tensor] = None   # last queries, for decode-time estimation
 
@@ -94,6 +101,9 @@ class Attention(nn.Module):
             if w.bias is not None:
                 nn.init.zeros_(w.bias)
         nn.init.normal_(self.wo.weight, std=out_std)
+        if self.compress_heads:       # gates near sigmoid(0) = 1/2 for both branches at the start
+            nn.init.normal_(self.branch_gate.weight, std=std)
+            nn.init.zeros_(self.branch_gate.bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0,
                 mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -108,8 +118,34 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.cache is not None:
             k, v = self.cache.update(start_pos, k, v)
+        stats_before = self.attn_stats
         out = self._attend(q, k, v, start_pos, mask)
+        if self.compress_heads:
+            out = self._with_compressed(x, q, k, v, out, start_pos, mask, self.attn_stats is not stats_before)
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))
+
+    def _with_compressed(self, x, q, k, v, out, q_offset: int, mask, fresh_stats: bool) -> torch.Tensor:
+        """``out [B, Hq, S, Dh]`` with each compressed head's rows replaced by
+        ``sigmoid(g_fine) * out + sigmoid(g_cmp) * compressed_attention`` (layers.attention.compressed)."""
+        if mask is not None:
+            raise ValueError("block top-k compress: 1 cannot run with padding or packed-document masks: its pooled "
+                             "key blocks would mix documents and padding")
+        pats = head_patterns(self.pattern, self.n_heads)
+        heads = index_tensor(self.compress_heads, q.device)
+        kv_heads = index_tensor([h // (self.n_heads // self.n_kv_heads) for h in self.compress_heads], q.device)
+        cmp = compressed_attention(q[:, heads], k, v, layer_block_size(pats), q_offset, kv_heads)
+        g = rearrange(torch.sigmoid(self.branch_gate(x)), "b s (two h) -> two b h s 1", two=2).to(out.dtype)
+        mixed = g[0] * out[:, heads] + g[1] * cmp.to(out.dtype)
+        if fresh_stats and "density" in self.attn_stats and q.shape[2] == k.shape[2] and q_offset == 0:
+            # honest FLOPs: the branch's (query, pooled key) pairs, in the block units of the kernel's density
+            T, bs = k.shape[2], layer_block_size(pats)
+            if self._compressed_density is None or self._compressed_density[0] != (T, q.device):
+                n = (T + bs - 1) // bs     # a host list made a device tensor once per length (no copy per step)
+                self._compressed_density = ((T, q.device), torch.tensor(
+                    compressed_density(pats, T, bs * bs * n * (n + 1) / 2), device=q.device))
+            dens = self.attn_stats["density"] + self._compressed_density[1]
+            self.attn_stats = {**self.attn_stats, "density": dens}
+        return out.index_copy(1, heads, mixed)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
                 mask: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -32,6 +32,11 @@ Every backend (layers.attention.functional) must compute attention under exactly
   rest of its block; the top-k budget stays per query block, so the kernel stays block-sparse).
   Selection gets no gradient (MoBA, NSA's selection branch); it trains through the attention it
   gates: q and k learn inside the chosen blocks, and the choice sharpens as they do.
+  ``compress: 1``: the head also runs NSA's compressed branch (layers.attention.compressed: each query's
+  softmax over the mean-pooled complete key blocks before it), mixed with this mask's attention by
+  learned per-head gates in layers.Attention. Its logits are the per-query scores the selection ranks,
+  so it is the gradient path that teaches the selection about blocks outside the top-k. The mask
+  ``allowed(q, k)`` above is the fine branch's only; ``compress`` does not change it.
 - ``vertical_slash`` extras (MInference's kernel): ``keep_columns`` forces the first N key columns and
   ``keep_diagonals`` the N diagonals nearest the main one into the top-k (their scores set above every
   estimate before it, earliest / nearest first when the budget is smaller).
@@ -81,6 +86,7 @@ class SparsityPattern:
     keep_diagonals: int = 0     # vertical-slash: the N diagonals nearest the main one always chosen (MInference: 100)
     share_group: int = 0        # block top-k: 1 = one selection per KV group (NSA-style, GQA-native)
     query_max: int = 0          # block top-k: 1 = a query block scores key blocks by its best query (MoBA/NSA per-query affinity)
+    compress: int = 0           # block top-k: 1 = plus NSA's compressed branch, gated (layers.attention.compressed)
 
     def __post_init__(self):
         validate_pattern(self.to_dict(), "pattern")

@@ -29,6 +29,12 @@ CASES = {
         "model.max_seq_len": 8192, "train.batch_size": 1, "eval.passkey_lengths": "[]",
         # 8k-token validation windows: the default 5% of the test corpus' files can be fewer tokens
         "data.val_fraction": 0.25}),
+    # the same with NSA's gated compressed branch on the block top-k heads (bench/train_attention.py's nsa)
+    "sparse_attention_nsa": ("zoo/sparse_attn_1b_64k.yaml", {
+        "model.n_layers": 16, "model.n_heads": 16, "model.n_kv_heads": 4, "train.seq_len": 8192,
+        "model.max_seq_len": 8192, "train.batch_size": 1, "eval.passkey_lengths": "[]", "data.val_fraction": 0.25,
+        "model.attention.patterns": '{"0-15:8-15": {type: block_topk, top_k: 16, share_group: 1, query_max: 1, '
+                                    'compress: 1, block_size: 128}}'}),
 }
 
 

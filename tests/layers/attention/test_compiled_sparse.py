@@ -21,6 +21,9 @@ PATS = [SparsityPattern(type="a_shape", sinks=BS, window=2 * BS, block_size=BS)]
        [SparsityPattern(type="block_topk", top_k=3, share_group=1, block_size=BS)] * 4
 # the same with the block top-k heads scoring by their blocks' best query (query_max)
 PATS_QMAX = PATS[:4] + [SparsityPattern(type="block_topk", top_k=3, share_group=1, query_max=1, block_size=BS)] * 4
+# and with NSA's gated compressed branch on them (compress: 1)
+PATS_NSA = PATS[:4] + [SparsityPattern(type="block_topk", top_k=3, share_group=1, query_max=1, compress=1,
+                                       block_size=BS)] * 4
 
 
 class _Layer(nn.Module):
@@ -67,6 +70,7 @@ def _inputs():
 # on CPU with a cold compile cache) failed to build the one-slot layer before estimate_block_topk took its
 # heads-per-slot counts from the host (its CPU code for an index_add_ into a one-element tensor asserts).
 @pytest.mark.parametrize("backend,pats", [("aot_eager_decomp_partition", PATS), ("aot_eager_decomp_partition", PATS_QMAX),
+                                          ("aot_eager_decomp_partition", PATS_NSA),
                                           pytest.param("inductor", PATS, marks=pytest.mark.slow)])
 def test_compiled_block_topk_a_shape_layer_equals_eager_fwd_bwd_float32(backend, pats):
     eager, compiled = _Layer("reference", pats), _Layer("reference", pats)
