@@ -8,7 +8,8 @@
 #     python bench/train_moe.py --prepare .tok25 --max-files 120 --max-tokens 26000000   # for `equal`: 45 s of
 #         the dense D 512 model reads ~50M tokens, 5 epochs of .tok2k's 9.8M; 26M tokens still fit one transfer
 #     OUT=/tmp/out TOK=.tok2k bash bench/moe_gpu.sh [titan small fp8 equal]
-#     (EQUAL_SUITE=equal_time_graphs: `equal` with dense and MoE as CUDA graphs, each at its fastest step)
+#     (EQUAL_SUITE=equal_time_graphs: `equal` with dense and MoE as CUDA graphs, each at its fastest step;
+#     EQUAL_SUITE=equal_time_moe_shapes EQUAL_SEEDS=0: dense and three other MoE layouts, one seed, ~450 s)
 #
 # torchtitan 0.3.0 and what it imports that the H200 image lacks travel as wheels on PYTHONPATH
 # (bench/torchtitan_moe.py's docstring lists them). Results under $OUT (json per part, one log).
@@ -25,7 +26,7 @@ for part in $PARTS; do
              --profile-at 30 --runs /tmp/moe_small --out "$OUT/small.json" ;;
     fp8)   timeout ${T_FP8:-240} $PY bench/train_moe.py --tokens "$TOK" --suite speed_fp8 --speed-steps 300 \
              --runs /tmp/moe_fp8 --out "$OUT/fp8.json" ;;
-    equal) timeout ${T_EQUAL:-420} $PY bench/train_moe.py --tokens "$TOK" --suite ${EQUAL_SUITE:-equal_time} --seconds 45 --seeds 0,1 \
+    equal) timeout ${T_EQUAL:-420} $PY bench/train_moe.py --tokens "$TOK" --suite ${EQUAL_SUITE:-equal_time} --seconds 45 --seeds ${EQUAL_SEEDS:-0,1} \
              --compile --runs /tmp/moe_equal --out "$OUT/equal.json" ;;
     *) echo "unknown part $part (titan small fp8 equal)"; exit 2 ;;
   esac

@@ -31,6 +31,9 @@ times each step):
 - ``speed_512_graphs``: ``speed_512`` with the compiled blocks captured as CUDA graphs
   (``train.compile_mode=reduce-overhead``; with ``--compile``): the host's launch cost taken out.
 - ``equal_time_graphs``: ``equal_time``'s dense and MoE runs the same way (with ``--compile``).
+- ``equal_time_moe_shapes``: dense and three other MoE layouts of the same active FFN FLOPs at equal time,
+  as CUDA graphs (with ``--compile``): 1 shared expert + top-1 of 8 (hidden 704 each), top-1 of 8 at 1408,
+  top-4 of 16 at 352.
 - ``speed_fp8``: equal_time's MoE with bf16 and with FP8 expert GEMMs (``model.moe.precision=fp8``), the
   same seed and ``--speed-steps`` steps each: val loss (the FP8 run should land within 0.5% of bf16's),
   last training loss, tokens/s.
@@ -105,6 +108,16 @@ def with_graphs(suite: str, runs=None) -> dict:
 SUITES["speed_512_graphs"] = with_graphs("speed_512")
 # dense against MoE at equal time, each at its fastest step (graphs took 30% off the MoE step, 1% off dense's)
 SUITES["equal_time_graphs"] = with_graphs("equal_time", ("dense", "moe"))
+# MoE layouts of the same active FFN FLOPs (hidden 1408 a token) against dense, CUDA graphs: top-2 of 8 at
+# 704 is 0.79x dense's tokens/s and +3.7% val loss at 45 s (BENCHMARKS.md); a shared expert carries half the
+# FLOPs in one dense GEMM (DeepSeekMoE, Qwen-MoE) with top-1 of 8 routed, top-1 of 8 at 1408 routes each row
+# once (Switch), top-4 of 16 at 352 is DeepSeekMoE's finer segmentation
+_MOE_SHAPES = {"moe_shared": ["model.moe.shared_experts=1", "model.moe.top_k=1", "model.moe.hidden_dim=704"],
+               "moe_top1": ["model.moe.top_k=1", "model.moe.hidden_dim=1408"],
+               "moe_fine": ["model.moe.num_experts=16", "model.moe.top_k=4", "model.moe.hidden_dim=352"]}
+SUITES["moe_shapes"] = {"dense": SUITES["equal_time"]["dense"],
+                        **{n: ("zoo/tiny_moe.yaml", BACKBONE + ov) for n, ov in _MOE_SHAPES.items()}}
+SUITES["equal_time_moe_shapes"] = with_graphs("moe_shapes")
 
 
 def make_config(preset, overrides, seed, steps, device, tokens_dir, out_dir, compile_=False):
@@ -253,7 +266,8 @@ def main():
     for suite in args.suite.split(","):   # before any training: one line, exit 2
         if suite not in SUITES:
             raise ConfigError("--suite", f"unknown suite {suite!r} (one of {', '.join(SUITES)})")
-        if suite.endswith("_graphs") and not args.compile:
+        graphs = any("train.compile_mode=reduce-overhead" in ov for _, ov in SUITES[suite].values())
+        if graphs and not args.compile:
             raise ConfigError("--suite", f"{suite} replays the compiled blocks as CUDA graphs: add --compile")
     args.seeds = [int(s) for s in args.seeds.split(",")]
     use_tokens(args.tokens)

@@ -192,3 +192,24 @@ def test_trainer_learns_the_branch_gates_and_resumes_them(tmp_path, corpus_dir):
     more = [float(t.train_step()["loss/total"]) for _ in range(3)]
     r = Trainer(load_config("zoo/tiny_dense.yaml", ov("a", **{"checkpoint.resume": True})))
     assert r.step == 3 and [float(r.train_step()["loss/total"]) for _ in range(3)] == more
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compressed_branch_on_cuda_bf16_meets_the_float64_loop_fwd_bwd():
+    """The SDPA kernel CUDA picks for the block-causal bool mask, in bf16 (the trainer's autocast dtype),
+    against the float64 per-query loop: bf16-sized errors in the output and every gradient."""
+    torch.manual_seed(0)
+    B, H, Hk, T, D, bs = 1, 4, 2, 1024, 64, 128
+    q = torch.randn(B, H, T, D, device="cuda")
+    k, v = torch.randn(B, Hk, T, D, device="cuda"), torch.randn(B, Hk, T, D, device="cuda")
+    dy = torch.randn(B, H, T, D, device="cuda")
+    leaves = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    got = compressed_attention(*leaves, bs)
+    grads = torch.autograd.grad(got, leaves, dy.bfloat16())
+    ref_leaves = [t.detach().double().cpu().requires_grad_() for t in leaves]
+    want = _loop_reference(*ref_leaves, bs, 0)
+    ref_grads = torch.autograd.grad(want, ref_leaves, dy.bfloat16().double().cpu())
+    for a, b in [(got, want), *zip(grads, ref_grads)]:
+        err = float((a.double().cpu() - b).norm() / b.norm())
+        assert err < 2e-2, err
