@@ -14,6 +14,9 @@ Shapes: B=1, 32 query heads, 8 KV heads, head dim 128, bf16. Patterns (block 128
            (``share_group``), timed including the pooled estimation and block-mask build, on iid inputs
            (a model at init: the picks scatter, every visited block but the diagonal is full)
   topk_qmax  topk scoring each key block by its query block's best query (``query_max``: per-query scores)
+  topk_nsa   topk_qmax plus NSA's compressed branch (``compress: 1``; layers.attention.compressed), timed as
+             the layer runs it (the fine branch, then the compressed branch added to its heads; the
+             gates' two elementwise products left out); its pooled-key pairs count in ``block_density``
   mix      the long-context presets' layer: heads 0-15 A-shape, 16-31 block top-k (as topk)
 ``--kernels triton,flash``: flex's Triton backend and its FLASH backend (flash-attn-4), each row one kernel.
 Modes: fwd, and fwd+bwd (``out.backward(do)``). Each number is the median of CUDA-event timings
@@ -60,6 +63,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from layers import RotaryEmbedding, SparsityPattern, apply_rotary, sparse_attention  # noqa: E402
+from layers.attention.compressed import compress_heads, compressed_attention, compressed_density  # noqa: E402
+from layers.attention.pattern import head_patterns  # noqa: E402
 from layers.attention.plan import plan_pattern  # noqa: E402
 
 from layers.attention import flex as sa_mod  # noqa: E402
@@ -71,6 +76,7 @@ PATTERNS = {
     "vs": SparsityPattern(type="vertical_slash", n_vertical=1000, n_slash=6096, last_q=64, block_size=BS),
     "topk": SparsityPattern(type="block_topk", top_k=16, share_group=1, block_size=BS),
     "topk_qmax": SparsityPattern(type="block_topk", top_k=16, share_group=1, query_max=1, block_size=BS),
+    "topk_nsa": SparsityPattern(type="block_topk", top_k=16, share_group=1, query_max=1, compress=1, block_size=BS),
 }
 PATTERNS["mix"] = [PATTERNS["a_shape"]] * (H // 2) + [PATTERNS["topk"]] * (H // 2)
 
@@ -184,13 +190,32 @@ def _dynamic(p):
     return any(x.dynamic for x in (p if isinstance(p, list) else [p]))
 
 
+def layer_attention(q, k, v, p, kern):
+    """What layers.Attention computes for pattern ``p`` before its gates: the fine (mask) branch, plus the
+    compressed branch on the heads with ``compress: 1``."""
+    out = sparse_attention(q, k, v, p, backend="flex", kernel=kern)
+    heads = compress_heads(head_patterns(p, H))
+    if not heads:
+        return out
+    idx = torch.tensor(heads, device=q.device)
+    cmp = compressed_attention(q[:, idx], k, v, BS, 0, idx // (H // HK))
+    return out.index_copy(1, idx, out[:, idx] + cmp)
+
+
+def compressed_share(p, S):
+    """The compressed branch's pooled-key pairs in units of the layout's causal blocks, mean over heads."""
+    n = (S + BS - 1) // BS
+    share = compressed_density(head_patterns(p, H), S, BS * BS * n * (n + 1) / 2)
+    return sum(share) / len(share)
+
+
 def bench_length(S, names, modes, with_plain, out, vs_inputs=("structured",), kernels=("triton",)):
     for name, family in [(n, f) for n in names for f in (vs_inputs if n.startswith("vs") else ("iid",))]:
         p = PATTERNS[name]
         q, k, v = make_inputs(S, family)
         plan = plan_pattern(p, H, 0, S, S, 0, q, k)
         densities = layout_density(plan)
-        dens = densities["block_density"]
+        dens = densities["block_density"] + compressed_share(p, S)
         del plan
         for mode in modes:
             grad = mode == "fwdbwd"
@@ -210,7 +235,7 @@ def bench_length(S, names, modes, with_plain, out, vs_inputs=("structured",), ke
             for kern in kernels:
                 t0 = time.perf_counter()
                 try:
-                    ours = timeit(run(lambda: sparse_attention(qg, kg, vg, p, backend="flex", kernel=kern)))
+                    ours = timeit(run(lambda: layer_attention(qg, kg, vg, p, kern)))
                 except Exception as e:    # a kernel that cannot run this pattern is a result too
                     record(out, dict(S=S, pattern=name, mode=mode, kernel=kern, error=str(e)[:300]))
                     continue
