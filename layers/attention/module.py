@@ -1,8 +1,9 @@
 """Multi-head attention with GQA, RoPE and a KV cache; dense (SDPA) or sparse by pattern.
 
 One module for training, prefill and decode. LLaMA naming: ``wq [Hq*Dh, D]``, ``wk, wv [Hk*Dh, D]``,
-``wo [D, Hq*Dh]``, no bias unless ``bias=True`` (q/k/v biases only, as in Qwen2). ``head_dim`` defaults to
-``D / Hq`` (Qwen3 sets it apart). ``qk_norm``: RMSNorm of q and k before RoPE, ``head`` over each head's Dh
+``wo [D, Hq*Dh]``, no bias unless ``bias=True`` (q/k/v biases only, as in Qwen2); Hc block top-k heads with
+``compress: 1`` (NSA's compressed branch) add ``branch_gate [2*Hc, D]`` with a bias. ``head_dim`` defaults
+to ``D / Hq`` (Qwen3 sets it apart). ``qk_norm``: RMSNorm of q and k before RoPE, ``head`` over each head's Dh
 (Qwen3: ``q_norm, k_norm [Dh]``) or ``full`` over the whole projection (OLMoE: ``q_norm [Hq*Dh]``,
 ``k_norm [Hk*Dh]``). ``mask`` (optional ``layers.attention.masking.AttnMask``): the pairs padding and
 packed documents leave, ANDed with causality and the pattern. ``pattern`` is None
@@ -107,6 +108,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0,
                 mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.compress_heads and mask is not None:
+            raise ValueError("block top-k compress: 1 cannot run with padding or packed-document masks: its pooled "
+                             "key blocks would mix documents and padding")
         q, k = self.wq(x), self.wk(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -121,15 +125,12 @@ class Attention(nn.Module):
         stats_before = self.attn_stats
         out = self._attend(q, k, v, start_pos, mask)
         if self.compress_heads:
-            out = self._with_compressed(x, q, k, v, out, start_pos, mask, self.attn_stats is not stats_before)
+            out = self._with_compressed(x, q, k, v, out, start_pos, self.attn_stats is not stats_before)
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))
 
-    def _with_compressed(self, x, q, k, v, out, q_offset: int, mask, fresh_stats: bool) -> torch.Tensor:
+    def _with_compressed(self, x, q, k, v, out, q_offset: int, fresh_stats: bool) -> torch.Tensor:
         """``out [B, Hq, S, Dh]`` with each compressed head's rows replaced by
         ``sigmoid(g_fine) * out + sigmoid(g_cmp) * compressed_attention`` (layers.attention.compressed)."""
-        if mask is not None:
-            raise ValueError("block top-k compress: 1 cannot run with padding or packed-document masks: its pooled "
-                             "key blocks would mix documents and padding")
         pats = head_patterns(self.pattern, self.n_heads)
         heads = index_tensor(self.compress_heads, q.device)
         kv_heads = index_tensor([h // (self.n_heads // self.n_kv_heads) for h in self.compress_heads], q.device)
