@@ -54,10 +54,15 @@ def compressed_density(pats: Sequence, T: int, causal_pairs: float) -> list[floa
     whole rectangle); 0 for heads without the branch. What honest FLOPs add for it (layers.attention.density)."""
     out = []
     for p in pats:
-        nb = T // p.block_size
-        pairs = max(T - (p.block_size - 1), 0) * nb if p.type == "block_topk" and p.compress else 0
+        cb = compress_block(p)
+        pairs = max(T - (cb - 1), 0) * (T // cb) if p.type == "block_topk" and p.compress else 0
         out.append(pairs / causal_pairs)
     return out
+
+
+def compress_block(p) -> int:
+    """The keys a pattern's compressed branch pools per block (``compress_block``, else ``block_size``)."""
+    return p.compress_block or p.block_size
 
 
 def compress_heads(pats: Sequence) -> list[int]:

@@ -20,7 +20,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from .compressed import compress_heads, compressed_attention, compressed_density
+from .compressed import compress_block, compress_heads, compressed_attention, compressed_density
 from .flash import flash_attn_dense
 from .functional import dense_causal_attention, sparse_attention
 from .masking import masked_causal_attention
@@ -133,9 +133,21 @@ class Attention(nn.Module):
         ``sigmoid(g_fine) * out + sigmoid(g_cmp) * compressed_attention`` (layers.attention.compressed)."""
         pats = head_patterns(self.pattern, self.n_heads)
         heads = index_tensor(self.compress_heads, q.device)
-        kv_heads = index_tensor([h // (self.n_heads // self.n_kv_heads) for h in self.compress_heads], q.device)
-        cmp = compressed_attention(q[:, heads], k, v, layer_block_size(pats), q_offset, kv_heads)
         g = rearrange(torch.sigmoid(self.branch_gate(x)), "b s (two h) -> two b h s 1", two=2).to(out.dtype)
+        # one call per pooling block size among the heads (a layer normally has one)
+        by_block: dict[int, list[int]] = {}
+        for i, h in enumerate(self.compress_heads):
+            by_block.setdefault(compress_block(pats[h]), []).append(i)
+        parts = []
+        for cb, idx in by_block.items():
+            hs = [self.compress_heads[i] for i in idx]
+            kv_heads = index_tensor([h // (self.n_heads // self.n_kv_heads) for h in hs], q.device)
+            parts.append(compressed_attention(q[:, index_tensor(hs, q.device)], k, v, cb, q_offset, kv_heads))
+        if len(parts) == 1:
+            cmp = parts[0]
+        else:      # back to compress_heads' order: head j sits at position order.index(j) of the concatenation
+            order = [i for idx in by_block.values() for i in idx]
+            cmp = torch.cat(parts, 1)[:, index_tensor([order.index(j) for j in range(len(order))], q.device)]
         mixed = g[0] * out[:, heads] + g[1] * cmp.to(out.dtype)
         if fresh_stats and "density" in self.attn_stats and q.shape[2] == k.shape[2] and q_offset == 0:
             # honest FLOPs: the branch's (query, pooled key) pairs, in the block units of the kernel's density

@@ -37,6 +37,9 @@ Every backend (layers.attention.functional) must compute attention under exactly
   learned per-head gates in layers.Attention. Its logits are the per-query scores the selection ranks,
   so it is the gradient path that teaches the selection about blocks outside the top-k. The mask
   ``allowed(q, k)`` above is the fine branch's only; ``compress`` does not change it.
+  ``compress_block``: the branch pools blocks of this many keys instead of ``block_size`` (NSA
+  compresses 32-token blocks and selects 64-token ones): a short needle is diluted less in a smaller
+  block's mean, at ``T / compress_block`` pooled keys per query; the selection keeps ``block_size``.
 - ``vertical_slash`` extras (MInference's kernel): ``keep_columns`` forces the first N key columns and
   ``keep_diagonals`` the N diagonals nearest the main one into the top-k (their scores set above every
   estimate before it, earliest / nearest first when the budget is smaller).
@@ -87,6 +90,7 @@ class SparsityPattern:
     share_group: int = 0        # block top-k: 1 = one selection per KV group (NSA-style, GQA-native)
     query_max: int = 0          # block top-k: 1 = a query block scores key blocks by its best query (MoBA/NSA per-query affinity)
     compress: int = 0           # block top-k: 1 = plus NSA's compressed branch, gated (layers.attention.compressed)
+    compress_block: int = 0     # the compressed branch's pooling block (power of two; 0 = block_size)
 
     def __post_init__(self):
         validate_pattern(self.to_dict(), "pattern")

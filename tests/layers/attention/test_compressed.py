@@ -213,3 +213,45 @@ def test_compressed_branch_on_cuda_bf16_meets_the_float64_loop_fwd_bwd():
     for a, b in [(got, want), *zip(grads, ref_grads)]:
         err = float((a.double().cpu() - b).norm() / b.norm())
         assert err < 2e-2, err
+
+
+def test_heads_with_different_compress_blocks_each_get_their_own_pooling():
+    """``compress_block`` pools the branch's keys in blocks other than the selection's; heads of one layer with
+    different ones each get their own call, back in head order, and the density counts each."""
+    torch.manual_seed(0)
+    A = SparsityPattern(type="a_shape", sinks=2, window=8, block_size=BS)
+    N8 = dataclasses.replace(NSA, compress_block=8)
+    pats = [A, N8, NSA, N8, A, NSA, N8, A]
+    dim, H, Hk, T = 64, 8, 2, 50
+    attn = Attention(dim, H, Hk, pattern=pats)
+    attn.init_weights(0.2, 0.2)
+    fine = Attention(dim, H, Hk, pattern=[dataclasses.replace(p, compress=0, compress_block=0) for p in pats])
+    fine.load_state_dict({n: t for n, t in attn.state_dict().items() if not n.startswith("branch_gate")})
+    rope = RotaryEmbedding(dim // H)
+    x = torch.randn(2, T, dim)
+    cos, sin = rope(torch.arange(T))
+    heads_in = {}
+    fine.wo.register_forward_pre_hook(lambda m, a: heads_in.update(fine=a[0]))
+    with torch.no_grad():
+        got = attn(x, cos, sin)
+        fine(x, cos, sin)
+        q, k, v = _qkv(attn, x, cos, sin)
+        per_head = heads_in["fine"].unflatten(-1, (H, dim // H)).transpose(1, 2).clone()
+        g = torch.sigmoid(attn.branch_gate(x)).unflatten(-1, (2, 5)).permute(2, 0, 3, 1)[..., None]
+        for i, h in enumerate(attn.compress_heads):
+            kv = slice(h // 4, h // 4 + 1)
+            cmp = compressed_attention(q[:, h:h + 1], k[:, kv], v[:, kv], pats[h].compress_block or BS)[:, 0]
+            per_head[:, h] = g[0][:, i] * per_head[:, h] + g[1][:, i] * cmp
+        want = attn.wo(per_head.transpose(1, 2).flatten(2))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    from layers.attention.compressed import compressed_density
+    share = compressed_density(pats, 64, 1.0)
+    assert share[1] == (64 - 7) * 8 and share[2] == (64 - 15) * 4 and share[0] == 0
+
+
+def test_bad_compress_block_fails_naming_the_key():
+    from configs.attention import validate_pattern
+    with pytest.raises(ConfigError, match="p.compress_block: must be a power of two, got 24"):
+        validate_pattern({"type": "block_topk", "top_k": 2, "compress": 1, "compress_block": 24}, "p")
+    with pytest.raises(ConfigError, match="p.compress_block: sizes the compressed branch: set compress: 1 too"):
+        validate_pattern({"type": "block_topk", "top_k": 2, "compress_block": 32}, "p")
