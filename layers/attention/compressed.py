@@ -32,10 +32,9 @@ def compressed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
     B, H, S, D = q.shape
     T, bs = k.shape[2], block_size
     nb = T // bs                                                   # complete blocks only
-    out = q.new_zeros(B, H, S, v.shape[-1])
     first = max(bs - 1 - q_offset, 0)                              # the first row that sees a block
     if nb == 0 or first >= S:
-        return out
+        return q.new_zeros(B, H, S, v.shape[-1])
     kc = k[:, :, :nb * bs].unflatten(2, (nb, bs)).mean(3)          # [B, Hk, nb, D]
     vc = v[:, :, :nb * bs].unflatten(2, (nb, bs)).mean(3)
     if kv_heads is not None:
@@ -45,7 +44,7 @@ def compressed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
     pos = torch.arange(q_offset + first, q_offset + S, device=q.device)
     seen = torch.arange(nb, device=q.device)[None, :] < torch.div(pos + 1, bs, rounding_mode="floor")[:, None]
     rows = F.scaled_dot_product_attention(q[:, :, first:], kc.to(q.dtype), vc.to(q.dtype), attn_mask=seen)
-    return torch.cat([out[:, :, :first], rows], dim=2) if first else rows
+    return F.pad(rows, (0, 0, first, 0)) if first else rows       # rows before the first block end: 0
 
 
 def compressed_density(pats: Sequence, T: int, causal_pairs: float) -> list[float]:
