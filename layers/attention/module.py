@@ -30,6 +30,41 @@ from ..norm import RMSNorm
 from ..rope import apply_rotary
 
 
+def head_runs(heads: list[int]) -> list[tuple[int, int]]:
+    """Sorted distinct head indices -> the maximal runs ``[a, b)`` of consecutive ones (``[4, 5, 7]`` ->
+    ``[(4, 6), (7, 8)]``)."""
+    runs: list[tuple[int, int]] = []
+    for h in heads:
+        if runs and runs[-1][1] == h:
+            runs[-1] = (runs[-1][0], h + 1)
+        else:
+            runs.append((h, h + 1))
+    return runs
+
+
+# Head subsets by slices and one cat rather than index / index_copy: under torch 2.11's AOTAutograd the
+# backward of index_copy on the (permuted) attention output decomposes into a copy_ into a permuted empty
+# tensor, a non-functional graph that aot_eager_decomp_partition rejects (H200 test run, 2026-12-04).
+# Slice backwards are slice_scatter, functional in every version; the heads are static, so the loop is too.
+def take_heads(t: torch.Tensor, heads: list[int]) -> torch.Tensor:
+    """``t [B, H, ...]`` -> ``t[:, heads]`` (sorted distinct heads), by slices."""
+    pieces = [t[:, a:b] for a, b in head_runs(heads)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 1)
+
+
+def put_heads(t: torch.Tensor, heads: list[int], rows: torch.Tensor) -> torch.Tensor:
+    """``t [B, H, ...]`` with head ``heads[j]`` replaced by ``rows[:, j]`` (sorted distinct heads), out of place."""
+    pieces, j, prev = [], 0, 0
+    for a, b in head_runs(heads):
+        if a > prev:
+            pieces.append(t[:, prev:a])
+        pieces.append(rows[:, j:j + b - a])
+        j, prev = j + b - a, b
+    if prev < t.shape[1]:
+        pieces.append(t[:, prev:])
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 1)
+
+
 class KVCache(nn.Module):
     """Static-size cache ``k, v [B, Hk, max_len, Dh]`` (gpt-fast style: no reallocation in decode)."""
 
@@ -132,7 +167,6 @@ class Attention(nn.Module):
         """``out [B, Hq, S, Dh]`` with each compressed head's rows replaced by
         ``sigmoid(g_fine) * out + sigmoid(g_cmp) * compressed_attention`` (layers.attention.compressed)."""
         pats = head_patterns(self.pattern, self.n_heads)
-        heads = index_tensor(self.compress_heads, q.device)
         g = rearrange(torch.sigmoid(self.branch_gate(x)), "b s (two h) -> two b h s 1", two=2).to(out.dtype)
         # one call per pooling block size among the heads (a layer normally has one)
         by_block: dict[int, list[int]] = {}
@@ -142,13 +176,13 @@ class Attention(nn.Module):
         for cb, idx in by_block.items():
             hs = [self.compress_heads[i] for i in idx]
             kv_heads = index_tensor([h // (self.n_heads // self.n_kv_heads) for h in hs], q.device)
-            parts.append(compressed_attention(q[:, index_tensor(hs, q.device)], k, v, cb, q_offset, kv_heads))
+            parts.append(compressed_attention(take_heads(q, hs), k, v, cb, q_offset, kv_heads))
         if len(parts) == 1:
             cmp = parts[0]
         else:      # back to compress_heads' order: head j sits at position order.index(j) of the concatenation
             order = [i for idx in by_block.values() for i in idx]
             cmp = torch.cat(parts, 1)[:, index_tensor([order.index(j) for j in range(len(order))], q.device)]
-        mixed = g[0] * out[:, heads] + g[1] * cmp.to(out.dtype)
+        mixed = g[0] * take_heads(out, self.compress_heads) + g[1] * cmp.to(out.dtype)
         if fresh_stats and "density" in self.attn_stats and q.shape[2] == k.shape[2] and q_offset == 0:
             # honest FLOPs: the branch's (query, pooled key) pairs, in the block units of the kernel's density
             T, bs = k.shape[2], layer_block_size(pats)
@@ -158,7 +192,7 @@ class Attention(nn.Module):
                     compressed_density(pats, T, bs * bs * n * (n + 1) / 2), device=q.device))
             dens = self.attn_stats["density"] + self._compressed_density[1]
             self.attn_stats = {**self.attn_stats, "density": dens}
-        return out.index_copy(1, heads, mixed)
+        return put_heads(out, self.compress_heads, mixed)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
                 mask: Optional[torch.Tensor] = None) -> torch.Tensor:
