@@ -1,6 +1,7 @@
 """Run sections: ``data``, ``train``, ``optim``, ``logging``, ``checkpoint``."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,6 +23,10 @@ class DataConfig:
     # 1, 2, 4, .. up to `passkey_questions` segments of a needle + one question; validation text never does.
     passkey_mix: float = 0.0
     passkey_questions: int = 4
+    # How the segment count m is drawn: P(m) ~ m ** -bias. 0 = uniform over the levels (nearly all episodes
+    # short-range); 1 = the same expected episodes at every level, so more long-distance ones, fewer in all
+    # (PasskeyMix's docstring has the numbers).
+    passkey_distance_bias: float = 0.0
     # The asked keys' tokens weigh this much in the training loss (1 = plain LM loss). A small model sees
     # the task in ~2% of its tokens at most; weighting them (20: BENCHMARKS.md) makes it learn the copy in
     # minutes, at some cost in val loss. The logged training loss and the validation loss stay the plain mean CE.
@@ -32,6 +37,8 @@ class DataConfig:
         check(self.max_files >= 0, f"{key}.max_files", f"must be >= 0, got {self.max_files}")
         check(0.0 <= self.passkey_mix <= 1.0, f"{key}.passkey_mix", f"must be in [0, 1], got {self.passkey_mix}")
         check(self.passkey_questions >= 1, f"{key}.passkey_questions", f"must be >= 1, got {self.passkey_questions}")
+        check(math.isfinite(self.passkey_distance_bias) and self.passkey_distance_bias >= 0,
+              f"{key}.passkey_distance_bias", f"must be a finite number >= 0, got {self.passkey_distance_bias}")
         check(self.passkey_answer_weight > 0, f"{key}.passkey_answer_weight",
               f"must be > 0, got {self.passkey_answer_weight}")
 

@@ -86,7 +86,8 @@ class Trainer:
         if cfg.data.passkey_mix > 0:      # retrieval practice in the training windows (training/passkey.py)
             from .passkey import PasskeyMix
             self.passkey_mix = PasskeyMix(self.data.tokenizer, cfg.data.passkey_mix, cfg.data.passkey_questions,
-                                          cfg.train.seq_len, cfg.data.passkey_answer_weight)
+                                          cfg.train.seq_len, cfg.data.passkey_answer_weight,
+                                          distance_bias=cfg.data.passkey_distance_bias)
         if self.resume_path:
             check_resumable(self.resume_path, cfg, self.par.world_size, self.data.tokenizer.digest)
         model = build_model(cfg.model, model_init_device(cfg, self.par))   # "meta" when too big to build whole

@@ -73,18 +73,45 @@ class PasskeyMix:
     ``(seed, step, epoch, index in the global batch)``), so which windows carry keys, and where, does
     not depend on how ranks or accumulation split the batch, and a resumed run sees the same data.
 
-    A chosen window is cut into ``m`` equal segments, ``m`` drawn uniformly from the powers of two up to
+    A chosen window is cut into ``m`` equal segments, ``m`` drawn from the powers of two up to
     ``questions`` (1, 2, 4, .. 64 for 64); each segment gets, over its own text, a needle with its own
     fresh key at a uniform position and one ``question + key`` at the segment's end. So the distance from
     question to needle spans every scale up to the whole window (the eval's depths do too), and the most
     recent "The pass key is" before a question is always its own needle: an answer can only be copied
     from the needle, never from an earlier question (which, with several questions about one key, lets a
     model learn a short copy that does not reach back: a 31M model trained that way at 16k scored 0%).
+
+    ``distance_bias`` (``data.passkey_distance_bias``) weighs how ``m`` is drawn: ``P(m) ~ m ** -bias``.
+    A segment's distances are uniform up to its length ``window / m``, so long distances come only from
+    windows with few segments, and a window holds at most one episode farther back than half of it: more
+    long episodes cost short ones. 0 (the default) draws ``m`` uniformly over the levels, which puts
+    nearly all episodes at short range; 1 gives every level (segment lengths an octave apart) the same
+    expected number of episodes. Expected per window at ``questions`` 256 and 16k tokens
+    (zoo/sparse_attn_small_16k.yaml; "far" = farther back than a quarter of the window, 4k, where its
+    dense model stops retrieving; the last column with its 6-token keys and ``answer_weight`` 20):
+
+        bias   P(m=1)   episodes   far episodes   far share   answers' share of the loss weight
+        0      0.111    56.8       0.194          0.3%        30%
+        0.5    0.306    16.0       0.447          2.8%        11%
+        1      0.501    4.51       0.626          13.9%       3.2%
+        2      0.750    1.50       0.750          50%         1.1%
+
+    (2400 steps x 2 windows: 930 far episodes against 272k short ones at 0, 3000 against 19k at 1). No
+    bias gets more than 0.75 far episodes a window (every window one segment); what it trades is the
+    short-range practice and the answers' weight in the loss, which ``answer_weight`` may then make up.
     """
 
-    def __init__(self, tokenizer, share: float, questions: int, seq_len: int, answer_weight: float = 1.0):
+    def __init__(self, tokenizer, share: float, questions: int, seq_len: int, answer_weight: float = 1.0,
+                 distance_bias: float = 0.0):
         self.tokenizer, self.share, self.answer_weight = tokenizer, share, answer_weight
         self.counts = [1 << i for i in range(questions.bit_length())]     # segments a window: 1, 2, 4, ..
+        # Unbiased, m stays the one rng.integers call earlier runs drew it with, so their windows (and their
+        # resumes) are unchanged. Biased: one rng.random() against the cumulative P(m) ~ m ** -bias; the
+        # bounds stop before the last level, so a sum that rounds below 1 still ends on it.
+        self.count_bounds = None
+        if distance_bias:
+            weights = np.array(self.counts, dtype=np.float64) ** -distance_bias
+            self.count_bounds = (np.cumsum(weights) / weights.sum())[:-1]
         self.parts, self.question = _encoded_parts(tokenizer)
         needle, ask = _needle_and_ask(self.parts, self.question, _random_key(tokenizer, np.random.default_rng(0)))
         need = self.counts[-1] * (len(needle) + len(ask))
@@ -93,6 +120,12 @@ class PasskeyMix:
             raise ConfigError("data.passkey_questions", f"{self.counts[-1]} segments of a needle and a question "
                                                         f"take ~{need} tokens, more than train.seq_len={seq_len}")
 
+    def _count_level(self, rng: np.random.Generator) -> int:
+        """Index into ``counts`` of a window's segment count."""
+        if self.count_bounds is None:
+            return int(rng.integers(0, len(self.counts)))
+        return int(np.searchsorted(self.count_bounds, rng.random(), side="right"))
+
     def apply_(self, windows: np.ndarray, draws) -> np.ndarray:
         S1 = windows.shape[1]
         answers = np.zeros(windows.shape, dtype=bool)
@@ -100,7 +133,7 @@ class PasskeyMix:
             rng = np.random.default_rng([int(v) & 0x7FFFFFFF for v in draw] + [0x9A55])
             if rng.random() >= self.share:
                 continue
-            m = self.counts[int(rng.integers(0, len(self.counts)))]
+            m = self.counts[self._count_level(rng)]
             seg = S1 // m
             for s in range(m):
                 key = _random_key(self.tokenizer, rng)

@@ -92,11 +92,12 @@ def test_passkey_runs_during_training_and_from_the_cli_on_a_checkpoint(tmp_path,
     assert "step 4" in r.stdout + r.stderr and "accuracy" in r.stdout + r.stderr
 
 
-def test_passkey_mix_asks_each_fresh_key_once_after_its_own_needle():
+@pytest.mark.parametrize("distance_bias", [0.0, 1.0])
+def test_passkey_mix_asks_each_fresh_key_once_after_its_own_needle(distance_bias):
     from training.data import sample_batch
     from training.passkey import NEEDLE, QUESTION, PasskeyMix
     tok = CharTokenizer()
-    mix = PasskeyMix(tok, share=1.0, questions=4, seq_len=1200)
+    mix = PasskeyMix(tok, share=1.0, questions=4, seq_len=1200, distance_bias=distance_bias)
     x, y, w = sample_batch(HAY, 24, 1200, seed=1, step=5, passkey=mix)
     assert w is None                                              # answer_weight 1: plain loss
     assert torch.equal(x[:, 1:], y[:, :-1])                       # still one window, shifted
@@ -123,10 +124,11 @@ def test_passkey_mix_asks_each_fresh_key_once_after_its_own_needle():
     assert torch.equal(sample_batch(HAY, 4, 1200, 1, 5, passkey=none)[0], sample_batch(HAY, 4, 1200, 1, 5)[0])
 
 
-def test_passkey_mix_does_not_depend_on_how_the_batch_is_split():
+@pytest.mark.parametrize("distance_bias", [0.0, 1.0])
+def test_passkey_mix_does_not_depend_on_how_the_batch_is_split(distance_bias):
     from training.data import sample_batch
     from training.passkey import PasskeyMix
-    mix = PasskeyMix(CharTokenizer(), share=0.5, questions=2, seq_len=300)
+    mix = PasskeyMix(CharTokenizer(), share=0.5, questions=2, seq_len=300, distance_bias=distance_bias)
     whole = sample_batch(HAY, 8, 300, seed=2, step=7, passkey=mix)[0]
     parts = torch.cat([sample_batch(HAY, 2, 300, 2, 7, rank=r, world=4, passkey=mix)[0] for r in range(4)])
     assert torch.equal(whole, parts)
@@ -135,13 +137,15 @@ def test_passkey_mix_does_not_depend_on_how_the_batch_is_split():
     assert 0 < int(changed.sum()) < 8                             # about half of the windows carry a key
 
 
-def test_answer_weight_weighs_exactly_the_asked_keys_tokens():
+@pytest.mark.parametrize("distance_bias", [0.0, 1.0])
+def test_answer_weight_weighs_exactly_the_asked_keys_tokens(distance_bias):
     """data.passkey_answer_weight: w is the weight on the targets that are an asked key's tokens (the
     digits after each question), 1 elsewhere; the model's loss is the weighted mean, parts["ce"] the plain."""
     from training.data import sample_batch
     from training.passkey import QUESTION, PasskeyMix
     from zoo.model import Transformer
-    mix = PasskeyMix(CharTokenizer(), share=1.0, questions=4, seq_len=1200, answer_weight=8.0)
+    mix = PasskeyMix(CharTokenizer(), share=1.0, questions=4, seq_len=1200, answer_weight=8.0,
+                     distance_bias=distance_bias)
     x, y, w = sample_batch(HAY, 6, 1200, seed=1, step=5, passkey=mix)
     assert w.shape == y.shape and w.dtype == torch.float32 and set(w.unique().tolist()) == {1.0, 8.0}
     for row, wrow in zip(y, w):
@@ -170,3 +174,59 @@ def test_passkey_mix_that_does_not_fit_the_window_names_the_key(tmp_path):
         PasskeyMix(CharTokenizer(), share=1.0, questions=4, seq_len=100)
     with pytest.raises(ConfigError, match=r"^data.passkey_mix: must be in \[0, 1\]"):
         load_config("zoo/tiny_dense.yaml", ["data.passkey_mix=1.5"])
+
+
+# sha256 (first 16 hex digits) of the windows + answer marks that PasskeyMix wrote for these seeds before
+# data.passkey_distance_bias existed (computed with the committed e427515 training/passkey.py): runs made
+# before the option must see the same windows, and their resumes replay them.
+UNBIASED_DIGESTS = {0: "6214154eb5ba2acc", 1: "ba3e9e35f3ec84bc", 7: "857ba095a256c77b"}
+
+
+@pytest.mark.parametrize("seed", sorted(UNBIASED_DIGESTS))
+def test_passkey_mix_without_distance_bias_writes_the_windows_it_always_did(seed):
+    import hashlib
+    from training.passkey import PasskeyMix
+    draws = [(seed, 3, 0, r) for r in range(16)]
+    text = np.random.default_rng(seed).integers(97, 123, size=(16, 1201))
+    for mix in (PasskeyMix(CharTokenizer(), share=0.7, questions=8, seq_len=1200),
+                PasskeyMix(CharTokenizer(), share=0.7, questions=8, seq_len=1200, distance_bias=0.0)):
+        got = text.copy()
+        answers = mix.apply_(got, draws)
+        digest = hashlib.sha256(got.astype(np.int64).tobytes() + answers.tobytes()).hexdigest()[:16]
+        assert digest == UNBIASED_DIGESTS[seed] and answers.any()
+
+
+def test_distance_bias_draws_segment_counts_with_p_proportional_to_m_pow_minus_bias():
+    """Windows' segment counts (asked keys a window) over 4000 draws against P(m) ~ m ** -bias, by a
+    chi-square test at p = 0.001 (3 degrees of freedom: 16.27); the draws are seeded, so it never flakes."""
+    from training.passkey import PasskeyMix
+    counts = np.array([1, 2, 4, 8])
+    draws = [(5, 11, 0, r) for r in range(4000)]
+    for bias in (0.0, 0.5, 1.0, 2.0):
+        mix = PasskeyMix(CharTokenizer(), share=1.0, questions=8, seq_len=1000, distance_bias=bias)
+        answers = mix.apply_(np.zeros((len(draws), 1001), dtype=np.int64), draws)
+        asked = answers.sum(1) // 6                                   # a key is a space and 5 digits
+        observed = np.array([(asked == m).sum() for m in counts])
+        assert observed.sum() == len(draws)
+        expected = len(draws) * counts ** -bias / (counts ** -bias).sum()
+        assert ((observed - expected) ** 2 / expected).sum() < 16.27, (bias, observed, expected.round())
+        again = mix.apply_(np.zeros((8, 1001), dtype=np.int64), draws[:8])
+        assert np.array_equal(again, answers[:8])                     # a pure function of the draw
+
+
+@pytest.mark.parametrize("value", ["-0.5", ".nan", ".inf"])
+def test_bad_distance_bias_fails_naming_the_key(value):
+    with pytest.raises(ConfigError, match=r"^data\.passkey_distance_bias: must be a finite number >= 0"):
+        load_config("zoo/tiny_dense.yaml", [f"data.passkey_distance_bias={value}"])
+
+
+def test_trainer_draws_the_mix_with_the_configured_distance_bias(tmp_path, corpus_dir):
+    """data.passkey_distance_bias reaches the trainer's PasskeyMix (the windows it trains on)."""
+    from training.loop import Trainer
+    from training.passkey import PasskeyMix
+    ov = tiny_overrides(tmp_path, corpus_dir, **{"data.passkey_mix": 1.0, "data.passkey_questions": 2,
+                                                  "model.max_seq_len": 256, "train.seq_len": 256,
+                                                  "data.passkey_distance_bias": 1.0})
+    mix = Trainer(load_config("zoo/tiny_dense.yaml", ov)).passkey_mix
+    want = PasskeyMix(CharTokenizer(), share=1.0, questions=2, seq_len=256, distance_bias=1.0)
+    assert np.array_equal(mix.count_bounds, want.count_bounds) and mix.count_bounds.tolist() == [2 / 3]
