@@ -28,6 +28,16 @@ def triton_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    """Each pytest-xdist worker gets its share of the cores for torch's intra-op threads (a configure hook,
+    not test import: the worker's own process, before any test). By default every worker takes all of
+    them: on the H200 box (16 cores, 8 workers) that was 128 threads on 16 cores, the CPU tests there ran
+    up to 2x their 2-core time and the suite outran a 575 s call (BENCHMARKS.md, test suite, 2026-12-04)."""
+    worker = getattr(config, "workerinput", None)
+    if worker is not None:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(worker.get("workercount", 1))))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         # GPU tests last: the CPU tests that fork gloo ranks (helpers.spawn) then run before any CUDA
