@@ -2,14 +2,16 @@
 # The MoE end-to-end runs of BENCHMARKS.md (issue 16) in one GPU call (H200): our model vs torchtitan's on
 # the identical OLMoE-shaped model (with a 3-step profile of each: where the device time goes), the
 # dim-512 MoE step against the dense step (compiled, profiled), FP8 experts vs bf16 over 300 steps, and
-# equal-time quality (dense, MoE, neuron-routed; two seeds). Each part has its own time limit.
+# equal-time quality (dense, MoE, neuron-routed; two seeds; each run trains until 45 s of steady GPU time,
+# the neuron-routed ones a step count from the probe: bench/train_moe.py). Each part has its own time limit.
 #
 #     python bench/train_moe.py --prepare .tok2k --max-files 40        # once, on any machine (vocab 2048)
 #     python bench/train_moe.py --prepare .tok25 --max-files 120 --max-tokens 26000000   # for `equal`: 45 s of
 #         the dense D 512 model reads ~50M tokens, 5 epochs of .tok2k's 9.8M; 26M tokens still fit one transfer
 #     OUT=/tmp/out TOK=.tok2k bash bench/moe_gpu.sh [titan small fp8 equal]
 #     (EQUAL_SUITE=equal_time_graphs: `equal` with dense and MoE as CUDA graphs, each at its fastest step;
-#     EQUAL_SUITE=equal_time_moe_shapes EQUAL_SEEDS=0: dense and three other MoE layouts, one seed, ~450 s)
+#     EQUAL_SUITE=equal_time_moe_shapes EQUAL_SEEDS=0: dense and three other MoE layouts (the top-1 ones on
+#     the Switch router), one seed, ~450 s)
 #
 # torchtitan 0.3.0 and what it imports that the H200 image lacks travel as wheels on PYTHONPATH
 # (bench/torchtitan_moe.py's docstring lists them). Results under $OUT (json per part, one log).

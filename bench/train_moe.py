@@ -1,8 +1,8 @@
 """The trainer end to end, MoE and neuron-routed FFN against the dense FFN on one backbone: equal-time
 quality and tokens/s, on one GPU.
 
-    python bench/train_moe.py --prepare DIR [--max-files N]          # tokens, on any machine (CPU)
-    python bench/train_moe.py --tokens DIR [--suite equal_time,speed_2k] [--seconds 15] [--seeds 0,1]
+    python bench/train_moe.py --prepare DIR [--max-files N] [--cache-dir C]   # tokens, on any machine (CPU)
+    python bench/train_moe.py --tokens DIR [--suite equal_time,speed_2k] [--seconds 15] [--seeds 0,1] [--fixed-steps]
     python bench/train_moe.py --tokens DIR --suite speed_fp8 --speed-steps 300   # bf16 vs FP8 experts
 
 ``--prepare`` builds the corpus (``data.source=python_packages`` by default: this interpreter's
@@ -16,10 +16,17 @@ more device time than a short equal-time run trains); the script drives ``train_
 times each step):
 - ``equal_time``: dense, MoE (8 experts top-2, expert hidden FFN/2: the dense FFN's active FLOPs) and
   neuron-routed (tiny_neuron's schedule: dense warm-up, 3 sparse : 1 dense, dense finish) versions
-  of one backbone (D 512, 8 layers, FFN 1408, seq 1024, batch 32). A probe run per model measures
-  its steady step time; each seed then trains ``seconds / step time`` steps (the LR and neuron
-  schedules know the total), so every model gets the same GPU seconds. Printed: val loss, tokens
-  seen, steady training seconds, tokens/s.
+  of one backbone (D 512, 8 layers, FFN 1408, seq 1024, batch 32), every model the same GPU seconds.
+  A probe run per model (``--probe-steps``, seed 0) measures its settled step time. Each seed then
+  trains until its steady training seconds reach ``--seconds``, the LR on ``TimeSchedule``: warm-up
+  over ``optim.warmup_steps`` steps as the trainer's, then the cosine as a function of the steady
+  seconds, at its floor when the budget is spent; ``train.steps`` is only a bound (1.5x the probe's
+  estimate). The neuron-routed model keeps a step count (``--seconds`` / the probe's step time): its
+  schedule's phases (dense warm-up and finish, re-grouping) are fractions of a step total, as are
+  DST's. ``--fixed-steps``: every model that way (the old sizing: the probe under-rated the
+  CUDA-graphed MoE runs by 7-11%, so they trained 39-42 s of a 45 s budget where dense trained
+  45.6 s). Printed: val loss, steps taken, tokens seen, steady training seconds, tokens/s. Every suite
+  not named ``speed_*`` runs this way.
 - ``speed_2k``: tokens/s of a D 2048 backbone (4 layers, FFN 5632, 16k tokens a step) with the dense
   FFN and with the neuron-routed FFN at 4 of 16 groups in every step (sparse steps only: the
   schedule's dense steps run the dense FFN plus the router, timed by bench/neuron_ffn.py).
@@ -32,18 +39,20 @@ times each step):
   (``train.compile_mode=reduce-overhead``; with ``--compile``): the host's launch cost taken out.
 - ``equal_time_graphs``: ``equal_time``'s dense and MoE runs the same way (with ``--compile``).
 - ``equal_time_moe_shapes``: dense and three other MoE layouts of the same active FFN FLOPs at equal time,
-  as CUDA graphs (with ``--compile``): 1 shared expert + top-1 of 8 (hidden 704 each), top-1 of 8 at 1408,
-  top-4 of 16 at 352.
+  as CUDA graphs (with ``--compile``): 1 shared expert + top-1 of 8 (hidden 704 each), top-1 of 8 at 1408
+  (both top-1 layouts with the Switch router), top-4 of 16 at 352.
 - ``speed_fp8``: equal_time's MoE with bf16 and with FP8 expert GEMMs (``model.moe.precision=fp8``), the
   same seed and ``--speed-steps`` steps each: val loss (the FP8 run should land within 0.5% of bf16's),
   last training loss, tokens/s.
-Steady seconds leave out steps over twice the median (the first compile, recompiles at phase
-changes, the re-clustering step).
+Steady seconds leave out steps over twice the median step (the first compile, CUDA-graph capture,
+recompiles at phase changes, the re-clustering step, profiled steps): the run's own median, or in a
+time-budgeted run the probe's settled step, since that run's clock must count as it goes.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -68,6 +77,8 @@ BACKBONE_4K = ["model.dim=4096", "model.n_layers=4", "model.n_heads=32", "model.
 # the neuron-routed FFN at 4 of 16 groups in every step (no dense warm-up, finish or re-grouping steps)
 NEURON_SPARSE = ["model.neuron.num_groups=16", "model.neuron.top_k_groups=4", "model.neuron.warmup_fraction=0",
                  "model.neuron.finish_fraction=0", "model.neuron.sparse_ratio=1.0", "model.neuron.recluster=false"]
+# a few-step warm-up: a run of a few seconds reaches its cosine (the presets warm up over 30 steps)
+SMOKE = ["model.n_layers=2", "train.batch_size=2", "train.seq_len=64", "optim.warmup_steps=5"]
 SUITES = {   # name -> {run: (preset, overrides)}
     "equal_time": {
         "dense": ("zoo/tiny_dense.yaml", BACKBONE),
@@ -91,9 +102,9 @@ SUITES = {   # name -> {run: (preset, overrides)}
         "moe_fp8": ("zoo/tiny_moe.yaml", BACKBONE + ["model.moe.hidden_dim=704", "model.moe.precision=fp8"]),
     },
     "smoke": {   # this script on CPU in seconds
-        "dense": ("zoo/tiny_dense.yaml", ["model.n_layers=2", "train.batch_size=2", "train.seq_len=64"]),
-        "moe": ("zoo/tiny_moe.yaml", ["model.n_layers=2", "train.batch_size=2", "train.seq_len=64"]),
-        "neuron": ("zoo/tiny_neuron.yaml", ["model.n_layers=2", "train.batch_size=2", "train.seq_len=64"]),
+        "dense": ("zoo/tiny_dense.yaml", SMOKE),
+        "moe": ("zoo/tiny_moe.yaml", SMOKE),
+        "neuron": ("zoo/tiny_neuron.yaml", SMOKE),
     },
 }
 
@@ -111,13 +122,69 @@ SUITES["equal_time_graphs"] = with_graphs("equal_time", ("dense", "moe"))
 # MoE layouts of the same active FFN FLOPs (hidden 1408 a token) against dense, CUDA graphs: top-2 of 8 at
 # 704 is 0.79x dense's tokens/s and +3.7% val loss at 45 s (BENCHMARKS.md); a shared expert carries half the
 # FLOPs in one dense GEMM (DeepSeekMoE, Qwen-MoE) with top-1 of 8 routed, top-1 of 8 at 1408 routes each row
-# once (Switch), top-4 of 16 at 352 is DeepSeekMoE's finer segmentation
-_MOE_SHAPES = {"moe_shared": ["model.moe.shared_experts=1", "model.moe.top_k=1", "model.moe.hidden_dim=704"],
-               "moe_top1": ["model.moe.top_k=1", "model.moe.hidden_dim=1408"],
+# once (Switch), top-4 of 16 at 352 is DeepSeekMoE's finer segmentation. The top-1 layouts use the Switch
+# router: a renormalised top-1 weight is always 1.0, so softmax's router learned from the balance loss only
+# (and the config now refuses it). 45 s, probe-sized runs (2026-12-04, BENCHMARKS.md): dense 1.875 / 1.908;
+# shared + top-1 softmax 1.925 / 1.947 (+2.3%), switch 1.902 (seed 0); top-1 at 1408 softmax 2.098 / 2.098
+# (+10.9%), switch 2.035 (seed 0); top-4 of 16 1.994 / 2.003 (+5.6%)
+_TOP1 = ["model.moe.top_k=1", "model.moe.router=switch"]
+_MOE_SHAPES = {"moe_shared": ["model.moe.shared_experts=1", *_TOP1, "model.moe.hidden_dim=704"],
+               "moe_top1": [*_TOP1, "model.moe.hidden_dim=1408"],
                "moe_fine": ["model.moe.num_experts=16", "model.moe.top_k=4", "model.moe.hidden_dim=352"]}
 SUITES["moe_shapes"] = {"dense": SUITES["equal_time"]["dense"],
                         **{n: ("zoo/tiny_moe.yaml", BACKBONE + ov) for n, ov in _MOE_SHAPES.items()}}
 SUITES["equal_time_moe_shapes"] = with_graphs("moe_shapes")
+
+
+STEP_BOUND = 1.5   # a time-budgeted run's train.steps: this times the probe's estimate, a bound never reached
+
+
+class TimeSchedule:
+    """training.optim.build_scheduler's LR shape on a clock instead of a step count: the linear warm-up over
+    ``optim.warmup_steps`` steps (from lr / warmup_steps), then the cosine from lr to ``lr * min_lr_ratio``
+    over the steady seconds from the warm-up's end to ``seconds``; at the floor once ``seconds`` are spent.
+
+    Stands in for a Trainer's ``scheduler`` (the trainer is unchanged): its ``step()``, which train_step
+    calls after the optimizer step, counts the step; ``advance(steady_s)``, which the bench calls once it
+    has timed that step, adds the step's steady seconds (0 for a step left out) and sets the next step's LR
+    in every param group. Not checkpointable: the bench saves no checkpoints."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg, seconds: float):
+        self.optimizer, self.seconds = optimizer, seconds
+        self.warmup, self.floor = cfg.warmup_steps, cfg.min_lr_ratio
+        # each group's base LR, stored by the schedulers build_scheduler made before they changed "lr"
+        self.base = [g["initial_lr"] for g in optimizer.param_groups]
+        self.steps, self.elapsed, self.warm_s = 0, 0.0, 0.0
+        self._set_lr()
+
+    def factor(self) -> float:
+        """The next step's LR over the base LR."""
+        if self.elapsed >= self.seconds:
+            return self.floor
+        if self.steps < self.warmup:   # LinearLR's ramp: 1 / warmup at step 0, 1 at step warmup
+            return (1 + (self.warmup - 1) * self.steps / self.warmup) / self.warmup
+        done = (self.elapsed - self.warm_s) / (self.seconds - self.warm_s)
+        return self.floor + (1 - self.floor) * (1 + math.cos(math.pi * done)) / 2
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def advance(self, steady_s: float) -> None:
+        self.elapsed += steady_s
+        if self.steps <= self.warmup:   # the cosine starts where the warm-up ends, as build_scheduler's
+            self.warm_s = self.elapsed
+        self._set_lr()
+
+    def _set_lr(self) -> None:
+        f = self.factor()
+        for g, base in zip(self.optimizer.param_groups, self.base):
+            g["lr"] = base * f
+
+
+def step_scheduled(cfg) -> bool:
+    """Whether a sparsity method of ``cfg``'s trainer is scheduled on ``train.steps``: the neuron-routed FFN
+    (dense warm-up and finish phases, re-grouping) and DST (its update period and end)."""
+    return "neuron" in cfg.model.layer_ffn_types() or cfg.dst.enabled
 
 
 def make_config(preset, overrides, seed, steps, device, tokens_dir, out_dir, compile_=False):
@@ -141,14 +208,16 @@ def use_tokens(tokens_dir):
     training.loop.prepare_data = lambda cfg, *a, **k: TokenData(tok, arrays["train"], arrays["val"])
 
 
-def prepare(out, source, max_files, vocab, max_tokens=0):
-    """Corpus -> tokenizer + token files in ``out`` (training.data's own code and cache). ``max_tokens``:
-    keep only the first N tokens of each split (a folder that fits one device transfer of 64 MiB)."""
+def prepare(out, source, max_files, vocab, max_tokens=0, cache_dir=None):
+    """Corpus -> tokenizer + token files in ``out`` (training.data's own code and cache: ``cache_dir``, else
+    data.cache_dir's default). ``max_tokens``: keep only the first N tokens of each split (a folder that fits
+    one device transfer of 64 MiB)."""
     from training.data import prepare_data
+    cache = [f"data.cache_dir={cache_dir}"] if cache_dir else []
     cfg = load_config("zoo/tiny_dense.yaml", [f"data.source={source}", f"data.max_files={max_files}",
                                                "data.val_fraction=0.1",
                                                f"model.vocab_size={vocab}", "train.seq_len=1024",
-                                               "model.max_seq_len=1024"])
+                                               "model.max_seq_len=1024", *cache])
     td = prepare_data(cfg)
     os.makedirs(out, exist_ok=True)
     keep = {s: getattr(td, s)[:max_tokens] if max_tokens else getattr(td, s) for s in ("train", "val")}
@@ -166,8 +235,14 @@ def prepare(out, source, max_files, vocab, max_tokens=0):
     print({k: v for k, v in meta.items() if k != "val_names"})
 
 
-def train_run(preset, overrides, seed, steps, args, tag) -> dict:
-    """One Trainer run of ``steps`` steps, each timed (synchronised); val loss at the end."""
+def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
+    """One Trainer run, each step timed (synchronised); val loss at the end.
+
+    ``budget=None``: ``steps`` steps on the trainer's LR schedule; steady steps are those up to twice the
+    run's median step. ``budget=(seconds, step_s)``: steps until the steady seconds reach ``seconds`` (at
+    most ``steps``, a bound), the LR on TimeSchedule; a step is steady when it takes up to twice ``step_s``,
+    the probe's settled step (the clock runs during the run; the run's own median is known at its end).
+    """
     from training.loop import Trainer
     from layers import NeuronSchedule
     dev = args.device
@@ -175,33 +250,41 @@ def train_run(preset, overrides, seed, steps, args, tag) -> dict:
     cfg = make_config(preset, overrides + profile, seed, steps, dev, args.tokens, os.path.join(args.runs, tag),
                       args.compile)
     tr = Trainer(cfg)
+    clock = None
+    if budget:
+        tr.scheduler = clock = TimeSchedule(tr.optimizer, cfg.optim, budget[0])
     neuron = next((s for s in tr.sparsity if isinstance(s, NeuronSchedule)), None)
-    times, phases, losses, prof = [], [], [], None
-    for _ in range(steps):
+    times, phases, losses, prof, wall = [], [], [], None, 0.0
+    while tr.step < steps and not (clock and clock.elapsed >= clock.seconds):
         tr.profiler.before(tr.step + 1)
         t0 = time.perf_counter()
         m = tr.train_step()
         if dev == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        wall += dt
+        # the profiled steps carry the profiler's overhead: out of the speed numbers (inf: never "steady")
+        times.append(float("inf") if tr.profiler.covers(tr.step) else dt)
+        if clock:
+            clock.advance(times[-1] if times[-1] <= 2 * budget[1] else 0.0)
         prof = tr.profiler.after(tr.step) or prof
         phases.append(neuron.phase if neuron else "dense")
         losses.append(float(m["loss/total"]))
-    wall = sum(times)
-    # the profiled steps carry the profiler's overhead: out of the speed numbers (inf: never "steady")
-    times = [float("inf") if tr.profiler.covers(i) else t for i, t in enumerate(times, start=1)]
     med = statistics.median([t for t in times if t < float("inf")] or [0.0])
-    steady = [t for t in times if t <= 2 * med] or [float("inf")]
-    out = {"steps": steps, "tokens_seen": steps * tr.tokens_per_step, "wall_s": wall,
-           "steady_s": sum(steady), "steady_steps": len(steady),
+    limit = 2 * (budget[1] if budget else med)   # the longest steady step; with a budget the clock's own rule
+    steady = [t for t in times if t <= limit] or [float("inf")]
+    out = {"steps": len(times), "tokens_seen": len(times) * tr.tokens_per_step, "wall_s": wall,
+           "steady_s": sum(steady), "steady_steps": len(steady), "lr_end": tr.optimizer.param_groups[0]["lr"],
            # the median step of the run's second half: past compilation, CUDA-graph capture and warm-up
            "tail_median_s": statistics.median([t for t in times[len(times) // 2:] if t < float("inf")] or [med]),
            "tokens_per_s": len(steady) * tr.tokens_per_step / sum(steady), "val": tr.evaluate(),
            "loss_first": losses[0], "loss_last": losses[-1], "skipped": tr.bad_total,
            "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else 0.0,
            "mfu_flops_per_token": tr.flops_per_token}
+    if budget:   # short of the budget only when the bound stopped it (steps far slower than the probe's)
+        out.update(budget_s=budget[0], steps_bound=steps, budget_reached=clock.elapsed >= clock.seconds)
     for p in sorted(set(phases)):        # per-phase step time (neuron: sparse vs dense steps)
-        ts = [t for t, q in zip(times, phases) if q == p and t <= 2 * med]
+        ts = [t for t, q in zip(times, phases) if q == p and t <= limit]
         if ts:
             out[f"tokens_per_s_{p}"] = len(ts) * tr.tokens_per_step / sum(ts)
     if tr.peak_flops:
@@ -219,14 +302,26 @@ def equal_time(suite, args) -> dict:
     res = {}
     for name, (preset, ov) in SUITES[suite].items():
         probe = train_run(preset, ov, 0, args.probe_steps, args, f"{name}_probe")
-        # steps from the probe's settled step time: its first steps (graph capture, warm-up) under-rated the
-        # CUDA-graphed MoE by 11%, which stopped its runs 4-5 s short of the budget (BENCHMARKS.md)
-        steps = max(args.probe_steps, int(args.seconds / probe["tail_median_s"]))
-        settled = probe["tokens_seen"] / probe["steps"] / probe["tail_median_s"]
-        print(f"{name}: probe {settled:.0f} tok/s settled -> {steps} steps for {args.seconds} s", flush=True)
+        # the probe's settled step time (the median of its second half: past compilation, graph capture and
+        # warm-up) still under-rated the CUDA-graphed MoE runs by 7-11% (moe_shared_switch: 1.097M tok/s
+        # against the run's 1.218M), too far off to size a run by: it bounds the steps of a run that trains
+        # to the budget on its own clock, and sizes only the step-scheduled runs (and --fixed-steps)
+        step_s = probe["tail_median_s"]
+        steps = max(args.probe_steps, int(args.seconds / step_s))
+        timed = not args.fixed_steps and not step_scheduled(load_config(preset, ov))
+        budget = (args.seconds, step_s) if timed else None
+        if timed:
+            steps, how = int(STEP_BOUND * steps), f"until {args.seconds} steady s (~{steps} steps)"
+        else:
+            how = f"{steps} steps for {args.seconds} s"
+        settled = probe["tokens_seen"] / probe["steps"] / step_s
+        print(f"{name}: probe {settled:.0f} tok/s settled -> {how}", flush=True)
         res[name] = {"probe": probe, "seeds": {}}
         for seed in args.seeds:
-            r = train_run(preset, ov, seed, steps, args, f"{name}_s{seed}")
+            r = train_run(preset, ov, seed, steps, args, f"{name}_s{seed}", budget)
+            if budget and not r["budget_reached"]:
+                print(f"{name} {seed}: short of the budget, stopped at its bound of {r['steps']} steps after "
+                      f"{r['steady_s']:.1f} steady s", flush=True)
             res[name]["seeds"][seed] = r
             print(name, seed, {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
     return res
@@ -248,11 +343,17 @@ def main():
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=0,
                     help="with --prepare: keep the first N tokens of each split (0 = all)")
+    ap.add_argument("--cache-dir", default=None,
+                    help="with --prepare: data.cache_dir, where the tokenizer and token cache go (default: the "
+                         "config's)")
     ap.add_argument("--tokens", default=None, help="folder written by --prepare")
     ap.add_argument("--suite", default="equal_time,speed_2k")
     ap.add_argument("--seconds", type=float, default=15.0, help="steady training seconds per equal-time run")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--probe-steps", type=int, default=30)
+    ap.add_argument("--fixed-steps", action="store_true",
+                    help="equal-time runs: the probe's step count for every model (the LR cosine over steps) "
+                         "instead of training each to --seconds of steady time")
     ap.add_argument("--speed-steps", type=int, default=25)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--compile", action="store_true", help="train.compile=true (per-block torch.compile)")
@@ -262,7 +363,7 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.prepare:
-        return prepare(args.prepare, args.source, args.max_files, args.vocab, args.max_tokens)
+        return prepare(args.prepare, args.source, args.max_files, args.vocab, args.max_tokens, args.cache_dir)
     for suite in args.suite.split(","):   # before any training: one line, exit 2
         if suite not in SUITES:
             raise ConfigError("--suite", f"unknown suite {suite!r} (one of {', '.join(SUITES)})")

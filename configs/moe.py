@@ -80,6 +80,20 @@ class MoEConfig:
             check(importlib.util.find_spec("megablocks") is not None, f"{key}.backend",
                   "megablocks is not installed (see README: optional GPU backends)")
 
+    def check_trainable(self, key: str = "model.moe") -> None:
+        """The router learns from the task loss: ConfigError naming ``<key>.top_k`` for top-1 with a renormalising
+        router (softmax, noisy_topk or sigmoid with ``norm_topk``), whose one weight is w / w = 1.0 for every
+        token, so the LM loss has no gradient to the router (only the balance and z losses train it).
+
+        Not part of ``validate``: that checks a function (ModelConfig, the MoE layer, zoo.hf imports), and
+        HF's Mixtral / Qwen-MoE / OLMoE with num_experts_per_tok=1 and norm_topk_prob compute that same
+        constant 1.0, so they must import with exact logits. Config.validate (a run: train.py, the benches)
+        calls this; a run that starts from such an HF model (model.init_from) is refused too, since it
+        would train the router no better."""
+        check(not (self.top_k == 1 and self.norm_topk and self.router != "switch"), f"{key}.top_k",
+              f"top_k=1 with router={self.router} and norm_topk renormalises the one routing weight to 1.0, so "
+              f"the router gets no gradient from the loss; use router: switch, or norm_topk: false")
+
     def check_precision_shapes(self, dim: int, hidden_dim: int, act: str, key: str = "model.moe") -> None:
         """fp8: the model dim and the expert hidden size are multiples of 16 (torch._scaled_grouped_mm), and the
         experts are the grouped path's SwiGLU (silu gate). ConfigError naming ``<key>.precision`` otherwise."""
