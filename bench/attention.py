@@ -62,8 +62,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from configs import exit_code  # noqa: E402
+from configs.attention import FLEX_KERNELS  # noqa: E402
+from configs.errors import choice_list, int_list  # noqa: E402
 from layers import RotaryEmbedding, SparsityPattern, apply_rotary, sparse_attention  # noqa: E402
 from layers.attention.compressed import compress_heads, compressed_attention, compressed_density  # noqa: E402
+from layers.attention.module import put_heads, take_heads  # noqa: E402
 from layers.attention.pattern import head_patterns  # noqa: E402
 from layers.attention.plan import plan_pattern  # noqa: E402
 
@@ -197,9 +201,9 @@ def layer_attention(q, k, v, p, kern):
     heads = compress_heads(head_patterns(p, H))
     if not heads:
         return out
-    idx = torch.tensor(heads, device=q.device)
-    cmp = compressed_attention(q[:, idx], k, v, BS, 0, idx // (H // HK))
-    return out.index_copy(1, idx, out[:, idx] + cmp)
+    kv_heads = torch.tensor([h // (H // HK) for h in heads], device=q.device)
+    cmp = compressed_attention(take_heads(q, heads), k, v, BS, 0, kv_heads)
+    return put_heads(out, heads, take_heads(out, heads) + cmp)
 
 
 def compressed_share(p, S):
@@ -341,25 +345,27 @@ def main():
     ap.add_argument("--profile", default=None, help="folder for the --stages kernel tables")
     ap.add_argument("--out", default="bench_attention.jsonl")
     a = ap.parse_args()
-    vs_inputs = tuple(x for x in a.vs_inputs.split(",") if x)
-    bad = [x for x in vs_inputs if x not in VS_INPUTS]
-    if bad or not vs_inputs:
-        ap.error(f"--vs-inputs: unknown family {bad[0] if bad else '(none)'}; expected some of {','.join(VS_INPUTS)}")
+    # every list checked before the GPU is touched: a bad one is one line and exit 2
+    vs_inputs = tuple(choice_list(a.vs_inputs, VS_INPUTS, "--vs-inputs"))
+    names = choice_list(a.patterns, tuple(PATTERNS), "--patterns")
+    modes = choice_list(a.modes, ("fwd", "fwdbwd"), "--modes")
+    kernels = tuple(choice_list(a.kernels, FLEX_KERNELS, "--kernels"))
+    lengths, crossover = int_list(a.lengths, "--lengths", allow_empty=True), int_list(a.crossover, "--crossover", True)
     print(json.dumps(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                           triton=__import__("triton").__version__, cuda=torch.version.cuda)), flush=True)
     if a.vs_dense_below:
         PATTERNS["vs_dense_below"] = dataclasses.replace(PATTERNS["vs"], dense_below=a.vs_dense_below)
-    for S in (int(x) for x in a.lengths.split(",") if x):
-        names = a.patterns.split(",") + (["vs_dense_below"] if a.vs_dense_below else [])
-        bench_length(S, names, a.modes.split(","), not a.no_plain, a.out, vs_inputs, tuple(a.kernels.split(",")))
+        names = names + ["vs_dense_below"]
+    for S in lengths:
+        bench_length(S, names, modes, not a.no_plain, a.out, vs_inputs, kernels)
     if a.stages:
         for fam in vs_inputs:
             vs_stages(a.stages, fam, a.out, a.profile)
-    if a.crossover:
-        bench_crossover([int(x) for x in a.crossover.split(",")], a.out)
+    if crossover:
+        bench_crossover(crossover, a.out)
     if a.sweep:
         sweep_kernel_options(a.sweep, a.out)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_code(main))

@@ -35,6 +35,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from configs import exit_code  # noqa: E402
+from configs.errors import check, check_choice, choice_list  # noqa: E402
 from layers import MoE  # noqa: E402
 from layers.moe import experts as moe_experts  # noqa: E402
 from kernels.moe_swiglu import swiglu_reference  # noqa: E402
@@ -340,10 +342,12 @@ def main():
     ap.add_argument("--skip", default="", help="comma list of our variants to leave out, e.g. ours_align16")
     ap.add_argument("--only", default="", help="comma list of our variants to run (default: all), e.g. ours,ours_fp8")
     args = ap.parse_args()
-    only = tuple(v for v in args.only.split(",") if v) or None
-    unknown = sorted(set(only or ()) - set(VARIANTS))
-    if unknown:
-        ap.error(f"--only: unknown variant {unknown[0]!r}; the variants are {', '.join(VARIANTS)}")
+    # every choice checked before the GPU is touched: a bad one is one line and exit 2
+    shapes = choice_list(args.shapes, tuple(SHAPES), "--shapes")
+    only = tuple(choice_list(args.only, tuple(VARIANTS), "--only")) if args.only else None
+    skip = tuple(choice_list(args.skip, tuple(VARIANTS), "--skip")) if args.skip else ()
+    check_choice(args.device, ("cuda", "cpu"), "--device")
+    check(args.reps > 0, "--reps", f"must be > 0, got {args.reps}")
     global DEV
     DEV = args.device
     import triton
@@ -356,9 +360,9 @@ def main():
         env["megablocks"] = f"unavailable ({type(e).__name__})"
     out = {"env": env, "dense_8192_tflops": dense_rate(8192, 8192, 8192, args.reps), "shapes": {}}
     print(env, "dense 8192^3:", f"{out['dense_8192_tflops']:.0f} TFLOP/s", flush=True)
-    for name in args.shapes.split(","):
+    for name in shapes:
         out["shapes"][name] = bench_shape(name, **SHAPES[name], reps=args.reps, profile_dir=args.profile,
-                                        skip=tuple(args.skip.split(",")), only=only)
+                                        skip=skip, only=only)
         if DEV == "cuda":
             torch.cuda.empty_cache()
         if args.out:
@@ -373,4 +377,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_code(main))

@@ -20,6 +20,25 @@ def check_choice(value, choices, key: str) -> None:
     check(value in choices, key, f"unknown value {value!r}; expected one of {', '.join(map(str, choices))}")
 
 
+def choice_list(text: str, choices, key: str) -> list[str]:
+    """A command-line comma list whose every item is one of ``choices`` (``"fwd,fwdbwd"`` -> ``["fwd",
+    "fwdbwd"]``); ConfigError naming ``key`` for an unknown item or an empty list."""
+    items = [x for x in text.split(",") if x]
+    check(bool(items), key, f"empty; expected some of {', '.join(map(str, choices))}")
+    for x in items:
+        check_choice(x, choices, key)
+    return items
+
+
+def int_list(text: str, key: str, allow_empty: bool = False) -> list[int]:
+    """A command-line comma list of positive integers (``"1024,2048"``); ConfigError naming ``key`` otherwise."""
+    items = [x for x in text.split(",") if x]
+    check(allow_empty or bool(items), key, "empty; expected positive integers, e.g. 16384,65536")
+    for x in items:
+        check(x.isdigit() and int(x) > 0, key, f"{x!r} is not a positive integer")
+    return [int(x) for x in items]
+
+
 def check_positive(obj, key_prefix: str, *names: str) -> None:
     """Every named attribute of ``obj`` (when not None) must be > 0."""
     for n in names:

@@ -121,9 +121,16 @@ def test_cli_resume_with_a_changed_model_names_the_key(tmp_path, corpus_dir):
      "error: --variants: unknown 'foo'"),
     ("bench/train_moe.py", ["--tokens", "none", "--suite", "equal_time,nope"], "error: --suite: unknown suite 'nope'"),
     ("bench/train_moe.py", ["--tokens", "none", "--suite", "equal_time_graphs"], "error: --suite: equal_time_graphs"),
+    ("bench/attention.py", ["--patterns", "a_shape,topk_x"], "error: --patterns: unknown value 'topk_x'"),
+    ("bench/attention.py", ["--modes", "bwd"], "error: --modes: unknown value 'bwd'"),
+    ("bench/attention.py", ["--kernels", "cudnn"], "error: --kernels: unknown value 'cudnn'"),
+    ("bench/attention.py", ["--lengths", "64k"], "error: --lengths: '64k' is not a positive integer"),
+    ("bench/moe.py", ["--shapes", "mixtral,huge"], "error: --shapes: unknown value 'huge'"),
+    ("bench/moe.py", ["--only", "ours,theirs"], "error: --only: unknown value 'theirs'"),
+    ("bench/moe.py", ["--reps", "0"], "error: --reps: must be > 0"),
 ])
 def test_bench_scripts_report_a_bad_config_in_one_line_with_exit_2(script, args, needle, tmp_path):
-    """The end-to-end bench scripts: a bad override or variant is one line and exit 2 before any training."""
+    """The bench scripts: a bad override, variant or list is one line and exit 2 before any training or GPU work."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, script), *args, "--out", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env=subprocess_env(CUDA_VISIBLE_DEVICES=""))
