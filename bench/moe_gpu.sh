@@ -6,9 +6,13 @@
 # the neuron-routed ones a step count from the probe: bench/train_moe.py). Each part has its own time limit.
 #
 #     python bench/train_moe.py --prepare .tok2k --max-files 40        # once, on any machine (vocab 2048)
-#     python bench/train_moe.py --prepare .tok25 --max-files 120 --max-tokens 26000000   # for `equal`: 45 s of
-#         the dense D 512 model reads ~50M tokens, 5 epochs of .tok2k's 9.8M; 26M tokens still fit one transfer
 #     OUT=/tmp/out TOK=.tok2k bash bench/moe_gpu.sh [titan small fp8 equal]
+#     `equal` reads EQUAL_TOK, by default a folder it tokenises on the device from every installed package
+#     (data.source python_packages, ~80 s on the H200's 16 cores, 151M training tokens on its image; kept in
+#     /tmp/tok_pkgs while the machine stays warm). 45 s of the dense D 512 model reads ~65M tokens: a folder
+#     that fits one transfer (64 MiB, e.g. --prepare .tok25 --max-files 120 --max-tokens 26000000) is read
+#     2.5 times over, and val loss then rewards the slower model (bench/train_moe.py prints the epochs).
+#     EQUAL_SECONDS: each run's steady seconds (45).
 #     (EQUAL_SUITE=equal_time_graphs: `equal` with dense and MoE as CUDA graphs, each at its fastest step;
 #     EQUAL_SUITE=equal_time_moe_shapes EQUAL_SEEDS=0: dense and three other MoE layouts (the top-1 ones on
 #     the Switch router), one seed, ~450 s)
@@ -16,8 +20,9 @@
 # torchtitan 0.3.0 and what it imports that the H200 image lacks travel as wheels on PYTHONPATH
 # (bench/torchtitan_moe.py's docstring lists them). Results under $OUT (json per part, one log).
 set -u
-TOK=${TOK:?TOK: a folder written by bench/train_moe.py --prepare}
 PARTS=${*:-titan small fp8 equal}
+case " $PARTS " in *" titan "*|*" small "*|*" fp8 "*)
+  TOK=${TOK:?TOK: a folder written by bench/train_moe.py --prepare (titan, small and fp8 read it)} ;; esac
 . "$(dirname "$0")/gpu_env.sh" /tmp/moe_gpu_out
 for part in $PARTS; do
   t0=$(date +%s)
@@ -28,7 +33,9 @@ for part in $PARTS; do
              --profile-at 30 --runs /tmp/moe_small --out "$OUT/small.json" ;;
     fp8)   timeout ${T_FP8:-240} $PY bench/train_moe.py --tokens "$TOK" --suite speed_fp8 --speed-steps 300 \
              --runs /tmp/moe_fp8 --out "$OUT/fp8.json" ;;
-    equal) timeout ${T_EQUAL:-420} $PY bench/train_moe.py --tokens "$TOK" --suite ${EQUAL_SUITE:-equal_time} --seconds 45 --seeds ${EQUAL_SEEDS:-0,1} \
+    equal) EQUAL_TOK=${EQUAL_TOK:-/tmp/tok_pkgs}
+           [ -f "$EQUAL_TOK/meta.json" ] || timeout ${T_PREP:-200} $PY bench/train_moe.py --prepare "$EQUAL_TOK" --cache-dir /tmp/tok_cache
+           timeout ${T_EQUAL:-420} $PY bench/train_moe.py --tokens "$EQUAL_TOK" --suite ${EQUAL_SUITE:-equal_time} --seconds ${EQUAL_SECONDS:-45} --seeds ${EQUAL_SEEDS:-0,1} \
              --compile --runs /tmp/moe_equal --out "$OUT/equal.json" ;;
     *) echo "unknown part $part (titan small fp8 equal)"; exit 2 ;;
   esac

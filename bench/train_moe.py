@@ -195,8 +195,9 @@ def make_config(preset, overrides, seed, steps, device, tokens_dir, out_dir, com
     return load_config(preset, overrides + common)
 
 
-def use_tokens(tokens_dir):
-    """Make the trainer read DIR's token files instead of building the corpus (same tokens everywhere)."""
+def use_tokens(tokens_dir) -> int:
+    """Make the trainer read DIR's token files instead of building the corpus (same tokens everywhere).
+    Returns the number of training tokens (an equal-time run's epochs are its tokens seen over this)."""
     import training.loop
     from training.data import TokenData
     from training.tokenizer import Tokenizer
@@ -206,6 +207,7 @@ def use_tokens(tokens_dir):
     arrays = {s: np.memmap(os.path.join(tokens_dir, f"tokens_{s}.bin"), dtype=dtype, mode="r")
               for s in ("train", "val")}
     training.loop.prepare_data = lambda cfg, *a, **k: TokenData(tok, arrays["train"], arrays["val"])
+    return len(arrays["train"])
 
 
 def prepare(out, source, max_files, vocab, max_tokens=0, cache_dir=None):
@@ -319,6 +321,7 @@ def equal_time(suite, args) -> dict:
         res[name] = {"probe": probe, "seeds": {}}
         for seed in args.seeds:
             r = train_run(preset, ov, seed, steps, args, f"{name}_s{seed}", budget)
+            r["epochs"] = r["tokens_seen"] / args.train_tokens
             if budget and not r["budget_reached"]:
                 print(f"{name} {seed}: short of the budget, stopped at its bound of {r['steps']} steps after "
                       f"{r['steady_s']:.1f} steady s", flush=True)
@@ -371,7 +374,7 @@ def main():
         if graphs and not args.compile:
             raise ConfigError("--suite", f"{suite} replays the compiled blocks as CUDA graphs: add --compile")
     args.seeds = [int(s) for s in args.seeds.split(",")]
-    use_tokens(args.tokens)
+    args.train_tokens = use_tokens(args.tokens)
     # a neuron block has a sparse and a dense training graph besides evaluation's: room for all of them
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     out = {"env": {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
@@ -398,11 +401,19 @@ def report(out):
                 if "profile" in r:
                     print(f"{name:12s} profile: {format_summary(r['profile'])}")
             continue
-        print(f"{'run':12s} {'seed':>4s} {'steps':>6s} {'tokens':>10s} {'steady s':>8s} {'tok/s':>10s} {'val':>7s}")
+        print(f"{'run':12s} {'seed':>4s} {'steps':>6s} {'tokens':>10s} {'epochs':>6s} {'steady s':>8s} "
+              f"{'tok/s':>10s} {'val':>7s}")
         for name, r in res.items():
             for seed, s in r["seeds"].items():
-                print(f"{name:12s} {seed:>4} {s['steps']:6d} {s['tokens_seen']:10d} {s['steady_s']:8.1f} "
-                      f"{s['tokens_per_s']:10.0f} {s['val']:7.4f}")
+                print(f"{name:12s} {seed:>4} {s['steps']:6d} {s['tokens_seen']:10d} {s['epochs']:6.2f} "
+                      f"{s['steady_s']:8.1f} {s['tokens_per_s']:10.0f} {s['val']:7.4f}")
+        most = max(s["epochs"] for r in res.values() for s in r["seeds"].values())
+        if most > 1:
+            # a faster model repeats more of a small corpus: its val loss then pays for memorising, so the
+            # comparison favours the slower one (on the H200, .tok25's 26M tokens: dense val 1.89 after 45 s,
+            # 1.93 after 100 s)
+            print(f"note: up to {most:.1f} epochs of the training tokens; val loss measures repetition as well "
+                  f"(prepare a larger folder: bench/moe_gpu.sh's equal part tokenises on the device)")
 
 
 if __name__ == "__main__":

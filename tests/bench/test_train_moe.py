@@ -93,6 +93,10 @@ def test_smoke_suite_trains_each_model_to_the_time_budget_with_the_lr_at_the_flo
                        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())["smoke"]
+    train_tokens = json.loads((tok / "meta.json").read_text())["tokens"]["train"]
+    for run in res.values():   # epochs: the tokens seen over the folder's training tokens, in the table too
+        assert run["seeds"]["0"]["epochs"] == pytest.approx(run["seeds"]["0"]["tokens_seen"] / train_tokens)
+    assert " epochs " in r.stdout
     floor = load_config("zoo/tiny_dense.yaml").optim
     for name in ("dense", "moe"):
         probe, run = res[name]["probe"], res[name]["seeds"]["0"]
