@@ -126,7 +126,9 @@ SUITES["equal_time_graphs"] = with_graphs("equal_time", ("dense", "moe"))
 # router: a renormalised top-1 weight is always 1.0, so softmax's router learned from the balance loss only
 # (and the config now refuses it). 45 s, probe-sized runs (2026-12-04, BENCHMARKS.md): dense 1.875 / 1.908;
 # shared + top-1 softmax 1.925 / 1.947 (+2.3%), switch 1.902 (seed 0); top-1 at 1408 softmax 2.098 / 2.098
-# (+10.9%), switch 2.035 (seed 0); top-4 of 16 1.994 / 2.003 (+5.6%)
+# (+10.9%), switch 2.035 (seed 0); top-4 of 16 1.994 / 2.003 (+5.6%). Trained to the clock (session 17):
+# dense 1.892, shared + top-1 switch +2.2%, top-1 at 1408 switch +7.7%, top-4 of 16 +3.3%, all at ~2 epochs
+# of .tok25 (the device's own package corpus since: bench/moe_gpu.sh)
 _TOP1 = ["model.moe.top_k=1", "model.moe.router=switch"]
 _MOE_SHAPES = {"moe_shared": ["model.moe.shared_experts=1", *_TOP1, "model.moe.hidden_dim=704"],
                "moe_top1": [*_TOP1, "model.moe.hidden_dim=1408"],
@@ -251,6 +253,9 @@ def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
     profile = [f"logging.profile_at={args.profile_at}"] if args.profile_at else []
     cfg = make_config(preset, overrides + profile, seed, steps, dev, args.tokens, os.path.join(args.runs, tag),
                       args.compile)
+    # what earlier runs in this process still hold (their CUDA-graph pools live as long as the compiled
+    # code that replays them): left out of this run's peak, so seed 1's peak is not seed 0's plus its own
+    held = torch.cuda.memory_allocated() if dev == "cuda" else 0
     tr = Trainer(cfg)
     clock = None
     if budget:
@@ -281,8 +286,8 @@ def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
            "tail_median_s": statistics.median([t for t in times[len(times) // 2:] if t < float("inf")] or [med]),
            "tokens_per_s": len(steady) * tr.tokens_per_step / sum(steady), "val": tr.evaluate(),
            "loss_first": losses[0], "loss_last": losses[-1], "skipped": tr.bad_total,
-           "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else 0.0,
-           "mfu_flops_per_token": tr.flops_per_token}
+           "peak_gb": (torch.cuda.max_memory_allocated() - held) / 1e9 if dev == "cuda" else 0.0,
+           "held_before_gb": held / 1e9, "mfu_flops_per_token": tr.flops_per_token}
     if budget:   # short of the budget only when the bound stopped it (steps far slower than the probe's)
         out.update(budget_s=budget[0], steps_bound=steps, budget_reached=clock.elapsed >= clock.seconds)
     for p in sorted(set(phases)):        # per-phase step time (neuron: sparse vs dense steps)
