@@ -27,6 +27,9 @@ class DataConfig:
     # short-range); 1 = the same expected episodes at every level, so more long-distance ones, fewer in all
     # (PasskeyMix's docstring has the numbers).
     passkey_distance_bias: float = 0.0
+    # The bias applies to the windows of steps >= this one; earlier steps draw the unbiased mix. A curriculum:
+    # the copy is learned at short range first (BENCHMARKS.md Q6 / Q9), the long range after it.
+    passkey_bias_from_step: int = 0
     # The asked keys' tokens weigh this much in the training loss (1 = plain LM loss). A small model sees
     # the task in ~2% of its tokens at most; weighting them (20: BENCHMARKS.md) makes it learn the copy in
     # minutes, at some cost in val loss. The logged training loss and the validation loss stay the plain mean CE.
@@ -39,6 +42,10 @@ class DataConfig:
         check(self.passkey_questions >= 1, f"{key}.passkey_questions", f"must be >= 1, got {self.passkey_questions}")
         check(math.isfinite(self.passkey_distance_bias) and self.passkey_distance_bias >= 0,
               f"{key}.passkey_distance_bias", f"must be a finite number >= 0, got {self.passkey_distance_bias}")
+        check(self.passkey_bias_from_step >= 0, f"{key}.passkey_bias_from_step",
+              f"must be >= 0, got {self.passkey_bias_from_step}")
+        check(self.passkey_bias_from_step == 0 or self.passkey_distance_bias > 0, f"{key}.passkey_bias_from_step",
+              "switches data.passkey_distance_bias on at a step, but the bias is 0")
         check(self.passkey_answer_weight > 0, f"{key}.passkey_answer_weight",
               f"must be > 0, got {self.passkey_answer_weight}")
 

@@ -87,7 +87,8 @@ class Trainer:
             from .passkey import PasskeyMix
             self.passkey_mix = PasskeyMix(self.data.tokenizer, cfg.data.passkey_mix, cfg.data.passkey_questions,
                                           cfg.train.seq_len, cfg.data.passkey_answer_weight,
-                                          distance_bias=cfg.data.passkey_distance_bias)
+                                          distance_bias=cfg.data.passkey_distance_bias,
+                                          bias_from_step=cfg.data.passkey_bias_from_step)
         if self.resume_path:
             check_resumable(self.resume_path, cfg, self.par.world_size, self.data.tokenizer.digest)
         model = build_model(cfg.model, model_init_device(cfg, self.par))   # "meta" when too big to build whole

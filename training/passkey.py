@@ -99,11 +99,16 @@ class PasskeyMix:
     (2400 steps x 2 windows: 930 far episodes against 272k short ones at 0, 3000 against 19k at 1). No
     bias gets more than 0.75 far episodes a window (every window one segment); what it trades is the
     short-range practice and the answers' weight in the loss, which ``answer_weight`` may then make up.
+    On the H200 (BENCHMARKS.md Q9) the biased mix from step 0 taught a 31M dense model at 16k nothing in
+    2400 steps (0% / 0%) where the unbiased one taught it 75% / 25%: the copy is learned at short range
+    first. ``bias_from_step`` (``data.passkey_bias_from_step``) draws the unbiased mix for the windows of
+    earlier steps (``draws[i][1]``) and the biased one from that step on.
     """
 
     def __init__(self, tokenizer, share: float, questions: int, seq_len: int, answer_weight: float = 1.0,
-                 distance_bias: float = 0.0):
+                 distance_bias: float = 0.0, bias_from_step: int = 0):
         self.tokenizer, self.share, self.answer_weight = tokenizer, share, answer_weight
+        self.bias_from_step = bias_from_step
         self.counts = [1 << i for i in range(questions.bit_length())]     # segments a window: 1, 2, 4, ..
         # Unbiased, m stays the one rng.integers call earlier runs drew it with, so their windows (and their
         # resumes) are unchanged. Biased: one rng.random() against the cumulative P(m) ~ m ** -bias; the
@@ -120,9 +125,9 @@ class PasskeyMix:
             raise ConfigError("data.passkey_questions", f"{self.counts[-1]} segments of a needle and a question "
                                                         f"take ~{need} tokens, more than train.seq_len={seq_len}")
 
-    def _count_level(self, rng: np.random.Generator) -> int:
-        """Index into ``counts`` of a window's segment count."""
-        if self.count_bounds is None:
+    def _count_level(self, rng: np.random.Generator, step: int) -> int:
+        """Index into ``counts`` of a window's segment count in training step ``step``."""
+        if self.count_bounds is None or step < self.bias_from_step:
             return int(rng.integers(0, len(self.counts)))
         return int(np.searchsorted(self.count_bounds, rng.random(), side="right"))
 
@@ -133,7 +138,7 @@ class PasskeyMix:
             rng = np.random.default_rng([int(v) & 0x7FFFFFFF for v in draw] + [0x9A55])
             if rng.random() >= self.share:
                 continue
-            m = self.counts[self._count_level(rng)]
+            m = self.counts[self._count_level(rng, int(draw[1]))]
             seg = S1 // m
             for s in range(m):
                 key = _random_key(self.tokenizer, rng)

@@ -2,6 +2,7 @@
 (periodically via eval.passkey_lengths, and train.py --resume --eval passkey)."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -226,7 +227,36 @@ def test_trainer_draws_the_mix_with_the_configured_distance_bias(tmp_path, corpu
     from training.passkey import PasskeyMix
     ov = tiny_overrides(tmp_path, corpus_dir, **{"data.passkey_mix": 1.0, "data.passkey_questions": 2,
                                                   "model.max_seq_len": 256, "train.seq_len": 256,
-                                                  "data.passkey_distance_bias": 1.0})
+                                                  "data.passkey_distance_bias": 1.0,
+                                                  "data.passkey_bias_from_step": 30})
     mix = Trainer(load_config("zoo/tiny_dense.yaml", ov)).passkey_mix
     want = PasskeyMix(CharTokenizer(), share=1.0, questions=2, seq_len=256, distance_bias=1.0)
     assert np.array_equal(mix.count_bounds, want.count_bounds) and mix.count_bounds.tolist() == [2 / 3]
+    assert mix.bias_from_step == 30
+
+
+def test_bias_from_step_draws_the_unbiased_mix_before_it_and_the_biased_one_from_it():
+    """data.passkey_bias_from_step: windows of earlier steps are the unbiased mix's, bit for bit; windows of
+    that step and later the biased mix's (the same draws, so a resume replays them)."""
+    from training.passkey import PasskeyMix
+    kw = dict(share=0.8, questions=8, seq_len=1200)
+    text = np.random.default_rng(3).integers(97, 123, size=(32, 1201))
+    late = PasskeyMix(CharTokenizer(), **kw, distance_bias=2.0, bias_from_step=5)
+    plain, biased = PasskeyMix(CharTokenizer(), **kw), PasskeyMix(CharTokenizer(), **kw, distance_bias=2.0)
+    for step, ref in ((0, plain), (4, plain), (5, biased), (9, biased)):
+        draws = [(1, step, 0, r) for r in range(32)]
+        got, want = text.copy(), text.copy()
+        assert np.array_equal(late.apply_(got, draws), ref.apply_(want, draws)) and np.array_equal(got, want)
+    draws = [(1, 4, 0, r) for r in range(32)]               # the two mixes differ at these draws
+    a, b = text.copy(), text.copy()
+    plain.apply_(a, draws), biased.apply_(b, draws)
+    assert not np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.passkey_bias_from_step=-1"], "must be >= 0, got -1"),
+    (["data.passkey_bias_from_step=100"], "switches data.passkey_distance_bias on at a step, but the bias is 0"),
+])
+def test_bad_bias_from_step_fails_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match="^data\\.passkey_bias_from_step: " + re.escape(message)):
+        load_config("zoo/tiny_dense.yaml", overrides)
