@@ -118,7 +118,7 @@ class Trainer:
         self.step, self.epoch, self.bad_total, self.bad_in_row, self.rollbacks_in_row = 0, 0, 0, 0, 0
         self.best_val, self.wandb_id, self.run_id = float("inf"), None, new_run_id()
         self.val_history: list[tuple[int, float]] = []
-        self.saved_step, self.stop_requested = -1, False
+        self.saved_step, self.stop_requested, self.stop_agreed = -1, False, False
         self.metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
         # Different per-rank stream for anything stochastic in the model (router noise on different tokens).
         seed_everything(cfg.train.seed + 1000 * self.par.rank)
@@ -275,10 +275,15 @@ class Trainer:
                 parts_sum[k] = parts_sum.get(k, 0.0) + v / c.train.grad_accum
         # A plain tensor, the same on every rank: the norm spans the dense and expert meshes' shards.
         grad_norm = clip_grad_norm_(self.model.parameters(), c.optim.grad_clip, self.par)
-        # One all-reduce for every loss part; the total is their sum.
-        parts_mean = all_reduce_mean(torch.stack([v.detach().float() for v in parts_sum.values()]), self.par)
+        # One all-reduce for every loss part (the total is their sum) and, last, the Ctrl-C flag: its mean
+        # is > 0 when any rank asked to stop, so the ranks agree on the step without a collective of its own.
+        detached = [v.detach().float() for v in parts_sum.values()]
+        stop = torch.full((), float(self.stop_requested), device=detached[0].device)   # a fill: no host copy
+        reduced = all_reduce_mean(torch.stack([*detached, stop]), self.par)
+        parts_mean = reduced[:-1]
         loss_val = parts_mean.sum()
-        finite = bool(torch.isfinite(loss_val) & torch.isfinite(grad_norm))   # one host sync
+        finite, self.stop_agreed = (torch.stack([torch.isfinite(loss_val) & torch.isfinite(grad_norm),
+                                                 reduced[-1] > 0]).tolist())   # one host sync
         metrics = {f"loss/{k}": v for k, v in zip(parts_sum, parts_mean)}
         metrics.update({"loss/total": loss_val, "grad_norm": grad_norm.detach(),
                         "lr": self.optimizer.param_groups[0]["lr"]})
@@ -388,12 +393,10 @@ class Trainer:
         return {"step": self.step, "val_history": self.val_history, "bad_steps": self.bad_total, "rank": self.par.rank}
 
     def _stop_requested(self) -> bool:
-        """Ctrl-C on any rank (all ranks must agree on the step they stop and save at)."""
-        if not self.par.distributed:
-            return self.stop_requested
-        flag = torch.tensor([float(self.stop_requested)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        """Ctrl-C on any rank (all ranks must agree on the step they stop and save at): alone, the flag
+        itself; under torchrun, what the last step's all-reduce carried (a Ctrl-C after it counts a step
+        later)."""
+        return self.stop_agreed if self.par.distributed else self.stop_requested
 
     def _fit(self, bar) -> None:
         c = self.cfg

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from configs import load_config
+from helpers import spawn
 from training.checkpoint import list_checkpoints, save_checkpoint
 from training.cli import main, parse_args
 from training.loop import Interrupted, Trainer
@@ -138,3 +139,27 @@ def test_second_ctrl_c_exits_at_once(run_copy):
         tr.fit()
     assert not isinstance(info.value, Interrupted) and list_checkpoints(run_copy.ckpt_dir) == []
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _ctrl_c_on_rank_1(rank, world, overrides):
+    """One of two gloo ranks (the trainer joins spawn's process group) is asked to stop inside step 2."""
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))   # this child only
+    tr = Trainer(load_config("zoo/tiny_dense.yaml", overrides))
+    real = tr.train_step
+
+    def step():
+        if rank == 1 and tr.step == 2:
+            tr.stop_requested = True       # what the SIGINT handler sets, on this rank alone
+        return real()
+
+    tr.train_step = step
+    with pytest.raises(Interrupted, match="step 3"):
+        tr.fit()
+
+
+def test_ctrl_c_on_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(run_copy):
+    """The flag travels in the step's loss all-reduce (no collective of its own): both ranks stop after
+    step 3 and save it together."""
+    spawn(_ctrl_c_on_rank_1, 2, run_copy.overrides(**{"train.overwrite": True, "train.steps": 8,
+                                                      "checkpoint.every": 0}))
+    assert [s for s, _ in list_checkpoints(run_copy.ckpt_dir)] == [3]
