@@ -12,7 +12,8 @@
 #     /tmp/tok_pkgs while the machine stays warm). 45 s of the dense D 512 model reads ~65M tokens: a folder
 #     that fits one transfer (64 MiB, e.g. --prepare .tok25 --max-files 120 --max-tokens 26000000) is read
 #     2.5 times over, and val loss then rewards the slower model (bench/train_moe.py prints the epochs).
-#     EQUAL_SECONDS: each run's steady seconds (45).
+#     EQUAL_SECONDS: each run's steady seconds (45). The .tok25 rows of BENCHMARKS.md (before session 17's
+#     last runs): EQUAL_TOK=.tok25.
 #     (EQUAL_SUITE=equal_time_graphs: `equal` with dense and MoE as CUDA graphs, each at its fastest step;
 #     EQUAL_SUITE=equal_time_moe_shapes EQUAL_SEEDS=0: dense and three other MoE layouts (the top-1 ones on
 #     the Switch router), one seed, ~450 s)
@@ -34,7 +35,8 @@ for part in $PARTS; do
     fp8)   timeout ${T_FP8:-240} $PY bench/train_moe.py --tokens "$TOK" --suite speed_fp8 --speed-steps 300 \
              --runs /tmp/moe_fp8 --out "$OUT/fp8.json" ;;
     equal) EQUAL_TOK=${EQUAL_TOK:-/tmp/tok_pkgs}
-           [ -f "$EQUAL_TOK/meta.json" ] || timeout ${T_PREP:-200} $PY bench/train_moe.py --prepare "$EQUAL_TOK" --cache-dir /tmp/tok_cache
+           [ -f "$EQUAL_TOK/meta.json" ] || timeout ${T_PREP:-200} $PY bench/train_moe.py --prepare "$EQUAL_TOK" --cache-dir /tmp/tok_cache \
+             || { echo "equal: tokenising into $EQUAL_TOK failed"; continue; }
            timeout ${T_EQUAL:-420} $PY bench/train_moe.py --tokens "$EQUAL_TOK" --suite ${EQUAL_SUITE:-equal_time} --seconds ${EQUAL_SECONDS:-45} --seeds ${EQUAL_SEEDS:-0,1} \
              --compile --runs /tmp/moe_equal --out "$OUT/equal.json" ;;
     *) echo "unknown part $part (titan small fp8 equal)"; exit 2 ;;

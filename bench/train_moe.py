@@ -25,7 +25,8 @@ times each step):
   schedule's phases (dense warm-up and finish, re-grouping) are fractions of a step total, as are
   DST's. ``--fixed-steps``: every model that way (the old sizing: the probe under-rated the
   CUDA-graphed MoE runs by 7-11%, so they trained 39-42 s of a 45 s budget where dense trained
-  45.6 s). Printed: val loss, steps taken, tokens seen, steady training seconds, tokens/s. Every suite
+  45.6 s). Printed: val loss, steps taken, tokens seen, epochs of the token folder's
+  training tokens (a note past 1: val loss then pays for repetition), steady training seconds, tokens/s. Every suite
   not named ``speed_*`` runs this way.
 - ``speed_2k``: tokens/s of a D 2048 backbone (4 layers, FFN 5632, 16k tokens a step) with the dense
   FFN and with the neuron-routed FFN at 4 of 16 groups in every step (sparse steps only: the

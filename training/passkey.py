@@ -99,10 +99,10 @@ class PasskeyMix:
     (2400 steps x 2 windows: 930 far episodes against 272k short ones at 0, 3000 against 19k at 1). No
     bias gets more than 0.75 far episodes a window (every window one segment); what it trades is the
     short-range practice and the answers' weight in the loss, which ``answer_weight`` may then make up.
-    On the H200 (BENCHMARKS.md Q9) the biased mix from step 0 taught a 31M dense model at 16k nothing in
-    2400 steps (0% / 0%) where the unbiased one taught it 75% / 25%: the copy is learned at short range
-    first. ``bias_from_step`` (``data.passkey_bias_from_step``) draws the unbiased mix for the windows of
-    earlier steps (``draws[i][1]``) and the biased one from that step on.
+    On the H200 (BENCHMARKS.md Q9) the bias-1 mix from step 0 (answer weight 100) taught a 31M dense model
+    at 16k nothing in 2400 steps (0% / 0%) where the unbiased one (weight 20) taught it 75% / 25%: the copy
+    is learned at short range first. ``bias_from_step`` (``data.passkey_bias_from_step``) draws the
+    unbiased mix for the windows of earlier steps (``draws[i][1]``) and the biased one from that step on.
     """
 
     def __init__(self, tokenizer, share: float, questions: int, seq_len: int, answer_weight: float = 1.0,
