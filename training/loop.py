@@ -278,7 +278,8 @@ class Trainer:
         # One all-reduce for every loss part (the total is their sum) and, last, the Ctrl-C flag: its mean
         # is > 0 when any rank asked to stop, so the ranks agree on the step without a collective of its own.
         detached = [v.detach().float() for v in parts_sum.values()]
-        stop = torch.full((), float(self.stop_requested), dtype=torch.float32, device=detached[0].device)   # a fill: no host copy
+        # a fill kernel, not torch.tensor(..., device=): no host-to-device copy on the step's path
+        stop = torch.full((), float(self.stop_requested), dtype=torch.float32, device=detached[0].device)
         reduced = all_reduce_mean(torch.stack([*detached, stop]), self.par)
         parts_mean = reduced[:-1]
         loss_val = parts_mean.sum()
