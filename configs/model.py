@@ -131,6 +131,7 @@ class ModelConfig:
         if self.attention_type == "mla":
             self.mla.validate(f"{key}.mla")
             check(self.qk_norm == "none", f"{key}.qk_norm", "MLA normalises its latents; qk_norm must be none")
+            check(not self.attention.ssmax, f"{key}.attention.ssmax", "is for GQA attention (attention_type mha), not MLA")
         check(self.n_heads % self.kv_heads == 0, f"{key}.n_kv_heads",
               f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}")
         check(self.rope_dim % 2 == 0, f"{key}.dim", f"head_dim={self.rope_dim} must be even for RoPE")

@@ -193,6 +193,7 @@ def hf_model_type(cfg: ModelConfig) -> str:
     """The HF family that expresses ``cfg`` exactly; ConfigError naming the blocking key otherwise."""
     _, windowed = windowed_layers(cfg)
     types = cfg.layer_ffn_types()
+    check(not cfg.attention.ssmax, "model.attention.ssmax", "HF models have no SSMax query scale")
     check(set(types) <= {"dense", "moe"}, "model.ffn",
           f"only dense and moe FFNs export to HF, got {sorted(set(types))}")
     every = len(windowed) == cfg.n_layers

@@ -61,14 +61,17 @@ class TransformerBlock(nn.Module):
         else:
             self.attention = Attention(cfg.dim, cfg.n_heads, cfg.kv_heads, bias=cfg.attn_bias,
                                        head_dim=cfg.attn_head_dim, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
-                                       **common)
+                                       ssmax=cfg.attention.ssmax, **common)
+        self.attention_reads_positions = cfg.attention.ssmax
         self.feed_forward = build_ffn(cfg, ffn_type)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos, mask)
+                mask: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        # positions reach the attention only where it reads them (SSMax): MLA takes none
+        pos = (positions,) if self.attention_reads_positions else ()
+        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos, mask, *pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -144,7 +147,7 @@ class Transformer(nn.Module):
         positions = torch.arange(start_pos, T, device=tokens.device) if position_ids is None else position_ids
         cos, sin = self.rope(positions)
         for layer in self.layers:
-            h = layer(h, cos, sin, start_pos, mask)
+            h = layer(h, cos, sin, start_pos, mask, positions)
         logits = self.output(self.norm(h)).float()
         if targets is None:
             return logits

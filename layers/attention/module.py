@@ -5,7 +5,9 @@ One module for training, prefill and decode. LLaMA naming: ``wq [Hq*Dh, D]``, ``
 ``compress: 1`` (NSA's compressed branch) add ``branch_gate [2*Hc, D]`` with a bias. ``head_dim`` defaults
 to ``D / Hq`` (Qwen3 sets it apart). ``qk_norm``: RMSNorm of q and k before RoPE, ``head`` over each head's Dh
 (Qwen3: ``q_norm, k_norm [Dh]``) or ``full`` over the whole projection (OLMoE: ``q_norm [Hq*Dh]``,
-``k_norm [Hk*Dh]``). ``mask`` (optional ``layers.attention.masking.AttnMask``): the pairs padding and
+``k_norm [Hk*Dh]``). ``ssmax=True`` adds ``ssmax [Hq]`` (SSMax, Nakanishi 2025): each query at position p
+is multiplied by ``1 + ssmax[h] * log(p + 1)`` after RoPE, zero at init. ``mask`` (optional
+``layers.attention.masking.AttnMask``): the pairs padding and
 packed documents leave, ANDed with causality and the pattern. ``pattern`` is None
 (dense), a ``SparsityPattern`` or a per-head list; sparse patterns go through
 ``layers.attention.functional.sparse_attention`` with the same causal semantics in every mode.
@@ -94,7 +96,7 @@ class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: Optional[int] = None, pattern=None,
                  backend: str = "auto", layer_id: int = 0, reference_below: int = -1, bias: bool = False,
                  head_dim: Optional[int] = None, qk_norm: str = "none", norm_eps: float = 1e-6,
-                 flex_kernel: str = "auto", kernel_options: Optional[dict] = None):
+                 flex_kernel: str = "auto", kernel_options: Optional[dict] = None, ssmax: bool = False):
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
         if (head_dim is None and dim % n_heads) or n_heads % n_kv_heads:
@@ -115,6 +117,8 @@ class Attention(nn.Module):
             per_head = qk_norm == "head"
             self.q_norm = RMSNorm(self.head_dim if per_head else n_heads * self.head_dim, norm_eps)
             self.k_norm = RMSNorm(self.head_dim if per_head else n_kv_heads * self.head_dim, norm_eps)
+        # SSMax's per-head slope, float32 like the norms (1-D: no weight decay); zero = plain softmax
+        self.ssmax = nn.Parameter(torch.zeros(n_heads)) if ssmax else None
         if pattern is not None:   # a per-head list of the wrong length or mixed block sizes fails here, not in forward
             layer_block_size(head_patterns(pattern, n_heads))
         self.pattern = pattern
@@ -137,12 +141,16 @@ class Attention(nn.Module):
             if w.bias is not None:
                 nn.init.zeros_(w.bias)
         nn.init.normal_(self.wo.weight, std=out_std)
+        if self.ssmax is not None:
+            nn.init.zeros_(self.ssmax)
         if self.compress_heads:       # gates near sigmoid(0) = 1/2 for both branches at the start
             nn.init.normal_(self.branch_gate.weight, std=std)
             nn.init.zeros_(self.branch_gate.bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                mask: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``positions`` ([S] or [B, S], default ``start_pos + arange(S)``): the queries' positions, the
+        RoPE ones (per document when packed); read only by SSMax."""
         if self.compress_heads and mask is not None:
             raise ValueError("block top-k compress: 1 cannot run with padding or packed-document masks: its pooled "
                              "key blocks would mix documents and padding")
@@ -155,6 +163,8 @@ class Attention(nn.Module):
         q, k = (rearrange(t, "b s h d -> b h s d") for t in (q, k))
         v = rearrange(self.wv(x), "b s (h d) -> b h s d", d=self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.ssmax is not None:
+            q = self._ssmax_queries(q, start_pos, positions)
         if self.cache is not None:
             k, v = self.cache.update(start_pos, k, v)
         stats_before = self.attn_stats
@@ -162,6 +172,16 @@ class Attention(nn.Module):
         if self.compress_heads:
             out = self._with_compressed(x, q, k, v, out, start_pos, self.attn_stats is not stats_before)
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))
+
+    def _ssmax_queries(self, q: torch.Tensor, start_pos: int, positions: Optional[torch.Tensor]) -> torch.Tensor:
+        """``q [B, Hq, S, Dh]`` times ``1 + ssmax[h] * log(p + 1)``: SSMax's ``s log n`` with n = p + 1, the keys a
+        causal query at p sees, plus a fixed 1 so that s = 0 is plain attention. Scaling q scales every
+        logit of the row, so every kernel (SDPA, flex, FA4, the sparse selections) runs it unchanged."""
+        if positions is None:
+            positions = torch.arange(start_pos, start_pos + q.shape[2], device=q.device)
+        logn = torch.log1p(positions.float())                             # [S] or [B, S]
+        scale = 1.0 + self.ssmax.float()[:, None] * logn.unsqueeze(-2)    # [Hq, S] or [B, Hq, S]
+        return q * scale.unsqueeze(-1).to(q.dtype)
 
     def _with_compressed(self, x, q, k, v, out, q_offset: int, fresh_stats: bool) -> torch.Tensor:
         """``out [B, Hq, S, Dh]`` with each compressed head's rows replaced by

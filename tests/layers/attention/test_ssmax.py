@@ -1,0 +1,155 @@
+"""SSMax (model.attention.ssmax): each query at position p scaled by 1 + s_h log(p + 1), checked against
+an independent masked-softmax reference with the scale on the logits, on the dense and the sparse
+(reference) paths, through prefill + decode and packed documents; s = 0 is plain attention bit for bit;
+s trains (gets a gradient, no weight decay); MLA and HF export refuse it by key."""
+import math
+
+import pytest
+import torch
+
+from configs import AttentionConfig, ConfigError, MLAConfig, ModelConfig
+from helpers import TOL, V, randomize_, tokens
+from layers import Attention
+from layers.rope import RotaryEmbedding, apply_rotary
+from training.data import pack_documents
+from zoo import build_model
+
+
+def reference(att: Attention, x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Causal attention of x [B, S, D] in float64 with each row's logits times 1 + s_h log(p + 1)."""
+    B, S, _ = x.shape
+    Hq, Hk, Dh = att.n_heads, att.n_kv_heads, att.head_dim
+    x = x.double()
+    q = (x @ att.wq.weight.double().T).view(B, S, Hq, Dh).transpose(1, 2)
+    k = (x @ att.wk.weight.double().T).view(B, S, Hk, Dh).transpose(1, 2)
+    v = (x @ att.wv.weight.double().T).view(B, S, Hk, Dh).transpose(1, 2)
+    cos, sin = RotaryEmbedding(Dh, theta=theta)(torch.arange(S))
+    q, k = apply_rotary(q, cos.double(), sin.double()), apply_rotary(k, cos.double(), sin.double())
+    k, v = (t.repeat_interleave(Hq // Hk, dim=1) for t in (k, v))
+    logits = q @ k.transpose(-1, -2) / math.sqrt(Dh)                              # [B, Hq, S, S]
+    p = torch.arange(S, dtype=torch.float64)
+    logits = logits * (1 + att.ssmax.double()[:, None, None] * torch.log(p + 1)[:, None])
+    logits = logits.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    out = (logits.softmax(-1) @ v).transpose(1, 2).reshape(B, S, Hq * Dh)
+    return (out @ att.wo.weight.double().T).float()
+
+
+@pytest.mark.parametrize("pattern", [None, {"type": "local", "window": 64, "block_size": 16}])
+def test_ssmax_attention_equals_the_scaled_logit_reference(pattern):
+    # the local pattern covers all 48 keys, so on the sparse (reference backend) path it must equal dense
+    from layers import SparsityPattern
+    torch.manual_seed(0)
+    att = Attention(32, 4, 2, pattern=SparsityPattern.from_dict(pattern) if pattern else None,
+                    backend="reference", ssmax=True)
+    randomize_(att, 1)
+    with torch.no_grad():
+        att.ssmax.copy_(torch.tensor([0.5, -0.1, 0.0, 1.2]))
+    x = torch.randn(2, 48, 32)
+    cos, sin = RotaryEmbedding(8, theta=10000.0)(torch.arange(48))
+    with torch.no_grad():
+        got = att(x, cos, sin)
+    assert (got - reference(att, x, 10000.0)).abs().max().item() < TOL
+
+
+def model(ssmax: bool, seed: int = 0, mla: bool = False):
+    cfg = ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=40, max_seq_len=64,
+                      rope_theta=500.0, attention=AttentionConfig(ssmax=ssmax))
+    if mla:
+        cfg.attention_type = "mla"
+        cfg.mla = MLAConfig(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+    cfg.validate()
+    m = build_model(cfg).eval()
+    randomize_(m, seed)
+    return m
+
+
+def test_zero_slope_is_plain_attention_bit_for_bit():
+    plain, scaled = model(False, 2), model(True, 2)
+    missing, unexpected = scaled.load_state_dict(plain.state_dict(), strict=False)
+    assert unexpected == [] and missing and all(k.endswith("attention.ssmax") for k in missing)
+    for layer in scaled.layers:
+        torch.nn.init.zeros_(layer.attention.ssmax)
+    x = tokens(3, b=2, s=20)
+    with torch.no_grad():
+        assert torch.equal(plain(x), scaled(x))
+    fresh = build_model(scaled.cfg)         # init_weights starts every slope at 0
+    assert all(torch.count_nonzero(layer.attention.ssmax) == 0 for layer in fresh.layers)
+
+
+def test_decode_with_a_cache_equals_the_full_pass():
+    m = model(True, 4)
+    x = tokens(5, b=2, s=12)
+    with torch.no_grad():
+        ref = m(x)
+        m.setup_cache(2, 12)
+        outs = [m(x[:, :7])] + [m(x[:, t:t + 1], start_pos=t) for t in range(7, 12)]
+        m.clear_cache()
+    assert (torch.cat(outs, 1) - ref).abs().max().item() < TOL
+
+
+def test_packed_documents_scale_by_their_own_positions():
+    m = model(True, 6)
+    docs = [tokens(s, b=1, s=n)[0].tolist() for s, n in ((1, 5), (2, 9), (3, 7))]
+    packed = pack_documents(docs, seq_len=12)
+    with torch.no_grad():
+        out = m(packed.tokens, document_ids=packed.document_ids)
+        alone = [m(torch.tensor([d]))[0] for d in docs]
+    got = [out[r, packed.document_ids[r] == j] for r in range(out.shape[0])
+           for j in range(int(packed.document_ids[r].max()) + 1)]
+    assert len(got) == len(docs)
+    for g, a in zip(got, alone):
+        assert (g - a).abs().max().item() < TOL
+
+
+def test_the_slope_trains_without_weight_decay():
+    from configs import OptimConfig
+    from training.optim import build_optimizer
+    m = model(True, 7).train()
+    for layer in m.layers:
+        torch.nn.init.zeros_(layer.attention.ssmax)     # the init: the gradient must move it off zero
+    loss, _ = m(tokens(8, b=2, s=16), tokens(9, b=2, s=16))
+    loss.backward()
+    assert all(layer.attention.ssmax.grad.abs().sum() > 0 for layer in m.layers)
+    opt = build_optimizer(m, OptimConfig(weight_decay=0.1))
+    no_decay = [g for g in opt.param_groups if g["weight_decay"] == 0.0][0]["params"]
+    assert all(any(p is layer.attention.ssmax for p in no_decay) for layer in m.layers)
+
+
+def test_mla_and_hf_export_refuse_it_by_key():
+    with pytest.raises(ConfigError, match=r"model\.attention\.ssmax"):
+        model(True, mla=True)
+    from zoo.hf_config import hf_model_type
+    with pytest.raises(ConfigError, match=r"model\.attention\.ssmax"):
+        hf_model_type(model(True).cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pattern, compiled", [(None, False), (None, True),
+                                               ({"type": "a_shape", "sinks": 128, "window": 1024, "block_size": 128},
+                                                False)])
+def test_ssmax_on_cuda_bf16_matches_the_float64_reference_fwd_bwd(pattern, compiled):
+    # dense runs SDPA's fused kernels, the (window >= T) A-shape head flex's block-sparse kernel: both must
+    # see the scaled queries, forward and in the slope's gradient
+    import copy
+    from layers import SparsityPattern
+    torch.manual_seed(0)
+    att = Attention(256, 4, 2, pattern=SparsityPattern.from_dict(pattern) if pattern else None, ssmax=True)
+    randomize_(att, 3, std=0.05)
+    with torch.no_grad():
+        att.ssmax.copy_(torch.tensor([0.3, -0.05, 0.0, 0.6]))
+    cpu = copy.deepcopy(att)
+    att = att.cuda()
+    x = torch.randn(2, 512, 256)
+    do = torch.randn(2, 512, 256)
+    ref = reference(cpu, x, 10000.0)
+    ref.backward(do)
+    cos, sin = RotaryEmbedding(64, theta=10000.0)(torch.arange(512, device="cuda"))
+    run = torch.compile(att) if compiled else att
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = run(x.cuda(), cos, sin)
+    got.float().backward(do.cuda())
+    scale = ref.abs().max().item()
+    assert (got.float().cpu() - ref).abs().max().item() < 2e-2 * scale
+    g_ref, g = cpu.ssmax.grad, att.ssmax.grad.cpu()
+    assert (g - g_ref).abs().max().item() < 5e-2 * g_ref.abs().max().item()
