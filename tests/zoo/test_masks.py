@@ -13,9 +13,10 @@ LOCAL = {"0:*": {"type": "local", "window": 3}}
 A_SHAPE = {"*": {"type": "a_shape", "sinks": 2, "window": 3}}
 
 
-def zoo_model(seed=0, patterns=None, mla=False, moe=False):
+def zoo_model(seed=0, patterns=None, mla=False, moe=False, ssmax=False):
     cfg = ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=40, max_seq_len=64,
-                      rope_theta=500.0, qk_norm="head", attention=AttentionConfig(patterns=patterns or {}))
+                      rope_theta=500.0, qk_norm="head",
+                      attention=AttentionConfig(patterns=patterns or {}, ssmax=ssmax))
     if mla:
         cfg.attention_type, cfg.qk_norm = "mla", "none"
         cfg.mla = MLAConfig(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
@@ -27,9 +28,11 @@ def zoo_model(seed=0, patterns=None, mla=False, moe=False):
     return m
 
 
-@pytest.mark.parametrize("kind", ["dense", "local", "mla_moe"])
+@pytest.mark.parametrize("kind", ["dense", "local", "mla_moe", "ssmax"])
 def test_packed_documents_give_each_document_its_own_logits(kind):
-    model = zoo_model(1, patterns=LOCAL if kind == "local" else None, mla=kind == "mla_moe", moe=kind == "mla_moe")
+    # ssmax: each document's queries are scaled by their own positions (randomize_ makes the slopes nonzero)
+    model = zoo_model(1, patterns=LOCAL if kind == "local" else None, mla=kind == "mla_moe", moe=kind == "mla_moe",
+                      ssmax=kind == "ssmax")
     docs = [tokens(s, b=1, s=n)[0].tolist() for s, n in ((1, 5), (2, 7), (3, 4), (4, 9))]
     packed = pack_documents(docs, seq_len=12)
     with torch.no_grad():

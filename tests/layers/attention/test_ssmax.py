@@ -1,6 +1,6 @@
 """SSMax (model.attention.ssmax): each query at position p scaled by 1 + s_h log(p + 1), checked against
 an independent masked-softmax reference with the scale on the logits, on the dense and the sparse
-(reference) paths, through prefill + decode and packed documents; s = 0 is plain attention bit for bit;
+(reference) paths, through prefill + decode (packed documents: tests/zoo/test_masks.py); s = 0 is plain attention bit for bit;
 s trains (gets a gradient, no weight decay); MLA and HF export refuse it by key."""
 import math
 
@@ -11,7 +11,6 @@ from configs import AttentionConfig, ConfigError, MLAConfig, ModelConfig
 from helpers import TOL, V, randomize_, tokens
 from layers import Attention
 from layers.rope import RotaryEmbedding, apply_rotary
-from training.data import pack_documents
 from zoo import build_model
 
 
@@ -85,20 +84,6 @@ def test_decode_with_a_cache_equals_the_full_pass():
         outs = [m(x[:, :7])] + [m(x[:, t:t + 1], start_pos=t) for t in range(7, 12)]
         m.clear_cache()
     assert (torch.cat(outs, 1) - ref).abs().max().item() < TOL
-
-
-def test_packed_documents_scale_by_their_own_positions():
-    m = model(True, 6)
-    docs = [tokens(s, b=1, s=n)[0].tolist() for s, n in ((1, 5), (2, 9), (3, 7))]
-    packed = pack_documents(docs, seq_len=12)
-    with torch.no_grad():
-        out = m(packed.tokens, document_ids=packed.document_ids)
-        alone = [m(torch.tensor([d]))[0] for d in docs]
-    got = [out[r, packed.document_ids[r] == j] for r in range(out.shape[0])
-           for j in range(int(packed.document_ids[r].max()) + 1)]
-    assert len(got) == len(docs)
-    for g, a in zip(got, alone):
-        assert (g - a).abs().max().item() < TOL
 
 
 def test_the_slope_trains_without_weight_decay():
