@@ -93,6 +93,10 @@ def run_variant(cfg, variant: str, save: bool = False) -> dict:
     pk = [r for r in rows if any(k.startswith("passkey/") for k in r)]
     if pk:
         out["passkey"] = {k.split("/")[1]: v for k, v in pk[-1].items() if k.startswith("passkey/")}
+    slopes = [[round(v, 3) for v in b.attention.ssmax.tolist()] for b in trainer.model.layers
+              if getattr(b.attention, "ssmax", None) is not None]
+    if slopes:      # SSMax: what each layer's heads learned (1 + s log(p + 1) at 16k is 1 + 9.7 s)
+        out["ssmax"] = slopes
     del trainer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
