@@ -139,7 +139,7 @@ _MOE_SHAPES = {"moe_shared": ["model.moe.shared_experts=1", *_TOP1, "model.moe.h
 SUITES["moe_shapes"] = {"dense": SUITES["equal_time"]["dense"],
                         **{n: ("zoo/tiny_moe.yaml", BACKBONE + ov) for n, ov in _MOE_SHAPES.items()}}
 SUITES["equal_time_moe_shapes"] = with_graphs("moe_shapes")
-# More experts at the same active FLOPs (top-2 at 704): total parameters 2x and 4x the 8-expert MoE's, the
+# More experts at the same active FLOPs (top-2 at 704): expert parameters 2x and 4x the 8-expert MoE's, the
 # per-token gain of routing growing with the expert count (Switch, DeepSeekMoE), against smaller groups per
 # GEMM and a larger optimizer step. Top-2 of 8 at 90 s on the package corpus: +2.9% over dense (BENCHMARKS.md).
 SUITES["moe_experts"] = {"dense": SUITES["equal_time"]["dense"],

@@ -70,8 +70,8 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0,
                 mask: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         # positions reach the attention only where it reads them (SSMax): MLA takes none
-        pos = (positions,) if self.attention_reads_positions else ()
-        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos, mask, *pos)
+        kw = {"positions": positions} if self.attention_reads_positions else {}
+        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos, mask, **kw)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -128,7 +128,8 @@ class Transformer(nn.Module):
         - ``attention_mask [B, start_pos + S]`` (HF: 1 real, 0 padding; left or right padding): no query
           sees a padding key; padding positions get no loss. In decode pass the mask of the whole prefix.
         - ``position_ids [B, S]``: RoPE positions (HF; default ``start_pos + arange(S)``, also under padding,
-          as HF's forward does).
+          as HF's forward does); with ``model.attention.ssmax`` they also set each query's scale, so a
+          left-padded row equals the row alone only with position_ids that skip the padding.
         - ``document_ids [B, S]`` (training.data.pack_documents): attention stays inside a document, and
           positions restart at each document unless ``position_ids`` are given. Not with a KV cache.
         - ``loss_weights [B, S]`` (with ``targets``): each target's weight in the loss that is returned,

@@ -87,10 +87,11 @@ class KVCache(nn.Module):
 
 
 class Attention(nn.Module):
-    """``forward(x[B, S, D], cos[S, Dh], sin[S, Dh], start_pos=0) -> [B, S, D]``.
+    """``forward(x[B, S, D], cos, sin, start_pos=0, mask=None, positions=None) -> [B, S, D]``.
 
-    ``cos/sin`` are the rotary angles of positions ``start_pos .. start_pos + S - 1``. With a cache set
-    up (``setup_cache``), keys/values are appended at ``start_pos`` and queries attend to the prefix.
+    ``cos/sin`` ([S, Dh] or [B, S, Dh]) are the rotary angles of the queries' positions, by default
+    ``start_pos .. start_pos + S - 1``. With a cache set up (``setup_cache``), keys/values are appended at
+    ``start_pos`` and queries attend to the prefix.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: Optional[int] = None, pattern=None,
@@ -176,12 +177,16 @@ class Attention(nn.Module):
     def _ssmax_queries(self, q: torch.Tensor, start_pos: int, positions: Optional[torch.Tensor]) -> torch.Tensor:
         """``q [B, Hq, S, Dh]`` times ``1 + ssmax[h] * log(p + 1)``: SSMax's ``s log n`` with n = p + 1, the keys a
         causal query at p sees, plus a fixed 1 so that s = 0 is plain attention. Scaling q scales every
-        logit of the row, so every kernel (SDPA, flex, FA4, the sparse selections) runs it unchanged."""
+        logit of the row, so every kernel (SDPA, flex, FA4, the sparse selections) runs it unchanged.
+        The scale is not kept positive: a slope s < 0 makes rows past p = exp(-1/s) uniform, then inverted,
+        which training at that length sees and corrects, but a model run far past its training length may not."""
         if positions is None:
             positions = torch.arange(start_pos, start_pos + q.shape[2], device=q.device)
-        logn = torch.log1p(positions.float())                             # [S] or [B, S]
+        # padding rows may carry negative position_ids (HF-style cumsum - 1): log1p(-1) = -inf would give NaN
+        logn = torch.log1p(positions.float().clamp(min=0))               # [S] or [B, S]
         scale = 1.0 + self.ssmax.float()[:, None] * logn.unsqueeze(-2)    # [Hq, S] or [B, Hq, S]
-        return q * scale.unsqueeze(-1).to(q.dtype)
+        # float32 math, q's dtype out (as apply_rotary): a bf16 scale would drop slopes below ~0.004 / log(p + 1)
+        return (q.float() * scale.unsqueeze(-1)).to(q.dtype)
 
     def _with_compressed(self, x, q, k, v, out, q_offset: int, fresh_stats: bool) -> torch.Tensor:
         """``out [B, Hq, S, Dh]`` with each compressed head's rows replaced by

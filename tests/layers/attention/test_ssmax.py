@@ -1,6 +1,6 @@
 """SSMax (model.attention.ssmax): each query at position p scaled by 1 + s_h log(p + 1), checked against
 an independent masked-softmax reference with the scale on the logits, on the dense and the sparse
-(reference) paths, through prefill + decode (packed documents: tests/zoo/test_masks.py); s = 0 is plain attention bit for bit;
+(reference) paths, through prefill + decode and left padding (packed documents: tests/zoo/test_masks.py); s = 0 is plain attention bit for bit;
 s trains (gets a gradient, no weight decay); MLA and HF export refuse it by key."""
 import math
 
@@ -9,13 +9,14 @@ import torch
 
 from configs import AttentionConfig, ConfigError, MLAConfig, ModelConfig
 from helpers import TOL, V, randomize_, tokens
-from layers import Attention
+from layers import Attention, SparsityPattern, pattern_mask
 from layers.rope import RotaryEmbedding, apply_rotary
 from zoo import build_model
 
 
-def reference(att: Attention, x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Causal attention of x [B, S, D] in float64 with each row's logits times 1 + s_h log(p + 1)."""
+def reference(att: Attention, x: torch.Tensor, theta: float, pattern=None) -> torch.Tensor:
+    """Causal attention of x [B, S, D] in float64 with each row's logits times 1 + s_h log(p + 1), over the
+    pairs ``pattern`` allows (its token mask, layers.pattern_mask) when given."""
     B, S, _ = x.shape
     Hq, Hk, Dh = att.n_heads, att.n_kv_heads, att.head_dim
     x = x.double()
@@ -28,18 +29,22 @@ def reference(att: Attention, x: torch.Tensor, theta: float) -> torch.Tensor:
     logits = q @ k.transpose(-1, -2) / math.sqrt(Dh)                              # [B, Hq, S, S]
     p = torch.arange(S, dtype=torch.float64)
     logits = logits * (1 + att.ssmax.double()[:, None, None] * torch.log(p + 1)[:, None])
-    logits = logits.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    allowed = torch.ones(S, S, dtype=torch.bool).tril()
+    if pattern is not None:
+        allowed = allowed & pattern_mask(pattern, S, S, Hq)                      # [Hq, S, S]
+    logits = logits.masked_fill(~allowed, float("-inf"))
     out = (logits.softmax(-1) @ v).transpose(1, 2).reshape(B, S, Hq * Dh)
     return (out @ att.wo.weight.double().T).float()
 
 
-@pytest.mark.parametrize("pattern", [None, {"type": "local", "window": 64, "block_size": 16}])
+@pytest.mark.parametrize("pattern", [None, {"type": "local", "window": 16, "block_size": 16},
+                                     {"type": "a_shape", "sinks": 4, "window": 8, "block_size": 16}])
 def test_ssmax_attention_equals_the_scaled_logit_reference(pattern):
-    # the local pattern covers all 48 keys, so on the sparse (reference backend) path it must equal dense
-    from layers import SparsityPattern
+    # the sparse windows are shorter than the 48 keys: the layer's sparse (reference backend) path runs
     torch.manual_seed(0)
-    att = Attention(32, 4, 2, pattern=SparsityPattern.from_dict(pattern) if pattern else None,
-                    backend="reference", ssmax=True)
+    pattern = SparsityPattern.from_dict(pattern) if pattern else None
+    assert pattern is None or not pattern.is_dense_at(48)
+    att = Attention(32, 4, 2, pattern=pattern, backend="reference", ssmax=True)
     randomize_(att, 1)
     with torch.no_grad():
         att.ssmax.copy_(torch.tensor([0.5, -0.1, 0.0, 1.2]))
@@ -47,7 +52,7 @@ def test_ssmax_attention_equals_the_scaled_logit_reference(pattern):
     cos, sin = RotaryEmbedding(8, theta=10000.0)(torch.arange(48))
     with torch.no_grad():
         got = att(x, cos, sin)
-    assert (got - reference(att, x, 10000.0)).abs().max().item() < TOL
+    assert (got - reference(att, x, 10000.0, pattern)).abs().max().item() < TOL
 
 
 def model(ssmax: bool, seed: int = 0, mla: bool = False):
@@ -71,8 +76,25 @@ def test_zero_slope_is_plain_attention_bit_for_bit():
     x = tokens(3, b=2, s=20)
     with torch.no_grad():
         assert torch.equal(plain(x), scaled(x))
-    fresh = build_model(scaled.cfg)         # init_weights starts every slope at 0
+    fresh = build_model(scaled.cfg, device="meta")      # FSDP2's path: meta, then memory, then init_weights
+    fresh.to_empty(device="cpu")
+    for layer in fresh.layers:
+        torch.nn.init.ones_(layer.attention.ssmax)     # what uninitialised memory might hold
+    fresh.init_weights()
     assert all(torch.count_nonzero(layer.attention.ssmax) == 0 for layer in fresh.layers)
+
+
+def test_negative_padding_positions_stay_finite():
+    # HF-style left padding: position_ids = cumsum(mask) - 1 is -1 on the padding rows
+    m = model(True, 3)
+    x = tokens(4, b=2, s=10)
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        out = m(x, attention_mask=mask, position_ids=mask.cumsum(1) - 1)
+        alone = m(x[:1, 3:])
+    assert torch.isfinite(out).all()
+    assert (out[0, 3:] - alone[0]).abs().max().item() < TOL
 
 
 def test_decode_with_a_cache_equals_the_full_pass():
@@ -111,15 +133,16 @@ def test_mla_and_hf_export_refuse_it_by_key():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("pattern, compiled", [(None, False), (None, True),
-                                               ({"type": "a_shape", "sinks": 128, "window": 1024, "block_size": 128},
+                                               ({"type": "a_shape", "sinks": 128, "window": 128, "block_size": 128},
                                                 False)])
 def test_ssmax_on_cuda_bf16_matches_the_float64_reference_fwd_bwd(pattern, compiled):
-    # dense runs SDPA's fused kernels, the (window >= T) A-shape head flex's block-sparse kernel: both must
-    # see the scaled queries, forward and in the slope's gradient
+    # dense runs SDPA's fused kernels, the A-shape head (256 of the 512 keys at most) flex's block-sparse
+    # kernel: both must see the scaled queries, forward and in the slope's gradient
     import copy
-    from layers import SparsityPattern
     torch.manual_seed(0)
-    att = Attention(256, 4, 2, pattern=SparsityPattern.from_dict(pattern) if pattern else None, ssmax=True)
+    pattern = SparsityPattern.from_dict(pattern) if pattern else None
+    assert pattern is None or not pattern.is_dense_at(512)
+    att = Attention(256, 4, 2, pattern=pattern, ssmax=True)
     randomize_(att, 3, std=0.05)
     with torch.no_grad():
         att.ssmax.copy_(torch.tensor([0.3, -0.05, 0.0, 0.6]))
@@ -127,7 +150,7 @@ def test_ssmax_on_cuda_bf16_matches_the_float64_reference_fwd_bwd(pattern, compi
     att = att.cuda()
     x = torch.randn(2, 512, 256)
     do = torch.randn(2, 512, 256)
-    ref = reference(cpu, x, 10000.0)
+    ref = reference(cpu, x, 10000.0, pattern)
     ref.backward(do)
     cos, sin = RotaryEmbedding(64, theta=10000.0)(torch.arange(512, device="cuda"))
     run = torch.compile(att) if compiled else att
