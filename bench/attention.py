@@ -70,6 +70,7 @@ from layers.attention.compressed import compress_heads, compressed_attention, co
 from layers.attention.module import put_heads, take_heads  # noqa: E402
 from layers.attention.pattern import head_patterns  # noqa: E402
 from layers.attention.plan import plan_pattern  # noqa: E402
+from layers.attention.selection import index_tensor  # noqa: E402
 
 from layers.attention import flex as sa_mod  # noqa: E402
 
@@ -201,7 +202,7 @@ def layer_attention(q, k, v, p, kern):
     heads = compress_heads(head_patterns(p, H))
     if not heads:
         return out
-    kv_heads = torch.tensor([h // (H // HK) for h in heads], device=q.device)
+    kv_heads = index_tensor([h // (H // HK) for h in heads], q.device)
     cmp = compressed_attention(take_heads(q, heads), k, v, BS, 0, kv_heads)
     return put_heads(out, heads, take_heads(out, heads) + cmp)
 

@@ -62,15 +62,14 @@ class TransformerBlock(nn.Module):
             self.attention = Attention(cfg.dim, cfg.n_heads, cfg.kv_heads, bias=cfg.attn_bias,
                                        head_dim=cfg.attn_head_dim, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
                                        ssmax=cfg.attention.ssmax, **common)
-        self.attention_reads_positions = cfg.attention.ssmax
         self.feed_forward = build_ffn(cfg, ffn_type)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0,
                 mask: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        # positions reach the attention only where it reads them (SSMax): MLA takes none
-        kw = {"positions": positions} if self.attention_reads_positions else {}
+        # positions reach the attention only where it reads them (SSMax's slopes): MLA takes none
+        kw = {"positions": positions} if getattr(self.attention, "ssmax", None) is not None else {}
         h = x + self.attention(self.attention_norm(x), cos, sin, start_pos, mask, **kw)
         return h + self.feed_forward(self.ffn_norm(h))
 
