@@ -20,7 +20,7 @@ times each step):
   A probe run per model (``--probe-steps``, seed 0) measures its settled step time. Each seed then
   trains until its steady training seconds reach ``--seconds``, the LR on ``TimeSchedule``: warm-up
   over ``optim.warmup_steps`` steps as the trainer's, then the cosine as a function of the steady
-  seconds, at its floor when the budget is spent; ``train.steps`` is only a bound (1.5x the probe's
+  seconds, at its floor when the budget is spent; ``train.steps`` is only a bound (3x the probe's
   estimate). The neuron-routed model keeps a step count (``--seconds`` / the probe's step time): its
   schedule's phases (dense warm-up and finish, re-grouping) are fractions of a step total, as are
   DST's. ``--fixed-steps``: every model that way (the old sizing: the probe under-rated the
@@ -149,7 +149,10 @@ SUITES["moe_experts"] = {"dense": SUITES["equal_time"]["dense"],
 SUITES["equal_time_moe_experts"] = with_graphs("moe_experts")
 
 
-STEP_BOUND = 1.5   # a time-budgeted run's train.steps: this times the probe's estimate, a bound never reached
+# A time-budgeted run's train.steps: this times the probe's estimate, a bound meant never to be reached (the
+# clock ends the run). 1.5 was too tight: a probe slowed by process start-up or by neighbours (CPU tests under
+# xdist) estimated steps >1.5x slower than the run then took, and the run stopped short of its budget.
+STEP_BOUND = 3.0
 
 
 class TimeSchedule:

@@ -103,7 +103,7 @@ def test_smoke_suite_trains_each_model_to_the_time_budget_with_the_lr_at_the_flo
         probe, run = res[name]["probe"], res[name]["seeds"]["0"]
         estimate = max(probe_steps, int(seconds / probe["tail_median_s"]))
         assert run["budget_reached"] and run["budget_s"] == seconds, (name, run)
-        assert run["steps"] < run["steps_bound"] == int(1.5 * estimate)
+        assert run["steps"] < run["steps_bound"] == int(bench.STEP_BOUND * estimate)
         # the last step starts before the budget and counts only if it takes at most twice the probe's step
         assert seconds <= run["steady_s"] < seconds + 2 * probe["tail_median_s"]
         assert run["tokens_seen"] == run["steps"] * 2 * 64
