@@ -151,12 +151,16 @@ class RotaryEmbedding(nn.Module):
         return emb.cos(), emb.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate ``x[B, H, S, D]`` by the angles of ``cos/sin[S, D]`` (or per row ``[B, S, D]``); float32 math,
-    x's dtype out."""
+    x's dtype out. ``scale`` (float32, broadcastable to ``[B, H, S, 1]``) multiplies the rotated rows inside
+    the same float32 pass (SSMax's per-position query scale: one rounding to x's dtype, and no second
+    read and write of q in eager mode)."""
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    out = xf * cos + rotated * sin
+    return (out if scale is None else out * scale).to(x.dtype)

@@ -163,9 +163,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = (rearrange(t, "b s h d -> b h s d") for t in (q, k))
         v = rearrange(self.wv(x), "b s (h d) -> b h s d", d=self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.ssmax is not None:
-            q = self._ssmax_queries(q, start_pos, positions)
+        q_scale = None if self.ssmax is None else self._ssmax_scale(q.shape[2], q.device, start_pos, positions)
+        q, k = apply_rotary(q, cos, sin, q_scale), apply_rotary(k, cos, sin)
         if self.cache is not None:
             k, v = self.cache.update(start_pos, k, v)
         stats_before = self.attn_stats
@@ -174,19 +173,21 @@ class Attention(nn.Module):
             out = self._with_compressed(x, q, k, v, out, start_pos, self.attn_stats is not stats_before)
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))
 
-    def _ssmax_queries(self, q: torch.Tensor, start_pos: int, positions: Optional[torch.Tensor]) -> torch.Tensor:
-        """``q [B, Hq, S, Dh]`` times ``1 + ssmax[h] * log(p + 1)``: SSMax's ``s log n`` with n = p + 1, the keys a
-        causal query at p sees, plus a fixed 1 so that s = 0 is plain attention. Scaling q scales every
-        logit of the row, so every kernel (SDPA, flex, FA4, the sparse selections) runs it unchanged.
-        The scale is not kept positive: a slope s < 0 makes rows past p = exp(-1/s) uniform, then inverted,
-        which training at that length sees and corrects, but a model run far past its training length may not."""
+    def _ssmax_scale(self, S: int, device: torch.device, start_pos: int,
+                     positions: Optional[torch.Tensor]) -> torch.Tensor:
+        """SSMax's query scale ``1 + ssmax[h] * log(p + 1)``, float32 ``[Hq, S, 1]`` (``[B, Hq, S, 1]`` for
+        per-row positions), applied to q after RoPE inside RoPE's float32 pass: SSMax's ``s log n`` with
+        n = p + 1, the keys a causal query at p sees, plus a fixed 1 so that s = 0 is plain attention. Scaling
+        q scales every logit of the row, so every kernel (SDPA, flex, FA4, the sparse selections) runs it
+        unchanged. The scale is not kept positive: a slope s < 0 makes rows past p = exp(-1/s) uniform, then
+        inverted, which training at that length sees and corrects, but a model run far past its training
+        length may not."""
         if positions is None:
-            positions = torch.arange(start_pos, start_pos + q.shape[2], device=q.device)
+            positions = torch.arange(start_pos, start_pos + S, device=device)
         # padding rows may carry negative position_ids (HF-style cumsum - 1): log1p(-1) = -inf would give NaN
         logn = torch.log1p(positions.float().clamp(min=0))               # [S] or [B, S]
-        scale = 1.0 + self.ssmax.float()[:, None] * logn.unsqueeze(-2)    # [Hq, S] or [B, Hq, S]
-        # float32 math, q's dtype out (as apply_rotary): a bf16 scale would drop slopes below ~0.004 / log(p + 1)
-        return (q.float() * scale.unsqueeze(-1)).to(q.dtype)
+        # float32 (as RoPE's math): a bf16 scale would drop slopes below ~0.004 / log(p + 1)
+        return (1.0 + self.ssmax.float()[:, None] * logn.unsqueeze(-2)).unsqueeze(-1)   # [(B,) Hq, S, 1]
 
     def _with_compressed(self, x, q, k, v, out, q_offset: int, fresh_stats: bool) -> torch.Tensor:
         """``out [B, Hq, S, Dh]`` with each compressed head's rows replaced by
