@@ -16,7 +16,8 @@
 #     last runs): EQUAL_TOK=.tok25.
 #     (EQUAL_SUITE=equal_time_graphs: `equal` with dense and MoE as CUDA graphs, each at its fastest step;
 #     EQUAL_SUITE=equal_time_moe_shapes EQUAL_SEEDS=0: dense and three other MoE layouts (the top-1 ones on
-#     the Switch router), one seed, ~450 s)
+#     the Switch router), one seed, ~450 s; EQUAL_SUITE=equal_time_moe_experts / equal_time_moe_interleaved
+#     EQUAL_SEEDS=0: top-2 of 16 and 32 experts in every layer / top-2 of 8 and 16 in every other layer, ~430 s)
 #
 # torchtitan 0.3.0 and what it imports that the H200 image lacks travel as wheels on PYTHONPATH
 # (bench/torchtitan_moe.py's docstring lists them). Results under $OUT (json per part, one log).

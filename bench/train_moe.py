@@ -44,6 +44,8 @@ times each step):
   (both top-1 layouts with the Switch router), top-4 of 16 at 352.
 - ``equal_time_moe_experts``: dense against top-2 of 16 and of 32 experts at 704 (the same active FLOPs as
   top-2 of 8), as CUDA graphs (with ``--compile``).
+- ``equal_time_moe_interleaved``: dense against MoE in every other layer (layers 1, 3, 5, 7; dense FFNs
+  in 0, 2, 4, 6, GShard / Switch's layout), top-2 of 8 and of 16 at 704, as CUDA graphs (with ``--compile``).
 - ``speed_fp8``: equal_time's MoE with bf16 and with FP8 expert GEMMs (``model.moe.precision=fp8``), the
   same seed and ``--speed-steps`` steps each: val loss (the FP8 run should land within 0.5% of bf16's),
   last training loss, tokens/s.
@@ -147,6 +149,15 @@ SUITES["moe_experts"] = {"dense": SUITES["equal_time"]["dense"],
                                                                           "model.moe.hidden_dim=704"])
                             for e in (16, 32)}}
 SUITES["equal_time_moe_experts"] = with_graphs("moe_experts")
+# MoE in every other layer (GShard, Switch): half the layers pay the routing overhead, half keep the dense
+# FFN's step. At 90 s, MoE in all 8 layers costs 1.25x the dense step (top-2 of 8) to 1.38x (of 32) and
+# ends 2.3-3.0% above dense's val loss (BENCHMARKS.md): this asks whether half the overhead buys more
+# than half the per-token gain.
+_INTERLEAVED = ['model.ffn_layers={"0,2,4,6": dense}', "model.moe.hidden_dim=704"]
+SUITES["moe_interleaved"] = {"dense": SUITES["equal_time"]["dense"],
+                             **{f"moe_alt_e{e}": ("zoo/tiny_moe.yaml", BACKBONE + _INTERLEAVED
+                                                  + [f"model.moe.num_experts={e}"]) for e in (8, 16)}}
+SUITES["equal_time_moe_interleaved"] = with_graphs("moe_interleaved")
 
 
 # A time-budgeted run's train.steps: this times the probe's estimate, a bound meant never to be reached (the
