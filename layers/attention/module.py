@@ -6,7 +6,7 @@ One module for training, prefill and decode. LLaMA naming: ``wq [Hq*Dh, D]``, ``
 to ``D / Hq`` (Qwen3 sets it apart). ``qk_norm``: RMSNorm of q and k before RoPE, ``head`` over each head's Dh
 (Qwen3: ``q_norm, k_norm [Dh]``) or ``full`` over the whole projection (OLMoE: ``q_norm [Hq*Dh]``,
 ``k_norm [Hk*Dh]``). ``ssmax=True`` adds ``ssmax [Hq]`` (SSMax, Nakanishi 2025): each query at position p
-is multiplied by ``1 + ssmax[h] * log(p + 1)`` after RoPE, zero at init. ``mask`` (optional
+is multiplied by ``max(0, 1 + ssmax[h] * log(p + 1))`` after RoPE, zero at init. ``mask`` (optional
 ``layers.attention.masking.AttnMask``): the pairs padding and
 packed documents leave, ANDed with causality and the pattern. ``pattern`` is None
 (dense), a ``SparsityPattern`` or a per-head list; sparse patterns go through
@@ -179,15 +179,16 @@ class Attention(nn.Module):
         per-row positions), applied to q after RoPE inside RoPE's float32 pass: SSMax's ``s log n`` with
         n = p + 1, the keys a causal query at p sees, plus a fixed 1 so that s = 0 is plain attention. Scaling
         q scales every logit of the row, so every kernel (SDPA, flex, FA4, the sparse selections) runs it
-        unchanged. The scale is not kept positive: a slope s < 0 makes rows past p = exp(-1/s) uniform, then
-        inverted, which training at that length sees and corrects, but a model run far past its training
-        length may not."""
+        unchanged. The scale is floored at 0: a slope s < 0 (what the 16k runs learned, ~-0.08) makes rows past
+        p = exp(-1/s) (~268k there) uniform over their keys instead of inverted, so a model run far past its
+        training length degrades to averaging rather than attending to its least similar keys."""
         if positions is None:
             positions = torch.arange(start_pos, start_pos + S, device=device)
         # padding rows may carry negative position_ids (HF-style cumsum - 1): log1p(-1) = -inf would give NaN
         logn = torch.log1p(positions.float().clamp(min=0))               # [S] or [B, S]
         # float32 (as RoPE's math): a bf16 scale would drop slopes below ~0.004 / log(p + 1)
-        return (1.0 + self.ssmax.float()[:, None] * logn.unsqueeze(-2)).unsqueeze(-1)   # [(B,) Hq, S, 1]
+        scale = (1.0 + self.ssmax.float()[:, None] * logn.unsqueeze(-2)).clamp(min=0.0)   # [(B,) Hq, S]
+        return scale.unsqueeze(-1)
 
     def _with_compressed(self, x, q, k, v, out, q_offset: int, fresh_stats: bool) -> torch.Tensor:
         """``out [B, Hq, S, Dh]`` with each compressed head's rows replaced by

@@ -1,4 +1,4 @@
-"""SSMax (model.attention.ssmax): each query at position p scaled by 1 + s_h log(p + 1), checked against
+"""SSMax (model.attention.ssmax): each query at position p scaled by max(0, 1 + s_h log(p + 1)), checked against
 an independent masked-softmax reference with the scale on the logits, on the dense and the sparse
 (reference) paths, through prefill + decode and left padding (packed documents: tests/zoo/test_masks.py); s = 0 is plain attention bit for bit;
 s trains (gets a gradient, no weight decay); MLA and HF export refuse it by key."""
@@ -28,7 +28,7 @@ def reference(att: Attention, x: torch.Tensor, theta: float, pattern=None) -> to
     k, v = (t.repeat_interleave(Hq // Hk, dim=1) for t in (k, v))
     logits = q @ k.transpose(-1, -2) / math.sqrt(Dh)                              # [B, Hq, S, S]
     p = torch.arange(S, dtype=torch.float64)
-    logits = logits * (1 + att.ssmax.double()[:, None, None] * torch.log(p + 1)[:, None])
+    logits = logits * (1 + att.ssmax.double()[:, None, None] * torch.log(p + 1)[:, None]).clamp(min=0)
     allowed = torch.ones(S, S, dtype=torch.bool).tril()
     if pattern is not None:
         allowed = allowed & pattern_mask(pattern, S, S, Hq)                      # [Hq, S, S]
@@ -53,6 +53,25 @@ def test_ssmax_attention_equals_the_scaled_logit_reference(pattern):
     with torch.no_grad():
         got = att(x, cos, sin)
     assert (got - reference(att, x, 10000.0, pattern)).abs().max().item() < TOL
+
+
+def test_a_negative_slope_past_its_zero_gives_uniform_rows_not_inverted_ones():
+    # s = -0.5: the scale 1 - 0.5 log(p + 1) is 0 from p = e^2 - 1 = 6.4 on; rows 7.. average their keys' values
+    torch.manual_seed(1)
+    att = Attention(32, 4, 2, backend="reference", ssmax=True)
+    randomize_(att, 2)
+    with torch.no_grad():
+        att.ssmax.fill_(-0.5)
+    S = 24
+    x = torch.randn(1, S, 32)
+    cos, sin = RotaryEmbedding(8, theta=10000.0)(torch.arange(S))
+    with torch.no_grad():
+        got = att(x, cos, sin)
+        v = att.wv(x).view(1, S, 2, 8).repeat_interleave(2, dim=2)                     # [1, S, Hq, Dh]
+        mean_v = v.cumsum(1) / torch.arange(1, S + 1)[None, :, None, None]            # causal running mean
+        uniform = att.wo(mean_v.reshape(1, S, 32))
+    assert (got[0, 7:] - uniform[0, 7:]).abs().max().item() < TOL
+    assert (got - reference(att, x, 10000.0)).abs().max().item() < TOL
 
 
 def model(ssmax: bool, seed: int = 0, mla: bool = False):
