@@ -175,13 +175,16 @@ class Attention(nn.Module):
 
     def _ssmax_scale(self, S: int, device: torch.device, start_pos: int,
                      positions: Optional[torch.Tensor]) -> torch.Tensor:
-        """SSMax's query scale ``1 + ssmax[h] * log(p + 1)``, float32 ``[Hq, S, 1]`` (``[B, Hq, S, 1]`` for
+        """SSMax's query scale ``max(0, 1 + ssmax[h] * log(p + 1))``, float32 ``[Hq, S, 1]`` (``[B, Hq, S, 1]`` for
         per-row positions), applied to q after RoPE inside RoPE's float32 pass: SSMax's ``s log n`` with
         n = p + 1, the keys a causal query at p sees, plus a fixed 1 so that s = 0 is plain attention. Scaling
         q scales every logit of the row, so every kernel (SDPA, flex, FA4, the sparse selections) runs it
         unchanged. The scale is floored at 0: a slope s < 0 (what the 16k runs learned, ~-0.08) makes rows past
         p = exp(-1/s) (~268k there) uniform over their keys instead of inverted, so a model run far past its
-        training length degrades to averaging rather than attending to its least similar keys."""
+        training length degrades to averaging rather than attending to its least similar keys (for sparse
+        heads: the keys its selection kept, ranked on all-equal scores there). A floored row passes no
+        gradient to s or wq, so a slope below -1 / log 2 (every row with two or more keys floored) no longer
+        trains; the 16k runs stayed near -0.08."""
         if positions is None:
             positions = torch.arange(start_pos, start_pos + S, device=device)
         # padding rows may carry negative position_ids (HF-style cumsum - 1): log1p(-1) = -inf would give NaN
