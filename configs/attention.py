@@ -131,8 +131,9 @@ class AttentionConfig:
     flex_kernel: str = "auto"
     kernel_options: Dict[str, Any] = field(default_factory=dict)
     # SSMax (Nakanishi 2025, "Scalable-Softmax"): every query at position p is multiplied by
-    # 1 + s_h * log(p + 1), s_h learned per head and zero at init (plain softmax until training moves it),
-    # so a head can keep its attention as sharp over 16k keys as over 1k. Every layer and head; not MLA.
+    # max(0, 1 + s_h * log(p + 1)), s_h learned per head and zero at init (plain softmax until training moves
+    # it), meant to keep a head as sharp over 16k keys as over 1k (the 16k runs learned s < 0 instead:
+    # BENCHMARKS.md Q12 / Q13). Every layer and head; not MLA.
     ssmax: bool = False
 
     def layer_head_patterns(self, n_layers: int, n_heads: int, key: str = "model.attention.patterns") -> list[list]:

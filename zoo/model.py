@@ -68,9 +68,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0,
                 mask: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        # positions reach the attention only where it reads them (SSMax's slopes): MLA takes none
-        kw = {"positions": positions} if getattr(self.attention, "ssmax", None) is not None else {}
-        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos, mask, **kw)
+        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos, mask, positions=positions)
         return h + self.feed_forward(self.ffn_norm(h))
 
 

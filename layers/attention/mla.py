@@ -117,7 +117,8 @@ class MLA(Attention):
         return apply_rotary(deinterleave(x) if self.rope_interleave else x, cos, sin)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                mask: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # positions: Attention's signature, which the block calls; only SSMax reads them, and MLA has none
         B, S, _ = x.shape
         H, Dn, Dr, Dv = self.n_heads, self.nope_dim, self.rope_dim, self.v_dim
         q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora_rank else self.wq(x)
