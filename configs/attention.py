@@ -24,12 +24,13 @@ PATTERN_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "a_shape": (("sinks", "window"), ()),
     "bigbird": (("window", "sinks", "random_blocks"), ()),
     "vertical_slash": (("n_vertical", "n_slash"), ("last_q", "keep_columns", "keep_diagonals")),
-    "block_topk": (("top_k",), ("window", "sinks", "share_group", "query_max", "compress", "compress_block")),
+    "block_topk": (("top_k",), ("window", "sinks", "share_group", "query_max", "compress", "compress_block",
+                                "score_block")),
 }
 COMMON_PARAMS = ("block_size", "seed", "dense_below")
 DEFAULT_BLOCK_SIZE = 64
 POSITIVE_PARAMS = ("window", "sinks", "n_vertical", "n_slash", "last_q", "top_k", "block_size")
-NONNEG_PARAMS = ("random_blocks", "seed", "dense_below", "keep_columns", "keep_diagonals", "compress_block")
+NONNEG_PARAMS = ("random_blocks", "seed", "dense_below", "keep_columns", "keep_diagonals", "compress_block", "score_block")
 FLAG_PARAMS = ("share_group", "query_max", "compress")      # 0 or 1
 # MInference's per-head JSON names its three kernels; what each entry computes in MInference's runtime
 # (minference/modules/minference_forward.py), in our params:
@@ -71,9 +72,12 @@ def validate_pattern(pat: dict, key: str) -> None:
             check(v >= 0, f"{key}.{p}", f"must be >= 0, got {v}")
         if p in FLAG_PARAMS:
             check(v in (0, 1), f"{key}.{p}", f"must be 0 or 1, got {v}")
-    for p in ("block_size", "compress_block"):
+    for p in ("block_size", "compress_block", "score_block"):
         b = pat.get(p, 0)
         check(b & (b - 1) == 0, f"{key}.{p}", f"must be a power of two, got {b}")
+    bs = pat.get("block_size", DEFAULT_BLOCK_SIZE)
+    check(pat.get("score_block", 0) <= bs, f"{key}.score_block",
+          f"pools keys within a selection block: must be <= block_size ({bs}), got {pat.get('score_block')}")
     check(not pat.get("compress_block") or pat.get("compress"), f"{key}.compress_block",
           "sizes the compressed branch: set compress: 1 too")
 

@@ -40,6 +40,11 @@ Every backend (layers.attention.functional) must compute attention under exactly
   ``compress_block``: the branch pools blocks of this many keys instead of ``block_size`` (NSA
   compresses 32-token blocks and selects 64-token ones): a short needle is diluted less in a smaller
   block's mean, at ``T / compress_block`` pooled keys per query; the selection keeps ``block_size``.
+  ``score_block``: the selection pools keys over sub-blocks of this many (a power of two below
+  ``block_size``) and scores a key block by its best sub-block, so one far key is averaged with
+  ``score_block`` keys instead of ``block_size`` (NSA selects 64-key blocks by the scores of its 32-key
+  compression blocks); with ``compress: 1, compress_block`` equal to it, the selection ranks exactly
+  the compressed branch's logits again.
 - ``vertical_slash`` extras (MInference's kernel): ``keep_columns`` forces the first N key columns and
   ``keep_diagonals`` the N diagonals nearest the main one into the top-k (their scores set above every
   estimate before it, earliest / nearest first when the budget is smaller).
@@ -91,6 +96,7 @@ class SparsityPattern:
     query_max: int = 0          # block top-k: 1 = a query block scores key blocks by its best query (MoBA/NSA per-query affinity)
     compress: int = 0           # block top-k: 1 = plus NSA's compressed branch, gated (layers.attention.compressed)
     compress_block: int = 0     # the compressed branch's pooling block (power of two; 0 = block_size)
+    score_block: int = 0        # block top-k: keys pooled per sub-block, a block scored by its best (0 = block_size)
 
     def __post_init__(self):
         validate_pattern(self.to_dict(), "pattern")

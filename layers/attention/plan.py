@@ -177,18 +177,25 @@ def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: in
             full = torch.zeros(B, n_heads, q_blocks.numel(), nk, dtype=torch.bool, device=dev)
             if blocks is not None:
                 full |= blocks
-            # one estimate per scoring rule (a layer mixing both logs the stats of its query_max heads)
-            for qmax in sorted({pats[h].query_max for h in bt}):
-                hs = [h for h in bt if pats[h].query_max == qmax]
+            # one estimate per scoring rule (query_max, score_block's sub-blocks; a layer mixing rules logs
+            # the stats of the last one)
+            rule = {h: (pats[h].query_max, _sub_blocks(pats[h], bs)) for h in bt}
+            for qmax, sub in sorted(set(rule.values())):
+                hs = [h for h in bt if rule[h] == (qmax, sub)]
                 heads = index_tensor(hs, dev)
                 # share_group heads of one KV group with one budget share a slot (one selection); others their own
                 slot_key = [(h // g, pats[h].top_k) if pats[h].share_group else ("head", h) for h in hs]
                 slot = [sorted(set(slot_key), key=str).index(x) for x in slot_key]
                 full[:, heads] |= estimate_block_topk(src[:, heads, first:], src_start + first,
                                                       _kv_for_heads(k, hs, n_heads), q_blocks, qb0, bs,
-                                                      [pats[h].top_k for h in hs], slot, stats, bool(qmax))
+                                                      [pats[h].top_k for h in hs], slot, stats, bool(qmax), sub)
             blocks = full
     return PatternPlan(bs, q_pos, T, win, sinks, blocks, cols, diags, q_start, _col_budget(pats, T))
+
+
+def _sub_blocks(p: SparsityPattern, bs: int) -> int:
+    """Sub-blocks a block top-k head scores each key block by (``bs / score_block``; 1 = the whole block)."""
+    return bs // p.score_block if 0 < p.score_block < bs else 1
 
 
 def _col_budget(pats: Sequence[SparsityPattern], T: int) -> int:

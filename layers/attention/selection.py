@@ -216,7 +216,7 @@ def _block_max_scores(q: torch.Tensor, start: int, bs: int, n_blocks: int, kp: t
 @torch.no_grad()
 def estimate_block_topk(q_pool_src: torch.Tensor, src_start: int, k: torch.Tensor, q_blocks: torch.Tensor,
                         first: int, bs: int, top_k: Sequence[int], slot: Sequence[int] | None = None,
-                        stats: dict | None = None, query_max: bool = False) -> torch.Tensor:
+                        stats: dict | None = None, query_max: bool = False, sub_blocks: int = 1) -> torch.Tensor:
     """Block top-k by pooled scores.
 
     ``q_pool_src[B, H, N, D]`` holds queries at positions ``src_start ..`` covering every query block in
@@ -227,6 +227,11 @@ def estimate_block_topk(q_pool_src: torch.Tensor, src_start: int, k: torch.Tenso
     block_sparse); with ``query_max`` the max over the block's queries of query . mean-pooled key (the
     per-query affinity of MoBA and NSA, reduced to the query block by its best query, so one query's
     strong preference, e.g. a question's answer position, is not averaged away by its block).
+    ``sub_blocks`` (a power of two dividing ``bs``; the pattern's ``score_block``): keys are pooled over
+    ``bs / sub_blocks``-key sub-blocks and a key block scores its best sub-block, so a short needle is
+    averaged with ``bs / sub_blocks`` keys instead of ``bs`` (NSA derives its selection from the
+    compression scores of finer blocks, summing their probabilities; the max is that sum's dominant term
+    when one sub-block holds what the query looks for).
     ``stats``: filled with the selection's mean normalised entropy (of the softmax over each query
     block's causal scores; 1 = uniform, 0 = one block) and the softmax mass the chosen blocks hold.
     """
@@ -242,14 +247,19 @@ def estimate_block_topk(q_pool_src: torch.Tensor, src_start: int, k: torch.Tenso
         q = _slot_mean(q, slot)
         k = k[:, index_tensor(reps, k.device)]
         top_k = [top_k[r] for r in reps]
-    kp = _block_mean(k, 0, bs, nk)                                                 # [B, Hs, nk, D]
+    sb = bs // sub_blocks
+    kp = _block_mean(k, 0, sb, nk * sub_blocks)                                    # [B, Hs, nk * sub, D]
     if query_max:
         # 16-bit operands on CUDA for the tensor-core GEMM (float32 accumulation, _group_scores); float32 elsewhere
         half = q_pool_src.is_cuda and q_pool_src.dtype in (torch.bfloat16, torch.float16)
         dt = q_pool_src.dtype if half else torch.float32
-        s = _block_max_scores(q.to(dt), off, bs, q_blocks.numel(), kp.to(dt))    # [B, Hs, nq, nk]
+        s = _block_max_scores(q.to(dt), off, bs, q_blocks.numel(), kp.to(dt))    # [B, Hs, nq, nk * sub]
     else:
-        s = _group_scores(q, kp)                                                   # [B, Hs, nq, nk]
+        s = _group_scores(q, kp)                                                   # [B, Hs, nq, nk * sub]
+    if sub_blocks > 1:
+        # sub-blocks past the last key hold no keys (their pooled key is 0): they never win their block
+        s = s.masked_fill(torch.arange(nk * sub_blocks, device=k.device) >= (T + sb - 1) // sb, float("-inf"))
+        s = s.unflatten(-1, (nk, sub_blocks)).amax(-1)                            # [B, Hs, nq, nk]
     kb = torch.arange(nk, device=k.device)
     s = s.masked_fill(kb[None, :] > q_blocks[:, None], float("-inf"))
     pick = _topk_per_head(torch.where(kb[None, :] == q_blocks[:, None], torch.full_like(s, float("inf")), s), top_k)

@@ -13,24 +13,35 @@ from layers.attention.plan import plan_pattern
 BS = 8
 
 
-def _pooled_topk_reference(q, k, bs, top_k, group_shared, query_max=False):
+def _pooled_topk_reference(q, k, bs, top_k, group_shared, query_max=False, sub_block=None):
     """Independent MoBA/NSA selection: mean-pooled q (group-mean when shared) . mean-pooled k, or with
     ``query_max`` the max over each query block's queries of q (group-mean) . mean-pooled k; causal,
-    own block forced, top-k -> bool [B, H, nq, nk]."""
+    own block forced, top-k -> bool [B, H, nq, nk]. ``sub_block``: keys pooled over sub-blocks of this
+    many, a key block scored by the best of its (non-empty) sub-blocks."""
     B, H, T, D = q.shape
     g = H // k.shape[1]
     n = (T + bs - 1) // bs
-    kp = torch.stack([k[:, :, i * bs:(i + 1) * bs].float().mean(2) for i in range(n)], 2)   # [B, Hk, n, D]
+    sb = sub_block or bs
+    # pooled keys per block: [B, Hk, n, sub, D], NaN for sub-blocks past the last key
+    kp = torch.full((B, k.shape[1], n, bs // sb, D), float("nan"))
+    for i in range(n):
+        for j in range(bs // sb):
+            lo = i * bs + j * sb
+            if lo < T:
+                kp[:, :, i, j] = k[:, :, lo:lo + sb].float().mean(2)
     kp = kp.repeat_interleave(g, 1)
     qf = q.float()
     if group_shared:
         qf = qf.view(B, H // g, g, T, D).mean(2).repeat_interleave(g, 1)
+
+    def best_sub(s):       # [.., n, sub] -> [.., n]: the best non-empty sub-block
+        return s.nan_to_num(float("-inf")).amax(-1)
     if query_max:   # each query against every pooled key block, then the best query of each block
-        per_q = qf @ kp.transpose(-1, -2)                                                   # [B, H, T, n]
+        per_q = best_sub(torch.einsum("bhtd,bhnsd->bhtns", qf, kp))                        # [B, H, T, n]
         s = torch.stack([per_q[:, :, i * bs:(i + 1) * bs].amax(2) for i in range(n)], 2)
     else:
         qp = torch.stack([qf[:, :, i * bs:(i + 1) * bs].mean(2) for i in range(n)], 2)   # [B, H, n, D]
-        s = qp @ kp.transpose(-1, -2)
+        s = best_sub(torch.einsum("bhqd,bhnsd->bhqns", qp, kp))
     causal = torch.ones(n, n).tril().bool()
     s = s.masked_fill(~causal, float("-inf")) + torch.diag(torch.full((n,), float("inf"))).nan_to_num(posinf=1e9)
     out = torch.zeros_like(s, dtype=torch.bool)
@@ -72,6 +83,40 @@ def test_query_max_selection_keeps_one_querys_far_block_that_pooling_averages_aw
     monkeypatch.setattr(sel, "_QUERY_MAX_CHUNK", Hk * BS * (T // BS))   # one query block per chunk
     p = SparsityPattern(type="block_topk", top_k=3, block_size=BS, share_group=1, query_max=1)
     assert torch.equal(plan_pattern(p, H, 0, T, T, 0, q, k).blocks, _pooled_topk_reference(q, k, BS, 3, 1, True))
+
+
+@pytest.mark.parametrize("query_max", [0, 1])
+@pytest.mark.parametrize("sub_block", [BS // 2, BS // 4])
+def test_score_block_scores_each_block_by_its_best_sub_block(sub_block, query_max):
+    """score_block < block_size: the selection pools keys over sub-blocks and ranks a block by its best
+    one (NSA's selection from its finer compression scores); a partial last block included."""
+    B, H, Hk, T = 2, 8, 2, 60
+    q, k, _ = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=5)
+    p = SparsityPattern(type="block_topk", top_k=3, block_size=BS, share_group=1, query_max=query_max,
+                        score_block=sub_block)
+    plan = plan_pattern(p, H, 0, T, T, 0, q, k)
+    assert torch.equal(plan.blocks, _pooled_topk_reference(q, k, BS, 3, 1, query_max, sub_block))
+    whole = SparsityPattern(type="block_topk", top_k=3, block_size=BS, share_group=1, query_max=query_max,
+                            score_block=BS)     # sub-blocks the size of the block: the plain rule
+    assert torch.equal(plan_pattern(whole, H, 0, T, T, 0, q, k).blocks, _pooled_topk_reference(q, k, BS, 3, 1, query_max))
+
+
+def test_finer_sub_blocks_find_a_needle_that_a_whole_blocks_mean_dilutes():
+    """One key of block 2 matches the last block's queries strongly; every key of block 5 matches them
+    weakly. A block's mean divides the needle by 8 keys and block 5 wins; over sub-blocks of 2 keys the
+    needle's sub-block beats block 5's."""
+    B, H, Hk, T = 1, 4, 2, 128
+    q, k, _ = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=3)
+    basis = torch.linalg.qr(torch.randn(q.shape[-1], 2))[0].T
+    k[:, :, 2 * BS + 3] += 16 * basis[0]
+    k[:, :, 5 * BS:6 * BS] += 4 * basis[1]
+    q[:, :, T - BS:] += 4 * basis[0] + 4 * basis[1]
+    picks = {}
+    for cb in (BS, 2):
+        p = SparsityPattern(type="block_topk", top_k=2, block_size=BS, share_group=1, query_max=1, score_block=cb)
+        picks[cb] = plan_pattern(p, H, 0, T, T, 0, q, k).blocks[0, :, -1]
+    assert picks[BS][:, 5].all() and not picks[BS][:, 2].any()
+    assert picks[2][:, 2].all() and not picks[2][:, 5].any()
 
 
 @pytest.mark.parametrize("backend,grads", [("reference", True), ("flex", False)])
@@ -161,6 +206,9 @@ def test_flex_kernel_choice_and_options(monkeypatch):
     ({"type": "a_shape", "sinks": 2, "window": 8, "query_max": 1}, r"pattern\.query_max: unknown parameter"),
     ({"type": "block_topk", "top_k": 2, "n_slash": 3}, r"pattern\.n_slash: unknown parameter"),
     ({"type": "vertical_slash", "n_vertical": 2, "n_slash": 2, "keep_columns": -1}, r"pattern\.keep_columns"),
+    ({"type": "block_topk", "top_k": 2, "score_block": 12}, r"pattern\.score_block: must be a power of two"),
+    ({"type": "block_topk", "top_k": 2, "block_size": 32, "score_block": 64}, r"pattern\.score_block: .*<= block_size \(32\)"),
+    ({"type": "a_shape", "sinks": 2, "window": 8, "score_block": 8}, r"pattern\.score_block: unknown parameter"),
 ])
 def test_bad_pattern_dicts_fail_naming_the_key(pat, match):
     with pytest.raises(ConfigError, match=match):
