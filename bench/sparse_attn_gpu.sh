@@ -29,7 +29,9 @@ for part in $PARTS; do
     # preset's 1024 window), 2400 steps each (passkeys in the training windows), val loss and passkey at 4k, 16k
     # every 600 steps. ~810 s in all: two calls, Q_VARIANTS=dense,a_shape (~460 s) then Q_VARIANTS=preset (~360 s)
     # (Q_VARIANTS=query_max: the preset with its block top-k heads scoring by each query block's best query;
-    # Q_VARIANTS=nsa: query_max plus NSA's gated compressed branch on those heads, compress: 1)
+    # Q_VARIANTS=nsa: query_max plus NSA's gated compressed branch on those heads, compress: 1;
+    # Q_ARGS="--score-block 32 --compress-block 32": their selection scores a key block by its best 32-key
+    # sub-block, the compressed branch's own logits, as NSA selects)
     # (Q_STEPS, Q_EVAL_EVERY, Q_OVERRIDES: other steps, eval cadence, overrides; Q_OUT, Q_ARGS: a run longer
     # than one call: Q_ARGS="--checkpoint-every 600" in the first call, which the time limit stops with a
     # checkpoint (SIGINT), Q_ARGS="--checkpoint-every 600 --resume" in the next while the machine is warm)
