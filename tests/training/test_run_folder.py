@@ -101,6 +101,16 @@ def test_argument_prefixes_are_not_taken_for_flags():
         parse_args(["--config", "zoo/tiny_dense.yaml", "--resum"])
 
 
+@pytest.fixture
+def default_sigint():
+    """Python's own Ctrl-C handling for the test (restored after): a pytest started in the background from a
+    non-interactive shell inherits SIGINT ignored, and the trainer then leaves Ctrl-C alone, as it should."""
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def _interrupt_at(tr, steps):
     """Send SIGINT to this process inside train_step at each step in ``steps`` (a real Ctrl-C)."""
     real = tr.train_step
@@ -113,7 +123,7 @@ def _interrupt_at(tr, steps):
     tr.train_step = step
 
 
-def test_ctrl_c_saves_a_checkpoint_before_exiting(run_copy):
+def test_ctrl_c_saves_a_checkpoint_before_exiting(run_copy, default_sigint):
     tr = Trainer(_cfg(run_copy, **{"train.overwrite": True, "train.steps": 8, "checkpoint.every": 0}))
     _interrupt_at(tr, {2})
     with pytest.raises(Interrupted, match="step 3"):
@@ -124,7 +134,7 @@ def test_ctrl_c_saves_a_checkpoint_before_exiting(run_copy):
     assert resumed.step == 3
 
 
-def test_second_ctrl_c_exits_at_once(run_copy):
+def test_second_ctrl_c_exits_at_once(run_copy, default_sigint):
     tr = Trainer(_cfg(run_copy, **{"train.overwrite": True, "train.steps": 8, "checkpoint.every": 0}))
     real = tr.train_step
 
