@@ -40,8 +40,8 @@ Every backend (layers.attention.functional) must compute attention under exactly
   ``compress_block``: the branch pools blocks of this many keys instead of ``block_size`` (NSA
   compresses 32-token blocks and selects 64-token ones): a short needle is diluted less in a smaller
   block's mean, at ``T / compress_block`` pooled keys per query; the selection keeps ``block_size``.
-  ``score_block``: the selection pools keys over sub-blocks of this many (a power of two below
-  ``block_size``) and scores a key block by its best sub-block, so one far key is averaged with
+  ``score_block``: the selection pools keys over sub-blocks of this many (a power of two, at most
+  ``block_size``, which is the plain rule) and scores a key block by its best sub-block, so one far key is averaged with
   ``score_block`` keys instead of ``block_size`` (NSA selects 64-key blocks by the scores of its 32-key
   compression blocks); with ``compress: 1, compress_block`` equal to it, the selection ranks exactly
   the compressed branch's logits again.
