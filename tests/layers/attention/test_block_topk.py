@@ -69,7 +69,7 @@ def test_query_max_selection_keeps_one_querys_far_block_that_pooling_averages_aw
     import layers.attention.selection as sel
     B, H, Hk, T = 1, 4, 2, 128
     q, k, _ = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=3)
-    basis = torch.linalg.qr(torch.randn(q.shape[-1], 2))[0].T          # two orthonormal directions
+    basis = torch.linalg.qr(torch.randn(q.shape[-1], 2, generator=torch.Generator().manual_seed(0)))[0].T          # two orthonormal directions
     k[:, :, 2 * BS + 3] += 16 * basis[0]                                # one key of block 2
     q[:, :, T - 2] += 16 * basis[0]                                     # one query of the last block asks for it
     k[:, :, 5 * BS:6 * BS] += 4 * basis[1]                              # every key of block 5 ...
@@ -107,7 +107,7 @@ def test_finer_sub_blocks_find_a_needle_that_a_whole_blocks_mean_dilutes():
     needle's sub-block beats block 5's."""
     B, H, Hk, T = 1, 4, 2, 128
     q, k, _ = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=3)
-    basis = torch.linalg.qr(torch.randn(q.shape[-1], 2))[0].T
+    basis = torch.linalg.qr(torch.randn(q.shape[-1], 2, generator=torch.Generator().manual_seed(0)))[0].T
     k[:, :, 2 * BS + 3] += 16 * basis[0]
     k[:, :, 5 * BS:6 * BS] += 4 * basis[1]
     q[:, :, T - BS:] += 4 * basis[0] + 4 * basis[1]
