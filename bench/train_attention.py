@@ -20,7 +20,8 @@ compressed branch's own logits, as NSA does).
 Per variant: tokens/s (mean over log steps after the first, which holds compilation and warm-up),
 ``mfu`` (the attention work done: visited-block density) and ``mfu_model`` (dense-equivalent FLOPs),
 peak memory, the last validation loss, the logged attention density and, with
-``eval.passkey_lengths`` set, passkey accuracy at the end. Checkpoints are not written (a 1B model's
+``eval.passkey_lengths`` set, passkey accuracy at the end (and, for block top-k heads, needle recall: the
+share of their selections for the question that held the needle's block, training/passkey.py). Checkpoints are not written (a 1B model's
 optimizer state is ~12 GB of disk per save) unless ``--checkpoint-every N``: then each variant saves every
 N steps and on Ctrl-C / SIGINT (``timeout -s INT``), and ``--resume`` continues every variant from its
 latest checkpoint under ``--out``, so a run longer than one GPU call spans two on the same machine.
@@ -98,6 +99,11 @@ def run_variant(cfg, variant: str, save: bool = False) -> dict:
     pk = [r for r in rows if any(k.startswith("passkey/") for k in r)]
     if pk:
         out["passkey"] = {k.split("/")[1]: v for k, v in pk[-1].items() if k.startswith("passkey/")}
+        # block top-k heads: did the selection hold the needle (per length, mean over layers and heads)
+        recall = {k.split("/")[1]: round(v, 3) for k, v in pk[-1].items()
+                  if k.startswith("passkey_recall/") and k.count("/") == 1}
+        if recall:
+            out["needle_recall"] = recall
     slopes = [[round(v, 3) for v in b.attention.ssmax.tolist()] for b in trainer.model.layers
               if getattr(b.attention, "ssmax", None) is not None]
     if slopes:      # SSMax: what each layer's heads learned (1 + s log(p + 1) at 16k is 1 + 9.7 s)
@@ -140,12 +146,13 @@ def main():
         with open(os.path.join(a.out, "train_attention.jsonl"), "a") as f:
             f.write(json.dumps(r) + "\n")
     base = next((r["tokens_per_s"] for r in results if r["variant"] == "dense"), None)
-    print("\n| variant | seq | tok/s | vs dense | mfu (work done) | mfu_model | peak GB | val loss | attn density | passkey |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| variant | seq | tok/s | vs dense | mfu (work done) | mfu_model | peak GB | val loss | attn density | passkey | needle recall |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
         print(f"| {r['variant']} | {r['seq_len']} | {r['tokens_per_s']} | {ratio} | {r['mfu']:.3f} | {r['mfu_model']:.3f} | "
-              f"{r['peak_gb']} | {r['val_loss']:.4f} | {r['attn_density']:.3f} | {r.get('passkey', '')} |")
+              f"{r['peak_gb']} | {r['val_loss']:.4f} | {r['attn_density']:.3f} | {r.get('passkey', '')} | "
+              f"{r.get('needle_recall', '')} |")
 
 
 if __name__ == "__main__":

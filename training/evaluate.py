@@ -3,10 +3,10 @@ latest checkpoint, the evaluation runs on its model and data, the result is prin
 from __future__ import annotations
 
 from .loop import Trainer
-from .passkey import format_passkey_table, passkey_eval, passkey_metrics
+from .passkey import PasskeyResult, format_passkey_table, passkey_eval, passkey_metrics
 
 
-def run_passkey(cfg) -> dict[int, float]:
+def run_passkey(cfg) -> PasskeyResult:
     """``train.py --config X --resume --eval passkey``: restore the latest checkpoint (no training step),
     score ``eval.passkey_lengths`` (default: train.seq_len), print the table, log it at the checkpoint's step."""
     if not cfg.eval.passkey_lengths:

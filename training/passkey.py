@@ -21,10 +21,21 @@ whether the attention pattern can *learn* to reach back to the needle (a static 
 its span).
 The eval's haystacks are validation text, which never carries a training needle.
 
-``passkey_eval(model, tokenizer, val_tokens, lengths, samples)`` -> ``{length: accuracy}``;
-``format_passkey_table`` prints it; ``training.evaluate.run_passkey(cfg)`` is ``train.py --config X --resume --eval passkey``.
+For models with block top-k heads the eval also says whether the *selection* found the needle (needle
+recall): for each sample whose needle lies in a key block before the question's query block, the share
+of (layer, block top-k head) selections for the query that predicts the first answer token that hold a
+block of the needle's key. Accuracy without recall means the heads never chose the needle's block; recall
+without accuracy means they chose it and the model did not copy from it. Recorded in eager forwards only
+(compiled blocks keep no stats).
+
+``passkey_eval(model, tokenizer, val_tokens, lengths, samples)`` -> ``PasskeyResult`` (accuracy and
+recall per length); ``format_passkey_table`` prints it, ``passkey_metrics`` names it for the logs;
+``training.evaluate.run_passkey(cfg)`` is ``train.py --config X --resume --eval passkey``.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -48,11 +59,14 @@ def _needle_and_ask(parts, question: list[int], key: list[int]) -> tuple[list[in
     return a + key + b + key + c, question + key
 
 
-def passkey_sample(tokenizer, haystack: np.ndarray, length: int, depth: float, seed: int) -> tuple[list[int], int]:
-    """``(tokens[length], n_answer)``: one sample; its last ``n_answer`` tokens are the key."""
+def passkey_sample(tokenizer, haystack: np.ndarray, length: int, depth: float,
+                   seed: int) -> tuple[list[int], int, list[int]]:
+    """``(tokens[length], n_answer, key_pos)``: one sample; its last ``n_answer`` tokens are the key, and
+    ``key_pos`` are the positions of the needle's two copies of it."""
     rng = np.random.default_rng(seed)
     key = _random_key(tokenizer, rng)
-    needle, tail = _needle_and_ask(*_encoded_parts(tokenizer), key)
+    parts, question = _encoded_parts(tokenizer)
+    needle, tail = _needle_and_ask(parts, question, key)
     n_hay = length - len(needle) - len(tail)
     if n_hay < 1 or len(haystack) <= n_hay:
         raise ValueError(f"passkey length {length} leaves no room for haystack text (or the validation split "
@@ -60,7 +74,10 @@ def passkey_sample(tokenizer, haystack: np.ndarray, length: int, depth: float, s
     start = int(rng.integers(0, len(haystack) - n_hay))
     hay = [int(t) for t in haystack[start:start + n_hay]]
     at = int(round(depth * n_hay))
-    return hay[:at] + needle + hay[at:] + tail, len(key)
+    first = at + len(parts[0])                          # after " The pass key is"
+    second = first + len(key) + len(parts[1])           # after ". Remember it."
+    key_pos = list(range(first, first + len(key))) + list(range(second, second + len(key)))
+    return hay[:at] + needle + hay[at:] + tail, len(key), key_pos
 
 
 class PasskeyMix:
@@ -154,39 +171,87 @@ class PasskeyMix:
         return answers
 
 
+@dataclass
+class PasskeyResult:
+    """``accuracy``: per length, the share of samples whose answer the model gives. ``recall``: per length,
+    the needle recall of the block top-k heads (module docstring), over the samples whose needle is in an
+    earlier key block than the question; ``recall_layers``: the same per layer (``layer_id``). Lengths with
+    no such sample, and models without block top-k heads, have no recall entry."""
+    accuracy: dict[int, float]
+    recall: dict[int, float] = field(default_factory=dict)
+    recall_layers: dict[int, dict[int, float]] = field(default_factory=dict)
+
+
+@contextmanager
+def _recording_selection(model):
+    """The model's attention layers with block top-k heads, set to keep each forward's selection."""
+    from layers.attention import Attention
+    from layers.attention.pattern import head_patterns
+    layers = [m for m in model.modules() if isinstance(m, Attention) and m.pattern is not None
+              and any(p.type == "block_topk" for p in head_patterns(m.pattern, m.n_heads))]
+    before = [m.record_selection for m in layers]
+    for m in layers:
+        m.record_selection = True
+    try:
+        yield layers
+    finally:
+        for m, b in zip(layers, before):
+            m.record_selection = b
+            m.attn_stats = {k: v for k, v in m.attn_stats.items() if k != "selection"}   # drop the blocks
+
+
 @torch.no_grad()
 def passkey_eval(model, tokenizer, val_tokens: np.ndarray, lengths, samples: int = 10, seed: int = 0,
-                 device=None, autocast=None) -> dict[int, float]:
-    """Accuracy per length over ``samples`` needles at depths ``0, 1/(n-1), .., 1`` (one forward each)."""
+                 device=None, autocast=None) -> PasskeyResult:
+    """Accuracy (and needle recall) per length over ``samples`` needles at depths ``0, 1/(n-1), .., 1``
+    (one forward each)."""
     device = device or next(model.parameters()).device
     was_training = model.training
     model.eval()
-    out = {}
-    for L in lengths:
-        hits = 0
-        for i in range(samples):
-            depth = i / max(samples - 1, 1)
-            toks, n = passkey_sample(tokenizer, val_tokens, L, depth, seed * 1_000_003 + L * 1009 + i)
-            x = torch.tensor(toks, device=device)[None]
-            torch.compiler.cudagraph_mark_step_begin()   # as Trainer.compute_loss (CUDA-graphed blocks)
-            with (autocast() if autocast else torch.autocast(device.type, enabled=False)):
-                logits = model(x)
-            pred = logits[0, -n - 1:-1].argmax(-1)
-            hits += int(torch.equal(pred, x[0, -n:]))
-        out[L] = hits / samples
+    res = PasskeyResult({})
+    with _recording_selection(model) as layers:
+        for L in lengths:
+            hits = 0
+            found: dict[int, list[torch.Tensor]] = {}          # layer -> per far sample, bool [heads]
+            for i in range(samples):
+                depth = i / max(samples - 1, 1)
+                toks, n, key_pos = passkey_sample(tokenizer, val_tokens, L, depth, seed * 1_000_003 + L * 1009 + i)
+                x = torch.tensor(toks, device=device)[None]
+                torch.compiler.cudagraph_mark_step_begin()   # as Trainer.compute_loss (CUDA-graphed blocks)
+                with (autocast() if autocast else torch.autocast(device.type, enabled=False)):
+                    logits = model(x)
+                pred = logits[0, -n - 1:-1].argmax(-1)
+                hits += int(torch.equal(pred, x[0, -n:]))
+                q_pos = len(toks) - n - 1                     # the query that predicts the answer's first token
+                for m in layers:
+                    sel = m.attn_stats.get("selection")
+                    if sel is not None and max(key_pos) // sel.block_size < q_pos // sel.block_size:
+                        found.setdefault(m.layer_id, []).append(sel.covers(q_pos, key_pos)[0])
+            res.accuracy[L] = hits / samples
+            if found:
+                per_layer = {lid: torch.stack(v).float().mean().item() for lid, v in sorted(found.items())}
+                res.recall_layers[L] = per_layer
+                res.recall[L] = torch.cat([torch.stack(v).flatten() for v in found.values()]).float().mean().item()
     model.train(was_training)
-    return out
+    return res
 
 
-def format_passkey_table(results: dict[int, float], title: str = "passkey") -> str:
-    rows = [f"{title:>10} | " + " | ".join(f"{L:>7}" for L in results),
-            f"{'accuracy':>10} | " + " | ".join(f"{a:>7.0%}" for a in results.values())]
+def format_passkey_table(results: PasskeyResult, title: str = "passkey") -> str:
+    rows = [f"{title:>10} | " + " | ".join(f"{L:>7}" for L in results.accuracy),
+            f"{'accuracy':>10} | " + " | ".join(f"{a:>7.0%}" for a in results.accuracy.values())]
+    if results.recall:   # block top-k heads: did the selection hold the needle (blank: no far needle)
+        rows.append(f"{'recall':>10} | " + " | ".join(
+            f"{results.recall[L]:>7.0%}" if L in results.recall else " " * 7 for L in results.accuracy))
     return "\n".join(rows)
 
 
-def passkey_metrics(results: dict[int, float]) -> dict:
-    """wandb / metrics.jsonl keys: ``passkey/<length>`` and their mean ``passkey/mean``."""
-    out = {f"passkey/{L}": a for L, a in results.items()}
-    if results:
-        out["passkey/mean"] = sum(results.values()) / len(results)
+def passkey_metrics(results: PasskeyResult) -> dict:
+    """wandb / metrics.jsonl keys: ``passkey/<length>`` and their mean ``passkey/mean``; with block top-k
+    heads ``passkey_recall/<length>`` and ``passkey_recall/<length>/layer<i>``."""
+    out = {f"passkey/{L}": a for L, a in results.accuracy.items()}
+    if results.accuracy:
+        out["passkey/mean"] = sum(results.accuracy.values()) / len(results.accuracy)
+    for L, r in results.recall.items():
+        out[f"passkey_recall/{L}"] = r
+        out.update({f"passkey_recall/{L}/layer{i}": v for i, v in results.recall_layers[L].items()})
     return out

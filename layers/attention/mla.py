@@ -73,6 +73,8 @@ class MLA(Attention):
         self.rope_interleave, self.softmax_scale_factor = rope_interleave, softmax_scale_factor
         self.layer_id, self.backend, self.reference_below = layer_id, backend, reference_below
         self.flex_kernel, self.kernel_options = flex_kernel, kernel_options
+        self.attn_stats: dict = {}         # as Attention's: last forward's sparse stats, selection on request
+        self.record_selection = False
         if q_lora_rank:
             self.wq_a = nn.Linear(dim, q_lora_rank, bias=False)
             self.q_norm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)

@@ -107,6 +107,9 @@ class Attention(nn.Module):
         self.layer_id, self.backend, self.reference_below = layer_id, backend, reference_below
         self.flex_kernel, self.kernel_options = flex_kernel, dict(kernel_options or {})
         self.attn_stats: dict = {}   # last forward's density / block top-k selection stats (layers.attention.density)
+        # True: eager forwards also keep their block top-k heads' chosen blocks, attn_stats["selection"]
+        # (a layers.attention.plan.BlockSelection; the passkey eval's needle recall sets it for its forwards)
+        self.record_selection = False
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
@@ -241,7 +244,7 @@ class Attention(nn.Module):
             keep = max(max(p.last_q, p.block_size) for p in dyn)
             self._q_history = (q if history is None else torch.cat([history, q], dim=2))[:, :, -keep:].detach()
         # stats only in eager mode: a dict written inside a compiled block would be a graph side effect
-        stats = None if torch.compiler.is_compiling() else {}
+        stats = None if torch.compiler.is_compiling() else ({"selection": None} if self.record_selection else {})
         out = sparse_attention(q, k, v, self.pattern, backend=self.backend, layer=self.layer_id, q_offset=q_offset,
                                q_history=history, reference_below=self.reference_below, kernel=self.flex_kernel,
                                kernel_options=self.kernel_options, stats=stats, mask=mask)

@@ -1,5 +1,6 @@
-"""A layer's pattern resolved for one input (``PatternPlan``: windows, sinks, columns, diagonals, blocks)
-and the token-level mask it means (``pattern_mask``, ``budget_plan``).
+"""A layer's pattern resolved for one input (``PatternPlan``: windows, sinks, columns, diagonals, blocks),
+the token-level mask it means (``pattern_mask``, ``budget_plan``) and, on request, what its block top-k
+heads chose (``BlockSelection``).
 
 Shapes: B batch, H query heads, S queries, T keys, D head dim, nq/nk query/key blocks.
 """
@@ -127,6 +128,29 @@ class PatternPlan:
         return (touch & ~full).contiguous(), full.contiguous()
 
 
+@dataclass(frozen=True)
+class BlockSelection:
+    """The key blocks one forward's block top-k heads chose, recorded for diagnostics (the passkey eval's
+    needle recall): ``plan_pattern`` fills ``stats["selection"]`` when the caller puts that key in ``stats``.
+
+    ``blocks bool [B, H, nq, nk]``: the plan's blocks (every head; for block top-k heads the chosen blocks,
+    own block included, plus any random blocks) for query blocks ``q_block0 ..``; ``heads``: the block top-k
+    heads, in order.
+    """
+    blocks: torch.Tensor
+    heads: tuple[int, ...]
+    block_size: int
+    q_block0: int
+
+    def covers(self, q_pos: int, k_pos: Sequence[int]) -> torch.Tensor:
+        """bool ``[B, len(heads)]``: each block top-k head's blocks for the query at ``q_pos`` hold one of
+        the keys ``k_pos`` (windows and sinks aside: what the selection itself found)."""
+        bs = self.block_size
+        kb = index_tensor(sorted({int(k) // bs for k in k_pos}), self.blocks.device)
+        row = self.blocks[:, index_tensor(self.heads, self.blocks.device), q_pos // bs - self.q_block0]   # [B, h, nk]
+        return row[..., kb].any(-1)
+
+
 def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: int, layer: int = 0,
                  q: Optional[torch.Tensor] = None, k: Optional[torch.Tensor] = None,
                  q_history: Optional[torch.Tensor] = None, device=None, stats: Optional[dict] = None) -> PatternPlan:
@@ -134,8 +158,9 @@ def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: in
 
     Input-dependent heads need ``q[B, H, S, D]`` and ``k[B, Hk, T, D]``; ``q_history[B, H, P, D]``
     holds the queries at positions just before ``q_start`` (decode), used for estimation only.
-    ``stats``: a dict to receive the block top-k selection's entropy and top-k mass (estimate_block_topk).
-    Positions are Python ints, so planning never waits on the GPU.
+    ``stats``: a dict to receive the block top-k selection's entropy and top-k mass (estimate_block_topk),
+    and a ``BlockSelection`` under ``"selection"`` when that key is already in it (a request: the blocks
+    stay alive as long as the dict). Positions are Python ints, so planning never waits on the GPU.
     """
     pats = head_patterns(pattern, n_heads)
     bs = layer_block_size(pats)
@@ -190,6 +215,8 @@ def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: in
                                                       _kv_for_heads(k, hs, n_heads), q_blocks, qb0, bs,
                                                       [pats[h].top_k for h in hs], slot, stats, bool(qmax), sub)
             blocks = full
+            if stats is not None and "selection" in stats:
+                stats["selection"] = BlockSelection(blocks, tuple(bt), bs, qb0)
     return PatternPlan(bs, q_pos, T, win, sinks, blocks, cols, diags, q_start, _col_budget(pats, T))
 
 

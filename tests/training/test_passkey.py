@@ -29,9 +29,10 @@ HAY = np.random.default_rng(0).integers(97, 123, size=5000)     # lowercase "tex
 def test_sample_has_needle_at_depth_and_key_as_answer():
     tok = CharTokenizer()
     for depth in (0.0, 0.5, 1.0):
-        toks, n = passkey_sample(tok, HAY, 300, depth, seed=3)
+        toks, n, key_pos = passkey_sample(tok, HAY, 300, depth, seed=3)
         assert len(toks) == 300
         key = toks[-n:]
+        assert [toks[p] for p in key_pos] == key + key and max(key_pos) < 300 - n   # the needle's two copies
         text = "".join(map(chr, toks))
         at = text.index(" The pass key is")
         assert text[at:].startswith(" The pass key is" + "".join(map(chr, key)) + ". Remember it.")
@@ -57,9 +58,51 @@ class Oracle(torch.nn.Module):
 
 def test_scoring_is_all_answer_tokens_argmax():
     tok = CharTokenizer()
-    assert passkey_eval(Oracle(True), tok, HAY, [200, 400], samples=3) == {200: 1.0, 400: 1.0}
-    assert passkey_eval(Oracle(False), tok, HAY, [200], samples=3) == {200: 0.0}
-    assert "100%" in format_passkey_table({200: 1.0})
+    right = passkey_eval(Oracle(True), tok, HAY, [200, 400], samples=3)
+    assert right.accuracy == {200: 1.0, 400: 1.0} and right.recall == {}       # no block top-k heads, no recall
+    assert passkey_eval(Oracle(False), tok, HAY, [200], samples=3).accuracy == {200: 0.0}
+    assert "100%" in format_passkey_table(right) and "recall" not in format_passkey_table(right)
+
+
+def test_needle_recall_is_what_the_block_topk_selection_held(monkeypatch):
+    """Recall per layer and length against the token mask of each forward's own q and k (pattern_mask: the
+    plan's mask, independent of BlockSelection.covers and the eval's bookkeeping)."""
+    from configs import AttentionConfig, ModelConfig
+    from layers.attention import pattern_mask
+    from layers.attention import module as attention_module
+    from zoo.model import build_model
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=512,
+                      attention=AttentionConfig(patterns={
+                          "0-1:0-1": {"type": "a_shape", "sinks": 4, "window": 32, "block_size": 16},
+                          "0-1:2-3": {"type": "block_topk", "top_k": 2, "block_size": 16}}))
+    cfg.validate()
+    model = build_model(cfg).eval()
+    rotated = []                                   # per layer and forward: q, then k, after RoPE
+    real = attention_module.apply_rotary
+    monkeypatch.setattr(attention_module, "apply_rotary", lambda *a: rotated.append(real(*a)) or rotated[-1])
+    tok, lengths, samples = CharTokenizer(), [192, 320], 6
+    res = passkey_eval(model, tok, HAY, lengths, samples=samples, seed=1)
+    assert set(res.recall) == set(lengths) and set(res.recall_layers[192]) == {0, 1}
+    calls = iter(rotated)
+    for L in lengths:
+        hits = {0: [], 1: []}
+        for i in range(samples):
+            toks, n, key_pos = passkey_sample(tok, HAY, L, i / (samples - 1), 1 * 1_000_003 + L * 1009 + i)
+            q_pos = L - n - 1
+            for layer, attn in enumerate(b.attention for b in model.layers):
+                q, k = next(calls), next(calls)
+                if max(key_pos) // 16 < q_pos // 16:    # a needle before the question's block
+                    mask = pattern_mask(attn.pattern, L, L, 4, layer, q, k)[0]       # [H, L, L]
+                    hits[layer] += [bool(mask[h, q_pos, key_pos].any()) for h in (2, 3)]
+        for layer in (0, 1):
+            assert res.recall_layers[L][layer] == pytest.approx(sum(hits[layer]) / len(hits[layer]))
+        assert res.recall[L] == pytest.approx(sum(hits[0] + hits[1]) / len(hits[0] + hits[1]))
+    assert any(0 < r < 1 for r in res.recall.values())      # a random model finds some needles, not all
+    assert all(not m.record_selection and "selection" not in m.attn_stats
+               for m in (b.attention for b in model.layers))          # restored, the blocks let go
+    table = format_passkey_table(res)
+    assert "recall" in table and f"{res.recall[192]:>7.0%}" in table
 
 
 def test_bad_lengths_fail_naming_the_key():
@@ -85,12 +128,14 @@ def test_passkey_runs_during_training_and_from_the_cli_on_a_checkpoint(tmp_path,
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert any("passkey/128" in row and "passkey/256" in row for row in rows)
+    # layer 3's block top-k heads: needle recall, over the layer and alone
+    assert any(0 <= row.get("passkey_recall/256", -1) <= 1 and "passkey_recall/256/layer3" in row for row in rows)
     logged = [row for row in rows if "attn/density" in row]
     assert logged and all(0 < row["attn/density"] < 1 and 0 <= row["attn/topk_entropy"] <= 1 for row in logged)
     r = subprocess.run(cmd + ["--resume", "--eval", "passkey"], cwd=ROOT, capture_output=True, text=True,
                        timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "step 4" in r.stdout + r.stderr and "accuracy" in r.stdout + r.stderr
+    assert "step 4" in r.stdout + r.stderr and "accuracy" in r.stdout + r.stderr and "recall" in r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("distance_bias", [0.0, 1.0])
