@@ -240,10 +240,12 @@ def test_preset_layer_on_gpu_flex_meets_fa_criterion_fwd_bwd(kernel):
     pats = [a, a, a, a, t, t, tw, tw]
     run_criterion(pats, "flex", B=2, H=8, Hk=2, T=1000, D=64, device="cuda")
     q, k, v = make_inputs(1, 8, 2, 1024, D=64, device="cuda")
-    stats = {}
+    stats = {"selection": None}           # also asks for the chosen blocks (the passkey eval's needle recall)
     with torch.no_grad():
         sparse_attention(q, k, v, pats, backend="flex", kernel=kernel, stats=stats)
     assert (stats["density"] <= 1).all() and (stats["density"][4:6] < 1).all()
+    sel = stats["selection"]
+    assert sel.heads == (4, 5, 6, 7) and torch.equal(sel.blocks, plan_pattern(pats, 8, 0, 1024, 1024, 0, q, k).blocks)
 
 
 @pytest.mark.parametrize("N,start,nb", [(256, 0, 4), (200, 0, 4), (200, 30, 5), (5, 130, 1), (1, 63, 1), (300, 70, 6)])
