@@ -31,7 +31,7 @@ for part in $PARTS; do
     # (Q_VARIANTS=query_max: the preset with its block top-k heads scoring by each query block's best query;
     # Q_VARIANTS=nsa: query_max plus NSA's gated compressed branch on those heads, compress: 1;
     # Q_ARGS="--score-block 32 --compress-block 32": their selection scores a key block by its best 32-key
-    # sub-block, the compressed branch's own logits, as NSA selects)
+    # sub-block, the compressed branch's own logits, as NSA selects; "--top-k 16": they keep 16 blocks, not 8)
     # (Q_STEPS, Q_EVAL_EVERY, Q_OVERRIDES: other steps, eval cadence, overrides; Q_OUT, Q_ARGS: a run longer
     # than one call: Q_ARGS="--checkpoint-every 600" in the first call, which the time limit stops with a
     # checkpoint (SIGINT), Q_ARGS="--checkpoint-every 600 --resume" in the next while the machine is warm)

@@ -16,7 +16,8 @@ Variants (same config, seed, data and steps; only ``model.attention.patterns`` d
            pooling block, e.g. 32 as NSA's, where a 128-token block's mean dilutes a short needle)
 ``--score-block N`` (query_max and nsa): those heads' selection pools keys over sub-blocks of N and scores a
 key block by its best sub-block (``score_block``; with ``--compress-block`` N too, the selection ranks the
-compressed branch's own logits, as NSA does).
+compressed branch's own logits, as NSA does). ``--top-k N`` (query_max and nsa): those heads keep N key
+blocks per query block instead of the preset's ``top_k``.
 Per variant: tokens/s (mean over log steps after the first, which holds compilation and warm-up),
 ``mfu`` (the attention work done: visited-block density) and ``mfu_model`` (dense-equivalent FLOPs),
 peak memory, the last validation loss, the logged attention density and, with
@@ -50,7 +51,7 @@ class _NoSaveTrainer(Trainer):
 
 def variant_config(path: str, overrides: list[str], variant: str, steps: int, out_dir: str, window: int = 2048,
                    eval_every: int = 0, checkpoint_every: int = 0, resume: bool = False, compress_block: int = 0,
-                   score_block: int = 0):
+                   score_block: int = 0, top_k: int = 0):
     saves = [f"checkpoint.every={checkpoint_every}", "checkpoint.keep_last=1"] if checkpoint_every else []
     cfg = load_config(path, overrides + saves + (["checkpoint.resume=true"] if resume else []) + [
                                          f"train.steps={steps}", f"train.eval_every={eval_every or steps}",
@@ -70,6 +71,7 @@ def variant_config(path: str, overrides: list[str], variant: str, steps: int, ou
             raise ConfigError("--variants", f"{variant} needs block_topk heads, and {path} has none")
         nsa = {"compress": 1, **({"compress_block": compress_block} if compress_block else {})}
         extra = {"query_max": 1, **({"score_block": score_block} if score_block else {}),
+                 **({"top_k": top_k} if top_k else {}),
                  **(nsa if variant == "nsa" else {})}
         att.patterns = {key: {**dict(p), **extra} if dict(p).get("type") == "block_topk" else p
                         for key, p in att.patterns.items()}
@@ -125,6 +127,8 @@ def main():
                     help="the nsa variant's compressed-branch pooling block (compress_block; 0 = the block size)")
     ap.add_argument("--score-block", type=int, default=0,
                     help="query_max / nsa: the selection's key sub-block, a block scored by its best (score_block; 0 = whole blocks)")
+    ap.add_argument("--top-k", type=int, default=0,
+                    help="query_max / nsa: key blocks each query block keeps (top_k; 0 = the preset's)")
     ap.add_argument("--eval-every", type=int, default=0,
                     help="validate (and run the passkey eval) every N steps; 0 = at the end only")
     ap.add_argument("--checkpoint-every", type=int, default=0,
@@ -136,7 +140,8 @@ def main():
     results = []
     # every variant's config first: a bad override or variant stops the script before any training
     cfgs = {v: variant_config(a.config, a.overrides, v, a.steps, a.out, a.a_shape_window, a.eval_every,
-                              a.checkpoint_every, a.resume, a.compress_block, a.score_block)
+                              a.checkpoint_every, a.resume, a.compress_block, a.score_block,
+                              a.top_k)
             for v in a.variants.split(",")}
     for v, cfg in cfgs.items():
         r = run_variant(cfg, v, save=a.checkpoint_every > 0)
