@@ -8,6 +8,7 @@ with the same signature; without triton (or on CPU tensors) the references run (
 | ``moe_combine`` (weighted sum of each token's expert rows) | moe_combine | layers.moe.experts |
 | ``swiglu`` (``scale * silu(a) * b``, fwd + bwd) | moe_swiglu | layers.moe.experts |
 | ``gate_up`` (permute fused into the SwiGLU gate/up grouped GEMMs' backward) | moe_gate_up | layers.moe.experts |
+| ``grouped_linear`` / ``grouped_wgrad`` (bf16 grouped linear; weight gradients split along the rows for small experts) | grouped_wgrad | layers.moe.experts, moe_gate_up |
 | ``fp8_grouped_linear`` + ``fp8_quantize_*`` (rowwise-scaled e4m3 grouped GEMMs, fwd + dgrad + wgrad) | moe_fp8 | layers.moe.experts, moe_gate_up |
 | ``router_matmul`` (bf16 inputs, float32 logits) | router_matmul | layers.moe.layer |
 | ``SemiSparseLinear`` (2:4 sparse linear, cuSPARSELt) | semi_sparse_linear | layers.dst.semi_structured |

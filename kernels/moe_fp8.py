@@ -32,9 +32,18 @@ quotient): scaling is exact, amax lands in (224, 448], and the dequantization sc
 GEMM is exact too. e4m3 everywhere, gradients included (torchao's choice for this recipe; e5m2 gradients
 are the per-tensor recipes' answer to their coarser scales).
 
-Layers: ``@triton.jit`` quantizers (one row per program; or one column block of one group per program,
-transposed out) + launchers -> custom ops ``moezoo::fp8_quantize_rows`` / ``fp8_quantize_groups_t`` /
-``fp8_quantize_weight_t`` (``register_fake``, so torch.compile traces through) -> the autograd.Function.
+Every operand that needs two layouts gets both from one "dual" pass: an activation (x in the forward, dy in
+the backward) by rows for its forward / dgrad GEMM and per expert column for its wgrad GEMM, a weight by
+output channel for the forward and by input channel for the dgrad (the forward keeps that copy for the
+backward). A column scale needs its whole group's column read first, so a dual pass reads its input twice:
+a tile kernel takes every row's and every group column's amax (atomic max), a second launch of it casts
+each tile into both layouts. The row and column quantizers apart read it three times (H100, Mixtral shape:
+9.7 of the fp8 layer's 42.4 ms were quantizers before; BENCHMARKS.md).
+
+Layers: ``@triton.jit`` kernels (a row quantizer, one row per program; the two-pass tile kernel; a
+pad-zeroing kernel) + launchers -> custom ops ``moezoo::fp8_quantize_rows`` / ``fp8_quantize_groups_t`` /
+``fp8_quantize_dual`` / ``fp8_quantize_weight_dual`` (``register_fake``, so torch.compile traces through)
+-> the autograd.Function.
 ``*_reference`` are the pure-torch oracles (and the path without triton); ``scaled_grouped_mm_reference``
 emulates torch._scaled_grouped_mm in float32 (CPU tests; the op itself is CUDA-only).
 """
@@ -52,7 +61,8 @@ AMAX_EPS = 1e-12          # an all-zero row or column gets a finite scale (2^48)
 WGRAD_ALIGN = 16          # rows per wgrad group: 16 bytes of fp8 (TMA alignment of group starts)
 FAST_ACCUM = True         # FP8 tensor-core accumulation without periodic float32 promotion (torchao: all three)
 ROWS_BLOCK = 4096         # columns per step of the row quantizer: 8 KB of bf16 in flight per program
-COLS_BLOCK_R, COLS_BLOCK_C = 128, 64   # column quantizer tile: 128 B contiguous per column on the transposed store
+TILE_R, TILE_C = 128, 128  # tile kernels: 128 B contiguous per column on the transposed fp8 store
+PAD_BLOCK_C = 128         # columns per program of the pad-zeroing kernel
 
 
 # -- pure torch: the math, once -------------------------------------------------------------------------
@@ -109,6 +119,18 @@ def quantize_weight_t_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return quantize_rows_reference(w.transpose(-2, -1))
 
 
+def quantize_dual_reference(x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor, num_padded: int):
+    """x [R, C] -> (q [R, C], d [R], qt [C, P], dt [E, C]): ``quantize_rows_reference`` and
+    ``quantize_groups_t_reference`` of the same x (the forward / dgrad operand and the wgrad operand)."""
+    return (*quantize_rows_reference(x), *quantize_groups_t_reference(x, offs, pends, num_padded))
+
+
+def quantize_weight_dual_reference(w: torch.Tensor):
+    """w [E, O, I] -> (q [E, O, I], d [E, O], qt [E, I, O], dt [E, I]): the forward operand (a scale per output
+    channel) and the dgrad operand (``quantize_weight_t_reference``)."""
+    return (*quantize_rows_reference(w), *quantize_weight_t_reference(w))
+
+
 def scaled_grouped_mm_reference(a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tensor,
                                 offs: torch.Tensor) -> torch.Tensor:
     """torch._scaled_grouped_mm's rowwise math in float32, bf16 out; the two layouts moezoo uses:
@@ -159,46 +181,68 @@ def _quantize_rows_kernel(x_ptr, q_ptr, d_ptr, C, MAX: tl.constexpr, EPS: tl.con
     tl.store(d_ptr + r, tl.div_rn(1.0, s))
 
 
-def _quantize_cols_kernel(x_ptr, ends_ptr, pends_ptr, q_ptr, d_ptr, C, L, P, PADDED: tl.constexpr,
-                          MAX: tl.constexpr, EPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    # grid (cdiv(C, BLOCK_C), E): columns of one group per program; x [R, C] row-major. Each column's scale
-    # comes from its amax over the group's rows; row i of the group goes to q[base + c * stride + i], the
-    # group's block transposed (consecutive rows contiguous in q).
-    # PADDED: groups are rows offs[e-1] .. offs[e] (ends_ptr); q is [C, P] and group e's block starts at
-    # column pends[e-1], its padding up to pends[e] written as zeros. Else: groups of L rows, q [E, C, L].
+def _tiles_kernel(x_ptr, ends_ptr, pends_ptr, ramax_ptr, camax_ptr, rs_ptr, cs_ptr, q_ptr, qt_ptr, R, C, E, L, P,
+                  CAST: tl.constexpr, ROWS: tl.constexpr, PADDED: tl.constexpr, MAX: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+    # grid (cdiv(R, BLOCK_R), cdiv(C, BLOCK_C)), x [R, C] row-major, one tile per program; run twice.
+    # Groups: rows ends[e-1] .. ends[e] (PADDED; rows past the last end belong to none) or blocks of L rows.
+    # CAST=False (pass 1): the tile's partial row amax (ROWS) and, per group present in the tile, its
+    # columns' partial amax go to float32 buffers (zero-initialised) by atomic max on their int32 bits
+    # (amax >= 0 orders like its bits). CAST=True (pass 2), with rs [R] / cs [E, C] the scales from those:
+    # q[r, c] = x * rs[r] (ROWS) and each row of group g to its transposed block, x * cs[g, c], at
+    # qt[c, pends[g-1] + (r - start_g)] (PADDED, qt [C, P]) or qt[g, c, r - g L] (qt [E, C, L]).
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rm, cm = rows < R, cols < C
+    m2 = rm[:, None] & cm[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+    if PADDED:
+        es = tl.arange(0, BLOCK_E)
+        ends = tl.load(ends_ptr + es, mask=es < E, other=2147483647)
+        g = tl.reduce((ends[None, :] <= rows[:, None]).to(tl.int32), 1, tl.standard._sum_combine)
+        start = tl.load(ends_ptr + g - 1, mask=g > 0, other=0)
+    else:
+        g = rows // L
+        start = g * L
+    g = tl.where(rm, g, E)
+    if not CAST:
+        a = tl.abs(x)
+        if ROWS:
+            tl.atomic_max(ramax_ptr + rows, tl.reduce(a, 1, tl.standard._elementwise_max).to(tl.int32, bitcast=True),
+                          mask=rm)
+        g_lo = tl.reduce(g, 0, tl.standard._elementwise_min)
+        g_hi = tl.minimum(tl.reduce(tl.where(g < E, g, -1), 0, tl.standard._elementwise_max), E - 1)
+        for gg in range(g_lo, g_hi + 1):          # a tile usually lies in one group
+            m = tl.reduce(tl.where((g == gg)[:, None], a, 0.0), 0, tl.standard._elementwise_max)
+            tl.atomic_max(camax_ptr + gg * C + cols, m.to(tl.int32, bitcast=True), mask=cm)
+    else:
+        if ROWS:
+            s = tl.load(rs_ptr + rows, mask=rm, other=1.0)
+            q = tl.clamp(x * s[:, None], -MAX, MAX)
+            tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m2)
+        gm = m2 & (g < E)[:, None]
+        s = tl.load(cs_ptr + g.to(tl.int64)[:, None] * C + cols[None, :], mask=gm, other=1.0)
+        q = tl.clamp(x * s, -MAX, MAX)
+        if PADDED:
+            pstart = tl.load(pends_ptr + g - 1, mask=(g > 0) & (g < E), other=0)
+            dst = cols.to(tl.int64)[None, :] * P + (rows - start + pstart)[:, None]
+        else:
+            dst = g.to(tl.int64)[:, None] * C * L + cols.to(tl.int64)[None, :] * L + (rows - start)[:, None]
+        tl.store(qt_ptr + dst, q.to(qt_ptr.dtype.element_ty), mask=gm)
+
+
+def _zero_pads_kernel(qt_ptr, ends_ptr, pends_ptr, C, P, ALIGN: tl.constexpr, BLOCK_C: tl.constexpr):
+    # grid (cdiv(C, BLOCK_C), E): group e's pad columns pends[e-1] + n .. pends[e] of qt [C, P] (fewer than
+    # ALIGN, or ALIGN for an empty group) set to zero.
     e = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cm = cols < C
-    if PADDED:
-        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
-        n = tl.load(ends_ptr + e) - start
-        pstart = tl.load(pends_ptr + e - 1, mask=e > 0, other=0)
-        n_out = tl.load(pends_ptr + e) - pstart
-        base = pstart.to(tl.int64)
-        stride = P
-    else:
-        start = e * L
-        n = L
-        n_out = L
-        base = e.to(tl.int64) * C * L
-        stride = L
-    rows = tl.arange(0, BLOCK_R)
-    amax = tl.full([BLOCK_C], 0.0, tl.float32)
-    for i in range(0, n, BLOCK_R):
-        src = (start + i + rows).to(tl.int64)
-        m = ((i + rows) < n)[:, None] & cm[None, :]
-        x = tl.load(x_ptr + src[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.reduce(tl.abs(x), 0, tl.standard._elementwise_max))
-    amax = tl.maximum(amax, EPS)
-    s = (tl.div_rn(MAX, amax).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    tl.store(d_ptr + e * C + cols, tl.div_rn(1.0, s), mask=cm)
-    for i in range(0, n_out, BLOCK_R):
-        src = (start + i + rows).to(tl.int64)
-        x = tl.load(x_ptr + src[:, None] * C + cols[None, :], mask=((i + rows) < n)[:, None] & cm[None, :],
-                    other=0.0).to(tl.float32)
-        q = tl.clamp(x * s[None, :], -MAX, MAX)
-        dst = base + cols.to(tl.int64)[None, :] * stride + (i + rows)[:, None]
-        tl.store(q_ptr + dst, q.to(q_ptr.dtype.element_ty), mask=((i + rows) < n_out)[:, None] & cm[None, :])
+    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+    pstart = tl.load(pends_ptr + e - 1, mask=e > 0, other=0)
+    first = pstart + tl.load(ends_ptr + e) - start
+    j = tl.arange(0, ALIGN)
+    m = (cols < C)[:, None] & ((first + j) < tl.load(pends_ptr + e))[None, :]
+    zeros = tl.full([BLOCK_C, ALIGN], 0.0, tl.float32)
+    tl.store(qt_ptr + cols.to(tl.int64)[:, None] * P + (first + j)[None, :], zeros.to(qt_ptr.dtype.element_ty), mask=m)
 
 
 def quantize_rows_triton(x: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,32 +258,64 @@ def quantize_rows_triton(x: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple
     return q, d
 
 
-def _launch_cols(x, ends, pends, q, d, C, L, P, padded, groups):
-    if groups and C:
-        grid = (triton.cdiv(C, COLS_BLOCK_C), groups)
-        jit(_quantize_cols_kernel)[grid](x, ends, pends, q, d, C, L, P, PADDED=padded, MAX=FP8_MAX, EPS=AMAX_EPS,
-                                         BLOCK_R=COLS_BLOCK_R, BLOCK_C=COLS_BLOCK_C, num_warps=4)
+def _quantize_tiles(x: torch.Tensor, ends: Optional[torch.Tensor], pends: Optional[torch.Tensor], L: int,
+                    num_padded: int, rows: bool, out_dtype: torch.dtype):
+    """x [R, C] -> (q [R, C] | None, d [R] | None, qt, dt [E, C]): the tile kernels' two passes over x (amax,
+    then cast) for the row and the per-group column quantization at once. Groups: ``ends`` [E] (PADDED,
+    qt [C, P] with zero pads) or, with ``ends`` None, consecutive blocks of L rows (qt [E, C, L])."""
+    R, C = x.shape
+    padded = ends is not None
+    E = ends.numel() if padded else (R // L if L else 0)
+    dev = x.device
+    ramax = torch.zeros(R if rows else 1, dtype=torch.float32, device=dev)
+    camax = torch.zeros(E, C, dtype=torch.float32, device=dev)
+    q = torch.empty(R, C, dtype=out_dtype, device=dev) if rows else None
+    qt = (torch.empty(C, num_padded, dtype=out_dtype, device=dev) if padded
+          else torch.empty(E, C, L, dtype=out_dtype, device=dev))
+    ends = ends if padded else camax                    # unused pointers when not padded
+    pends = pends if padded else camax
+    run = bool(R and C and E)
+    if run:
+        grid = (triton.cdiv(R, TILE_R), triton.cdiv(C, TILE_C))
+        meta = dict(ROWS=rows, PADDED=padded, MAX=FP8_MAX, BLOCK_R=TILE_R, BLOCK_C=TILE_C,
+                    BLOCK_E=triton.next_power_of_2(E) if padded else 1, num_warps=8)
+        args = (x, ends, pends, ramax.view(torch.int32), camax.view(torch.int32))
+        jit(_tiles_kernel)[grid](*args, ramax, camax, qt, qt, R, C, E, L, num_padded, CAST=False, **meta)
+    rs, cs = pow2_scale(ramax), pow2_scale(camax)
+    if run:
+        jit(_tiles_kernel)[grid](*args, rs, cs, q if rows else qt, qt, R, C, E, L, num_padded, CAST=True, **meta)
+    if padded and C and E:
+        jit(_zero_pads_kernel)[(triton.cdiv(C, PAD_BLOCK_C), E)](qt, ends, pends, C, num_padded, ALIGN=WGRAD_ALIGN,
+                                                                  BLOCK_C=PAD_BLOCK_C, num_warps=4)
+    return q, (1.0 / rs if rows else None), qt, 1.0 / cs
 
 
 def quantize_groups_t_triton(x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor, num_padded: int,
                              out_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: as ``quantize_groups_t_reference`` (columns past ``pends[-1]`` left unwritten)."""
-    x, offs, pends = x.contiguous(), offs.contiguous(), pends.contiguous()
-    C, E = x.shape[1], offs.numel()
-    q = torch.empty(C, num_padded, dtype=out_dtype, device=x.device)
-    d = torch.empty(E, C, dtype=torch.float32, device=x.device)
-    _launch_cols(x, offs, pends, q, d, C, 0, num_padded, True, E)
-    return q, d
+    _, _, qt, dt = _quantize_tiles(x.contiguous(), offs.contiguous(), pends.contiguous(), 0, num_padded, False,
+                                   out_dtype)
+    return qt, dt
+
+
+def quantize_dual_triton(x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor, num_padded: int,
+                         out_dtype: torch.dtype = FP8):
+    """Launcher: as ``quantize_dual_reference``, x read twice in all (not three times, as the two apart)."""
+    return _quantize_tiles(x.contiguous(), offs.contiguous(), pends.contiguous(), 0, num_padded, True, out_dtype)
 
 
 def quantize_weight_t_triton(w: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: as ``quantize_weight_t_reference``."""
-    w = w.contiguous()
     E, O, I = w.shape
-    q = torch.empty(E, I, O, dtype=out_dtype, device=w.device)
-    d = torch.empty(E, I, dtype=torch.float32, device=w.device)
-    _launch_cols(w, d, d, q, d, I, O, 0, False, E if O else 0)   # ends / pends unused: dummy pointers
-    return q, d
+    _, _, qt, dt = _quantize_tiles(w.contiguous().view(E * O, I), None, None, O, 0, False, out_dtype)
+    return qt.view(E, I, O), dt
+
+
+def quantize_weight_dual_triton(w: torch.Tensor, out_dtype: torch.dtype = FP8):
+    """Launcher: as ``quantize_weight_dual_reference``."""
+    E, O, I = w.shape
+    q, d, qt, dt = _quantize_tiles(w.contiguous().view(E * O, I), None, None, O, 0, True, out_dtype)
+    return q.view(E, O, I), d.view(E, O), qt.view(E, I, O), dt
 
 
 # -- custom ops (Triton on CUDA / under TRITON_INTERPRET, else the references) --------------------------
@@ -271,18 +347,34 @@ def _(x, offs, pends, num_padded):
             x.new_empty(offs.shape[0], x.shape[1], dtype=torch.float32))
 
 
-@torch.library.custom_op("moezoo::fp8_quantize_weight_t", mutates_args=())
-def fp8_quantize_weight_t(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [E, O, I] -> (qt [E, I, O] e4m3, d [E, I] float32): per input channel, transposed."""
+@torch.library.custom_op("moezoo::fp8_quantize_dual", mutates_args=())
+def fp8_quantize_dual(x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor,
+                      num_padded: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [R, C] -> ``fp8_quantize_rows(x)`` and ``fp8_quantize_groups_t(x, ...)`` from two reads of x."""
+    if use_triton(x):
+        return quantize_dual_triton(x, offs, pends, num_padded)
+    return quantize_dual_reference(x, offs, pends, num_padded)
+
+
+@fp8_quantize_dual.register_fake
+def _(x, offs, pends, num_padded):
+    return (x.new_empty(x.shape, dtype=FP8), x.new_empty(x.shape[0], dtype=torch.float32),
+            x.new_empty(x.shape[1], num_padded, dtype=FP8), x.new_empty(offs.shape[0], x.shape[1], dtype=torch.float32))
+
+
+@torch.library.custom_op("moezoo::fp8_quantize_weight_dual", mutates_args=())
+def fp8_quantize_weight_dual(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [E, O, I] -> (q [E, O, I], d [E, O], qt [E, I, O], dt [E, I]): forward and dgrad operands at once."""
     if use_triton(w):
-        return quantize_weight_t_triton(w)
-    return quantize_weight_t_reference(w)
+        return quantize_weight_dual_triton(w)
+    return quantize_weight_dual_reference(w)
 
 
-@fp8_quantize_weight_t.register_fake
+@fp8_quantize_weight_dual.register_fake
 def _(w):
     E, O, I = w.shape
-    return w.new_empty(E, I, O, dtype=FP8), w.new_empty(E, I, dtype=torch.float32)
+    return (w.new_empty(E, O, I, dtype=FP8), w.new_empty(E, O, dtype=torch.float32),
+            w.new_empty(E, I, O, dtype=FP8), w.new_empty(E, I, dtype=torch.float32))
 
 
 @torch.library.custom_op("moezoo::scaled_grouped_mm_emulated", mutates_args=())
@@ -307,50 +399,67 @@ def scaled_grouped_mm(a, b, da, db, offs) -> torch.Tensor:
     return torch._scaled_grouped_mm(a, b, da, db, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM)
 
 
-def fp8_forward(xq: torch.Tensor, xd: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x quantized by rows (``fp8_quantize_rows``), w [E, O, I] -> y [R, O] = x w[e]^T."""
+def fp8_weight(w: torch.Tensor, dgrad: bool = True):
+    """w [E, O, I] -> (wq, wd, wtq | None, wtd | None): the forward operand and, with ``dgrad``, the dgrad
+    operand from the same two reads of w. The forward keeps the dgrad operand for the backward (1 byte a
+    weight, less than the bf16 copy autocast keeps on the bf16 path) instead of reading w twice more there."""
+    if dgrad:
+        return fp8_quantize_weight_dual(w)
     E, O, I = w.shape
     wq, wd = fp8_quantize_rows(w.reshape(E * O, I))
-    return scaled_grouped_mm(xq, wq.view(E, O, I).transpose(-2, -1), xd, wd.view(E, O), offs)
+    return wq.view(E, O, I), wd.view(E, O), None, None
 
 
-def fp8_dgrad(dy: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """dy [R, O], w [E, O, I] -> dx [R, I] = dy w[e]."""
-    dyq, dyd = fp8_quantize_rows(dy)
-    wtq, wtd = fp8_quantize_weight_t(w)
+def fp8_operands(x: torch.Tensor, offs: torch.Tensor, rows: bool, cols: bool,
+                 pends: Optional[torch.Tensor] = None) -> tuple:
+    """x [R, C] -> (xq, xd, (qt, dt, pends)): the row-scaled operand (forward or dgrad) if ``rows``, the
+    per-expert column-scaled wgrad operand if ``cols`` (each None when not asked for); both from one
+    ``fp8_quantize_dual`` when both are. ``pends``: the padded group ends, when already computed for offs."""
+    x = x.contiguous()
+    if not cols:
+        return (*fp8_quantize_rows(x), (None, None, None)) if rows else (None, None, (None, None, None))
+    pends = padded_group_ends(offs) if pends is None else pends
+    P = padded_rows(x.shape[0], offs.numel())
+    if rows:
+        xq, xd, qt, dt = fp8_quantize_dual(x, offs, pends, P)
+        return xq, xd, (qt, dt, pends)
+    return None, None, (*fp8_quantize_groups_t(x, offs, pends, P), pends)
+
+
+def fp8_forward(xq, xd, wq, wd, offs) -> torch.Tensor:
+    """x quantized by rows, w by output channel (``fp8_weight``) -> y [R, O] = x w[e]^T."""
+    return scaled_grouped_mm(xq, wq.transpose(-2, -1), xd, wd, offs)
+
+
+def fp8_dgrad(dyq, dyd, wtq, wtd, offs) -> torch.Tensor:
+    """dy quantized by rows, w's dgrad operand (``fp8_weight``) -> dx [R, I] = dy w[e]."""
     return scaled_grouped_mm(dyq, wtq.transpose(-2, -1), dyd, wtd, offs)
 
 
-def fp8_columns(x: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [R, C] -> the wgrad operand (qt [C, P], d [E, C], pends [E]); saved by the forward instead of x."""
-    pends = padded_group_ends(offs)
-    qt, d = fp8_quantize_groups_t(x, offs, pends, padded_rows(x.shape[0], offs.numel()))
-    return qt, d, pends
-
-
-def fp8_wgrad(dy: torch.Tensor, offs: torch.Tensor, xt: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """dy [R, O], ``xt = fp8_columns(x, offs)`` -> dw [E, O, I] = dy_e^T x_e in ``dtype`` (an expert with no
-    rows gets zeros)."""
-    xtq, xtd, pends = xt
-    dytq, dytd = fp8_quantize_groups_t(dy, offs, pends, xtq.shape[1])
+def fp8_wgrad(dyt: tuple, xt: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The column-scaled operands of dy [R, O] and x [R, I] (``fp8_operands(..., cols=True)``, same pends)
+    -> dw [E, O, I] = dy_e^T x_e in ``dtype`` (an expert with no rows gets zeros)."""
+    (dytq, dytd, pends), (xtq, xtd, _) = dyt, xt
     return scaled_grouped_mm(dytq, xtq.t(), dytd.reshape(-1), xtd.reshape(-1), pends).to(dtype)
 
 
 class _FP8GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, offs):
-        x = x.contiguous()
-        y = fp8_forward(*fp8_quantize_rows(x), w, offs)
-        xt = fp8_columns(x, offs) if ctx.needs_input_grad[1] else (None, None, None)
-        ctx.save_for_backward(w, offs, *xt)
-        return y
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        xq, xd, xt = fp8_operands(x, offs, rows=True, cols=need_w)
+        wq, wd, wtq, wtd = fp8_weight(w, dgrad=need_x)
+        ctx.save_for_backward(offs, wtq, wtd, *xt)
+        ctx.wdtype = w.dtype
+        return fp8_forward(xq, xd, wq, wd, offs)
 
     @staticmethod
     def backward(ctx, dy):
-        w, offs, *xt = ctx.saved_tensors
-        dy = dy.contiguous()
-        dx = fp8_dgrad(dy, w, offs) if ctx.needs_input_grad[0] else None
-        dw = fp8_wgrad(dy, offs, xt, w.dtype) if ctx.needs_input_grad[1] else None
+        offs, wtq, wtd, *xt = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dyq, dyd, dyt = fp8_operands(dy, offs, rows=need_x, cols=need_w, pends=xt[2])
+        dx = fp8_dgrad(dyq, dyd, wtq, wtd, offs) if need_x else None
+        dw = fp8_wgrad(dyt, xt, ctx.wdtype) if need_w else None
         return dx, dw, None
 
 

@@ -11,12 +11,14 @@ backward hands both GEMM outputs g1 = da w1, g3 = db w3 to ``moe_unpermute(g1, i
 which sums the 2K rows of each token in one float32 pass (one bf16 rounding instead of two). H200,
 fine-grained shape (N = 131072, D = 4096): the add's 0.73 ms goes, the combine costs 0.25 ms more; the
 fwd+bwd step 19.49 -> 19.16 ms in one bench/moe.py run (``ours_unfused_permute`` vs ``ours``). Weight gradients are grouped GEMMs over the transposed view ``da^T xs`` (no copy), in
-the parameters' [E, H, D] layout. Rows past the last group are unspecified in a and b, as in
+the parameters' [E, H, D] layout (kernels.grouped_wgrad: split along the rows for small experts). Rows past the last group are unspecified in a and b, as in
 torch._grouped_mm; no assignment maps to them, so nothing reads their gradients.
 
-``fp8=True`` (``model.moe.precision: fp8``): the four GEMMs are kernels.moe_fp8's rowwise-scaled e4m3
-ones; xs is quantized once by rows for both forward GEMMs and once per expert column for both weight
-gradients (that copy, 1 byte per element, is what the forward saves instead of xs).
+``fp8=True`` (``model.moe.precision: fp8``): the six GEMMs are kernels.moe_fp8's rowwise-scaled e4m3
+ones; xs is quantized by rows for both forward GEMMs and per expert column for both weight gradients in
+one ``fp8_quantize_dual`` (that copy, 1 byte per element, is what the forward saves instead of xs), each
+weight for its forward and its dgrad GEMM in one ``fp8_quantize_weight_dual`` (the dgrad operand kept for
+the backward), and da / db each for their dgrad and wgrad GEMMs in one dual pass.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from typing import Optional
 
 import torch
 
-from .moe_fp8 import fp8_columns, fp8_dgrad, fp8_forward, fp8_quantize_rows, fp8_wgrad
+from .grouped_wgrad import grouped_wgrad
+from .moe_fp8 import fp8_dgrad, fp8_forward, fp8_operands, fp8_weight, fp8_wgrad
 from .moe_permute import moe_permute, moe_unpermute
 
 
@@ -32,38 +35,40 @@ class _PermuteGateUp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w3, offs, inv, num_rows, zero_fill, fp8):
         xs = x if inv is None else moe_permute(x, inv, num_rows, zero_fill)
-        if fp8:
-            xq = fp8_quantize_rows(xs)
-            a, b = fp8_forward(*xq, w1, offs), fp8_forward(*xq, w3, offs)
-            x_saved = fp8_columns(xs, offs) if ctx.needs_input_grad[1] or ctx.needs_input_grad[2] else (None,) * 3
-        else:
-            a = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)
-            b = torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs)
-            x_saved = (xs,)
-        ctx.save_for_backward(w1, w3, offs, inv, *x_saved)
         ctx.zero_fill, ctx.fp8 = zero_fill, fp8
-        return a, b
+        if not fp8:
+            ctx.save_for_backward(offs, inv, xs, w1, w3)
+            return (torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs),
+                    torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs))
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        xq, xd, xt = fp8_operands(xs, offs, rows=True, cols=need_w)
+        w1q, w1d, w1tq, w1td = fp8_weight(w1, dgrad=need_x)
+        w3q, w3d, w3tq, w3td = fp8_weight(w3, dgrad=need_x)
+        ctx.save_for_backward(offs, inv, *xt, w1tq, w1td, w3tq, w3td)
+        ctx.wdtypes = (w1.dtype, w3.dtype)
+        return fp8_forward(xq, xd, w1q, w1d, offs), fp8_forward(xq, xd, w3q, w3d, offs)
 
     @staticmethod
     def backward(ctx, da, db):
-        w1, w3, offs, inv, *x_saved = ctx.saved_tensors
-        dx = None
+        offs, inv, *saved = ctx.saved_tensors
+        need_x, need1, need3 = ctx.needs_input_grad[:3]
         if ctx.fp8:
-            da, db = da.contiguous(), db.contiguous()
-        if ctx.needs_input_grad[0]:
-            if ctx.fp8:
-                g1, g3 = fp8_dgrad(da, w1, offs), fp8_dgrad(db, w3, offs)      # [N, D]
-            else:
-                g1 = torch._grouped_mm(da, w1, offs=offs)
-                g3 = torch._grouped_mm(db, w3, offs=offs)
-            dx = g1 + g3 if inv is None else moe_unpermute(g1, inv, ctx.zero_fill, g3)
-        need1, need3 = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        if ctx.fp8:
-            dw1 = fp8_wgrad(da, offs, x_saved, w1.dtype) if need1 else None
-            dw3 = fp8_wgrad(db, offs, x_saved, w3.dtype) if need3 else None
+            xt, wt1, wt3 = tuple(saved[:3]), saved[3:5], saved[5:]
+            daq, dad, dat = fp8_operands(da, offs, rows=need_x, cols=need1, pends=xt[2])
+            dbq, dbd, dbt = fp8_operands(db, offs, rows=need_x, cols=need3, pends=xt[2])
+            g1 = fp8_dgrad(daq, dad, *wt1, offs) if need_x else None      # [N, D]
+            g3 = fp8_dgrad(dbq, dbd, *wt3, offs) if need_x else None
+            dw1 = fp8_wgrad(dat, xt, ctx.wdtypes[0]) if need1 else None
+            dw3 = fp8_wgrad(dbt, xt, ctx.wdtypes[1]) if need3 else None
         else:
-            dw1 = torch._grouped_mm(da.t(), x_saved[0], offs=offs) if need1 else None   # [E, H, D]
-            dw3 = torch._grouped_mm(db.t(), x_saved[0], offs=offs) if need3 else None
+            xs, w1, w3 = saved
+            g1 = torch._grouped_mm(da, w1, offs=offs) if need_x else None
+            g3 = torch._grouped_mm(db, w3, offs=offs) if need_x else None
+            dw1 = grouped_wgrad(da.t(), xs, offs) if need1 else None   # [E, H, D]
+            dw3 = grouped_wgrad(db.t(), xs, offs) if need3 else None
+        dx = None
+        if need_x:
+            dx = g1 + g3 if inv is None else moe_unpermute(g1, inv, ctx.zero_fill, g3)
         return dx, dw1, dw3, None, None, None, None, None
 
 

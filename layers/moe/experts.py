@@ -36,6 +36,7 @@ from kernels.moe_combine import moe_combine, moe_combine_reference
 from kernels.moe_permute import moe_permute, moe_permute_reference, moe_unpermute
 from kernels.moe_swiglu import swiglu
 
+from kernels.grouped_wgrad import grouped_linear
 from kernels.moe_fp8 import fp8_grouped_linear
 from kernels.moe_gate_up import gate_up
 
@@ -254,4 +255,4 @@ class GroupedExperts(nn.Module):
         """x [N, in] -> [N, out]: ``x w[e]^T`` on each expert's rows (w [E, out, in]), in ``self.precision``."""
         if self.precision == "fp8":
             return fp8_grouped_linear(x, w, offs)
-        return torch._grouped_mm(x, w.to(x.dtype).transpose(-2, -1), offs=offs)
+        return grouped_linear(x, w.to(x.dtype), offs)

@@ -96,8 +96,9 @@ def test_triton_quantizers_equal_the_reference_bit_for_bit(monkeypatch):
     # Small blocks, so every loop of the kernels runs several steps; float32 outputs cast by torch (the
     # interpreter's own fp8 cast is not IEEE round-to-nearest-even).
     monkeypatch.setattr(f, "ROWS_BLOCK", 16)
-    monkeypatch.setattr(f, "COLS_BLOCK_R", 16)
-    monkeypatch.setattr(f, "COLS_BLOCK_C", 16)
+    monkeypatch.setattr(f, "TILE_R", 16)
+    monkeypatch.setattr(f, "TILE_C", 16)
+    monkeypatch.setattr(f, "PAD_BLOCK_C", 16)
 
     def bits(q):
         return q.to(FP8).view(torch.uint8)
@@ -115,10 +116,22 @@ def test_triton_quantizers_equal_the_reference_bit_for_bit(monkeypatch):
     n = int(pends[-1])                                  # columns past the last padded group are unwritten
     assert torch.equal(bits(qt[:, :n]), qtr[:, :n].view(torch.uint8)) and torch.equal(dt, dtr)
 
+    # the dual pass: both layouts from the same two reads; tiles of 16 rows cross group boundaries
+    # (groups of 7, 0, 33, 1 and 59 rows) and the last tile holds rows past the last group
+    got = f.quantize_dual_triton(y, offs, pends, P, torch.float32)
+    want = f.quantize_dual_reference(y, offs, pends, P)
+    assert torch.equal(bits(got[0]), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+    assert torch.equal(bits(got[2][:, :n]), want[2][:, :n].view(torch.uint8)) and torch.equal(got[3], want[3])
+
     w = torch.randn(3, 40, 33)
     qw, dw = f.quantize_weight_t_triton(w, torch.float32)
     qwr, dwr = quantize_weight_t_reference(w)
     assert torch.equal(bits(qw), qwr.view(torch.uint8)) and torch.equal(dw, dwr)
+    got = f.quantize_weight_dual_triton(w, torch.float32)
+    want = f.quantize_weight_dual_reference(w)
+    assert [t.shape for t in got] == [t.shape for t in want]
+    for g_, w_ in zip(got, want):
+        assert torch.equal(bits(g_), w_.view(torch.uint8)) if w_.dtype == FP8 else torch.equal(g_, w_)
 
 
 def test_quantize_ops_pass_opcheck():
@@ -126,7 +139,8 @@ def test_quantize_ops_pass_opcheck():
     offs = torch.tensor([5, 5, 18], dtype=torch.int32)
     torch.library.opcheck(f.fp8_quantize_rows, (x,))
     torch.library.opcheck(f.fp8_quantize_groups_t, (x, offs, padded_group_ends(offs), padded_rows(20, 3)))
-    torch.library.opcheck(f.fp8_quantize_weight_t, (torch.randn(2, 16, 32),))
+    torch.library.opcheck(f.fp8_quantize_dual, (x, offs, padded_group_ends(offs), padded_rows(20, 3)))
+    torch.library.opcheck(f.fp8_quantize_weight_dual, (torch.randn(2, 16, 32),))
 
 
 def test_emulated_scaled_grouped_mm_equals_float32_products_of_the_dequantized_operands():
