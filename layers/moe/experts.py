@@ -49,14 +49,18 @@ class DispatchPlan:
     inv: torch.Tensor       # [T, K] int32: sorted row of assignment (t, j), -1 when dropped
     counts: torch.Tensor    # [E] int64: rows of each expert's group (after capacity, before padding)
     group_sizes: torch.Tensor  # [E] int64: counts rounded up to the alignment (what the GEMMs see)
-    num_rows: int           # N, static: T * K (+ E * (align - 1) of padding)
+    num_rows: int           # N, static: T * K (+ E * (align - 1) of padding, rounded up to a multiple of align)
     dense: bool             # every row 0..N-1 is some assignment's (no drops, no padding)
 
 
 def plan_layout(num_assignments: int, num_experts: int, capacity: Optional[int], align: int) -> tuple[int, bool]:
     """The static part of a DispatchPlan: ``(num_rows, dense)`` for T*K = ``num_assignments``."""
     dense = capacity is None and align == 1
-    return num_assignments + (num_experts * (align - 1) if align > 1 else 0), dense
+    if align == 1:
+        return num_assignments, dense
+    # a whole number of aligned blocks: FP8 kernels that read the rows as a column-major operand need
+    # its row count (the column stride) 16-byte aligned too
+    return -(-(num_assignments + num_experts * (align - 1)) // align) * align, dense
 
 
 def make_plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int] = None,
