@@ -303,7 +303,8 @@ def bench_shape(name, T, D, H, E, K, reps, profile_dir=None, skip=(), only=None)
                 got = grads_of(moe, x, dy)
         except Exception as e:             # one broken variant must not cost the others' numbers
             import traceback
-            where = " <- ".join(ln.strip() for ln in traceback.format_exc().splitlines() if ln.strip().startswith("File")][-3:])
+            frames = [ln.strip() for ln in traceback.format_exc().splitlines() if ln.strip().startswith("File")]
+            where = " <- ".join(frames[-3:])
             res["variant_errors"][v] = f"{type(e).__name__}: {e} (at {where})"
             print(name, v, "failed:", res["variant_errors"][v], flush=True)
             continue
