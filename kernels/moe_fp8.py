@@ -205,13 +205,13 @@ def _tiles_kernel(x_ptr, ends_ptr, pends_ptr, ramax_ptr, camax_ptr, rs_ptr, cs_p
         g = rows // L
         start = g * L
     g = tl.where(rm, g, E)
+    g_lo = tl.reduce(g, 0, tl.standard._elementwise_min)
+    g_hi = tl.minimum(tl.reduce(tl.where(g < E, g, -1), 0, tl.standard._elementwise_max), E - 1)
     if not CAST:
         a = tl.abs(x)
         if ROWS:
             tl.atomic_max(ramax_ptr + rows, tl.reduce(a, 1, tl.standard._elementwise_max).to(tl.int32, bitcast=True),
                           mask=rm)
-        g_lo = tl.reduce(g, 0, tl.standard._elementwise_min)
-        g_hi = tl.minimum(tl.reduce(tl.where(g < E, g, -1), 0, tl.standard._elementwise_max), E - 1)
         for gg in range(g_lo, g_hi + 1):          # a tile usually lies in one group
             m = tl.reduce(tl.where((g == gg)[:, None], a, 0.0), 0, tl.standard._elementwise_max)
             tl.atomic_max(camax_ptr + gg * C + cols, m.to(tl.int32, bitcast=True), mask=cm)
@@ -221,7 +221,11 @@ def _tiles_kernel(x_ptr, ends_ptr, pends_ptr, ramax_ptr, camax_ptr, rs_ptr, cs_p
             q = tl.clamp(x * s[:, None], -MAX, MAX)
             tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m2)
         gm = m2 & (g < E)[:, None]
-        s = tl.load(cs_ptr + g.to(tl.int64)[:, None] * C + cols[None, :], mask=gm, other=1.0)
+        if g_lo == g_hi:     # one group: one row of scales for the tile, not a gather per element
+            s = tl.load(cs_ptr + g_lo * C + cols, mask=cm, other=1.0)
+            s = tl.broadcast_to(s[None, :], (BLOCK_R, BLOCK_C))
+        else:
+            s = tl.load(cs_ptr + g.to(tl.int64)[:, None] * C + cols[None, :], mask=gm, other=1.0)
         q = tl.clamp(x * s, -MAX, MAX)
         if PADDED:
             pstart = tl.load(pends_ptr + g - 1, mask=(g > 0) & (g < E), other=0)
