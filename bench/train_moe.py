@@ -70,7 +70,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import ConfigError, exit_code, load_config  # noqa: E402
+from configs.errors import check  # noqa: E402
 from training.profile import format_summary  # noqa: E402
+from kernels import grouped_wgrad  # noqa: E402
 
 BACKBONE = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4",
             "model.ffn_hidden=1408", "model.max_seq_len=1024", "train.seq_len=1024", "train.batch_size=32",
@@ -393,8 +395,14 @@ def main():
     ap.add_argument("--profile-at", type=int, default=0,
                     help="logging.profile_at: profile 3 steps from this one in every run (0 = off)")
     ap.add_argument("--runs", default="/tmp/train_moe")
+    ap.add_argument("--wgrad-splits", type=int, default=None,
+                    help="split every bf16 expert weight gradient into this many row parts (kernels.grouped_wgrad; "
+                         "default: its own choice), e.g. 1 for the unsplit GEMMs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.wgrad_splits is not None:
+        check(args.wgrad_splits >= 1, "--wgrad-splits", f"must be >= 1, got {args.wgrad_splits}")
+        grouped_wgrad.SPLITS = args.wgrad_splits      # this benchmark process only
     if args.prepare:
         return prepare(args.prepare, args.source, args.max_files, args.vocab, args.max_tokens, args.cache_dir)
     for suite in args.suite.split(","):   # before any training: one line, exit 2

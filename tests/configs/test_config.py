@@ -121,6 +121,7 @@ def test_cli_resume_with_a_changed_model_names_the_key(tmp_path, corpus_dir):
      "error: --variants: unknown 'foo'"),
     ("bench/train_moe.py", ["--tokens", "none", "--suite", "equal_time,nope"], "error: --suite: unknown suite 'nope'"),
     ("bench/train_moe.py", ["--tokens", "none", "--suite", "equal_time_graphs"], "error: --suite: equal_time_graphs"),
+    ("bench/train_moe.py", ["--tokens", "none", "--wgrad-splits", "0"], "error: --wgrad-splits: must be >= 1"),
     ("bench/attention.py", ["--patterns", "a_shape,topk_x"], "error: --patterns: unknown value 'topk_x'"),
     ("bench/attention.py", ["--modes", "bwd"], "error: --modes: unknown value 'bwd'"),
     ("bench/attention.py", ["--kernels", "cudnn"], "error: --kernels: unknown value 'cudnn'"),
