@@ -10,10 +10,11 @@ Why: a weight gradient contracts over the rows, so its output is only E * M * N:
 dim-512 MoE of BENCHMARKS.md: 8 experts of 704 x 512) the grouped GEMM has fewer output tiles than the GPU
 has SMs, and each tile walks thousands of rows alone. On the H100 those three weight-gradient GEMMs took
 187 us each against 96-100 us for the forward and dgrad GEMMs of the same FLOPs (the same profile).
-Splitting every group's rows into S consecutive parts makes S times the tiles; the S partial products
-(bf16, as torch._grouped_mm writes them) are summed in float32. ``wgrad_splits`` picks S from the tile
-count; experts of the Mixtral / OLMoE / DeepSeek shapes have tiles to spare and keep S = 1 (one GEMM, as
-before). The split points are device arithmetic on ``offs``: no host sync, CUDA-graph safe.
+Splitting every group's rows into S consecutive parts makes S times the tiles, each 1/S of the work; the S
+partial products (bf16, as torch._grouped_mm writes them) are summed in float32. ``wgrad_splits`` picks S
+from the tile count (that dim-512 MoE: S = 4); experts of the Mixtral / OLMoE / DeepSeek shapes have tiles
+to spare and keep S = 1 (one GEMM, as before). Not yet measured on a GPU: bench/moe.py's ``small`` shape
+times S = 1, 2, 4 and the automatic choice side by side. The split points are device arithmetic on ``offs``: no host sync, CUDA-graph safe.
 """
 from __future__ import annotations
 
@@ -26,25 +27,37 @@ import torch
 MAX_SPLITS = 4          # more parts add partial outputs to sum for little more parallelism
 MIN_ROWS_PER_SPLIT = 1024   # average rows of a part: below this a part's tile is mostly prologue
 TILE_M, TILE_N = 128, 256   # the output tile the occupancy estimate assumes (CUTLASS's sm90 grouped kernels)
+MIN_GAIN = 0.9          # split only when the estimate saves at least 10% of the GEMM
 SPLITS: Optional[int] = None   # a fixed S for every call (benchmarks); None: ``wgrad_splits``
 
 
 @functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index if index >= 0 else torch.cuda.current_device()).multi_processor_count
+
+
+@torch.compiler.assume_constant_result     # read while tracing a compiled backward, a constant in its graph
 def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return _sm_count(index)
 
 
 def wgrad_splits(rows: int, groups: int, m: int, n: int, device: torch.device) -> int:
-    """S for a weight gradient of ``groups`` [m, n] outputs over ``rows`` rows: enough parts for two waves of
-    output tiles over the SMs, at most MAX_SPLITS, each part at least MIN_ROWS_PER_SPLIT rows on average."""
+    """S for a weight gradient of ``groups`` [m, n] outputs over ``rows`` rows: the S in 1..MAX_SPLITS (each
+    part at least MIN_ROWS_PER_SPLIT rows on average) that keeps the SMs busiest. A persistent grouped GEMM
+    gives each SM ceil(S * tiles / SMs) tiles of 1/S the work, so the time goes as that over S: 96 tiles on
+    132 SMs take the same time split in 2 or 3 (2 or 3 tiles on some SMs) and 3/4 of it split in 4. S = 1
+    unless the best saves at least 10%."""
     if SPLITS is not None:
         return SPLITS
     if device.type != "cuda" or not groups:
         return 1
     tiles = groups * math.ceil(m / TILE_M) * math.ceil(n / TILE_N)
-    want = math.ceil(2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device()) / tiles)
-    by_rows = rows // (groups * MIN_ROWS_PER_SPLIT)
-    return max(1, min(MAX_SPLITS, want, by_rows))
+    sms = _num_sms(-1 if device.index is None else device.index)
+    most = max(1, min(MAX_SPLITS, rows // (groups * MIN_ROWS_PER_SPLIT)))
+    cost = lambda s: math.ceil(s * tiles / sms) / s                        # noqa: E731
+    best = min(range(1, most + 1), key=cost)                               # ties: the fewest parts
+    # a large GEMM's last partial wave is a few % of it: not worth the partial sums
+    return best if cost(best) <= MIN_GAIN * cost(1) else 1
 
 
 def split_group_ends(offs: torch.Tensor, splits: int) -> torch.Tensor:
@@ -74,6 +87,7 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w, offs = ctx.saved_tensors
+        dy = dy.contiguous()
         dx = torch._grouped_mm(dy, w, offs=offs) if ctx.needs_input_grad[0] else None
         dw = grouped_wgrad(dy.t(), x, offs) if ctx.needs_input_grad[1] else None       # [E, O, I]
         return dx, dw, None
