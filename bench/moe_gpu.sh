@@ -6,7 +6,11 @@
 # the neuron-routed ones a step count from the probe: bench/train_moe.py). Each part has its own time limit.
 #
 #     python bench/train_moe.py --prepare .tok2k --max-files 40        # once, on any machine (vocab 2048)
-#     OUT=/tmp/out TOK=.tok2k bash bench/moe_gpu.sh [titan small fp8 equal]
+#     OUT=/tmp/out TOK=.tok2k bash bench/moe_gpu.sh [titan small fp8 equal layer]
+#     `layer` (no TOK needed): bench/moe.py at the dim-512 model's shape with the weight gradients split in
+#     1, 2, 4 parts and the automatic choice, then the Mixtral shape bf16 / ours FP8 / torchao's FP8 (with a
+#     profile per variant), then the fine-grained shape against megablocks when it is importable (build it
+#     first: bash .peers/build_megablocks.sh, ~190 s).
 #     `equal` reads EQUAL_TOK, by default a folder it tokenises on the device from every installed package
 #     (data.source python_packages, ~80 s on the H200's 16 cores, 151M training tokens on its image; kept in
 #     /tmp/tok_pkgs while the machine stays warm). 45 s of the dense D 512 model reads ~65M tokens: a folder
@@ -22,7 +26,7 @@
 # torchtitan 0.3.0 and what it imports that the H200 image lacks travel as wheels on PYTHONPATH
 # (bench/torchtitan_moe.py's docstring lists them). Results under $OUT (json per part, one log).
 set -u
-PARTS=${*:-titan small fp8 equal}
+PARTS=${*:-titan small fp8 equal layer}
 case " $PARTS " in *" titan "*|*" small "*|*" fp8 "*)
   TOK=${TOK:?TOK: a folder written by bench/train_moe.py --prepare (titan, small and fp8 read it)} ;; esac
 . "$(dirname "$0")/gpu_env.sh" /tmp/moe_gpu_out
@@ -40,7 +44,15 @@ for part in $PARTS; do
              || { echo "equal: tokenising into $EQUAL_TOK failed"; continue; }
            timeout ${T_EQUAL:-420} $PY bench/train_moe.py --tokens "$EQUAL_TOK" --suite ${EQUAL_SUITE:-equal_time} --seconds ${EQUAL_SECONDS:-45} --seeds ${EQUAL_SEEDS:-0,1} \
              --compile --runs /tmp/moe_equal --out "$OUT/equal.json" ;;
-    *) echo "unknown part $part (titan small fp8 equal)"; exit 2 ;;
+    layer) mkdir -p "$OUT/layer_profile"
+           timeout ${T_LAYER_SMALL:-100} $PY bench/moe.py --shapes small --reps 20 --only ours,ours_wgrad_split1,ours_wgrad_split2,ours_wgrad_split4 \
+             --profile "$OUT/layer_profile" --out "$OUT/layer_small.json" | grep -E "^small "
+           timeout ${T_LAYER_MIXTRAL:-170} $PY bench/moe.py --shapes mixtral --reps 10 --only ours,ours_fp8,torchao_fp8 \
+             --profile "$OUT/layer_profile" --out "$OUT/layer_mixtral.json" | grep -E "^mixtral |failed"
+           if $PY -c "import megablocks" 2>/dev/null; then
+             timeout ${T_LAYER_FINE:-150} $PY bench/moe.py --shapes fine --reps 10 --only ours --out "$OUT/layer_fine.json" | grep -E "^fine "
+           fi ;;
+    *) echo "unknown part $part (titan small fp8 equal layer)"; exit 2 ;;
   esac
   echo "== $part: $(( $(date +%s) - t0 )) s"
 done 2>&1 | grep -v -i "warn" | tee "$OUT/moe_gpu.log"
