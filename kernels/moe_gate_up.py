@@ -10,9 +10,12 @@ Why: autograd over a separate permute and two GEMMs computes dxs as ``xs``'s two
 backward hands both GEMM outputs g1 = da w1, g3 = db w3 to ``moe_unpermute(g1, inv, zero_fill, g3)``,
 which sums the 2K rows of each token in one float32 pass (one bf16 rounding instead of two). H200,
 fine-grained shape (N = 131072, D = 4096): the add's 0.73 ms goes, the combine costs 0.25 ms more; the
-fwd+bwd step 19.49 -> 19.16 ms in one bench/moe.py run (``ours_unfused_permute`` vs ``ours``). Weight gradients are grouped GEMMs over the transposed view ``da^T xs`` (no copy), in
-the parameters' [E, H, D] layout (kernels.grouped_wgrad: split along the rows for small experts). Rows past the last group are unspecified in a and b, as in
-torch._grouped_mm; no assignment maps to them, so nothing reads their gradients.
+fwd+bwd step 19.49 -> 19.16 ms in one bench/moe.py run (``ours_unfused_permute`` vs ``ours``).
+
+Weight gradients are grouped GEMMs over the transposed view ``da^T xs`` (no copy), in the parameters'
+[E, H, D] layout (kernels.grouped_wgrad: split along the rows for small experts). Rows past the last group
+are unspecified in a and b, as in torch._grouped_mm; no assignment maps to them, so nothing reads their
+gradients.
 
 ``fp8=True`` (``model.moe.precision: fp8``): the six GEMMs are kernels.moe_fp8's rowwise-scaled e4m3
 ones; xs is quantized by rows for both forward GEMMs and per expert column for both weight gradients in
