@@ -10,7 +10,9 @@
 #     `layer` (no TOK needed): bench/moe.py at the dim-512 model's shape with the weight gradients split in
 #     1, 2, 4 parts and the automatic choice, then the Mixtral shape bf16 / ours FP8 / torchao's FP8 (with a
 #     profile per variant), then the fine-grained shape against megablocks when it is importable (build it
-#     first: bash .peers/build_megablocks.sh, ~190 s).
+#     first: bash .peers/build_megablocks.sh, ~190 s). `split`: the dim-512 dense and MoE steps as CUDA graphs
+#     (speed_512_graphs, 40 steps) with the MoE's weight gradients split as kernels.grouped_wgrad chooses and
+#     unsplit (--wgrad-splits 1), in one call.
 #     `equal` reads EQUAL_TOK, by default a folder it tokenises on the device from every installed package
 #     (data.source python_packages, ~80 s on the H200's 16 cores, 151M training tokens on its image; kept in
 #     /tmp/tok_pkgs while the machine stays warm). 45 s of the dense D 512 model reads ~65M tokens: a folder
@@ -26,9 +28,9 @@
 # torchtitan 0.3.0 and what it imports that the H200 image lacks travel as wheels on PYTHONPATH
 # (bench/torchtitan_moe.py's docstring lists them). Results under $OUT (json per part, one log).
 set -u
-PARTS=${*:-titan small fp8 equal layer}
-case " $PARTS " in *" titan "*|*" small "*|*" fp8 "*)
-  TOK=${TOK:?TOK: a folder written by bench/train_moe.py --prepare (titan, small and fp8 read it)} ;; esac
+PARTS=${*:-titan small fp8 equal layer split}
+case " $PARTS " in *" titan "*|*" small "*|*" fp8 "*|*" split "*)
+  TOK=${TOK:?TOK: a folder written by bench/train_moe.py --prepare (titan, small, fp8 and split read it)} ;; esac
 . "$(dirname "$0")/gpu_env.sh" /tmp/moe_gpu_out
 for part in $PARTS; do
   t0=$(date +%s)
@@ -52,7 +54,12 @@ for part in $PARTS; do
            if $PY -c "import megablocks" 2>/dev/null; then
              timeout ${T_LAYER_FINE:-150} $PY bench/moe.py --shapes fine --reps 10 --only ours --out "$OUT/layer_fine.json" | grep -E "^fine "
            fi ;;
-    *) echo "unknown part $part (titan small fp8 equal layer)"; exit 2 ;;
+    split) for sp in auto 1; do
+             extra=(); [ $sp = auto ] || extra=(--wgrad-splits $sp)
+             timeout ${T_SPLIT:-100} $PY bench/train_moe.py --tokens "$TOK" --suite speed_512_graphs --speed-steps 40 --compile \
+               "${extra[@]}" --runs /tmp/moe_split_$sp --out "$OUT/split_$sp.json" | grep -A3 "^run "
+           done ;;
+    *) echo "unknown part $part (titan small fp8 equal layer split)"; exit 2 ;;
   esac
   echo "== $part: $(( $(date +%s) - t0 )) s"
 done 2>&1 | grep -v -i "warn" | tee "$OUT/moe_gpu.log"
