@@ -30,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -302,7 +303,6 @@ def bench_shape(name, T, D, H, E, K, reps, profile_dir=None, skip=(), only=None)
             with variant(v, moe):
                 got = grads_of(moe, x, dy)
         except Exception as e:             # one broken variant must not cost the others' numbers
-            import traceback
             frames = [ln.strip() for ln in traceback.format_exc().splitlines() if ln.strip().startswith("File")]
             where = " <- ".join(frames[-3:])
             res["variant_errors"][v] = f"{type(e).__name__}: {e} (at {where})"

@@ -13,8 +13,9 @@ has SMs, and each tile walks thousands of rows alone. On the H100 those three we
 Splitting every group's rows into S consecutive parts makes S times the tiles, each 1/S of the work; the S
 partial products (bf16, as torch._grouped_mm writes them) are summed in float32. ``wgrad_splits`` picks S
 from the tile count (that dim-512 MoE: S = 4); experts of the Mixtral / OLMoE / DeepSeek shapes have tiles
-to spare and keep S = 1 (one GEMM, as before). Not yet measured on a GPU: bench/moe.py's ``small`` shape
-times S = 1, 2, 4 and the automatic choice side by side. The split points are device arithmetic on ``offs``: no host sync, CUDA-graph safe.
+to spare and keep S = 1 (one GEMM, as before). The split points are device arithmetic on ``offs``: no host
+sync, CUDA-graph safe. Not yet measured on a GPU: bench/moe.py's ``small`` shape times S = 1, 2, 4 and the
+automatic choice side by side.
 """
 from __future__ import annotations
 

@@ -308,13 +308,6 @@ def quantize_dual_triton(x: torch.Tensor, offs: torch.Tensor, pends: torch.Tenso
     return _quantize_tiles(x.contiguous(), offs.contiguous(), pends.contiguous(), 0, num_padded, True, out_dtype)
 
 
-def quantize_weight_t_triton(w: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launcher: as ``quantize_weight_t_reference``."""
-    E, O, I = w.shape
-    _, _, qt, dt = _quantize_tiles(w.contiguous().view(E * O, I), None, None, O, 0, False, out_dtype)
-    return qt.view(E, I, O), dt
-
-
 def quantize_weight_dual_triton(w: torch.Tensor, out_dtype: torch.dtype = FP8):
     """Launcher: as ``quantize_weight_dual_reference``."""
     E, O, I = w.shape

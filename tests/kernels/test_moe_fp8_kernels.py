@@ -124,10 +124,9 @@ def test_triton_quantizers_equal_the_reference_bit_for_bit(monkeypatch):
     assert torch.equal(bits(got[2][:, :n]), want[2][:, :n].view(torch.uint8)) and torch.equal(got[3], want[3])
 
     w = torch.randn(3, 40, 33)
-    qw, dw = f.quantize_weight_t_triton(w, torch.float32)
-    qwr, dwr = quantize_weight_t_reference(w)
-    assert torch.equal(bits(qw), qwr.view(torch.uint8)) and torch.equal(dw, dwr)
     got = f.quantize_weight_dual_triton(w, torch.float32)
+    qwr, dwr = quantize_weight_t_reference(w)                 # the dgrad operand: per input channel, transposed
+    assert torch.equal(bits(got[2]), qwr.view(torch.uint8)) and torch.equal(got[3], dwr)
     want = f.quantize_weight_dual_reference(w)
     assert [t.shape for t in got] == [t.shape for t in want]
     for g_, w_ in zip(got, want):

@@ -48,10 +48,10 @@ def test_triton_quantizers_on_gpu_equal_the_reference_bit_for_bit():
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
     assert torch.equal(got[2][:, :n].view(torch.uint8), want[2][:, :n].view(torch.uint8)) and torch.equal(got[3], want[3])
     for w in (torch.randn(4, 300, 130, device="cuda"), torch.randn(4, 300, 130, device="cuda").bfloat16()):
-        qw, dw = f.quantize_weight_t_triton(w)
+        got = f.quantize_weight_dual_triton(w)
         qwr, dwr = f.quantize_weight_t_reference(w)
-        assert torch.equal(qw.view(torch.uint8), qwr.view(torch.uint8)) and torch.equal(dw, dwr)
-        for g_, w_ in zip(f.quantize_weight_dual_triton(w), f.quantize_weight_dual_reference(w)):
+        assert torch.equal(got[2].view(torch.uint8), qwr.view(torch.uint8)) and torch.equal(got[3], dwr)
+        for g_, w_ in zip(got, f.quantize_weight_dual_reference(w)):
             assert torch.equal(g_.view(torch.uint8), w_.view(torch.uint8)) if w_.dtype == f.FP8 else torch.equal(g_, w_)
 
 
