@@ -12,7 +12,8 @@
 #     profile per variant), then the fine-grained shape against megablocks when it is importable (build it
 #     first: bash .peers/build_megablocks.sh, ~190 s). `split`: the dim-512 dense and MoE steps as CUDA graphs
 #     (speed_512_graphs, 40 steps) with the MoE's weight gradients split as kernels.grouped_wgrad chooses and
-#     unsplit (--wgrad-splits 1), in one call.
+#     unsplit (--wgrad-splits 1), in one call; the split run also times both with train.param_dtype=bfloat16
+#     (speed_512_graphs_bf16w: bf16 matmul weights, float32 masters in the optimizer).
 #     `equal` reads EQUAL_TOK, by default a folder it tokenises on the device from every installed package
 #     (data.source python_packages, ~80 s on the H200's 16 cores, 151M training tokens on its image; kept in
 #     /tmp/tok_pkgs while the machine stays warm). 45 s of the dense D 512 model reads ~65M tokens: a folder
@@ -35,7 +36,7 @@ case " $PARTS " in *" titan "*|*" small "*|*" fp8 "*|*" split "*)
 for part in $PARTS; do
   t0=$(date +%s)
   case $part in
-    titan) timeout ${T_TITAN:-240} $PY bench/torchtitan_moe.py --layers 8 --batch 4 --steps 30 --tokens "$TOK" \
+    titan) timeout ${T_TITAN:-330} $PY bench/torchtitan_moe.py --layers 8 --batch 4 --steps 30 --tokens "$TOK" \
              --profile-at 12 --profile-dir "$OUT/titan_profile" --out "$OUT/titan.json" ;;
     small) timeout ${T_SMALL:-240} $PY bench/train_moe.py --tokens "$TOK" --suite speed_512 --speed-steps 40 --compile \
              --profile-at 30 --runs /tmp/moe_small --out "$OUT/small.json" ;;
@@ -55,8 +56,9 @@ for part in $PARTS; do
              timeout ${T_LAYER_FINE:-150} $PY bench/moe.py --shapes fine --reps 10 --only ours --out "$OUT/layer_fine.json" | grep -E "^fine "
            fi ;;
     split) for sp in auto 1; do
-             extra=(); [ $sp = auto ] || extra=(--wgrad-splits $sp)
-             timeout ${T_SPLIT:-100} $PY bench/train_moe.py --tokens "$TOK" --suite speed_512_graphs --speed-steps 40 --compile \
+             if [ $sp = auto ]; then extra=(--suite speed_512_graphs,speed_512_graphs_bf16w)
+             else extra=(--suite speed_512_graphs --wgrad-splits $sp); fi
+             timeout ${T_SPLIT:-150} $PY bench/train_moe.py --tokens "$TOK" --speed-steps 40 --compile \
                "${extra[@]}" --runs /tmp/moe_split_$sp --out "$OUT/split_$sp.json" | grep -A3 "^run "
            done ;;
     *) echo "unknown part $part (titan small fp8 equal layer split)"; exit 2 ;;

@@ -13,7 +13,11 @@ loss). torchtitan 0.3.0: its Qwen3 MoE block built from its own config helpers w
 (0.3.0 has no SDPA path for language models), ours SDPA. Init: Normal(0.02), output projections
 0.02 / sqrt(2 L) in ours, torchtitan's Megatron-style residual init in theirs.
 
-Both run the same loop: fp32 master weights, fused AdamW (lr 3e-4, wd 0.1), bf16 autocast, every block
+``ours_bf16`` is ours with ``train.param_dtype: bfloat16`` (matmul weights held in bf16, their float32 masters
+in ``training.optim.MasterAdamW``, whose one fused pass applies the clipping factor, updates and writes the
+bf16 copy): the same numbers as ours, the trainer's faster precision layout.
+
+All run the same loop: fp32 master weights, fused AdamW (lr 3e-4, wd 0.1), bf16 autocast, every block
 ``torch.compile``'d (ours: as train.compile; theirs: likewise per block), the same batches (``--tokens``:
 a bench/train_moe.py --prepare folder, else seeded random ids), so the difference is the model code.
 torchtitan's aux-free bias update runs through its optimizer hook (``register_moe_load_balancing_hook``)
@@ -167,10 +171,19 @@ def train(name, build, s, args, plan) -> dict:
     dev = args.device
     torch.manual_seed(0)
     model, blocks, loss_fn, after_step = build(s, args.layers, dev)
+    master = None
+    if name == "ours_bf16":
+        # train.param_dtype=bfloat16: the matmul weights in bf16, their float32 masters in the optimizer, the
+        # clipping factor applied inside its fused update (the same AdamW hyper-parameters as the others)
+        from training.optim import MasterAdamW, autocast_weights
+        from training.parallel import ParallelState, clip_coef, clip_grad_norm_
+        opt = master = MasterAdamW(model.parameters(), autocast_weights(model), lr=3e-4, weight_decay=0.1)
+        one = ParallelState(1, 0, 0, torch.device(dev), 1, 1, 1)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=dev == "cuda")
     if args.compile:
         for b in blocks:
             b.compile(dynamic=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=dev == "cuda")
     if after_step is None:      # torchtitan's aux-free bias update, through its optimizer hook
         try:
             import types
@@ -179,7 +192,8 @@ def train(name, build, s, args, plan) -> dict:
             register_moe_load_balancing_hook(opt, [model], one_gpu)
         except Exception as e:  # noqa: BLE001 - report, keep the speed numbers
             print(name, "no load-balancing hook:", type(e).__name__, e, flush=True)
-    amp = torch.autocast(dev, dtype=torch.bfloat16) if dev == "cuda" else torch.autocast(dev, enabled=False)
+    # bf16 autocast on CUDA; on CPU (the smoke test) float32, but for bf16 weights, which need autocast
+    amp = torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda" or master is not None)
     # FlexAttention has no CPU backward: on CPU (the smoke test) torchtitan's model runs forward only
     forward_only = dev == "cpu" and name == "torchtitan"
     from training.profile import StepProfiler
@@ -196,8 +210,11 @@ def train(name, build, s, args, plan) -> dict:
             summary = prof.after(step) or summary
             continue
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        if master is not None:
+            opt.step(grad_scale=clip_coef(clip_grad_norm_(model.parameters(), 1.0, one, apply=False), 1.0))
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
         opt.zero_grad(set_to_none=True)
         if after_step:
             after_step()
@@ -234,7 +251,8 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU)")
-    ap.add_argument("--only", default="ours,torchtitan")
+    ap.add_argument("--only", default="ours,ours_bf16,torchtitan",
+                    help="ours_bf16: ours with train.param_dtype=bfloat16 (training.optim.MasterAdamW)")
     ap.add_argument("--profile-at", type=int, default=0,
                     help="profile 3 steps from this one in both models (training.profile; 0 = off)")
     ap.add_argument("--profile-dir", default="/tmp/torchtitan_moe_profile", help="traces and op tables, per model")
@@ -244,7 +262,7 @@ def main():
     plan = fit_check(s, args.layers, args.batch, args.device)
     print("plan", {k: round(v, 3) if isinstance(v, float) else v for k, v in plan.items()}, flush=True)
     res = {"plan": plan, "shape": s, "args": vars(args), "torch": torch.__version__}
-    builders = {"ours": build_ours, "torchtitan": build_titan}
+    builders = {"ours": build_ours, "ours_bf16": build_ours, "torchtitan": build_titan}
     for name in args.only.split(","):
         res[name] = train(name, builders[name], s, args, plan)
         r = res[name]
@@ -257,8 +275,9 @@ def main():
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
-    if "ours" in res and "torchtitan" in res:
-        print(f"ours / torchtitan tokens/s: {res['ours']['tokens_per_s'] / res['torchtitan']['tokens_per_s']:.3f}")
+    for ours in ("ours", "ours_bf16"):
+        if ours in res and "torchtitan" in res:
+            print(f"{ours} / torchtitan tokens/s: {res[ours]['tokens_per_s'] / res['torchtitan']['tokens_per_s']:.3f}")
 
 
 if __name__ == "__main__":

@@ -124,6 +124,9 @@ def with_graphs(suite: str, runs=None) -> dict:
 
 
 SUITES["speed_512_graphs"] = with_graphs("speed_512")
+# the same with train.param_dtype=bfloat16 (bf16 matmul weights, float32 masters in training.optim.MasterAdamW)
+SUITES["speed_512_graphs_bf16w"] = {f"{name}_bf16w": (preset, ov + ["train.param_dtype=bfloat16"])
+                                    for name, (preset, ov) in SUITES["speed_512_graphs"].items()}
 # dense against MoE at equal time, each at its fastest step (graphs took 30% off the MoE step, 1% off dense's)
 SUITES["equal_time_graphs"] = with_graphs("equal_time", ("dense", "moe"))
 # MoE layouts of the same active FFN FLOPs (hidden 1408 a token) against dense, CUDA graphs: top-2 of 8 at

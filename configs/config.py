@@ -45,6 +45,8 @@ class Config:
         self.logging.validate()
         self.checkpoint.validate()
         self.eval.validate(self.model.max_seq_len)
+        check(not (self.train.param_dtype == "bfloat16" and self.dst.enabled), "train.param_dtype",
+              "bfloat16 weights with dst.enabled: DST masks and grows float32 weights; use train.param_dtype float32")
         check(self.train.seq_len <= self.model.max_seq_len, "train.seq_len",
               f"seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
         return self

@@ -59,6 +59,10 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"              # auto | cpu | cuda
     dtype: str = "auto"               # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16
+    # float32: parameters in float32, autocast casts the matmul weights at every use | bfloat16: the matmul
+    # weights held in bfloat16, their float32 masters in the optimizer (training.optim.MasterAdamW; needs bf16
+    # autocast, one process, grad_accum 1, no DST)
+    param_dtype: str = "float32"
     compile: bool = False             # torch.compile every transformer block (in place; names unchanged)
     # torch.compile's mode for those blocks: default | reduce-overhead (CUDA graphs: for small models whose
     # step is bound by kernel launches) | max-autotune-no-cudagraphs
@@ -76,6 +80,13 @@ class TrainConfig:
                        "max_bad_steps", "max_rollbacks")
         check_choice(self.device, ("auto", "cpu", "cuda"), f"{key}.device")
         check_choice(self.dtype, ("auto", "float32", "bfloat16"), f"{key}.dtype")
+        check_choice(self.param_dtype, ("float32", "bfloat16"), f"{key}.param_dtype")
+        if self.param_dtype == "bfloat16":
+            check(self.dtype != "float32", f"{key}.param_dtype",
+                  f"bfloat16 weights need bf16 autocast: set {key}.dtype to bfloat16 (or auto on CUDA), not float32")
+            # bf16 .grad would sum the micro-batches in bfloat16; float32 accumulation is not built
+            check(self.grad_accum == 1, f"{key}.param_dtype",
+                  f"bfloat16 weights keep bfloat16 gradients: needs {key}.grad_accum 1, got {self.grad_accum}")
         check_choice(self.compile_mode, ("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
                      f"{key}.compile_mode")
         check(self.threads >= 0, f"{key}.threads", f"must be >= 0, got {self.threads}")

@@ -212,6 +212,13 @@ def check_resumable(path: str, cfg: Config, world_size: int, tokenizer_digest: s
     for key in sorted(set(old) | set(new)):
         if old.get(key) != new.get(key):
             raise ConfigError(key, f"is {new.get(key)!r} but checkpoint {path} was trained with {old.get(key)!r}")
+    # bf16 weights keep their float32 masters in the optimizer state, float32 ones in the model entries
+    was = saved.get("train", {}).get("param_dtype", "float32")
+    if was != cfg.train.param_dtype:
+        raise ConfigError("train.param_dtype", f"is {cfg.train.param_dtype!r} but checkpoint {path} was trained "
+                                               f"with {was!r} (its float32 weights are kept in "
+                                               f"{'the optimizer state' if was == 'bfloat16' else 'the model'}): "
+                                               f"resume with the same setting")
     state = read_train_state(path)
     saved_world = state.get("world_size", 1)
     if saved_world != world_size:

@@ -32,7 +32,7 @@ from .data import prepare_data, sample_batch
 from .logger import append_metrics, make_logger, to_python
 from .metrics import device_peak_flops, mfu_metrics
 from .optim import build_optimizer, build_scheduler
-from .parallel import all_reduce_mean, clip_grad_norm_, model_init_device, parallelize, setup_parallel
+from .parallel import all_reduce_mean, clip_coef, clip_grad_norm_, model_init_device, parallelize, setup_parallel
 from .preflight import check_model, check_paths, check_runtime
 from .profile import StepProfiler, format_summary
 from .run_folder import check_fresh_start, clear_previous_run, new_run_id, trim_metrics
@@ -59,7 +59,7 @@ class Trainer:
         check_paths(cfg)
         self.par = setup_parallel(cfg)
         self.device = self.par.device
-        check_runtime(cfg, self.device)   # flash-attn-4 or FP8 experts asked for but unavailable: fail now
+        check_runtime(cfg, self.device, self.par.world_size)   # e.g. flash-attn-4 or FP8 asked for, unavailable
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         from .plan import check_fits
@@ -111,7 +111,8 @@ class Trainer:
             for block in model.layers:
                 block.compile(dynamic=False, mode=cfg.train.compile_mode)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type,
-                                         compact=cfg.dst.enabled and cfg.dst.compact_state)
+                                         compact=cfg.dst.enabled and cfg.dst.compact_state,
+                                         param_dtype=cfg.train.param_dtype)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.sparsity = self._sparsity_methods()
         self.autocast = self._autocast()
@@ -273,8 +274,10 @@ class Trainer:
             (loss / c.train.grad_accum).backward()
             for k, v in parts.items():
                 parts_sum[k] = parts_sum.get(k, 0.0) + v / c.train.grad_accum
-        # A plain tensor, the same on every rank: the norm spans the dense and expert meshes' shards.
-        grad_norm = clip_grad_norm_(self.model.parameters(), c.optim.grad_clip, self.par)
+        # A plain tensor, the same on every rank: the norm spans the dense and expert meshes' shards. An
+        # optimizer that scales gradients itself (MasterAdamW) takes the clipping factor instead of a pass.
+        fused_scale = getattr(self.optimizer, "scales_gradients", False)
+        grad_norm = clip_grad_norm_(self.model.parameters(), c.optim.grad_clip, self.par, apply=not fused_scale)
         # One all-reduce for every loss part (the total is their sum) and, last, the Ctrl-C flag: its mean
         # is > 0 when any rank asked to stop, so the ranks agree on the step without a collective of its own.
         detached = [v.detach().float() for v in parts_sum.values()]
@@ -289,7 +292,10 @@ class Trainer:
         metrics.update({"loss/total": loss_val, "grad_norm": grad_norm.detach(),
                         "lr": self.optimizer.param_groups[0]["lr"]})
         if finite:
-            self.optimizer.step()
+            if fused_scale and c.optim.grad_clip > 0:
+                self.optimizer.step(grad_scale=clip_coef(grad_norm, c.optim.grad_clip))
+            else:
+                self.optimizer.step()
             for method in self.sparsity:
                 method.after_optimizer_step(self.step)
             self.bad_in_row = 0

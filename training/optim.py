@@ -1,5 +1,7 @@
 """AdamW with decoupled weight decay on matrices only, and linear warm-up + cosine decay (torch schedulers);
-``CompactAdamW``: the same AdamW keeping DST-masked weights' moments for their active entries only."""
+``CompactAdamW``: the same AdamW keeping DST-masked weights' moments for their active entries only;
+``MasterAdamW``: the same AdamW for a model whose matmul weights are held in bfloat16, with their float32
+master copies in the optimizer (``train.param_dtype: bfloat16``)."""
 from __future__ import annotations
 
 import math
@@ -11,19 +13,24 @@ from torch import nn
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
 from configs import ConfigError, OptimConfig
+from kernels.adamw import adamw_
 from layers.dst.bits import unpack_bits
+from layers.moe.experts import GroupedExperts
 from layers.sharding import DTensor, local_tensor
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str = "cpu",
-                    compact: bool = False) -> torch.optim.AdamW:
+                    compact: bool = False, param_dtype: str = "float32") -> torch.optim.Optimizer:
     """Weight decay on >= 2-D parameters (linears, embeddings, stacked experts); none on norms and biases.
-    ``compact``: a ``CompactAdamW`` (for ``dst.compact_state``)."""
+    ``compact``: a ``CompactAdamW`` (for ``dst.compact_state``). ``param_dtype="bfloat16"``: a ``MasterAdamW``,
+    which turns the model's ``autocast_weights`` into bfloat16 (in place) and keeps their float32 masters."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if param_dtype == "bfloat16":
+        return MasterAdamW(groups, autocast_weights(model), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     # The fused CUDA kernel is one launch for all parameters; on CPU the foreach path is the fast one.
     fused = device_type == "cuda"
     cls = CompactAdamW if compact else torch.optim.AdamW
@@ -38,6 +45,122 @@ def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: i
         return cosine
     ramp = LinearLR(opt, start_factor=1.0 / warmup, end_factor=1.0, total_iters=warmup)
     return SequentialLR(opt, [ramp, cosine], milestones=[warmup])
+
+
+def autocast_weights(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters bf16 autocast casts at every use: the weights (and biases) of ``nn.Linear`` modules and
+    the grouped experts' weights. Not the embedding (a lookup: autocast leaves it, and the residual stream,
+    in float32), nor the norms, nor a layer's ``float32_children`` (children it reads with autocast off: the
+    MoE router and its noise, the neuron router), nor a weight tied to any of those."""
+    keep: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            keep.update(id(p) for p in m.parameters())
+        for name in getattr(m, "float32_children", ()):
+            child = getattr(m, name, None)
+            if child is not None:
+                keep.update(id(p) for p in child.parameters())
+    out, seen = [], set()
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, GroupedExperts)):
+            for p in m.parameters(recurse=False):
+                if p.requires_grad and id(p) not in keep and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+    return out
+
+
+class MasterAdamW(torch.optim.Optimizer):
+    """AdamW (torch.optim.AdamW's update and state) for a model whose ``low_precision`` parameters are held in
+    bfloat16, with their float32 master weights in the optimizer state, as Megatron-LM and FSDP2's mixed
+    precision keep them (``train.param_dtype: bfloat16`` on one process).
+
+    Construction turns each ``low_precision`` parameter (float32) into bfloat16 in place: its float32 data
+    becomes ``state[p]["master"]`` and ``p.data`` its rounded copy. Then forward and backward run on the
+    bf16 weights and leave bf16 gradients, where bf16 autocast on float32 parameters would cast each weight
+    to bf16 at every use and each bf16 weight gradient back to float32: the same numbers reach the GEMMs
+    and the update (one micro-batch a step), without those casts. ``step()`` updates the masters
+    (float32 moments, as torch's AdamW) and writes the bf16 copies in the same pass (``kernels.adamw``);
+    ``step(grad_scale=c)`` multiplies every gradient by ``c`` on the fly (gradient clipping without a pass
+    of its own). Other parameters (embedding, norms, routers) stay float32 and take the same update.
+
+    State per parameter: ``step`` (a CPU float32 scalar), ``exp_avg``, ``exp_avg_sq`` and, for bf16
+    parameters, ``master`` (all float32, made at construction so that DCP loads a checkpoint's state into
+    them). Every state tensor of a parameter's shape is elementwise, so code that permutes or zeroes a
+    weight's optimizer state with the weight (``layers.neuron`` re-clustering) keeps the master in step.
+    A checkpoint's model entries hold the bf16 weights; its optimizer entries the float32 masters.
+    """
+    scales_gradients = True   # step(grad_scale=) takes the clipping factor
+
+    def __init__(self, params, low_precision, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, dtype: torch.dtype = torch.bfloat16):
+        self._low_ids = {id(p) for p in low_precision}
+        self._dtype = dtype
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            if p.dtype != torch.float32:
+                raise TypeError(f"MasterAdamW: parameters must start in float32, got {p.dtype}")
+            if id(p) in self._low_ids:
+                self.state[p]["master"] = p.data
+                p.data = p.data.to(self._dtype)
+            self._init_state(p)
+
+    def _init_state(self, p: torch.Tensor) -> None:
+        """Fresh moments (at construction, or after a caller dropped ``state[p]``, as the neuron layers do
+        for their router: a bf16 parameter's master then restarts from its bf16 value)."""
+        state = self.state[p]
+        if id(p) in self._low_ids and "master" not in state:
+            state["master"] = p.detach().float()
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scale: Optional[torch.Tensor] = None):
+        """One AdamW step for every parameter with a gradient; ``grad_scale``: a float32 scalar tensor
+        multiplying every gradient (the clipping factor)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            launches: dict = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "step" not in state:
+                    self._init_state(p)
+                state["step"] += 1
+                master = state.get("master")
+                key = (int(state["step"].item()), p.grad.dtype, master is not None, p.dtype, p.device)
+                launches.setdefault(key, []).append(p)
+            for (step, _, low, _, _), ps in launches.items():
+                st = [self.state[p] for p in ps]
+                adamw_([s["master"] if low else p for s, p in zip(st, ps)], [p.grad for p in ps],
+                       [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st], ps if low else None,
+                       lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                       weight_decay=group["weight_decay"], step=step, grad_scale=grad_scale)
+        return loss
+
+    def load_state_dict(self, state_dict) -> None:
+        # torch casts loaded state to each parameter's dtype: with the masters standing in for the bf16
+        # parameters, everything loads as float32. Then the bf16 copies are rounded from the loaded masters.
+        low = [(p, p.data) for p in self.state if "master" in self.state[p]]
+        for p, _ in low:
+            p.data = self.state[p]["master"]
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            for p, data in low:
+                master = self.state[p].get("master", p.data)
+                self.state[p]["master"] = master
+                p.data = data
+                data.copy_(master)
 
 
 class CompactAdamW(torch.optim.AdamW):

@@ -306,9 +306,14 @@ def model_init_device(cfg: Config, state: ParallelState, max_fraction: float = 0
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, state: ParallelState) -> torch.Tensor:
+def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor clipping multiplies the gradients by: ``min(1, max_norm / (norm + 1e-6))`` (float32)."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
+def clip_grad_norm_(parameters, max_norm: float, state: ParallelState, apply: bool = True) -> torch.Tensor:
     """Total gradient norm over the whole (sharded) model, same on every rank; scales the gradients
-    down to ``max_norm`` when it is exceeded (``max_norm <= 0``: measure only).
+    down to ``max_norm`` when it is exceeded (``max_norm <= 0`` or ``apply=False``: measure only).
 
     ``torch.nn.utils.clip_grad_norm_`` cannot mix the dense and the expert meshes' DTensors, so this
     sums squares of the local shards and all-reduces once: every parameter element lives on exactly
@@ -318,15 +323,22 @@ def clip_grad_norm_(parameters, max_norm: float, state: ParallelState) -> torch.
     grads = [p.grad for p in parameters if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     device = local[0].device if local else state.device
-    sq = torch.stack(torch._foreach_norm(local)).float().square().sum() if local \
-        else torch.zeros((), device=device)
+    # Float32 norms of bf16 gradients too (a bf16 norm would round the clipping factor), one foreach launch
+    # per dtype (bf16 weights; float32 embeddings and norms), summed in parameter order whatever the dtypes.
+    by_dtype: dict = {}
+    for i, g in enumerate(local):
+        by_dtype.setdefault(g.dtype, []).append(i)
+    norms: list = [None] * len(local)
+    for idx in by_dtype.values():
+        for i, n in zip(idx, torch._foreach_norm([local[i] for i in idx], 2, dtype=torch.float32)):
+            norms[i] = n
+    sq = torch.stack(norms).square().sum() if local else torch.zeros((), device=device)
     if state.distributed and any(isinstance(g, DTensor) for g in grads):
         dist.all_reduce(sq)
         sq = sq / state.dp_replicate
     norm = sq.sqrt()
-    if max_norm > 0 and local:
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(local, coef.to(local[0].dtype))
+    if apply and max_norm > 0 and local:
+        torch._foreach_mul_(local, clip_coef(norm, max_norm).to(local[0].dtype))
     return norm
 
 

@@ -48,10 +48,18 @@ def check_paths(cfg: Config) -> None:
                                               f"(>= {MIN_TRAINED_VOCAB}); or give data.tokenizer")
 
 
-def check_runtime(cfg: Config, device) -> None:
+def check_runtime(cfg: Config, device, world_size: int = 1) -> None:
     """The fast paths the config asks for explicitly run on ``device`` (a torch.device): flash-attn-4 for
-    attention, FP8 expert GEMMs (``model.moe.precision: fp8``)."""
+    attention, FP8 expert GEMMs (``model.moe.precision: fp8``), bf16 weights (``train.param_dtype``)."""
     cfg.model.attention.check_runtime(device.type)
+    if cfg.train.param_dtype == "bfloat16" and world_size > 1:
+        raise ConfigError("train.param_dtype", f"bfloat16 weights with float32 masters are for one process "
+                                               f"({world_size} here): FSDP2 computes in bfloat16 from float32 "
+                                               f"shards already (its mixed precision); use float32")
+    if cfg.train.param_dtype == "bfloat16" and cfg.train.dtype == "auto" and device.type != "cuda":
+        raise ConfigError("train.param_dtype", f"bfloat16 weights need bf16 autocast, which train.dtype auto "
+                                               f"gives on CUDA only (this run is on {device.type}): set "
+                                               f"train.dtype bfloat16")
     if "moe" in cfg.model.layer_ffn_types():
         cfg.model.moe.check_runtime(device)
 

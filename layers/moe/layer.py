@@ -87,6 +87,9 @@ class MoE(nn.Module):
     ``precision="fp8"`` raises ConfigError (a ValueError) when built off the meta device on a machine
     without a Hopper / Blackwell GPU, and ValueError when run on CPU tensors.
     """
+    # children read with autocast off (routing in float32): their weights stay float32 when a trainer holds
+    # the other matmul weights in bf16 (training.optim.autocast_weights)
+    float32_children = ("gate", "noise")
 
     def __init__(self, dim: int, hidden_dim: Optional[int] = None, num_experts: Optional[int] = None,
                  top_k: Optional[int] = None, *, cfg: Optional[MoEConfig] = None, act: str = "silu", ep_group=None,

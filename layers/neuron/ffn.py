@@ -60,6 +60,7 @@ class NeuronRoutedFFN(nn.Module):
     """A dense FFN whose hidden units form ``num_groups`` routed groups. Options are NeuronConfig's fields
     (declared there only): ``NeuronRoutedFFN(dim, hidden_dim, num_groups, top_k_groups, **fields)`` or
     ``NeuronRoutedFFN(dim, hidden_dim, cfg=NeuronConfig(...), **fields)``; arguments override ``cfg``."""
+    float32_children = ("router",)   # read with autocast off (as MoE's router; training.optim.autocast_weights)
 
     def __init__(self, dim: int, hidden_dim: int, num_groups: Optional[int] = None,
                  top_k_groups: Optional[int] = None, *, cfg: Optional[NeuronConfig] = None,
@@ -141,8 +142,12 @@ class NeuronRoutedFFN(nn.Module):
         """
         H, D, G, Hg = self.hidden_dim, self.dim, self.num_groups, self.group_dim
         gated = self.activation == "swiglu"
-        w1 = full_tensor(self.experts.w1).reshape(H, D)
-        order = cluster_neurons(w1, full_tensor(self.experts.w3).reshape(H, D) if gated else None, G,
+        # The float32 values: an optimizer keeping float32 masters of bf16 weights (training.optim.MasterAdamW)
+        # holds them in its state, and the clustering and the router must not see the rounding.
+        states = {p: optimizer.state.get(p, {}) if optimizer is not None else {} for p in self.experts.parameters()}
+        value = lambda p: full_tensor(states[p].get("master", p))       # noqa: E731
+        w1 = value(self.experts.w1).reshape(H, D)
+        order = cluster_neurons(w1, value(self.experts.w3).reshape(H, D) if gated else None, G,
                                 self.cfg.kmeans_iters, seed)
 
         def rows(t):   # [G, Hg, D] grouped rows -> regrouped
@@ -153,11 +158,10 @@ class NeuronRoutedFFN(nn.Module):
 
         weights = [(self.experts.w1, rows), (self.experts.w2, cols)] + ([(self.experts.w3, rows)] if gated else [])
         for p, regroup in weights:
-            state = optimizer.state.get(p, {}) if optimizer is not None else {}
-            for t in [p] + [v for v in state.values() if torch.is_tensor(v) and v.shape == p.shape]:
+            for t in [p] + [v for v in states[p].values() if torch.is_tensor(v) and v.shape == p.shape]:
                 _assign(t, regroup(full_tensor(t)))
         self.neuron_index.copy_(self.neuron_index[order])
-        _assign(self.router.weight, full_tensor(self.experts.w1).float().mean(1).to(self.router.weight.dtype))
+        _assign(self.router.weight, value(self.experts.w1).float().mean(1).to(self.router.weight.dtype))
         if optimizer is not None:
             optimizer.state.pop(self.router.weight, None)   # moments of the old groups mean nothing now
 

@@ -20,6 +20,9 @@ CASES = {
     # train.compile_mode=reduce-overhead: the compiled blocks replayed as CUDA graphs (the eager twin ignores it)
     "moe_cudagraphs": ("zoo/tiny_moe.yaml", {"model.moe.hidden_dim": 256, "train.seq_len": 256, "model.max_seq_len": 256,
                                              "train.compile_mode": "reduce-overhead"}),
+    # train.param_dtype=bfloat16: bf16 matmul weights, float32 masters and the fused kernel (training.optim.MasterAdamW)
+    "moe_bf16_weights": ("zoo/tiny_moe.yaml", {"model.moe.hidden_dim": 256, "train.seq_len": 256,
+                                               "model.max_seq_len": 256, "train.param_dtype": "bfloat16"}),
     "moe_shared_first_dense": ("zoo/deepseek_moe_16b.yaml", {
         "model.moe.hidden_dim": 128, "model.moe.num_experts": 16, "model.moe.top_k": 4, "model.n_layers": 3,
         "train.seq_len": 256, "model.max_seq_len": 256}),
