@@ -18,7 +18,8 @@ in ``training.optim.MasterAdamW``, whose one fused pass applies the clipping fac
 bf16 copy): the same numbers as ours, the trainer's faster precision layout.
 
 All run the same loop: fp32 master weights, fused AdamW (lr 3e-4, wd 0.1), bf16 autocast, every block
-``torch.compile``'d (ours: as train.compile; theirs: likewise per block), the same batches (``--tokens``:
+``torch.compile``'d and the loss compiled (ours: as train.compile; theirs: likewise per block, and the loss as
+its trainer's compile.components "loss"), the same batches (``--tokens``:
 a bench/train_moe.py --prepare folder, else seeded random ids), so the difference is the model code.
 torchtitan's aux-free bias update runs through its optimizer hook (``register_moe_load_balancing_hook``)
 when available; ours after each step (layers.moe_update_bias). MFU counts active FLOPs (zoo.flops:
@@ -57,9 +58,11 @@ def our_config(s, n_layers):
                        ffn="moe", moe=moe, max_seq_len=s["seq"], tie_embeddings=False)
 
 
-def build_ours(s, n_layers, device):
-    from zoo.model import build_model
+def build_ours(s, n_layers, device, compile_loss=False):
+    from zoo.model import build_model, mean_cross_entropy
     model = build_model(our_config(s, n_layers), device)
+    if compile_loss:        # as training.loop does with train.compile
+        model.cross_entropy = torch.compile(mean_cross_entropy, dynamic=False)
 
     def loss_fn(x, y):
         return model(x, y)[0]
@@ -84,7 +87,12 @@ def _torch_211_stand_in():
         fsdp.DataParallelMeshDims = DataParallelMeshDims
 
 
-def build_titan(s, n_layers, device):
+def _titan_cross_entropy(logits, y):
+    """torchtitan's cross_entropy_loss (its components/loss.py): float32 logits, mean over the tokens."""
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+def build_titan(s, n_layers, device, compile_loss=False):
     _torch_211_stand_in()
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.config_utils import (get_attention_config, make_gqa_config, make_moe_config,
@@ -126,8 +134,9 @@ def build_titan(s, n_layers, device):
             from torch.nn.attention.flex_attention import create_block_mask
             S = x.shape[1]
             masks["m"] = create_block_mask(lambda b, h, q, k: q >= k, None, None, S, S, device=x.device)
-        logits = model(x, positions=None, attention_masks=masks["m"])
-        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        return ce(model(x, positions=None, attention_masks=masks["m"]), y)
+    # torchtitan's trainer compiles its loss when compiling the model (compile.components: model, loss)
+    ce = torch.compile(_titan_cross_entropy, dynamic=False) if compile_loss else _titan_cross_entropy
     return model, list(model.layers.values()), loss_fn, None
 
 
@@ -170,7 +179,7 @@ def batches(args, s, steps):
 def train(name, build, s, args, plan) -> dict:
     dev = args.device
     torch.manual_seed(0)
-    model, blocks, loss_fn, after_step = build(s, args.layers, dev)
+    model, blocks, loss_fn, after_step = build(s, args.layers, dev, compile_loss=args.compile)
     master = None
     if name == "ours_bf16":
         # train.param_dtype=bfloat16: the matmul weights in bf16, their float32 masters in the optimizer, the

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from configs import Config, ConfigError
 from layers import AttentionStats, DynamicSparsity, ExpertBalancing, NeuronSchedule, attention_density
 from zoo import build_model
+from zoo.model import mean_cross_entropy
 
 from .checkpoint import CheckpointError, check_resumable, find_resumable, load_checkpoint, save_checkpoint
 from .data import prepare_data, sample_batch
@@ -110,6 +111,9 @@ class Trainer:
                                                         2 * len(model.layers) + 8)
             for block in model.layers:
                 block.compile(dynamic=False, mode=cfg.train.compile_mode)
+            # The loss too (as torchtitan's compile.components "loss"): the logits' upcast fuses into it. Default
+            # mode whatever compile_mode says: a graph of a few large kernels, no launches for CUDA graphs to save.
+            model.cross_entropy = torch.compile(mean_cross_entropy, dynamic=False)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type,
                                          compact=cfg.dst.enabled and cfg.dst.compact_state,
                                          param_dtype=cfg.train.param_dtype)

@@ -1,11 +1,12 @@
 """Host-side overhead of the MoE routing stage that does not scale with FLOPs (issue 16, item 2): the
 expert sort runs on the narrowest key dtype and the per-expert counts stay an inductor kernel under
-torch.compile, with exactly the results of the int64 formulations they replace."""
+torch.compile, and top-1/2 selection is argmax passes there, with exactly the results of the formulations
+they replace."""
 import pytest
 import torch
 
 from layers.moe.experts import make_plan
-from layers.moe.router import sort_key_dtype, stable_order, tokens_per_expert
+from layers.moe.router import sort_key_dtype, stable_order, tokens_per_expert, top_k_indices
 
 
 @pytest.mark.parametrize("num_ids,dtype", [(1, torch.uint8), (8, torch.uint8), (256, torch.uint8),
@@ -39,3 +40,15 @@ def test_tokens_per_expert_under_compile_counts_in_int32_and_returns_the_int64_c
     got, want = fn(idx, 7), tokens_per_expert(idx, 7)
     assert got.dtype == want.dtype == torch.int64
     assert torch.equal(got, want) and torch.equal(want, torch.bincount(idx.reshape(-1), minlength=7))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_top_k_under_compile_is_topk(k):
+    # k <= 2: argmax passes when compiled; k = 3: torch.topk in both. Rows with -inf outside k finite scores
+    # (group-limited routing) included.
+    torch.manual_seed(1)
+    scores = torch.randn(64, 8)
+    scores[::4, 3:] = float("-inf")
+    fn = torch.compile(top_k_indices, backend="aot_eager", fullgraph=True)
+    want = scores.topk(k, dim=-1).indices
+    assert torch.equal(fn(scores, k), want) and torch.equal(top_k_indices(scores, k), want)
