@@ -61,7 +61,7 @@ class TrainConfig:
     dtype: str = "auto"               # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16
     # float32: parameters in float32, autocast casts the matmul weights at every use | bfloat16: the matmul
     # weights held in bfloat16, their float32 masters in the optimizer (training.optim.MasterAdamW; needs bf16
-    # autocast, one process, grad_accum 1, no DST)
+    # autocast, one process, no DST)
     param_dtype: str = "float32"
     compile: bool = False             # torch.compile every transformer block (in place; names unchanged)
     # torch.compile's mode for those blocks: default | reduce-overhead (CUDA graphs: for small models whose
@@ -84,9 +84,6 @@ class TrainConfig:
         if self.param_dtype == "bfloat16":
             check(self.dtype != "float32", f"{key}.param_dtype",
                   f"bfloat16 weights need bf16 autocast: set {key}.dtype to bfloat16 (or auto on CUDA), not float32")
-            # bf16 .grad would sum the micro-batches in bfloat16; float32 accumulation is not built
-            check(self.grad_accum == 1, f"{key}.param_dtype",
-                  f"bfloat16 weights keep bfloat16 gradients: needs {key}.grad_accum 1, got {self.grad_accum}")
         check_choice(self.compile_mode, ("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
                      f"{key}.compile_mode")
         check(self.threads >= 0, f"{key}.threads", f"must be >= 0, got {self.threads}")

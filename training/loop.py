@@ -116,7 +116,7 @@ class Trainer:
             model.cross_entropy = torch.compile(mean_cross_entropy, dynamic=False)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type,
                                          compact=cfg.dst.enabled and cfg.dst.compact_state,
-                                         param_dtype=cfg.train.param_dtype)
+                                         param_dtype=cfg.train.param_dtype, grad_accum=cfg.train.grad_accum)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.sparsity = self._sparsity_methods()
         self.autocast = self._autocast()
@@ -281,7 +281,10 @@ class Trainer:
         # A plain tensor, the same on every rank: the norm spans the dense and expert meshes' shards. An
         # optimizer that scales gradients itself (MasterAdamW) takes the clipping factor instead of a pass.
         fused_scale = getattr(self.optimizer, "scales_gradients", False)
-        grad_norm = clip_grad_norm_(self.model.parameters(), c.optim.grad_clip, self.par, apply=not fused_scale)
+        grads = [g for p in self.model.parameters() if (g := self.optimizer.gradient(p)) is not None] \
+            if fused_scale else None     # where the step finds them (MasterAdamW's float32 sums), in model order
+        grad_norm = clip_grad_norm_(self.model.parameters(), c.optim.grad_clip, self.par, apply=not fused_scale,
+                                    grads=grads)
         # One all-reduce for every loss part (the total is their sum) and, last, the Ctrl-C flag: its mean
         # is > 0 when any rank asked to stop, so the ranks agree on the step without a collective of its own.
         detached = [v.detach().float() for v in parts_sum.values()]

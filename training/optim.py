@@ -20,17 +20,19 @@ from layers.sharding import DTensor, local_tensor
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str = "cpu",
-                    compact: bool = False, param_dtype: str = "float32") -> torch.optim.Optimizer:
+                    compact: bool = False, param_dtype: str = "float32", grad_accum: int = 1) -> torch.optim.Optimizer:
     """Weight decay on >= 2-D parameters (linears, embeddings, stacked experts); none on norms and biases.
     ``compact``: a ``CompactAdamW`` (for ``dst.compact_state``). ``param_dtype="bfloat16"``: a ``MasterAdamW``,
-    which turns the model's ``autocast_weights`` into bfloat16 (in place) and keeps their float32 masters."""
+    which turns the model's ``autocast_weights`` into bfloat16 (in place) and keeps their float32 masters
+    (and sums their gradients in float32 when ``grad_accum > 1``)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if param_dtype == "bfloat16":
-        return MasterAdamW(groups, autocast_weights(model), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        return MasterAdamW(groups, autocast_weights(model), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                           accumulate_float32=grad_accum > 1)
     # The fused CUDA kernel is one launch for all parameters; on CPU the foreach path is the fast one.
     fused = device_type == "cuda"
     cls = CompactAdamW if compact else torch.optim.AdamW
@@ -89,13 +91,20 @@ class MasterAdamW(torch.optim.Optimizer):
     them). Every state tensor of a parameter's shape is elementwise, so code that permutes or zeroes a
     weight's optimizer state with the weight (``layers.neuron`` re-clustering) keeps the master in step.
     A checkpoint's model entries hold the bf16 weights; its optimizer entries the float32 masters.
+
+    ``accumulate_float32``: for several backward passes a step (gradient accumulation), each bf16 gradient
+    is added into a float32 sum as soon as autograd has written it (a post-accumulate-grad hook), and
+    ``p.grad`` is left None: the sum autocast over float32 parameters would have made. ``gradient(p)`` is
+    the gradient the step will use (that sum, else ``.grad``), for the norm; ``zero_grad()`` drops the sums.
     """
     scales_gradients = True   # step(grad_scale=) takes the clipping factor
 
     def __init__(self, params, low_precision, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, dtype: torch.dtype = torch.bfloat16):
+                 weight_decay: float = 0.01, dtype: torch.dtype = torch.bfloat16, accumulate_float32: bool = False):
         self._low_ids = {id(p) for p in low_precision}
         self._dtype = dtype
+        self._accumulate = accumulate_float32
+        self._sums: dict = {}          # bf16 parameter -> float32 gradient summed over this step's backwards
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     def add_param_group(self, param_group: dict) -> None:
@@ -106,7 +115,25 @@ class MasterAdamW(torch.optim.Optimizer):
             if id(p) in self._low_ids:
                 self.state[p]["master"] = p.data
                 p.data = p.data.to(self._dtype)
+                if self._accumulate:
+                    p.register_post_accumulate_grad_hook(self._add_to_sum)
             self._init_state(p)
+
+    def _add_to_sum(self, p: torch.Tensor) -> None:
+        total = self._sums.get(p)
+        if total is None:
+            self._sums[p] = p.grad.float()
+        else:
+            total.add_(p.grad)
+        p.grad = None
+
+    def gradient(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """The gradient ``step()`` uses for ``p`` (None: no gradient this step)."""
+        return self._sums.get(p, p.grad)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._sums.clear()
 
     def _init_state(self, p: torch.Tensor) -> None:
         """Fresh moments (at construction, or after a caller dropped ``state[p]``, as the neuron layers do
@@ -130,18 +157,19 @@ class MasterAdamW(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             launches: dict = {}
             for p in group["params"]:
-                if p.grad is None:
+                grad = self.gradient(p)
+                if grad is None:
                     continue
                 state = self.state[p]
                 if "step" not in state:
                     self._init_state(p)
                 state["step"] += 1
                 master = state.get("master")
-                key = (int(state["step"].item()), p.grad.dtype, master is not None, p.dtype, p.device)
+                key = (int(state["step"].item()), grad.dtype, master is not None, p.dtype, p.device)
                 launches.setdefault(key, []).append(p)
             for (step, _, low, _, _), ps in launches.items():
                 st = [self.state[p] for p in ps]
-                adamw_([s["master"] if low else p for s, p in zip(st, ps)], [p.grad for p in ps],
+                adamw_([s["master"] if low else p for s, p in zip(st, ps)], [self.gradient(p) for p in ps],
                        [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st], ps if low else None,
                        lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                        weight_decay=group["weight_decay"], step=step, grad_scale=grad_scale)

@@ -311,16 +311,19 @@ def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
-def clip_grad_norm_(parameters, max_norm: float, state: ParallelState, apply: bool = True) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, state: ParallelState, apply: bool = True,
+                    grads: Optional[list] = None) -> torch.Tensor:
     """Total gradient norm over the whole (sharded) model, same on every rank; scales the gradients
     down to ``max_norm`` when it is exceeded (``max_norm <= 0`` or ``apply=False``: measure only).
+    ``grads``: the gradients, where an optimizer keeps them outside ``.grad`` (``MasterAdamW.gradient(p)``).
 
     ``torch.nn.utils.clip_grad_norm_`` cannot mix the dense and the expert meshes' DTensors, so this
     sums squares of the local shards and all-reduces once: every parameter element lives on exactly
     ``dp_replicate`` ranks (one per replica group), hence the division.
     """
     from torch.distributed.tensor import DTensor
-    grads = [p.grad for p in parameters if p.grad is not None]
+    if grads is None:
+        grads = [p.grad for p in parameters if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     device = local[0].device if local else state.device
     # Float32 norms of bf16 gradients too (a bf16 norm would round the clipping factor), one foreach launch
