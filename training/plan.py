@@ -163,7 +163,10 @@ def memory_per_gpu(cfg: Config, shape: _Shape, layout: Layout, compute_bytes: in
     acts = tokens * activation_bytes_per_token(cfg, compute_bytes, layout.activation_checkpointing)
     dst_held = shape.dst_dense / shard + shape.dst_expert / expert_shard
     cost = dst_cost(cfg, layout)
-    return Memory(weights=held * FP32, grads=held * FP32,
+    weight_b, grad_b = FP32, FP32
+    if cfg.train.param_dtype == "bfloat16":   # bf16 weights + float32 masters; bf16 grads (+ float32 sums)
+        weight_b, grad_b = 2 + FP32, 2 + (FP32 if cfg.train.grad_accum > 1 else 0)
+    return Memory(weights=held * weight_b, grads=held * grad_b,
                   optimizer=(held - dst_held) * FP32 * ADAM_STATES + dst_held * cost.optimizer,
                   fsdp_buffers=buffers, activations=acts, dst_masks=dst_held * cost.buffers,
                   dst_step=dst_held * cost.step_only)

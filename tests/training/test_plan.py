@@ -128,3 +128,14 @@ def test_compact_dst_state_fits_moe_65b_on_256_gpus_within_the_headroom():
     assert abs((dense_state.memory.optimizer - compact.memory.optimizer) - masked * (8 - 12 * 0.55)) < 1e-3 * masked
     assert compact.fits and compact.memory.total <= 0.9 * compact.device_bytes
     assert any("EMA score (bf16, grad_ema) 2.00 B" in n for n in compact.notes)
+
+
+def test_bf16_weights_hold_the_same_bytes_a_parameter_and_four_more_with_accumulation():
+    # float32: 4 B weight + 4 B grad; bfloat16 weights: 2 B + 4 B master, 2 B grad (+ a 4 B float32 sum)
+    base = plan(preset("olmoe_1b_7b.yaml"), n_gpus=1, device_type="cuda").memory
+    low = plan(preset("olmoe_1b_7b.yaml", "train.param_dtype=bfloat16"), n_gpus=1, device_type="cuda").memory
+    acc = plan(preset("olmoe_1b_7b.yaml", "train.param_dtype=bfloat16", "train.grad_accum=2"), n_gpus=1,
+               device_type="cuda").memory
+    assert low.weights + low.grads == pytest.approx(base.weights + base.grads)
+    assert low.weights == pytest.approx(1.5 * base.weights)
+    assert acc.grads == pytest.approx(1.5 * base.grads)
