@@ -47,33 +47,51 @@ _blocks_cache: dict = {}          # (device, numels) -> int32 [blocks] tensor in
 def _adamw_kernel(table_ptr, block_tensor_ptr, scale_ptr, decay, one_minus_beta1, beta2, one_minus_beta2, eps,
                   step_size, bc2_sqrt, G_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, HAS_PARAM: tl.constexpr,
                   HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    # grid (blocks,): BLOCK elements of one tensor per program. The launcher checks every pointer is 16-byte
+    # aligned: said here (a pointer read from memory has no known alignment), it lets a full block use vector
+    # loads; the masked tail block of each tensor stays scalar.
     pid = tl.program_id(0)
     t = tl.load(block_tensor_ptr + pid).to(tl.int64)
     row = table_ptr + t * 7
     numel = tl.load(row + 5)
-    offs = (pid - tl.load(row + 6)) * BLOCK + tl.arange(0, BLOCK)
+    start = (pid - tl.load(row + 6)) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    w_ptr = tl.multiple_of(tl.load(row + 0).to(tl.pointer_type(tl.float32)), 16)
+    g_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(G_DTYPE)), 16)
+    m_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.float32)), 16)
+    v_ptr = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(tl.float32)), 16)
+    p_ptr = tl.multiple_of(tl.load(row + 4).to(tl.pointer_type(P_DTYPE)), 16)
+    full = start + BLOCK <= numel
     mask = offs < numel
-    w_ptr = tl.load(row + 0).to(tl.pointer_type(tl.float32))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
-    m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if full:
+        g = tl.load(g_ptr + offs).to(tl.float32)
+        w = tl.load(w_ptr + offs)
+        m = tl.load(m_ptr + offs)
+        v = tl.load(v_ptr + offs)
+    else:
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
     if HAS_SCALE:
         g = g * tl.load(scale_ptr)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
     w = w * decay
     m = m + one_minus_beta1 * (g - m)
     v = v * beta2 + one_minus_beta2 * g * g
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     w = w - step_size * tl.div_rn(m, denom)
-    tl.store(w_ptr + offs, w, mask=mask)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
-    if HAS_PARAM:
-        p_ptr = tl.load(row + 4).to(tl.pointer_type(P_DTYPE))
-        tl.store(p_ptr + offs, w.to(P_DTYPE), mask=mask)
+    if full:
+        tl.store(w_ptr + offs, w)
+        tl.store(m_ptr + offs, m)
+        tl.store(v_ptr + offs, v)
+        if HAS_PARAM:
+            tl.store(p_ptr + offs, w.to(P_DTYPE))
+    else:
+        tl.store(w_ptr + offs, w, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        if HAS_PARAM:
+            tl.store(p_ptr + offs, w.to(P_DTYPE), mask=mask)
 
 
 def _triton_dtype(dtype: torch.dtype):
@@ -146,8 +164,9 @@ def adamw_(weights: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_a
         raise TypeError("adamw_: one gradient dtype and one parameter dtype per call")
     args = (1.0 - lr * weight_decay, beta1, beta2, eps, lr / (1.0 - beta1 ** step),
             math.sqrt(1.0 - beta2 ** step), grad_scale)
-    if use_triton(weights[0]) and all(t.is_contiguous() for ts in (weights, grads, exp_avgs, exp_avg_sqs,
-                                                                    params or ()) for t in ts):
+    tensors = [t for ts in (weights, grads, exp_avgs, exp_avg_sqs, params or ()) for t in ts]
+    # the kernel takes every tensor as contiguous and 16-byte aligned (vector loads): fresh storages are
+    if use_triton(weights[0]) and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors):
         _adamw_triton(weights, grads, exp_avgs, exp_avg_sqs, params, *args)
     else:
         adamw_reference_(weights, grads, exp_avgs, exp_avg_sqs, params, *args)

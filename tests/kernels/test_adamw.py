@@ -1,6 +1,8 @@
 """kernels.adamw: the torch path is torch.optim.AdamW bit for bit; the one-launch Triton kernel (interpreted on
 CPU, compiled on CUDA) updates every tensor of a list like it, applies the clipping factor on the fly and
 writes the low-precision copy as the updated float32 weight rounded."""
+import math
+
 import pytest
 import torch
 
@@ -35,7 +37,7 @@ def test_torch_path_is_torch_adamw_bit_for_bit():
         opt.step()
         A.adamw_reference_(w, g16, m, v, low, 1 - HP["lr"] * HP["weight_decay"],
                            HP["beta1"], HP["beta2"], HP["eps"], HP["lr"] / (1 - HP["beta1"] ** step),
-                           (1 - HP["beta2"] ** step) ** 0.5, None)
+                           math.sqrt(1 - HP["beta2"] ** step), None)
     for p, t, lo, s in zip(params, w, low, SHAPES):
         assert torch.equal(p.detach(), t), s
         assert torch.equal(lo, t.to(torch.bfloat16)), s
@@ -65,6 +67,21 @@ def _compare_kernel_to_reference(device, rtol, atol, exact_round):
 def test_triton_kernel_updates_every_tensor_like_the_torch_path():
     pytest.importorskip("triton")
     _compare_kernel_to_reference("cpu", rtol=2e-6, atol=1e-7, exact_round=False)
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+def test_unaligned_tensors_take_the_torch_path():
+    # the kernel reads full blocks with 16-byte vector loads: a view 4 bytes into its storage must not reach it
+    pytest.importorskip("triton")
+    w, m, v, grads = _state("cpu", 3)
+    w[1] = torch.randn(SHAPES[1][0] * SHAPES[1][1] + 1)[1:].view(SHAPES[1])
+    assert w[1].data_ptr() % 16
+    ref = [[t.clone() for t in ts] for ts in (w, m, v)]
+    A.adamw_(w, grads, m, v, step=2, **HP)
+    args = (1 - HP["lr"] * HP["weight_decay"], HP["beta1"], HP["beta2"], HP["eps"], HP["lr"] / (1 - HP["beta1"] ** 2),
+            math.sqrt(1 - HP["beta2"] ** 2), None)
+    A.adamw_reference_(ref[0], grads, ref[1], ref[2], None, *args)
+    assert all(torch.equal(a, b) for got, want in zip((w, m, v), ref) for a, b in zip(got, want))
 
 
 def test_adamw_refuses_mixed_dtypes_in_one_call():
