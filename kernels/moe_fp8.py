@@ -216,17 +216,18 @@ def _tiles_kernel(x_ptr, ends_ptr, pends_ptr, ramax_ptr, camax_ptr, rs_ptr, cs_p
             m = tl.reduce(tl.where((g == gg)[:, None], a, 0.0), 0, tl.standard._elementwise_max)
             tl.atomic_max(camax_ptr + gg * C + cols, m.to(tl.int32, bitcast=True), mask=cm)
     else:
+        # (distinct names per branch: a compiled if/else must give a variable one type on both sides)
         if ROWS:
-            s = tl.load(rs_ptr + rows, mask=rm, other=1.0)
-            q = tl.clamp(x * s[:, None], -MAX, MAX)
-            tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m2)
+            row_s = tl.load(rs_ptr + rows, mask=rm, other=1.0)
+            row_q = tl.clamp(x * row_s[:, None], -MAX, MAX)
+            tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], row_q.to(q_ptr.dtype.element_ty),
+                     mask=m2)
         gm = m2 & (g < E)[:, None]
         if g_lo == g_hi:     # one group: one row of scales for the tile, not a gather per element
-            s = tl.load(cs_ptr + g_lo * C + cols, mask=cm, other=1.0)
-            s = tl.broadcast_to(s[None, :], (BLOCK_R, BLOCK_C))
+            col_s = tl.broadcast_to(tl.load(cs_ptr + g_lo * C + cols, mask=cm, other=1.0)[None, :], (BLOCK_R, BLOCK_C))
         else:
-            s = tl.load(cs_ptr + g.to(tl.int64)[:, None] * C + cols[None, :], mask=gm, other=1.0)
-        q = tl.clamp(x * s, -MAX, MAX)
+            col_s = tl.load(cs_ptr + g.to(tl.int64)[:, None] * C + cols[None, :], mask=gm, other=1.0)
+        q = tl.clamp(x * col_s, -MAX, MAX)
         if PADDED:
             pstart = tl.load(pends_ptr + g - 1, mask=(g > 0) & (g < E), other=0)
             dst = cols.to(tl.int64)[None, :] * P + (rows - start + pstart)[:, None]

@@ -1,0 +1,100 @@
+"""Every Triton kernel compiles for Hopper (sm_90), on any machine: each launcher runs on tiny CPU inputs with
+its modules' ``jit`` swapped for one that compiles the launch (``triton.compile`` to a cubin, the argument
+types taken from the real launch arguments) instead of running it.
+
+The interpreter tests check what the kernels compute, but the interpreter runs the kernel body as Python:
+it accepts what the compiler refuses. A variable given another shape in one branch of an ``if`` (the FP8 tile
+kernel of 349a889, found here before it reached a GPU) runs interpreted and fails to compile. Needs triton
+with its NVIDIA backend (it ships ptxas); no GPU."""
+import inspect
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
+          torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}
+
+
+class _CompileOnly:
+    """Stands in for ``kernels.launch.jit(fn)``: ``[grid](*args, **meta)`` compiles for sm_90, records it."""
+    compiled: list = []
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return self._launch
+
+    def _launch(self, *args, **kw):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from triton.runtime.jit import JITFunction
+        options = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+        names = list(inspect.signature(self.fn).parameters)
+        sig = {}
+        for name, a in zip(names, args):
+            if isinstance(a, torch.Tensor):
+                sig[name] = "*" + _TYPES[a.dtype]
+            elif isinstance(a, bool):
+                sig[name] = "i1"
+            elif isinstance(a, int):
+                sig[name] = "i64" if abs(a) >= 2 ** 31 else "i32"
+            else:
+                sig[name] = "fp32"
+        sig.update({name: "constexpr" for name in kw})
+        assert set(sig) == set(names), (self.fn.__name__, set(names) - set(sig))
+        src = ASTSource(fn=JITFunction(self.fn), signature=sig, constexprs=dict(kw))
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        assert kernel.asm["cubin"]
+        self.compiled.append((self.fn.__name__, dict(kw)))
+
+
+def _launch_everything():
+    from kernels import adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 256, generator=g).to(torch.bfloat16)
+    offs = torch.tensor([100, 100, 250, 300], dtype=torch.int32)          # an empty expert included
+    pends = torch.tensor([112, 128, 272, 336], dtype=torch.int32)
+    moe_fp8.quantize_rows_triton(x)
+    moe_fp8.quantize_groups_t_triton(x, offs, pends, 336)
+    moe_fp8.quantize_dual_triton(x, offs, pends, 336)
+    for dtype in (torch.bfloat16, torch.float32):                         # bf16 and float32 master weights
+        moe_fp8.quantize_weight_dual_triton(torch.randn(4, 96, 256, generator=g).to(dtype))
+    inv = torch.randperm(64, generator=g).view(32, 2).int()
+    rows = moe_permute.permute_rows(x[:32], inv, 64, zero_fill=False)
+    w = torch.rand(32, 2, generator=g)
+    moe_combine.combine_rows(rows, inv, w)
+    moe_combine.combine_rows(rows, inv, None, ys2=rows)
+    moe_combine.combine_rows_backward(x[:32], rows, inv, w, zero_fill=True)
+    a, b = x[:64], x[64:128]
+    for scale in (None, torch.rand(64, generator=g)):
+        moe_swiglu.swiglu_rows_fwd(a, b, scale)
+        moe_swiglu.swiglu_rows_bwd(a, a, b, scale)
+    ws = [torch.randn(100, generator=g)]
+    moments = [torch.zeros(100), torch.zeros(100)]
+    adamw._adamw_triton(ws, [ws[0].bfloat16()], *[[m] for m in moments], [ws[0].bfloat16()], 0.9, 0.9, 0.95,
+                        1e-8, 1e-3, 0.5, torch.tensor(1.0))
+    adamw._adamw_triton(ws, [ws[0].clone()], *[[m] for m in moments], None, 0.9, 0.9, 0.95, 1e-8, 1e-3, 0.5,
+                        None)
+
+
+def test_every_triton_kernel_compiles_for_sm90(monkeypatch):
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"triton without its NVIDIA backend: {e}")
+    import kernels
+    from kernels import adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu
+    for module in (adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu):
+        monkeypatch.setattr(module, "jit", _CompileOnly)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")       # the launchers take the Triton path on CPU tensors
+    monkeypatch.setattr(_CompileOnly, "compiled", [])
+    _launch_everything()
+    names = {name for name, _ in _CompileOnly.compiled}
+    kernel_fns = {n for m in (adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu) for n, f in vars(m).items()
+                  if n.startswith("_") and n.endswith("_kernel") and callable(f)}
+    assert names == kernel_fns, f"not launched here: {kernel_fns - names}"
+    assert kernels.__name__ == "kernels"
