@@ -175,6 +175,14 @@ class MasterAdamW(torch.optim.Optimizer):
                        weight_decay=group["weight_decay"], step=step, grad_scale=grad_scale)
         return loss
 
+    @torch.no_grad()
+    def masters_to_model(self) -> None:
+        """Make every bf16 parameter float32 again, with its master's values (for inference or export of a
+        trained model; the optimizer is not usable for training afterwards)."""
+        for p in self.state:
+            if "master" in self.state[p]:
+                p.data = self.state[p]["master"]
+
     def load_state_dict(self, state_dict) -> None:
         # torch casts loaded state to each parameter's dtype: with the masters standing in for the bf16
         # parameters, everything loads as float32. Then the bf16 copies are rounded from the loaded masters.

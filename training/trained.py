@@ -54,5 +54,10 @@ def load_run(run: str, device: str = "cpu"):
         raise ConfigError("--run", f"{tok_path} is not the tokenizer {ckpt} was trained with")
     model = build_model(cfg.model, device)
     # The checkpoint's one public loader restores model and optimizer together; the optimizer is dropped.
-    load_checkpoint(ckpt, model, build_optimizer(model, cfg.optim, torch.device(device).type))
+    # A run with bf16 weights (train.param_dtype) keeps its float32 weights in the optimizer's masters: load
+    # with the optimizer it trained with, then give the model those float32 values back.
+    optimizer = build_optimizer(model, cfg.optim, torch.device(device).type, param_dtype=cfg.train.param_dtype)
+    load_checkpoint(ckpt, model, optimizer)
+    if hasattr(optimizer, "masters_to_model"):
+        optimizer.masters_to_model()
     return model.eval(), tokenizer, cfg, ckpt

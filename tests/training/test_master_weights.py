@@ -85,3 +85,16 @@ def test_resuming_with_another_param_dtype_names_the_key(tmp_path, corpus_dir):
 def test_bf16_weights_refuse_what_they_cannot_do(tmp_path, corpus_dir, extra, match):
     with pytest.raises(ConfigError, match=match):
         make(tmp_path, corpus_dir, **{"train.param_dtype": "bfloat16", **extra})
+
+
+def test_a_bf16_weights_run_loads_for_inference_with_its_float32_masters(tmp_path, corpus_dir):
+    from training.trained import load_run
+    run = make(tmp_path, corpus_dir, **{"train.param_dtype": "bfloat16", "train.steps": 3})
+    for _ in range(3):
+        run.train_step()
+    run.save()
+    masters = _by_name(run)
+    model, _, cfg, _ = load_run(str(tmp_path / "run"))
+    assert cfg.train.param_dtype == "bfloat16"
+    for n, p in model.named_parameters():     # float32 again, the masters' values (not their bf16 rounding)
+        assert p.dtype == torch.float32 and torch.equal(p.detach(), masters[n]), n
