@@ -39,7 +39,9 @@ import torch
 
 from .launch import jit, tl, triton, use_triton
 
-BLOCK = 4096                      # elements a program updates
+# elements a program updates, with 8 warps: 8 per thread and stream, 66 registers for sm_90 (ptxas, CPU
+# machine); 4096 with 4 warps took 218, two blocks an SM, too few warps in flight for a streaming kernel
+BLOCK, NUM_WARPS = 2048, 8
 _TABLE_COLS = 7                   # weight, grad, exp_avg, exp_avg_sq, param (0: none), numel, first block
 _blocks_cache: dict = {}          # (device, numels) -> int32 [blocks] tensor index of each block
 
@@ -129,7 +131,7 @@ def _adamw_triton(weights, grads, exp_avgs, exp_avg_sqs, params, decay, beta1, b
     jit(_adamw_kernel)[(blocks.numel(),)](
         table, blocks, scale, decay, 1.0 - beta1, beta2, 1.0 - beta2, eps, step_size, bc2_sqrt,
         G_DTYPE=_triton_dtype(grads[0].dtype), P_DTYPE=_triton_dtype(p_dtype), HAS_PARAM=bool(params),
-        HAS_SCALE=grad_scale is not None, BLOCK=BLOCK)
+        HAS_SCALE=grad_scale is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
 def adamw_reference_(weights, grads, exp_avgs, exp_avg_sqs, params, decay, beta1, beta2, eps, step_size,
