@@ -4,8 +4,9 @@ types taken from the real launch arguments) instead of running it.
 
 The interpreter tests check what the kernels compute, but the interpreter runs the kernel body as Python:
 it accepts what the compiler refuses. A variable given another shape in one branch of an ``if`` (the FP8 tile
-kernel of 349a889, found here before it reached a GPU) runs interpreted and fails to compile. Needs triton
-with its NVIDIA backend (it ships ptxas); no GPU."""
+kernel of 349a889, found here before it reached a GPU) runs interpreted and fails to compile. And no kernel
+spills registers (ptxas's stack frame, read with cuobjdump): the same tile kernel at 128 x 128 on 8 warps
+spilled up to 200 B a thread. Needs triton with its NVIDIA backend (it ships ptxas); no GPU."""
 import inspect
 
 import pytest
@@ -33,22 +34,41 @@ class _CompileOnly:
         from triton.runtime.jit import JITFunction
         options = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
         names = list(inspect.signature(self.fn).parameters)
-        sig = {}
-        for name, a in zip(names, args):
+        sig, attrs = {}, {}
+        for i, (name, a) in enumerate(zip(names, args)):
+            # 16-divisible pointers and ints carry Triton's divisibility attribute, as a real launch's do
             if isinstance(a, torch.Tensor):
                 sig[name] = "*" + _TYPES[a.dtype]
+                aligned = a.data_ptr() % 16 == 0
             elif isinstance(a, bool):
-                sig[name] = "i1"
+                sig[name], aligned = "i1", False
             elif isinstance(a, int):
-                sig[name] = "i64" if abs(a) >= 2 ** 31 else "i32"
+                sig[name], aligned = ("i64" if abs(a) >= 2 ** 31 else "i32"), a % 16 == 0
             else:
-                sig[name] = "fp32"
+                sig[name], aligned = "fp32", False
+            if aligned:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         sig.update({name: "constexpr" for name in kw})
         assert set(sig) == set(names), (self.fn.__name__, set(names) - set(sig))
-        src = ASTSource(fn=JITFunction(self.fn), signature=sig, constexprs=dict(kw))
+        src = ASTSource(fn=JITFunction(self.fn), signature=sig, constexprs=dict(kw), attrs=attrs)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        assert kernel.asm["cubin"]
-        self.compiled.append((self.fn.__name__, dict(kw)))
+        self.compiled.append((self.fn.__name__, dict(kw), _stack_bytes(kernel.asm["cubin"])))
+
+
+def _stack_bytes(cubin: bytes):
+    """The kernel's per-thread stack frame (register spills) from cuobjdump, which triton ships; None if absent."""
+    import os
+    import subprocess
+    import tempfile
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.isfile(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = [int(w.split(":")[1]) for w in out.split() if w.startswith("STACK:")]
+    return found[0] if found else None
 
 
 def _launch_everything():
@@ -86,15 +106,16 @@ def test_every_triton_kernel_compiles_for_sm90(monkeypatch):
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
     except ImportError as e:
         pytest.skip(f"triton without its NVIDIA backend: {e}")
-    import kernels
     from kernels import adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu
     for module in (adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu):
         monkeypatch.setattr(module, "jit", _CompileOnly)
     monkeypatch.setenv("TRITON_INTERPRET", "1")       # the launchers take the Triton path on CPU tensors
     monkeypatch.setattr(_CompileOnly, "compiled", [])
     _launch_everything()
-    names = {name for name, _ in _CompileOnly.compiled}
+    names = {name for name, _, _ in _CompileOnly.compiled}
     kernel_fns = {n for m in (adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu) for n, f in vars(m).items()
                   if n.startswith("_") and n.endswith("_kernel") and callable(f)}
     assert names == kernel_fns, f"not launched here: {kernel_fns - names}"
-    assert kernels.__name__ == "kernels"
+    # no register spills (a spilled FP8 tile kernel moved ~20x its tile's bytes through local memory)
+    spills = [(name, meta, stack) for name, meta, stack in _CompileOnly.compiled if stack]
+    assert not spills, spills
