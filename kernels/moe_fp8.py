@@ -214,11 +214,12 @@ def _tiles_kernel(x_ptr, ends_ptr, pends_ptr, ramax_ptr, camax_ptr, rs_ptr, cs_p
     if not CAST:
         a = tl.abs(x)
         if ROWS:
+            # relaxed: the amax buffers are read by the next launch only (the kernel boundary orders them)
             tl.atomic_max(ramax_ptr + rows, tl.reduce(a, 1, tl.standard._elementwise_max).to(tl.int32, bitcast=True),
-                          mask=rm)
+                          mask=rm, sem="relaxed")
         for gg in range(g_lo, g_hi + 1):          # a tile usually lies in one group
             m = tl.reduce(tl.where((g == gg)[:, None], a, 0.0), 0, tl.standard._elementwise_max)
-            tl.atomic_max(camax_ptr + gg * C + cols, m.to(tl.int32, bitcast=True), mask=cm)
+            tl.atomic_max(camax_ptr + gg * C + cols, m.to(tl.int32, bitcast=True), mask=cm, sem="relaxed")
     else:
         # (distinct names per branch: a compiled if/else must give a variable one type on both sides)
         if ROWS:
