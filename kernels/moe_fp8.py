@@ -228,17 +228,29 @@ def _tiles_kernel(x_ptr, ends_ptr, pends_ptr, ramax_ptr, camax_ptr, rs_ptr, cs_p
             tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], row_q.to(q_ptr.dtype.element_ty),
                      mask=m2)
         gm = m2 & (g < E)[:, None]
-        if g_lo == g_hi:     # one group: one row of scales for the tile, not a gather per element
-            col_s = tl.broadcast_to(tl.load(cs_ptr + g_lo * C + cols, mask=cm, other=1.0)[None, :], (BLOCK_R, BLOCK_C))
+        if g_lo == g_hi:
+            # One group (all but the tiles on a group boundary): one row of scales for the tile, and scalar
+            # group offsets, so the compiler sees each column's destination rows as contiguous and coalesces
+            # this store (per-row offsets make it one byte per thread at a stride of P). The store is in the
+            # branch: after the if/else the two branches' offsets merge and the contiguity is lost.
+            one_s = tl.load(cs_ptr + g_lo * C + cols, mask=cm, other=1.0)
+            one_q = tl.clamp(x * one_s[None, :], -MAX, MAX).to(qt_ptr.dtype.element_ty)
+            if PADDED:
+                g_start = tl.load(ends_ptr + g_lo - 1, mask=g_lo > 0, other=0)
+                p_start = tl.load(pends_ptr + g_lo - 1, mask=g_lo > 0, other=0)
+                tl.store(qt_ptr + cols.to(tl.int64)[None, :] * P + (rows - g_start + p_start)[:, None], one_q, mask=gm)
+            else:
+                tl.store(qt_ptr + g_lo.to(tl.int64) * C * L + cols.to(tl.int64)[None, :] * L + (rows - g_lo * L)[:, None],
+                         one_q, mask=gm)
         else:
             col_s = tl.load(cs_ptr + g.to(tl.int64)[:, None] * C + cols[None, :], mask=gm, other=1.0)
-        q = tl.clamp(x * col_s, -MAX, MAX)
-        if PADDED:
-            pstart = tl.load(pends_ptr + g - 1, mask=(g > 0) & (g < E), other=0)
-            dst = cols.to(tl.int64)[None, :] * P + (rows - start + pstart)[:, None]
-        else:
-            dst = g.to(tl.int64)[:, None] * C * L + cols.to(tl.int64)[None, :] * L + (rows - start)[:, None]
-        tl.store(qt_ptr + dst, q.to(qt_ptr.dtype.element_ty), mask=gm)
+            q = tl.clamp(x * col_s, -MAX, MAX).to(qt_ptr.dtype.element_ty)
+            if PADDED:
+                pstart = tl.load(pends_ptr + g - 1, mask=(g > 0) & (g < E), other=0)
+                dst = cols.to(tl.int64)[None, :] * P + (rows - start + pstart)[:, None]
+            else:
+                dst = g.to(tl.int64)[:, None] * C * L + cols.to(tl.int64)[None, :] * L + (rows - start)[:, None]
+            tl.store(qt_ptr + dst, q, mask=gm)
 
 
 def _zero_pads_kernel(qt_ptr, ends_ptr, pends_ptr, C, P, ALIGN: tl.constexpr, BLOCK_C: tl.constexpr):
