@@ -11,7 +11,7 @@ with the same signature; without triton (or on CPU tensors) the references run (
 | ``grouped_linear`` / ``grouped_wgrad`` (bf16 grouped linear; weight gradients split along the rows for small experts) | grouped_wgrad | layers.moe.experts, moe_gate_up |
 | ``fp8_grouped_linear`` + ``fp8_quantize_*`` (rowwise-scaled e4m3 grouped GEMMs, fwd + dgrad + wgrad) | moe_fp8 | layers.moe.experts, moe_gate_up |
 | ``router_matmul`` (bf16 inputs, float32 logits) | router_matmul | layers.moe.layer |
-| ``adamw_`` (AdamW over float32 masters writing the bf16 weights, clipping factor applied, one launch per group) | adamw | training.optim.MasterAdamW |
+| ``adamw_`` (AdamW over float32 masters, writing the bf16 weights; one launch per group) | adamw | training.optim |
 | ``SemiSparseLinear`` (2:4 sparse linear, cuSPARSELt) | semi_sparse_linear | layers.dst.semi_structured |
 | ``jit`` / ``use_triton`` / ``HAVE_TRITON`` (launch helpers) | launch | the Triton ops above |
 """

@@ -240,8 +240,8 @@ def _tiles_kernel(x_ptr, ends_ptr, pends_ptr, ramax_ptr, camax_ptr, rs_ptr, cs_p
                 p_start = tl.load(pends_ptr + g_lo - 1, mask=g_lo > 0, other=0)
                 tl.store(qt_ptr + cols.to(tl.int64)[None, :] * P + (rows - g_start + p_start)[:, None], one_q, mask=gm)
             else:
-                tl.store(qt_ptr + g_lo.to(tl.int64) * C * L + cols.to(tl.int64)[None, :] * L + (rows - g_lo * L)[:, None],
-                         one_q, mask=gm)
+                base = qt_ptr + g_lo.to(tl.int64) * C * L
+                tl.store(base + cols.to(tl.int64)[None, :] * L + (rows - g_lo * L)[:, None], one_q, mask=gm)
         else:
             col_s = tl.load(cs_ptr + g.to(tl.int64)[:, None] * C + cols[None, :], mask=gm, other=1.0)
             q = tl.clamp(x * col_s, -MAX, MAX).to(qt_ptr.dtype.element_ty)

@@ -81,10 +81,10 @@ class MasterAdamW(torch.optim.Optimizer):
     becomes ``state[p]["master"]`` and ``p.data`` its rounded copy. Then forward and backward run on the
     bf16 weights and leave bf16 gradients, where bf16 autocast on float32 parameters would cast each weight
     to bf16 at every use and each bf16 weight gradient back to float32: the same numbers reach the GEMMs
-    and the update (over micro-batches too, with ``accumulate_float32``), without those casts. ``step()`` updates the masters
-    (float32 moments, as torch's AdamW) and writes the bf16 copies in the same pass (``kernels.adamw``);
-    ``step(grad_scale=c)`` multiplies every gradient by ``c`` on the fly (gradient clipping without a pass
-    of its own). Other parameters (embedding, norms, routers) stay float32 and take the same update.
+    and the update (over micro-batches too, with ``accumulate_float32``), without those casts. ``step()``
+    updates the masters (float32 moments, as torch's AdamW) and writes the bf16 copies in the same pass
+    (``kernels.adamw``); ``step(grad_scale=c)`` multiplies every gradient by ``c`` on the fly (gradient
+    clipping without a pass of its own). Other parameters (embedding, norms, routers) stay float32 and take the same update.
 
     State per parameter: ``step`` (a CPU float32 scalar), ``exp_avg``, ``exp_avg_sq`` and, for bf16
     parameters, ``master`` (all float32, made at construction so that DCP loads a checkpoint's state into
