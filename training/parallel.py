@@ -305,12 +305,12 @@ def model_init_device(cfg: Config, state: ParallelState, max_fraction: float = 0
     return "meta" if full > max_fraction * device_memory_bytes(state.device) else state.device
 
 
-@torch.no_grad()
 def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """The factor clipping multiplies the gradients by: ``min(1, max_norm / (norm + 1e-6))`` (float32)."""
     return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
+@torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float, state: ParallelState, apply: bool = True,
                     grads: Optional[list] = None) -> torch.Tensor:
     """Total gradient norm over the whole (sharded) model, same on every rank; scales the gradients
