@@ -100,6 +100,7 @@ def _launch_everything():
                         None)
 
 
+@pytest.mark.usefixtures("triton_interpreter")   # the launchers take the Triton path on CPU tensors
 def test_every_triton_kernel_compiles_for_sm90(monkeypatch):
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
@@ -109,7 +110,6 @@ def test_every_triton_kernel_compiles_for_sm90(monkeypatch):
     from kernels import adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu
     for module in (adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu):
         monkeypatch.setattr(module, "jit", _CompileOnly)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")       # the launchers take the Triton path on CPU tensors
     monkeypatch.setattr(_CompileOnly, "compiled", [])
     _launch_everything()
     names = {name for name, _, _ in _CompileOnly.compiled}
