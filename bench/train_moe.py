@@ -116,17 +116,21 @@ SUITES = {   # name -> {run: (preset, overrides)}
 }
 
 
-def with_graphs(suite: str, runs=None) -> dict:
-    """``suite``'s runs (those named in ``runs``, else all) with --compile's blocks replayed as CUDA graphs
-    (train.compile_mode=reduce-overhead), each renamed ``<run>_graphs``."""
-    return {f"{name}_graphs": (preset, ov + ["train.compile_mode=reduce-overhead"])
+def with_overrides(suite: str, suffix: str, extra: list, runs=None) -> dict:
+    """``suite``'s runs (those named in ``runs``, else all) with ``extra`` overrides, each renamed
+    ``<run>_<suffix>``."""
+    return {f"{name}_{suffix}": (preset, ov + extra)
             for name, (preset, ov) in SUITES[suite].items() if runs is None or name in runs}
+
+
+def with_graphs(suite: str, runs=None) -> dict:
+    """``suite``'s runs with --compile's blocks replayed as CUDA graphs (train.compile_mode=reduce-overhead)."""
+    return with_overrides(suite, "graphs", ["train.compile_mode=reduce-overhead"], runs)
 
 
 SUITES["speed_512_graphs"] = with_graphs("speed_512")
 # the same with train.param_dtype=bfloat16 (bf16 matmul weights, float32 masters in training.optim.MasterAdamW)
-SUITES["speed_512_graphs_bf16w"] = {f"{name}_bf16w": (preset, ov + ["train.param_dtype=bfloat16"])
-                                    for name, (preset, ov) in SUITES["speed_512_graphs"].items()}
+SUITES["speed_512_graphs_bf16w"] = with_overrides("speed_512_graphs", "bf16w", ["train.param_dtype=bfloat16"])
 # dense against MoE at equal time, each at its fastest step (graphs took 30% off the MoE step, 1% off dense's)
 SUITES["equal_time_graphs"] = with_graphs("equal_time", ("dense", "moe"))
 # MoE layouts of the same active FFN FLOPs (hidden 1408 a token) against dense, CUDA graphs: top-2 of 8 at

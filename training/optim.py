@@ -155,7 +155,7 @@ class MasterAdamW(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            launches: dict = {}
+            launches: dict = {}     # one kernels.adamw call per (step count, dtypes, device)
             for p in group["params"]:
                 grad = self.gradient(p)
                 if grad is None:
@@ -163,14 +163,13 @@ class MasterAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if "step" not in state:
                     self._init_state(p)
-                state["step"] += 1
-                master = state.get("master")
-                key = (int(state["step"].item()), grad.dtype, master is not None, p.dtype, p.device)
-                launches.setdefault(key, []).append(p)
-            for (step, _, low, _, _), ps in launches.items():
-                st = [self.state[p] for p in ps]
-                adamw_([s["master"] if low else p for s, p in zip(st, ps)], [self.gradient(p) for p in ps],
-                       [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st], ps if low else None,
+                state["step"] += 1                          # a CPU scalar: no device sync
+                key = (int(state["step"].item()), grad.dtype, "master" in state, p.dtype, p.device)
+                launches.setdefault(key, []).append((p, grad, state))
+            for (step, _, low, _, _), items in launches.items():
+                ps, grads, st = zip(*items)
+                adamw_([s["master"] if low else p for s, p in zip(st, ps)], list(grads),
+                       [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st], list(ps) if low else None,
                        lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                        weight_decay=group["weight_decay"], step=step, grad_scale=grad_scale)
         return loss
