@@ -12,7 +12,7 @@
 #     profile per variant), then the fine-grained shape against megablocks when it is importable (build it
 #     first: bash .peers/build_megablocks.sh, ~190 s). `split`: the dim-512 dense and MoE steps as CUDA graphs
 #     (speed_512_graphs, 40 steps) with the MoE's weight gradients split as kernels.grouped_wgrad chooses and
-#     unsplit (--wgrad-splits 1), in one call; the split run also times both with train.param_dtype=bfloat16
+#     unsplit (--wgrad-splits 1), in one call (SPLITS=auto: the first only); the split run also times both with train.param_dtype=bfloat16
 #     (speed_512_graphs_bf16w: bf16 matmul weights, float32 masters in the optimizer).
 #     `equal` reads EQUAL_TOK, by default a folder it tokenises on the device from every installed package
 #     (data.source python_packages, ~80 s on the H200's 16 cores, 151M training tokens on its image; kept in
@@ -55,7 +55,7 @@ for part in $PARTS; do
            if $PY -c "import megablocks" 2>/dev/null; then
              timeout ${T_LAYER_FINE:-150} $PY bench/moe.py --shapes fine --reps 10 --only ours --out "$OUT/layer_fine.json" | grep -E "^fine "
            fi ;;
-    split) for sp in auto 1; do
+    split) for sp in ${SPLITS:-auto 1}; do
              if [ $sp = auto ]; then extra=(--suite speed_512_graphs,speed_512_graphs_bf16w)
              else extra=(--suite speed_512_graphs --wgrad-splits $sp); fi
              timeout ${T_SPLIT:-150} $PY bench/train_moe.py --tokens "$TOK" --speed-steps 40 --compile \
