@@ -260,7 +260,7 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU)")
-    ap.add_argument("--only", default="ours,ours_bf16,torchtitan",
+    ap.add_argument("--only", default="ours,torchtitan,ours_bf16",
                     help="ours_bf16: ours with train.param_dtype=bfloat16 (training.optim.MasterAdamW)")
     ap.add_argument("--profile-at", type=int, default=0,
                     help="profile 3 steps from this one in both models (training.profile; 0 = off)")
@@ -272,8 +272,20 @@ def main():
     print("plan", {k: round(v, 3) if isinstance(v, float) else v for k, v in plan.items()}, flush=True)
     res = {"plan": plan, "shape": s, "args": vars(args), "torch": torch.__version__}
     builders = {"ours": build_ours, "ours_bf16": build_ours, "torchtitan": build_titan}
+    failed = []
     for name in args.only.split(","):
-        res[name] = train(name, builders[name], s, args, plan)
+        try:
+            res[name] = train(name, builders[name], s, args, plan)
+        except Exception:  # noqa: BLE001 - one model's failure must not cost the others' numbers
+            import gc
+            import traceback
+            traceback.print_exc()
+            print(name, "failed", flush=True)
+            failed.append(name)
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+            continue
         r = res[name]
         print(name, f"{r['tokens_per_s']:.0f} tok/s", f"MFU {r.get('mfu') or 0:.3f}", f"peak {r['peak_gb']:.1f} GB",
               f"params {r['params']}", "loss", [round(v, 3) for v in r["losses"][:: max(1, args.steps // 6)]],
@@ -287,6 +299,8 @@ def main():
     for ours in ("ours", "ours_bf16"):
         if ours in res and "torchtitan" in res:
             print(f"{ours} / torchtitan tokens/s: {res[ours]['tokens_per_s'] / res['torchtitan']['tokens_per_s']:.3f}")
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
