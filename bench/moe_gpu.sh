@@ -12,8 +12,9 @@
 #     profile per variant), then the fine-grained shape against megablocks when it is importable (build it
 #     first: bash .peers/build_megablocks.sh, ~190 s). `split`: the dim-512 dense and MoE steps as CUDA graphs
 #     (speed_512_graphs, 40 steps) with the MoE's weight gradients split as kernels.grouped_wgrad chooses and
-#     unsplit (--wgrad-splits 1), in one call (SPLITS=auto: the first only); the split run also times both with train.param_dtype=bfloat16
-#     (speed_512_graphs_bf16w: bf16 matmul weights, float32 masters in the optimizer).
+#     unsplit (--wgrad-splits 1), in one call; the split run also times both with train.param_dtype=bfloat16
+#     (speed_512_graphs_bf16w: bf16 matmul weights, float32 masters in the optimizer). SPLITS picks the runs
+#     (default "auto 1"; SPLITS=auto: the split run only).
 #     `equal` reads EQUAL_TOK, by default a folder it tokenises on the device from every installed package
 #     (data.source python_packages, ~80 s on the H200's 16 cores, 151M training tokens on its image; kept in
 #     /tmp/tok_pkgs while the machine stays warm). 45 s of the dense D 512 model reads ~65M tokens: a folder

@@ -42,7 +42,6 @@ from .launch import jit, tl, triton, use_triton
 # elements a program updates, with 8 warps: 8 per thread and stream, 66 registers for sm_90 (ptxas, CPU
 # machine); 4096 with 4 warps took 218, two blocks an SM, too few warps in flight for a streaming kernel
 BLOCK, NUM_WARPS = 2048, 8
-_TABLE_COLS = 7                   # weight, grad, exp_avg, exp_avg_sq, param (0: none), numel, first block
 _blocks_cache: dict = {}          # (device, numels) -> int32 [blocks] tensor index of each block
 
 
@@ -120,6 +119,8 @@ def _adamw_triton(weights, grads, exp_avgs, exp_avg_sqs, params, decay, beta1, b
     device = weights[0].device
     numels = tuple(w.numel() for w in weights)
     blocks, firsts = _block_map(device, numels)
+    # the table's 7 columns (the kernel's row stride): weight, grad, exp_avg, exp_avg_sq, param (0: none), numel,
+    # first block
     rows = [[w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.data_ptr() if params else 0, n, f]
             for w, g, m, v, p, n, f in zip(weights, grads, exp_avgs, exp_avg_sqs, params or weights, numels, firsts)]
     table = torch.tensor(rows, dtype=torch.int64)
