@@ -8,8 +8,8 @@
 #     python bench/train_moe.py --prepare .tok2k --max-files 40        # once, on any machine (vocab 2048)
 #     OUT=/tmp/out TOK=.tok2k bash bench/moe_gpu.sh [titan small fp8 equal layer]
 #     `layer` (no TOK needed): bench/moe.py at the dim-512 model's shape with the weight gradients split in
-#     1, 2, 4 parts and the automatic choice, then the Mixtral shape bf16 / ours FP8 / torchao's FP8 (with a
-#     profile per variant), then the fine-grained shape against megablocks when it is importable (build it
+#     1, 2, 4 parts and the automatic choice, then the FP8 quantizers' tile sweep (bench/fp8_quant.py), then
+#     the Mixtral shape bf16 / ours FP8 at the sweep's best tiles / torchao's FP8 (with a profile per variant), then the fine-grained shape against megablocks when it is importable (build it
 #     first: bash .peers/build_megablocks.sh, ~190 s). `split`: the dim-512 dense and MoE steps as CUDA graphs
 #     (speed_512_graphs, 40 steps) with the MoE's weight gradients split as kernels.grouped_wgrad chooses and
 #     unsplit (--wgrad-splits 1), in one call; the split run also times both with train.param_dtype=bfloat16
@@ -51,8 +51,11 @@ for part in $PARTS; do
     layer) mkdir -p "$OUT/layer_profile"
            timeout ${T_LAYER_SMALL:-100} $PY bench/moe.py --shapes small --reps 20 --only ours,ours_wgrad_split1,ours_wgrad_split2,ours_wgrad_split4 \
              --profile "$OUT/layer_profile" --out "$OUT/layer_small.json" | grep -E "^small "
+           rm -f "$OUT/fp8_tiles"
+           timeout ${T_QUANT:-120} $PY bench/fp8_quant.py --out "$OUT/fp8_quant.json" --best "$OUT/fp8_tiles"
+           tiles=$(cat "$OUT/fp8_tiles" 2>/dev/null)
            timeout ${T_LAYER_MIXTRAL:-170} $PY bench/moe.py --shapes mixtral --reps 10 --only ours,ours_fp8,torchao_fp8 \
-             --profile "$OUT/layer_profile" --out "$OUT/layer_mixtral.json" | grep -E "^mixtral |failed"
+             ${tiles:+--fp8-tiles "$tiles"} --profile "$OUT/layer_profile" --out "$OUT/layer_mixtral.json" | grep -E "^mixtral |failed"
            if $PY -c "import megablocks" 2>/dev/null; then
              timeout ${T_LAYER_FINE:-150} $PY bench/moe.py --shapes fine --reps 10 --only ours --out "$OUT/layer_fine.json" | grep -E "^fine "
            fi ;;

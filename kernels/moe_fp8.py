@@ -36,14 +36,20 @@ Every operand that needs two layouts gets both from one "dual" pass: an activati
 the backward) by rows for its forward / dgrad GEMM and per expert column for its wgrad GEMM, a weight by
 output channel for the forward and by input channel for the dgrad (the forward keeps that copy for the
 backward). A column scale needs its whole group's column read first, so a dual pass reads its input twice:
-a tile kernel takes every row's and every group column's amax (atomic max), a second launch of it casts
-each tile into both layouts. The row and column quantizers apart read it three times (H100, Mixtral shape:
-9.7 of the fp8 layer's 42.4 ms were quantizers before; BENCHMARKS.md).
+an amax kernel takes every row's and every group column's amax over tiles (atomic max), a cast kernel
+writes both layouts. The cast kernel's tiles walk the rows of the transposed output (the padded wgrad rows,
+or one weight's rows), so that store is 16-byte vectors along contiguous, aligned columns of qt, and the
+pads are written as zeros in the same pass; the source rows are gathered (row-major, contiguous along the
+features either way). Session 25's version tiled the source rows instead: its transposed store was one byte
+per lane, a separate kernel zeroed the pads, and its cast pass needed 90 registers a thread on 16 warps
+(one block per SM): 14.3 ms of the fp8 layer's 43.9 on the H200, against ~4.4 by the bytes (BENCHMARKS.md).
+The row and column quantizers apart read the input three times (H100, Mixtral shape: 9.7 of the fp8
+layer's 42.4 ms were quantizers).
 
-Layers: ``@triton.jit`` kernels (a row quantizer, one row per program; the two-pass tile kernel; a
-pad-zeroing kernel) + launchers -> custom ops ``moezoo::fp8_quantize_rows`` / ``fp8_quantize_groups_t`` /
+Layers: ``@triton.jit`` kernels (a row quantizer, one row per program; the amax and cast passes) +
+launchers -> custom ops ``moezoo::fp8_quantize_rows`` / ``fp8_quantize_groups_t`` /
 ``fp8_quantize_dual`` / ``fp8_quantize_weight_dual`` (``register_fake``, so torch.compile traces through)
--> the autograd.Function.
+-> the autograd.Function. AMAX_TILE / CAST_TILE: the passes' tiles (``bench/fp8_quant.py`` times others).
 ``*_reference`` are the pure-torch oracles (and the path without triton); ``scaled_grouped_mm_reference``
 emulates torch._scaled_grouped_mm in float32 (CPU tests; the op itself is CUDA-only).
 """
@@ -61,12 +67,11 @@ AMAX_EPS = 1e-12          # an all-zero row or column gets a finite scale (2^48)
 WGRAD_ALIGN = 16          # rows per wgrad group: 16 bytes of fp8 (TMA alignment of group starts)
 FAST_ACCUM = True         # FP8 tensor-core accumulation without periodic float32 promotion (torchao: all three)
 ROWS_BLOCK = 4096         # columns per step of the row quantizer: 8 KB of bf16 in flight per program
-# Tile kernels: 128 rows give 128 B contiguous per column on the transposed fp8 store. 64 columns on 16 warps:
-# ptxas (sm_90, tests/kernels/test_compile_sm90.py's compile, on the CPU machine) gives the cast pass 94
-# registers at 64 experts and 128 (no spill) at 256; 128 x 128 on 8 warps took 248-255 and spilled 150-200 B
-# a thread in the padded cast pass.
-TILE_R, TILE_C, TILE_WARPS = 128, 64, 16
-PAD_BLOCK_C = 128         # columns per program of the pad-zeroing kernel
+# The passes' tiles, (rows, columns, warps). ptxas for sm_90 (on the CPU machine, as
+# tests/kernels/test_compile_sm90.py compiles) at 128 x 64 on 16 warps: amax 53 registers, cast 38-40, no
+# spill, every global store a 16-byte vector; the cast pass of session 25's source-row tiles took 90.
+AMAX_TILE = (128, 64, 16)
+CAST_TILE = (128, 64, 16)
 
 
 # -- pure torch: the math, once -------------------------------------------------------------------------
@@ -185,86 +190,92 @@ def _quantize_rows_kernel(x_ptr, q_ptr, d_ptr, C, MAX: tl.constexpr, EPS: tl.con
     tl.store(d_ptr + r, tl.div_rn(1.0, s))
 
 
-def _tiles_kernel(x_ptr, ends_ptr, pends_ptr, ramax_ptr, camax_ptr, rs_ptr, cs_ptr, q_ptr, qt_ptr, R, C, E, L, P,
-                  CAST: tl.constexpr, ROWS: tl.constexpr, PADDED: tl.constexpr, MAX: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
-    # grid (cdiv(R, BLOCK_R), cdiv(C, BLOCK_C)), x [R, C] row-major, one tile per program; run twice.
-    # Groups: rows ends[e-1] .. ends[e] (PADDED; rows past the last end belong to none) or blocks of L rows.
-    # CAST=False (pass 1): the tile's partial row amax (ROWS) and, per group present in the tile, its
-    # columns' partial amax go to float32 buffers (zero-initialised) by atomic max on their int32 bits
-    # (amax >= 0 orders like its bits). CAST=True (pass 2), with rs [R] / cs [E, C] the scales from those:
-    # q[r, c] = x * rs[r] (ROWS) and each row of group g to its transposed block, x * cs[g, c], at
-    # qt[c, pends[g-1] + (r - start_g)] (PADDED, qt [C, P]) or qt[g, c, r - g L] (qt [E, C, L]).
+def _amax_kernel(x_ptr, ends_ptr, ramax_ptr, camax_ptr, R, C, E, L, ROWS: tl.constexpr, PADDED: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+    # Pass 1. grid (cdiv(R, BLOCK_R), cdiv(C, BLOCK_C)) over x [R, C] row-major. Groups: rows ends[e-1] ..
+    # ends[e] (PADDED; rows past the last end belong to none) or blocks of L rows. The tile's partial row amax
+    # (ROWS) and, per group present in the tile, its columns' partial amax go to float32 buffers
+    # (zero-initialised) by atomic max on their int32 bits (amax >= 0 orders like its bits); relaxed: only
+    # the next launch reads them (the kernel boundary orders them).
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     rm, cm = rows < R, cols < C
-    m2 = rm[:, None] & cm[None, :]
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+    a = tl.abs(tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=rm[:, None] & cm[None, :],
+                       other=0.0).to(tl.float32))
+    if ROWS:
+        tl.atomic_max(ramax_ptr + rows, tl.reduce(a, 1, tl.standard._elementwise_max).to(tl.int32, bitcast=True),
+                      mask=rm, sem="relaxed")
     if PADDED:
         es = tl.arange(0, BLOCK_E)
         ends = tl.load(ends_ptr + es, mask=es < E, other=2147483647)
         g = tl.reduce((ends[None, :] <= rows[:, None]).to(tl.int32), 1, tl.standard._sum_combine)
-        start = tl.load(ends_ptr + g - 1, mask=g > 0, other=0)
     else:
         g = rows // L
-        start = g * L
     g = tl.where(rm, g, E)
     g_lo = tl.reduce(g, 0, tl.standard._elementwise_min)
     g_hi = tl.minimum(tl.reduce(tl.where(g < E, g, -1), 0, tl.standard._elementwise_max), E - 1)
-    if not CAST:
-        a = tl.abs(x)
-        if ROWS:
-            # relaxed: the amax buffers are read by the next launch only (the kernel boundary orders them)
-            tl.atomic_max(ramax_ptr + rows, tl.reduce(a, 1, tl.standard._elementwise_max).to(tl.int32, bitcast=True),
-                          mask=rm, sem="relaxed")
-        for gg in range(g_lo, g_hi + 1):          # a tile usually lies in one group
-            m = tl.reduce(tl.where((g == gg)[:, None], a, 0.0), 0, tl.standard._elementwise_max)
-            tl.atomic_max(camax_ptr + gg * C + cols, m.to(tl.int32, bitcast=True), mask=cm, sem="relaxed")
+    for gg in range(g_lo, g_hi + 1):          # a tile usually lies in one group
+        m = tl.reduce(tl.where((g == gg)[:, None], a, 0.0), 0, tl.standard._elementwise_max)
+        tl.atomic_max(camax_ptr + gg * C + cols, m.to(tl.int32, bitcast=True), mask=cm, sem="relaxed")
+
+
+def _cast_kernel(x_ptr, ends_ptr, pends_ptr, rs_ptr, cs_ptr, q_ptr, qt_ptr, R, C, E, L, P, ROWS: tl.constexpr,
+                 PADDED: tl.constexpr, MAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                 BLOCK_E: tl.constexpr):
+    # Pass 2, with rs [R] / cs [E, C] the scales from pass 1's amax. Tiles walk the rows of the transposed
+    # output, so its store is BLOCK_R contiguous bytes per column, aligned (16-byte vectors), whatever the
+    # group sizes; the source rows are gathered (row-major: contiguous along the columns either way).
+    # PADDED: grid (cdiv(P, BLOCK_R), cdiv(C, BLOCK_C)); tile rows p are columns of qt [C, P]. Padded row p
+    #   of group g = #{pends <= p} is source row ends[g-1] + p - pends[g-1] if that is < ends[g], else a pad
+    #   (written as zero). Past pends[-1], "group E" continues to row R, so the row-scaled q [R, C] gets every
+    #   row (its qt columns there are zero: unspecified for the GEMM).
+    # else: grid (E * cdiv(L, BLOCK_R), cdiv(C, BLOCK_C)); tile rows are rows of one group g of L rows, at
+    #   qt[g, :, row - g L] (qt [E, C, L]).
+    # ROWS: also q[r, c] = x * rs[r].
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = cols < C
+    j = tl.arange(0, BLOCK_R)
+    if PADDED:
+        p = tl.program_id(0) * BLOCK_R + j
+        es = tl.arange(0, BLOCK_E)
+        pend = tl.load(pends_ptr + es, mask=es < E, other=2147483647)
+        g = tl.reduce((pend[None, :] <= p[:, None]).to(tl.int32), 1, tl.standard._sum_combine)
+        g_lo = tl.reduce(g, 0, tl.standard._elementwise_min)
+        g_hi = tl.reduce(g, 0, tl.standard._elementwise_max)
+        pstart = tl.load(pends_ptr + g - 1, mask=g > 0, other=0)
+        start = tl.load(ends_ptr + g - 1, mask=g > 0, other=0)
+        src = start + p - pstart
+        real = src < tl.load(ends_ptr + g, mask=g < E, other=R)      # a source row (group E: up to R)
+        grouped = real & (g < E)                                        # one of a group's rows
+        qt_base = qt_ptr
+        dst = cols.to(tl.int64)[None, :] * P + p[:, None]
+        dst_m = cm[None, :] & (p < P)[:, None]
     else:
-        # (distinct names per branch: a compiled if/else must give a variable one type on both sides)
-        if ROWS:
-            row_s = tl.load(rs_ptr + rows, mask=rm, other=1.0)
-            row_q = tl.clamp(x * row_s[:, None], -MAX, MAX)
-            tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], row_q.to(q_ptr.dtype.element_ty),
-                     mask=m2)
-        gm = m2 & (g < E)[:, None]
-        if g_lo == g_hi:
-            # One group (all but the tiles on a group boundary): one row of scales for the tile, and scalar
-            # group offsets, so the compiler sees each column's destination rows as contiguous and coalesces
-            # this store (per-row offsets make it one byte per thread at a stride of P). The store is in the
-            # branch: after the if/else the two branches' offsets merge and the contiguity is lost.
-            one_s = tl.load(cs_ptr + g_lo * C + cols, mask=cm, other=1.0)
-            one_q = tl.clamp(x * one_s[None, :], -MAX, MAX).to(qt_ptr.dtype.element_ty)
-            if PADDED:
-                g_start = tl.load(ends_ptr + g_lo - 1, mask=g_lo > 0, other=0)
-                p_start = tl.load(pends_ptr + g_lo - 1, mask=g_lo > 0, other=0)
-                tl.store(qt_ptr + cols.to(tl.int64)[None, :] * P + (rows - g_start + p_start)[:, None], one_q, mask=gm)
-            else:
-                base = qt_ptr + g_lo.to(tl.int64) * C * L
-                tl.store(base + cols.to(tl.int64)[None, :] * L + (rows - g_lo * L)[:, None], one_q, mask=gm)
-        else:
-            col_s = tl.load(cs_ptr + g.to(tl.int64)[:, None] * C + cols[None, :], mask=gm, other=1.0)
-            q = tl.clamp(x * col_s, -MAX, MAX).to(qt_ptr.dtype.element_ty)
-            if PADDED:
-                pstart = tl.load(pends_ptr + g - 1, mask=(g > 0) & (g < E), other=0)
-                dst = cols.to(tl.int64)[None, :] * P + (rows - start + pstart)[:, None]
-            else:
-                dst = g.to(tl.int64)[:, None] * C * L + cols.to(tl.int64)[None, :] * L + (rows - start)[:, None]
-            tl.store(qt_ptr + dst, q, mask=gm)
-
-
-def _zero_pads_kernel(qt_ptr, ends_ptr, pends_ptr, C, P, ALIGN: tl.constexpr, BLOCK_C: tl.constexpr):
-    # grid (cdiv(C, BLOCK_C), E): group e's pad columns pends[e-1] + n .. pends[e] of qt [C, P] (fewer than
-    # ALIGN, or ALIGN for an empty group) set to zero.
-    e = tl.program_id(1)
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
-    pstart = tl.load(pends_ptr + e - 1, mask=e > 0, other=0)
-    first = pstart + tl.load(ends_ptr + e) - start
-    j = tl.arange(0, ALIGN)
-    m = (cols < C)[:, None] & ((first + j) < tl.load(pends_ptr + e))[None, :]
-    zeros = tl.full([BLOCK_C, ALIGN], 0.0, tl.float32)
-    tl.store(qt_ptr + cols.to(tl.int64)[:, None] * P + (first + j)[None, :], zeros.to(qt_ptr.dtype.element_ty), mask=m)
+        nblk = (L + BLOCK_R - 1) // BLOCK_R
+        g_lo = tl.program_id(0) // nblk
+        g_hi = g_lo
+        g = tl.full([BLOCK_R], 0, tl.int32) + g_lo
+        local = (tl.program_id(0) % nblk) * BLOCK_R + j
+        real = local < L
+        grouped = real
+        src = g_lo * L + local
+        qt_base = qt_ptr + g_lo.to(tl.int64) * C * L
+        dst = cols.to(tl.int64)[None, :] * L + local[:, None]
+        dst_m = cm[None, :] & real[:, None]
+    x = tl.load(x_ptr + src.to(tl.int64)[:, None] * C + cols[None, :], mask=real[:, None] & cm[None, :],
+                other=0.0).to(tl.float32)
+    if ROWS:
+        row_s = tl.load(rs_ptr + src, mask=real, other=1.0)
+        tl.store(q_ptr + src.to(tl.int64)[:, None] * C + cols[None, :],
+                 tl.clamp(x * row_s[:, None], -MAX, MAX).to(q_ptr.dtype.element_ty), mask=real[:, None] & cm[None, :])
+    if g_lo == g_hi:
+        # one group (all but the tiles on a group boundary): one row of scales for the tile
+        one_s = tl.load(cs_ptr + g_lo * C + cols, mask=cm & (cols * 0 + g_lo < E), other=0.0)
+        qv = x * one_s[None, :]
+    else:
+        qv = x * tl.load(cs_ptr + g.to(tl.int64)[:, None] * C + cols[None, :], mask=grouped[:, None] & cm[None, :],
+                         other=0.0)
+    tl.store(qt_base + dst, tl.clamp(qv, -MAX, MAX).to(qt_ptr.dtype.element_ty), mask=dst_m)
 
 
 def quantize_rows_triton(x: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,10 +292,12 @@ def quantize_rows_triton(x: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple
 
 
 def _quantize_tiles(x: torch.Tensor, ends: Optional[torch.Tensor], pends: Optional[torch.Tensor], L: int,
-                    num_padded: int, rows: bool, out_dtype: torch.dtype):
-    """x [R, C] -> (q [R, C] | None, d [R] | None, qt, dt [E, C]): the tile kernels' two passes over x (amax,
-    then cast) for the row and the per-group column quantization at once. Groups: ``ends`` [E] (PADDED,
-    qt [C, P] with zero pads) or, with ``ends`` None, consecutive blocks of L rows (qt [E, C, L])."""
+                    num_padded: int, rows: bool, out_dtype: torch.dtype, tiles: Optional[tuple] = None):
+    """x [R, C] -> (q [R, C] | None, d [R] | None, qt, dt [E, C]): the two passes over x (amax, then cast) for
+    the row and the per-group column quantization at once. Groups: ``ends`` [E] (PADDED, qt [C, P] with zero
+    pads) or, with ``ends`` None, consecutive blocks of L rows (qt [E, C, L]). ``tiles``: ((rows, cols, warps)
+    of the amax pass, (rows, cols, warps) of the cast pass), AMAX_TILE / CAST_TILE by default (bench/)."""
+    (ar, ac, aw), (cr, cc, cw) = tiles or (AMAX_TILE, CAST_TILE)
     R, C = x.shape
     padded = ends is not None
     E = ends.numel() if padded else (R // L if L else 0)
@@ -296,19 +309,16 @@ def _quantize_tiles(x: torch.Tensor, ends: Optional[torch.Tensor], pends: Option
           else torch.empty(E, C, L, dtype=out_dtype, device=dev))
     ends = ends if padded else camax                    # unused pointers when not padded
     pends = pends if padded else camax
-    run = bool(R and C and E)
-    if run:
-        grid = (triton.cdiv(R, TILE_R), triton.cdiv(C, TILE_C))
-        meta = dict(ROWS=rows, PADDED=padded, MAX=FP8_MAX, BLOCK_R=TILE_R, BLOCK_C=TILE_C,
-                    BLOCK_E=triton.next_power_of_2(E) if padded else 1, num_warps=TILE_WARPS)
-        args = (x, ends, pends, ramax.view(torch.int32), camax.view(torch.int32))
-        jit(_tiles_kernel)[grid](*args, ramax, camax, qt, qt, R, C, E, L, num_padded, CAST=False, **meta)
+    block_e = triton.next_power_of_2(E) if padded else 1
+    if R and C and E:
+        jit(_amax_kernel)[(triton.cdiv(R, ar), triton.cdiv(C, ac))](
+            x, ends, ramax.view(torch.int32), camax.view(torch.int32), R, C, E, L, ROWS=rows, PADDED=padded,
+            BLOCK_R=ar, BLOCK_C=ac, BLOCK_E=block_e, num_warps=aw)
     rs, cs = pow2_scale(ramax), pow2_scale(camax)
-    if run:
-        jit(_tiles_kernel)[grid](*args, rs, cs, q if rows else qt, qt, R, C, E, L, num_padded, CAST=True, **meta)
-    if padded and C and E:
-        jit(_zero_pads_kernel)[(triton.cdiv(C, PAD_BLOCK_C), E)](qt, ends, pends, C, num_padded, ALIGN=WGRAD_ALIGN,
-                                                                  BLOCK_C=PAD_BLOCK_C, num_warps=4)
+    if C and E:                                         # no rows: the pads (every group empty) still zeroed
+        grid = (triton.cdiv(num_padded, cr) if padded else E * triton.cdiv(L, cr), triton.cdiv(C, cc))
+        jit(_cast_kernel)[grid](x, ends, pends, rs, cs, q if rows else qt, qt, R, C, E, L, num_padded, ROWS=rows,
+                                PADDED=padded, MAX=FP8_MAX, BLOCK_R=cr, BLOCK_C=cc, BLOCK_E=block_e, num_warps=cw)
     return q, (1.0 / rs if rows else None), qt, 1.0 / cs
 
 

@@ -96,9 +96,8 @@ def test_triton_quantizers_equal_the_reference_bit_for_bit(monkeypatch):
     # Small blocks, so every loop of the kernels runs several steps; float32 outputs cast by torch (the
     # interpreter's own fp8 cast is not IEEE round-to-nearest-even).
     monkeypatch.setattr(f, "ROWS_BLOCK", 16)
-    monkeypatch.setattr(f, "TILE_R", 16)
-    monkeypatch.setattr(f, "TILE_C", 16)
-    monkeypatch.setattr(f, "PAD_BLOCK_C", 16)
+    monkeypatch.setattr(f, "AMAX_TILE", (16, 16, 4))
+    monkeypatch.setattr(f, "CAST_TILE", (16, 16, 4))
 
     def bits(q):
         return q.to(FP8).view(torch.uint8)
