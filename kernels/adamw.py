@@ -99,26 +99,28 @@ def _triton_dtype(dtype: torch.dtype):
     return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
 
 
-def _block_map(device: torch.device, numels: tuple[int, ...]) -> tuple[torch.Tensor, list[int]]:
+def _block_map(device: torch.device, numels: tuple[int, ...], block: int) -> tuple[torch.Tensor, list[int]]:
     """int32 [blocks]: the tensor each program updates (cached: it depends on the sizes only), and each
     tensor's first block."""
     firsts, total = [], 0
     for n in numels:
         firsts.append(total)
-        total += triton.cdiv(n, BLOCK)
-    key = (device, numels)
+        total += triton.cdiv(n, block)
+    key = (device, numels, block)
     if key not in _blocks_cache:
-        counts = torch.tensor([triton.cdiv(n, BLOCK) for n in numels])
+        counts = torch.tensor([triton.cdiv(n, block) for n in numels])
         _blocks_cache[key] = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32),
                                                      counts).to(device)
     return _blocks_cache[key], firsts
 
 
 def _adamw_triton(weights, grads, exp_avgs, exp_avg_sqs, params, decay, beta1, beta2, eps, step_size, bc2_sqrt,
-                  grad_scale) -> None:
+                  grad_scale, block: int = 0, num_warps: int = 0) -> None:
+    """The launcher; ``block`` / ``num_warps``: BLOCK / NUM_WARPS unless given (bench/adamw.py times others)."""
+    block, num_warps = block or BLOCK, num_warps or NUM_WARPS
     device = weights[0].device
     numels = tuple(w.numel() for w in weights)
-    blocks, firsts = _block_map(device, numels)
+    blocks, firsts = _block_map(device, numels, block)
     # the table's 7 columns (the kernel's row stride): weight, grad, exp_avg, exp_avg_sq, param (0: none), numel,
     # first block
     rows = [[w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.data_ptr() if params else 0, n, f]
@@ -132,7 +134,7 @@ def _adamw_triton(weights, grads, exp_avgs, exp_avg_sqs, params, decay, beta1, b
     jit(_adamw_kernel)[(blocks.numel(),)](
         table, blocks, scale, decay, 1.0 - beta1, beta2, 1.0 - beta2, eps, step_size, bc2_sqrt,
         G_DTYPE=_triton_dtype(grads[0].dtype), P_DTYPE=_triton_dtype(p_dtype), HAS_PARAM=bool(params),
-        HAS_SCALE=grad_scale is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        HAS_SCALE=grad_scale is not None, BLOCK=block, num_warps=num_warps)
 
 
 def adamw_reference_(weights, grads, exp_avgs, exp_avg_sqs, params, decay, beta1, beta2, eps, step_size,
