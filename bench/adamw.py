@@ -16,33 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.timing import timeit  # noqa: E402
 from configs import exit_code  # noqa: E402
 from configs.errors import check  # noqa: E402
 from kernels import adamw as A  # noqa: E402
 
 CONFIGS = [(2048, 8), (1024, 4), (4096, 8), (2048, 4), (4096, 16), (1024, 8), (8192, 16)]
-
-
-def timed(fn, reps: int) -> float:
-    """Median ms of ``fn()`` over ``reps`` CUDA-event timings after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main():
@@ -63,7 +48,7 @@ def main():
     m = [torch.zeros(n, device="cuda") for _ in range(k)]
     v = [torch.rand(n, generator=gen, device="cuda") for _ in range(k)]
     params = [w.bfloat16() for w in masters]
-    copy_ms = timed(lambda: masters[0].clone(), args.reps)
+    copy_ms = timeit(lambda: masters[0].clone(), reps=args.reps)
     rate = 2 * 4 * n / copy_ms                                       # bytes per ms
     ideal = 28 * n * k / rate
     res = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__},
@@ -73,7 +58,7 @@ def main():
     hp = (1 - 1e-3 * 0.1, 0.9, 0.95, 1e-8, 1e-3, 0.3)          # decay, beta1, beta2, eps, step size, sqrt(bc2)
     scale = torch.tensor(0.5, device="cuda")
     for block, warps in CONFIGS:
-        ms = timed(lambda: A._adamw_triton(masters, grads, m, v, params, *hp, scale, block=block, num_warps=warps),
+        ms = timeit(lambda: A._adamw_triton(masters, grads, m, v, params, *hp, scale, block=block, num_warps=warps),
                    args.reps)
         res["configs"][f"{block},{warps}"] = {"ms": ms, "vs_copy": ideal / ms}
         print(f"  BLOCK {block:5d} warps {warps:2d}: {ms:7.2f} ms  {28 * n * k / ms / 1e9:5.2f} TB/s  "
@@ -84,7 +69,7 @@ def main():
     for w in ws:
         w.grad = torch.randn(n, generator=gen, device="cuda")
     opt = torch.optim.AdamW(ws, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    ms = timed(opt.step, args.reps)
+    ms = timeit(opt.step, reps=args.reps)
     res["torch_fused_fp32"] = {"ms": ms, "tb_s": 28 * n * k / ms / 1e9}
     print(f"  torch.optim.AdamW(fused=True), float32 weights and gradients: {ms:7.2f} ms  "
           f"{28 * n * k / ms / 1e9:5.2f} TB/s", flush=True)

@@ -62,6 +62,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.timing import timeit  # noqa: E402
 from configs import exit_code  # noqa: E402
 from configs.attention import FLEX_KERNELS  # noqa: E402
 from configs.errors import choice_list, int_list  # noqa: E402
@@ -84,28 +85,6 @@ PATTERNS = {
     "topk_nsa": SparsityPattern(type="block_topk", top_k=16, share_group=1, query_max=1, compress=1, block_size=BS),
 }
 PATTERNS["mix"] = [PATTERNS["a_shape"]] * (H // 2) + [PATTERNS["topk"]] * (H // 2)
-
-
-def timeit(fn, min_reps=3, budget_s=1.5):
-    """Median milliseconds over CUDA events, after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    est = time.perf_counter() - t0
-    reps = max(min_reps, min(20, int(budget_s / max(est, 1e-4))))
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
 
 
 VS_INPUTS = ("structured", "local", "iid")

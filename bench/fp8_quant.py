@@ -23,34 +23,19 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.timing import timeit  # noqa: E402
 from configs import exit_code  # noqa: E402
 from configs.errors import check  # noqa: E402
 from kernels import moe_fp8 as f  # noqa: E402
 
 AMAX_TILES = [(128, 64, 16), (128, 64, 8), (64, 64, 4), (32, 128, 4)]
 CAST_TILES = [(128, 64, 16), (128, 64, 8), (64, 64, 4), (32, 128, 4), (64, 128, 8)]
-
-
-def timed(fn, reps: int) -> float:
-    """Median ms of ``fn()`` over ``reps`` CUDA-event timings after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def operands(gen: torch.Generator) -> dict:
@@ -96,7 +81,7 @@ def main():
            "default": [f.AMAX_TILE, f.CAST_TILE], "operands": {}}
     totals: dict = {}
     for name, (run, t, bytes_per_elem) in operands(gen).items():
-        copy_ms = timed(lambda: t.clone(), args.reps)
+        copy_ms = timeit(lambda: t.clone(), reps=args.reps)
         copy_rate = 2 * t.numel() * t.element_size() / copy_ms       # bytes per ms
         ideal = bytes_per_elem * t.numel() / copy_rate
         want = run(None)
@@ -105,7 +90,7 @@ def main():
             key = f"{','.join(map(str, amax))};{','.join(map(str, cast))}"
             try:
                 ok = same(run((amax, cast)), want)
-                ms = timed(lambda: run((amax, cast)), args.reps)
+                ms = timeit(lambda: run((amax, cast)), reps=args.reps)
             except Exception as e:                        # a tile that does not compile here is reported
                 rows[key] = {"error": f"{type(e).__name__}: {e}"[:200]}
                 continue
