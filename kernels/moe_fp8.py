@@ -40,9 +40,10 @@ an amax kernel takes every row's and every group column's amax over tiles (atomi
 writes both layouts. The cast kernel's tiles walk the rows of the transposed output (the padded wgrad rows,
 or one weight's rows), so that store is 16-byte vectors along contiguous, aligned columns of qt, and the
 pads are written as zeros in the same pass; the source rows are gathered (row-major, contiguous along the
-features either way). Session 25's version tiled the source rows instead: its transposed store was one byte
-per lane, a separate kernel zeroed the pads, and its cast pass needed 90 registers a thread on 16 warps
-(one block per SM): 14.3 ms of the fp8 layer's 43.9 on the H200, against ~4.4 by the bytes (BENCHMARKS.md).
+features either way). The first dual pass (349a889) tiled the source rows instead: its transposed store
+was one byte per lane, a separate kernel zeroed the pads, and its cast pass needed 90 registers a thread
+on 16 warps (one block per SM): 14.3 ms of the fp8 layer's 43.9 on the H200, against ~4.4 by the bytes
+(BENCHMARKS.md).
 The row and column quantizers apart read the input three times (H100, Mixtral shape: 9.7 of the fp8
 layer's 42.4 ms were quantizers).
 
@@ -69,7 +70,7 @@ FAST_ACCUM = True         # FP8 tensor-core accumulation without periodic float3
 ROWS_BLOCK = 4096         # columns per step of the row quantizer: 8 KB of bf16 in flight per program
 # The passes' tiles, (rows, columns, warps). ptxas for sm_90 (on the CPU machine, as
 # tests/kernels/test_compile_sm90.py compiles) at 128 x 64 on 16 warps: amax 53 registers, cast 38-40, no
-# spill, every global store a 16-byte vector; the cast pass of session 25's source-row tiles took 90.
+# spill, every global store a 16-byte vector; the first dual pass's cast over source-row tiles took 90.
 AMAX_TILE = (128, 64, 16)
 CAST_TILE = (128, 64, 16)
 
