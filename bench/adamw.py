@@ -52,8 +52,8 @@ def main():
     rate = 2 * 4 * n / copy_ms                                       # bytes per ms
     ideal = 28 * n * k / rate
     res = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__},
-           "tensors": k, "numel": n, "copy_ms_one_master": copy_ms, "ideal_ms": ideal, "default": [A.BLOCK, A.NUM_WARPS],
-           "configs": {}}
+           "tensors": k, "numel": n, "copy_ms_one_master": copy_ms, "ideal_ms": ideal,
+           "default": [A.BLOCK, A.NUM_WARPS], "configs": {}}
     print(f"{k} x {n} weights: at the copy rate ({rate / 1e9:.2f} TB/s) 28 B a weight take {ideal:.2f} ms", flush=True)
     hp = (1 - 1e-3 * 0.1, 0.9, 0.95, 1e-8, 1e-3, 0.3)          # decay, beta1, beta2, eps, step size, sqrt(bc2)
     scale = torch.tensor(0.5, device="cuda")
