@@ -68,11 +68,12 @@ AMAX_EPS = 1e-12          # an all-zero row or column gets a finite scale (2^48)
 WGRAD_ALIGN = 16          # rows per wgrad group: 16 bytes of fp8 (TMA alignment of group starts)
 FAST_ACCUM = True         # FP8 tensor-core accumulation without periodic float32 promotion (torchao: all three)
 ROWS_BLOCK = 4096         # columns per step of the row quantizer: 8 KB of bf16 in flight per program
-# The passes' tiles, (rows, columns, warps). ptxas for sm_90 (on the CPU machine, as
-# tests/kernels/test_compile_sm90.py compiles) at 128 x 64 on 16 warps: amax 53 registers, cast 38-40, no
-# spill, every global store a 16-byte vector; the first dual pass's cast over source-row tiles took 90.
-AMAX_TILE = (128, 64, 16)
-CAST_TILE = (128, 64, 16)
+# The passes' tiles, (rows, columns, warps): the fastest of bench/fp8_quant.py's 20 pairs on an H100 (session
+# 26), 5.21 ms over the Mixtral layer's five operand kinds against 7.32 at 128 x 64 on 16 warps for both (the
+# amax pass on 16 warps was the slow part). Every global store of the cast pass is a 16-byte vector (ptxas
+# for sm_90, as tests/kernels/test_compile_sm90.py compiles on the CPU machine).
+AMAX_TILE = (128, 64, 8)
+CAST_TILE = (32, 128, 4)
 
 
 # -- pure torch: the math, once -------------------------------------------------------------------------

@@ -5,14 +5,17 @@ types taken from the real launch arguments) instead of running it.
 The interpreter tests check what the kernels compute, but the interpreter runs the kernel body as Python:
 it accepts what the compiler refuses. A variable given another shape in one branch of an ``if`` (the FP8 tile
 kernel of 349a889, found here before it reached a GPU) runs interpreted and fails to compile. And no kernel
-spills registers (ptxas's stack frame, read with cuobjdump): the same tile kernel at 128 x 128 on 8 warps
-spilled up to 200 B a thread. Needs triton with its NVIDIA backend (it ships ptxas); no GPU."""
+spills more than a few bytes of registers (ptxas's stack frame, read with cuobjdump): the same tile kernel at
+128 x 128 on 8 warps spilled up to 200 B a thread. Needs triton with its NVIDIA backend (it ships ptxas); no
+GPU."""
 import inspect
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+
+MAX_STACK = 16   # bytes of per-thread stack frame a kernel may have
 
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
           torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}
@@ -116,6 +119,9 @@ def test_every_triton_kernel_compiles_for_sm90(monkeypatch):
     kernel_fns = {n for m in (adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu) for n, f in vars(m).items()
                   if n.startswith("_") and n.endswith("_kernel") and callable(f)}
     assert names == kernel_fns, f"not launched here: {kernel_fns - names}"
-    # no register spills (a spilled FP8 tile kernel moved ~20x its tile's bytes through local memory)
-    spills = [(name, meta, stack) for name, meta, stack in _CompileOnly.compiled if stack]
+    # no real register spills (a spilled FP8 tile kernel moved ~20x its tile's bytes through local memory).
+    # A few bytes are allowed: triton 3.6's ptxas gives the FP8 cast pass's groups-only variant at its
+    # default tile (32 x 128, 4 warps; 3.9's: none) an 8-byte frame, and on an H100 that variant ran as fast
+    # as the tiles with none (bench/fp8_quant.py's dy_cols: 0.368 ms vs 0.362 at 64 x 64; BENCHMARKS.md).
+    spills = [(name, meta, stack) for name, meta, stack in _CompileOnly.compiled if stack and stack > MAX_STACK]
     assert not spills, spills
