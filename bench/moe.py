@@ -395,6 +395,8 @@ def main():
     check(args.reps > 0, "--reps", f"must be > 0, got {args.reps}")
     global DEV
     DEV = args.device
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)     # before the timings: a missing folder lost them once
     import triton
     env = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else DEV, "torch": torch.__version__,
            "cuda": torch.version.cuda, "triton": triton.__version__}
