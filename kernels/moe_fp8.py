@@ -271,7 +271,8 @@ def _cast_kernel(x_ptr, ends_ptr, pends_ptr, rs_ptr, cs_ptr, q_ptr, qt_ptr, R, C
         tl.store(q_ptr + src.to(tl.int64)[:, None] * C + cols[None, :],
                  tl.clamp(x * row_s[:, None], -MAX, MAX).to(q_ptr.dtype.element_ty), mask=real[:, None] & cm[None, :])
     if g_lo == g_hi:
-        # one group (all but the tiles on a group boundary): one row of scales for the tile
+        # one group (all but the tiles on a group boundary): one row of scales for the tile; none past the
+        # last group (g_lo == E; the bound as a vector: the interpreter refuses a scalar term in a mask)
         one_s = tl.load(cs_ptr + g_lo * C + cols, mask=cm & (cols * 0 + g_lo < E), other=0.0)
         qv = x * one_s[None, :]
     else:
