@@ -59,7 +59,7 @@ def main():
     scale = torch.tensor(0.5, device="cuda")
     for block, warps in CONFIGS:
         ms = timeit(lambda: A._adamw_triton(masters, grads, m, v, params, *hp, scale, block=block, num_warps=warps),
-                   args.reps)
+                   reps=args.reps)
         res["configs"][f"{block},{warps}"] = {"ms": ms, "vs_copy": ideal / ms}
         print(f"  BLOCK {block:5d} warps {warps:2d}: {ms:7.2f} ms  {28 * n * k / ms / 1e9:5.2f} TB/s  "
               f"vs copy {ideal / ms:.2f}", flush=True)

@@ -39,7 +39,8 @@ CAST_TILES = [(128, 64, 16), (128, 64, 8), (64, 64, 4), (32, 128, 4), (64, 128, 
 
 
 def operands(gen: torch.Generator) -> dict:
-    """name -> (launcher(tiles) -> outputs, bytes moved)."""
+    """name -> (launcher: tiles (None: the defaults) -> the quantizer's outputs, the operand, bytes the two
+    passes move per element)."""
     R, E = 32768, 8
     sizes = torch.distributions.Dirichlet(torch.full((E,), 4.0)).sample() * R
     offs = sizes.cumsum(0).round().int().clamp(max=R)
@@ -58,6 +59,11 @@ def operands(gen: torch.Generator) -> dict:
         out[f"w_{str(dtype)[6:]}"] = (lambda tiles, w=w: f._quantize_tiles(w.view(-1, 4096), None, None, 14336, 0, True,
                                                                            f.FP8, tiles), w, size + size + 2)
     return out
+
+
+def tiles_key(amax, cast) -> str:
+    """The pair as ``--fp8-tiles`` of bench/moe.py takes it: ``ar,ac,aw;cr,cc,cw``."""
+    return f"{','.join(map(str, amax))};{','.join(map(str, cast))}"
 
 
 def same(a, b) -> bool:
@@ -87,7 +93,7 @@ def main():
         want = run(None)
         rows = {}
         for amax, cast in itertools.product(AMAX_TILES, CAST_TILES):
-            key = f"{','.join(map(str, amax))};{','.join(map(str, cast))}"
+            key = tiles_key(amax, cast)
             try:
                 ok = same(run((amax, cast)), want)
                 ms = timeit(lambda: run((amax, cast)), reps=args.reps)
@@ -97,7 +103,7 @@ def main():
             rows[key] = {"ms": ms, "vs_copy": ideal / ms, "equal": ok}
             totals[key] = totals.get(key, 0.0) + (ms if ok else float("inf"))
         best = min((r["ms"], k) for k, r in rows.items() if "ms" in r)
-        dflt = rows.get(f"{','.join(map(str, f.AMAX_TILE))};{','.join(map(str, f.CAST_TILE))}", {})
+        dflt = rows.get(tiles_key(f.AMAX_TILE, f.CAST_TILE), {})
         res["operands"][name] = {"shape": list(t.shape), "dtype": str(t.dtype), "copy_ms": copy_ms,
                                  "ideal_ms": ideal, "tiles": rows}
         print(f"{name:8s} {str(tuple(t.shape)):20s} copy {copy_ms:6.3f} ms  at copy rate {ideal:6.3f} ms  "

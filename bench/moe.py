@@ -383,11 +383,12 @@ def main():
     if args.fp8_tiles:
         from kernels import moe_fp8
         try:
-            amax, cast = (tuple(int(v) for v in part.split(",")) for part in args.fp8_tiles.split(";"))
-            assert len(amax) == len(cast) == 3
-        except (ValueError, AssertionError):
-            check(False, "--fp8-tiles", f"expected 'ar,ac,aw;cr,cc,cw' (six integers), got {args.fp8_tiles!r}")
-        moe_fp8.AMAX_TILE, moe_fp8.CAST_TILE = amax, cast
+            tiles = [tuple(int(v) for v in part.split(",")) for part in args.fp8_tiles.split(";")]
+        except ValueError:
+            tiles = []
+        check([len(t) for t in tiles] == [3, 3], "--fp8-tiles",
+              f"expected 'ar,ac,aw;cr,cc,cw' (six integers), got {args.fp8_tiles!r}")
+        moe_fp8.AMAX_TILE, moe_fp8.CAST_TILE = tiles
     shapes = choice_list(args.shapes, tuple(SHAPES), "--shapes")
     only = tuple(choice_list(args.only, tuple(VARIANTS), "--only")) if args.only else None
     skip = tuple(choice_list(args.skip, tuple(VARIANTS), "--skip")) if args.skip else ()

@@ -9,7 +9,8 @@
 #     OUT=/tmp/out TOK=.tok2k bash bench/moe_gpu.sh [titan small fp8 equal layer]
 #     `layer` (no TOK needed): bench/moe.py at the dim-512 model's shape with the weight gradients split in
 #     1, 2, 4 parts and the automatic choice, then the FP8 quantizers' tile sweep (bench/fp8_quant.py), then
-#     the Mixtral shape bf16 / ours FP8 at the sweep's best tiles / torchao's FP8 (with a profile per variant), then the fine-grained shape against megablocks when it is importable (build it
+#     the Mixtral shape bf16 / ours FP8 at the sweep's best tiles / torchao's FP8 (with a profile per
+#     variant), then the fine-grained shape against megablocks when it is importable (build it
 #     first: bash .peers/build_megablocks.sh, ~190 s). `split`: the dim-512 dense and MoE steps as CUDA graphs
 #     (speed_512_graphs, 40 steps) with the MoE's weight gradients split as kernels.grouped_wgrad chooses and
 #     unsplit (--wgrad-splits 1), in one call; the split run also times both with train.param_dtype=bfloat16

@@ -43,7 +43,7 @@ from .launch import jit, tl, triton, use_triton
 # 8 x 134M weights): 10.45 ms, 1.01x the copy rate, against 11.55 at 2048 on 8 warps (the previous choice)
 # and 11.90 for torch's fused AdamW on float32; 4096 with 4 warps took 218 registers for sm_90
 BLOCK, NUM_WARPS = 1024, 4
-_blocks_cache: dict = {}          # (device, numels) -> int32 [blocks] tensor index of each block
+_blocks_cache: dict = {}          # (device, numels, block) -> int32 [blocks] tensor index of each block
 
 
 def _adamw_kernel(table_ptr, block_tensor_ptr, scale_ptr, decay, one_minus_beta1, beta2, one_minus_beta2, eps,
