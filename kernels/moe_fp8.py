@@ -221,10 +221,13 @@ def _amax_kernel(x_ptr, ends_ptr, ramax_ptr, camax_ptr, R, C, E, L, ROWS: tl.con
         tl.atomic_max(camax_ptr + gg * C + cols, m.to(tl.int32, bitcast=True), mask=cm, sem="relaxed")
 
 
-def _cast_kernel(x_ptr, ends_ptr, pends_ptr, rs_ptr, cs_ptr, q_ptr, qt_ptr, R, C, E, L, P, ROWS: tl.constexpr,
-                 PADDED: tl.constexpr, MAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                 BLOCK_E: tl.constexpr):
-    # Pass 2, with rs [R] / cs [E, C] the scales from pass 1's amax. Tiles walk the rows of the transposed
+def _cast_kernel(x_ptr, ends_ptr, pends_ptr, ramax_ptr, camax_ptr, d_ptr, dt_ptr, q_ptr, qt_ptr, R, C, E, L, P,
+                 ROWS: tl.constexpr, PADDED: tl.constexpr, MAX: tl.constexpr, EPS: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+    # Pass 2, from pass 1's amax: ramax [R], camax [E, C]. The scales s = 2^floor(log2(MAX / amax)) are made
+    # here (the exponent bits of tl.div_rn's quotient, as pow2_scale), and the tiles that hold a group's first
+    # row (a source row, in the first column tile) write its dequantization scales dt[g, cols] (d[r]) = 1 / s,
+    # so a dual pass is three launches after its memset, not a dozen small torch ops. Tiles walk the rows of the transposed
     # output, so its store is BLOCK_R contiguous bytes per column, aligned (16-byte vectors), whatever the
     # group sizes; the source rows are gathered (row-major: contiguous along the columns either way).
     # PADDED: grid (cdiv(P, BLOCK_R), cdiv(C, BLOCK_C)); tile rows p are columns of qt [C, P]. Padded row p
@@ -252,6 +255,7 @@ def _cast_kernel(x_ptr, ends_ptr, pends_ptr, rs_ptr, cs_ptr, q_ptr, qt_ptr, R, C
         qt_base = qt_ptr
         dst = cols.to(tl.int64)[None, :] * P + p[:, None]
         dst_m = cm[None, :] & (p < P)[:, None]
+        first = (p == pstart) & (g < E)                                 # the rows that start a group
     else:
         nblk = (L + BLOCK_R - 1) // BLOCK_R
         g_lo = tl.program_id(0) // nblk
@@ -264,21 +268,36 @@ def _cast_kernel(x_ptr, ends_ptr, pends_ptr, rs_ptr, cs_ptr, q_ptr, qt_ptr, R, C
         qt_base = qt_ptr + g_lo.to(tl.int64) * C * L
         dst = cols.to(tl.int64)[None, :] * L + local[:, None]
         dst_m = cm[None, :] & real[:, None]
+        first = local == 0
     x = tl.load(x_ptr + src.to(tl.int64)[:, None] * C + cols[None, :], mask=real[:, None] & cm[None, :],
                 other=0.0).to(tl.float32)
     if ROWS:
-        row_s = tl.load(rs_ptr + src, mask=real, other=1.0)
+        row_a = tl.maximum(tl.load(ramax_ptr + src, mask=real, other=1.0), EPS)
+        row_s = (tl.div_rn(MAX, row_a).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
         tl.store(q_ptr + src.to(tl.int64)[:, None] * C + cols[None, :],
                  tl.clamp(x * row_s[:, None], -MAX, MAX).to(q_ptr.dtype.element_ty), mask=real[:, None] & cm[None, :])
+        tl.store(d_ptr + src, tl.div_rn(1.0, row_s), mask=real & (j * 0 + tl.program_id(1) == 0))
     if g_lo == g_hi:
         # one group (all but the tiles on a group boundary): one row of scales for the tile; none past the
         # last group (g_lo == E; the bound as a vector: the interpreter refuses a scalar term in a mask)
-        one_s = tl.load(cs_ptr + g_lo * C + cols, mask=cm & (cols * 0 + g_lo < E), other=0.0)
-        qv = x * one_s[None, :]
+        in_g = cm & (cols * 0 + g_lo < E)
+        col_a = tl.maximum(tl.load(camax_ptr + g_lo * C + cols, mask=in_g, other=1.0), EPS)
+        col_s = (tl.div_rn(MAX, col_a).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        qv = x * tl.where(in_g, col_s, 0.0)[None, :]
     else:
-        qv = x * tl.load(cs_ptr + g.to(tl.int64)[:, None] * C + cols[None, :], mask=grouped[:, None] & cm[None, :],
-                         other=0.0)
+        # (names of their own: Triton wants a name to have one type in both branches)
+        tile_m = grouped[:, None] & cm[None, :]
+        tile_a = tl.maximum(tl.load(camax_ptr + g.to(tl.int64)[:, None] * C + cols[None, :], mask=tile_m, other=1.0),
+                            EPS)
+        tile_s = (tl.div_rn(MAX, tile_a).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        qv = x * tl.where(tile_m, tile_s, 0.0)
     tl.store(qt_base + dst, tl.clamp(qv, -MAX, MAX).to(qt_ptr.dtype.element_ty), mask=dst_m)
+    # dt[g, cols] from the tile rows that start a group (every group has one: at least 16 padded rows)
+    dt_a = tl.maximum(tl.load(camax_ptr + g.to(tl.int64)[:, None] * C + cols[None, :],
+                              mask=first[:, None] & cm[None, :], other=1.0), EPS)
+    dt_s = (tl.div_rn(MAX, dt_a).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    tl.store(dt_ptr + g.to(tl.int64)[:, None] * C + cols[None, :], tl.div_rn(1.0, dt_s),
+             mask=first[:, None] & cm[None, :])
 
 
 def quantize_rows_triton(x: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,24 +324,31 @@ def _quantize_tiles(x: torch.Tensor, ends: Optional[torch.Tensor], pends: Option
     padded = ends is not None
     E = ends.numel() if padded else (R // L if L else 0)
     dev = x.device
-    ramax = torch.zeros(R if rows else 1, dtype=torch.float32, device=dev)
-    camax = torch.zeros(E, C, dtype=torch.float32, device=dev)
+    nr = R if rows else 0
+    na = -(-nr // 4) * 4          # the column part starts 16-byte aligned (as the kernels' pointers specialise)
+    # one memset for both amax buffers, one allocation for both scale outputs (views of each)
+    amax = torch.zeros(max(na + E * C, 1), dtype=torch.float32, device=dev)
+    ramax, camax = amax[:nr], amax[na:na + E * C]
+    dall = torch.empty(na + E * C, dtype=torch.float32, device=dev)
+    d, dt = dall[:nr], dall[na:].view(E, C)
     q = torch.empty(R, C, dtype=out_dtype, device=dev) if rows else None
     qt = (torch.empty(C, num_padded, dtype=out_dtype, device=dev) if padded
           else torch.empty(E, C, L, dtype=out_dtype, device=dev))
-    ends = ends if padded else camax                    # unused pointers when not padded
-    pends = pends if padded else camax
+    ends = ends if padded else amax                     # unused pointers when not padded
+    pends = pends if padded else amax
     block_e = triton.next_power_of_2(E) if padded else 1
     if R and C and E:
         jit(_amax_kernel)[(triton.cdiv(R, ar), triton.cdiv(C, ac))](
-            x, ends, ramax.view(torch.int32), camax.view(torch.int32), R, C, E, L, ROWS=rows, PADDED=padded,
+            x, ends, amax.view(torch.int32), camax.view(torch.int32), R, C, E, L, ROWS=rows, PADDED=padded,
             BLOCK_R=ar, BLOCK_C=ac, BLOCK_E=block_e, num_warps=aw)
-    rs, cs = pow2_scale(ramax), pow2_scale(camax)
-    if C and E:                                         # no rows: the pads (every group empty) still zeroed
+    if C and E:       # no rows: the pads (every group empty) still zeroed, the scales still written
         grid = (triton.cdiv(num_padded, cr) if padded else E * triton.cdiv(L, cr), triton.cdiv(C, cc))
-        jit(_cast_kernel)[grid](x, ends, pends, rs, cs, q if rows else qt, qt, R, C, E, L, num_padded, ROWS=rows,
-                                PADDED=padded, MAX=FP8_MAX, BLOCK_R=cr, BLOCK_C=cc, BLOCK_E=block_e, num_warps=cw)
-    return q, (1.0 / rs if rows else None), qt, 1.0 / cs
+        jit(_cast_kernel)[grid](x, ends, pends, amax, camax, dall, dt, q if rows else qt, qt, R, C, E, L,
+                                num_padded, ROWS=rows, PADDED=padded, MAX=FP8_MAX, EPS=AMAX_EPS, BLOCK_R=cr,
+                                BLOCK_C=cc, BLOCK_E=block_e, num_warps=cw)
+    elif nr:          # no columns: every row is empty, its scale that of a zero amax (nothing to cast)
+        d.copy_(1.0 / pow2_scale(ramax))
+    return q, (d if rows else None), qt, dt
 
 
 def quantize_groups_t_triton(x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor, num_padded: int,
