@@ -386,9 +386,8 @@ def main():
     ap.add_argument("--device", default="cuda", help="cpu only smoke-tests this script")
     ap.add_argument("--skip", default="", help="comma list of our variants to leave out, e.g. ours_align16")
     ap.add_argument("--only", default="", help="comma list of our variants to run (default: all), e.g. ours,ours_fp8")
-    ap.add_argument("--fp8-tiles", default="", help="the FP8 quantizers' tiles, 'ar,ac,aw;cr,cc,cw[;sr,sc,sw]' "
-                    "(rows, columns, warps of the amax and the cast pass, and of the SwiGLU that takes the amax; "
-                    "bench/fp8_quant.py --best writes it)")
+    ap.add_argument("--fp8-tiles", default="", help="the FP8 quantizers' tiles, 'ar,ac,aw;cr,cc,cw' (rows, "
+                    "columns, warps of the amax and the cast pass; bench/fp8_quant.py --best writes it)")
     args = ap.parse_args()
     # every choice checked before the GPU is touched: a bad one is one line and exit 2
     if args.fp8_tiles:
@@ -397,12 +396,9 @@ def main():
             tiles = [tuple(int(v) for v in part.split(",")) for part in args.fp8_tiles.split(";")]
         except ValueError:
             tiles = []
-        check([len(t) for t in tiles] in ([3, 3], [3, 3, 3]), "--fp8-tiles",
-              f"expected 'ar,ac,aw;cr,cc,cw[;sr,sc,sw]' (six or nine integers), got {args.fp8_tiles!r}")
-        moe_fp8.AMAX_TILE, moe_fp8.CAST_TILE = tiles[:2]
-        if len(tiles) == 3:
-            from kernels import moe_swiglu
-            moe_swiglu.AMAX_TILE = tiles[2]
+        check([len(t) for t in tiles] == [3, 3], "--fp8-tiles",
+              f"expected 'ar,ac,aw;cr,cc,cw' (six integers), got {args.fp8_tiles!r}")
+        moe_fp8.AMAX_TILE, moe_fp8.CAST_TILE = tiles
     shapes = choice_list(args.shapes, tuple(SHAPES), "--shapes")
     only = tuple(choice_list(args.only, tuple(VARIANTS), "--only")) if args.only else None
     skip = tuple(choice_list(args.skip, tuple(VARIANTS), "--skip")) if args.skip else ()
