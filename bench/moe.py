@@ -70,16 +70,9 @@ VARIANTS = {
 }
 
 
-def unfused_fp8_gate_up_swiglu(x, w1, w3, offs, inv=None, num_rows=0, zero_fill=False, scale=None):
-    """kernels.moe_gate_up.fp8_gate_up_swiglu's contract as it was before the SwiGLU kernels took the FP8
-    amax: the gate/up Function, then the SwiGLU op; h's quantizer then reads h for its amax (no amax)."""
-    return moe_experts.swiglu(*moe_experts.gate_up(x, w1, w3, offs, inv, num_rows, zero_fill, fp8=True), scale), None
-
-
-def torchao_fp8_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, amax=None) -> torch.Tensor:
+def torchao_fp8_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x [N, in] -> [N, out] = x w[e]^T through torchao's FP8 rowwise MoE training op (its own Triton
-    quantizers, torch._scaled_grouped_mm); needs every group a multiple of 16 rows (group_align 16).
-    ``amax`` (ours, from the SwiGLU kernel) is not torchao's: ignored."""
+    quantizers, torch._scaled_grouped_mm); needs every group a multiple of 16 rows (group_align 16)."""
     from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
     return _to_fp8_rowwise_then_scaled_grouped_mm(x, w.transpose(-2, -1), offs, pad_token_groups_for_grouped_mm=False)
 
@@ -95,10 +88,7 @@ def torchao_gate_up(x, w1, w3, offs, inv=None, num_rows=0, zero_fill=False, fp8=
 # torchao 0.18's prototype MoE FP8 training path (issue 16 item 4 asks for both measured): our layer with
 # groups padded to 16 rows (its requirement) and its expert GEMMs swapped for torchao's op.
 VARIANTS["torchao_fp8"] = {"precision": "fp8", "group_align": 16, (moe_experts, "gate_up"): torchao_gate_up,
-                           (moe_experts, "fp8_gate_up_swiglu"): unfused_fp8_gate_up_swiglu,
                            (moe_experts, "fp8_grouped_linear"): torchao_fp8_mm}
-# ours_fp8 before the SwiGLU kernels took the FP8 amax of h, da and db (the quantizers read each twice)
-VARIANTS["ours_fp8_unfused_amax"] = {"precision": "fp8", (moe_experts, "fp8_gate_up_swiglu"): unfused_fp8_gate_up_swiglu}
 FP8_REL_ERR = 0.1    # normwise, against float32: e4m3 keeps 3 mantissa bits (~0.066 through the layer's 3 GEMMs)
 
 

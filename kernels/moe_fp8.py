@@ -50,10 +50,7 @@ layer's 42.4 ms were quantizers).
 Layers: ``@triton.jit`` kernels (a row quantizer, one row per program; the amax and cast passes) +
 launchers -> custom ops ``moezoo::fp8_quantize_rows`` / ``fp8_quantize_groups_t`` /
 ``fp8_quantize_dual`` / ``fp8_quantize_weight_dual`` (``register_fake``, so torch.compile traces through)
--> the autograd.Function. ``fp8_cast_dual`` is the cast pass alone, for a tensor whose amax the kernel
-that wrote it took (kernels.moe_swiglu: h, and da / db in the backward), so it is read once. The cast pass
-makes the scales from the amax itself and writes the dequantization scales, so a dual pass is a memset and
-two launches. AMAX_TILE / CAST_TILE: the passes' tiles (``bench/fp8_quant.py`` times others).
+-> the autograd.Function. AMAX_TILE / CAST_TILE: the passes' tiles (``bench/fp8_quant.py`` times others).
 ``*_reference`` are the pure-torch oracles (and the path without triton); ``scaled_grouped_mm_reference``
 emulates torch._scaled_grouped_mm in float32 (CPU tests; the op itself is CUDA-only).
 """
@@ -108,32 +105,6 @@ def padded_rows(num_rows: int, num_groups: int) -> int:
     """P, static: room for every padded layout of ``num_rows`` rows in ``num_groups`` groups, a multiple of 16
     (torch._scaled_grouped_mm's contraction dim)."""
     return -(-num_rows // WGRAD_ALIGN) * WGRAD_ALIGN + WGRAD_ALIGN * num_groups
-
-
-def amax_layout(num_rows: int, num_groups: int, num_cols: int) -> tuple[int, int]:
-    """(offset of the column part, length) of a dual pass's float32 amax buffer: the row amax [num_rows]
-    first, then the per-group column amax [num_groups, num_cols] from a 16-byte aligned offset (the
-    kernels' pointers specialise on alignment). Also the layout a producer kernel writes (``fp8_cast_dual``)."""
-    na = -(-num_rows // 4) * 4
-    return na, na + num_groups * num_cols
-
-
-def amax_reference(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x [R, C], offs [E] int32 group ends -> float32 [amax_layout(R, E, C)[1]]: |x|'s max per row, then per
-    group and column (rows past offs[-1] are in no group; an empty group's columns are 0)."""
-    R, C = x.shape
-    E = offs.numel()
-    na, n = amax_layout(R, E, C)
-    out = torch.zeros(n, dtype=torch.float32, device=x.device)
-    xa = x.float().abs()
-    if C:
-        out[:R] = xa.amax(-1)
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        if end > start and C:
-            out[na + e * C:na + (e + 1) * C] = xa[start:end].amax(0)
-        start = end
-    return out
 
 
 def quantize_groups_t_reference(x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor,
@@ -343,25 +314,22 @@ def quantize_rows_triton(x: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple
 
 
 def _quantize_tiles(x: torch.Tensor, ends: Optional[torch.Tensor], pends: Optional[torch.Tensor], L: int,
-                    num_padded: int, rows: bool, out_dtype: torch.dtype, tiles: Optional[tuple] = None,
-                    amax: Optional[torch.Tensor] = None):
+                    num_padded: int, rows: bool, out_dtype: torch.dtype, tiles: Optional[tuple] = None):
     """x [R, C] -> (q [R, C] | None, d [R] | None, qt, dt [E, C]): the two passes over x (amax, then cast) for
     the row and the per-group column quantization at once. Groups: ``ends`` [E] (PADDED, qt [C, P] with zero
     pads) or, with ``ends`` None, consecutive blocks of L rows (qt [E, C, L]). ``tiles``: ((rows, cols, warps)
-    of the amax pass, (rows, cols, warps) of the cast pass), AMAX_TILE / CAST_TILE by default (bench/).
-    ``amax``: x's amax in ``amax_layout(R, E, C)``, made by the kernel that wrote x: the first pass is skipped."""
+    of the amax pass, (rows, cols, warps) of the cast pass), AMAX_TILE / CAST_TILE by default (bench/)."""
     (ar, ac, aw), (cr, cc, cw) = tiles or (AMAX_TILE, CAST_TILE)
     R, C = x.shape
     padded = ends is not None
     E = ends.numel() if padded else (R // L if L else 0)
     dev = x.device
-    given = amax is not None
-    nr = R if rows or given else 0
-    na, n = amax_layout(nr, E, C)
-    if not given:     # one memset for both amax buffers
-        amax = torch.zeros(max(n, 1), dtype=torch.float32, device=dev)
-    ramax, camax = amax[:nr], amax[na:n]
-    dall = torch.empty(n, dtype=torch.float32, device=dev)      # both scale outputs, as views
+    nr = R if rows else 0
+    na = -(-nr // 4) * 4          # the column part starts 16-byte aligned (as the kernels' pointers specialise)
+    # one memset for both amax buffers, one allocation for both scale outputs (views of each)
+    amax = torch.zeros(max(na + E * C, 1), dtype=torch.float32, device=dev)
+    ramax, camax = amax[:nr], amax[na:na + E * C]
+    dall = torch.empty(na + E * C, dtype=torch.float32, device=dev)
     d, dt = dall[:nr], dall[na:].view(E, C)
     q = torch.empty(R, C, dtype=out_dtype, device=dev) if rows else None
     qt = (torch.empty(C, num_padded, dtype=out_dtype, device=dev) if padded
@@ -369,7 +337,7 @@ def _quantize_tiles(x: torch.Tensor, ends: Optional[torch.Tensor], pends: Option
     ends = ends if padded else amax                     # unused pointers when not padded
     pends = pends if padded else amax
     block_e = triton.next_power_of_2(E) if padded else 1
-    if R and C and E and not given:
+    if R and C and E:
         jit(_amax_kernel)[(triton.cdiv(R, ar), triton.cdiv(C, ac))](
             x, ends, amax.view(torch.int32), camax.view(torch.int32), R, C, E, L, ROWS=rows, PADDED=padded,
             BLOCK_R=ar, BLOCK_C=ac, BLOCK_E=block_e, num_warps=aw)
@@ -395,13 +363,6 @@ def quantize_dual_triton(x: torch.Tensor, offs: torch.Tensor, pends: torch.Tenso
                          out_dtype: torch.dtype = FP8):
     """Launcher: as ``quantize_dual_reference``, x read twice in all (not three times, as the two apart)."""
     return _quantize_tiles(x.contiguous(), offs.contiguous(), pends.contiguous(), 0, num_padded, True, out_dtype)
-
-
-def cast_dual_triton(x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor, num_padded: int,
-                     amax: torch.Tensor, out_dtype: torch.dtype = FP8):
-    """Launcher: ``quantize_dual_triton``'s second pass alone, from x's amax (``amax_layout(R, E, C)``)."""
-    return _quantize_tiles(x.contiguous(), offs.contiguous(), pends.contiguous(), 0, num_padded, True, out_dtype,
-                           amax=amax)
 
 
 def quantize_weight_dual_triton(w: torch.Tensor, out_dtype: torch.dtype = FP8):
@@ -449,29 +410,10 @@ def fp8_quantize_dual(x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor,
     return quantize_dual_reference(x, offs, pends, num_padded)
 
 
-def _dual_fake(x, offs, num_padded):
-    return (x.new_empty(x.shape, dtype=FP8), x.new_empty(x.shape[0], dtype=torch.float32),
-            x.new_empty(x.shape[1], num_padded, dtype=FP8), x.new_empty(offs.shape[0], x.shape[1], dtype=torch.float32))
-
-
 @fp8_quantize_dual.register_fake
 def _(x, offs, pends, num_padded):
-    return _dual_fake(x, offs, num_padded)
-
-
-@torch.library.custom_op("moezoo::fp8_cast_dual", mutates_args=())
-def fp8_cast_dual(x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor, num_padded: int,
-                  amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``fp8_quantize_dual(x, ...)`` from one read of x, given its amax (``amax_layout(R, E, C)``: the row
-    amax, then the per-expert column amax) from the kernel that wrote x (kernels.moe_swiglu)."""
-    if use_triton(x):
-        return cast_dual_triton(x, offs, pends, num_padded, amax)
-    return quantize_dual_reference(x, offs, pends, num_padded)
-
-
-@fp8_cast_dual.register_fake
-def _(x, offs, pends, num_padded, amax):
-    return _dual_fake(x, offs, num_padded)
+    return (x.new_empty(x.shape, dtype=FP8), x.new_empty(x.shape[0], dtype=torch.float32),
+            x.new_empty(x.shape[1], num_padded, dtype=FP8), x.new_empty(offs.shape[0], x.shape[1], dtype=torch.float32))
 
 
 @torch.library.custom_op("moezoo::fp8_quantize_weight_dual", mutates_args=())
@@ -523,21 +465,17 @@ def fp8_weight(w: torch.Tensor, dgrad: bool = True):
 
 
 def fp8_operands(x: torch.Tensor, offs: torch.Tensor, rows: bool, cols: bool,
-                 pends: Optional[torch.Tensor] = None, amax: Optional[torch.Tensor] = None) -> tuple:
+                 pends: Optional[torch.Tensor] = None) -> tuple:
     """x [R, C] -> (xq, xd, (qt, dt, pends)): the row-scaled operand (forward or dgrad) if ``rows``, the
     per-expert column-scaled wgrad operand if ``cols`` (each None when not asked for); both from one
-    ``fp8_quantize_dual`` when both are, or from one ``fp8_cast_dual`` when x's ``amax`` is given (from the
-    kernel that wrote x). ``pends``: the padded group ends, when already computed for offs."""
+    ``fp8_quantize_dual`` when both are. ``pends``: the padded group ends, when already computed for offs."""
     x = x.contiguous()
     if not cols:
         return (*fp8_quantize_rows(x), (None, None, None)) if rows else (None, None, (None, None, None))
     pends = padded_group_ends(offs) if pends is None else pends
     P = padded_rows(x.shape[0], offs.numel())
     if rows:
-        if amax is not None:
-            xq, xd, qt, dt = fp8_cast_dual(x, offs, pends, P, amax)
-        else:
-            xq, xd, qt, dt = fp8_quantize_dual(x, offs, pends, P)
+        xq, xd, qt, dt = fp8_quantize_dual(x, offs, pends, P)
         return xq, xd, (qt, dt, pends)
     return None, None, (*fp8_quantize_groups_t(x, offs, pends, P), pends)
 
@@ -561,9 +499,9 @@ def fp8_wgrad(dyt: tuple, xt: tuple, dtype: torch.dtype) -> torch.Tensor:
 
 class _FP8GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, offs, amax):
+    def forward(ctx, x, w, offs):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        xq, xd, xt = fp8_operands(x, offs, rows=True, cols=need_w, amax=amax)
+        xq, xd, xt = fp8_operands(x, offs, rows=True, cols=need_w)
         wq, wd, wtq, wtd = fp8_weight(w, dgrad=need_x)
         ctx.save_for_backward(offs, wtq, wtd, *xt)
         ctx.wdtype = w.dtype
@@ -576,14 +514,12 @@ class _FP8GroupedLinear(torch.autograd.Function):
         dyq, dyd, dyt = fp8_operands(dy, offs, rows=need_x, cols=need_w, pends=xt[2])
         dx = fp8_dgrad(dyq, dyd, wtq, wtd, offs) if need_x else None
         dw = fp8_wgrad(dyt, xt, ctx.wdtype) if need_w else None
-        return dx, dw, None, None
+        return dx, dw, None
 
 
-def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
-                       amax: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """y [R, O] bf16 = x [R, I] w[e]^T per expert group (w [E, O, I], offs [E] int32 ends); differentiable
-    in x and w. ``amax``: x's amax (``amax_layout``) from the kernel that wrote x, saving a read of x."""
-    return _FP8GroupedLinear.apply(x, w, offs, amax)
+def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """y [R, O] bf16 = x [R, I] w[e]^T per expert group (w [E, O, I], offs [E] int32 ends); differentiable."""
+    return _FP8GroupedLinear.apply(x, w, offs)
 
 
 def fp8_grouped_linear_reference(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,

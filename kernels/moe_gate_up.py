@@ -22,12 +22,6 @@ ones; xs is quantized by rows for both forward GEMMs and per expert column for b
 one ``fp8_quantize_dual`` (that copy, 1 byte per element, is what the forward saves instead of xs), each
 weight for its forward and its dgrad GEMM in one ``fp8_quantize_weight_dual`` (the dgrad operand kept for
 the backward), and da / db each for their dgrad and wgrad GEMMs in one dual pass.
-
-``fp8_gate_up_swiglu(x, w1, w3, offs, inv, num_rows, zero_fill, scale) -> (h [N, H], h's amax)``: the
-layer's FP8 path, the above and kernels.moe_swiglu's SwiGLU in one autograd Function, so the SwiGLU
-kernels take the amax of h (forward; handed to the down projection's ``fp8_grouped_linear``) and of da, db
-(backward) while they write them, and each of those three [N, H] tensors is quantized from one read
-(``fp8_cast_dual``) instead of two.
 """
 from __future__ import annotations
 
@@ -38,36 +32,6 @@ import torch
 from .grouped_wgrad import grouped_wgrad
 from .moe_fp8 import fp8_dgrad, fp8_forward, fp8_operands, fp8_weight, fp8_wgrad
 from .moe_permute import moe_permute, moe_unpermute
-from .moe_swiglu import swiglu_amax, swiglu_backward_amax
-
-
-def _fp8_gate_up(ctx, xs, w1, w3, offs, need_x: bool, need_w: bool):
-    """The FP8 forward GEMMs -> (a, b, what the backward needs): xs by rows and per expert column from one
-    dual pass, each weight for its forward and its dgrad GEMM."""
-    xq, xd, xt = fp8_operands(xs, offs, rows=True, cols=need_w)
-    w1q, w1d, w1tq, w1td = fp8_weight(w1, dgrad=need_x)
-    w3q, w3d, w3tq, w3td = fp8_weight(w3, dgrad=need_x)
-    ctx.wdtypes = (w1.dtype, w3.dtype)
-    return (fp8_forward(xq, xd, w1q, w1d, offs), fp8_forward(xq, xd, w3q, w3d, offs),
-            [*xt, w1tq, w1td, w3tq, w3td])
-
-
-def _fp8_gate_up_grads(ctx, saved, da, db, offs, need_x: bool, need1: bool, need3: bool, amax=(None, None)):
-    """The FP8 backward GEMMs -> (g1, g3 [N, D] | None, dw1, dw3 | None); ``amax``: da's and db's, when the
-    kernel that wrote them took it (``fp8_operands``)."""
-    xt, wt1, wt3 = tuple(saved[:3]), saved[3:5], saved[5:]
-    daq, dad, dat = fp8_operands(da, offs, rows=need_x, cols=need1, pends=xt[2], amax=amax[0])
-    dbq, dbd, dbt = fp8_operands(db, offs, rows=need_x, cols=need3, pends=xt[2], amax=amax[1])
-    g1 = fp8_dgrad(daq, dad, *wt1, offs) if need_x else None      # [N, D]
-    g3 = fp8_dgrad(dbq, dbd, *wt3, offs) if need_x else None
-    dw1 = fp8_wgrad(dat, xt, ctx.wdtypes[0]) if need1 else None
-    dw3 = fp8_wgrad(dbt, xt, ctx.wdtypes[1]) if need3 else None
-    return g1, g3, dw1, dw3
-
-
-def _input_grad(g1, g3, inv, zero_fill):
-    """xs's two gradients summed, through the permute's backward when there is one."""
-    return g1 + g3 if inv is None else moe_unpermute(g1, inv, zero_fill, g3)
 
 
 class _PermuteGateUp(torch.autograd.Function):
@@ -80,49 +44,35 @@ class _PermuteGateUp(torch.autograd.Function):
             return (torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs),
                     torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs))
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        a, b, saved = _fp8_gate_up(ctx, xs, w1, w3, offs, need_x, need_w)
-        ctx.save_for_backward(offs, inv, *saved)
-        return a, b
+        xq, xd, xt = fp8_operands(xs, offs, rows=True, cols=need_w)
+        w1q, w1d, w1tq, w1td = fp8_weight(w1, dgrad=need_x)
+        w3q, w3d, w3tq, w3td = fp8_weight(w3, dgrad=need_x)
+        ctx.save_for_backward(offs, inv, *xt, w1tq, w1td, w3tq, w3td)
+        ctx.wdtypes = (w1.dtype, w3.dtype)
+        return fp8_forward(xq, xd, w1q, w1d, offs), fp8_forward(xq, xd, w3q, w3d, offs)
 
     @staticmethod
     def backward(ctx, da, db):
         offs, inv, *saved = ctx.saved_tensors
         need_x, need1, need3 = ctx.needs_input_grad[:3]
         if ctx.fp8:
-            g1, g3, dw1, dw3 = _fp8_gate_up_grads(ctx, saved, da, db, offs, need_x, need1, need3)
+            xt, wt1, wt3 = tuple(saved[:3]), saved[3:5], saved[5:]
+            daq, dad, dat = fp8_operands(da, offs, rows=need_x, cols=need1, pends=xt[2])
+            dbq, dbd, dbt = fp8_operands(db, offs, rows=need_x, cols=need3, pends=xt[2])
+            g1 = fp8_dgrad(daq, dad, *wt1, offs) if need_x else None      # [N, D]
+            g3 = fp8_dgrad(dbq, dbd, *wt3, offs) if need_x else None
+            dw1 = fp8_wgrad(dat, xt, ctx.wdtypes[0]) if need1 else None
+            dw3 = fp8_wgrad(dbt, xt, ctx.wdtypes[1]) if need3 else None
         else:
             xs, w1, w3 = saved
             g1 = torch._grouped_mm(da, w1, offs=offs) if need_x else None
             g3 = torch._grouped_mm(db, w3, offs=offs) if need_x else None
             dw1 = grouped_wgrad(da.t(), xs, offs) if need1 else None   # [E, H, D]
             dw3 = grouped_wgrad(db.t(), xs, offs) if need3 else None
-        dx = _input_grad(g1, g3, inv, ctx.zero_fill) if need_x else None
+        dx = None
+        if need_x:
+            dx = g1 + g3 if inv is None else moe_unpermute(g1, inv, ctx.zero_fill, g3)
         return dx, dw1, dw3, None, None, None, None, None
-
-
-class _FP8GateUpSwiGLU(torch.autograd.Function):
-    """The FP8 gate/up GEMMs and the SwiGLU in one Function, so the SwiGLU kernels hand the FP8 quantizers
-    the amax of what they write: h's (returned, for the down projection's quantizer) and da's, db's (used
-    here), each quantizer then reading its tensor once."""
-    @staticmethod
-    def forward(ctx, x, w1, w3, offs, inv, num_rows, zero_fill, scale):
-        xs = x if inv is None else moe_permute(x, inv, num_rows, zero_fill)
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        a, b, saved = _fp8_gate_up(ctx, xs, w1, w3, offs, need_x, need_w)
-        h, amax = swiglu_amax(a, b, scale, offs)
-        ctx.save_for_backward(offs, inv, a, b, scale, *saved)
-        ctx.zero_fill = zero_fill
-        ctx.mark_non_differentiable(amax)
-        return h, amax
-
-    @staticmethod
-    def backward(ctx, dh, _):
-        offs, inv, a, b, scale, *saved = ctx.saved_tensors
-        need_x, need1, need3 = ctx.needs_input_grad[:3]
-        da, db, ds, amax_a, amax_b = swiglu_backward_amax(dh, a, b, scale, offs)
-        g1, g3, dw1, dw3 = _fp8_gate_up_grads(ctx, saved, da, db, offs, need_x, need1, need3, (amax_a, amax_b))
-        dx = _input_grad(g1, g3, inv, ctx.zero_fill) if need_x else None
-        return dx, dw1, dw3, None, None, None, None, (ds if ctx.needs_input_grad[7] else None)
 
 
 def gate_up(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offs: torch.Tensor,
@@ -130,11 +80,3 @@ def gate_up(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offs: torch.Ten
             zero_fill: bool = False, fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(a, b) [N, H] of the (permuted) rows; differentiable in x, w1, w3. See the module docstring."""
     return _PermuteGateUp.apply(x, w1, w3, offs, inv, num_rows, zero_fill, fp8)
-
-
-def fp8_gate_up_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offs: torch.Tensor,
-                       inv: Optional[torch.Tensor] = None, num_rows: int = 0, zero_fill: bool = False,
-                       scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8: ``h = swiglu(*gate_up(..., fp8=True), scale)`` [N, H] and h's amax (kernels.moe_fp8.amax_layout,
-    not differentiable: hand it to ``fp8_grouped_linear`` with h); differentiable in x, w1, w3 and scale."""
-    return _FP8GateUpSwiGLU.apply(x, w1, w3, offs, inv, num_rows, zero_fill, scale)

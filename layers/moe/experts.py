@@ -38,7 +38,7 @@ from kernels.moe_swiglu import swiglu
 
 from kernels.grouped_wgrad import grouped_linear
 from kernels.moe_fp8 import fp8_grouped_linear
-from kernels.moe_gate_up import fp8_gate_up_swiglu, gate_up
+from kernels.moe_gate_up import gate_up
 
 from ..mlp import gate_act as _gate_act
 from .router import stable_order, tokens_per_expert
@@ -245,10 +245,8 @@ class GroupedExperts(nn.Module):
             # fused into them, so their backward adds the two input gradients inside the permute's.
             # fp8 reads the weights as they are (its quantizers cast them), so no bf16 copy is made.
             perm = () if plan is None else (plan.inv, plan.num_rows, not plan.dense)
-            if fp8:     # the SwiGLU kernels take the FP8 amax of h (and of its input gradients)
-                h, h_amax = fp8_gate_up_swiglu(xs, self.w1, self.w3, offs, *perm, scale=row_scale)
-                return fp8_grouped_linear(h, self.w2, offs, h_amax)
-            h = swiglu(*gate_up(xs, self.w1.to(xs.dtype), self.w3.to(xs.dtype), offs, *perm), row_scale)
+            w1, w3 = (self.w1, self.w3) if fp8 else (self.w1.to(xs.dtype), self.w3.to(xs.dtype))
+            h = swiglu(*gate_up(xs, w1, w3, offs, *perm, fp8=fp8), row_scale)
         else:
             if plan is not None:
                 xs = sorted_rows(xs, plan)

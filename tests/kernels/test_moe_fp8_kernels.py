@@ -139,13 +139,6 @@ def test_quantize_ops_pass_opcheck():
     torch.library.opcheck(f.fp8_quantize_groups_t, (x, offs, padded_group_ends(offs), padded_rows(20, 3)))
     torch.library.opcheck(f.fp8_quantize_dual, (x, offs, padded_group_ends(offs), padded_rows(20, 3)))
     torch.library.opcheck(f.fp8_quantize_weight_dual, (torch.randn(2, 16, 32),))
-    torch.library.opcheck(f.fp8_cast_dual, (x, offs, padded_group_ends(offs), padded_rows(20, 3),
-                                            f.amax_reference(x, offs)))
-    from kernels.moe_swiglu import swiglu_amax, swiglu_backward_amax
-    a, b = wide_rows(20, 32, seed=1), wide_rows(20, 32, seed=2)
-    for scale in (None, torch.rand(20)):
-        torch.library.opcheck(swiglu_amax, (a, b, scale, offs))
-        torch.library.opcheck(swiglu_backward_amax, (x, a, b, scale, offs))
 
 
 def test_emulated_scaled_grouped_mm_equals_float32_products_of_the_dequantized_operands():
@@ -241,70 +234,6 @@ def test_fp8_gate_up_equals_two_fp8_linears_on_the_permuted_rows():
             torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-2, msg=name)
         else:
             assert torch.equal(got, want), name
-
-
-@pytest.mark.skipif(not _interpreter_loops_over_runtime_values(), reason="Triton < 3.7's interpreter with "
-                    "numpy >= 2.4 cannot loop to a runtime bound; the compiled kernels' GPU test covers them")
-@pytest.mark.usefixtures("triton_interpreter")
-def test_swiglu_kernels_hand_the_quantizer_the_amax_of_what_they_write(monkeypatch):
-    # kernels.moe_swiglu's amax variants: the same h / da / db as the plain SwiGLU kernels, the exact amax of
-    # the stored values by rows and per expert column (tiles of 16 rows cross the group boundaries, 4 column
-    # blocks), and the quantizer's second pass from that amax equals the whole dual pass bit for bit.
-    from kernels import moe_swiglu as s
-    monkeypatch.setattr(s, "AMAX_TILE", (16, 64, 4))
-    g = torch.Generator().manual_seed(3)
-    N, H = 70, 200
-    offs = torch.tensor([10, 10, 40, 60], dtype=torch.int32)         # an empty expert, rows 60.. in none
-    a, b, dh = ((torch.randn(N, H, generator=g) * torch.logspace(-2, 2, N)[:, None]).bfloat16() for _ in range(3))
-    pends = padded_group_ends(offs)
-    P = padded_rows(N, offs.numel())
-    for scale in (None, torch.rand(N, generator=g)):
-        h, amax = s.swiglu_amax_rows_fwd(a, b, scale, offs)
-        assert torch.equal(h, s.swiglu_rows_fwd(a, b, scale))
-        assert torch.equal(amax, f.amax_reference(h, offs))
-        da, db, ds, amax_a, amax_b = s.swiglu_amax_rows_bwd(dh, a, b, scale, offs)
-        want = s.swiglu_rows_bwd(dh, a, b, scale)
-        assert torch.equal(da, want[0]) and torch.equal(db, want[1])
-        torch.testing.assert_close(ds, want[2], rtol=2e-5, atol=1e-6)  # float32, summed in another order
-        assert torch.equal(amax_a, f.amax_reference(da, offs)) and torch.equal(amax_b, f.amax_reference(db, offs))
-        n = int(pends[-1])
-        for t, am in ((h, amax), (da, amax_a)):
-            got = f.cast_dual_triton(t, offs, pends, P, am, torch.float32)
-            full = f.quantize_dual_triton(t, offs, pends, P, torch.float32)
-            assert all(torch.equal(x_, y_) for x_, y_ in zip((got[0], got[1], got[3]), (full[0], full[1], full[3])))
-            assert torch.equal(got[2][:, :n], full[2][:, :n])
-
-
-def test_fp8_gate_up_swiglu_equals_gate_up_then_swiglu():
-    # The fused FP8 Function (SwiGLU inside, its amax handed on) against gate_up(fp8=True) -> swiglu ->
-    # fp8_grouped_linear: the same output and gradients of x, the weights and the row scale.
-    from kernels.moe_gate_up import fp8_gate_up_swiglu, gate_up
-    from kernels.moe_swiglu import swiglu
-    from layers.moe.experts import make_plan
-    torch.manual_seed(0)
-    T, K, E, D, H = 40, 2, 5, 32, 48
-    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
-    idx[idx == 1] = 0                                                            # expert 1 gets no token
-    plan = make_plan(idx, E, capacity=14)
-    offs = torch.cumsum(plan.group_sizes, 0, dtype=torch.int32)
-    rows = plan.inv[plan.inv >= 0].long()
-    x = torch.randn(T, D).bfloat16().requires_grad_()
-    w1, w3, w2 = ((torch.randn(E, *s) * 0.1).requires_grad_() for s in ((H, D), (H, D), (D, H)))
-    scale = torch.rand(plan.num_rows).requires_grad_()
-    dy = torch.randn(plan.num_rows, D)
-    outs = []
-    for fused in (True, False):
-        if fused:
-            h, amax = fp8_gate_up_swiglu(x, w1, w3, offs, plan.inv, plan.num_rows, True, scale=scale)
-            assert not amax.requires_grad
-            y = fp8_grouped_linear(h, w2, offs, amax)
-        else:
-            h = swiglu(*gate_up(x, w1, w3, offs, plan.inv, plan.num_rows, True, fp8=True), scale)
-            y = fp8_grouped_linear(h, w2, offs)
-        loss = (y[rows].float() * dy[rows]).sum()
-        outs.append([y[rows], *torch.autograd.grad(loss, (x, w1, w3, w2, scale))])
-    for name, got, want in zip(["y", "dx", "dw1", "dw3", "dw2", "dscale"], *outs):
-        assert torch.equal(got, want), name
 
 
 def test_fp8_gemm_arguments_pass_torch_scaled_grouped_mm_checks_on_meta():

@@ -55,31 +55,6 @@ def test_triton_quantizers_on_gpu_equal_the_reference_bit_for_bit():
             assert torch.equal(g_.view(torch.uint8), w_.view(torch.uint8)) if w_.dtype == f.FP8 else torch.equal(g_, w_)
 
 
-def test_swiglu_amax_kernels_on_gpu_give_the_exact_amax_and_the_dual_pass_from_it():
-    # Compiled: the SwiGLU kernels' amax of what they write (rows, and per expert column by atomics) is the
-    # reference amax of the stored tensor, and the quantizer's cast pass from it equals the whole dual pass.
-    from kernels import moe_fp8 as f
-    from kernels import moe_swiglu as s
-    offs = torch.tensor(SIZES, device="cuda").cumsum(0).to(torch.int32)
-    N, H = 3000, 1000
-    a, b, dh = (wide_rows(N, H, seed=i) * 1e-3 for i in (2, 3, 4))
-    pends, P = f.padded_group_ends(offs), f.padded_rows(N, len(SIZES))
-    n = int(pends[-1])
-    for scale in (None, torch.rand(N, device="cuda")):
-        h, amax = s.swiglu_amax_rows_fwd(a, b, scale, offs)
-        assert torch.equal(h, s.swiglu_rows_fwd(a, b, scale)) and torch.equal(amax, f.amax_reference(h, offs))
-        da, db, ds, amax_a, amax_b = s.swiglu_amax_rows_bwd(dh, a, b, scale, offs)
-        want = s.swiglu_rows_bwd(dh, a, b, scale)
-        for got_, want_ in zip((da, db, ds), want):       # ptxas may contract other multiply-adds into FMAs
-            torch.testing.assert_close(got_, want_, rtol=2 ** -7, atol=1e-6)
-        assert torch.equal(amax_a, f.amax_reference(da, offs)) and torch.equal(amax_b, f.amax_reference(db, offs))
-        for t, am in ((h, amax), (db, amax_b)):
-            got, full = f.cast_dual_triton(t, offs, pends, P, am), f.quantize_dual_triton(t, offs, pends, P)
-            assert torch.equal(got[0].view(torch.uint8), full[0].view(torch.uint8)) and torch.equal(got[1], full[1])
-            assert torch.equal(got[2][:, :n].view(torch.uint8), full[2][:, :n].view(torch.uint8))
-            assert torch.equal(got[3], full[3])
-
-
 def test_scaled_grouped_mm_forward_dgrad_wgrad_match_the_float32_emulation():
     # The CUDA op on the operands the quantizers laid out, against the same recipe emulated on CPU: equal
     # up to accumulation order, FP8 fast accumulation and the bf16 output (a layout or scale mistake is O(1)).
