@@ -37,7 +37,8 @@ the backward) by rows for its forward / dgrad GEMM and per expert column for its
 output channel for the forward and by input channel for the dgrad (the forward keeps that copy for the
 backward). A column scale needs its whole group's column read first, so a dual pass reads its input twice:
 an amax kernel takes every row's and every group column's amax over tiles (atomic max), a cast kernel
-writes both layouts. The cast kernel's tiles walk the rows of the transposed output (the padded wgrad rows,
+writes both layouts (and makes the scales from the amax and writes the dequantization scales itself, so a
+dual pass is a memset and two launches, with no small torch ops between them). The cast kernel's tiles walk the rows of the transposed output (the padded wgrad rows,
 or one weight's rows), so that store is 16-byte vectors along contiguous, aligned columns of qt, and the
 pads are written as zeros in the same pass; the source rows are gathered (row-major, contiguous along the
 features either way). The first dual pass (349a889) tiled the source rows instead: its transposed store
@@ -326,11 +327,12 @@ def _quantize_tiles(x: torch.Tensor, ends: Optional[torch.Tensor], pends: Option
     dev = x.device
     nr = R if rows else 0
     na = -(-nr // 4) * 4          # the column part starts 16-byte aligned (as the kernels' pointers specialise)
-    # one memset for both amax buffers, one allocation for both scale outputs (views of each)
+    # one memset for both amax buffers (views of one)
     amax = torch.zeros(max(na + E * C, 1), dtype=torch.float32, device=dev)
     ramax, camax = amax[:nr], amax[na:na + E * C]
-    dall = torch.empty(na + E * C, dtype=torch.float32, device=dev)
-    d, dt = dall[:nr], dall[na:].view(E, C)
+    # the scale outputs apart: a custom op's outputs may not alias one another (views of one buffer failed
+    # torch's aliasing check on the GPU; the CPU tests call the launchers, below the op)
+    d, dt = torch.empty(nr, dtype=torch.float32, device=dev), torch.empty(E, C, dtype=torch.float32, device=dev)
     q = torch.empty(R, C, dtype=out_dtype, device=dev) if rows else None
     qt = (torch.empty(C, num_padded, dtype=out_dtype, device=dev) if padded
           else torch.empty(E, C, L, dtype=out_dtype, device=dev))
@@ -343,7 +345,7 @@ def _quantize_tiles(x: torch.Tensor, ends: Optional[torch.Tensor], pends: Option
             BLOCK_R=ar, BLOCK_C=ac, BLOCK_E=block_e, num_warps=aw)
     if C and E:       # no rows: the pads (every group empty) still zeroed, the scales still written
         grid = (triton.cdiv(num_padded, cr) if padded else E * triton.cdiv(L, cr), triton.cdiv(C, cc))
-        jit(_cast_kernel)[grid](x, ends, pends, amax, camax, dall, dt, q if rows else qt, qt, R, C, E, L,
+        jit(_cast_kernel)[grid](x, ends, pends, amax, camax, d if nr else dt, dt, q if rows else qt, qt, R, C, E, L,
                                 num_padded, ROWS=rows, PADDED=padded, MAX=FP8_MAX, EPS=AMAX_EPS, BLOCK_R=cr,
                                 BLOCK_C=cc, BLOCK_E=block_e, num_warps=cw)
     elif nr:          # no columns: every row is empty, its scale that of a zero amax (nothing to cast)
