@@ -38,10 +38,10 @@ output channel for the forward and by input channel for the dgrad (the forward k
 backward). A column scale needs its whole group's column read first, so a dual pass reads its input twice:
 an amax kernel takes every row's and every group column's amax over tiles (atomic max), a cast kernel
 writes both layouts (and makes the scales from the amax and writes the dequantization scales itself, so a
-dual pass is a memset and two launches, with no small torch ops between them). The cast kernel's tiles walk the rows of the transposed output (the padded wgrad rows,
-or one weight's rows), so that store is 16-byte vectors along contiguous, aligned columns of qt, and the
-pads are written as zeros in the same pass; the source rows are gathered (row-major, contiguous along the
-features either way). The first dual pass (349a889) tiled the source rows instead: its transposed store
+dual pass is a memset and two launches, with no small torch ops between them). The cast kernel's tiles
+walk the rows of the transposed output (the padded wgrad rows, or one weight's rows), so that store is
+16-byte vectors along contiguous, aligned columns of qt, and the pads are written as zeros in the same pass;
+the source rows are gathered (row-major, contiguous along the features either way). The first dual pass (349a889) tiled the source rows instead: its transposed store
 was one byte per lane, a separate kernel zeroed the pads, and its cast pass needed 90 registers a thread
 on 16 warps (one block per SM): 14.3 ms of the fp8 layer's 43.9 on the H200, against ~4.4 by the bytes
 (BENCHMARKS.md).
@@ -228,8 +228,8 @@ def _cast_kernel(x_ptr, ends_ptr, pends_ptr, ramax_ptr, camax_ptr, d_ptr, dt_ptr
     # Pass 2, from pass 1's amax: ramax [R], camax [E, C]. The scales s = 2^floor(log2(MAX / amax)) are made
     # here (the exponent bits of tl.div_rn's quotient, as pow2_scale), and the tiles that hold a group's first
     # row (a source row, in the first column tile) write its dequantization scales dt[g, cols] (d[r]) = 1 / s,
-    # so a dual pass is three launches after its memset, not a dozen small torch ops. Tiles walk the rows of the transposed
-    # output, so its store is BLOCK_R contiguous bytes per column, aligned (16-byte vectors), whatever the
+    # so a dual pass is two launches after its memset, not a dozen small torch ops. Tiles walk the rows of the
+    # transposed output, so its store is BLOCK_R contiguous bytes per column, aligned (16-byte vectors), whatever the
     # group sizes; the source rows are gathered (row-major: contiguous along the columns either way).
     # PADDED: grid (cdiv(P, BLOCK_R), cdiv(C, BLOCK_C)); tile rows p are columns of qt [C, P]. Padded row p
     #   of group g = #{pends <= p} is source row ends[g-1] + p - pends[g-1] if that is < ends[g], else a pad
@@ -331,7 +331,7 @@ def _quantize_tiles(x: torch.Tensor, ends: Optional[torch.Tensor], pends: Option
     amax = torch.zeros(max(na + E * C, 1), dtype=torch.float32, device=dev)
     ramax, camax = amax[:nr], amax[na:na + E * C]
     # the scale outputs apart: a custom op's outputs may not alias one another (views of one buffer failed
-    # torch's aliasing check on the GPU; the CPU tests call the launchers, below the op)
+    # torch's aliasing check on the GPU; the opcheck test of the Triton path checks it on the CPU)
     d, dt = torch.empty(nr, dtype=torch.float32, device=dev), torch.empty(E, C, dtype=torch.float32, device=dev)
     q = torch.empty(R, C, dtype=out_dtype, device=dev) if rows else None
     qt = (torch.empty(C, num_padded, dtype=out_dtype, device=dev) if padded
@@ -345,6 +345,7 @@ def _quantize_tiles(x: torch.Tensor, ends: Optional[torch.Tensor], pends: Option
             BLOCK_R=ar, BLOCK_C=ac, BLOCK_E=block_e, num_warps=aw)
     if C and E:       # no rows: the pads (every group empty) still zeroed, the scales still written
         grid = (triton.cdiv(num_padded, cr) if padded else E * triton.cdiv(L, cr), triton.cdiv(C, cc))
+        # (d and q are dummy pointers, never written, without ROWS)
         jit(_cast_kernel)[grid](x, ends, pends, amax, camax, d if nr else dt, dt, q if rows else qt, qt, R, C, E, L,
                                 num_padded, ROWS=rows, PADDED=padded, MAX=FP8_MAX, EPS=AMAX_EPS, BLOCK_R=cr,
                                 BLOCK_C=cc, BLOCK_E=block_e, num_warps=cw)
