@@ -261,8 +261,13 @@ def megablocks_peer(moe):
 
 
 def profile_step(step, before, path: str) -> None:
-    """One profiled run of ``step`` (after an untimed one), its kernel table (by device time) to ``path``."""
+    """One profiled run of ``step`` (after an untimed one), as the waited timing runs it: its kernel table (by
+    device time) to ``path``, then how long the device sat idle between its first and last kernel (waiting on
+    the host's launches; the profiler's own host overhead makes it an upper bound) and the largest such gaps,
+    with the kernels around them."""
     from torch.profiler import ProfilerActivity, profile
+
+    from training.profile import device_gaps
     for _ in range(2):
         before()
         step()
@@ -272,6 +277,10 @@ def profile_step(step, before, path: str) -> None:
         if DEV == "cuda":
             torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by=f"{'cuda' if DEV == 'cuda' else 'cpu'}_time_total", row_limit=30)
+    if DEV == "cuda":
+        span, idle, gaps = device_gaps(prof.events(), top=5)
+        table += (f"\ndevice idle {idle / 1e3:.2f} ms of the {span / 1e3:.2f} ms from the first kernel to the last; "
+                  "largest gaps:\n" + "".join(f"  {us / 1e3:.3f} ms after {a[:60]} before {b[:60]}\n" for us, a, b in gaps))
     with open(path, "w") as f:
         f.write(table)
     print(path, table, sep="\n", flush=True)

@@ -6,8 +6,10 @@ steps of a real run, written to the run folder, with where the device time went 
 writes, per rank, ``<out_dir>/profile/trace_rank<r>.json`` (open in https://ui.perfetto.dev or
 chrome://tracing) and ``ops_rank<r>.txt`` (the ops by self time, torch's ``key_averages`` table), and
 logs ``profile/<kind>_share`` (matmul, attention, communication, optimizer, other: shares of the
-profiled device time, CPU op time on a CPU run), ``profile/step_ms`` and ``profile/kernels_per_step``
-(kernel launches; a small model's step is bound by them when the count is high and the step short).
+profiled device time, CPU op time on a CPU run), ``profile/step_ms``, ``profile/kernels_per_step``
+(kernel launches; a small model's step is bound by them when the count is high and the step short) and,
+on a GPU, ``profile/idle_ms`` (a step's time with no device work between the first and last kernel: the
+device waiting on the host).
 The kinds are read off kernel names, as torchtitan's and Megatron's profile summaries do: a rough
 split, the trace holds the truth. Profiling adds host overhead to the profiled steps only.
 """
@@ -44,14 +46,38 @@ def _device_events(prof, on_gpu: bool):
         if on_gpu:
             t = getattr(e, "self_device_time_total", 0) or 0
             is_kernel = str(getattr(e, "device_type", "")).endswith("CUDA")
-            # record_function scopes also appear on the GPU timeline ("Optimizer.step#AdamW.step", its
-            # span of the optimizer's kernels): counted, they doubled the optimizer's share of a step
-            scope = getattr(e, "is_user_annotation", False) or "#" in e.key
-            if t > 0 and is_kernel and not scope:
+            if t > 0 and is_kernel and not _is_scope(e):    # counted, scopes doubled the optimizer's share
                 rows.append((e.key, t, e.count))
         elif e.self_cpu_time_total > 0 and e.key.startswith(("aten::", "c10d::")):   # ops, not their scopes
             rows.append((e.key, e.self_cpu_time_total, e.count))
     return rows
+
+
+def _is_scope(e) -> bool:
+    # record_function scopes also appear on the GPU timeline ("Optimizer.step#AdamW.step", its span of the
+    # optimizer's kernels): not device work of their own
+    return getattr(e, "is_user_annotation", False) or "#" in e.key
+
+
+def device_gaps(events, top: int = 3) -> tuple[float, float, list]:
+    """The profiled device work (kernels, memsets, copies: events on the CUDA timeline; ``prof.events()``)
+    -> (span, idle, largest gaps): microseconds from the first one's start to the last one's end, how many
+    of them no device work ran (the union of the intervals: streams may overlap), and the ``top`` gaps as
+    (us, work before, work after). Idle inside the span is the device waiting on the host: launches slower
+    than the kernels, or a sync (an upper bound: the profiler adds host time to every op)."""
+    iv = sorted((e.time_range.start, e.time_range.end, e.key) for e in events
+                if str(getattr(e, "device_type", "")).endswith("CUDA") and not _is_scope(e)
+                and e.time_range.end > e.time_range.start)
+    if not iv:
+        return 0.0, 0.0, []
+    gaps, end, last = [], iv[0][1], iv[0][2]
+    for start, stop, name in iv[1:]:
+        if start > end:
+            gaps.append((start - end, last, name))
+        if stop > end:
+            end, last = stop, name
+    gaps.sort(key=lambda g: -g[0])
+    return end - iv[0][0], sum(g[0] for g in gaps), gaps[:top]
 
 
 def summarize(rows, steps: int, wall_s: float) -> dict:
@@ -70,8 +96,9 @@ def summarize(rows, steps: int, wall_s: float) -> dict:
 def format_summary(prof: dict, on_gpu: bool = True) -> str:
     """One line of ``summarize``'s dict: step time, shares by kind, launches a step."""
     shares = ", ".join(f"{k[len('profile/'):-len('_share')]} {v:.0%}" for k, v in prof.items() if k.endswith("_share"))
+    idle = f", the device idle {prof['profile/idle_ms']:.1f} ms a step" if "profile/idle_ms" in prof else ""
     return (f"{prof['profile/step_ms']:.1f} ms a step, {shares}; "
-            f"{prof['profile/kernels_per_step']:.0f} {'kernels' if on_gpu else 'ops'} a step")
+            f"{prof['profile/kernels_per_step']:.0f} {'kernels' if on_gpu else 'ops'} a step{idle}")
 
 
 class StepProfiler:
@@ -120,5 +147,7 @@ class StepProfiler:
         with open(os.path.join(self.folder, f"ops_rank{self.rank}.txt"), "w") as f:
             f.write(self.prof.key_averages().table(sort_by=sort, row_limit=60))
         out = summarize(_device_events(self.prof, on_gpu), self.stop - self.start, wall)
+        if on_gpu:      # between the profiled steps' first and last kernel, waiting on the host
+            out["profile/idle_ms"] = device_gaps(self.prof.events())[1] / 1e3 / (self.stop - self.start)
         self.prof = None
         return out

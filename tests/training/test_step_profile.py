@@ -55,6 +55,24 @@ def test_gpu_scopes_are_not_counted_as_kernels():
     assert rows == [("void multi_tensor_apply_kernel<FusedAdamMathFunctor>", 29.0, 2)]
 
 
+def test_device_gaps_are_the_idle_time_between_device_work_of_overlapping_streams():
+    from types import SimpleNamespace as E
+    from training.profile import device_gaps, format_summary, summarize
+
+    def ev(key, start, end, dev="DeviceType.CUDA", scope=False):
+        return E(key=key, device_type=dev, is_user_annotation=scope, time_range=E(start=start, end=end))
+    events = [ev("gemm", 0, 100), ev("copy", 50, 130),          # a second stream overlaps the first
+              ev("aten::mm", 10, 400, dev="DeviceType.CPU"),     # host ops are not device work
+              ev("Optimizer.step#AdamW.step", 0, 1000, scope=True),
+              ev("adam", 150, 200), ev("swiglu", 700, 710), ev("zero", 710, 710)]
+    span, idle, gaps = device_gaps(events, top=2)
+    assert (span, idle) == (710, 20 + 500)
+    assert gaps == [(500, "adam", "swiglu"), (20, "copy", "adam")]
+    assert device_gaps([]) == (0.0, 0.0, [])
+    out = summarize([("gemm", 300.0, 4)], steps=2, wall_s=0.01) | {"profile/idle_ms": 1.25}
+    assert format_summary(out).endswith("; 2 kernels a step, the device idle 1.2 ms a step")
+
+
 @pytest.mark.parametrize("key,value", [("profile_at", -1), ("profile_steps", 0)])
 def test_bad_profile_settings_name_the_key(key, value):
     with pytest.raises(ConfigError, match=rf"logging\.{key}"):
