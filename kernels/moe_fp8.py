@@ -294,12 +294,14 @@ def _cast_kernel(x_ptr, ends_ptr, pends_ptr, ramax_ptr, camax_ptr, d_ptr, dt_ptr
         tile_s = (tl.div_rn(MAX, tile_a).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
         qv = x * tl.where(tile_m, tile_s, 0.0)
     tl.store(qt_base + dst, tl.clamp(qv, -MAX, MAX).to(qt_ptr.dtype.element_ty), mask=dst_m)
-    # dt[g, cols] from the tile rows that start a group (every group has one: at least 16 padded rows)
-    dt_a = tl.maximum(tl.load(camax_ptr + g.to(tl.int64)[:, None] * C + cols[None, :],
-                              mask=first[:, None] & cm[None, :], other=1.0), EPS)
-    dt_s = (tl.div_rn(MAX, dt_a).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    tl.store(dt_ptr + g.to(tl.int64)[:, None] * C + cols[None, :], tl.div_rn(1.0, dt_s),
-             mask=first[:, None] & cm[None, :])
+    # dt[g, cols] from the tile rows that start a group (every group has one: at least 16 padded rows); only
+    # the few tiles holding such a row do the tile's divisions
+    if tl.reduce(first.to(tl.int32), 0, tl.standard._elementwise_max) > 0:
+        dt_a = tl.maximum(tl.load(camax_ptr + g.to(tl.int64)[:, None] * C + cols[None, :],
+                                  mask=first[:, None] & cm[None, :], other=1.0), EPS)
+        dt_s = (tl.div_rn(MAX, dt_a).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        tl.store(dt_ptr + g.to(tl.int64)[:, None] * C + cols[None, :], tl.div_rn(1.0, dt_s),
+                 mask=first[:, None] & cm[None, :])
 
 
 def quantize_rows_triton(x: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
