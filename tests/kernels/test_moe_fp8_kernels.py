@@ -89,8 +89,12 @@ def _interpreter_loops_over_runtime_values() -> bool:
     return version(triton.__version__) >= (3, 7) or version(np.__version__) < (2, 4)
 
 
-@pytest.mark.skipif(not _interpreter_loops_over_runtime_values(), reason="Triton < 3.7's interpreter with "
-                    "numpy >= 2.4 cannot loop to a runtime bound; the compiled kernels' GPU test covers them")
+needs_interpreter_loops = pytest.mark.skipif(
+    not _interpreter_loops_over_runtime_values(), reason="Triton < 3.7's interpreter with numpy >= 2.4 cannot "
+    "loop to a runtime bound; the compiled kernels' GPU test covers them")
+
+
+@needs_interpreter_loops
 @pytest.mark.usefixtures("triton_interpreter")
 def test_triton_quantizers_equal_the_reference_bit_for_bit(monkeypatch):
     # Small blocks, so every loop of the kernels runs several steps; float32 outputs cast by torch (the
@@ -132,7 +136,7 @@ def test_triton_quantizers_equal_the_reference_bit_for_bit(monkeypatch):
         assert torch.equal(bits(g_), w_.view(torch.uint8)) if w_.dtype == FP8 else torch.equal(g_, w_)
 
 
-@pytest.mark.parametrize("triton_path", [False, True])
+@pytest.mark.parametrize("triton_path", [False, pytest.param(True, marks=needs_interpreter_loops)])
 def test_quantize_ops_pass_opcheck(triton_path, request):
     # Both implementations behind each op: the torch reference, and the Triton launchers (interpreted), where
     # opcheck's schema test caught two outputs that were views of one buffer (refused on the GPU).
