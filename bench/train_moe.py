@@ -311,6 +311,7 @@ def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
         prof = tr.profiler.after(tr.step) or prof
         phases.append(neuron.phase if neuron else "dense")
         losses.append(float(m["loss/total"]))
+    tr.settle()   # the last step's skip flag (training.loop.skips_on_device)
     med = statistics.median([t for t in times if t < float("inf")] or [0.0])
     limit = 2 * (budget[1] if budget else med)   # the longest steady step; with a budget the clock's own rule
     steady = [t for t in times if t <= limit] or [float("inf")]

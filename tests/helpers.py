@@ -41,6 +41,17 @@ def tiny_overrides(tmp, corpus, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in ov.items()]
 
 
+def poison_loss(tr, bad) -> None:
+    """Make the loss of every step index of Trainer ``tr`` for which ``bad(step)`` holds NaN."""
+    real = tr.compute_loss
+
+    def poisoned(x, y, w=None):
+        loss, parts = real(x, y, w)
+        return (loss * float("nan"), parts) if bad(tr.step) else (loss, parts)
+
+    tr.compute_loss = poisoned
+
+
 def train_cli(tmp, corpus, nproc, *extra, preset="zoo/tiny_dense.yaml", batch=4):
     """Run train.py (``nproc`` > 1: under torchrun) on a tiny model for 6 steps; the per-step total losses."""
     ov = tiny_overrides(tmp, corpus, **{"train.steps": 6, "logging.log_every": 1, "train.eval_every": 6,

@@ -58,12 +58,13 @@ class WandbLogger(NullLogger):
 
 
 def to_python(metrics: dict) -> dict:
-    """Scalar tensors -> Python numbers with one device-to-host copy (one sync), others unchanged."""
+    """Scalar tensors -> Python numbers (bool tensors -> bools) with one device-to-host copy (one sync), others
+    unchanged."""
     keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1]
     out = dict(metrics)
     if keys:
         values = torch.stack([metrics[k].detach().reshape(()).float().to(metrics[keys[0]].device) for k in keys])
-        out.update(zip(keys, values.cpu().tolist()))
+        out.update((k, bool(v) if metrics[k].dtype == torch.bool else v) for k, v in zip(keys, values.cpu().tolist()))
     return out
 
 

@@ -46,6 +46,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def skips_on_device(optimizer: torch.optim.Optimizer, methods: list, distributed: bool) -> bool:
+    """Whether a step with a non-finite loss or gradient norm can be skipped without the host knowing: a fused
+    torch AdamW (its ``found_inf``, as torch.amp.GradScaler uses it), every sparsity method ``skips_on_device``
+    (layers.sparsity_method), one process. Else the trainer reads the check each step (one host sync)."""
+    return (not distributed and type(optimizer) is torch.optim.AdamW and bool(optimizer.defaults.get("fused"))
+            and all(getattr(m, "skips_on_device", False) for m in methods))
+
+
 class TrainingDiverged(RuntimeError):
     """Non-finite steps with nothing (left) to roll back to (train.py: one line, exit 1)."""
 
@@ -119,6 +127,10 @@ class Trainer:
                                          param_dtype=cfg.train.param_dtype, grad_accum=cfg.train.grad_accum)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.sparsity = self._sparsity_methods()
+        # Skip non-finite steps on the device (no host sync a step) where the optimizer and every method can;
+        # the host then learns of a skipped step one step later (train_step, settle).
+        self.skip_on_device = skips_on_device(self.optimizer, self.sparsity, self.par.distributed)
+        self.unread: list = []   # (host flags [finite, stop], event) of steps the host has not read yet
         self.autocast = self._autocast()
         self.step, self.epoch, self.bad_total, self.bad_in_row, self.rollbacks_in_row = 0, 0, 0, 0, 0
         self.best_val, self.wandb_id, self.run_id = float("inf"), None, new_run_id()
@@ -239,6 +251,7 @@ class Trainer:
                 self.scheduler.step()
 
     def save(self) -> str:
+        self.settle()
         path = save_checkpoint(self.cfg.checkpoint_dir, self.step, self.model, self.optimizer, self.train_state(),
                                self.cfg, self.cfg.checkpoint.keep_last)
         self.saved_step, self.rollbacks_in_row = self.step, 0
@@ -293,30 +306,68 @@ class Trainer:
         reduced = all_reduce_mean(torch.stack([*detached, stop]), self.par)
         parts_mean = reduced[:-1]
         loss_val = parts_mean.sum()
-        finite, self.stop_agreed = (torch.stack([torch.isfinite(loss_val) & torch.isfinite(grad_norm),
-                                                 reduced[-1] > 0]).tolist())   # one host sync
+        ok = torch.isfinite(loss_val) & torch.isfinite(grad_norm)
         metrics = {f"loss/{k}": v for k, v in zip(parts_sum, parts_mean)}
         metrics.update({"loss/total": loss_val, "grad_norm": grad_norm.detach(),
                         "lr": self.optimizer.param_groups[0]["lr"]})
-        if finite:
-            if fused_scale and c.optim.grad_clip > 0:
-                self.optimizer.step(grad_scale=clip_coef(grad_norm, c.optim.grad_clip))
-            else:
-                self.optimizer.step()
+        if self.skip_on_device:
+            # No host sync: the fused AdamW leaves weights, moments and step counts alone where found_inf is 1,
+            # the methods take the same flag, and the host reads it a step later (settle), while the device
+            # runs this step's update and the next step is queued behind it.
+            self.optimizer.found_inf = (~ok).float()
+            self.optimizer.step()
+            applied = ok.float()
             for method in self.sparsity:
-                method.after_optimizer_step(self.step)
-            self.bad_in_row = 0
+                method.after_optimizer_step(self.step, applied)
+            flags = torch.stack([ok, reduced[-1] > 0])
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=flags.is_cuda)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event() if flags.is_cuda else None
+            if event is not None:
+                event.record()
+            self.unread.append((host, event))
+            metrics["skipped"] = ~ok                      # a device tensor: logged at the log steps
         else:
-            for method in self.sparsity:
-                method.skipped_step()
-            self.bad_total += 1
-            self.bad_in_row += 1
+            finite, self.stop_agreed = torch.stack([ok, reduced[-1] > 0]).tolist()   # one host sync
+            if finite:
+                if fused_scale and c.optim.grad_clip > 0:
+                    self.optimizer.step(grad_scale=clip_coef(grad_norm, c.optim.grad_clip))
+                else:
+                    self.optimizer.step()
+                for method in self.sparsity:
+                    method.after_optimizer_step(self.step)
+            else:
+                for method in self.sparsity:
+                    method.skipped_step()
+            self._count_step(finite)
+            metrics["skipped"] = not finite
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
+        if self.skip_on_device:
+            # The previous step's flags: its backward ended before this step's forward began on the device,
+            # so this rarely waits, and it keeps the host at most one step ahead.
+            self.settle(keep=1)
         metrics["bad_steps"] = self.bad_total
-        metrics["skipped"] = not finite
         return metrics
+
+    def _count_step(self, finite: bool) -> None:
+        if finite:
+            self.bad_in_row = 0
+        else:
+            self.bad_total += 1
+            self.bad_in_row += 1
+
+    def settle(self, keep: int = 0) -> None:
+        """Read the outcome of the steps whose non-finite check stayed on the device (``skip_on_device``), all
+        but the newest ``keep``: ``bad_total``, ``bad_in_row`` and the Ctrl-C agreement are then up to date
+        (the log steps, checkpoints and rollbacks call it; a no-op otherwise)."""
+        while len(self.unread) > keep:
+            host, event = self.unread.pop(0)
+            if event is not None:
+                event.synchronize()
+            finite, self.stop_agreed = host.tolist()
+            self._count_step(finite)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -435,8 +486,11 @@ class Trainer:
                            f"{format_summary(prof, self.device.type == 'cuda')} -> {self.profiler.folder}")
             tokens_since += self.tokens_per_step
             bar.update(1)
+            if self.unread and self.bad_in_row + 1 >= c.train.max_bad_steps:
+                self.settle()   # this step could start the rollback: read it now, so rollbacks come as without
             if self.bad_in_row >= c.train.max_bad_steps:
                 # The step that triggers the rollback is logged: the rows after it restart at the checkpoint.
+                m["bad_steps"] = self.bad_total
                 if self.par.is_main:
                     append_metrics(self.metrics_path, {**to_python(m), "rollback": True}, self.step)
                 self.rollback()
@@ -447,6 +501,8 @@ class Trainer:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
                     m["mem/peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
+                self.settle()
+                m["bad_steps"] = self.bad_total
                 dt = time.perf_counter() - t0
                 m["tokens_per_s"] = tokens_since / dt
                 for method in self.sparsity:

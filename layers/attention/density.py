@@ -1,6 +1,8 @@
 """Attention density for logging: the fraction of causal (q, k) pairs each head attends."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .compressed import compressed_density
@@ -112,13 +114,15 @@ class AttentionStats:
     steps; ``metrics()`` is ``attention_metrics`` of the last forward (density for the honest MFU, block
     top-k selection sharpness)."""
 
+    skips_on_device = True   # nothing to do after a step (layers.sparsity_method)
+
     def __init__(self, model: torch.nn.Module, seq_len: int):
         self.model, self.seq_len = model, seq_len
 
     def before_step(self, step: int) -> None:
         pass
 
-    def after_optimizer_step(self, step: int) -> None:
+    def after_optimizer_step(self, step: int, applied: Optional[torch.Tensor] = None) -> None:
         pass
 
     def skipped_step(self) -> None:

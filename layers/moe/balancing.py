@@ -17,6 +17,8 @@ from .layer import moe_modules, moe_reset_load, moe_update_bias
 
 
 class ExpertBalancing:
+    skips_on_device = True   # the bias update multiplies by the step's applied flag (layers.sparsity_method)
+
     def __init__(self, model: nn.Module, group=None):
         self.model, self.layers = model, moe_modules(model)
         self.group = group
@@ -24,8 +26,8 @@ class ExpertBalancing:
     def before_step(self, step: int) -> None:
         pass
 
-    def after_optimizer_step(self, step: int) -> None:
-        moe_update_bias(self.model, self.group)
+    def after_optimizer_step(self, step: int, applied: Optional[torch.Tensor] = None) -> None:
+        moe_update_bias(self.model, self.group, applied)
 
     def skipped_step(self) -> None:
         moe_reset_load(self.model)

@@ -276,10 +276,11 @@ class MoE(nn.Module):
         return r, plan
 
     @torch.no_grad()
-    def update_bias(self, group=None) -> None:
+    def update_bias(self, group=None, applied: Optional[torch.Tensor] = None) -> None:
         """DeepSeek-V3 aux-loss-free balancing: ``bias += rate * sign(mean_load - load)`` over the load
         accumulated since the last call, then reset. Call after ``optimizer.step()`` (``moe_update_bias``);
-        pass the data/expert-parallel group so every rank applies the same update.
+        pass the data/expert-parallel group so every rank applies the same update. ``applied``: a 0-dim
+        float tensor, 1 or 0, multiplying the update (0: a skipped step, whose load is only dropped).
         """
         if self.cfg.bias_update_rate <= 0:
             return
@@ -287,7 +288,8 @@ class MoE(nn.Module):
         if group is not None:
             torch.distributed.all_reduce(load, group=group)
         load_f = load.float()
-        self.expert_bias += self.cfg.bias_update_rate * torch.sign(load_f.mean() - load_f)
+        step = self.cfg.bias_update_rate * torch.sign(load_f.mean() - load_f)
+        self.expert_bias += step if applied is None else step * applied
         load.zero_()
 
 
@@ -300,10 +302,11 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor:
     return sum_aux_losses(moe_modules(model))
 
 
-def moe_update_bias(model: nn.Module, group=None) -> None:
-    """Apply the aux-loss-free bias update of every MoE module (after ``optimizer.step()``)."""
+def moe_update_bias(model: nn.Module, group=None, applied: Optional[torch.Tensor] = None) -> None:
+    """Apply the aux-loss-free bias update of every MoE module (after ``optimizer.step()``; ``applied``:
+    ``MoE.update_bias``)."""
     for m in moe_modules(model):
-        m.update_bias(group)
+        m.update_bias(group, applied)
 
 
 def moe_reset_load(model: nn.Module) -> None:

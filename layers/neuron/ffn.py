@@ -280,6 +280,8 @@ class NeuronSchedule:
 
     PHASES = ("warmup", "sparse", "dense", "finish")
 
+    skips_on_device = True   # nothing to do after a step (layers.sparsity_method)
+
     def __init__(self, model: nn.Module, total_steps: int, optimizer: Optional[torch.optim.Optimizer] = None):
         self.model, self.total_steps, self.optimizer = model, total_steps, optimizer
         self.phase: Optional[str] = None
@@ -287,7 +289,7 @@ class NeuronSchedule:
     def before_step(self, step: int) -> None:
         self.phase = neuron_schedule_step(self.model, step, self.total_steps, self.optimizer)
 
-    def after_optimizer_step(self, step: int) -> None:
+    def after_optimizer_step(self, step: int, applied: Optional[torch.Tensor] = None) -> None:
         pass
 
     def skipped_step(self) -> None:

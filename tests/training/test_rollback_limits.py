@@ -9,18 +9,7 @@ from configs import load_config
 from training.cli import main
 from training.loop import Trainer
 
-from helpers import tiny_overrides
-
-
-def _poison(tr, bad):
-    """Make the loss of every step index for which ``bad(step)`` holds NaN."""
-    real = tr.compute_loss
-
-    def poisoned(x, y, w=None):
-        loss, parts = real(x, y, w)
-        return (loss * float("nan"), parts) if bad(tr.step) else (loss, parts)
-
-    tr.compute_loss = poisoned
+from helpers import poison_loss, tiny_overrides
 
 
 def test_rollback_stops_after_max_rollbacks_in_a_row(run_copy, capsys, monkeypatch):
@@ -29,7 +18,7 @@ def test_rollback_stops_after_max_rollbacks_in_a_row(run_copy, capsys, monkeypat
 
     def init(self, cfg):
         real_init(self, cfg)
-        _poison(self, lambda step: step >= 5)
+        poison_loss(self, lambda step: step >= 5)
 
     monkeypatch.setattr(Trainer, "__init__", init)
     ov = run_copy.overrides(**{"train.overwrite": True, "train.max_bad_steps": 1, "train.max_rollbacks": 2})
@@ -49,7 +38,7 @@ def _moe_trainer(tmp, corpus):
 
 def test_moe_bias_after_a_skipped_step_equals_a_run_without_that_step(tmp_path, corpus_dir):
     skipped = _moe_trainer(tmp_path / "a", corpus_dir)
-    _poison(skipped, lambda step: step == 2)
+    poison_loss(skipped, lambda step: step == 2)
     without = _moe_trainer(tmp_path / "b", corpus_dir)
     for _ in range(2):
         skipped.train_step()

@@ -1,0 +1,86 @@
+"""Non-finite steps skipped on the device (training.loop.skips_on_device, on by default on CUDA): the same
+weights, MoE biases, optimizer state, counts and logs as steps checked on the host, with the host learning
+of a skipped step one step later. CPU: torch's fused AdamW runs there too, so the path is forced with it."""
+import json
+import os
+
+import pytest
+import torch
+
+from configs import load_config
+from training import loop
+from training.cli import main
+from training.loop import Trainer
+from training.optim import build_optimizer
+
+from helpers import poison_loss, tiny_overrides
+
+
+@pytest.fixture
+def fused_adamw(monkeypatch):
+    """The trainer's optimizer is torch's fused AdamW on CPU too (as on CUDA)."""
+    monkeypatch.setattr(loop, "build_optimizer", lambda *a, **k: build_optimizer(*a, **{**k, "fused": True}))
+
+
+def _moe(tmp, corpus, on_device):
+    ov = tiny_overrides(tmp, corpus, **{"model.moe.bias_update_rate": 0.01, "checkpoint.every": 0})
+    tr = Trainer(load_config("zoo/tiny_moe.yaml", ov))
+    assert tr.skip_on_device        # fused AdamW, one process, ExpertBalancing can
+    tr.skip_on_device = on_device
+    return tr
+
+
+@pytest.mark.usefixtures("fused_adamw")
+def test_steps_skipped_on_the_device_equal_steps_skipped_on_the_host(tmp_path, corpus_dir):
+    host, dev = _moe(tmp_path / "h", corpus_dir, False), _moe(tmp_path / "d", corpus_dir, True)
+    for tr in (host, dev):
+        poison_loss(tr, lambda step: step == 2)
+    for step in range(5):
+        a, b = host.train_step(), dev.train_step()
+        assert bool(a["skipped"]) == bool(b["skipped"]) == (step == 2)
+        assert isinstance(b["skipped"], torch.Tensor)          # read at the log steps, not now
+        # the host has read every step but the newest: step 2's skip is counted once step 3 has run
+        assert dev.bad_total == (1 if step >= 3 else 0) and host.bad_total == (1 if step >= 2 else 0)
+    dev.settle()
+    assert host.bad_total == dev.bad_total == 1 and host.bad_in_row == dev.bad_in_row == 0 and not dev.unread
+    sa, sb = host.model.state_dict(), dev.model.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)          # weights and the aux-loss-free biases
+    assert any(sa[k].abs().sum() > 0 for k in sa if k.endswith("expert_bias"))
+    oa, ob = host.optimizer.state_dict()["state"], dev.optimizer.state_dict()["state"]
+    assert oa.keys() == ob.keys() and all(torch.equal(oa[i][k], ob[i][k]) for i in oa for k in oa[i])
+    assert int(next(iter(ob.values()))["step"]) == 4           # the skipped step left the counts alone
+
+
+def test_host_checks_each_step_where_the_device_cannot(tmp_path, corpus_dir):
+    ov = tiny_overrides(tmp_path, corpus_dir)
+    assert not Trainer(load_config("zoo/tiny_dense.yaml", ov)).skip_on_device   # CPU: foreach AdamW
+    # DST decides its mask updates on the host
+    assert not loop.skips_on_device(torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))], fused=True),
+                                    [object()], False)
+    assert not loop.skips_on_device(torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))], fused=True), [], True)
+
+
+@pytest.mark.usefixtures("fused_adamw")
+@pytest.mark.parametrize("max_bad", [1, 2])
+def test_rollbacks_and_logs_are_those_of_host_checked_steps(tmp_path, corpus_dir, monkeypatch, max_bad):
+    """Steps from 5 on are non-finite: the rollbacks come at the same steps, and metrics.jsonl reads the
+    same (but for the clock) whether the check stays on the device or not."""
+    real_init = Trainer.__init__
+    rows = {}
+    for on_device in (False, True):
+        def init(self, cfg, on_device=on_device):
+            real_init(self, cfg)
+            self.skip_on_device = on_device
+            poison_loss(self, lambda step: step >= 5)
+
+        monkeypatch.setattr(Trainer, "__init__", init)
+        ov = tiny_overrides(tmp_path / str(on_device), corpus_dir, **{
+            "train.steps": 12, "logging.log_every": 1, "checkpoint.every": 4, "train.max_bad_steps": max_bad,
+            "train.max_rollbacks": 2})
+        assert main(["--config", "zoo/tiny_dense.yaml", *ov]) == 1
+        with open(os.path.join(tmp_path / str(on_device) / "run", "metrics.jsonl")) as f:
+            rows[on_device] = [{k: v for k, v in json.loads(line).items() if "per_s" not in k and "mfu" not in k}
+                               for line in f]
+    assert rows[True] == rows[False]
+    rollbacks = [r["step"] for r in rows[True] if r.get("rollback")]
+    assert rollbacks == [5 + max_bad] * 3, rollbacks
