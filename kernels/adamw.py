@@ -2,7 +2,7 @@
 tensor of a parameter group in one launch.
 
 ``adamw_(weights, grads, exp_avgs, exp_avg_sqs, params=None, *, lr, beta1, beta2, eps, weight_decay, step,
-grad_scale=None)``, per element, in float32 (torch.optim.AdamW's order of operations)::
+grad_scale=None, found_inf=None)``, per element, in float32 (torch.optim.AdamW's order of operations)::
 
     g = grad * grad_scale                      # grad of any float dtype; grad_scale: the clipping factor
     w = w * (1 - lr * weight_decay)
@@ -14,6 +14,9 @@ grad_scale=None)``, per element, in float32 (torch.optim.AdamW's order of operat
 ``weights``, ``exp_avgs``, ``exp_avg_sqs``: float32 tensors, updated in place; ``grads`` and ``params``
 match them in shape. ``step``: the step count after this update (>= 1), the same for every tensor.
 ``grad_scale``: a float32 scalar tensor on the weights' device (read by the kernel: no host sync).
+``found_inf``: a scalar tensor there too; where it is nonzero nothing is written (torch.amp.GradScaler's
+flag for torch's fused AdamW: a non-finite step skipped without the host reading the flag; the torch path
+reads it on the host).
 
 Why: with bf16 autocast and float32 parameters, every step casts each matmul weight to bf16 (forward),
 casts each bf16 weight gradient to float32 (autograd), and then reads those float32 gradients twice
@@ -46,9 +49,9 @@ BLOCK, NUM_WARPS = 1024, 4
 _blocks_cache: dict = {}          # (device, numels, block) -> int32 [blocks] tensor index of each block
 
 
-def _adamw_kernel(table_ptr, block_tensor_ptr, scale_ptr, decay, one_minus_beta1, beta2, one_minus_beta2, eps,
-                  step_size, bc2_sqrt, G_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, HAS_PARAM: tl.constexpr,
-                  HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(table_ptr, block_tensor_ptr, scale_ptr, skip_ptr, decay, one_minus_beta1, beta2, one_minus_beta2,
+                  eps, step_size, bc2_sqrt, G_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, HAS_PARAM: tl.constexpr,
+                  HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
     # grid (blocks,): BLOCK elements of one tensor per program. The launcher checks every pointer is 16-byte
     # aligned: said here (a pointer read from memory has no known alignment), it lets a full block use vector
     # loads; the masked tail block of each tensor stays scalar.
@@ -63,6 +66,9 @@ def _adamw_kernel(table_ptr, block_tensor_ptr, scale_ptr, decay, one_minus_beta1
     m_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.float32)), 16)
     v_ptr = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(tl.float32)), 16)
     p_ptr = tl.multiple_of(tl.load(row + 4).to(tl.pointer_type(P_DTYPE)), 16)
+    if HAS_SKIP:
+        # a skipped step sees every tensor as empty: the masked path with nothing in its mask (no reads, no writes)
+        numel = tl.where(tl.load(skip_ptr) == 0, numel, 0)
     full = start + BLOCK <= numel
     mask = offs < numel
     if full:
@@ -116,7 +122,7 @@ def _block_map(device: torch.device, numels: tuple[int, ...], block: int) -> tup
 
 
 def _adamw_triton(weights, grads, exp_avgs, exp_avg_sqs, params, decay, beta1, beta2, eps, step_size, bc2_sqrt,
-                  grad_scale, block: int = 0, num_warps: int = 0) -> None:
+                  grad_scale, found_inf=None, block: int = 0, num_warps: int = 0) -> None:
     """The launcher; ``block`` / ``num_warps``: BLOCK / NUM_WARPS unless given (bench/adamw.py times others)."""
     block, num_warps = block or BLOCK, num_warps or NUM_WARPS
     device = weights[0].device
@@ -132,15 +138,19 @@ def _adamw_triton(weights, grads, exp_avgs, exp_avg_sqs, params, decay, beta1, b
         table = table.pin_memory().to(device, non_blocking=True)
     p_dtype = params[0].dtype if params else torch.float32
     scale = grad_scale if grad_scale is not None else weights[0]      # unread without HAS_SCALE
+    skip = found_inf if found_inf is not None else weights[0]         # unread without HAS_SKIP
     jit(_adamw_kernel)[(blocks.numel(),)](
-        table, blocks, scale, decay, 1.0 - beta1, beta2, 1.0 - beta2, eps, step_size, bc2_sqrt,
+        table, blocks, scale, skip, decay, 1.0 - beta1, beta2, 1.0 - beta2, eps, step_size, bc2_sqrt,
         G_DTYPE=_triton_dtype(grads[0].dtype), P_DTYPE=_triton_dtype(p_dtype), HAS_PARAM=bool(params),
-        HAS_SCALE=grad_scale is not None, BLOCK=block, num_warps=num_warps)
+        HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, BLOCK=block, num_warps=num_warps)
 
 
 def adamw_reference_(weights, grads, exp_avgs, exp_avg_sqs, params, decay, beta1, beta2, eps, step_size,
-                     bc2_sqrt, grad_scale) -> None:
-    """torch.optim.AdamW's foreach update (non-capturable), on float32 copies of the gradients."""
+                     bc2_sqrt, grad_scale, found_inf=None) -> None:
+    """torch.optim.AdamW's foreach update (non-capturable), on float32 copies of the gradients; nothing where
+    ``found_inf`` is nonzero (read on the host)."""
+    if found_inf is not None and bool(found_inf):
+        return
     g = [x.float() for x in grads]
     if grad_scale is not None:
         torch._foreach_mul_(g, grad_scale)
@@ -159,7 +169,7 @@ def adamw_reference_(weights, grads, exp_avgs, exp_avg_sqs, params, decay, beta1
 def adamw_(weights: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
            exp_avg_sqs: Sequence[torch.Tensor], params: Optional[Sequence[torch.Tensor]] = None, *, lr: float,
            beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-           grad_scale: Optional[torch.Tensor] = None) -> None:
+           grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> None:
     """See the module docstring. Every list holds tensors of one dtype each (one launch)."""
     if not weights:
         return
@@ -169,7 +179,7 @@ def adamw_(weights: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_a
     if len({g.dtype for g in grads}) > 1 or (params and len({p.dtype for p in params}) > 1):
         raise TypeError("adamw_: one gradient dtype and one parameter dtype per call")
     args = (1.0 - lr * weight_decay, beta1, beta2, eps, lr / (1.0 - beta1 ** step),
-            math.sqrt(1.0 - beta2 ** step), grad_scale)
+            math.sqrt(1.0 - beta2 ** step), grad_scale, found_inf)
     tensors = [t for ts in (weights, grads, exp_avgs, exp_avg_sqs, params or ()) for t in ts]
     # the kernel takes every tensor as contiguous and 16-byte aligned (vector loads): fresh storages are
     if use_triton(weights[0]) and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors):

@@ -47,10 +47,12 @@ def seed_everything(seed: int) -> None:
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer, methods: list, distributed: bool) -> bool:
-    """Whether a step with a non-finite loss or gradient norm can be skipped without the host knowing: a fused
-    torch AdamW (its ``found_inf``, as torch.amp.GradScaler uses it), every sparsity method ``skips_on_device``
-    (layers.sparsity_method), one process. Else the trainer reads the check each step (one host sync)."""
-    return (not distributed and type(optimizer) is torch.optim.AdamW and bool(optimizer.defaults.get("fused"))
+    """Whether a step with a non-finite loss or gradient norm can be skipped without the host knowing: an
+    optimizer that takes ``found_inf`` (torch's fused AdamW, as torch.amp.GradScaler uses it; MasterAdamW),
+    every sparsity method ``skips_on_device`` (layers.sparsity_method), one process. Else the trainer reads
+    the check each step (one host sync)."""
+    fused_adamw = type(optimizer) is torch.optim.AdamW and bool(optimizer.defaults.get("fused"))
+    return (not distributed and (fused_adamw or getattr(optimizer, "skips_on_device", False))
             and all(getattr(m, "skips_on_device", False) for m in methods))
 
 
@@ -130,7 +132,7 @@ class Trainer:
         # Skip non-finite steps on the device (no host sync a step) where the optimizer and every method can;
         # the host then learns of a skipped step one step later (train_step, settle).
         self.skip_on_device = skips_on_device(self.optimizer, self.sparsity, self.par.distributed)
-        self.unread: list = []   # (host flags [finite, stop], event) of steps the host has not read yet
+        self.unread = None   # (host flags [finite, stop], event) of the last step, until the host reads it
         self.autocast = self._autocast()
         self.step, self.epoch, self.bad_total, self.bad_in_row, self.rollbacks_in_row = 0, 0, 0, 0, 0
         self.best_val, self.wandb_id, self.run_id = float("inf"), None, new_run_id()
@@ -310,12 +312,23 @@ class Trainer:
         metrics = {f"loss/{k}": v for k, v in zip(parts_sum, parts_mean)}
         metrics.update({"loss/total": loss_val, "grad_norm": grad_norm.detach(),
                         "lr": self.optimizer.param_groups[0]["lr"]})
+
+        def optimizer_step():
+            if fused_scale and c.optim.grad_clip > 0:
+                self.optimizer.step(grad_scale=clip_coef(grad_norm, c.optim.grad_clip))
+            else:
+                self.optimizer.step()
+
         if self.skip_on_device:
-            # No host sync: the fused AdamW leaves weights, moments and step counts alone where found_inf is 1,
+            # No host sync: the optimizer leaves weights, moments and step counts alone where found_inf is 1,
             # the methods take the same flag, and the host reads it a step later (settle), while the device
-            # runs this step's update and the next step is queued behind it.
+            # runs this step's update and the next step is queued behind it. The previous step's flag is read
+            # first (its backward ended on the device before this step's forward began, so this rarely waits;
+            # it keeps the host at most a step ahead): an optimizer with host-side step counts (MasterAdamW)
+            # takes them back for a skipped step before it counts this one.
+            self.settle()
             self.optimizer.found_inf = (~ok).float()
-            self.optimizer.step()
+            optimizer_step()
             applied = ok.float()
             for method in self.sparsity:
                 method.after_optimizer_step(self.step, applied)
@@ -325,15 +338,12 @@ class Trainer:
             event = torch.cuda.Event() if flags.is_cuda else None
             if event is not None:
                 event.record()
-            self.unread.append((host, event))
+            self.unread = (host, event)
             metrics["skipped"] = ~ok                      # a device tensor: logged at the log steps
         else:
             finite, self.stop_agreed = torch.stack([ok, reduced[-1] > 0]).tolist()   # one host sync
             if finite:
-                if fused_scale and c.optim.grad_clip > 0:
-                    self.optimizer.step(grad_scale=clip_coef(grad_norm, c.optim.grad_clip))
-                else:
-                    self.optimizer.step()
+                optimizer_step()
                 for method in self.sparsity:
                     method.after_optimizer_step(self.step)
             else:
@@ -344,10 +354,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
-        if self.skip_on_device:
-            # The previous step's flags: its backward ended before this step's forward began on the device,
-            # so this rarely waits, and it keeps the host at most one step ahead.
-            self.settle(keep=1)
         metrics["bad_steps"] = self.bad_total
         return metrics
 
@@ -358,16 +364,19 @@ class Trainer:
             self.bad_total += 1
             self.bad_in_row += 1
 
-    def settle(self, keep: int = 0) -> None:
-        """Read the outcome of the steps whose non-finite check stayed on the device (``skip_on_device``), all
-        but the newest ``keep``: ``bad_total``, ``bad_in_row`` and the Ctrl-C agreement are then up to date
-        (the log steps, checkpoints and rollbacks call it; a no-op otherwise)."""
-        while len(self.unread) > keep:
-            host, event = self.unread.pop(0)
-            if event is not None:
-                event.synchronize()
-            finite, self.stop_agreed = host.tolist()
-            self._count_step(finite)
+    def settle(self) -> None:
+        """Read the outcome of the last step if its non-finite check stayed on the device (``skip_on_device``):
+        ``bad_total``, ``bad_in_row`` and the Ctrl-C agreement are then up to date (the next step, log steps,
+        checkpoints and rollbacks call it; a no-op otherwise)."""
+        if self.unread is None:
+            return
+        (host, event), self.unread = self.unread, None
+        if event is not None:
+            event.synchronize()
+        finite, self.stop_agreed = host.tolist()
+        self._count_step(finite)
+        if not finite and hasattr(self.optimizer, "uncount_last_step"):
+            self.optimizer.uncount_last_step()
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -486,7 +495,7 @@ class Trainer:
                            f"{format_summary(prof, self.device.type == 'cuda')} -> {self.profiler.folder}")
             tokens_since += self.tokens_per_step
             bar.update(1)
-            if self.unread and self.bad_in_row + 1 >= c.train.max_bad_steps:
+            if self.unread is not None and self.bad_in_row + 1 >= c.train.max_bad_steps:
                 self.settle()   # this step could start the rollback: read it now, so rollbacks come as without
             if self.bad_in_row >= c.train.max_bad_steps:
                 # The step that triggers the rollback is logged: the rows after it restart at the checkpoint.

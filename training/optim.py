@@ -100,6 +100,11 @@ class MasterAdamW(torch.optim.Optimizer):
     the gradient the step will use (that sum, else ``.grad``), for the norm; ``zero_grad()`` drops the sums.
     """
     scales_gradients = True   # step(grad_scale=) takes the clipping factor
+    # A step skipped without the host reading its flag: ``found_inf`` (a scalar tensor, as torch.amp.GradScaler
+    # sets it on torch's fused AdamW) makes the kernel write nothing; the step counts, on the host, go back when
+    # the trainer reads the flag (``uncount_last_step``) before the next step (training.loop.skips_on_device).
+    skips_on_device = True
+    found_inf: Optional[torch.Tensor] = None
 
     def __init__(self, params, low_precision, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, dtype: torch.dtype = torch.bfloat16, accumulate_float32: bool = False):
@@ -107,6 +112,7 @@ class MasterAdamW(torch.optim.Optimizer):
         self._dtype = dtype
         self._accumulate = accumulate_float32
         self._sums: dict = {}          # bf16 parameter -> float32 gradient summed over this step's backwards
+        self._counted: list = []       # the states whose step counts the last step() with found_inf advanced
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     def add_param_group(self, param_group: dict) -> None:
@@ -155,6 +161,7 @@ class MasterAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf, self._counted = self.found_inf, []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             launches: dict = {}     # one kernels.adamw call per (step count, dtypes, device)
@@ -166,6 +173,8 @@ class MasterAdamW(torch.optim.Optimizer):
                 if "step" not in state:
                     self._init_state(p)
                 state["step"] += 1                          # a CPU scalar: no device sync
+                if found_inf is not None:
+                    self._counted.append(state)
                 key = (int(state["step"].item()), grad.dtype, "master" in state, p.dtype, p.device)
                 launches.setdefault(key, []).append((p, grad, state))
             for (step, _, low, _, _), items in launches.items():
@@ -173,8 +182,14 @@ class MasterAdamW(torch.optim.Optimizer):
                 adamw_([s["master"] if low else p for s, p in zip(st, ps)], list(grads),
                        [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st], list(ps) if low else None,
                        lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                       weight_decay=group["weight_decay"], step=step, grad_scale=grad_scale)
+                       weight_decay=group["weight_decay"], step=step, grad_scale=grad_scale, found_inf=found_inf)
         return loss
+
+    def uncount_last_step(self) -> None:
+        """The last ``step()`` ran with a nonzero ``found_inf``: it wrote nothing, and its step counts go back."""
+        for state in self._counted:
+            state["step"] -= 1
+        self._counted = []
 
     @torch.no_grad()
     def masters_to_model(self) -> None:

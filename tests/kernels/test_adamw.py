@@ -61,6 +61,31 @@ def _compare_kernel_to_reference(device, rtol, atol, exact_round):
         elif with_params:                   # the interpreter's own cast is not IEEE: within one bf16 step
             for lo, t in zip(low, w):
                 torch.testing.assert_close(lo.float(), t, rtol=2 ** -7, atol=0)
+    # found_inf: 0 updates as without it, nonzero (a skipped step) writes nothing, even with NaN gradients
+    for flag in (0.0, 1.0):
+        w, m, v, grads = _state(device, 4)
+        if flag:
+            grads[1][0, 0] = float("nan")
+        before = [[t.clone() for t in ts] for ts in (w, m, v)]
+        low = [t.to(torch.bfloat16) for t in w]
+        low_before = [t.clone() for t in low]
+        A._adamw_triton(w, grads, m, v, low, 1 - 2e-4, 0.9, 0.95, 1e-8, 0.0125, 0.3, scale,
+                        torch.tensor(flag, device=device))
+        ref = [[t.clone() for t in ts] for ts in before]
+        if not flag:
+            A.adamw_reference_(ref[0], grads, ref[1], ref[2], None, 1 - 2e-4, 0.9, 0.95, 1e-8, 0.0125, 0.3, scale)
+        for got, want in zip((w, m, v), ref):
+            for a, b in zip(got, want):
+                if flag:
+                    assert torch.equal(a, b)
+                else:
+                    torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+        assert not flag or all(torch.equal(a, b) for a, b in zip(low, low_before))
+    w, m, v, grads = _state(device, 5)                     # the torch path reads the flag on the host
+    before = [t.clone() for t in w]
+    A.adamw_reference_(w, grads, m, v, None, 1 - 2e-4, 0.9, 0.95, 1e-8, 0.0125, 0.3, None,
+                       torch.tensor(1.0, device=device))
+    assert all(torch.equal(a, b) for a, b in zip(w, before))
 
 
 @pytest.mark.usefixtures("triton_interpreter")

@@ -100,7 +100,7 @@ def _launch_everything():
     adamw._adamw_triton(ws, [ws[0].bfloat16()], *[[m] for m in moments], [ws[0].bfloat16()], 0.9, 0.9, 0.95,
                         1e-8, 1e-3, 0.5, torch.tensor(1.0))
     adamw._adamw_triton(ws, [ws[0].clone()], *[[m] for m in moments], None, 0.9, 0.9, 0.95, 1e-8, 1e-3, 0.5,
-                        None)
+                        None, torch.tensor(0.0))
 
 
 @pytest.mark.usefixtures("triton_interpreter")   # the launchers take the Triton path on CPU tensors
