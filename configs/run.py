@@ -99,6 +99,10 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0            # 0 = off
+    # torch's AdamW kernel, as torchtitan's optimizer.implementation: auto (fused on CUDA, where it is one
+    # launch for all parameters; foreach on CPU, where it is the faster one) | fused | foreach.
+    # train.param_dtype bfloat16 runs its own kernel (MasterAdamW) whatever this says.
+    implementation: str = "auto"
 
     def validate(self, key: str = "optim") -> None:
         check_positive(self, key, "lr", "eps")
@@ -108,6 +112,8 @@ class OptimConfig:
         for n in ("beta1", "beta2"):
             check(0.0 <= getattr(self, n) < 1.0, f"{key}.{n}", f"must be in [0, 1), got {getattr(self, n)}")
         check(self.grad_clip >= 0, f"{key}.grad_clip", f"must be >= 0, got {self.grad_clip}")
+        check(self.implementation in ("auto", "fused", "foreach"), f"{key}.implementation",
+              f"must be auto, fused or foreach, got {self.implementation!r}")
 
 
 @dataclass

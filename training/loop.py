@@ -46,13 +46,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def skips_on_device(optimizer: torch.optim.Optimizer, methods: list, distributed: bool) -> bool:
+def skips_on_device(optimizer: torch.optim.Optimizer, methods: list) -> bool:
     """Whether a step with a non-finite loss or gradient norm can be skipped without the host knowing: an
-    optimizer that takes ``found_inf`` (torch's fused AdamW, as torch.amp.GradScaler uses it; MasterAdamW),
-    every sparsity method ``skips_on_device`` (layers.sparsity_method), one process. Else the trainer reads
-    the check each step (one host sync)."""
+    optimizer that takes ``found_inf`` (torch's fused AdamW, as torch.amp.GradScaler uses it, FSDP2's sharded
+    parameters included; MasterAdamW) and every sparsity method ``skips_on_device`` (layers.sparsity_method).
+    Else the trainer reads the check each step (one host sync). Under torchrun every rank decides alike: the
+    flags are all-reduced values."""
     fused_adamw = type(optimizer) is torch.optim.AdamW and bool(optimizer.defaults.get("fused"))
-    return (not distributed and (fused_adamw or getattr(optimizer, "skips_on_device", False))
+    return ((fused_adamw or getattr(optimizer, "skips_on_device", False))
             and all(getattr(m, "skips_on_device", False) for m in methods))
 
 
@@ -131,7 +132,7 @@ class Trainer:
         self.sparsity = self._sparsity_methods()
         # Skip non-finite steps on the device (no host sync a step) where the optimizer and every method can;
         # the host then learns of a skipped step one step later (train_step, settle).
-        self.skip_on_device = skips_on_device(self.optimizer, self.sparsity, self.par.distributed)
+        self.skip_on_device = skips_on_device(self.optimizer, self.sparsity)
         self.unread = None   # (host flags [finite, stop], event) of the last step, until the host reads it
         self.autocast = self._autocast()
         self.step, self.epoch, self.bad_total, self.bad_in_row, self.rollbacks_in_row = 0, 0, 0, 0, 0

@@ -20,13 +20,13 @@ from layers.sharding import DTensor, local_tensor
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str = "cpu",
-                    compact: bool = False, param_dtype: str = "float32", grad_accum: int = 1,
-                    fused: Optional[bool] = None) -> torch.optim.Optimizer:
+                    compact: bool = False, param_dtype: str = "float32", grad_accum: int = 1) -> torch.optim.Optimizer:
     """Weight decay on >= 2-D parameters (linears, embeddings, stacked experts); none on norms and biases.
     ``compact``: a ``CompactAdamW`` (for ``dst.compact_state``). ``param_dtype="bfloat16"``: a ``MasterAdamW``,
     which turns the model's ``autocast_weights`` into bfloat16 (in place) and keeps their float32 masters
-    (and sums their gradients in float32 when ``grad_accum > 1``). ``fused``: torch's fused AdamW kernel
-    (None: on CUDA, where it is one launch for all parameters; on CPU the foreach path is the fast one)."""
+    (and sums their gradients in float32 when ``grad_accum > 1``). Else torch's AdamW, fused or foreach as
+    ``cfg.implementation`` says (auto: fused on CUDA, where it is one launch for all parameters; foreach on
+    CPU, the faster one there)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
@@ -35,8 +35,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str = "cpu"
     if param_dtype == "bfloat16":
         return MasterAdamW(groups, autocast_weights(model), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                            accumulate_float32=grad_accum > 1)
-    if fused is None:
-        fused = device_type == "cuda"
+    fused = device_type == "cuda" if cfg.implementation == "auto" else cfg.implementation == "fused"
     cls = CompactAdamW if compact else torch.optim.AdamW
     return cls(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
 

@@ -43,6 +43,7 @@ def test_llama_ffn_hidden_sizes_follow_the_paper():
     ("model.n_layers=-1", "model.n_layers"),
     ("train.batch_size=0", "train.batch_size"),
     ("train.compile_mode=fast", "train.compile_mode"),
+    ("optim.implementation=apex", "optim.implementation"),
     ("data.passkey_answer_weight=0", "data.passkey_answer_weight"),
     ("logging.wandb=maybe", "logging.wandb"),
     ("train.seq_len=100000", "train.seq_len"),

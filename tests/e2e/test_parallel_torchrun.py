@@ -14,9 +14,11 @@ from helpers import train_cli
 
 
 @pytest.mark.slow
-def test_two_rank_ep2_run_matches_one_rank_with_the_same_global_batch(tmp_path, corpus_dir):
-    one = train_cli(str(tmp_path / "one"), corpus_dir, 1, preset="zoo/tiny_moe.yaml", batch=8)
-    two = train_cli(str(tmp_path / "two"), corpus_dir, 2, "parallel.ep=2", preset="zoo/tiny_moe.yaml", batch=4)
+@pytest.mark.parametrize("adamw", ["auto", "fused"])   # fused: steps checked on the device (skips_on_device)
+def test_two_rank_ep2_run_matches_one_rank_with_the_same_global_batch(tmp_path, corpus_dir, adamw):
+    impl = f"optim.implementation={adamw}"
+    one = train_cli(str(tmp_path / "one"), corpus_dir, 1, impl, preset="zoo/tiny_moe.yaml", batch=8)
+    two = train_cli(str(tmp_path / "two"), corpus_dir, 2, "parallel.ep=2", impl, preset="zoo/tiny_moe.yaml", batch=4)
     assert len(one) == len(two) == 6
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-5, (one, two)
 

@@ -1,6 +1,6 @@
 """Non-finite steps skipped on the device (training.loop.skips_on_device, on by default on CUDA): the same
 weights, MoE biases, optimizer state, counts and logs as steps checked on the host, with the host learning
-of a skipped step one step later. CPU: torch's fused AdamW runs there too, so the path is forced with it."""
+of a skipped step one step later. On CPU with optim.implementation=fused (auto takes foreach there)."""
 import json
 import os
 
@@ -11,29 +11,22 @@ from configs import load_config
 from training import loop
 from training.cli import main
 from training.loop import Trainer
-from training.optim import build_optimizer
 
 from helpers import poison_loss, tiny_overrides
 
 
-@pytest.fixture
-def fused_adamw(monkeypatch):
-    """The trainer's optimizer is torch's fused AdamW on CPU too (as on CUDA)."""
-    monkeypatch.setattr(loop, "build_optimizer", lambda *a, **k: build_optimizer(*a, **{**k, "fused": True}))
-
-
 def _moe(tmp, corpus, on_device, param_dtype):
     ov = tiny_overrides(tmp, corpus, **{"model.moe.bias_update_rate": 0.01, "checkpoint.every": 0,
-                                        "train.param_dtype": param_dtype, "train.dtype": "bfloat16"})
+                                        "train.param_dtype": param_dtype, "train.dtype": "bfloat16",
+                                        "optim.implementation": "fused"})
     tr = Trainer(load_config("zoo/tiny_moe.yaml", ov))
-    assert tr.skip_on_device        # fused AdamW or MasterAdamW, one process, ExpertBalancing can
+    assert tr.skip_on_device        # fused AdamW or MasterAdamW, and ExpertBalancing can
     tr.skip_on_device = on_device
     return tr
 
 
 # float32: torch's fused AdamW (step counts on the device); bfloat16: MasterAdamW (counts on the host, taken
 # back when the trainer reads the flag)
-@pytest.mark.usefixtures("fused_adamw")
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
 def test_steps_skipped_on_the_device_equal_steps_skipped_on_the_host(tmp_path, corpus_dir, param_dtype):
     host = _moe(tmp_path / "h", corpus_dir, False, param_dtype)
@@ -59,13 +52,11 @@ def test_steps_skipped_on_the_device_equal_steps_skipped_on_the_host(tmp_path, c
 def test_host_checks_each_step_where_the_device_cannot(tmp_path, corpus_dir):
     ov = tiny_overrides(tmp_path, corpus_dir)
     assert not Trainer(load_config("zoo/tiny_dense.yaml", ov)).skip_on_device   # CPU: foreach AdamW
-    # DST decides its mask updates on the host
-    assert not loop.skips_on_device(torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))], fused=True),
-                                    [object()], False)
-    assert not loop.skips_on_device(torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))], fused=True), [], True)
+    fused = torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))], fused=True)
+    assert loop.skips_on_device(fused, [])
+    assert not loop.skips_on_device(fused, [object()])    # a method that decides on the host (DST)
 
 
-@pytest.mark.usefixtures("fused_adamw")
 @pytest.mark.parametrize("max_bad", [1, 2])
 def test_rollbacks_and_logs_are_those_of_host_checked_steps(tmp_path, corpus_dir, monkeypatch, max_bad):
     """Steps from 5 on are non-finite: the rollbacks come at the same steps, and metrics.jsonl reads the
@@ -81,7 +72,7 @@ def test_rollbacks_and_logs_are_those_of_host_checked_steps(tmp_path, corpus_dir
         monkeypatch.setattr(Trainer, "__init__", init)
         ov = tiny_overrides(tmp_path / str(on_device), corpus_dir, **{
             "train.steps": 12, "logging.log_every": 1, "checkpoint.every": 4, "train.max_bad_steps": max_bad,
-            "train.max_rollbacks": 2})
+            "train.max_rollbacks": 2, "optim.implementation": "fused"})
         assert main(["--config", "zoo/tiny_dense.yaml", *ov]) == 1
         with open(os.path.join(tmp_path / str(on_device) / "run", "metrics.jsonl")) as f:
             rows[on_device] = [{k: v for k, v in json.loads(line).items() if "per_s" not in k and "mfu" not in k}
