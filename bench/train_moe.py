@@ -274,7 +274,10 @@ def prepare(out, source, max_files, vocab, max_tokens=0, cache_dir=None):
 
 
 def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
-    """One Trainer run, each step timed (synchronised); val loss at the end.
+    """One Trainer run, each step timed; val loss at the end. On CUDA without a budget, by an event after each
+    step, read after the run: nothing makes the host wait a step (as in train.py), so a step's time is the
+    device's, including any wait for the host. With a budget the clock needs each step's time as it goes:
+    the host waits for each step (synchronised).
 
     ``budget=None``: ``steps`` steps on the trainer's LR schedule; steady steps are those up to twice the
     run's median step. ``budget=(seconds, step_s)``: steps until the steady seconds reach ``seconds`` (at
@@ -296,21 +299,34 @@ def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
         tr.scheduler = clock = TimeSchedule(tr.optimizer, cfg.optim, budget[0])
     neuron = next((s for s in tr.sparsity if isinstance(s, NeuronSchedule)), None)
     times, phases, losses, prof, wall = [], [], [], None, 0.0
+    ends = [torch.cuda.Event(enable_timing=True)] if dev == "cuda" and not clock else None
+    if ends:
+        ends[0].record()
     while tr.step < steps and not (clock and clock.elapsed >= clock.seconds):
         tr.profiler.before(tr.step + 1)
         t0 = time.perf_counter()
         m = tr.train_step()
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        wall += dt
+        if ends:
+            ends.append(torch.cuda.Event(enable_timing=True))
+            ends[-1].record()
+            dt = 0.0                                  # the events' interval, after the run
+        else:
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            wall += dt
         # the profiled steps carry the profiler's overhead: out of the speed numbers (inf: never "steady")
         times.append(float("inf") if tr.profiler.covers(tr.step) else dt)
         if clock:
             clock.advance(times[-1] if times[-1] <= 2 * budget[1] else 0.0)
         prof = tr.profiler.after(tr.step) or prof
         phases.append(neuron.phase if neuron else "dense")
-        losses.append(float(m["loss/total"]))
+        losses.append(m["loss/total"].detach().float())   # read once after the run
+    if ends:
+        torch.cuda.synchronize()
+        gaps = [a.elapsed_time(b) / 1e3 for a, b in zip(ends, ends[1:])]
+        times, wall = [t if t == float("inf") else g for t, g in zip(times, gaps)], sum(gaps)
+    losses = torch.stack(losses).tolist()
     tr.settle()   # the last step's skip flag (training.loop.skips_on_device)
     med = statistics.median([t for t in times if t < float("inf")] or [0.0])
     limit = 2 * (budget[1] if budget else med)   # the longest steady step; with a budget the clock's own rule
