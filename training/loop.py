@@ -324,9 +324,10 @@ class Trainer:
             # No host sync: the optimizer leaves weights, moments and step counts alone where found_inf is 1,
             # the methods take the same flag, and the host reads it a step later (settle), while the device
             # runs this step's update and the next step is queued behind it. The previous step's flag is read
-            # first (its backward ended on the device before this step's forward began, so this rarely waits;
-            # it keeps the host at most a step ahead): an optimizer with host-side step counts (MasterAdamW)
-            # takes them back for a skipped step before it counts this one.
+            # first: it is ready once the device has begun this step's forward, and if the device is not there
+            # yet the host waits with this step's forward and backward queued (the device never idles; the
+            # host stays at most a step ahead). An optimizer with host-side step counts (MasterAdamW) takes
+            # them back for a skipped step before it counts this one.
             self.settle()
             self.optimizer.found_inf = (~ok).float()
             optimizer_step()
@@ -497,7 +498,7 @@ class Trainer:
             tokens_since += self.tokens_per_step
             bar.update(1)
             if self.unread is not None and self.bad_in_row + 1 >= c.train.max_bad_steps:
-                self.settle()   # this step could start the rollback: read it now, so rollbacks come as without
+                self.settle()   # this step could start a rollback: read it now, so the rollback comes at this step
             if self.bad_in_row >= c.train.max_bad_steps:
                 # The step that triggers the rollback is logged: the rows after it restart at the checkpoint.
                 m["bad_steps"] = self.bad_total
