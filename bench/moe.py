@@ -179,8 +179,10 @@ def dense_gemm_step(T, D, H, K):
 
 def allocator_and_clocks(step, reps: int = 5, before=None) -> dict:
     """What a timed step may wait on besides its kernels, over ``reps`` back-to-back steps: device
-    allocations / frees by the caching allocator (each cudaFree synchronises the device) and the SM
-    clock (MHz) and power (mW) read through NVML before and after (power-capped clocks drop under load)."""
+    allocations / frees by the caching allocator (each cudaFree synchronises the device), and the SM clock
+    (MHz) and power (mW) read through NVML before the steps and after each step's launch, while the device
+    runs the steps queued before it (power-capped clocks drop under load, by how much depends on the
+    kernels: the medians say it per contender)."""
     if DEV != "cuda":
         return {}
 
@@ -190,13 +192,21 @@ def allocator_and_clocks(step, reps: int = 5, before=None) -> dict:
         except Exception as e:        # NVML (pynvml) missing on the image: report, do not fail the bench
             return f"unavailable ({type(e).__name__})"
 
+    def median(xs):
+        nums = [x for x in xs if isinstance(x, (int, float))]
+        return statistics.median(nums) if nums else xs[0]
+
+    torch.cuda.synchronize()
     m0 = torch.cuda.memory_stats()
     out = {"sm_clock_before": nvml(torch.cuda.clock_rate), "power_before": nvml(torch.cuda.power_draw)}
+    clocks, power = [], []
     for _ in range(reps):
         if before:
             before()
         step()
-    out.update(sm_clock_after=nvml(torch.cuda.clock_rate), power_after=nvml(torch.cuda.power_draw))
+        clocks.append(nvml(torch.cuda.clock_rate))
+        power.append(nvml(torch.cuda.power_draw))
+    out.update(sm_clock_under_load=median(clocks), power_under_load=median(power))
     torch.cuda.synchronize()
     m1 = torch.cuda.memory_stats()
     for k in ("num_device_alloc", "num_device_free", "num_alloc_retries"):
@@ -355,8 +365,12 @@ def bench_shape(name, T, D, H, E, K, reps, profile_dir=None, skip=(), only=None)
     contenders["dense_gemm_step"] = (dense_gemm_step(T, D, H, K), None)
     t.update(time_interleaved(contenders, reps))
     t.update({k + "_queued": v for k, v in time_interleaved(contenders, reps, queued=True).items()})
-    res["ours_step_waits"] = allocator_and_clocks(fwd_bwd(moe, x, dy), before=zg)
-    print(name, "ours step waits", res["ours_step_waits"], flush=True)
+    # every contender's clocks and power under its own load (the FP8 steps' kernels ran 4.3 ms slower timed
+    # back to back than in one profiled step, bf16's 1.0 ms: BENCHMARKS.md, session 28)
+    res["step_waits"] = {k: allocator_and_clocks(step, reps=max(5, reps // 2), before=before)
+                         for k, (step, before) in contenders.items()}
+    for k, w in res["step_waits"].items():
+        print(name, k, "step waits", w, flush=True)
     contenders.clear()
     res["ms"] = t
     res["tflops"] = {k: res["flops"] / v / 1e9 for k, v in t.items()}
@@ -426,11 +440,15 @@ def main():
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
-    print(f"\n{'shape':8s} {'variant':30s} {'ms':>8s} {'TFLOP/s':>8s} {'/dense':>7s} {'vs mb':>6s}")
+    print(f"\n{'shape':8s} {'variant':30s} {'ms':>8s} {'TFLOP/s':>8s} {'/dense':>7s} {'vs mb':>6s} {'MHz':>6s} {'W':>5s}")
     for name, r in out["shapes"].items():
         for k, ms in r["ms"].items():
             sp = r.get("speedup_vs_megablocks", {}).get(k, float("nan"))
-            print(f"{name:8s} {k:30s} {ms:8.2f} {r['tflops'][k]:8.0f} {r['frac_of_dense'][k]:7.3f} {sp:6.2f}")
+            w = r["step_waits"].get(k, {})        # SM clock and power under the contender's own load
+            mhz, mw = w.get("sm_clock_under_load"), w.get("power_under_load")
+            load = (f" {mhz:6.0f} {mw / 1e3:5.0f}" if isinstance(mhz, (int, float)) and isinstance(mw, (int, float))
+                    else "")
+            print(f"{name:8s} {k:30s} {ms:8.2f} {r['tflops'][k]:8.0f} {r['frac_of_dense'][k]:7.3f} {sp:6.2f}{load}")
         print(f"{name:8s} {'dense GEMM, one burst':30s} {'':8s} {r['dense_burst_tflops']:8.0f}")
 
 
