@@ -14,7 +14,9 @@ A method whose class sets ``skips_on_device = True`` also takes ``after_optimize
 ``applied`` a 0-dim float32 tensor on the device, 1 if the step's update was applied and 0 if it was skipped,
 which the host has not read; the method does on the device what either call above would (no
 ``skipped_step()`` follows for that step). The trainer then checks steps without a host sync
-(training.loop.skips_on_device). DST's mask updates decide on the host, so it does not.
+(training.loop.skips_on_device). Such a method may also have ``decides_on_host(step) -> bool``: the
+steps whose work needs the outcome on the host (DST's mask updates and the first step of its dense
+finish); the trainer then reads that step's check at once and calls it without ``applied``.
 
 Implemented by ``layers.moe.ExpertBalancing``, ``layers.neuron.NeuronSchedule`` and
 ``layers.dst.DynamicSparsity``. Hand-built models use them the same way as the trainer does.

@@ -320,15 +320,19 @@ class Trainer:
             else:
                 self.optimizer.step()
 
-        if self.skip_on_device:
+        # the previous step's flag, if it was left on the device (see below)
+        self.settle()
+        # A method may need to know this step's outcome on the host now (DST's mask updates): a sync this step.
+        deferred = self.skip_on_device and not any(
+            m.decides_on_host(self.step) for m in self.sparsity if hasattr(m, "decides_on_host"))
+        if deferred:
             # No host sync: the optimizer leaves weights, moments and step counts alone where found_inf is 1,
             # the methods take the same flag, and the host reads it a step later (settle), while the device
-            # runs this step's update and the next step is queued behind it. The previous step's flag is read
-            # first: it is ready once the device has begun this step's forward, and if the device is not there
+            # runs this step's update and the next step is queued behind it. The previous step's flag was read
+            # above: it is ready once the device has begun this step's forward, and if the device is not there
             # yet the host waits with this step's forward and backward queued (the device never idles; the
-            # host stays at most a step ahead). An optimizer with host-side step counts (MasterAdamW) takes
+            # host stays at most a step ahead). An optimizer with host-side step counts (MasterAdamW) has taken
             # them back for a skipped step before it counts this one.
-            self.settle()
             self.optimizer.found_inf = (~ok).float()
             optimizer_step()
             applied = ok.float()
@@ -343,6 +347,7 @@ class Trainer:
             self.unread = (host, event)
             metrics["skipped"] = ~ok                      # a device tensor: logged at the log steps
         else:
+            self.optimizer.found_inf = None
             finite, self.stop_agreed = torch.stack([ok, reduced[-1] > 0]).tolist()   # one host sync
             if finite:
                 optimizer_step()

@@ -238,6 +238,12 @@ unsharded parameters), when the step's activations are gone already.
     saves and restores it bit-exactly at the same world size.
     """
 
+    @property
+    def skips_on_device(self) -> bool:
+        """Fused: ``found_inf`` (a scalar tensor) skips the step on the device for the dense and the compact
+        parameters alike (training.loop.skips_on_device); the compact weights are written back unchanged."""
+        return bool(self.defaults.get("fused"))
+
     def __init__(self, params, **kw):
         super().__init__(params, **kw)
         self._compact: dict = {}       # param -> _Compact
@@ -333,6 +339,7 @@ unsharded parameters), when the step's activations are gone already.
         if self._inner is not None and hidden:
             for gi, ii in self._inner_group.items():
                 self._inner.param_groups[ii].update({k: v for k, v in self.param_groups[gi].items() if k != "params"})
+            self._inner.found_inf = getattr(self, "found_inf", None)
             self._inner.step()
         for p, c in self._compact.items():
             if p in hidden:

@@ -257,8 +257,10 @@ class DynamicSparsity:
                 local_tensor(x).masked_fill_(off, 0)           # 12% faster than mul_ by a bool mask on H200
 
     @torch.no_grad()
-    def step(self, step: int) -> None:
-        """Call right after ``optimizer.step()`` of training step ``step`` (grads still present)."""
+    def step(self, step: int, applied: Optional[torch.Tensor] = None) -> None:
+        """Call right after ``optimizer.step()`` of training step ``step`` (grads still present). ``applied``: a
+        0-dim float tensor, 1 if the step's update was applied, 0 if it was skipped on the device (see
+        ``decides_on_host``: never at a mask update or the dense finish's first step)."""
         if step < self._last_step:                             # a rollback reloaded earlier masks
             self._dense = False
         self._last_step = step
@@ -278,7 +280,11 @@ class DynamicSparsity:
                 g = t.param().grad
                 if g is not None:                               # one layer's |g| temporary at a time
                     score = local_tensor(t.buf("score"))
-                    score.lerp_(local_tensor(g).abs().to(score.dtype), self.cfg.grad_ema)
+                    g_abs = local_tensor(g).abs().to(score.dtype)
+                    if applied is None:
+                        score.lerp_(g_abs, self.cfg.grad_ema)
+                    else:                               # a skipped step's gradient (maybe NaN) leaves S as it is
+                        score.copy_(torch.where(applied > 0, torch.lerp(score, g_abs, self.cfg.grad_ema), score))
         if self.schedule.is_update(step):
             self._update(step)
         if not self.cfg.compact_state:                          # CompactAdamW never moves inactive weights
@@ -343,15 +349,19 @@ class DynamicSparsity:
                 self.optimizer.compact_remap(p)
         self.last_flip_rate = int(torch.stack(changed).sum()) / total
 
-    # ---- logging --------------------------------------------------------------------------------
-
-    @torch.no_grad()
     # ---- the trainer's sparsity-method protocol (layers.sparsity_method) -----------------------------
+    skips_on_device = True   # but for the steps decides_on_host names
+
+    def decides_on_host(self, step: int) -> bool:
+        """The steps whose work depends on whether the step was applied, decided on the host: a mask update
+        (RigL grows by this step's gradients) and the first step of the dense finish."""
+        return self.schedule.is_update(step) or (self.schedule.is_dense(step) and not self._dense)
+
     def before_step(self, step: int) -> None:
         pass
 
-    def after_optimizer_step(self, step: int) -> None:
-        self.step(step)
+    def after_optimizer_step(self, step: int, applied: Optional[torch.Tensor] = None) -> None:
+        self.step(step, applied)
 
     def skipped_step(self) -> None:
         pass
@@ -359,6 +369,9 @@ class DynamicSparsity:
     def metrics(self) -> dict:
         return {f"dst/{k}": v for k, v in self.stats().items()}
 
+    # ---- logging --------------------------------------------------------------------------------
+
+    @torch.no_grad()
     def stats(self) -> dict:
         """Scalars for logging (the trainer prefixes ``dst/``): ``density`` (global), ``density/<param>``
         per layer, ``flip_rate`` (share of mask entries changed by the last update), ``ever_active``

@@ -80,3 +80,34 @@ def test_rollbacks_and_logs_are_those_of_host_checked_steps(tmp_path, corpus_dir
     assert rows[True] == rows[False]
     rollbacks = [r["step"] for r in rows[True] if r.get("rollback")]
     assert rollbacks == [5 + max_bad] * 3, rollbacks
+
+
+def _dst(tmp, corpus, on_device, compact):
+    ov = tiny_overrides(tmp, corpus, **{"dst.update_every": 3, "dst.grad_ema": 0.5, "dst.compact_state": compact,
+                                        "checkpoint.every": 0, "optim.implementation": "fused"})
+    tr = Trainer(load_config("zoo/tiny_dst.yaml", ov))
+    assert tr.skip_on_device        # fused (Compact)AdamW; DST decides its update steps on the host
+    tr.skip_on_device = on_device
+    return tr
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_dst_steps_skipped_on_the_device_equal_steps_skipped_on_the_host(tmp_path, corpus_dir, compact):
+    """Mask updates every 3 steps with a gradient EMA: step 3 (an update, checked on the host) and step 4
+    (checked on the device) are non-finite; weights, masks, scores and optimizer state stay equal."""
+    host = _dst(tmp_path / "h", corpus_dir, False, compact)
+    dev = _dst(tmp_path / "d", corpus_dir, True, compact)
+    for tr in (host, dev):
+        poison_loss(tr, lambda step: step in (3, 4))
+    for step in range(8):
+        a, b = host.train_step(), dev.train_step()
+        assert bool(a["skipped"]) == bool(b["skipped"]) == (step in (3, 4))
+        # step 3's check ran on the host (a mask update), step 4's on the device: read in step 5
+        assert isinstance(b["skipped"], torch.Tensor) == (step % 3 != 0 or step == 0)
+    dev.settle()
+    assert host.bad_total == dev.bad_total == 2
+    sa, sb = host.model.state_dict(), dev.model.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)          # weights, masks, ever-active, EMA scores
+    assert any(k.endswith("_score") for k in sa) and any(k.endswith("_mask") for k in sa)
+    oa, ob = host.optimizer.state_dict()["state"], dev.optimizer.state_dict()["state"]
+    assert oa.keys() == ob.keys() and all(torch.equal(oa[i][k], ob[i][k]) for i in oa for k in oa[i])
