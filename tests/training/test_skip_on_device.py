@@ -111,3 +111,44 @@ def test_dst_steps_skipped_on_the_device_equal_steps_skipped_on_the_host(tmp_pat
     assert any(k.endswith("_score") for k in sa) and any(k.endswith("_mask") for k in sa)
     oa, ob = host.optimizer.state_dict()["state"], dev.optimizer.state_dict()["state"]
     assert oa.keys() == ob.keys() and all(torch.equal(oa[i][k], ob[i][k]) for i in oa for k in oa[i])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_a_step_skipped_on_cuda_changes_no_weight_state_or_count(tmp_path, corpus_dir, param_dtype):
+    """On CUDA the check stays on the device by default (torch's fused AdamW; MasterAdamW's Triton kernel with
+    found_inf; the flags through pinned memory and an event): the skipped step leaves every weight, MoE bias,
+    moment and step count as it was, and the host counts it when it reads the flag."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ov = tiny_overrides(tmp_path, corpus_dir, **{
+        "model.dim": 256, "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_hidden": 512, "model.moe.hidden_dim": 256,
+        "train.seq_len": 256, "model.max_seq_len": 256, "train.batch_size": 2, "train.device": "cuda",
+        "train.param_dtype": param_dtype, "model.moe.bias_update_rate": 0.01, "checkpoint.every": 0})
+    tr = Trainer(load_config("zoo/tiny_moe.yaml", ov))
+    assert tr.skip_on_device
+    poison_loss(tr, lambda step: step == 2)
+
+    def snapshot():
+        opt = {id(p): {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
+               for p, st in tr.optimizer.state.items()}
+        return {k: v.clone() for k, v in tr.model.state_dict().items()}, opt
+
+    for _ in range(2):
+        tr.train_step()
+    before = snapshot()
+    m = tr.train_step()                                  # step 2: non-finite
+    assert bool(m["skipped"]) and tr.bad_total == 0      # not read yet
+    tr.settle()
+    assert tr.bad_total == 1 and tr.bad_in_row == 1
+    after = snapshot()
+    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+    assert before[1].keys() == after[1].keys()
+    assert all(torch.equal(before[1][i][k].cpu(), after[1][i][k].cpu()) for i in before[1] for k in before[1][i])
+    m = tr.train_step()
+    assert not bool(m["skipped"])
+    tr.settle()
+    assert tr.bad_total == 1 and tr.bad_in_row == 0
+    moved = snapshot()[0]
+    assert any(not torch.equal(moved[k], after[0][k]) for k in moved if k.endswith("expert_bias"))
+    assert any(not torch.equal(moved[k], after[0][k]) for k in moved if k.endswith("weight"))
