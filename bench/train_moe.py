@@ -72,6 +72,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import ConfigError, exit_code, load_config  # noqa: E402
 from configs.errors import check  # noqa: E402
 from training.profile import format_summary  # noqa: E402
+from bench.timing import StepTimes  # noqa: E402
 from kernels import grouped_wgrad  # noqa: E402
 
 BACKBONE = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4",
@@ -182,15 +183,17 @@ class TimeSchedule:
 
     Stands in for a Trainer's ``scheduler`` (the trainer is unchanged): its ``step()``, which train_step
     calls after the optimizer step, counts the step; ``advance(steady_s)``, which the bench calls once it
-    has timed that step, adds the step's steady seconds (0 for a step left out) and sets the next step's LR
-    in every param group. Not checkpointable: the bench saves no checkpoints."""
+    has timed a step (in order; train_run: a step late, so the host need not wait for each step), adds the
+    step's steady seconds (0 for a step left out) and sets the next step's LR in every param group: the
+    warm-up's by the step count, the cosine's by the seconds timed so far. Not checkpointable: the bench
+    saves no checkpoints."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, cfg, seconds: float):
         self.optimizer, self.seconds = optimizer, seconds
         self.warmup, self.floor = cfg.warmup_steps, cfg.min_lr_ratio
         # each group's base LR, stored by the schedulers build_scheduler made before they changed "lr"
         self.base = [g["initial_lr"] for g in optimizer.param_groups]
-        self.steps, self.elapsed, self.warm_s = 0, 0.0, 0.0
+        self.steps, self.timed, self.elapsed, self.warm_s = 0, 0, 0.0, 0.0
         self._set_lr()
 
     def factor(self) -> float:
@@ -207,7 +210,8 @@ class TimeSchedule:
 
     def advance(self, steady_s: float) -> None:
         self.elapsed += steady_s
-        if self.steps <= self.warmup:   # the cosine starts where the warm-up ends, as build_scheduler's
+        self.timed += 1
+        if self.timed <= self.warmup:   # the cosine starts where the warm-up ends, as build_scheduler's
             self.warm_s = self.elapsed
         self._set_lr()
 
@@ -274,10 +278,9 @@ def prepare(out, source, max_files, vocab, max_tokens=0, cache_dir=None):
 
 
 def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
-    """One Trainer run, each step timed; val loss at the end. On CUDA without a budget, by an event after each
-    step, read after the run: nothing makes the host wait a step (as in train.py), so a step's time is the
-    device's, including any wait for the host. With a budget the clock needs each step's time as it goes:
-    the host waits for each step (synchronised).
+    """One Trainer run, each step timed (bench.timing.StepTimes: on CUDA an event after each step, so nothing
+    makes the host wait a step, as in train.py, and a step's time is the device's, including any wait for
+    the host); val loss at the end. With a budget the clock learns each step's time a step late.
 
     ``budget=None``: ``steps`` steps on the trainer's LR schedule; steady steps are those up to twice the
     run's median step. ``budget=(seconds, step_s)``: steps until the steady seconds reach ``seconds`` (at
@@ -298,34 +301,26 @@ def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
     if budget:
         tr.scheduler = clock = TimeSchedule(tr.optimizer, cfg.optim, budget[0])
     neuron = next((s for s in tr.sparsity if isinstance(s, NeuronSchedule)), None)
-    times, phases, losses, prof, wall = [], [], [], None, 0.0
-    ends = [torch.cuda.Event(enable_timing=True)] if dev == "cuda" and not clock else None
-    if ends:
-        ends[0].record()
+    times, covered, phases, losses, prof, wall = [], [], [], [], None, 0.0
+    clocked = StepTimes(dev == "cuda")
+
+    def take(ts):                       # the profiled steps carry the profiler's overhead: inf, never "steady"
+        nonlocal wall
+        for t in ts:
+            wall += t
+            times.append(float("inf") if covered[len(times)] else t)
+            if clock:
+                clock.advance(times[-1] if times[-1] <= 2 * budget[1] else 0.0)
     while tr.step < steps and not (clock and clock.elapsed >= clock.seconds):
         tr.profiler.before(tr.step + 1)
-        t0 = time.perf_counter()
         m = tr.train_step()
-        if ends:
-            ends.append(torch.cuda.Event(enable_timing=True))
-            ends[-1].record()
-            dt = 0.0                                  # the events' interval, after the run
-        else:
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            wall += dt
-        # the profiled steps carry the profiler's overhead: out of the speed numbers (inf: never "steady")
-        times.append(float("inf") if tr.profiler.covers(tr.step) else dt)
-        if clock:
-            clock.advance(times[-1] if times[-1] <= 2 * budget[1] else 0.0)
+        clocked.mark()
+        covered.append(tr.profiler.covers(tr.step))
+        take(clocked.ready(keep=1))     # the clock learns each step's time a step late (the LR it sets too)
         prof = tr.profiler.after(tr.step) or prof
         phases.append(neuron.phase if neuron else "dense")
         losses.append(m["loss/total"].detach().float())   # read once after the run
-    if ends:
-        torch.cuda.synchronize()
-        gaps = [a.elapsed_time(b) / 1e3 for a, b in zip(ends, ends[1:])]
-        times, wall = [t if t == float("inf") else g for t, g in zip(times, gaps)], sum(gaps)
+    take(clocked.ready())
     losses = torch.stack(losses).tolist()
     tr.settle()   # the last step's skip flag (training.loop.skips_on_device)
     med = statistics.median([t for t in times if t < float("inf")] or [0.0])
