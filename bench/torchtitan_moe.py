@@ -39,13 +39,14 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.timing import StepTimes  # noqa: E402
 
 SHAPE = dict(dim=2048, n_heads=16, head_dim=128, experts=64, top_k=8, expert_hidden=1024, vocab=50304, seq=4096)
 SMOKE = dict(dim=64, n_heads=4, head_dim=16, experts=8, top_k=2, expert_hidden=32, vocab=512, seq=64)
@@ -208,32 +209,33 @@ def train(name, build, s, args, plan) -> dict:
     forward_only = dev == "cpu" and name == "torchtitan"
     from training.profile import StepProfiler
     prof = StepProfiler(args.profile_at, 3, os.path.join(args.profile_dir, name), 0, torch.device(dev))
-    times, losses, summary = [], [], None
+    # No host sync a step, as neither trainer has one (torchtitan's reads the loss at its log steps only;
+    # train.py's non-finite check stays on the device): each step's time is the device's, from an event after
+    # it (bench.timing.StepTimes), and the losses are read after the run.
+    clocked, losses, summary = StepTimes(dev == "cuda"), [], None
     for step, (x, y) in enumerate(batches(args, s, args.steps), start=1):
         prof.before(step)
-        t0 = time.perf_counter()
         with amp, torch.set_grad_enabled(not forward_only):
             loss = loss_fn(x, y)
-        if forward_only:
-            losses.append(float(loss))
-            times.append(time.perf_counter() - t0)
-            summary = prof.after(step) or summary
-            continue
-        loss.backward()
-        if master is not None:
-            opt.step(grad_scale=clip_coef(clip_grad_norm_(model.parameters(), 1.0, one, apply=False), 1.0))
-        else:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        if after_step:
-            after_step()
-        losses.append(float(loss))           # a host sync per step, as a trainer's logging has
-        times.append(time.perf_counter() - t0)
+        if not forward_only:
+            loss.backward()
+            if master is not None:
+                opt.step(grad_scale=clip_coef(clip_grad_norm_(model.parameters(), 1.0, one, apply=False), 1.0))
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            if after_step:
+                after_step()
+        losses.append(loss.detach().float())
+        clocked.mark()
         summary = prof.after(step) or summary
+    times = clocked.ready()
+    losses = torch.stack(losses).tolist()
     warm = min(args.warmup, len(times) - 1)
-    # the profiled steps (with the profiler's overhead) stay out of tokens/s
-    timed = [t for i, t in enumerate(times[warm:], start=warm + 1) if not prof.covers(i)]
+    # the profiled steps (with the profiler's overhead) and the step after them (its interval holds the
+    # profiler's export) stay out of tokens/s
+    timed = [t for i, t in enumerate(times[warm:], start=warm + 1) if not (prof.covers(i) or prof.covers(i - 1))]
     tok_s = len(timed) * args.batch * s["seq"] / sum(timed)
     out = {"tokens_per_s": tok_s, "losses": losses, "step_ms": [t * 1e3 for t in times],
            "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else 0.0,
