@@ -23,8 +23,8 @@ CASES = {
     # train.param_dtype=bfloat16: bf16 matmul weights, float32 masters and the fused kernel (training.optim.MasterAdamW)
     "moe_bf16_weights": ("zoo/tiny_moe.yaml", {"model.moe.hidden_dim": 256, "train.seq_len": 256,
                                                "model.max_seq_len": 256, "train.param_dtype": "bfloat16"}),
-    # 2 layers: the dense first one and one with shared experts (with 3, the case took ~360 s of the GPU
-    # suite's ~570 on the H100 and H200, most of it compiling under xdist's concurrent workers)
+    # 2 layers: the dense first one and one with shared experts (with 3, the case took ~360 s of the whole
+    # suite's ~570 s on the H100 and H200; not profiled)
     "moe_shared_first_dense": ("zoo/deepseek_moe_16b.yaml", {
         "model.moe.hidden_dim": 128, "model.moe.num_experts": 16, "model.moe.top_k": 4, "model.n_layers": 2,
         "train.seq_len": 256, "model.max_seq_len": 256}),
