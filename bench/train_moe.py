@@ -280,7 +280,7 @@ def prepare(out, source, max_files, vocab, max_tokens=0, cache_dir=None):
 def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
     """One Trainer run, each step timed (bench.timing.StepTimes: on CUDA an event after each step, so nothing
     makes the host wait a step, as in train.py, and a step's time is the device's, including any wait for
-    the host); val loss at the end. With a budget the clock learns each step's time a step late.
+    the host); val loss at the end. With a budget, on CUDA, the clock learns each step's time a step late.
 
     ``budget=None``: ``steps`` steps on the trainer's LR schedule; steady steps are those up to twice the
     run's median step. ``budget=(seconds, step_s)``: steps until the steady seconds reach ``seconds`` (at
@@ -316,7 +316,9 @@ def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
         m = tr.train_step()
         clocked.mark()
         covered.append(tr.profiler.covers(tr.step))
-        take(clocked.ready(keep=1))     # the clock learns each step's time a step late (the LR it sets too)
+        # on CUDA the clock learns each step's time a step late (the LR it sets too; one step more may run past
+        # the budget); on CPU a step has ended when train_step returns
+        take(clocked.ready(keep=1 if dev == "cuda" else 0))
         prof = tr.profiler.after(tr.step) or prof
         phases.append(neuron.phase if neuron else "dense")
         losses.append(m["loss/total"].detach().float())   # read once after the run
