@@ -42,19 +42,16 @@ class StepTimes:
 
     def __init__(self, cuda: bool):
         self.cuda, self.marks, self.read = cuda, [], 0
-        self._mark()
+        self.mark()                     # the first step's start
 
-    def _mark(self) -> None:
+    def mark(self) -> None:
+        """After a step's launches."""
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.marks.append(event)
         else:
             self.marks.append(time.perf_counter())
-
-    def mark(self) -> None:
-        """After a step's launches."""
-        self._mark()
 
     def ready(self, keep: int = 0) -> list[float]:
         out = []

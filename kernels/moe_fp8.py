@@ -44,8 +44,7 @@ walk the rows of the transposed output (the padded wgrad rows, or one weight's r
 the source rows are gathered (row-major, contiguous along the features either way). The first dual pass
 (349a889) tiled the source rows instead: its transposed store was one byte per lane, a separate kernel
 zeroed the pads, and its cast pass needed 90 registers a thread on 16 warps (one block per SM): 14.3 ms of
-the fp8 layer's 43.9 on the H200, against ~4.4 by the bytes
-(BENCHMARKS.md).
+the fp8 layer's 43.9 on the H200, against ~4.4 by the bytes (BENCHMARKS.md).
 The row and column quantizers apart read the input three times (H100, Mixtral shape: 9.7 of the fp8
 layer's 42.4 ms were quantizers).
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from configs import load_config
-from helpers import tiny_overrides
+from helpers import poison_loss, tiny_overrides
 from training.checkpoint import latest_checkpoint, list_checkpoints
 from training.loop import Trainer
 
@@ -47,15 +47,7 @@ def test_resume_is_bit_exact(tmp_path, corpus_dir):
 
 def test_injected_nan_step_is_skipped_and_training_continues(tmp_path, corpus_dir):
     tr = Trainer(make_cfg(tmp_path, corpus_dir))
-    real = tr.compute_loss
-
-    def poisoned(x, y, w=None):
-        loss, parts = real(x, y, w)
-        if tr.step == 3:
-            return loss * float("nan"), parts
-        return loss, parts
-
-    tr.compute_loss = poisoned
+    poison_loss(tr, lambda step: step == 3)
     before = None
     for _ in range(6):
         if tr.step == 3:
@@ -71,14 +63,8 @@ def test_injected_nan_step_is_skipped_and_training_continues(tmp_path, corpus_di
 def test_repeated_nan_steps_roll_back_to_last_checkpoint(tmp_path, corpus_dir):
     cfg = make_cfg(tmp_path, corpus_dir, **{"train.steps": 30, "train.max_bad_steps": 2, "checkpoint.every": 5})
     tr = Trainer(cfg)
-    real = tr.compute_loss
     state = {"poison": True}
-
-    def poisoned(x, y, w=None):
-        loss, parts = real(x, y, w)
-        return (loss * float("nan"), parts) if tr.step in (7, 8) and state["poison"] else (loss, parts)
-
-    tr.compute_loss = poisoned
+    poison_loss(tr, lambda step: step in (7, 8) and state["poison"])
     orig_rollback = tr.rollback
 
     def rollback():
