@@ -38,6 +38,8 @@ times each step):
   three steps (``logging.profile_at``) and prints where the device time went.
 - ``speed_512_graphs``: ``speed_512`` with the compiled blocks captured as CUDA graphs
   (``train.compile_mode=reduce-overhead``; with ``--compile``): the host's launch cost taken out.
+- ``speed_512_graphs_fp32router``: ``speed_512_graphs``' MoE with ``model.moe.low_precision_router=false``
+  (the router reading the float32 residual, as before session 29), to run beside ``speed_512_graphs``.
 - ``equal_time_graphs``: ``equal_time``'s dense and MoE runs the same way (with ``--compile``).
 - ``equal_time_moe_shapes``: dense and three other MoE layouts of the same active FFN FLOPs at equal time,
   as CUDA graphs (with ``--compile``): 1 shared expert + top-1 of 8 (hidden 704 each), top-1 of 8 at 1408
@@ -132,6 +134,9 @@ def with_graphs(suite: str, runs=None) -> dict:
 SUITES["speed_512_graphs"] = with_graphs("speed_512")
 # the same with train.param_dtype=bfloat16 (bf16 matmul weights, float32 masters in training.optim.MasterAdamW)
 SUITES["speed_512_graphs_bf16w"] = with_overrides("speed_512_graphs", "bf16w", ["train.param_dtype=bfloat16"])
+# the MoE with its router reading the float32 residual (before session 29's default: a float32 FFMA GEMM)
+SUITES["speed_512_graphs_fp32router"] = with_overrides("speed_512_graphs", "fp32router",
+                                                       ["model.moe.low_precision_router=false"], ("moe",))
 # dense against MoE at equal time, each at its fastest step (graphs took 30% off the MoE step, 1% off dense's)
 SUITES["equal_time_graphs"] = with_graphs("equal_time", ("dense", "moe"))
 # MoE layouts of the same active FFN FLOPs (hidden 1408 a token) against dense, CUDA graphs: top-2 of 8 at

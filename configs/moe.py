@@ -40,7 +40,7 @@ class MoEConfig:
     compile_routing: Optional[str] = "inductor"  # torch.compile backend of the routing stage; None = eager
     fold_weights: bool = True             # routing weights folded into the SwiGLU epilogue (no EP)
     group_align: int = 1                  # grouped-GEMM group alignment (rows); 1 = unpadded groups
-    low_precision_router: bool = True     # bf16 router GEMM with fp32 output (exact products)
+    low_precision_router: bool = True     # router GEMM on bf16 inputs (autocast's copy), fp32 accumulation/logits
     fuse_permute: bool = True             # permute fused into the gate/up grouped GEMMs' backward
     # Expert GEMMs' operand precision on the grouped CUDA path. bf16: torch._grouped_mm. fp8: rowwise-scaled
     # float8_e4m3fn forward, dgrad and wgrad (kernels.moe_fp8; torchao's MoE fp8 rowwise recipe), bf16 out and

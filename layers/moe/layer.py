@@ -223,10 +223,13 @@ class MoE(nn.Module):
             self.experts.precision = self.cfg.precision
         shape = x.shape
         x2 = x.reshape(-1, self.dim)
-        r, plan = self._route_and_record(x2)
-        # After routing: the router reads the input as given (float32 routing under autocast too), the
-        # experts its autocast-dtype copy.
-        x2 = autocast_input(x2)
+        xa = autocast_input(x2)    # what the experts read: the autocast-dtype copy under autocast
+        # The router reads that copy too with low_precision_router (bf16 products, float32 accumulation and
+        # logits, as megablocks' and torchtitan's routers read bf16 inputs): a float32 input would make
+        # it a float32 FFMA GEMM (44 us a layer of the dim-512 MoE's step on an H100, no tensor cores)
+        # plus a float32 copy of the normed rows. Without it, the input as given.
+        r, plan = self._route_and_record(xa if self.cfg.low_precision_router else x2)
+        x2 = xa
         if self.ep_group is not None:
             from .expert_parallel import ep_dispatch
             y = ep_dispatch(self, x2, r.indices, r.weights, r.routed, plan)

@@ -85,16 +85,16 @@ def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def tokens_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """indices [T, K] -> int64 [E] assignment counts (scatter_add: no host sync, unlike bincount on CUDA).
+    """indices [T, K] -> int64 [E] assignment counts (no host sync, unlike bincount on CUDA).
 
-    Under torch.compile the counts are summed in int32 and widened: inductor has no Triton atomic add
-    for int64, so an int64 scatter_add is an ATen fallback in the compiled graph (one more op for the
-    host to dispatch per MoE forward), while the int32 one is a generated kernel. Same integers.
+    Eager: a scatter_add of ones. Under torch.compile: a compare-and-sum over the [T*K, E] one-hot, which
+    inductor generates as one reduction kernel without materialising it. The compiled scatter_add it
+    replaces was an atomic add of T*K ones into E counters, contended at few experts: 17 us a layer at
+    E = 8, T*K = 65536 on an H100 (the dim-512 MoE's profile), for a result of 8 integers. Same integers.
     """
     flat = indices.reshape(-1)
-    if torch.compiler.is_compiling() and flat.numel() < 2 ** 31:
-        return torch.zeros(num_experts, dtype=torch.int32, device=flat.device).scatter_add_(
-            0, flat, torch.ones_like(flat, dtype=torch.int32)).long()
+    if torch.compiler.is_compiling():
+        return (flat[:, None] == torch.arange(num_experts, device=flat.device, dtype=flat.dtype)).sum(0)
     return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat))
 

@@ -327,11 +327,14 @@ def test_under_autocast_the_experts_get_the_autocast_dtype_from_a_float32_residu
     torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
 
 
-def test_under_autocast_routing_reads_the_float32_residual_not_its_bf16_copy():
-    """Only the dispatch runs in the autocast dtype: logits, losses and routing stats equal the float32 ones."""
-    moe = make_moe(dim=32, hidden=48, E=4, K=2, z_loss_coef=1e-2)
+@pytest.mark.parametrize("low_precision_router", [True, False])
+def test_under_autocast_routing_reads_the_bf16_copy_only_with_low_precision_router(low_precision_router):
+    """low_precision_router (default): the router reads the autocast-dtype copy, as the experts do, so its
+    logits, losses and stats are the float32 ones of the bf16-rounded input. Off: those of the float32
+    residual itself."""
+    moe = make_moe(dim=32, hidden=48, E=4, K=2, z_loss_coef=1e-2, low_precision_router=low_precision_router)
     x = torch.randn(2, 8, 32)
-    moe(x)
+    moe(x.bfloat16().float() if low_precision_router else x)
     want = moe.aux_loss.detach().clone(), dict(moe.stats)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         moe(x)
