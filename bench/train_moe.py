@@ -136,7 +136,7 @@ SUITES["speed_512_graphs"] = with_graphs("speed_512")
 SUITES["speed_512_graphs_bf16w"] = with_overrides("speed_512_graphs", "bf16w", ["train.param_dtype=bfloat16"])
 # the MoE with its router reading the float32 residual (before session 29's default: a float32 FFMA GEMM)
 SUITES["speed_512_graphs_fp32router"] = with_overrides("speed_512_graphs", "fp32router",
-                                                       ["model.moe.low_precision_router=false"], ("moe",))
+                                                       ["model.moe.low_precision_router=false"], ("moe_graphs",))
 # dense against MoE at equal time, each at its fastest step (graphs took 30% off the MoE step, 1% off dense's)
 SUITES["equal_time_graphs"] = with_graphs("equal_time", ("dense", "moe"))
 # MoE layouts of the same active FFN FLOPs (hidden 1408 a token) against dense, CUDA graphs: top-2 of 8 at
