@@ -90,7 +90,9 @@ def tokens_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     Eager: a scatter_add of ones. Under torch.compile: a compare-and-sum over the [T*K, E] one-hot, which
     inductor generates as one reduction kernel without materialising it. The compiled scatter_add it
     replaces was an atomic add of T*K ones into E counters, contended at few experts: 17 us a layer at
-    E = 8, T*K = 65536 on an H100 (the dim-512 MoE's profile), for a result of 8 integers. Same integers.
+    E = 8, T*K = 65536 on an H100 (the dim-512 MoE's profile), for a result of 8 integers; the reduction
+    took 5.2 us there. It compares each id E times (from cache): at hundreds of experts, where the
+    scatter's atomics contend less, which is faster is not measured. Same integers.
     """
     flat = indices.reshape(-1)
     if torch.compiler.is_compiling():
