@@ -38,6 +38,8 @@ times each step):
   three steps (``logging.profile_at``) and prints where the device time went.
 - ``speed_512_graphs``: ``speed_512`` with the compiled blocks captured as CUDA graphs
   (``train.compile_mode=reduce-overhead``; with ``--compile``): the host's launch cost taken out.
+- ``speed_2k_fp32router``: ``speed_2k``'s neuron-routed FFN with ``model.neuron.low_precision_router=false``
+  (its router reading the float32 residual, as before session 29), to run beside ``speed_2k``.
 - ``speed_512_graphs_fp32router``: ``speed_512_graphs``' MoE with ``model.moe.low_precision_router=false``
   (the router reading the float32 residual, as before session 29), to run beside ``speed_512_graphs``.
 - ``equal_time_graphs``: ``equal_time``'s dense and MoE runs the same way (with ``--compile``).
@@ -137,6 +139,9 @@ SUITES["speed_512_graphs_bf16w"] = with_overrides("speed_512_graphs", "bf16w", [
 # the MoE with its router reading the float32 residual (before session 29's default: a float32 FFMA GEMM)
 SUITES["speed_512_graphs_fp32router"] = with_overrides("speed_512_graphs", "fp32router",
                                                        ["model.moe.low_precision_router=false"], ("moe_graphs",))
+# the neuron-routed FFN with its router reading the float32 residual (before session 29's default)
+SUITES["speed_2k_fp32router"] = with_overrides("speed_2k", "fp32router",
+                                               ["model.neuron.low_precision_router=false"], ("neuron_2k",))
 # dense against MoE at equal time, each at its fastest step (graphs took 30% off the MoE step, 1% off dense's)
 SUITES["equal_time_graphs"] = with_graphs("equal_time", ("dense", "moe"))
 # MoE layouts of the same active FFN FLOPs (hidden 1408 a token) against dense, CUDA graphs: top-2 of 8 at

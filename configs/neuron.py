@@ -31,6 +31,7 @@ class NeuronConfig:
     kmeans_iters: int = 20              # balanced k-means iterations when clustering W1 rows (from_dense, recluster)
     recluster: bool = False             # re-group the units by k-means on the trained W1 rows when warm-up ends
     backend: str = "auto"               # auto | reference | grouped (as model.moe.backend)
+    low_precision_router: bool = True   # router GEMM on bf16 inputs (autocast's copy), fp32 accumulation/logits
 
     def validate(self, key: str = "model.neuron", hidden_dim: Optional[int] = None) -> None:
         """Raise ConfigError naming the key; ``hidden_dim`` (the FFN's) checks that the groups divide it."""

@@ -27,7 +27,9 @@ class _LowPrecisionRouterMM(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         g = g.to(x.dtype)
-        return g @ w, torch.mm(g.t(), x, out_dtype=torch.float32).to(w.dtype)
+        dx = g @ w if ctx.needs_input_grad[0] else None       # none for a detached input (NeuronRoutedFFN)
+        dw = torch.mm(g.t(), x, out_dtype=torch.float32).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw
 
 
 def router_matmul(x: torch.Tensor, w: torch.Tensor, low_precision: bool = True) -> torch.Tensor:

@@ -43,6 +43,7 @@ from torch import nn
 
 from configs import ConfigError
 from configs.neuron import NeuronConfig
+from kernels.router_matmul import router_matmul
 
 from ..moe.experts import GroupedExperts, autocast_input, expert_hidden, make_plan, run_plan
 from ..moe.layer import cached_backend, layer_config
@@ -191,9 +192,10 @@ class NeuronRoutedFFN(nn.Module):
 
     # -- forward ----------------------------------------------------------------------------------------
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, D] -> float32 logits [T, G]; input detached (see module docstring), autocast off."""
+        """x [T, D] -> float32 logits [T, G]; input detached (see module docstring), autocast off; bf16 / fp16
+        CUDA inputs take the GEMM with bf16 products and float32 accumulation (kernels.router_matmul)."""
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x.detach().float(), self.router.weight.float())
+            return router_matmul(x.detach(), self.router.weight, self.cfg.low_precision_router)
 
     def backend(self, device: torch.device) -> str:
         return cached_backend(self, device)
@@ -201,8 +203,9 @@ class NeuronRoutedFFN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.dim)
-        logits = self.router_logits(x2)       # from the input as given; the groups get the autocast copy
-        x2 = autocast_input(x2)
+        xa = autocast_input(x2)               # the groups read the autocast copy; the router too, as MoE's
+        logits = self.router_logits(xa if self.cfg.low_precision_router else x2)
+        x2 = xa
         if self.sparse:
             y = self._sparse(x2, logits)
         else:

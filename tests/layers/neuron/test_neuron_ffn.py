@@ -354,16 +354,25 @@ def test_recluster_of_fsdp2_sharded_weights_matches_one_process():
     spawn(_check_recluster_under_fsdp2_matches_one_process, 2)
 
 
+@pytest.mark.parametrize("low_precision_router", [True, False])
 @pytest.mark.parametrize("sparse", [False, True])
-def test_under_autocast_the_router_reads_the_float32_input_and_the_groups_its_bf16_copy(sparse):
+def test_under_autocast_the_router_reads_the_groups_bf16_copy_only_with_low_precision_router(sparse,
+                                                                                           low_precision_router):
+    """Default: the router reads the bf16 copy the groups read, so its float32 logits are those of the
+    bf16-rounded input; ``low_precision_router: false``: those of the float32 input."""
     torch.manual_seed(0)
-    m = NeuronRoutedFFN(16, 32, 4, 2, backend="torch")
+    m = NeuronRoutedFFN(16, 32, 4, 2, backend="torch", low_precision_router=low_precision_router)
     m.sparse = sparse
     seen, route = [], m.router_logits
-    m.router_logits = lambda x: (seen.append(x.dtype), route(x))[1]
+    m.router_logits = lambda x: (seen.append((x.dtype, route(x))), seen[-1][1])[1]
+    x = torch.randn(2, 5, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = m(torch.randn(2, 5, 16))
-    assert seen == [torch.float32] and y.dtype == torch.bfloat16
+        y = m(x)
+    (dtype, logits), = seen
+    assert dtype == (torch.bfloat16 if low_precision_router else torch.float32) and y.dtype == torch.bfloat16
+    assert logits.dtype == torch.float32
+    xr = (x.bfloat16().float() if low_precision_router else x).reshape(-1, 16)
+    torch.testing.assert_close(logits, xr @ m.router.weight.t(), rtol=1e-6, atol=1e-6)
 
 
 def test_flops_count_the_groups_a_neuron_routed_ffn_computes():
