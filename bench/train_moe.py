@@ -38,6 +38,9 @@ times each step):
   three steps (``logging.profile_at``) and prints where the device time went.
 - ``speed_512_graphs``: ``speed_512`` with the compiled blocks captured as CUDA graphs
   (``train.compile_mode=reduce-overhead``; with ``--compile``): the host's launch cost taken out.
+- ``speed_2k_graphs``: ``speed_2k`` with the compiled blocks captured as CUDA graphs (with ``--compile``): the
+  neuron-routed sparse step is launch-bound at D 2048 when eager (bench/neuron_ffn.py: waited 4.7 ms a layer,
+  queued 3.0).
 - ``speed_2k_fp32router``: ``speed_2k``'s neuron-routed FFN with ``model.neuron.low_precision_router=false``
   (its router reading the float32 residual, as before session 29), to run beside ``speed_2k``.
 - ``speed_512_graphs_fp32router``: ``speed_512_graphs``' MoE with ``model.moe.low_precision_router=false``
@@ -139,6 +142,7 @@ SUITES["speed_512_graphs_bf16w"] = with_overrides("speed_512_graphs", "bf16w", [
 # the MoE with its router reading the float32 residual (before session 29's default: a float32 FFMA GEMM)
 SUITES["speed_512_graphs_fp32router"] = with_overrides("speed_512_graphs", "fp32router",
                                                        ["model.moe.low_precision_router=false"], ("moe_graphs",))
+SUITES["speed_2k_graphs"] = with_graphs("speed_2k")
 # the neuron-routed FFN with its router reading the float32 residual (before session 29's default)
 SUITES["speed_2k_fp32router"] = with_overrides("speed_2k", "fp32router",
                                                ["model.neuron.low_precision_router=false"], ("neuron_2k",))
