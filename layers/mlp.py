@@ -8,15 +8,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _relu2(a: torch.Tensor) -> torch.Tensor:
-    return F.relu(a).square()
+def relu2(a: torch.Tensor) -> torch.Tensor:
+    """Squared ReLU in a's dtype. A product, not ``square`` / ``** 2``: CUDA autocast runs ``pow`` in float32,
+    which made a bf16 layer's hidden state float32 (and its down projection a float32 GEMM)."""
+    r = F.relu(a)
+    return r * r
 
 
 def _gelu_tanh(a: torch.Tensor) -> torch.Tensor:
     return F.gelu(a, approximate="tanh")
 
 
-GATE_ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": _gelu_tanh, "relu2": _relu2}
+GATE_ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": _gelu_tanh, "relu2": relu2}
 
 
 def gate_act(name: str):

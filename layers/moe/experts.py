@@ -40,7 +40,7 @@ from kernels.grouped_wgrad import grouped_linear
 from kernels.moe_fp8 import fp8_grouped_linear
 from kernels.moe_gate_up import gate_up
 
-from ..mlp import gate_act as _gate_act
+from ..mlp import gate_act as _gate_act, relu2
 from .router import stable_order, tokens_per_expert
 
 
@@ -169,7 +169,7 @@ def expert_hidden(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, ac
     default) or ``relu(x w1^T)^2`` (relu2)."""
     a = F.linear(x, w1)
     if activation != "swiglu":
-        return F.relu(a).square()
+        return relu2(a)
     return (F.silu(a) if gate_act == "silu" else _gate_act(gate_act)(a)) * F.linear(x, w3)
 
 
@@ -250,7 +250,7 @@ class GroupedExperts(nn.Module):
         else:
             if plan is not None:
                 xs = sorted_rows(xs, plan)
-            h = F.relu(self._linear(xs, self.w1, offs)).square()
+            h = relu2(self._linear(xs, self.w1, offs))
             if row_scale is not None:
                 h = scale_rows(h, row_scale)
         return self._linear(h, self.w2, offs)
