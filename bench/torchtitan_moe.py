@@ -20,7 +20,9 @@ bf16 copy): the same numbers as ours, the trainer's faster precision layout.
 All run the same loop: fp32 master weights, fused AdamW (lr 3e-4, wd 0.1), bf16 autocast, every block
 ``torch.compile``'d and the loss compiled (ours: as train.compile; theirs: likewise per block, and the loss as
 its trainer's compile.components "loss"), the same batches (``--tokens``:
-a bench/train_moe.py --prepare folder, else seeded random ids), so the difference is the model code.
+a bench/train_moe.py --prepare folder, else seeded random ids), so the difference is the model code and
+how each trainer copies a batch to the GPU: ours as train.py does (a pinned copy, queued without waiting:
+kernels.launch.to_device), torchtitan's as its trainer does (``.to(device)``, which waits for the last step).
 torchtitan's aux-free bias update runs through its optimizer hook (``register_moe_load_balancing_hook``)
 when available; ours after each step (layers.moe_update_bias). MFU counts active FLOPs (zoo.flops:
 6 N_active + attention) against the GPU's dense bf16 peak. Before any work, the plan's memory
@@ -47,6 +49,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.timing import StepTimes  # noqa: E402
+from kernels.launch import to_device  # noqa: E402
 
 SHAPE = dict(dim=2048, n_heads=16, head_dim=128, experts=64, top_k=8, expert_hidden=1024, vocab=50304, seq=4096)
 SMOKE = dict(dim=64, n_heads=4, head_dim=16, experts=8, top_k=2, expert_hidden=32, vocab=512, seq=64)
@@ -175,7 +178,7 @@ def batches(args, s, steps):
         starts = g.integers(0, len(data) - s["seq"] - 1, args.batch)
         w = torch.from_numpy(np.stack([np.asarray(data[i:i + s["seq"] + 1], dtype=np.int64) for i in starts]))
         w = w % s["vocab"]               # a smaller vocabulary than the tokenizer's (the smoke shapes)
-        yield w[:, :-1].to(args.device), w[:, 1:].to(args.device)
+        yield w[:, :-1], w[:, 1:]
 
 
 def train(name, build, s, args, plan) -> dict:
@@ -213,7 +216,11 @@ def train(name, build, s, args, plan) -> dict:
     # train.py's non-finite check stays on the device): each step's time is the device's, from an event after
     # it (bench.timing.StepTimes), and the losses are read after the run.
     clocked, losses, summary = StepTimes(dev == "cuda"), [], None
+    # Each model is fed as its trainer feeds it: train.py queues a pinned copy (kernels.launch.to_device);
+    # torchtitan's trainer copies the batch with a plain `.to(device)`, which waits for the previous step
+    to_dev = to_device if name.startswith("ours") else torch.Tensor.to
     for step, (x, y) in enumerate(batches(args, s, args.steps), start=1):
+        x, y = to_dev(x, dev), to_dev(y, dev)
         prof.before(step)
         with amp, torch.set_grad_enabled(not forward_only):
             loss = loss_fn(x, y)

@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .launch import jit, tl, triton, use_triton
+from .launch import jit, tl, to_device, triton, use_triton
 
 # elements a program updates and its warps: 8 per thread and stream. bench/adamw.py on an H100 (session 26,
 # 8 x 134M weights): 10.45 ms, 1.01x the copy rate, against 11.55 at 2048 on 8 warps (the previous choice)
@@ -132,10 +132,7 @@ def _adamw_triton(weights, grads, exp_avgs, exp_avg_sqs, params, decay, beta1, b
     # first block
     rows = [[w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.data_ptr() if params else 0, n, f]
             for w, g, m, v, p, n, f in zip(weights, grads, exp_avgs, exp_avg_sqs, params or weights, numels, firsts)]
-    table = torch.tensor(rows, dtype=torch.int64)
-    if device.type == "cuda":
-        # pinned + non_blocking: the copy queues behind the backward instead of waiting for it
-        table = table.pin_memory().to(device, non_blocking=True)
+    table = to_device(torch.tensor(rows, dtype=torch.int64), device)   # queued behind the backward, no wait
     p_dtype = params[0].dtype if params else torch.float32
     scale = grad_scale if grad_scale is not None else weights[0]      # unread without HAS_SCALE
     skip = found_inf if found_inf is not None else weights[0]         # unread without HAS_SKIP

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from configs import Config, ConfigError
+from kernels.launch import to_device
 from layers import AttentionStats, DynamicSparsity, ExpertBalancing, NeuronSchedule, attention_density
 from zoo import build_model
 from zoo.model import mean_cross_entropy
@@ -270,8 +271,9 @@ class Trainer:
         x, y, w = sample_batch(tokens, c.batch_size, c.seq_len, c.seed, step, micro * self.par.dp_size + self.par.dp_rank,
                             accum * self.par.dp_size, self.epoch if split == "train" else -1,
                             self.passkey_mix if split == "train" else None)
-        return (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True),
-                None if w is None else w.to(self.device, non_blocking=True))
+        # pinned copies, queued: a pageable one would make the host wait for the previous step to finish
+        # and leave the GPU idle while it launches this one's first kernels (kernels.launch.to_device)
+        return to_device(x, self.device), to_device(y, self.device), None if w is None else to_device(w, self.device)
 
     def compute_loss(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, dict]:

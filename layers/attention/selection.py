@@ -9,6 +9,8 @@ from typing import Sequence
 
 import torch
 
+from kernels.launch import to_device
+
 from .pattern import SparsityPattern
 
 _MASK32 = 0xFFFFFFFF
@@ -24,14 +26,13 @@ def _fmix32(x):
 
 
 def index_tensor(values: Sequence[int], device=None) -> torch.Tensor:
-    """int64 ``[len(values)]`` on ``device``, without waiting for the GPU: ``torch.tensor(values, device="cuda")``
-    (a copy from pageable memory) first waits for everything queued on the GPU; a pinned source copied
-    non-blocking does not (the caching host allocator keeps it alive until the copy has run). Under
-    torch.compile the values are constants of the graph, so the plain copy is traced instead."""
+    """int64 ``[len(values)]`` on ``device``, without waiting for the GPU (``torch.tensor(values, device="cuda")``
+    would wait for everything queued: kernels.launch.to_device). Under torch.compile the values are constants
+    of the graph, so the plain copy is traced instead."""
     t = torch.tensor(values, dtype=torch.long)
-    if device is None or torch.device(device).type != "cuda" or torch.compiler.is_compiling():
+    if device is None or torch.compiler.is_compiling():
         return t if device is None else t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return to_device(t, device)
 
 
 def random_block_rows(pats: Sequence[SparsityPattern], layer: int, q_blocks: torch.Tensor, n_k_blocks: int) -> torch.Tensor:
