@@ -37,7 +37,9 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    # contiguous first: the copy of a strided source (a batch's x = windows[:, :-1]) makes a contiguous host
+    # copy of it, which would be pageable again
+    return t.contiguous().pin_memory().to(device, non_blocking=True)
 
 
 def interpreting() -> bool:
