@@ -47,6 +47,7 @@ SHAPES = {  # T tokens, D model dim, H expert hidden, E experts, K top-k
     "mixtral": dict(T=16384, D=4096, H=14336, E=8, K=2),
     "fine": dict(T=16384, D=4096, H=1024, E=64, K=8),
     "small": dict(T=32768, D=512, H=704, E=8, K=2),   # the dim-512 MoE of bench/train_moe.py (seq 1024 x batch 32)
+    "olmoe": dict(T=16384, D=2048, H=1024, E=64, K=8),   # bench/torchtitan_moe.py's layer (OLMoE-1B-7B), 16k tokens
     "tiny": dict(T=256, D=64, H=96, E=8, K=2),        # smoke test of this script (also on CPU)
 }
 DEV = "cuda"

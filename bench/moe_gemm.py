@@ -12,7 +12,9 @@ Contenders, per GEMM of the expert layer ("role"), timed round-robin within the 
 - ``quack`` / ``quack_gather``: QuACK's CuTe-DSL varlen GEMMs (``quack.gemm_interface``, the engine
   of SonicMoE), default configuration, when ``quack`` imports (carry nvidia-cutlass-dsl and
   quack-kernels wheels to the device: BENCHMARKS.md, run 9).
-Roles: ``gate`` xs w1^T; ``down`` h w2^T; ``dgrad`` dy w2 (the down projection's input gradient);
+Roles: ``gate`` xs w1^T; ``down`` h w2^T; ``dgrad`` dy w2 (the down projection's input gradient; also with
+the weight read K-major, ``gmm_kmajor``, and that transposed copy made in the call, ``gmm_kmajor_copy``);
+``dgrad_gate`` da w1 (the gate projection's input gradient, the same contenders);
 ``wgrad`` dy^T h (its weight gradient); ``wgrad_gather`` da^T xs (the gate's weight gradient, xs
 gathered); and two fused stages: ``gate_up_swiglu`` (ours: permute + two grouped GEMMs + the SwiGLU
 kernel with the routing weight; triton: one two-accumulator kernel; quack: one gated GEMM over
@@ -82,6 +84,7 @@ def operands(T, D, H, E, K):
              scale=torch.rand(M, device=dev))
     o["xs"] = moe_permute(o["x"], plan.inv, M, False)
     o["w13"] = torch.cat([o["w1"], o["w3"]], 1)
+    o["w2t"], o["w1t"] = o["w2"].mT.contiguous(), o["w1"].mT.contiguous()
     return o
 
 
@@ -97,8 +100,15 @@ def roles(o, q):
                  "triton_gather": lambda: tg.grouped_mm(x, w1, ends, src=src)},
         "down": {"gmm": lambda: gmm(h, w2.mT, offs=ends), "mm": lambda: torch.mm(h, w2[0].t()),
                  "triton": lambda: tg.grouped_mm(h, w2, ends)},
+        # gmm_kmajor: the weight operand K-major, as the forward GEMM reads it (a transposed copy held,
+        # w2t [E, H, D]); gmm_kmajor_copy: that copy made in the call
         "dgrad": {"gmm": lambda: gmm(dy, w2, offs=ends), "mm": lambda: torch.mm(dy, w2[0]),
+                  "gmm_kmajor": lambda: gmm(dy, o["w2t"].mT, offs=ends),
+                  "gmm_kmajor_copy": lambda: gmm(dy, w2.mT.contiguous().mT, offs=ends),
                   "triton": lambda: tg.grouped_mm(dy, w2, ends, b_kmajor=False)},
+        "dgrad_gate": {"gmm": lambda: gmm(da, w1, offs=ends), "mm": lambda: torch.mm(da, w1[0]),
+                       "gmm_kmajor": lambda: gmm(da, o["w1t"].mT, offs=ends),
+                       "gmm_kmajor_copy": lambda: gmm(da, w1.mT.contiguous().mT, offs=ends)},
         "wgrad": {"gmm": lambda: gmm(dy.t(), h, offs=ends), "mm": lambda: torch.mm(dy.t(), h),
                   "triton": lambda: tg.grouped_mm_t(dy, h, ends)},
         "wgrad_gather": {"gmm": lambda: gmm(da.t(), xs, offs=ends),
@@ -162,6 +172,8 @@ def main():
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=None)
     ap.add_argument("--roles", default="", help="comma list of roles to time (default: all)")
+    ap.add_argument("--only", default="", help="comma list of contenders to time (default: all; each role's "
+                    "first is always kept as the reference)")
     args = ap.parse_args()
     import triton
     q, why = load_quack()
@@ -175,6 +187,9 @@ def main():
         R = roles(o, q)
         if args.roles:
             R = {k: v for k, v in R.items() if k in args.roles.split(",")}
+        if args.only:
+            keep = args.only.split(",")
+            R = {k: {n: f for i, (n, f) in enumerate(v.items()) if i == 0 or n in keep} for k, v in R.items()}
         r = res["shapes"][shape] = {"rel_err": checks(o, R), "ms": {}, "ms_queued": {}}
         print(shape, json.dumps(r["rel_err"], indent=1), flush=True)
         flops = 2 * o["M"] * s["D"] * s["H"]
