@@ -22,7 +22,8 @@ All run the same loop: fp32 master weights, fused AdamW (lr 3e-4, wd 0.1), bf16 
 its trainer's compile.components "loss"), the same batches (``--tokens``:
 a bench/train_moe.py --prepare folder, else seeded random ids), so the difference is the model code and
 how each trainer copies a batch to the GPU: ours as train.py does (a pinned copy, queued without waiting:
-kernels.launch.to_device), torchtitan's as its trainer does (``.to(device)``, which waits for the last step).
+kernels.launch.to_device), torchtitan's as its trainer does (``.to(device)``, which waits for the last step);
+``--feed pinned`` / ``--feed blocking`` feed both alike.
 torchtitan's aux-free bias update runs through its optimizer hook (``register_moe_load_balancing_hook``)
 when available; ours after each step (layers.moe_update_bias). MFU counts active FLOPs (zoo.flops:
 6 N_active + attention) against the GPU's dense bf16 peak. Before any work, the plan's memory
@@ -218,7 +219,9 @@ def train(name, build, s, args, plan) -> dict:
     clocked, losses, summary = StepTimes(dev == "cuda"), [], None
     # Each model is fed as its trainer feeds it: train.py queues a pinned copy (kernels.launch.to_device);
     # torchtitan's trainer copies the batch with a plain `.to(device)`, which waits for the previous step
-    to_dev = to_device if name.startswith("ours") else torch.Tensor.to
+    # (--feed pinned / blocking: both models the same way, to separate the model code from the feeding)
+    pinned = args.feed == "pinned" or (args.feed == "own" and name.startswith("ours"))
+    to_dev = to_device if pinned else torch.Tensor.to
     for step, (x, y) in enumerate(batches(args, s, args.steps), start=1):
         x, y = to_dev(x, dev), to_dev(y, dev)
         prof.before(step)
@@ -246,7 +249,8 @@ def train(name, build, s, args, plan) -> dict:
     tok_s = len(timed) * args.batch * s["seq"] / sum(timed)
     out = {"tokens_per_s": tok_s, "losses": losses, "step_ms": [t * 1e3 for t in times],
            "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else 0.0,
-           "params": sum(p.numel() for p in model.parameters()), "forward_only": forward_only}
+           "params": sum(p.numel() for p in model.parameters()), "forward_only": forward_only,
+           "batch_copy": "pinned, queued" if pinned else "blocking"}
     if summary:
         out["profile"] = summary
     if dev == "cuda":
@@ -275,6 +279,9 @@ def main():
     ap.add_argument("--profile-at", type=int, default=0,
                     help="profile 3 steps from this one in both models (training.profile; 0 = off)")
     ap.add_argument("--profile-dir", default="/tmp/torchtitan_moe_profile", help="traces and op tables, per model")
+    ap.add_argument("--feed", default="own", choices=("own", "pinned", "blocking"),
+                    help="how each batch reaches the GPU: as each trainer does (ours pinned and queued, torchtitan "
+                         "a blocking .to), or the same way for both")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     s = SMOKE if args.smoke else SHAPE
