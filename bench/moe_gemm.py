@@ -1,7 +1,8 @@
 """Grouped-GEMM engines for the MoE experts at bench/moe.py's shapes, one GPU, bf16: can a fused or
 re-tiled grouped GEMM beat what layers.GroupedExperts runs (torch._grouped_mm, CUTLASS)?
 
-    python bench/moe_gemm.py [--shapes mixtral,fine] [--reps 15] [--out results.json]
+    python bench/moe_gemm.py [--shapes mixtral,fine] [--reps 15] [--out results.json] [--roles gate,dgrad]
+        [--only gmm_kmajor,mm] [--skew 1.0]
 
 Contenders, per GEMM of the expert layer ("role"), timed round-robin within the role
 (bench/moe.py's time_interleaved: the H200 runs these shapes at its power cap), waited and queued:
@@ -68,11 +69,14 @@ def load_quack():
     return gemm_interface, None
 
 
-def operands(T, D, H, E, K):
+def operands(T, D, H, E, K, skew=0.0):
+    """The role GEMMs' operands at one shape. ``skew``: expert e's routing score gets ``-skew * log(e + 1)``
+    added (Zipf-like popularity: 0 is balanced random routing; a trainer's early steps route unevenly)."""
     torch.manual_seed(0)
     dev = "cuda"
     r = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16)  # noqa: E731
-    idx = torch.randn(T, E, device=dev).topk(K, -1).indices          # balanced-ish random routing
+    scores = torch.randn(T, E, device=dev) - skew * torch.log(torch.arange(1, E + 1, device=dev, dtype=torch.float32))
+    idx = scores.topk(K, -1).indices
     plan = make_plan(idx, E)
     M = T * K
     src = torch.empty(M, dtype=torch.int32, device=dev)               # token of each sorted row
@@ -172,6 +176,7 @@ def main():
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=None)
     ap.add_argument("--roles", default="", help="comma list of roles to time (default: all)")
+    ap.add_argument("--skew", type=float, default=0.0, help="uneven routing: expert e's score -skew*log(e+1)")
     ap.add_argument("--only", default="", help="comma list of contenders to time (default: all; each role's "
                     "first is always kept as the reference)")
     args = ap.parse_args()
@@ -183,7 +188,10 @@ def main():
     res = {"env": env, "shapes": {}}
     for shape in args.shapes.split(","):
         s = SHAPES[shape]
-        o = operands(**s)
+        o = operands(**s, skew=args.skew)
+        counts = o["plan"].counts.float()
+        print(f"{shape}: rows per expert max / mean {counts.max().item() / counts.mean().item():.2f}, "
+              f"min / mean {counts.min().item() / counts.mean().item():.2f} (skew {args.skew})", flush=True)
         R = roles(o, q)
         if args.roles:
             R = {k: v for k, v in R.items() if k in args.roles.split(",")}

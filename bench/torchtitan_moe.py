@@ -253,6 +253,10 @@ def train(name, build, s, args, plan) -> dict:
            "batch_copy": "pinned, queued" if pinned else "blocking"}
     if summary:
         out["profile"] = summary
+    if name.startswith("ours"):     # how unevenly the last step routed: its grouped GEMMs' group sizes
+        from layers import MoE
+        loads = [m.stats["tokens_per_expert"].float() for m in model.modules() if isinstance(m, MoE)]
+        out["expert_load_max_over_mean"] = [round((c.max() / c.mean()).item(), 2) for c in loads]
     if dev == "cuda":
         from training.metrics import device_peak_flops
         peak = device_peak_flops(torch.device("cuda"))
@@ -307,6 +311,8 @@ def main():
         print(name, f"{r['tokens_per_s']:.0f} tok/s", f"MFU {r.get('mfu') or 0:.3f}", f"peak {r['peak_gb']:.1f} GB",
               f"params {r['params']}", "loss", [round(v, 3) for v in r["losses"][:: max(1, args.steps // 6)]],
               flush=True)
+        if "expert_load_max_over_mean" in r:
+            print(name, "last step, busiest expert's rows / mean, per layer:", r["expert_load_max_over_mean"], flush=True)
         if "profile" in r:
             from training.profile import format_summary
             print(name, "profile:", format_summary(r["profile"], args.device == "cuda"), flush=True)
