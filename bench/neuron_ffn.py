@@ -9,12 +9,16 @@ Per shape (T tokens, D dim, H hidden, G groups, K groups per token), in one proc
     err(ours) <= 2 err(bf16 torch), as bench/moe.py);
 (2) medians of CUDA-event timings of forward+backward, round-robin (bench.moe.time_interleaved: same
     power state), waited-for and queued: ``dense`` (layers.SwiGLU, three F.linear), ``neuron_sparse``
-    (the sparse step), ``neuron_dense`` (the layer's dense step: whole FFN plus router loss).
+    (the sparse step), ``neuron_dense`` (the layer's dense step: whole FFN plus router loss); on CUDA also
+    ``dense_graphed`` / ``neuron_sparse_graphed``: copies of the two with forward and backward captured as
+    CUDA graphs (torch.cuda.make_graphed_callables), the host's launches taken out as the trainer's
+    ``train.compile_mode: reduce-overhead`` does; each is compared with the other (``x dense``).
 TFLOP/s: dense 3 GEMMs x 2*T*D*H x3 (fwd+bwd); sparse the same x K/G (the groups computed).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -61,6 +65,17 @@ def grads_of(m, x, dy):
             "dw3": m.experts.w3.grad}
 
 
+def graphed(module, x):
+    """A copy of ``module`` whose forward and backward replay CUDA graphs captured on ``x``'s shape, or None
+    with the reason printed when capture fails (the other contenders still run)."""
+    try:
+        # allow_unused_input: a sparse step's output does not depend on the router weight (top-k indices)
+        return torch.cuda.make_graphed_callables(copy.deepcopy(module), (x,), allow_unused_input=True)
+    except Exception as e:  # noqa: BLE001 - report, keep the eager numbers
+        print(f"CUDA graph capture of {type(module).__name__} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return None
+
+
 def neuron(D, H, G, K, backend, dev, dtype, sparse=True):
     m = NeuronRoutedFFN(D, H, G, K, backend=backend).to(dev, dtype)
     m.sparse = sparse
@@ -98,10 +113,18 @@ def bench_shape(name, T, D, H, G, K, reps, dev) -> dict:
     contenders = {"dense": (fwd_bwd(dense, x, dy), zero_grads(dense, x)),
                   "neuron_sparse": (fwd_bwd(ours, x, dy), zero_grads(ours, x)),
                   "neuron_dense": (fwd_bwd(ours_dense, x, dy), zero_grads(ours_dense, x))}
+    if dev == "cuda":
+        for key, module in (("dense_graphed", dense), ("neuron_sparse_graphed", ours)):
+            g = graphed(module, x)
+            if g is not None:
+                contenders[key] = (fwd_bwd(g, x, dy), zero_grads(g, x))
     t = time_interleaved(contenders, reps)
     t.update({k + "_queued": v for k, v in time_interleaved(contenders, reps, queued=True).items()})
     res["ms"] = t
-    res["speedup_vs_dense"] = {k: t["dense_queued" if k.endswith("_queued") else "dense"] / v for k, v in t.items()}
+    def base(k):   # graphed contenders against graphed dense, when it was captured
+        d = "dense_graphed" if "graphed" in k and "dense_graphed" in t else "dense"
+        return t[d + "_queued" if k.endswith("_queued") else d]
+    res["speedup_vs_dense"] = {k: base(k) / v for k, v in t.items()}
     res["tflops"] = {k: (res["flops_sparse"] if "sparse" in k else res["flops_dense"]) / v / 1e9
                      for k, v in t.items()}
     return res
