@@ -250,7 +250,7 @@ def train(name, build, s, args, plan) -> dict:
     out = {"tokens_per_s": tok_s, "losses": losses, "step_ms": [t * 1e3 for t in times],
            "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else 0.0,
            "params": sum(p.numel() for p in model.parameters()), "forward_only": forward_only,
-           "batch_copy": "pinned, queued" if pinned else "blocking"}
+           "batch_copy": "kernels.launch.to_device" if pinned else "Tensor.to"}   # on CUDA: pinned, queued / blocking
     if summary:
         out["profile"] = summary
     if name.startswith("ours"):     # how unevenly the last step routed: its grouped GEMMs' group sizes
