@@ -156,6 +156,17 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def routing_inputs(x: torch.Tensor, low_precision_router: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (what the router reads, what the experts read). The experts read ``autocast_input(x)``;
+    with ``low_precision_router`` the router reads that copy too (bf16 products, float32 accumulation and
+    logits through kernels.router_matmul, as megablocks' and torchtitan's routers read bf16 inputs): a float32
+    input would make it a float32 FFMA GEMM (44 us a layer of the dim-512 MoE's step on an H100, no tensor
+    cores) plus a float32 copy of the normed rows. Without it the router reads x as given. Shared by MoE and
+    NeuronRoutedFFN."""
+    xa = autocast_input(x)
+    return (xa if low_precision_router else x), xa
+
+
 def local_expert_count(num_experts: int, ep_size: int, key: str = "moe") -> int:
     """Experts each of ``ep_size`` expert-parallel ranks holds; ConfigError unless they split evenly."""
     check(num_experts % ep_size == 0, f"{key}.num_experts",

@@ -39,7 +39,7 @@ from kernels.router_matmul import router_matmul
 
 from ..aux_loss import sum_aux_losses
 from ..mlp import SwiGLU
-from .experts import (DispatchPlan, GroupedExperts, autocast_input, local_expert_count, make_plan, plan_layout,
+from .experts import (DispatchPlan, GroupedExperts, local_expert_count, make_plan, plan_layout, routing_inputs,
                       run_plan)
 from .router import balance_loss_of_mean, noisy_logits, route
 from .routing_stage import RoutingSpec, routing_fn
@@ -223,13 +223,8 @@ class MoE(nn.Module):
             self.experts.precision = self.cfg.precision
         shape = x.shape
         x2 = x.reshape(-1, self.dim)
-        xa = autocast_input(x2)    # what the experts read: the autocast-dtype copy under autocast
-        # The router reads that copy too with low_precision_router (bf16 products, float32 accumulation and
-        # logits, as megablocks' and torchtitan's routers read bf16 inputs): a float32 input would make
-        # it a float32 FFMA GEMM (44 us a layer of the dim-512 MoE's step on an H100, no tensor cores)
-        # plus a float32 copy of the normed rows. Without it, the input as given.
-        r, plan = self._route_and_record(xa if self.cfg.low_precision_router else x2)
-        x2 = xa
+        xr, x2 = routing_inputs(x2, self.cfg.low_precision_router)   # the router's input, the experts' (autocast copy)
+        r, plan = self._route_and_record(xr)
         if self.ep_group is not None:
             from .expert_parallel import ep_dispatch
             y = ep_dispatch(self, x2, r.indices, r.weights, r.routed, plan)

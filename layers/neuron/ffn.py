@@ -45,7 +45,7 @@ from configs import ConfigError
 from configs.neuron import NeuronConfig
 from kernels.router_matmul import router_matmul
 
-from ..moe.experts import GroupedExperts, autocast_input, expert_hidden, make_plan, run_plan
+from ..moe.experts import GroupedExperts, expert_hidden, make_plan, routing_inputs, run_plan
 from ..moe.layer import cached_backend, layer_config
 from ..sharding import full_tensor, local_tensor, shard_like
 from .cluster import cluster_neurons
@@ -203,9 +203,8 @@ class NeuronRoutedFFN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.dim)
-        xa = autocast_input(x2)               # the groups read the autocast copy; the router too, as MoE's
-        logits = self.router_logits(xa if self.cfg.low_precision_router else x2)
-        x2 = xa
+        xr, x2 = routing_inputs(x2, self.cfg.low_precision_router)    # the groups read the autocast copy
+        logits = self.router_logits(xr)
         if self.sparse:
             y = self._sparse(x2, logits)
         else:
