@@ -37,9 +37,11 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda":
         return t.to(device)
-    # contiguous first: the copy of a strided source (a batch's x = windows[:, :-1]) makes a contiguous host
-    # copy of it, which would be pageable again
-    return t.contiguous().pin_memory().to(device, non_blocking=True)
+    # one host copy into a contiguous pinned buffer: a strided source (a batch's x = windows[:, :-1]) would
+    # otherwise be made contiguous in pageable memory by the copy to the GPU
+    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    pinned.copy_(t)
+    return pinned.to(device, non_blocking=True)
 
 
 def interpreting() -> bool:
