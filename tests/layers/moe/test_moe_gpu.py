@@ -21,7 +21,10 @@ def test_grouped_bf16_matches_fp32_reference_within_bf16_error(kw, align):
     E, K = kw.pop("E", 8), kw.pop("K", 2)
     torch.manual_seed(0)
     ref = MoE(256, 384, E, K, backend="torch", **kw).cuda().eval()
-    fast = MoE(256, 384, E, K, backend="grouped", group_align=align, **kw).cuda().to(torch.bfloat16).eval()
+    # Eager routing: the compiled stage has its own test below, and compiling it for each of these
+    # routing specs cost ~50-140 s of a cold GPU suite.
+    fast = MoE(256, 384, E, K, backend="grouped", group_align=align, compile_routing=None,
+               **kw).cuda().to(torch.bfloat16).eval()
     fast.load_state_dict(ref.state_dict())
     ref.load_state_dict(fast.state_dict())            # same bf16-representable weights in both
     x = torch.randn(1000, 256, device="cuda").bfloat16().float()   # same values in both dtypes
