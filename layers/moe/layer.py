@@ -37,7 +37,7 @@ from torch import nn
 from configs import ConfigError, MoEConfig
 from kernels.router_matmul import router_matmul
 
-from ..aux_loss import sum_aux_losses
+from ..aux_loss import AuxLossModule, sum_aux_losses
 from ..mlp import SwiGLU
 from .experts import (DispatchPlan, GroupedExperts, local_expert_count, make_plan, plan_layout, routing_inputs,
                       run_plan)
@@ -78,7 +78,19 @@ def cached_backend(module: nn.Module, device: torch.device) -> str:
     return module._backend
 
 
-class MoE(nn.Module):
+def resolve_backends(model: nn.Module, device: torch.device) -> None:
+    """Resolve, for ``device``, every ``cached_backend`` in ``model`` now rather than at its first forward.
+
+    Call it before compiling: inside a compiled block that first resolution is a module mutation that the
+    graph's guards read (``module._backend is None``), so the block's second call traced it again (one
+    MoE block of each model compiled twice; seen in TORCH_LOGS=recompiles on the H100).
+    """
+    for m in model.modules():
+        if getattr(m, "_backend", False) is None:   # the modules that keep one (MoE, NeuronRoutedFFN)
+            cached_backend(m, device)
+
+
+class MoE(AuxLossModule):
     """Top-k routed SwiGLU experts. Options are MoEConfig's fields, declared (with their defaults) there
     only: ``MoE(dim, hidden_dim, num_experts, top_k, **fields)`` or ``MoE(dim, cfg=MoEConfig(...), **fields)``;
     positional arguments and keywords override ``cfg``. The layer keeps its own copy (``self.cfg``), so

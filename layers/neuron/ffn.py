@@ -45,6 +45,7 @@ from configs import ConfigError
 from configs.neuron import NeuronConfig
 from kernels.router_matmul import router_matmul
 
+from ..aux_loss import AuxLossModule
 from ..moe.experts import GroupedExperts, expert_hidden, make_plan, routing_inputs, run_plan
 from ..moe.layer import cached_backend, layer_config
 from ..sharding import full_tensor, local_tensor, shard_like
@@ -57,7 +58,7 @@ def _assign(t: torch.Tensor, value: torch.Tensor) -> None:
     local_tensor(t).copy_(local_tensor(shard_like(value, t)))
 
 
-class NeuronRoutedFFN(nn.Module):
+class NeuronRoutedFFN(AuxLossModule):
     """A dense FFN whose hidden units form ``num_groups`` routed groups. Options are NeuronConfig's fields
     (declared there only): ``NeuronRoutedFFN(dim, hidden_dim, num_groups, top_k_groups, **fields)`` or
     ``NeuronRoutedFFN(dim, hidden_dim, cfg=NeuronConfig(...), **fields)``; arguments override ``cfg``."""

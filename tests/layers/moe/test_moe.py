@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from configs import ConfigError
-from layers import MoE, moe_aux_loss, moe_update_bias
+from layers import MoE, NeuronRoutedFFN, moe_aux_loss, moe_update_bias, resolve_backends
 
 RTOL = 1e-5
 
@@ -341,3 +341,19 @@ def test_under_autocast_routing_reads_the_bf16_copy_only_with_low_precision_rout
     assert torch.equal(moe.aux_loss.detach(), want[0])
     for k, v in want[1].items():
         assert torch.equal(moe.stats[k], v), k
+
+
+@pytest.mark.parametrize("make", [lambda: MoE(32, 48, 4, 2, backend="torch"),
+                                  lambda: NeuronRoutedFFN(32, 64, 8, 2, backend="torch")], ids=["moe", "neuron"])
+def test_a_compiled_block_with_backends_resolved_first_does_not_recompile_on_its_second_call(make):
+    # Without resolve_backends the first call's backend resolution (a module mutation) fails the graph's
+    # guard `_backend is None` and the second call recompiles the block (the trainer resolves first).
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(32, 32), make())
+    resolve_backends(block, torch.device("cpu"))
+    block.compile(dynamic=False)
+    x = torch.randn(16, 32)
+    want = block(x)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        torch.testing.assert_close(block(x), want)
