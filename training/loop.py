@@ -118,9 +118,10 @@ class Trainer:
             # per-layer ints (layer id, pattern sizes) into symbols once a second block recompiles, which
             # compiles slower and runs slower. Two graphs per distinct block (training; evaluation, whose
             # no_grad and eval mode are guards), so the cache must hold them all: past the limit a block runs
-            # eagerly, and validation at step 0 fills the cache before the first training step.
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
-                                                        2 * len(model.layers) + 8)
+            # eagerly, and validation at step 0 fills the cache before the first training step. The blocks of
+            # every model in the process share one cache (their class's forward code), so each trainer adds
+            # room for its own graphs to what earlier ones (a notebook, a bench suite) already hold.
+            torch._dynamo.config.cache_size_limit += 2 * len(model.layers) + 8
             resolve_backends(model, self.device)   # else each MoE block's first call recompiles it
             for block in model.layers:
                 block.compile(dynamic=False, mode=cfg.train.compile_mode)

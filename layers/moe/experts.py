@@ -227,6 +227,10 @@ class GroupedExperts(nn.Module):
                              f"autocast) and a silu gate; got {xs.dtype} on {xs.device.type}, backend {self.backend}")
         return self._loop(xs, counts, row_scale, plan)
 
+    # Eager inside a compiled block: the loop reads the counts on the host, and dynamo specialised the code
+    # after that graph break on each count's value, so every batch with new counts recompiled it until the
+    # recompile limit (a CPU trainer with train.compile; float32 or non-silu experts on CUDA).
+    @torch.compiler.disable
     def _loop(self, xs: torch.Tensor, counts: torch.Tensor, row_scale: Optional[torch.Tensor] = None,
               plan: Optional[DispatchPlan] = None) -> torch.Tensor:
         if plan is not None:

@@ -357,3 +357,21 @@ def test_a_compiled_block_with_backends_resolved_first_does_not_recompile_on_its
     want = block(x)
     with torch._dynamo.config.patch(error_on_recompile=True):
         torch.testing.assert_close(block(x), want)
+
+
+def test_a_compiled_block_on_the_loop_backend_does_not_recompile_when_the_expert_counts_change():
+    # The loop reads the counts on the host; traced, the code after that read was specialised on each
+    # count's value and recompiled for every new batch. It runs eagerly inside a compiled block instead.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(32, 32), MoE(32, 48, 4, 2, backend="torch"))
+    resolve_backends(block, torch.device("cpu"))
+    block.compile(dynamic=False, backend="eager")
+    xs = [torch.randn(16, 32) for _ in range(3)]
+    ys, counts = [], []
+    with torch._dynamo.config.patch(error_on_recompile=True):     # the first call compiles, no later one
+        for x in xs:
+            ys.append(block(x))
+            counts.append(tuple(block[1].stats["tokens_per_expert"].tolist()))
+    assert len(set(counts)) > 1, counts                   # the batches did route differently
+    torch.testing.assert_close(ys[0], block(xs[0]))
