@@ -197,8 +197,6 @@ def train(name, build, s, args, plan) -> dict:
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=dev == "cuda")
     if args.compile:
-        from layers import resolve_backends
-        resolve_backends(model, torch.device(dev))   # as the trainer does (ours' MoE blocks; none in theirs)
         for b in blocks:
             b.compile(dynamic=False)
     if after_step is None:      # torchtitan's aux-free bias update, through its optimizer hook

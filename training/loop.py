@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from configs import Config, ConfigError
 from kernels.launch import to_device
-from layers import AttentionStats, DynamicSparsity, ExpertBalancing, NeuronSchedule, attention_density, resolve_backends
+from layers import AttentionStats, DynamicSparsity, ExpertBalancing, NeuronSchedule, attention_density
 from zoo import build_model
 from zoo.model import mean_cross_entropy
 
@@ -122,7 +122,6 @@ class Trainer:
             # every model in the process share one cache (their class's forward code), so each trainer adds
             # room for its own graphs to what earlier ones (a notebook, a bench suite) already hold.
             torch._dynamo.config.cache_size_limit += 2 * len(model.layers) + 8
-            resolve_backends(model, self.device)   # else each MoE block's first call recompiles it
             for block in model.layers:
                 block.compile(dynamic=False, mode=cfg.train.compile_mode)
             # The loss too (as torchtitan's compile.components "loss"): the logits' upcast fuses into it. Default

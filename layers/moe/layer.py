@@ -68,29 +68,39 @@ def resolve_backend(name: str, device_type: str) -> str:
 
 
 def cached_backend(module: nn.Module, device: torch.device) -> str:
-    """Resolve ``module.cfg.backend`` once (first forward) and point ``module.experts`` at its path.
-
-    Shared by every module that runs a ``GroupedExperts`` (MoE, NeuronRoutedFFN).
-    """
+    """``module.cfg.backend`` resolved for ``device`` and kept (``module._backend``), ``module.experts``
+    pointed at its path. Modules call it through ``ExpertsModule``, which resolves when the weights are made
+    or moved, so a forward only reads it."""
     if module._backend is None:
         module._backend = resolve_backend(module.cfg.backend, device.type)
         module.experts.backend = "grouped" if module._backend == "grouped" else "loop"
     return module._backend
 
 
-def resolve_backends(model: nn.Module, device: torch.device) -> None:
-    """Resolve, for ``device``, every ``cached_backend`` in ``model`` now rather than at its first forward.
+class ExpertsModule(AuxLossModule):
+    """Base of the layers that run a ``GroupedExperts`` (MoE, NeuronRoutedFFN): their backend follows the
+    device of their weights. It is resolved at the end of ``__init__`` and again whenever the weights move
+    (``_apply``: ``.to``, ``.cuda``, ``to_empty``); weights on the meta device leave it to the first forward.
+    Resolved only at the first forward, it was a module mutation that a compiled block's guards read
+    (``self._backend is None``), so every MoE model's first MoE block was traced twice."""
+    _backend: Optional[str] = None
 
-    Call it before compiling: inside a compiled block that first resolution is a module mutation that the
-    graph's guards read (``module._backend is None``), so the block's second call traced it again (one
-    MoE block of each model compiled twice; seen in TORCH_LOGS=recompiles on the H100).
-    """
-    for m in model.modules():
-        if getattr(m, "_backend", False) is None:   # the modules that keep one (MoE, NeuronRoutedFFN)
-            cached_backend(m, device)
+    def backend(self, device: torch.device) -> str:
+        return cached_backend(self, device)
+
+    def _resolve_backend(self) -> None:
+        self._backend = None
+        p = next(self.parameters(), None)
+        if p is not None and not p.is_meta:
+            cached_backend(self, p.device)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._resolve_backend()
+        return out
 
 
-class MoE(AuxLossModule):
+class MoE(ExpertsModule):
     """Top-k routed SwiGLU experts. Options are MoEConfig's fields, declared (with their defaults) there
     only: ``MoE(dim, hidden_dim, num_experts, top_k, **fields)`` or ``MoE(dim, cfg=MoEConfig(...), **fields)``;
     positional arguments and keywords override ``cfg``. The layer keeps its own copy (``self.cfg``), so
@@ -150,11 +160,11 @@ class MoE(AuxLossModule):
             self.shared = SwiGLU(dim, cfg.shared_hidden_dim or hidden_dim * shared_experts, act)
             if cfg.shared_gate:
                 self.shared_gate = nn.Linear(dim, 1, bias=False)
-        self._backend: Optional[str] = None
         self.aux_loss = torch.zeros(())
         self.aux_parts: dict = {}
         self.stats: dict = {}
         self.init_weights()
+        self._resolve_backend()
 
     # -- init -------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -209,9 +219,6 @@ class MoE(AuxLossModule):
         return None if cf is None else math.ceil(cf * num_tokens * self.top_k / self.num_experts)
 
     # -- dispatch ---------------------------------------------------------------------------------------
-    def backend(self, device: torch.device) -> str:
-        return cached_backend(self, device)
-
     def _align(self, x: torch.Tensor) -> int:
         return self.cfg.group_align if self.backend(x.device) == "grouped" and x.is_cuda else 1
 

@@ -45,9 +45,8 @@ from configs import ConfigError
 from configs.neuron import NeuronConfig
 from kernels.router_matmul import router_matmul
 
-from ..aux_loss import AuxLossModule
 from ..moe.experts import GroupedExperts, expert_hidden, make_plan, routing_inputs, run_plan
-from ..moe.layer import cached_backend, layer_config
+from ..moe.layer import ExpertsModule, layer_config
 from ..sharding import full_tensor, local_tensor, shard_like
 from .cluster import cluster_neurons
 from .schedule import neuron_phase, phase_bounds
@@ -58,7 +57,7 @@ def _assign(t: torch.Tensor, value: torch.Tensor) -> None:
     local_tensor(t).copy_(local_tensor(shard_like(value, t)))
 
 
-class NeuronRoutedFFN(AuxLossModule):
+class NeuronRoutedFFN(ExpertsModule):
     """A dense FFN whose hidden units form ``num_groups`` routed groups. Options are NeuronConfig's fields
     (declared there only): ``NeuronRoutedFFN(dim, hidden_dim, num_groups, top_k_groups, **fields)`` or
     ``NeuronRoutedFFN(dim, hidden_dim, cfg=NeuronConfig(...), **fields)``; arguments override ``cfg``."""
@@ -85,11 +84,11 @@ class NeuronRoutedFFN(AuxLossModule):
         self.router = nn.Linear(dim, num_groups, bias=False)
         self.register_buffer("neuron_index", torch.arange(hidden_dim))
         self.sparse = True          # the schedule (set_step) switches it per training step
-        self._backend: Optional[str] = None
         self.aux_loss = torch.zeros(())
         self.stats: dict = {}
         self.router_stats: dict = {}    # router_loss, recall, mass_captured of the last dense forward
         self.init_weights()
+        self._resolve_backend()
 
     # -- construction -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -197,9 +196,6 @@ class NeuronRoutedFFN(AuxLossModule):
         CUDA inputs take the GEMM with bf16 products and float32 accumulation (kernels.router_matmul)."""
         with torch.autocast(x.device.type, enabled=False):
             return router_matmul(x.detach(), self.router.weight, self.cfg.low_precision_router)
-
-    def backend(self, device: torch.device) -> str:
-        return cached_backend(self, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -83,7 +83,7 @@ def _grads_before_step(trainer) -> dict:
 def test_compiled_training_steps_equal_eager_on_cuda(tmp_path, corpus_dir, case):
     preset, extra = CASES[case]
     # Each case compiles its own model: start from an empty dynamo cache, whatever this worker compiled before.
-    # Compiled blocks share one code object's cache (Module._call_impl), which the earlier cases fill; in a
+    # Compiled blocks share one dynamo cache (the block class's forward), which the earlier cases fill; in a
     # whole-suite run the DeepSeekMoE case took 344 s there against 26-32 s in a fresh process (H100).
     torch._dynamo.reset()
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from configs import ConfigError
-from layers import MoE, NeuronRoutedFFN, moe_aux_loss, moe_update_bias, resolve_backends
+from layers import MoE, NeuronRoutedFFN, moe_aux_loss, moe_update_bias
 
 RTOL = 1e-5
 
@@ -345,13 +345,12 @@ def test_under_autocast_routing_reads_the_bf16_copy_only_with_low_precision_rout
 
 @pytest.mark.parametrize("make", [lambda: MoE(32, 48, 4, 2, backend="torch"),
                                   lambda: NeuronRoutedFFN(32, 64, 8, 2, backend="torch")], ids=["moe", "neuron"])
-def test_a_compiled_block_with_backends_resolved_first_does_not_recompile_on_its_second_call(make):
-    # Without resolve_backends the first call's backend resolution (a module mutation) fails the graph's
-    # guard `_backend is None` and the second call recompiles the block (the trainer resolves first).
+def test_a_compiled_block_does_not_recompile_on_its_second_call(make):
+    # The backend is resolved when the weights are made or moved: resolved at the first forward, it was a
+    # module mutation that failed the graph's guard `_backend is None`, and the second call recompiled.
     torch._dynamo.reset()
     torch.manual_seed(0)
     block = torch.nn.Sequential(torch.nn.Linear(32, 32), make())
-    resolve_backends(block, torch.device("cpu"))
     block.compile(dynamic=False, backend="eager")   # the guards are dynamo's: no inductor codegen needed
     x = torch.randn(16, 32)
     want = block(x)
@@ -365,7 +364,6 @@ def test_a_compiled_block_on_the_loop_backend_does_not_recompile_when_the_expert
     torch._dynamo.reset()
     torch.manual_seed(0)
     block = torch.nn.Sequential(torch.nn.Linear(32, 32), MoE(32, 48, 4, 2, backend="torch"))
-    resolve_backends(block, torch.device("cpu"))
     block.compile(dynamic=False, backend="eager")
     xs = [torch.randn(16, 32) for _ in range(3)]
     ys, counts = [], []
@@ -375,3 +373,14 @@ def test_a_compiled_block_on_the_loop_backend_does_not_recompile_when_the_expert
             counts.append(tuple(block[1].stats["tokens_per_expert"].tolist()))
     assert len(set(counts)) > 1, counts                   # the batches did route differently
     torch.testing.assert_close(ys[0], block(xs[0]))
+
+
+@pytest.mark.parametrize("make", [lambda: MoE(32, 48, 4, 2), lambda: NeuronRoutedFFN(32, 64, 8, 2)],
+                         ids=["moe", "neuron"])
+def test_the_backend_follows_the_weights_device_from_construction_and_to_empty(make):
+    assert make()._backend == "reference"                    # auto on CPU, resolved before any forward
+    with torch.device("meta"):
+        m = make()
+    assert m._backend is None                                # meta weights: left to the first forward
+    m.to_empty(device="cpu")                                 # moving the weights resolves it (Module._apply)
+    assert m._backend == "reference" and m.experts.backend == "loop"
