@@ -213,7 +213,10 @@ class NeuronRoutedFFN(ExpertsModule):
         w3 = self.experts.w3.reshape(H, D) if self.activation == "swiglu" else None
         h = expert_hidden(x, self.experts.w1.reshape(H, D), w3, self.activation)         # [T, H]
         y = torch.einsum("tgh,gdh->td", h.view(-1, G, Hg), self.experts.w2.to(h.dtype))
-        self._record_dense(h.detach().float().abs().view(-1, G, Hg).sum(-1), logits)
+        # per-group L1 mass [T, G] in float32 from one read of h (on CUDA the reduction takes bf16 in, float32
+        # out: no float32 copy of the [T, H] hidden state, as .float().abs().sum() made)
+        mass = torch.linalg.vector_norm(h.detach().view(-1, G, Hg), ord=1, dim=-1, dtype=torch.float32)
+        self._record_dense(mass, logits)
         return y
 
     def _sparse(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

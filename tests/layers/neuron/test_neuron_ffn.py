@@ -158,6 +158,26 @@ def test_router_learns_to_predict_group_mass_and_only_the_router_gets_its_gradie
     assert recalls[-1] > 0.95 and nr.stats["mass_captured"].item() > 0.8
 
 
+def test_dense_step_router_loss_is_the_kl_to_each_tokens_per_group_activation_mass():
+    # independent: the dense SwiGLU's hidden state, |h| summed over each group's units, normalised per token
+    D, G, Hg, T = 16, 4, 8, 40
+    dense = dense_ffn("swiglu", D, G * Hg, seed=8)
+    nr = NeuronRoutedFFN.from_dense(dense, G, 1, router_loss="ce", router_loss_coef=0.5, backend="torch")
+    nr.sparse = False
+    x = torch.randn(T, D)
+    nr(x)
+    w1 = nr.experts.w1.detach().reshape(G * Hg, D)
+    w3 = nr.experts.w3.detach().reshape(G * Hg, D)
+    h = F.silu(x @ w1.T) * (x @ w3.T)                                     # [T, H], the layer's group order
+    mass = torch.stack([h[:, g * Hg:(g + 1) * Hg].abs().sum(-1) for g in range(G)], -1)
+    target = mass / mass.sum(-1, keepdim=True)
+    logp = torch.log_softmax(x @ nr.router.weight.detach().T, -1)
+    kl = (target * (target.log() - logp)).sum(-1).mean()
+    torch.testing.assert_close(nr.aux_loss.detach(), 0.5 * kl, rtol=1e-5, atol=1e-7)
+    pred = logp.topk(1, -1).indices
+    torch.testing.assert_close(nr.stats["mass_captured"], target.gather(1, pred).sum(-1).mean())
+
+
 # -- schedule -----------------------------------------------------------------------------------------------
 def test_schedule_runs_dense_warmup_then_alternates_at_the_ratio_then_dense_finish():
     phases = [neuron_phase(s, 100, 0.1, 0.75, 0.2) for s in range(100)]
