@@ -83,13 +83,17 @@ def spawn(fn, world: int, *args) -> None:
     """Start ``world`` CPU ranks joined in a gloo process group; each runs ``fn(rank, world, *args)``.
     The one process-spawn helper of the multi-process tests.
 
-    Forked (fast: no re-import of torch) unless this process has initialised CUDA: a CUDA backward starts
-    autograd's device threads, and a forked child's backward then fails ("Unable to handle autograd's
-    threading in combination with fork-based multiprocessing"), so such a process spawns fresh children."""
+    Forked (fast: no re-import of torch) on a machine without CUDA; spawned fresh where CUDA is available.
+    There the parent has touched the driver whatever it ran (``torch.cuda.is_available()``, which every GPU
+    test module's skip check calls at collection, initialises it), and a forked child cannot use CUDA:
+    ``torch.optim.Adam.step`` asks whether the stream is capturing, and the child died with "CUDA error:
+    initialization error" (test_recluster_of_fsdp2_sharded_weights_matches_one_process, on an H100, whenever
+    its worker had run no GPU test before it). A CUDA backward in the parent also breaks a forked child's
+    backward ("Unable to handle autograd's threading in combination with fork-based multiprocessing")."""
     import tempfile
 
     import torch.multiprocessing as mp
-    method = "spawn" if torch.cuda.is_initialized() else "fork"
+    method = "spawn" if torch.cuda.is_available() else "fork"
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(_spawn_entry, args=(fn, world, os.path.join(d, "store"), args), nprocs=world,
                            join=True, start_method=method)
