@@ -67,16 +67,6 @@ def resolve_backend(name: str, device_type: str) -> str:
     return name
 
 
-def cached_backend(module: nn.Module, device: torch.device) -> str:
-    """``module.cfg.backend`` resolved for ``device`` and kept (``module._backend``), ``module.experts``
-    pointed at its path. Modules call it through ``ExpertsModule``, which resolves when the weights are made
-    or moved, so a forward only reads it."""
-    if module._backend is None:
-        module._backend = resolve_backend(module.cfg.backend, device.type)
-        module.experts.backend = "grouped" if module._backend == "grouped" else "loop"
-    return module._backend
-
-
 class ExpertsModule(AuxLossModule):
     """Base of the layers that run a ``GroupedExperts`` (MoE, NeuronRoutedFFN): their backend follows the
     device of their weights. It is resolved at the end of ``__init__`` and again whenever the weights move
@@ -86,13 +76,17 @@ class ExpertsModule(AuxLossModule):
     _backend: Optional[str] = None
 
     def backend(self, device: torch.device) -> str:
-        return cached_backend(self, device)
+        """``self.cfg.backend`` resolved for ``device`` and kept, ``self.experts`` pointed at its path."""
+        if self._backend is None:
+            self._backend = resolve_backend(self.cfg.backend, device.type)
+            self.experts.backend = "grouped" if self._backend == "grouped" else "loop"
+        return self._backend
 
     def _resolve_backend(self) -> None:
         self._backend = None
         p = next(self.parameters(), None)
         if p is not None and not p.is_meta:
-            cached_backend(self, p.device)
+            self.backend(p.device)
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
