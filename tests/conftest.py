@@ -52,14 +52,18 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory):
-    """A small text corpus: 40 stdlib-like python files written from the running interpreter's stdlib."""
+    """A small text corpus: 36 python files copied from the running interpreter's stdlib.
+
+    Documents are named relative to this folder, so the split is the same in every run: at the default
+    data.val_fraction 0.05 the validation side is cmd.py (~15 KB), room for the passkey tests' haystacks.
+    """
     import sysconfig
     src = sysconfig.get_paths()["stdlib"]
     names = ["textwrap.py", "shlex.py", "glob.py", "fnmatch.py", "heapq.py", "bisect.py", "colorsys.py",
              "keyword.py", "numbers.py", "operator.py", "queue.py", "sched.py", "string.py", "stat.py",
              "token.py", "tty.py", "uu.py", "wave.py", "abc.py", "copy.py", "getopt.py", "graphlib.py",
              "gettext.py", "linecache.py", "netrc.py", "ntpath.py", "posixpath.py", "pprint.py", "reprlib.py",
-             "rlcompleter.py", "secrets.py", "shelve.py", "struct.py", "symtable.py", "timeit.py", "types.py"]
+             "rlcompleter.py", "secrets.py", "shelve.py", "cmd.py", "symtable.py", "timeit.py", "types.py"]
     d = tmp_path_factory.mktemp("corpus")
     for n in names:
         p = os.path.join(src, n)

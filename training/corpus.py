@@ -9,7 +9,9 @@
 - a text file, a directory (its files, recursively) or a glob.
 
 Documents are split into train/val by a hash of their name, so the split is deterministic and does not
-move when files are added. A corpus of one document is split by tokens instead (training.data).
+move when files are added. A file's name is its path relative to the source's root (the directory, the
+glob's fixed prefix, the standard library), so the split does not move with the corpus either: a corpus
+copied to another place (a fresh clone, a test's temporary directory) splits the same way. A corpus of one document is split by tokens instead (training.data).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import sysconfig
 from dataclasses import dataclass
 
@@ -55,6 +58,18 @@ def _source_files(source: str) -> list[str]:
     return files
 
 
+def _name_root(source: str) -> str:
+    """The directory that document names are relative to: the stdlib, the directory, or a glob's fixed prefix."""
+    if source == "stdlib":
+        return sysconfig.get_paths()["stdlib"]
+    if os.path.isdir(source):
+        return source
+    if os.path.isfile(source):
+        return os.path.dirname(source) or "."
+    fixed = re.split(r"[*?\[]", source, maxsplit=1)[0]     # the path up to the first glob character
+    return os.path.dirname(fixed) or "."
+
+
 def _hash01(name: str) -> float:
     return int(hashlib.sha1(name.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
 
@@ -65,8 +80,9 @@ def load_documents(cfg: DataConfig) -> list[Document]:
     if cfg.source == "python_packages":
         from .corpus_packages import package_texts
         docs = [Document(name, text) for name, text in package_texts()]
-    stdlib = sysconfig.get_paths()["stdlib"] if cfg.source == "stdlib" else None
+    root = _name_root(cfg.source)
     for path in _source_files(cfg.source):
+        name = os.path.relpath(path, root)
         if path.endswith(".jsonl"):
             with open(path, encoding="utf-8") as f:
                 for i, line in enumerate(f):
@@ -78,11 +94,11 @@ def load_documents(cfg: DataConfig) -> list[Document]:
                         raise ConfigError("data.source", f"{path}:{i + 1}: invalid JSON ({e.msg})") from None
                     if cfg.jsonl_field not in rec:
                         raise ConfigError("data.jsonl_field", f"{path}:{i + 1} has no field {cfg.jsonl_field!r}")
-                    docs.append(Document(f"{path}:{i}", str(rec[cfg.jsonl_field])))
+                    docs.append(Document(f"{name}:{i}", str(rec[cfg.jsonl_field])))
         else:
             try:
                 with open(path, encoding="utf-8", errors="replace") as f:
-                    docs.append(Document(os.path.relpath(path, stdlib) if stdlib else path, f.read()))
+                    docs.append(Document(name, f.read()))
             except OSError as e:
                 raise ConfigError("data.source", f"cannot read {path}: {e.strerror}") from None
     docs = [d for d in docs if d.text.strip()]

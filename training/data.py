@@ -19,7 +19,7 @@ import torch
 
 from configs import Config, ConfigError
 
-from .corpus import load_documents, split_documents
+from .corpus import BUILTIN_SOURCES, load_documents, split_documents
 from .tokenizer import Tokenizer, get_tokenizer
 
 
@@ -55,7 +55,11 @@ def prepare_data(cfg: Config, is_main: bool = True, barrier=lambda: None) -> Tok
     else:
         train_docs, val_docs = split_documents(docs, val_fraction)
         train_texts = [d.text for d in train_docs]
-    corpus_key = hashlib.sha1("\n".join(f"{d.name}:{len(d.text)}" for d in docs).encode()).hexdigest()[:12]
+    # Names are relative to the source, so a path source itself keys the cache too (two directories with
+    # the same file names and sizes must not share token files).
+    where = [] if cfg.data.source in BUILTIN_SOURCES else [os.path.abspath(cfg.data.source)]
+    listing = "\n".join(where + [f"{d.name}:{len(d.text)}" for d in docs])
+    corpus_key = hashlib.sha1(listing.encode()).hexdigest()[:12]
     cache = cfg.data.cache_dir
     if is_main:
         tok = get_tokenizer(cfg.data.tokenizer, train_texts, cfg.model.vocab_size, cache, corpus_key)

@@ -1,4 +1,6 @@
 """Corpus, tokenizer and batch sampling."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -26,6 +28,44 @@ def test_jsonl_and_glob_sources(tmp_path):
     assert len(load_documents(DataConfig(source=str(tmp_path / "*.txt")))) == 1
     with pytest.raises(ConfigError, match="data.jsonl_field"):
         load_documents(DataConfig(source=str(p), jsonl_field="body"))
+
+
+def test_a_corpus_splits_the_same_wherever_it_lives(tmp_path):
+    # Names are relative to the source (directory, glob prefix or file's folder): the split of a copied
+    # corpus must not depend on the copy's absolute path (CI's temporary folders differ run to run).
+    names = [f"doc{i:02d}.txt" for i in range(40)]
+    for where in ("a", "b/deeper"):
+        (tmp_path / where / "sub").mkdir(parents=True)
+        for n in names:
+            (tmp_path / where / "sub" / n).write_text(f"text of {n}\n" * 3)
+    splits = []
+    for source in (tmp_path / "a", tmp_path / "b/deeper", tmp_path / "a/sub/*.txt", tmp_path / "b/deeper/sub/doc*.txt"):
+        docs = load_documents(DataConfig(source=str(source)))
+        assert len(docs) == 40 and not any(str(tmp_path) in d.name for d in docs)
+        train, val = split_documents(docs, 0.2)
+        splits.append(sorted(d.name for d in val))
+        assert val and train
+    assert splits[0] == splits[1] and splits[2] == splits[3]   # directory names keep "sub/", glob names don't
+    one = load_documents(DataConfig(source=str(tmp_path / "a/sub/doc00.txt")))
+    assert [d.name for d in one] == ["doc00.txt"]
+
+
+def test_token_caches_of_two_directories_with_the_same_listing_stay_apart(tmp_path):
+    # Same file names and sizes, different text: the shared cache dir must not serve one's tokens to the other.
+    rng = np.random.default_rng(0)
+    words = [rng.integers(0, 13, size=rng.integers(2, 8)) for _ in range(3000)]
+    for where, first in (("a", "a"), ("b", "n")):            # letters a-m in one corpus, n-z in the other
+        (tmp_path / where).mkdir()
+        for i in range(3):
+            text = " ".join("".join(chr(ord(first) + int(c)) for c in w) for w in words[i * 1000:(i + 1) * 1000])
+            (tmp_path / where / f"f{i}.txt").write_text(text)
+    seen = []
+    for where in ("a", "b"):
+        cfg = load_config("zoo/tiny_dense.yaml", tiny_overrides(tmp_path, str(tmp_path / where),
+                                                                **{"data.val_fraction": 0.4, "model.vocab_size": 300}))
+        data = prepare_data(cfg)
+        seen.append(set(data.tokenizer.decode(np.asarray(data.train[:200]).tolist())) - {" "})
+    assert seen[0] <= set("abcdefghijklm") and seen[1] <= set("nopqrstuvwxyz"), seen
 
 
 def test_tokenizer_round_trips_code_and_tokens_are_cached(tmp_path, corpus_dir):
