@@ -2,7 +2,8 @@
 
 - the repository root ``ROOT``; training runs: ``tiny_overrides``, ``train_cli``, ``tiny_moe_cfg``; multi-process: ``spawn`` (forked gloo ranks);
 - HF parity: ``TOL``, ``V``, ``randomize_``, ``tokens``, ``assert_same_logits``, ``HF_FAMILIES``, ``tiny_hf``;
-- attention: ``BS``, ``plain_attention``, ``make_inputs``, ``fa_check``, ``run_criterion``, ``emulated_counts``.
+- attention: ``BS``, ``plain_attention``, ``make_inputs``, ``fa_check``, ``run_criterion``, ``emulated_counts``,
+  ``mask_mod_covers_whole_tiles``.
 """
 import json
 import os
@@ -253,6 +254,7 @@ def emulated_counts(bm, T, slots=None):
     element, partial: through mask_mod), per batch element: ``[B, H, T, T]``. ``slots [B or 1, H, NVp]``: the
     keys are ``cat(K[slots], K)`` (layers.sparse_attention.gather_columns); slots map back to their positions."""
     pn, pi, fn, fi = bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
+    QB, KB = bm.BLOCK_SIZE
     if slots is None:
         slots = torch.zeros(1, pn.shape[1], 0, dtype=torch.int32)
     B, H = max(pn.shape[0], slots.shape[0]), pn.shape[1]
@@ -266,13 +268,24 @@ def emulated_counts(bm, T, slots=None):
             mm = bm.mask_mod(torch.tensor(b), torch.tensor(h), qi, ki)
             seen = torch.zeros(T, L, dtype=torch.bool)
             for qb in range(pn.shape[2]):
-                rows = slice(qb * BS, (qb + 1) * BS)
+                rows = slice(qb * QB, (qb + 1) * QB)
                 for kb in pi[pb, h, qb, :pn[pb, h, qb]].tolist():
-                    seen[rows, kb * BS:(kb + 1) * BS] |= mm[rows, kb * BS:(kb + 1) * BS]
+                    seen[rows, kb * KB:(kb + 1) * KB] |= mm[rows, kb * KB:(kb + 1) * KB]
                 for kb in fi[fb, h, qb, :fn[fb, h, qb]].tolist():
-                    seen[rows, kb * BS:(kb + 1) * BS] = True
+                    seen[rows, kb * KB:(kb + 1) * KB] = True
             pos = torch.cat([slots[min(b, slots.shape[0] - 1), h].long(), torch.arange(T)])
             real = pos < T                         # empty slots must never be attended
             assert not seen[:, ~real].any()
             counts[b, h].index_add_(1, pos[real], seen[:, real].long())
     return counts
+
+
+def mask_mod_covers_whole_tiles(bm, T, kv_len=None):
+    """Kernels evaluate mask_mod over whole tiles, past the sequence end: every table read stays in bounds
+    (eager indexing raises where a GPU kernel would read out of bounds)."""
+    QB, KB = bm.BLOCK_SIZE
+    qi = torch.arange(-(-T // QB) * QB)[:, None]
+    ki = torch.arange(-(-(kv_len or T) // KB) * KB)[None, :]
+    for b in range(bm.kv_num_blocks.shape[0]):
+        for h in range(bm.kv_num_blocks.shape[1]):
+            bm.mask_mod(torch.tensor(b), torch.tensor(h), qi, ki)

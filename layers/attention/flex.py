@@ -4,6 +4,7 @@ mask_mod that evaluates the same token rule on partial blocks, and the vertical-
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
@@ -24,6 +25,24 @@ _compiled_flex = None
 # included) at 64k: fwd 9.60 vs 11.69 ms, fwd+bwd 23.96 vs 29.12 (BENCHMARKS.md "Sparse attention that
 # trains", run 6); below 64k FLASH was not measured for it.
 FLASH_FASTER_FROM = {"a_shape": 16384, "local": 16384, "block_topk": 65536}
+
+
+# A pattern's block size is its selection unit; the flex kernel's tile is another thing. FlexAttention's
+# Triton templates on CUDA take one tile config by default, and a BlockMask's block size must be a multiple
+# of it: forward (128, 128) / (128, 64) at bf16 head dims 64 / 128 on sm90, backward (64, 128, 128, 64) on
+# sm90 and sm100 (torch's template_heuristics; sm8x's d < 64 backward also has 128s). Smaller blocks fail
+# there ("Q and KV block size must be divisible by BLOCK_M and BLOCK_N" forward, no backward config at
+# all), so on CUDA a layer of smaller blocks is laid out on 128-token tiles (``flex_block_mask``'s
+# ``tile``): exact, since the mask_mod evaluates the token rule in every tile that is not full.
+FLEX_TILE_CUDA = 128
+
+
+def flex_tile(block_size: int, device: torch.device) -> int:
+    """The BlockMask block size for a layer of ``block_size``-token blocks on ``device``: the block size
+    itself on CPU or when CUDA's 128-token tiles divide it, else the least common multiple with 128."""
+    if device.type != "cuda" or block_size % FLEX_TILE_CUDA == 0:
+        return block_size
+    return math.lcm(block_size, FLEX_TILE_CUDA)
 
 
 def _flex_fn(device: torch.device):
@@ -80,13 +99,20 @@ def _kv_blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num, idx[..., :nk].contiguous()
 
 
-def _keep_rule(plan: PatternPlan, with_cols: bool = True):
+def _keep_rule(plan: PatternPlan, with_cols: bool = True, tile: int = 0):
     """The plan's token rule without causality as ``keep(b, h, q_idx, k) -> bool`` on FlexAttention index
-    tensors (square plans); ``with_cols=False`` leaves out the vertical columns (and only them)."""
+    tensors (square plans); ``with_cols=False`` leaves out the vertical columns (and only them).
+    ``tile``: the BlockMask's block size (a multiple of the plan's; default the plan's own)."""
     bs, T = plan.block_size, plan.T
-    Tp = (T + bs - 1) // bs * bs      # tables padded so any index inside a padded block is in bounds
+    tile = tile or bs
+    # Tables padded so any index inside the last (padded) tile is in bounds: kernels evaluate the
+    # mask_mod over whole tiles and mask the positions past T afterwards.
+    Tp = (T + tile - 1) // tile * tile
     win, sinks = plan.window.to(torch.int32), plan.sinks.to(torch.int32)
     blocks, cols, diags = plan.blocks, None, None
+    if blocks is not None and blocks.shape[-1] * bs < Tp:
+        nb = Tp // bs
+        blocks = F.pad(blocks, (0, nb - blocks.shape[-1], 0, nb - blocks.shape[-2]))
     if plan.cols is not None:
         diags = F.pad(plan.diag_reach(), (0, Tp - T))      # the slash rule's table (PatternPlan.diag_reach)
         cols = F.pad(plan.cols, (0, Tp - T)) if with_cols else None
@@ -120,9 +146,10 @@ def _per_batch(table: Optional[torch.Tensor]):
     return lambda b, *idx: shared[idx]
 
 
-def plan_mask_mod(plan: PatternPlan):
-    """The plan's token rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (square plans)."""
-    keep = _keep_rule(plan)
+def plan_mask_mod(plan: PatternPlan, tile: int = 0):
+    """The plan's token rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (square plans);
+    ``tile``: the BlockMask's block size, which its tables are padded to."""
+    keep = _keep_rule(plan, tile=tile)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & keep(b, h, q_idx, kv_idx)
@@ -178,10 +205,10 @@ def gather_columns(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> tup
     return one(k), one(v)
 
 
-def gathered_mask_mod(plan: PatternPlan, slots: torch.Tensor):
+def gathered_mask_mod(plan: PatternPlan, slots: torch.Tensor, tile: int = 0):
     """``mask_mod`` over ``K' = cat(K[slots], K)``: slot j (key ``slots[b, h, j]``) where the rest of the rule
     does not allow it, key ``kv_idx - NVp`` where it does; together exactly ``plan.token_mask()``, once."""
-    keep = _keep_rule(plan, with_cols=False)
+    keep = _keep_rule(plan, with_cols=False, tile=tile)
     nvp, T = slots.shape[-1], plan.T
     slot = _per_batch(slots)
 
@@ -202,19 +229,37 @@ def _slot_blocks(slots: torch.Tensor, bs: int, n_q: int, T: int) -> torch.Tensor
     return first[:, :, None, :] <= q_last[None, None, :, None]
 
 
-def flex_block_mask(plan: PatternPlan, slots: Optional[torch.Tensor] = None, backward: bool = True):
+def _coarsen(partial: torch.Tensor, full: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block layouts ``[B, H, nq, nk]`` -> the layouts of ``m x m``-block tiles ``[B, H, ceil(nq/m), ceil(nk/m)]``:
+    a tile is full when its every block is (a ragged edge tile never is), partial when any block is
+    listed and the tile is not full."""
+    nq, nk = partial.shape[-2:]
+    pad = (0, -nk % m, 0, -nq % m)
+    touched, full = F.pad(partial | full, pad), F.pad(full, pad)
+    shape = (*touched.shape[:2], touched.shape[2] // m, m, touched.shape[3] // m, m)
+    touched, full = touched.view(shape).any(5).any(3), full.view(shape).all(5).all(3)
+    return (touched & ~full).contiguous(), full.contiguous()
+
+
+def flex_block_mask(plan: PatternPlan, slots: Optional[torch.Tensor] = None, backward: bool = True,
+                    tile: int = 0):
     """A FlexAttention BlockMask for a square plan: full/partial blocks from ``plan.block_layout()``
     (built from indices, never by evaluating the mask per block) and ``plan_mask_mod`` on partial blocks.
 
     With ``slots`` (``column_slots(plan)``) the keys are ``K' = cat(K[slots], K)`` (``gather_columns``):
     ``NVp / bs`` slot blocks, then the layout of the rule without columns shifted past them.
     ``backward=False`` skips the transposed (per key block) lists only the backward pass reads.
+    ``tile``: the BlockMask's block size, a multiple of the plan's (``flex_tile``; default the plan's own):
+    the layout is pooled onto tiles and the mask_mod masks inside them.
     """
     from torch.nn.attention.flex_attention import BlockMask
     bs, T = plan.block_size, plan.T
+    tile = tile or bs
+    if tile % bs:
+        raise ValueError(f"flex tile {tile} is not a multiple of the plan's block size {bs}")
     if slots is None:
         partial, full = plan.block_layout()
-        mask_mod, kv_len = plan_mask_mod(plan), T
+        mask_mod, kv_len = plan_mask_mod(plan, tile), T
     else:
         partial, full = plan.block_layout(include_cols=False)
         pre = _slot_blocks(slots, bs, partial.shape[2], T)
@@ -222,10 +267,12 @@ def flex_block_mask(plan: PatternPlan, slots: Optional[torch.Tensor] = None, bac
         pre, partial, full = (x.expand(B, *x.shape[1:]) for x in (pre, partial, full))
         partial = torch.cat([pre, partial], dim=-1)
         full = torch.cat([torch.zeros_like(pre), full], dim=-1)
-        mask_mod, kv_len = gathered_mask_mod(plan, slots), slots.shape[-1] + T
+        mask_mod, kv_len = gathered_mask_mod(plan, slots, tile), slots.shape[-1] + T
+    if tile > bs:
+        partial, full = _coarsen(partial, full, tile // bs)
     pn, pi = _kv_blocks(partial)
     fn, fi = _kv_blocks(full)
-    return BlockMask.from_kv_blocks(pn, pi, fn, fi, BLOCK_SIZE=bs, mask_mod=mask_mod, seq_lengths=(T, kv_len),
+    return BlockMask.from_kv_blocks(pn, pi, fn, fi, BLOCK_SIZE=tile, mask_mod=mask_mod, seq_lengths=(T, kv_len),
                                     compute_q_blocks=backward)
 
 

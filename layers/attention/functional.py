@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from configs.attention import ATTN_BACKENDS
 
 from .flash import flash_attn_window
-from .flex import (column_slots, flex_attention_call, flex_block_mask, gather_columns, kernel_options_for,
-                   pick_flex_kernel)
+from .flex import (column_slots, flex_attention_call, flex_block_mask, flex_tile, gather_columns,
+                   kernel_options_for, pick_flex_kernel)
 from .dense import DENSE_CROSSOVER, dense_causal_attention, flex_fits
 from .masking import masked_causal_attention
 from .pattern import PatternLike, head_patterns, layer_block_size as plan_block_size
@@ -112,9 +112,9 @@ def _flex_sparse(q, k, v, pats, layer, q_history, stats, kernel, kernel_options)
         slots = column_slots(plan) if plan.cols is not None else None
         if slots is not None:          # vertical-slash columns ride in front of the keys (see column_slots)
             k, v = gather_columns(k, v, slots)
-        bm = flex_block_mask(plan, slots, backward=bwd)
+        bm = flex_block_mask(plan, slots, backward=bwd, tile=flex_tile(plan.block_size, q.device))
         if stats is not None:
-            stats["density"] = _visited_density(bm, plan.block_size, T)
+            stats["density"] = _visited_density(bm, T)
     else:
         bm, dens = _static_block_mask(pats, Hq, T, layer, q.device)
         if stats is not None:
@@ -134,10 +134,11 @@ def _density_of(blocks: torch.Tensor, bs: int, T: int) -> torch.Tensor:
     return blocks.sum((-1, -2)).float().mean(0) / _causal_blocks(bs, T)
 
 
-def _visited_density(bm, bs: int, T: int) -> torch.Tensor:
-    """``_density_of`` a BlockMask's lists (partial + full blocks per query block; gathered columns included)."""
+def _visited_density(bm, T: int) -> torch.Tensor:
+    """``_density_of`` a BlockMask's lists (partial + full blocks per query block; gathered columns
+    included), in the BlockMask's own blocks: the tiles a kernel visits (``flex.flex_tile``)."""
     n = bm.kv_num_blocks.sum(-1) + bm.full_kv_num_blocks.sum(-1)                 # [B, H]
-    return n.float().mean(0) / _causal_blocks(bs, T)
+    return n.float().mean(0) / _causal_blocks(bm.BLOCK_SIZE[1], T)
 
 
 def _static_block_mask(pats: list, n_heads: int, T: int, layer: int, device: torch.device):
@@ -146,8 +147,9 @@ def _static_block_mask(pats: list, n_heads: int, T: int, layer: int, device: tor
     key = (tuple(pats), layer, T, device)
     hit = _MASK_CACHE.get(key)
     if hit is None:
-        bm = flex_block_mask(plan_pattern(pats, n_heads, 0, T, T, layer, device=device))
-        hit = _MASK_CACHE[key] = (bm, _visited_density(bm, plan_block_size(pats), T))
+        bm = flex_block_mask(plan_pattern(pats, n_heads, 0, T, T, layer, device=device),
+                             tile=flex_tile(plan_block_size(pats), device))
+        hit = _MASK_CACHE[key] = (bm, _visited_density(bm, T))
     _MASK_CACHE.move_to_end(key)
     while len(_MASK_CACHE) > _MASK_CACHE_SIZE:
         _MASK_CACHE.popitem(last=False)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from layers import Attention, RotaryEmbedding, SparsityPattern, attention_density, pattern_mask, sparse_attention
-from helpers import BS, emulated_counts, make_inputs, plain_attention, run_criterion
+from helpers import BS, emulated_counts, make_inputs, mask_mod_covers_whole_tiles, plain_attention, run_criterion
 from layers.attention.functional import dense_causal_attention
 
 PATTERNS = {
@@ -64,6 +64,52 @@ def test_flex_block_lists_reproduce_the_token_mask(name):
     assert bm.kv_num_blocks.shape[0] == bm.full_kv_num_blocks.shape[0]
     # block lists without a batch dimension of their own (static patterns) serve every batch element
     assert torch.equal(emulated_counts(bm, T).expand(B, H, T, T), plan.token_mask().expand(B, H, T, T).long())
+
+
+@pytest.mark.parametrize("name", ["a_shape", "bigbird", "vertical_slash", "block_topk", "block_topk_qmax", "mixed"])
+@pytest.mark.parametrize("T,tile", [(75, 64), (75, 32), (130, 64), (16, 64)])
+def test_flex_tiles_of_several_blocks_reproduce_the_token_mask(name, T, tile):
+    # CUDA's flex templates need 128-token tiles; smaller blocks are laid out on tiles of several blocks
+    # (flex_tile): a tile listed when any of its blocks is, full only when all are, mask_mod inside.
+    from layers.attention.plan import plan_pattern
+    from layers.attention.flex import flex_block_mask
+    B, H = 2, 8
+    q, k, _ = make_inputs(B, H, 2, T, seed=T + tile)
+    plan = plan_pattern(PATTERNS[name], H, 0, T, T, 0, q, k)
+    bm = flex_block_mask(plan, tile=tile)
+    assert bm.BLOCK_SIZE == (tile, tile) and bm.kv_num_blocks.shape[-1] == -(-T // tile)
+    assert torch.equal(emulated_counts(bm, T).expand(B, H, T, T), plan.token_mask().expand(B, H, T, T).long())
+    mask_mod_covers_whole_tiles(bm, T)
+    fine = flex_block_mask(plan)           # the tiles visit no fewer pairs' blocks than the blocks themselves
+    assert (bm.kv_num_blocks + bm.full_kv_num_blocks).sum() <= (fine.kv_num_blocks + fine.full_kv_num_blocks).sum()
+    with pytest.raises(ValueError, match="not a multiple"):
+        flex_block_mask(plan, tile=BS + 8)
+
+
+def test_flex_tile_is_128_tokens_on_cuda_and_the_block_elsewhere():
+    from layers.attention.flex import flex_tile
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [flex_tile(b, cuda) for b in (16, 32, 64, 128, 256, 48)] == [128, 128, 128, 128, 256, 384]
+    assert [flex_tile(b, cpu) for b in (16, 64, 128)] == [16, 64, 128]
+
+
+def test_tiled_flex_forward_and_density_on_cpu(monkeypatch):
+    # The whole call with 64-token tiles over 16-token blocks (what CUDA runs for blocks under 128): the
+    # output meets the reference and the logged density counts tiles, the work a tiled kernel does.
+    import importlib
+    sa = importlib.import_module("layers.attention.functional")
+    monkeypatch.setattr(sa, "flex_tile", lambda bs, device: 64)
+    B, H, T = 2, 8, 150
+    q, k, v = make_inputs(B, H, 4, T, dtype=torch.float32, seed=11)
+    pats = PATTERNS["mixed"]
+    stats = {}
+    got = sparse_attention(q, k, v, pats, backend="flex", stats=stats)
+    want = sparse_attention(q, k, v, pats, backend="reference")
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    n = -(-T // 64)
+    tiles = stats["density"] * (n * (n + 1) / 2) * B            # tiles visited per head, summed over the batch
+    assert stats["density"].shape == (H,) and torch.allclose(tiles, tiles.round(), atol=1e-4)
+    assert (tiles > 0).all()
 
 
 def test_static_block_mask_cache_drops_the_least_recently_used(monkeypatch):
@@ -263,6 +309,17 @@ def test_flex_backend_on_gpu_meets_fa_criterion_fwd_bwd(name):
     pats = PATTERNS[name]
     big = [SparsityPattern(**{**p.to_dict(), "block_size": 128}) for p in (pats if isinstance(pats, list) else [pats])]
     run_criterion(big if isinstance(pats, list) else big[0], "flex", B=2, H=8, Hk=2, T=1000, D=64, device="cuda")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("bs,D", [(64, 128), (64, 64), (32, 64)])
+def test_flex_blocks_under_128_tokens_run_on_gpu_through_128_token_tiles(bs, D):
+    # CUDA's flex templates tile 128 tokens at bf16 head dims 64-128 (torch's defaults): a BlockMask of
+    # smaller blocks fails there (forward "Q and KV block size must be divisible by BLOCK_M and BLOCK_N",
+    # backward with no config), so such layers run on 128-token tiles (flex.flex_tile).
+    pats = [SparsityPattern(**{**p.to_dict(), "block_size": bs}) for p in PATTERNS["mixed"]]
+    run_criterion(pats, "flex", B=2, H=8, Hk=2, T=1000, D=D, device="cuda")
 
 
 @pytest.mark.gpu

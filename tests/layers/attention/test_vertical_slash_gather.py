@@ -6,7 +6,7 @@ import torch
 from layers import SparsityPattern
 from layers.attention.plan import plan_pattern
 from layers.attention.flex import column_slots, flex_attention_call, flex_block_mask, gather_columns
-from helpers import emulated_counts, fa_check, make_inputs, plain_attention, run_criterion
+from helpers import emulated_counts, fa_check, make_inputs, mask_mod_covers_whole_tiles, plain_attention, run_criterion
 
 BS = 16
 
@@ -44,8 +44,9 @@ def handmade_plan(B, H, T, seed=0):
     return plan
 
 
+@pytest.mark.parametrize("tile", [0, 64])           # 0: the plan's blocks; 64: tiles of 4 blocks (flex_tile)
 @pytest.mark.parametrize("case", ["handmade", "mixed", "vs_only"])
-def test_gathered_block_lists_count_every_allowed_pair_exactly_once(case):
+def test_gathered_block_lists_count_every_allowed_pair_exactly_once(case, tile):
     B, H, T = 2, 8, 75
     if case == "handmade":
         plan = handmade_plan(B, H, T)
@@ -54,9 +55,11 @@ def test_gathered_block_lists_count_every_allowed_pair_exactly_once(case):
         plan = plan_pattern(MIXED if case == "mixed" else vs(10, 6), H, 0, T, T, 0, q, k)
     slots = column_slots(plan)
     assert slots.shape[-1] % BS == 0 and slots.shape[-1] >= plan.col_budget
-    counts = emulated_counts(flex_block_mask(plan, slots), T, slots)
+    bm = flex_block_mask(plan, slots, tile=tile)
+    counts = emulated_counts(bm, T, slots)
     want = plan.token_mask().expand(B, H, T, T).long()
     assert torch.equal(counts, want)
+    mask_mod_covers_whole_tiles(bm, T, slots.shape[-1] + T)
 
 
 def test_column_slots_hold_each_heads_columns_ascending_then_empty():
@@ -127,17 +130,22 @@ def test_gathered_keys_and_mask_give_reference_output_and_grads_float64(group):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
 
 
-def test_compiled_cpu_flex_visiting_only_listed_blocks_equals_reference():
+@pytest.mark.parametrize("bs,tile", [(128, 0), (32, 128)])
+def test_compiled_cpu_flex_visiting_only_listed_blocks_equals_reference(bs, tile):
     # Eager flex ignores the block lists; compiled flex (inductor's CPU kernel, forward only) visits only
-    # the listed blocks, as the GPU kernel does. Block 128, ragged length, GQA 4, batch 2, float32.
+    # the listed blocks, as the GPU kernel does. Block 128, or blocks of 32 on CUDA's 128-token tiles
+    # (flex_tile); ragged length, GQA 4, batch 2, float32.
     from torch.nn.attention.flex_attention import flex_attention
-    pats = [SparsityPattern(**{**p.to_dict(), "block_size": 128}) for p in MIXED]
+    pats = [SparsityPattern(**{**p.to_dict(), "block_size": bs}) for p in MIXED]
     B, H, T = 2, 8, 300
     q, k, v = make_inputs(B, H, 2, T, D=32, dtype=torch.float32, seed=4)
     plan = plan_pattern(pats, H, 0, T, T, 0, q, k)
     slots = column_slots(plan)
+    bm = flex_block_mask(plan, slots, tile=tile)
     with torch.no_grad():
-        got = torch.compile(flex_attention)(q, *gather_columns(k, v, slots), block_mask=flex_block_mask(plan, slots))
+        # static shapes: a second compile in one process goes dynamic, and inductor's CPU flex template
+        # then fails to build ("cur_qSplitSize5 was not declared", torch 2.13; each case alone compiles)
+        got = torch.compile(flex_attention, dynamic=False)(q, *gather_columns(k, v, slots), block_mask=bm)
     want = plain_attention(q, k, v, plan.token_mask())
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
