@@ -11,7 +11,8 @@
 Documents are split into train/val by a hash of their name, so the split is deterministic and does not
 move when files are added. A file's name is its path relative to the source's root (the directory, the
 glob's fixed prefix, the standard library), so the split does not move with the corpus either: a corpus
-copied to another place (a fresh clone, a test's temporary directory) splits the same way. A corpus of one document is split by tokens instead (training.data).
+copied to another place (a fresh clone, a test's temporary directory) splits the same way. A corpus of
+one document is split by tokens instead (training.data).
 """
 from __future__ import annotations
 
