@@ -80,7 +80,7 @@ def test_flex_tiles_of_several_blocks_reproduce_the_token_mask(name, T, tile):
     assert bm.BLOCK_SIZE == (tile, tile) and bm.kv_num_blocks.shape[-1] == -(-T // tile)
     assert torch.equal(emulated_counts(bm, T).expand(B, H, T, T), plan.token_mask().expand(B, H, T, T).long())
     mask_mod_covers_whole_tiles(bm, T)
-    fine = flex_block_mask(plan)           # the tiles visit no fewer pairs' blocks than the blocks themselves
+    fine = flex_block_mask(plan)           # each tile pools several blocks: its lists are no longer than theirs
     assert (bm.kv_num_blocks + bm.full_kv_num_blocks).sum() <= (fine.kv_num_blocks + fine.full_kv_num_blocks).sum()
     with pytest.raises(ValueError, match="not a multiple"):
         flex_block_mask(plan, tile=BS + 8)
