@@ -2,7 +2,7 @@
 distributed: ``torchrun --nproc_per_node 8 train.py --config zoo/moe_65b.yaml``. See training/cli.py."""
 import sys
 
-from training.cli import main
+from moezoo.training.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

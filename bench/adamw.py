@@ -23,9 +23,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.timing import timeit  # noqa: E402
-from configs import exit_code  # noqa: E402
-from configs.errors import check  # noqa: E402
-from kernels import adamw as A  # noqa: E402
+from moezoo.configs import exit_code  # noqa: E402
+from moezoo.configs.errors import check  # noqa: E402
+from moezoo.kernels import adamw as A  # noqa: E402
 
 CONFIGS = [(2048, 8), (1024, 4), (4096, 8), (2048, 4), (4096, 16), (1024, 8), (8192, 16)]
 

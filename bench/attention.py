@@ -63,17 +63,17 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.timing import timeit  # noqa: E402
-from configs import exit_code  # noqa: E402
-from configs.attention import FLEX_KERNELS  # noqa: E402
-from configs.errors import choice_list, int_list  # noqa: E402
-from layers import RotaryEmbedding, SparsityPattern, apply_rotary, sparse_attention  # noqa: E402
-from layers.attention.compressed import compress_heads, compressed_attention, compressed_density  # noqa: E402
-from layers.attention.module import put_heads, take_heads  # noqa: E402
-from layers.attention.pattern import head_patterns  # noqa: E402
-from layers.attention.plan import plan_pattern  # noqa: E402
-from layers.attention.selection import index_tensor  # noqa: E402
+from moezoo.configs import exit_code  # noqa: E402
+from moezoo.configs.attention import FLEX_KERNELS  # noqa: E402
+from moezoo.configs.errors import choice_list, int_list  # noqa: E402
+from moezoo.layers import RotaryEmbedding, SparsityPattern, apply_rotary, sparse_attention  # noqa: E402
+from moezoo.layers.attention.compressed import compress_heads, compressed_attention, compressed_density  # noqa: E402
+from moezoo.layers.attention.module import put_heads, take_heads  # noqa: E402
+from moezoo.layers.attention.pattern import head_patterns  # noqa: E402
+from moezoo.layers.attention.plan import plan_pattern  # noqa: E402
+from moezoo.layers.attention.selection import index_tensor  # noqa: E402
 
-from layers.attention import flex as sa_mod  # noqa: E402
+from moezoo.layers.attention import flex as sa_mod  # noqa: E402
 
 H, HK, D, BS = 32, 8, 128, 128
 PATTERNS = {

@@ -26,12 +26,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configs import ModelConfig  # noqa: E402
-from layers import DynamicSparsity  # noqa: E402
-from layers.dst.masks import transposable_nm_select  # noqa: E402
-from kernels.semi_sparse_linear import SemiSparseLinear  # noqa: E402
-from training.optim import CompactAdamW  # noqa: E402
-from zoo import build_model  # noqa: E402
+from moezoo.configs import ModelConfig  # noqa: E402
+from moezoo.layers import DynamicSparsity  # noqa: E402
+from moezoo.layers.dst.masks import transposable_nm_select  # noqa: E402
+from moezoo.kernels.semi_sparse_linear import SemiSparseLinear  # noqa: E402
+from moezoo.training.optim import CompactAdamW  # noqa: E402
+from moezoo.zoo import build_model  # noqa: E402
 
 ONE_B = ModelConfig(vocab_size=32000, dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_hidden=5632,
                     max_seq_len=2048)

@@ -28,8 +28,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench.moe as bm  # noqa: E402
-from layers import MoE  # noqa: E402
-from layers.moe import expert_parallel as moe_ep  # noqa: E402
+from moezoo.layers import MoE  # noqa: E402
+from moezoo.layers.moe import expert_parallel as moe_ep  # noqa: E402
 
 
 def run_shape(name: str, reps: int) -> dict:

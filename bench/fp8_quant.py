@@ -30,9 +30,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.timing import timeit  # noqa: E402
-from configs import exit_code  # noqa: E402
-from configs.errors import check  # noqa: E402
-from kernels import moe_fp8 as f  # noqa: E402
+from moezoo.configs import exit_code  # noqa: E402
+from moezoo.configs.errors import check  # noqa: E402
+from moezoo.kernels import moe_fp8 as f  # noqa: E402
 
 AMAX_TILES = [(128, 64, 16), (128, 64, 8), (64, 64, 4), (32, 128, 4)]
 CAST_TILES = [(128, 64, 16), (128, 64, 8), (64, 64, 4), (32, 128, 4), (64, 128, 8)]

@@ -36,12 +36,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configs import exit_code  # noqa: E402
-from configs.errors import check, check_choice, choice_list  # noqa: E402
-from layers import MoE  # noqa: E402
-from layers.moe import experts as moe_experts  # noqa: E402
-from kernels import grouped_wgrad  # noqa: E402
-from kernels.moe_swiglu import swiglu_reference  # noqa: E402
+from moezoo.configs import exit_code  # noqa: E402
+from moezoo.configs.errors import check, check_choice, choice_list  # noqa: E402
+from moezoo.layers import MoE  # noqa: E402
+from moezoo.layers.moe import experts as moe_experts  # noqa: E402
+from moezoo.kernels import grouped_wgrad  # noqa: E402
+from moezoo.kernels.moe_swiglu import swiglu_reference  # noqa: E402
 
 SHAPES = {  # T tokens, D model dim, H expert hidden, E experts, K top-k
     "mixtral": dict(T=16384, D=4096, H=14336, E=8, K=2),
@@ -81,7 +81,7 @@ def torchao_fp8_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
 def torchao_gate_up(x, w1, w3, offs, inv=None, num_rows=0, zero_fill=False, fp8=False):
     """kernels.moe_gate_up.gate_up's contract with torchao's FP8 GEMMs (the peer's path: x quantized once per
     GEMM, the permute's backward a separate pass)."""
-    from kernels.moe_permute import moe_permute
+    from moezoo.kernels.moe_permute import moe_permute
     xs = x if inv is None else moe_permute(x, inv, num_rows, zero_fill)
     return torchao_fp8_mm(xs, w1, offs), torchao_fp8_mm(xs, w3, offs)
 
@@ -263,7 +263,7 @@ def grads_of(moe, x, dy):
 
 def megablocks_peer(moe):
     """A megablocks dMoE holding a copy of ``moe``'s weights (bf16, grouped GEMM)."""
-    from layers.moe.megablocks import build_dmoe, megablocks_params
+    from moezoo.layers.moe.megablocks import build_dmoe, megablocks_params
     dmoe = build_dmoe(moe.dim, moe.hidden_dim, moe.num_experts, moe.top_k, torch.device(DEV))
     with torch.no_grad():
         for name, t in megablocks_params(moe).items():
@@ -278,7 +278,7 @@ def profile_step(step, before, path: str) -> None:
     with the kernels around them."""
     from torch.profiler import ProfilerActivity, profile
 
-    from training.profile import device_gaps
+    from moezoo.training.profile import device_gaps
     for _ in range(2):
         before()
         step()
@@ -405,7 +405,7 @@ def main():
     args = ap.parse_args()
     # every choice checked before the GPU is touched: a bad one is one line and exit 2
     if args.fp8_tiles:
-        from kernels import moe_fp8
+        from moezoo.kernels import moe_fp8
         try:
             tiles = [tuple(int(v) for v in part.split(",")) for part in args.fp8_tiles.split(";")]
         except ValueError:

@@ -37,9 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import triton_grouped_gemm as tg  # noqa: E402
 from bench.moe import SHAPES, rel, time_interleaved  # noqa: E402
-from kernels.moe_permute import moe_permute  # noqa: E402
-from kernels.moe_swiglu import swiglu, swiglu_backward  # noqa: E402
-from layers.moe.experts import make_plan  # noqa: E402
+from moezoo.kernels.moe_permute import moe_permute  # noqa: E402
+from moezoo.kernels.moe_swiglu import swiglu, swiglu_backward  # noqa: E402
+from moezoo.layers.moe.experts import make_plan  # noqa: E402
 
 
 def load_quack():

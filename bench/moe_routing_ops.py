@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from layers.moe.routing_stage import RoutingSpec, compiled_routing_stage, routing_stage  # noqa: E402
+from moezoo.layers.moe.routing_stage import RoutingSpec, compiled_routing_stage, routing_stage  # noqa: E402
 
 # aten ops that launch no kernel (metadata, allocation, autograd bookkeeping).
 NO_KERNEL = {"aten::view", "aten::reshape", "aten::_unsafe_view", "aten::as_strided", "aten::empty",

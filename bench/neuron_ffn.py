@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench.moe as moe_bench  # noqa: E402
 from bench.moe import rel, time_interleaved  # noqa: E402
-from layers import NeuronRoutedFFN, SwiGLU  # noqa: E402
+from moezoo.layers import NeuronRoutedFFN, SwiGLU  # noqa: E402
 
 SHAPES = {  # 25% of the groups (K/G = 4/16); H as LLaMA's 8/3 D rounded to 256 (1B- and 7B-like)
     "d2048": dict(T=16384, D=2048, H=5632, G=16, K=4),

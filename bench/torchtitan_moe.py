@@ -50,14 +50,14 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.timing import StepTimes  # noqa: E402
-from kernels.launch import to_device  # noqa: E402
+from moezoo.kernels.launch import to_device  # noqa: E402
 
 SHAPE = dict(dim=2048, n_heads=16, head_dim=128, experts=64, top_k=8, expert_hidden=1024, vocab=50304, seq=4096)
 SMOKE = dict(dim=64, n_heads=4, head_dim=16, experts=8, top_k=2, expert_hidden=32, vocab=512, seq=64)
 
 
 def our_config(s, n_layers):
-    from configs import ModelConfig, MoEConfig
+    from moezoo.configs import ModelConfig, MoEConfig
     moe = MoEConfig(num_experts=s["experts"], top_k=s["top_k"], hidden_dim=s["expert_hidden"], router="softmax",
                     norm_topk=True, aux_loss_coef=0.0, bias_update_rate=1e-3)
     return ModelConfig(vocab_size=s["vocab"], dim=s["dim"], n_layers=n_layers, n_heads=s["n_heads"],
@@ -65,7 +65,7 @@ def our_config(s, n_layers):
 
 
 def build_ours(s, n_layers, device, compile_loss=False):
-    from zoo.model import build_model, mean_cross_entropy
+    from moezoo.zoo.model import build_model, mean_cross_entropy
     model = build_model(our_config(s, n_layers), device)
     if compile_loss:        # as training.loop does with train.compile
         model.cross_entropy = torch.compile(mean_cross_entropy, dynamic=False)
@@ -74,7 +74,7 @@ def build_ours(s, n_layers, device, compile_loss=False):
         return model(x, y)[0]
 
     def after_step():
-        from layers import moe_update_bias
+        from moezoo.layers import moe_update_bias
         moe_update_bias(model)
     return model, list(model.layers), loss_fn, after_step
 
@@ -149,8 +149,8 @@ def build_titan(s, n_layers, device, compile_loss=False):
 def fit_check(s, n_layers, batch, device) -> dict:
     """Memory plan (bytes): fp32 weights + grads + 2 Adam moments (16 B/param) plus activations
     (measured order: ~1.9 GB per layer per 16k tokens at this shape, kept generous at 3 GB)."""
-    from zoo.flops import count_params, flops_per_token
-    from zoo.model import build_model
+    from moezoo.zoo.flops import count_params, flops_per_token
+    from moezoo.zoo.model import build_model
     cfg = our_config(s, n_layers)
     counts = count_params(build_model(cfg, "meta"))
     tokens = batch * s["seq"]
@@ -190,8 +190,8 @@ def train(name, build, s, args, plan) -> dict:
     if name == "ours_bf16":
         # train.param_dtype=bfloat16: the matmul weights in bf16, their float32 masters in the optimizer, the
         # clipping factor applied inside its fused update (the same AdamW hyper-parameters as the others)
-        from training.optim import MasterAdamW, autocast_weights
-        from training.parallel import ParallelState, clip_coef, clip_grad_norm_
+        from moezoo.training.optim import MasterAdamW, autocast_weights
+        from moezoo.training.parallel import ParallelState, clip_coef, clip_grad_norm_
         opt = master = MasterAdamW(model.parameters(), autocast_weights(model), lr=3e-4, weight_decay=0.1)
         one = ParallelState(1, 0, 0, torch.device(dev), 1, 1, 1)
     else:
@@ -211,7 +211,7 @@ def train(name, build, s, args, plan) -> dict:
     amp = torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda" or master is not None)
     # FlexAttention has no CPU backward: on CPU (the smoke test) torchtitan's model runs forward only
     forward_only = dev == "cpu" and name == "torchtitan"
-    from training.profile import StepProfiler
+    from moezoo.training.profile import StepProfiler
     prof = StepProfiler(args.profile_at, 3, os.path.join(args.profile_dir, name), 0, torch.device(dev))
     # No host sync a step, as neither trainer has one (torchtitan's reads the loss at its log steps only;
     # train.py's non-finite check stays on the device): each step's time is the device's, from an event after
@@ -250,15 +250,15 @@ def train(name, build, s, args, plan) -> dict:
     out = {"tokens_per_s": tok_s, "losses": losses, "step_ms": [t * 1e3 for t in times],
            "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else 0.0,
            "params": sum(p.numel() for p in model.parameters()), "forward_only": forward_only,
-           "batch_copy": "kernels.launch.to_device" if pinned else "Tensor.to"}   # on CUDA: pinned, queued / blocking
+           "batch_copy": "moezoo.kernels.launch.to_device" if pinned else "Tensor.to"}   # on CUDA: pinned, queued / blocking
     if summary:
         out["profile"] = summary
     if name.startswith("ours"):     # how unevenly the last step routed: its grouped GEMMs' group sizes
-        from layers import MoE
+        from moezoo.layers import MoE
         loads = [m.stats["tokens_per_expert"].float() for m in model.modules() if isinstance(m, MoE)]
         out["expert_load_max_over_mean"] = [round((c.max() / c.mean()).item(), 2) for c in loads]
     if dev == "cuda":
-        from training.metrics import device_peak_flops
+        from moezoo.training.metrics import device_peak_flops
         peak = device_peak_flops(torch.device("cuda"))
         out["mfu"] = tok_s * plan["flops_per_token"] / peak if peak else None
     del model, opt
@@ -314,7 +314,7 @@ def main():
         if "expert_load_max_over_mean" in r:
             print(name, "last step, busiest expert's rows / mean, per layer:", r["expert_load_max_over_mean"], flush=True)
         if "profile" in r:
-            from training.profile import format_summary
+            from moezoo.training.profile import format_summary
             print(name, "profile:", format_summary(r["profile"], args.device == "cuda"), flush=True)
         if args.out:
             with open(args.out, "w") as f:

@@ -38,8 +38,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configs import ConfigError, exit_code, load_config  # noqa: E402
-from training.loop import Trainer  # noqa: E402
+from moezoo.configs import ConfigError, exit_code, load_config  # noqa: E402
+from moezoo.training.loop import Trainer  # noqa: E402
 
 VARIANTS = ("dense", "preset", "a_shape", "query_max", "nsa")
 

@@ -30,9 +30,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configs import ModelConfig  # noqa: E402
-from layers import DynamicSparsity  # noqa: E402
-from zoo import build_model  # noqa: E402
+from moezoo.configs import ModelConfig  # noqa: E402
+from moezoo.layers import DynamicSparsity  # noqa: E402
+from moezoo.zoo import build_model  # noqa: E402
 
 RIGL = dict(method="rigl", distribution="erk", sparsity=0.8, drop_fraction=0.3, stop_fraction=0.75)
 RUNS = {

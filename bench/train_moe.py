@@ -76,11 +76,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configs import ConfigError, exit_code, load_config  # noqa: E402
-from configs.errors import check  # noqa: E402
-from training.profile import format_summary  # noqa: E402
+from moezoo.configs import ConfigError, exit_code, load_config  # noqa: E402
+from moezoo.configs.errors import check  # noqa: E402
+from moezoo.training.profile import format_summary  # noqa: E402
 from bench.timing import StepTimes  # noqa: E402
-from kernels import grouped_wgrad  # noqa: E402
+from moezoo.kernels import grouped_wgrad  # noqa: E402
 
 BACKBONE = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4",
             "model.ffn_hidden=1408", "model.max_seq_len=1024", "train.seq_len=1024", "train.batch_size=32",
@@ -252,15 +252,15 @@ def make_config(preset, overrides, seed, steps, device, tokens_dir, out_dir, com
 def use_tokens(tokens_dir) -> int:
     """Make the trainer read DIR's token files instead of building the corpus (same tokens everywhere).
     Returns the number of training tokens (an equal-time run's epochs are its tokens seen over this)."""
-    import training.loop
-    from training.data import TokenData
-    from training.tokenizer import Tokenizer
+    import moezoo.training.loop
+    from moezoo.training.data import TokenData
+    from moezoo.training.tokenizer import Tokenizer
     with open(os.path.join(tokens_dir, "meta.json")) as f:
         dtype = np.dtype(json.load(f)["dtype"])
     tok = Tokenizer(os.path.join(tokens_dir, "tokenizer.model"))
     arrays = {s: np.memmap(os.path.join(tokens_dir, f"tokens_{s}.bin"), dtype=dtype, mode="r")
               for s in ("train", "val")}
-    training.loop.prepare_data = lambda cfg, *a, **k: TokenData(tok, arrays["train"], arrays["val"])
+    moezoo.training.loop.prepare_data = lambda cfg, *a, **k: TokenData(tok, arrays["train"], arrays["val"])
     return len(arrays["train"])
 
 
@@ -268,7 +268,7 @@ def prepare(out, source, max_files, vocab, max_tokens=0, cache_dir=None):
     """Corpus -> tokenizer + token files in ``out`` (training.data's own code and cache: ``cache_dir``, else
     data.cache_dir's default). ``max_tokens``: keep only the first N tokens of each split (a folder that fits
     one device transfer of 64 MiB)."""
-    from training.data import prepare_data
+    from moezoo.training.data import prepare_data
     cache = [f"data.cache_dir={cache_dir}"] if cache_dir else []
     cfg = load_config("zoo/tiny_dense.yaml", [f"data.source={source}", f"data.max_files={max_files}",
                                                "data.val_fraction=0.1",
@@ -280,7 +280,7 @@ def prepare(out, source, max_files, vocab, max_tokens=0, cache_dir=None):
     for split, arr in keep.items():
         arr.tofile(os.path.join(out, f"tokens_{split}.bin"))
     shutil.copy(td.tokenizer.path, os.path.join(out, "tokenizer.model"))
-    from training.corpus import load_documents, split_documents
+    from moezoo.training.corpus import load_documents, split_documents
     docs = load_documents(cfg.data)
     train, val = split_documents(docs, cfg.data.val_fraction)
     meta = {"source": source, "max_files": max_files, "vocab": vocab, "dtype": str(td.train.dtype),
@@ -301,8 +301,8 @@ def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
     most ``steps``, a bound), the LR on TimeSchedule; a step is steady when it takes up to twice ``step_s``,
     the probe's settled step (the clock runs during the run; the run's own median is known at its end).
     """
-    from training.loop import Trainer
-    from layers import NeuronSchedule
+    from moezoo.training.loop import Trainer
+    from moezoo.layers import NeuronSchedule
     dev = args.device
     profile = [f"logging.profile_at={args.profile_at}"] if args.profile_at else []
     cfg = make_config(preset, overrides + profile, seed, steps, dev, args.tokens, os.path.join(args.runs, tag),

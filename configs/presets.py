@@ -1,22 +1,21 @@
 """Presets by name: ``--config tiny_dense`` finds ``zoo/tiny_dense.yaml`` wherever moezoo is installed.
 
-The zoo package directory is located with ``importlib.util.find_spec``, which reads no module of it
-(configs imports no other moezoo package, and importing zoo would import torch).
+The preset folder is the zoo folder beside this package's own (``zoo/`` in a checkout, ``moezoo/zoo/`` in
+an installed wheel), found by path: configs imports no other moezoo package, and importing zoo would
+import torch.
 """
 from __future__ import annotations
 
 import difflib
 import glob
-import importlib.util
 import os
 
 from .errors import ConfigError
 
 
 def presets_dir() -> str | None:
-    spec = importlib.util.find_spec("zoo")
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    return locations[0] if locations else None
+    d = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "zoo")
+    return d if os.path.isdir(d) else None
 
 
 def preset_names() -> list[str]:

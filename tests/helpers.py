@@ -12,9 +12,9 @@ import sys
 
 import torch
 
-from configs import load_config
+from moezoo.configs import load_config
 
-from layers import pattern_mask, sparse_attention
+from moezoo.layers import pattern_mask, sparse_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository
 
@@ -115,7 +115,7 @@ def grouped_grads_eager_and_compiled(ex, tokens: int, top_k: int, align: int = 1
     """GroupedExperts ``ex`` (bfloat16, ``ex.w1 [E, H, D]``) on its grouped path over a random top-k dispatch
     plan of ``tokens`` rows, eager and ``torch.compile(fullgraph=True)``: two lists [dx, dw1, dw2, dw3] of the
     same weighted-sum loss (rows past the last group left out)."""
-    from layers.moe.experts import make_plan
+    from moezoo.layers.moe.experts import make_plan
     E, _, D = ex.w1.shape
     plan = make_plan(torch.stack([torch.randperm(E)[:top_k] for _ in range(tokens)]), E, align=align)
     x = torch.randn(tokens, D).bfloat16()

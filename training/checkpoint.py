@@ -36,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from configs import Config, ConfigError, save_config
+from moezoo.configs import Config, ConfigError, save_config
 
 from .parallel import checkpoint_views
 from .safe_load import CheckpointError, SafeLoadPlanner, SafeReader, UnsafeCheckpoint, load_dcp_metadata, load_tensors
@@ -205,7 +205,7 @@ def check_resumable(path: str, cfg: Config, world_size: int, tokenizer_digest: s
     at another world size the global batch (the data stays the same; DCP reshards the tensors).
     Raises ConfigError naming the first key that differs."""
     import yaml
-    from configs import to_dict
+    from moezoo.configs import to_dict
     with open(os.path.join(path, "config.yaml")) as f:
         saved = yaml.safe_load(f)   # _validate has read it once already: well-formed
     old, new = _flatten(saved.get("model", {}), "model"), _flatten(to_dict(cfg)["model"], "model")

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from configs import ConfigError, exit_code, load_config, to_dict
-from configs.presets import resolve_config_path
+from moezoo.configs import ConfigError, exit_code, load_config, to_dict
+from moezoo.configs.presets import resolve_config_path
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,14 +58,14 @@ def _main(args: argparse.Namespace) -> int:
     if args.plan:
         if args.gpus is not None and args.gpus < 1:
             raise ConfigError("--gpus", f"must be >= 1, got {args.gpus}")
-        from training.plan import format_plan, plan
+        from moezoo.training.plan import format_plan, plan
         print(format_plan(plan(cfg, args.gpus)))
         return 0
     if args.eval == "passkey":
-        from training.evaluate import run_passkey
+        from moezoo.training.evaluate import run_passkey
         run_passkey(cfg)
         return 0
-    from training.loop import TrainingDiverged, run   # torch.distributed, layers, kernels: only to train
+    from moezoo.training.loop import TrainingDiverged, run   # torch.distributed, layers, kernels: only to train
     try:
         summary = run(cfg)
     except TrainingDiverged as e:

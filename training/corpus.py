@@ -24,7 +24,7 @@ import re
 import sysconfig
 from dataclasses import dataclass
 
-from configs import ConfigError, DataConfig
+from moezoo.configs import ConfigError, DataConfig
 
 
 # data.source values that name a built-in corpus rather than a path

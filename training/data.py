@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from configs import Config, ConfigError
+from moezoo.configs import Config, ConfigError
 
 from .corpus import BUILTIN_SOURCES, load_documents, split_documents
 from .tokenizer import Tokenizer, get_tokenizer

@@ -1,4 +1,4 @@
-"""Export a trained run: ``python -m training.export --run runs/X --hf out_dir`` and/or ``--file model.safetensors``.
+"""Export a trained run: ``python -m moezoo.training.export --run runs/X --hf out_dir`` and/or ``--file model.safetensors``.
 
 - ``--hf DIR``: a transformers ``save_pretrained`` folder (config.json + model.safetensors, through
   ``zoo.hf.to_hf``) plus the run's ``tokenizer.model``; ``AutoModelForCausalLM.from_pretrained(DIR)``
@@ -16,11 +16,11 @@ import sys
 
 import yaml
 
-from configs import Config, ConfigError, to_dict
+from moezoo.configs import Config, ConfigError, to_dict
 
 
 def export_hf(model, tokenizer_path: str, out_dir: str) -> None:
-    from zoo.hf import to_hf
+    from moezoo.zoo.hf import to_hf
     to_hf(model).save_pretrained(out_dir, safe_serialization=True)
     shutil.copyfile(tokenizer_path, os.path.join(out_dir, "tokenizer.model"))
 
@@ -37,7 +37,7 @@ def export_file(model, cfg: Config, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.export", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m moezoo.training.export", description=__doc__.splitlines()[0])
     p.add_argument("--run", required=True, help="run folder (runs/<name>), checkpoint dir or step_* checkpoint")
     p.add_argument("--hf", default=None, help="write a transformers save_pretrained folder here")
     p.add_argument("--file", default=None, help="write one consolidated .safetensors (or torch.save) file here")

@@ -1,4 +1,4 @@
-"""Sample text from a trained run: ``python -m training.generate --run runs/tiny_dense --prompt "def "``.
+"""Sample text from a trained run: ``python -m moezoo.training.generate --run runs/tiny_dense --prompt "def "``.
 
 Loads the run's latest checkpoint and its tokenizer (training.trained) and samples through the KV
 cache (zoo.sampling) with temperature / top-k / top-p. Prints each sample, prompt included.
@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from configs import ConfigError
+from moezoo.configs import ConfigError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m training.generate", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m moezoo.training.generate", description=__doc__.splitlines()[0])
     p.add_argument("--run", required=True, help="run folder (runs/<name>), checkpoint dir or step_* checkpoint")
     p.add_argument("--prompt", default="", help="text to continue (default: start from nothing)")
     p.add_argument("--max-new-tokens", type=int, default=200)
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
         if a.max_new_tokens < 1 or a.num_samples < 1 or a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
             raise ConfigError("generate", "need --max-new-tokens >= 1, --num-samples >= 1, --temperature >= 0, "
                                           "0 < --top-p <= 1, --top-k >= 0")
-        from zoo.sampling import generate
+        from moezoo.zoo.sampling import generate
 
         from .trained import load_run
         model, tok, _, _ = load_run(a.run, a.device)

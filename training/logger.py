@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from configs import Config, to_dict
+from moezoo.configs import Config, to_dict
 
 
 class NullLogger:

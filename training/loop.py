@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from configs import Config, ConfigError
-from kernels.launch import to_device
-from layers import AttentionStats, DynamicSparsity, ExpertBalancing, NeuronSchedule, attention_density
-from zoo import build_model
-from zoo.model import mean_cross_entropy
+from moezoo.configs import Config, ConfigError
+from moezoo.kernels.launch import to_device
+from moezoo.layers import AttentionStats, DynamicSparsity, ExpertBalancing, NeuronSchedule, attention_density
+from moezoo.zoo import build_model
+from moezoo.zoo.model import mean_cross_entropy
 
 from .checkpoint import CheckpointError, check_resumable, find_resumable, load_checkpoint, save_checkpoint
 from .data import prepare_data, sample_batch
@@ -80,7 +80,7 @@ class Trainer:
         meta_model = build_model(cfg.model, "meta")
         self.flops_per_token = check_fits(cfg, self.par.world_size, self.device, meta_model).flops_per_token
         check_model(cfg, meta_model)
-        from zoo.flops import attention_flops_per_token
+        from moezoo.zoo.flops import attention_flops_per_token
         self.dense_attn_flops = attention_flops_per_token(cfg.model, cfg.train.seq_len)   # mfu: the work done
         del meta_model
         self.resume_path, replaced = None, []
@@ -90,7 +90,7 @@ class Trainer:
             replaced = check_fresh_start(cfg)
         init_from = cfg.model.init_from and not self.resume_path   # a resumed run has its own weights
         if init_from:
-            from zoo.pretrained import check_init_from
+            from moezoo.zoo.pretrained import check_init_from
             check_init_from(cfg.model)   # reads the HF config only: a mismatch fails before the data work
         # Same seed on every rank: identical initial weights before sharding.
         seed_everything(cfg.train.seed)
@@ -109,7 +109,7 @@ class Trainer:
             if next(model.parameters()).is_meta:
                 raise ConfigError("model.init_from", "needs a model built whole on each rank (this one is built "
                                                      "on the meta device and sharded)")
-            from zoo.pretrained import load_init_from
+            from moezoo.zoo.pretrained import load_init_from
             load_init_from(model, cfg.model)
         self.model = parallelize(model, cfg, self.par)   # in place (FSDP2 / EP): still the Transformer
         if cfg.train.compile:

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
-from configs import ConfigError, OptimConfig
-from kernels.adamw import adamw_
-from layers.dst.bits import unpack_bits
-from layers.moe.experts import GroupedExperts
-from layers.sharding import DTensor, local_tensor
+from moezoo.configs import ConfigError, OptimConfig
+from moezoo.kernels.adamw import adamw_
+from moezoo.layers.dst.bits import unpack_bits
+from moezoo.layers.moe.experts import GroupedExperts
+from moezoo.layers.sharding import DTensor, local_tensor
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str = "cpu",

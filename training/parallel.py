@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from configs import Config, ConfigError
-from layers.moe import MoE, moe_modules
+from moezoo.configs import Config, ConfigError
+from moezoo.layers.moe import MoE, moe_modules
 
 from .plan import device_memory_bytes, moe_num_experts
 
@@ -173,7 +173,7 @@ def parallelize(model: nn.Module, cfg: Config, state: ParallelState) -> nn.Modul
         # Every rank is a data-parallel rank: the global balance loss spans the world.
         moe.balance_group = dist.group.WORLD
     if state.ep > 1:
-        from layers.moe.expert_parallel import shard_experts
+        from moezoo.layers.moe.expert_parallel import shard_experts
         for moe in moe_modules(model):
             shard_experts(moe, state.ep_group, state.ep_rank)
     _fully_shard(model, cfg, state)
@@ -299,7 +299,7 @@ def model_init_device(cfg: Config, state: ParallelState, max_fraction: float = 0
     each rank initialises only its shards, see ``init_local_shards``)."""
     if not state.distributed:
         return state.device
-    from zoo.flops import param_counts
+    from moezoo.zoo.flops import param_counts
 
     full = 4 * param_counts(cfg.model).total
     return "meta" if full > max_fraction * device_memory_bytes(state.device) else state.device

@@ -138,7 +138,7 @@ class PasskeyMix:
         needle, ask = _needle_and_ask(self.parts, self.question, _random_key(tokenizer, np.random.default_rng(0)))
         need = self.counts[-1] * (len(needle) + len(ask))
         if need >= seq_len:
-            from configs import ConfigError
+            from moezoo.configs import ConfigError
             raise ConfigError("data.passkey_questions", f"{self.counts[-1]} segments of a needle and a question "
                                                         f"take ~{need} tokens, more than train.seq_len={seq_len}")
 
@@ -185,8 +185,8 @@ class PasskeyResult:
 @contextmanager
 def _recording_selection(model):
     """The model's attention layers with block top-k heads, set to keep each forward's selection."""
-    from layers.attention import Attention
-    from layers.attention.pattern import head_patterns
+    from moezoo.layers.attention import Attention
+    from moezoo.layers.attention.pattern import head_patterns
     layers = [m for m in model.modules() if isinstance(m, Attention) and m.pattern is not None
               and any(p.type == "block_topk" for p in head_patterns(m.pattern, m.n_heads))]
     before = [m.record_selection for m in layers]

@@ -25,8 +25,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from configs import Config, ConfigError
-from zoo.flops import ParamCounts, count_params, flops_per_token, is_routed_moe
+from moezoo.configs import Config, ConfigError
+from moezoo.zoo.flops import ParamCounts, count_params, flops_per_token, is_routed_moe
 
 H200_BYTES = 141e9          # H200-class HBM3e
 HEADROOM = 0.9
@@ -113,7 +113,7 @@ def _shape(model, cfg: Optional[Config] = None) -> _Shape:
         blocks_expert.append(e)
     dst_dense = dst_expert = 0
     if cfg is not None and cfg.dst.enabled:
-        from layers.dst.targets import dst_parameters
+        from moezoo.layers.dst.targets import dst_parameters
         expert_ids = {id(p) for m in model.modules() if is_routed_moe(m) for p in m.experts.parameters()}
         for _, p in dst_parameters(model, cfg.dst.include, cfg.dst.exclude):
             if id(p) in expert_ids:
@@ -175,7 +175,7 @@ def memory_per_gpu(cfg: Config, shape: _Shape, layout: Layout, compute_bytes: in
 def dst_cost(cfg: Config, layout: Layout):
     """Bytes per masked weight of the DST options (layers.dst.costs); the compact store keeps a 10% margin
     for weights sharded over ranks."""
-    from layers.dst.costs import dst_state_bytes
+    from moezoo.layers.dst.costs import dst_state_bytes
     return dst_state_bytes(cfg.dst, margin=1.1 if layout.fsdp and layout.dp_shard > 1 else 1.0)
 
 
@@ -223,7 +223,7 @@ def plan(cfg: Config, n_gpus: Optional[int] = None, device_bytes: float = H200_B
     built model to count instead of building one on the meta device.
     """
     if model is None:
-        from zoo import build_model
+        from moezoo.zoo import build_model
         model = build_model(cfg.model, "meta")
     counts, shape = count_params(model), _shape(model, cfg)
     cb = _compute_bytes(cfg, device_type)

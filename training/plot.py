@@ -5,7 +5,7 @@
 - ``expert_load_step_<step>.png`` (MoE): the token share of every expert of every layer, on a fixed
   scale 0 .. 2/E centred on the uniform share 1/E, so pictures of different steps compare.
 
-The trainer writes them at every evaluation (``logging.plots``); ``python -m training.plot runs/X``
+The trainer writes them at every evaluation (``logging.plots``); ``python -m moezoo.training.plot runs/X``
 redraws ``metrics.png`` of any run. matplotlib is imported when a picture is drawn (Agg: no display).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from zoo.pyplot import pyplot
+from moezoo.zoo.pyplot import pyplot
 
 PLOTS_DIR = "plots"
 
@@ -112,7 +112,7 @@ def write_metrics_plot(out_dir: str, title: str | None = None) -> str | None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.plot", description="Draw <run>/plots/metrics.png.")
+    p = argparse.ArgumentParser(prog="python -m moezoo.training.plot", description="Draw <run>/plots/metrics.png.")
     p.add_argument("run", help="run folder holding metrics.jsonl (runs/<name>)")
     a = p.parse_args(argv)
     try:

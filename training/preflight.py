@@ -7,7 +7,7 @@ from __future__ import annotations
 import glob
 import os
 
-from configs import Config, ConfigError
+from moezoo.configs import Config, ConfigError
 
 from .corpus import BUILTIN_SOURCES, NO_MATCH
 from .tokenizer import MIN_TRAINED_VOCAB, Tokenizer
@@ -67,7 +67,7 @@ def check_runtime(cfg: Config, device, world_size: int = 1) -> None:
 def check_model(cfg: Config, meta_model) -> None:
     """Checks that need the model's shapes, on a meta-device build (no memory): DST targets and blocks."""
     if cfg.dst.enabled:
-        from layers import DynamicSparsity
+        from moezoo.layers import DynamicSparsity
         # The real constructor on the throwaway meta model: the same checks, run before anything is allocated.
         # No optimizer exists yet, so the compact optimizer state (checked when the trainer builds it) is off.
         DynamicSparsity(meta_model, None, cfg=cfg.dst, total_steps=cfg.train.steps, compact_state=False)

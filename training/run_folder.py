@@ -12,7 +12,7 @@ import json
 import os
 import uuid
 
-from configs import Config, ConfigError
+from moezoo.configs import Config, ConfigError
 
 from .checkpoint import remove_checkpoint, scan_checkpoints
 

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from configs import ConfigError
+from moezoo.configs import ConfigError
 
 TRUST_HINT = "pass --trust-checkpoint only if you trust whoever wrote it (the file can then run code)"
 

@@ -11,7 +11,7 @@ import random
 
 import sentencepiece as spm
 
-from configs import ConfigError
+from moezoo.configs import ConfigError
 
 # Caps the text sentencepiece trains on: the vocabulary barely changes past a few MB, training time does.
 TRAIN_CHARS = 4_000_000

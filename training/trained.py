@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from configs import Config, ConfigError, load_config
+from moezoo.configs import Config, ConfigError, load_config
 
 TOKENIZER_FILE = "tokenizer.model"   # the run folder's copy of the tokenizer it trained with
 
@@ -38,7 +38,7 @@ def load_run(run: str, device: str = "cpu"):
     """``(model, tokenizer, cfg, checkpoint_path)``: the model in eval mode with the checkpoint's weights."""
     import torch
 
-    from zoo import build_model
+    from moezoo.zoo import build_model
 
     from .checkpoint import load_checkpoint, read_train_state
     from .optim import build_optimizer

@@ -30,7 +30,7 @@ from typing import Union
 
 from torch import nn
 
-from configs import ModelConfig
+from moezoo.configs import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Import/export between HF ``transformers`` models and the zoo Transformer, with logit parity.
 
-    from zoo.hf import from_hf, to_hf
+    from moezoo.zoo.hf import from_hf, to_hf
     model = from_hf(hf_model)   # a Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE or
                                 # DeepSeek-V3 ...ForCausalLM -> Transformer
     hf_model = to_hf(model)     # the inverse: a fresh HF model of the family that expresses model.cfg
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from configs import ConfigError, ModelConfig
+from moezoo.configs import ConfigError, ModelConfig
 
 from .hf_config import ARCHITECTURES, config_from_hf, config_to_hf
 from .model import Transformer

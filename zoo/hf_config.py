@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from configs import AttentionConfig, ConfigError, MLAConfig, ModelConfig, RopeScalingConfig
-from configs.errors import check
+from moezoo.configs import AttentionConfig, ConfigError, MLAConfig, ModelConfig, RopeScalingConfig
+from moezoo.configs.errors import check
 
 from .hf_moe import moe_from_hf, moe_hf_kwargs, moe_model_type
 

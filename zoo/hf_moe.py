@@ -22,8 +22,8 @@ DeepSeek-V3 has no auxiliary loss in HF (it balances by the bias): imported with
 """
 from __future__ import annotations
 
-from configs import ModelConfig, MoEConfig
-from configs.errors import check
+from moezoo.configs import ModelConfig, MoEConfig
+from moezoo.configs.errors import check
 
 
 def _qwen_dense_layers(hc) -> dict:

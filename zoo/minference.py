@@ -1,6 +1,6 @@
 """Import MInference's per-head pattern files (``minference/configs/*.json``) as moezoo patterns.
 
-    python -m zoo.minference Llama_3_8B_Instruct_262k_kv_out_v32_fit_o_best_pattern.json \\
+    python -m moezoo.zoo.minference Llama_3_8B_Instruct_262k_kv_out_v32_fit_o_best_pattern.json \\
         --n-layers 32 --n-heads 32 > patterns.yaml
 
 MInference stores one ``{head: [type, v_size, s_size, score]}`` mapping per layer. The mapping of its
@@ -18,8 +18,8 @@ import sys
 
 import yaml
 
-from configs.attention import minference_patterns
-from configs.errors import check
+from moezoo.configs.attention import minference_patterns
+from moezoo.configs.errors import check
 
 
 def load_minference(path: str, n_layers: int, n_heads: int, dense_below: int = 0) -> dict:

@@ -20,18 +20,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from configs import ModelConfig
-from layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
+from moezoo.configs import ModelConfig
+from moezoo.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
 
 
 def build_ffn(cfg: ModelConfig, ffn_type: str) -> nn.Module:
     if ffn_type == "dense":
         return SwiGLU(cfg.dim, cfg.hidden_dim, cfg.ffn_act)
     if ffn_type == "moe":
-        from layers import MoE
+        from moezoo.layers import MoE
         return MoE(cfg.dim, cfg.expert_hidden_dim, cfg=cfg.moe, act=cfg.ffn_act, key="model.moe")
     if ffn_type == "neuron":
-        from layers import NeuronRoutedFFN
+        from moezoo.layers import NeuronRoutedFFN
         return NeuronRoutedFFN(cfg.dim, cfg.hidden_dim, cfg=cfg.neuron, key="model.neuron")
     raise ValueError(f"unknown ffn type {ffn_type!r}")
 
@@ -41,7 +41,7 @@ def build_attention_pattern(cfg: ModelConfig, layer_id: int, grid: list):
     per_head = grid[layer_id]
     if all(p is None for p in per_head):
         return None
-    from layers import SparsityPattern
+    from moezoo.layers import SparsityPattern
     pats = [SparsityPattern.from_dict(p or {"type": "dense"}) for p in per_head]
     return pats[0] if all(p == pats[0] for p in pats) else pats
 
@@ -56,7 +56,7 @@ class TransformerBlock(nn.Module):
                       reference_below=cfg.attention.reference_below, flex_kernel=cfg.attention.flex_kernel,
                       kernel_options=cfg.attention.kernel_options)
         if cfg.attention_type == "mla":
-            from layers.attention.mla import MLA
+            from moezoo.layers.attention.mla import MLA
             self.attention = MLA.from_config(cfg, **common)
         else:
             self.attention = Attention(cfg.dim, cfg.n_heads, cfg.kv_heads, bias=cfg.attn_bias,
@@ -134,7 +134,7 @@ class Transformer(nn.Module):
         - ``loss_weights [B, S]`` (with ``targets``): each target's weight in the loss that is returned,
           a weighted mean (training.passkey's answer weight); ``parts["ce"]`` stays the plain mean.
         """
-        from layers.attention.masking import AttnMask, check_token_mask, document_positions
+        from moezoo.layers.attention.masking import AttnMask, check_token_mask, document_positions
         B, S = tokens.shape
         T = start_pos + S
         if document_ids is not None and start_pos:
@@ -175,7 +175,7 @@ class Transformer(nn.Module):
             total = (per * w).sum() / w.sum().clamp(min=1e-6)
         parts = {"ce": ce.detach()}
         if self.has_aux:
-            from layers import total_aux_loss
+            from moezoo.layers import total_aux_loss
             aux = total_aux_loss(self)
             total = total + aux
             parts["aux"] = aux.detach()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from configs import ConfigError, ModelConfig
+from moezoo.configs import ConfigError, ModelConfig
 
 # The fields that decide the weights' names and shapes.
 _SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "hidden_dim", "tie_embeddings", "attn_bias")

@@ -1,4 +1,4 @@
-"""Draw each head's block pattern: ``python -m zoo.show_attention --config tiny_sparse_attn [--length N]``.
+"""Draw each head's block pattern: ``python -m moezoo.zoo.show_attention --config tiny_sparse_attn [--length N]``.
 
 One panel per (layer, head): white = block skipped, grey = partial block (the token mask applies
 inside), black = full block, at the layer's block size (the legend says so). Input-dependent heads
@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from configs import ConfigError, load_config, parse_range
-from configs.presets import resolve_config_path
+from moezoo.configs import ConfigError, load_config, parse_range
+from moezoo.configs.presets import resolve_config_path
 
 TOKEN_DENSITY_MAX = 2048   # pattern_density is exact (and takes < 1 s a layer) up to its max_rows=2048
 
@@ -44,10 +44,10 @@ def layer_images(cfg_model, length: int, layers: list[int] | None = None, heads:
                  progress=None) -> list[tuple[int, list]]:
     """``[(layer, [(head, image[n, n] float, density, type), ...])]`` for the sparse layers among ``layers``
     (default: all), heads ``heads`` (default: all); ``progress(i, n, layer)`` is called before each layer."""
-    from layers.attention.density import pattern_density
-    from layers.attention.pattern import head_patterns
-    from layers.attention.plan import budget_plan
-    from zoo.model import build_attention_pattern
+    from moezoo.layers.attention.density import pattern_density
+    from moezoo.layers.attention.pattern import head_patterns
+    from moezoo.layers.attention.plan import budget_plan
+    from moezoo.zoo.model import build_attention_pattern
     grid = cfg_model.attention.layer_head_patterns(cfg_model.n_layers, cfg_model.n_heads)
     H = cfg_model.n_heads
     heads = list(range(H)) if heads is None else heads
@@ -75,7 +75,7 @@ def draw(images: list, title: str, density_of: str):
     """The figure: one row per layer, one column per head, a legend of the three shades below."""
     from matplotlib.patches import Patch
 
-    from zoo.pyplot import pyplot
+    from moezoo.zoo.pyplot import pyplot
     plt = pyplot()
     n_rows, n_cols = len(images), len(images[0][1])
     fig, axes = plt.subplots(n_rows, n_cols, figsize=(max(5.5, 0.4 + 1.45 * n_cols), 1.1 + 1.75 * n_rows), squeeze=False,
@@ -98,7 +98,7 @@ def draw(images: list, title: str, density_of: str):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m zoo.show_attention", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m moezoo.zoo.show_attention", description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="preset YAML path or name, e.g. sparse_attn_1b_64k")
     ap.add_argument("--length", type=int, default=None, help="sequence length to draw (default: train.seq_len)")
     ap.add_argument("--layers", default=None, help="layers to draw, e.g. '2,7,13' or '2-5' (default: see above)")
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
         if not set(layers) & set(sparse):
             raise ConfigError("--layers", f"none of {a.layers} has a sparse head; sparse layers: {sparse}")
         heads = parse_range(a.heads, m.n_heads, "--heads") if a.heads else default_heads(m.n_heads)
-        from zoo.pyplot import pyplot
+        from moezoo.zoo.pyplot import pyplot
         pyplot()   # fail on a missing matplotlib before the patterns are computed
     except (ConfigError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -62,7 +62,7 @@ def _flex_fn(device: torch.device):
 @functools.lru_cache(maxsize=None)
 def flash_kernel_available() -> bool:
     """flash-attn-4 importable and a Hopper/Blackwell GPU (probed once per process)."""
-    from configs.attention import fast_path_missing
+    from moezoo.configs.attention import fast_path_missing
     return fast_path_missing("cuda") is None
 
 

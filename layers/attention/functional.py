@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from configs.attention import ATTN_BACKENDS
+from moezoo.configs.attention import ATTN_BACKENDS
 
 from .flash import flash_attn_window
 from .flex import (column_slots, flex_attention_call, flex_block_mask, flex_tile, gather_columns,

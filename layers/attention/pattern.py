@@ -69,8 +69,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-from configs.attention import COMMON_PARAMS, DEFAULT_BLOCK_SIZE, PATTERN_TYPES, validate_pattern
-from configs.errors import ConfigError, check_choice
+from moezoo.configs.attention import COMMON_PARAMS, DEFAULT_BLOCK_SIZE, PATTERN_TYPES, validate_pattern
+from moezoo.configs.errors import ConfigError, check_choice
 
 DYNAMIC_TYPES = ("vertical_slash", "block_topk")
 

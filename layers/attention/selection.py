@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from kernels.launch import to_device
+from moezoo.kernels.launch import to_device
 
 from .pattern import SparsityPattern
 

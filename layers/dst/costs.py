@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from configs import DSTConfig
+from moezoo.configs import DSTConfig
 
 
 @dataclass

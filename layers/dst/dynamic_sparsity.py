@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from configs import ConfigError, DSTConfig
+from moezoo.configs import ConfigError, DSTConfig
 
 from .bits import pack_bits, unpack_bits
 from .masks import (block_expand, block_of, block_pool, erk_densities, nm_select, nm_update, rigl_update,

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from configs import ConfigError, DSTConfig
+from moezoo.configs import ConfigError, DSTConfig
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from configs import ConfigError
-from kernels.semi_sparse_linear import SemiSparseLinear, pack_semi_structured
+from moezoo.configs import ConfigError
+from moezoo.kernels.semi_sparse_linear import SemiSparseLinear, pack_semi_structured
 
 _OK_DTYPES = (torch.float16, torch.bfloat16)
 

@@ -34,8 +34,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from configs import ConfigError, MoEConfig
-from kernels.router_matmul import router_matmul
+from moezoo.configs import ConfigError, MoEConfig
+from moezoo.kernels.router_matmul import router_matmul
 
 from ..aux_loss import AuxLossModule, sum_aux_losses
 from ..mlp import SwiGLU

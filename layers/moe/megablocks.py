@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from configs import MoEConfig
-from configs.errors import check
+from moezoo.configs import MoEConfig
+from moezoo.configs.errors import check
 
 
 def check_megablocks_config(cfg: MoEConfig, key: str) -> None:

@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from configs import ConfigError
-from configs.neuron import NeuronConfig
-from kernels.router_matmul import router_matmul
+from moezoo.configs import ConfigError
+from moezoo.configs.neuron import NeuronConfig
+from moezoo.kernels.router_matmul import router_matmul
 
 from ..moe.experts import GroupedExperts, expert_hidden, make_plan, routing_inputs, run_plan
 from ..moe.layer import ExpertsModule, layer_config

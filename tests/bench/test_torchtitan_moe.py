@@ -24,4 +24,4 @@ def test_ours_and_ours_bf16_train_the_same_model(tmp_path):
     # the last step's routing load per MoE layer: the busiest expert's rows over the mean (>= 1)
     assert len(a["expert_load_max_over_mean"]) == res["args"]["layers"]
     assert all(v >= 1.0 for v in a["expert_load_max_over_mean"])
-    assert a["batch_copy"] == b["batch_copy"] == "kernels.launch.to_device"     # ours fed as train.py feeds it
+    assert a["batch_copy"] == b["batch_copy"] == "moezoo.kernels.launch.to_device"     # ours fed as train.py feeds it

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from configs import OptimConfig, load_config
+from moezoo.configs import OptimConfig, load_config
 from helpers import ROOT, subprocess_env
-from training.optim import build_scheduler
+from moezoo.training.optim import build_scheduler
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from configs import ConfigError, load_config
+from moezoo.configs import ConfigError, load_config
 from helpers import ROOT, subprocess_env
 
 PRESETS = sorted(glob.glob(os.path.join(ROOT, "zoo", "*.yaml")))
@@ -86,7 +86,7 @@ def test_cli_empty_corpus_and_tokenizer_vocab_mismatch(tmp_path, corpus_dir):
                 f"train.out_dir={tmp_path}/r", "logging.wandb=disabled")
     assert r.returncode == 2 and "data.source:" in r.stderr and "empty" in r.stderr
 
-    from training.tokenizer import train_tokenizer
+    from moezoo.training.tokenizer import train_tokenizer
     model = train_tokenizer(["def f(x):\n    return x\n" * 50, "class A:\n    pass\n" * 50], 300, str(tmp_path / "t"))
     r = run_cli("--config", "zoo/tiny_dense.yaml", f"data.source={corpus_dir}", f"data.tokenizer={model}",
                 f"data.cache_dir={tmp_path}/c", f"train.out_dir={tmp_path}/r", "logging.wandb=disabled")
@@ -95,7 +95,7 @@ def test_cli_empty_corpus_and_tokenizer_vocab_mismatch(tmp_path, corpus_dir):
 
 def test_plan_reports_llama_65b_params_without_allocating():
     code = ("import resource, sys; sys.argv=['train.py','--config','zoo/llama_65b.yaml','--plan','--gpus','64'];"
-            "from training.cli import main; rc = main();"
+            "from moezoo.training.cli import main; rc = main();"
             "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -2,7 +2,7 @@
 or the model is built."""
 import pytest
 
-from training.cli import main
+from moezoo.training.cli import main
 
 from helpers import tiny_overrides
 
@@ -12,7 +12,7 @@ def no_data(monkeypatch):
     """Every error here must come before the corpus is read (and so before the model is built)."""
     def boom(*a, **k):
         raise AssertionError("the corpus was read before the error")
-    monkeypatch.setattr("training.loop.prepare_data", boom)
+    monkeypatch.setattr("moezoo.training.loop.prepare_data", boom)
 
 
 def _one_line_error(capsys, argv, then_plan: bool = False) -> str:

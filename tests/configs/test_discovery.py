@@ -6,11 +6,11 @@ import sys
 import pytest
 import yaml
 
-from configs import ConfigError, load_config, to_dict
-from configs.presets import resolve_config_path
-from configs.suggest import suggest, valid_keys
+from moezoo.configs import ConfigError, load_config, to_dict
+from moezoo.configs.presets import resolve_config_path
+from moezoo.configs.suggest import suggest, valid_keys
 from helpers import ROOT, subprocess_env
-from training.cli import main
+from moezoo.training.cli import main
 
 
 def _flat(d, prefix=""):
@@ -49,14 +49,14 @@ def test_presets_resolve_by_name_from_any_directory(tmp_path):
     with pytest.raises(ConfigError, match="did you mean tiny_dense"):
         resolve_config_path("tiny_dens")
     # As the installed moezoo-train runs it: another working directory, training.cli:main.
-    code = "import sys; from training.cli import main; sys.exit(main(['--config', 'tiny_dense', '--print-config']))"
+    code = "import sys; from moezoo.training.cli import main; sys.exit(main(['--config', 'tiny_dense', '--print-config']))"
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                        env=subprocess_env())
     assert r.returncode == 0 and yaml.safe_load(r.stdout)["name"] == "tiny_dense", r.stderr
 
 
 def test_help_and_config_errors_do_not_import_torch():
-    code = ("import sys; from training.cli import main; rc = main(['--config', 'tiny_dense', 'train.stepz=1']);"
+    code = ("import sys; from moezoo.training.cli import main; rc = main(['--config', 'tiny_dense', 'train.stepz=1']);"
             "print('torch' in sys.modules, rc)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.stdout.split() == ["False", "2"], r.stderr

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from configs import ConfigError, load_config
+from moezoo.configs import ConfigError, load_config
 from helpers import HF_BASE, ROOT, assert_same_logits, randomize_, subprocess_env, tiny_hf
 
 
@@ -52,7 +52,7 @@ def test_hf_top1_renormalised_models_import_with_the_same_logits(family):
     """HF's num_experts_per_tok=1 with norm_topk_prob (Mixtral always renormalises) is a constant weight 1.0
     there too: the import describes a function, not a run, and must match it exactly."""
     transformers = pytest.importorskip("transformers")
-    from zoo.hf import from_hf
+    from moezoo.zoo.hf import from_hf
     if family == "mixtral":   # not one of helpers.HF_FAMILIES
         hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **HF_BASE, num_local_experts=4, num_experts_per_tok=1)).eval()

@@ -3,10 +3,10 @@ with dense or compact (dst.compact_state: CompactAdamW) optimizer state."""
 import pytest
 import torch
 
-from configs import load_config
+from moezoo.configs import load_config
 from helpers import tiny_overrides
-from layers import DynamicSparsity
-from training.loop import Trainer
+from moezoo.layers import DynamicSparsity
+from moezoo.training.loop import Trainer
 
 DST = {"dst.enabled": True, "dst.sparsity": 0.8, "dst.update_every": 3, "dst.stop_fraction": 1.0,
        "train.steps": 16}

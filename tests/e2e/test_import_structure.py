@@ -1,6 +1,7 @@
-"""The package layout's two promises: arrows point one way (kernels <- layers <- zoo <- training <- train.py,
-configs imports none of them, no import cycle at all, function-level imports included), and the library
-imports and runs on CPU with triton absent."""
+"""The package layout's promises: one import name (moezoo) that no root folder of the checkout shadows or
+is shadowed by; arrows point one way (kernels <- layers <- zoo <- training <- train.py, configs imports
+none of them, no import cycle at all, function-level imports included); the library imports and runs on
+CPU with triton absent."""
 import ast
 import os
 import subprocess
@@ -15,8 +16,15 @@ ALLOWED = {"configs": set(), "kernels": {"configs"}, "layers": {"configs", "kern
 
 
 def _module_name(path: str) -> str:
+    """``moezoo.<sub>...`` for a module file: a root folder's modules and moezoo/<sub>/__init__.py alike."""
     rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
-    return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+    rel = rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+    return rel if rel.startswith("moezoo.") else f"moezoo.{rel}"
+
+
+def _package(module: str) -> str:
+    """The subpackage a ``moezoo.<sub>...`` module belongs to."""
+    return module.split(".")[1]
 
 
 def _imports(path: str) -> set[str]:
@@ -35,14 +43,15 @@ def _imports(path: str) -> set[str]:
                 target = node.module
             out.add(target)
             out.update(f"{target}.{a.name}" for a in node.names)   # `from pkg import submodule`
-    return {m for m in out if m.split(".")[0] in PACKAGES}
+    return {m for m in out if m.startswith("moezoo.") and _package(m) in PACKAGES}
 
 
 def _graph() -> dict[str, set[str]]:
     files = {}
     for pkg in PACKAGES:
-        for d, _, names in os.walk(os.path.join(ROOT, pkg)):
-            files.update({_module_name(os.path.join(d, n)): os.path.join(d, n) for n in names if n.endswith(".py")})
+        for top in (os.path.join(ROOT, pkg), os.path.join(ROOT, "moezoo", pkg)):
+            for d, _, names in os.walk(top):
+                files.update({_module_name(os.path.join(d, n)): os.path.join(d, n) for n in names if n.endswith(".py")})
     # an import of a package or a name inside a module points at the module that exists
     def resolve(m):
         while m and m not in files:
@@ -53,14 +62,14 @@ def _graph() -> dict[str, set[str]]:
 
 def test_imports_point_downward_only():
     bad = [f"{m} imports {t}" for m, ts in _graph().items() for t in ts
-           if t.split(".")[0] != m.split(".")[0] and t.split(".")[0] not in ALLOWED[m.split(".")[0]]]
+           if _package(t) != _package(m) and _package(t) not in ALLOWED[_package(m)]]
     assert not bad, "upward imports:\n" + "\n".join(sorted(bad))
 
 
 def test_no_import_cycle():
     graph = _graph()
     # a package's __init__ re-exporting its modules is not a cycle of ideas; drop package -> own-submodule edges
-    edges = {m: {t for t in ts if not (t.startswith(m + ".") and os.path.isdir(os.path.join(ROOT, *m.split("."))))}
+    edges = {m: {t for t in ts if not (t.startswith(m + ".") and os.path.isdir(os.path.join(ROOT, *m.split(".")[1:])))}
              for m, ts in graph.items()}
     state, stack, cycles = {}, [], []
 
@@ -89,11 +98,11 @@ class _NoTriton:
             raise ImportError("triton hidden by the test")
 sys.meta_path.insert(0, _NoTriton())
 import torch
-import kernels.launch
-assert not kernels.launch.HAVE_TRITON
-from layers import RMSNorm, MoE, NeuronRoutedFFN, SwiGLU, sparse_attention, SparsityPattern
-from zoo import build_model
-from configs import load_config
+import moezoo.kernels.launch
+assert not moezoo.kernels.launch.HAVE_TRITON
+from moezoo.layers import RMSNorm, MoE, NeuronRoutedFFN, SwiGLU, sparse_attention, SparsityPattern
+from moezoo.zoo import build_model
+from moezoo.configs import load_config
 torch.manual_seed(0)
 moe = MoE(dim=16, hidden_dim=32, num_experts=4, top_k=2)
 x = torch.randn(2, 5, 16, requires_grad=True)

@@ -6,9 +6,9 @@ import copy
 import pytest
 import torch
 
-from configs import load_config
+from moezoo.configs import load_config
 from helpers import tiny_overrides
-from training.loop import Trainer
+from moezoo.training.loop import Trainer
 
 pytestmark = pytest.mark.gpu
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from kernels import adamw as A
+from moezoo.kernels import adamw as A
 
 HP = dict(lr=2e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 # sizes around the kernel's block: one element, a partial block, a block and one, a 3-D stack

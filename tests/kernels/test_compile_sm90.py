@@ -75,7 +75,7 @@ def _stack_bytes(cubin: bytes):
 
 
 def _launch_everything():
-    from kernels import adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu
+    from moezoo.kernels import adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu
     g = torch.Generator().manual_seed(0)
     x = torch.randn(300, 256, generator=g).to(torch.bfloat16)
     offs = torch.tensor([100, 100, 250, 300], dtype=torch.int32)          # an empty expert included
@@ -110,7 +110,7 @@ def test_every_triton_kernel_compiles_for_sm90(monkeypatch):
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
     except ImportError as e:
         pytest.skip(f"triton without its NVIDIA backend: {e}")
-    from kernels import adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu
+    from moezoo.kernels import adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu
     for module in (adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu):
         monkeypatch.setattr(module, "jit", _CompileOnly)
     monkeypatch.setattr(_CompileOnly, "compiled", [])

@@ -5,7 +5,7 @@ torch._grouped_mm, and the split count follows the output-tile count."""
 import pytest
 import torch
 
-from kernels import grouped_wgrad as gw
+from moezoo.kernels import grouped_wgrad as gw
 
 OFFS = [5, 5, 40, 41, 100]      # uneven groups, one empty expert; rows 100.. past the last group
 

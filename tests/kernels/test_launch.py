@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels.launch import to_device
+from moezoo.kernels.launch import to_device
 
 
 def test_to_device_on_cpu_is_the_tensor_itself():

@@ -6,8 +6,8 @@ its arguments pass torch._scaled_grouped_mm's own shape / stride / scale checks 
 import pytest
 import torch
 
-from kernels import moe_fp8 as f
-from kernels.moe_fp8 import (FP8, FP8_MAX, fp8_grouped_linear, fp8_grouped_linear_reference, padded_group_ends,
+from moezoo.kernels import moe_fp8 as f
+from moezoo.kernels.moe_fp8 import (FP8, FP8_MAX, fp8_grouped_linear, fp8_grouped_linear_reference, padded_group_ends,
                              padded_rows, quantize_groups_t_reference, quantize_rows_reference,
                              quantize_weight_t_reference, scaled_grouped_mm_reference)
 
@@ -216,9 +216,9 @@ def test_fp8_grouped_linear_computes_the_recipe_forward_dgrad_and_wgrad(wdtype):
 def test_fp8_gate_up_equals_two_fp8_linears_on_the_permuted_rows():
     # The fused permute + gate/up op with fp8=True against fp8_grouped_linear of the permuted rows: the same
     # forward and weight gradients; dx sums the two GEMMs' rows in float32 and rounds once (within bf16).
-    from kernels.moe_gate_up import gate_up
-    from kernels.moe_permute import moe_permute_reference
-    from layers.moe.experts import make_plan
+    from moezoo.kernels.moe_gate_up import gate_up
+    from moezoo.kernels.moe_permute import moe_permute_reference
+    from moezoo.layers.moe.experts import make_plan
     torch.manual_seed(0)
     T, K, E, D, H = 40, 2, 5, 32, 48
     idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
@@ -248,7 +248,7 @@ def test_fp8_gate_up_equals_two_fp8_linears_on_the_permuted_rows():
 def test_fp8_gemm_arguments_pass_torch_scaled_grouped_mm_checks_on_meta():
     # On meta tensors the quantizers run their fakes and torch._scaled_grouped_mm its meta function, which
     # checks dtypes, row / column-major layouts, 16-byte strides, scale shapes and offsets as the CUDA op does.
-    from kernels.moe_gate_up import gate_up
+    from moezoo.kernels.moe_gate_up import gate_up
     R, D, H, E, T = 1000, 64, 96, 5, 400
     meta = dict(device="meta")
     x = torch.empty(R, D, dtype=torch.bfloat16, requires_grad=True, **meta)

@@ -3,11 +3,11 @@ TRITON_INTERPRET=1 on CPU at tiny shapes; and the whole fast dispatch path again
 import pytest
 import torch
 
-from kernels.moe_combine import (combine_rows, combine_rows_backward, moe_combine,
+from moezoo.kernels.moe_combine import (combine_rows, combine_rows_backward, moe_combine,
                                  moe_combine_reference)
-from kernels.moe_permute import moe_permute, moe_permute_reference, permute_rows
-from layers import MoE
-from layers.moe.experts import make_plan
+from moezoo.kernels.moe_permute import moe_permute, moe_permute_reference, permute_rows
+from moezoo.layers import MoE
+from moezoo.layers.moe.experts import make_plan
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
@@ -94,7 +94,7 @@ def test_fast_dispatch_path_equals_reference_path(capacity_factor):
 
 
 def test_swiglu_kernel_and_op_gradients_match_reference():
-    from kernels.moe_swiglu import swiglu, swiglu_reference, swiglu_rows_bwd, swiglu_rows_fwd
+    from moezoo.kernels.moe_swiglu import swiglu, swiglu_reference, swiglu_rows_bwd, swiglu_rows_fwd
     a = torch.randn(7, 300, requires_grad=True)      # 2100 elements: a partial second block
     b = torch.randn(7, 300, requires_grad=True)
     torch.testing.assert_close(swiglu_rows_fwd(a, b), swiglu_reference(a, b))
@@ -108,7 +108,7 @@ def test_swiglu_kernel_and_op_gradients_match_reference():
 
 @pytest.mark.parametrize("H", [300, 4096])     # one partial block per row; two full blocks per row
 def test_swiglu_with_a_row_scale_matches_autograd_of_the_scaled_reference(H):
-    from kernels.moe_swiglu import swiglu, swiglu_reference
+    from moezoo.kernels.moe_swiglu import swiglu, swiglu_reference
     a = torch.randn(6, H, requires_grad=True)
     b = torch.randn(6, H, requires_grad=True)
     scale = torch.rand(6, requires_grad=True)
@@ -124,7 +124,7 @@ def test_swiglu_with_a_row_scale_matches_autograd_of_the_scaled_reference(H):
 
 
 def test_unpermute_op_and_its_permute_backward_match_reference():
-    from kernels.moe_permute import moe_unpermute
+    from moezoo.kernels.moe_permute import moe_unpermute
     for kw in PLANS:
         plan = random_plan(**kw)
         ys = torch.randn(plan.num_rows, 12, requires_grad=True)
@@ -149,7 +149,7 @@ def test_combine_of_two_sources_equals_the_combine_of_their_sum(kw, D):
 
 
 def test_unpermute_of_two_sources_and_its_backward_match_reference():
-    from kernels.moe_permute import moe_unpermute
+    from moezoo.kernels.moe_permute import moe_unpermute
     for kw in PLANS:
         plan = random_plan(**kw)
         ys = torch.randn(plan.num_rows, 12, requires_grad=True)
@@ -174,7 +174,7 @@ def unfused_gate_up(x, w1, w3, offs, plan):
 def test_fused_permute_gate_up_gives_the_unfused_outputs_and_gradients(kw):
     # The backward's dx is the interpreted two-source combine kernel; a, b rows that no assignment
     # maps to (past the last group) are unspecified, so only assigned rows are compared.
-    from kernels.moe_gate_up import gate_up
+    from moezoo.kernels.moe_gate_up import gate_up
     plan = random_plan(T=9, E=5, K=2, **kw)
     T, D, H, E = plan.inv.shape[0], 8, 12, 5
     x = torch.randn(T, D, requires_grad=True)

@@ -3,9 +3,9 @@ indexing, i.e. no data-dependent shape and no host sync on CUDA, and equal the m
 replace bit for bit."""
 import torch
 
-from kernels.moe_combine import moe_combine_backward
-from kernels.moe_permute import moe_permute_reference
-from layers.moe.experts import make_plan
+from moezoo.kernels.moe_combine import moe_combine_backward
+from moezoo.kernels.moe_permute import moe_permute_reference
+from moezoo.layers.moe.experts import make_plan
 
 
 def plan_with_drops(T=11, E=5, K=2):

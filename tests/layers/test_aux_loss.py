@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from layers import MoE, NeuronRoutedFFN, total_aux_loss
+from moezoo.layers import MoE, NeuronRoutedFFN, total_aux_loss
 
 
 @pytest.mark.parametrize("make", [lambda: MoE(32, 48, 4, 2, backend="torch", aux_loss_coef=0.1),

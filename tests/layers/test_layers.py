@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
-from configs import load_config
-from zoo import build_model
+from moezoo.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from moezoo.configs import load_config
+from moezoo.zoo import build_model
 
 
 def test_rmsnorm_matches_formula():

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from configs import ConfigError, ModelConfig, RopeScalingConfig
-from layers import RotaryEmbedding, apply_rotary
-from zoo import build_model
+from moezoo.configs import ConfigError, ModelConfig, RopeScalingConfig
+from moezoo.layers import RotaryEmbedding, apply_rotary
+from moezoo.zoo import build_model
 
 
 def naive_llama3_inv_freq(D, theta, factor, low, high, orig):

@@ -37,8 +37,8 @@ class Run:
 
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory, corpus_dir) -> Run:
-    from configs import load_config
-    from training.loop import Trainer
+    from moezoo.configs import load_config
+    from moezoo.training.loop import Trainer
     root = str(tmp_path_factory.mktemp("trained"))
     run = Run(root, corpus_dir, cache=os.path.join(root, "cache"))
     Trainer(load_config("zoo/tiny_dense.yaml", run.overrides())).fit()

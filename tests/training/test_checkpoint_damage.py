@@ -5,10 +5,10 @@ import shutil
 
 import pytest
 
-from configs import load_config
-from training.checkpoint import list_checkpoints, remove_checkpoint
-from training.cli import main
-from training.loop import Trainer
+from moezoo.configs import load_config
+from moezoo.training.checkpoint import list_checkpoints, remove_checkpoint
+from moezoo.training.cli import main
+from moezoo.training.loop import Trainer
 
 
 def _truncate(path):

@@ -8,7 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from training.cli import main
+from moezoo.training.cli import main
 
 
 class Payload:
@@ -67,8 +67,8 @@ def test_payload_in_dcp_metadata_does_not_run(run_copy, tmp_path, capsys):
 def test_payload_as_a_dcp_byte_entry_does_not_run(run_copy, tmp_path, capsys):
     """DCP's default planner torch.loads byte entries with weights_only=False: a shard whose metadata
     declares a weight as bytes must be refused, not unpickled (and training must not go on)."""
-    from configs import load_config
-    from training.loop import Trainer
+    from moezoo.configs import load_config
+    from moezoo.training.loop import Trainer
     marker = str(tmp_path / "pwned")
     tr = Trainer(load_config("zoo/tiny_dense.yaml", run_copy.overrides(**{"checkpoint.resume": True})))
     model_sd, optim_sd = get_state_dict(tr.model, tr.optimizer)

@@ -2,9 +2,9 @@
 the validation split by package name."""
 import os
 
-from configs import DataConfig
-from training import corpus_packages
-from training.corpus import load_documents, split_documents
+from moezoo.configs import DataConfig
+from moezoo.training import corpus_packages
+from moezoo.training.corpus import load_documents, split_documents
 
 
 def write(path, text):
@@ -48,9 +48,9 @@ def test_the_installed_packages_are_found():
 
 def test_preflight_accepts_every_builtin_source(tmp_path):
     # train.py's path check runs before any work: a built-in corpus name is not a path to look for
-    from configs import ConfigError, load_config
-    from training.corpus import BUILTIN_SOURCES
-    from training.preflight import check_paths
+    from moezoo.configs import ConfigError, load_config
+    from moezoo.training.corpus import BUILTIN_SOURCES
+    from moezoo.training.preflight import check_paths
     base = ["train.device=cpu", f"train.out_dir={tmp_path}/out", f"data.cache_dir={tmp_path}/cache"]
     for src in BUILTIN_SOURCES:
         check_paths(load_config("zoo/tiny_dense.yaml", base + [f"data.source={src}"]))

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from configs import ConfigError, DataConfig, load_config
+from moezoo.configs import ConfigError, DataConfig, load_config
 from helpers import tiny_overrides
-from training.corpus import load_documents, split_documents
-from training.data import prepare_data, sample_batch
+from moezoo.training.corpus import load_documents, split_documents
+from moezoo.training.data import prepare_data, sample_batch
 
 
 def test_stdlib_corpus_is_present_and_split_deterministically():

@@ -4,10 +4,10 @@ and refuse the settings they cannot honour with one line."""
 import pytest
 import torch
 
-from configs import ConfigError, load_config
+from moezoo.configs import ConfigError, load_config
 from helpers import tiny_overrides
-from training.loop import Trainer
-from training.optim import MasterAdamW, autocast_weights
+from moezoo.training.loop import Trainer
+from moezoo.training.optim import MasterAdamW, autocast_weights
 
 BF16 = {"train.dtype": "bfloat16"}
 
@@ -88,7 +88,7 @@ def test_bf16_weights_refuse_what_they_cannot_do(tmp_path, corpus_dir, extra, ma
 
 
 def test_a_bf16_weights_run_loads_for_inference_with_its_float32_masters(tmp_path, corpus_dir):
-    from training.trained import load_run
+    from moezoo.training.trained import load_run
     run = make(tmp_path, corpus_dir, **{"train.param_dtype": "bfloat16", "train.steps": 3})
     for _ in range(3):
         run.train_step()

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from configs import ConfigError, ParallelConfig
+from moezoo.configs import ConfigError, ParallelConfig
 from helpers import spawn, tiny_moe_cfg   # forked gloo ranks: spawn(fn, world) runs fn(rank, world) on each
-from training.parallel import ParallelState, build_meshes, clip_grad_norm_, parallelize, setup_parallel
-from zoo import build_model
+from moezoo.training.parallel import ParallelState, build_meshes, clip_grad_norm_, parallelize, setup_parallel
+from moezoo.zoo import build_model
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -159,7 +159,7 @@ def test_clip_grad_norm_spans_dense_and_expert_meshes():
 
 
 def _check_meta_init(rank, world, overrides):
-    from training.parallel import model_init_device
+    from moezoo.training.parallel import model_init_device
     cfg = tiny_moe_cfg(*overrides)
     rep, shard, ep = cfg.parallel.resolve(world, cfg.model.moe.num_experts)
     state = ParallelState(world, rank, rank, torch.device("cpu"), rep, shard, ep, *build_meshes("cpu", rep, shard, ep))

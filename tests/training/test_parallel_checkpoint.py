@@ -11,9 +11,9 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from training.checkpoint import load_checkpoint, save_checkpoint
-from training.parallel import ParallelState, build_meshes, parallelize
-from zoo import build_model
+from moezoo.training.checkpoint import load_checkpoint, save_checkpoint
+from moezoo.training.parallel import ParallelState, build_meshes, parallelize
+from moezoo.zoo import build_model
 
 from helpers import spawn
 from helpers import tiny_moe_cfg

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from configs import ConfigError, load_config
+from moezoo.configs import ConfigError, load_config
 from helpers import ROOT, tiny_overrides
-from training.metrics import mfu_metrics
-from training.passkey import format_passkey_table, passkey_eval, passkey_sample
+from moezoo.training.metrics import mfu_metrics
+from moezoo.training.passkey import format_passkey_table, passkey_eval, passkey_sample
 
 
 class CharTokenizer:
@@ -67,10 +67,10 @@ def test_scoring_is_all_answer_tokens_argmax():
 def test_needle_recall_is_what_the_block_topk_selection_held(monkeypatch):
     """Recall per layer and length against the token mask of each forward's own q and k (pattern_mask: the
     plan's mask, independent of BlockSelection.covers and the eval's bookkeeping)."""
-    from configs import AttentionConfig, ModelConfig
-    from layers.attention import pattern_mask
-    from layers.attention import module as attention_module
-    from zoo.model import build_model
+    from moezoo.configs import AttentionConfig, ModelConfig
+    from moezoo.layers.attention import pattern_mask
+    from moezoo.layers.attention import module as attention_module
+    from moezoo.zoo.model import build_model
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=512,
                       attention=AttentionConfig(patterns={
@@ -140,8 +140,8 @@ def test_passkey_runs_during_training_and_from_the_cli_on_a_checkpoint(tmp_path,
 
 @pytest.mark.parametrize("distance_bias", [0.0, 1.0])
 def test_passkey_mix_asks_each_fresh_key_once_after_its_own_needle(distance_bias):
-    from training.data import sample_batch
-    from training.passkey import NEEDLE, QUESTION, PasskeyMix
+    from moezoo.training.data import sample_batch
+    from moezoo.training.passkey import NEEDLE, QUESTION, PasskeyMix
     tok = CharTokenizer()
     mix = PasskeyMix(tok, share=1.0, questions=4, seq_len=1200, distance_bias=distance_bias)
     x, y, w = sample_batch(HAY, 24, 1200, seed=1, step=5, passkey=mix)
@@ -172,8 +172,8 @@ def test_passkey_mix_asks_each_fresh_key_once_after_its_own_needle(distance_bias
 
 @pytest.mark.parametrize("distance_bias", [0.0, 1.0])
 def test_passkey_mix_does_not_depend_on_how_the_batch_is_split(distance_bias):
-    from training.data import sample_batch
-    from training.passkey import PasskeyMix
+    from moezoo.training.data import sample_batch
+    from moezoo.training.passkey import PasskeyMix
     mix = PasskeyMix(CharTokenizer(), share=0.5, questions=2, seq_len=300, distance_bias=distance_bias)
     whole = sample_batch(HAY, 8, 300, seed=2, step=7, passkey=mix)[0]
     parts = torch.cat([sample_batch(HAY, 2, 300, 2, 7, rank=r, world=4, passkey=mix)[0] for r in range(4)])
@@ -187,9 +187,9 @@ def test_passkey_mix_does_not_depend_on_how_the_batch_is_split(distance_bias):
 def test_answer_weight_weighs_exactly_the_asked_keys_tokens(distance_bias):
     """data.passkey_answer_weight: w is the weight on the targets that are an asked key's tokens (the
     digits after each question), 1 elsewhere; the model's loss is the weighted mean, parts["ce"] the plain."""
-    from training.data import sample_batch
-    from training.passkey import QUESTION, PasskeyMix
-    from zoo.model import Transformer
+    from moezoo.training.data import sample_batch
+    from moezoo.training.passkey import QUESTION, PasskeyMix
+    from moezoo.zoo.model import Transformer
     mix = PasskeyMix(CharTokenizer(), share=1.0, questions=4, seq_len=1200, answer_weight=8.0,
                      distance_bias=distance_bias)
     x, y, w = sample_batch(HAY, 6, 1200, seed=1, step=5, passkey=mix)
@@ -215,7 +215,7 @@ def test_answer_weight_weighs_exactly_the_asked_keys_tokens(distance_bias):
 
 
 def test_passkey_mix_that_does_not_fit_the_window_names_the_key(tmp_path):
-    from training.passkey import PasskeyMix
+    from moezoo.training.passkey import PasskeyMix
     with pytest.raises(ConfigError, match=r"^data.passkey_questions: .*train.seq_len=100"):
         PasskeyMix(CharTokenizer(), share=1.0, questions=4, seq_len=100)
     with pytest.raises(ConfigError, match=r"^data.passkey_mix: must be in \[0, 1\]"):
@@ -231,7 +231,7 @@ UNBIASED_DIGESTS = {0: "6214154eb5ba2acc", 1: "ba3e9e35f3ec84bc", 7: "857ba095a2
 @pytest.mark.parametrize("seed", sorted(UNBIASED_DIGESTS))
 def test_passkey_mix_without_distance_bias_writes_the_windows_it_always_did(seed):
     import hashlib
-    from training.passkey import PasskeyMix
+    from moezoo.training.passkey import PasskeyMix
     draws = [(seed, 3, 0, r) for r in range(16)]
     text = np.random.default_rng(seed).integers(97, 123, size=(16, 1201))
     for mix in (PasskeyMix(CharTokenizer(), share=0.7, questions=8, seq_len=1200),
@@ -245,7 +245,7 @@ def test_passkey_mix_without_distance_bias_writes_the_windows_it_always_did(seed
 def test_distance_bias_draws_segment_counts_with_p_proportional_to_m_pow_minus_bias():
     """Windows' segment counts (asked keys a window) over 4000 draws against P(m) ~ m ** -bias, by a
     chi-square test at p = 0.001 (3 degrees of freedom: 16.27); the draws are seeded, so it never flakes."""
-    from training.passkey import PasskeyMix
+    from moezoo.training.passkey import PasskeyMix
     counts = np.array([1, 2, 4, 8])
     draws = [(5, 11, 0, r) for r in range(4000)]
     for bias in (0.0, 0.5, 1.0, 2.0):
@@ -268,8 +268,8 @@ def test_bad_distance_bias_fails_naming_the_key(value):
 
 def test_trainer_draws_the_mix_with_the_configured_distance_bias(tmp_path, corpus_dir):
     """data.passkey_distance_bias reaches the trainer's PasskeyMix (the windows it trains on)."""
-    from training.loop import Trainer
-    from training.passkey import PasskeyMix
+    from moezoo.training.loop import Trainer
+    from moezoo.training.passkey import PasskeyMix
     ov = tiny_overrides(tmp_path, corpus_dir, **{"data.passkey_mix": 1.0, "data.passkey_questions": 2,
                                                   "model.max_seq_len": 256, "train.seq_len": 256,
                                                   "data.passkey_distance_bias": 1.0,
@@ -283,7 +283,7 @@ def test_trainer_draws_the_mix_with_the_configured_distance_bias(tmp_path, corpu
 def test_bias_from_step_draws_the_unbiased_mix_before_it_and_the_biased_one_from_it():
     """data.passkey_bias_from_step: windows of earlier steps are the unbiased mix's, bit for bit; windows of
     that step and later the biased mix's (the same draws, so a resume replays them)."""
-    from training.passkey import PasskeyMix
+    from moezoo.training.passkey import PasskeyMix
     kw = dict(share=0.8, questions=8, seq_len=1200)
     text = np.random.default_rng(3).integers(97, 123, size=(32, 1201))
     late = PasskeyMix(CharTokenizer(), **kw, distance_bias=2.0, bias_from_step=5)

@@ -4,10 +4,10 @@ import resource
 
 import pytest
 
-from configs import ConfigError, load_config
+from moezoo.configs import ConfigError, load_config
 from helpers import ROOT
-from training.plan import PlanDoesNotFit, check_fits, format_plan, plan
-from zoo.flops import flops_per_token, param_counts
+from moezoo.training.plan import PlanDoesNotFit, check_fits, format_plan, plan
+from moezoo.zoo.flops import flops_per_token, param_counts
 
 
 def preset(name, *overrides):

@@ -4,10 +4,10 @@ import os
 import numpy as np
 import pytest
 
-from configs import load_config
+from moezoo.configs import load_config
 from helpers import tiny_overrides
-from training import run
-from training.plot import expert_load_figure, figure_array, main as plot_main
+from moezoo.training import run
+from moezoo.training.plot import expert_load_figure, figure_array, main as plot_main
 
 plt = pytest.importorskip("matplotlib.pyplot")
 

@@ -5,9 +5,9 @@ import os
 
 import torch
 
-from configs import load_config
-from training.cli import main
-from training.loop import Trainer
+from moezoo.configs import load_config
+from moezoo.training.cli import main
+from moezoo.training.loop import Trainer
 
 from helpers import poison_loss, tiny_overrides
 

@@ -7,12 +7,12 @@ import signal
 import pytest
 import torch
 
-from configs import load_config
+from moezoo.configs import load_config
 from helpers import spawn
-from training.checkpoint import list_checkpoints, save_checkpoint
-from training.cli import main, parse_args
-from training.loop import Interrupted, Trainer
-from training.optim import build_scheduler
+from moezoo.training.checkpoint import list_checkpoints, save_checkpoint
+from moezoo.training.cli import main, parse_args
+from moezoo.training.loop import Interrupted, Trainer
+from moezoo.training.optim import build_scheduler
 
 
 def _cfg(run, **extra):
@@ -23,7 +23,7 @@ def _no_data(monkeypatch):
     """Fail the test if the run gets as far as reading the corpus."""
     def boom(*a, **k):
         raise AssertionError("the corpus was read before the error")
-    monkeypatch.setattr("training.loop.prepare_data", boom)
+    monkeypatch.setattr("moezoo.training.loop.prepare_data", boom)
 
 
 def test_fresh_run_refuses_a_folder_holding_another_runs_checkpoints(run_copy, capsys, monkeypatch):

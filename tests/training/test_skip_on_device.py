@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from configs import load_config
-from training import loop
-from training.cli import main
-from training.loop import Trainer
+from moezoo.configs import load_config
+from moezoo.training import loop
+from moezoo.training.cli import main
+from moezoo.training.loop import Trainer
 
 from helpers import poison_loss, tiny_overrides
 

@@ -4,10 +4,10 @@ import os
 
 import pytest
 
-from configs import ConfigError, load_config
+from moezoo.configs import ConfigError, load_config
 from helpers import tiny_overrides
-from training.loop import Trainer
-from training.profile import format_summary, kind_of, summarize
+from moezoo.training.loop import Trainer
+from moezoo.training.profile import format_summary, kind_of, summarize
 
 
 def test_profiled_steps_write_trace_table_and_shares(tmp_path, corpus_dir):
@@ -44,7 +44,7 @@ def test_kinds_from_kernel_names():
 def test_gpu_scopes_are_not_counted_as_kernels():
     # a record_function scope on the GPU timeline spans kernels that are listed themselves
     from types import SimpleNamespace as E
-    from training.profile import _device_events
+    from moezoo.training.profile import _device_events
     events = [E(key="void multi_tensor_apply_kernel<FusedAdamMathFunctor>", self_device_time_total=29.0,
                 device_type="DeviceType.CUDA", count=2, is_user_annotation=False),
               E(key="Optimizer.step#AdamW.step", self_device_time_total=29.0, device_type="DeviceType.CUDA",
@@ -57,7 +57,7 @@ def test_gpu_scopes_are_not_counted_as_kernels():
 
 def test_device_gaps_are_the_idle_time_between_device_work_of_overlapping_streams():
     from types import SimpleNamespace as E
-    from training.profile import device_gaps, format_summary, summarize
+    from moezoo.training.profile import device_gaps, format_summary, summarize
 
     def ev(key, start, end, dev="DeviceType.CUDA", scope=False):
         return E(key=key, device_type=dev, is_user_annotation=scope, time_range=E(start=start, end=end))

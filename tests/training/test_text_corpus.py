@@ -5,10 +5,10 @@ import os
 
 import numpy as np
 
-from configs import load_config
+from moezoo.configs import load_config
 from helpers import tiny_overrides
-from training import run
-from training.data import prepare_data
+from moezoo.training import run
+from moezoo.training.data import prepare_data
 
 
 def _one_file(tmp_path, corpus_dir) -> str:

@@ -5,10 +5,10 @@ import os
 import pytest
 import torch
 
-from configs import load_config
+from moezoo.configs import load_config
 from helpers import poison_loss, tiny_overrides
-from training.checkpoint import latest_checkpoint, list_checkpoints
-from training.loop import Trainer
+from moezoo.training.checkpoint import latest_checkpoint, list_checkpoints
+from moezoo.training.loop import Trainer
 
 
 def make_cfg(tmp_path, corpus, **extra):
@@ -147,15 +147,15 @@ def test_kill_during_checkpoint_write_leaves_the_previous_checkpoint_resumable(t
     # Slow down the write of step 10's manifest.json (the last file of a checkpoint) to kill inside it.
     code = f"""
 import sys, time
-import training.checkpoint as ck
+import moezoo.training.checkpoint as ck
 real_write = ck._write_json
 def slow_write(path, obj):
     if str(path).endswith(ck.MANIFEST) and obj["step"] == 10:
         print("WRITING", flush=True); time.sleep(60)
     return real_write(path, obj)
 ck._write_json = slow_write
-from configs import load_config
-from training.loop import Trainer
+from moezoo.configs import load_config
+from moezoo.training.loop import Trainer
 Trainer(load_config("zoo/tiny_dense.yaml", {ov!r})).fit()
 """
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)

@@ -4,12 +4,12 @@ import os
 import pytest
 import torch
 
-from configs import load_config
+from moezoo.configs import load_config
 from helpers import tiny_overrides
-from training import run
-from training.export import main as export_main
-from training.generate import main as generate_main
-from training.trained import load_run
+from moezoo.training import run
+from moezoo.training.export import main as export_main
+from moezoo.training.generate import main as generate_main
+from moezoo.training.trained import load_run
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,7 +33,7 @@ def test_generate_prints_text_continuing_the_prompt(trained, capsys):
 
 
 def test_kv_cache_decoding_matches_full_forward(trained):
-    from zoo.sampling import generate
+    from moezoo.zoo.sampling import generate
     model, tok, _, _ = load_run(trained[0].out_dir)
     prompt = tok.encode("import os\n")
     ids = generate(model, prompt, 10, temperature=0)   # greedy through the cache
@@ -60,7 +60,7 @@ def test_exported_hf_folder_gives_the_same_logits(trained, tmp_path):
     # The consolidated file loads into a freshly built model with the same result.
     from safetensors.torch import load_model
 
-    from zoo import build_model
+    from moezoo.zoo import build_model
     again = build_model(cfg.model).eval()
     load_model(again, str(tmp_path / "m.safetensors"))
     with torch.no_grad():
@@ -79,7 +79,7 @@ def test_init_from_an_export_starts_where_the_run_ended(trained, tmp_path, corpu
 
 
 def test_init_from_a_different_shape_names_the_key(trained, tmp_path, corpus_dir):
-    from configs import ConfigError
+    from moezoo.configs import ConfigError
     cfg, _, _ = trained
     out = tmp_path / "hf"
     export_main(["--run", cfg.out_dir, "--hf", str(out)])

@@ -8,10 +8,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from configs import AttentionConfig, ConfigError, ModelConfig, RopeScalingConfig  # noqa: E402
+from moezoo.configs import AttentionConfig, ConfigError, ModelConfig, RopeScalingConfig  # noqa: E402
 from helpers import V, assert_same_logits, randomize_, tokens  # noqa: E402
-from zoo import build_model  # noqa: E402
-from zoo.hf import from_hf, to_hf  # noqa: E402
+from moezoo.zoo import build_model  # noqa: E402
+from moezoo.zoo.hf import from_hf, to_hf  # noqa: E402
 
 
 def llama(seed: int = 0, **kw):
@@ -107,7 +107,7 @@ def test_llama_nonzero_output_bias_is_refused():
 def test_transformers4_style_llama_config_with_rope_theta_and_rope_scaling_is_read():
     from types import SimpleNamespace
 
-    from zoo.hf_config import config_from_hf
+    from moezoo.zoo.hf_config import config_from_hf
     hc = SimpleNamespace(model_type="llama", vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, hidden_act="silu", max_position_embeddings=64,
                          initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=500.0,
@@ -134,7 +134,7 @@ def test_hf_configs_moezoo_cannot_express_raise_config_error_naming_the_field(ov
     hf_cfg = llama().config
     for k, v in override.items():
         setattr(hf_cfg, k, v)
-    from zoo.hf_config import config_from_hf
+    from moezoo.zoo.hf_config import config_from_hf
     with pytest.raises(ConfigError) as e:
         config_from_hf(hf_cfg)
     assert e.value.key == key
@@ -148,7 +148,7 @@ def test_hf_configs_moezoo_cannot_express_raise_config_error_naming_the_field(ov
 def test_zoo_model_with_sparse_attention_hf_cannot_express_is_refused_by_to_hf(patterns):
     cfg = ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, ffn_hidden=48,
                       attention=AttentionConfig(patterns=patterns))
-    from zoo.hf_config import hf_model_type
+    from moezoo.zoo.hf_config import hf_model_type
     with pytest.raises(ConfigError) as e:
         hf_model_type(cfg)
     assert e.value.key == "model.attention.patterns"

@@ -7,9 +7,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from configs import ConfigError  # noqa: E402
+from moezoo.configs import ConfigError  # noqa: E402
 from helpers import HF_FAMILIES, TOL, assert_same_logits, tiny_hf, tokens  # noqa: E402
-from zoo.hf import from_hf, to_hf  # noqa: E402
+from moezoo.zoo.hf import from_hf, to_hf  # noqa: E402
 
 @pytest.mark.parametrize("family", list(HF_FAMILIES))
 def test_from_hf_and_back_matches_hf_logits_for_each_family(family):

@@ -8,11 +8,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from configs import ConfigError, ModelConfig, RopeScalingConfig  # noqa: E402
+from moezoo.configs import ConfigError, ModelConfig, RopeScalingConfig  # noqa: E402
 from helpers import TOL, V, randomize_, tokens  # noqa: E402
-from zoo import build_model  # noqa: E402
-from zoo.hf import from_hf, to_hf  # noqa: E402
-from zoo.hf_config import config_from_hf  # noqa: E402
+from moezoo.zoo import build_model  # noqa: E402
+from moezoo.zoo.hf import from_hf, to_hf  # noqa: E402
+from moezoo.zoo.hf_config import config_from_hf  # noqa: E402
 
 # head_dim 8, theta 500: wavelengths 6.3, 30, 140, 660 fall kept / blended / scaled / scaled for an
 # original context of 32 with bands at 32/4 and 32/1; 64 tokens run past that context.
@@ -71,7 +71,7 @@ def test_to_hf_of_zoo_model_with_llama3_scaling_matches_zoo_logits():
 
 def test_llama3_frequencies_are_bit_identical_to_transformers_at_llama31_size():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from layers import RotaryEmbedding
+    from moezoo.layers import RotaryEmbedding
     hc = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072,
                                   rope_parameters={"rope_theta": 500000.0, **LLAMA3,
                                                    "original_max_position_embeddings": 8192})

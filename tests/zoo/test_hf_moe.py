@@ -6,11 +6,11 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
-from configs import ConfigError, ModelConfig, MoEConfig  # noqa: E402
+from moezoo.configs import ConfigError, ModelConfig, MoEConfig  # noqa: E402
 from helpers import V, assert_same_logits, randomize_, tokens  # noqa: E402
-from zoo import build_model  # noqa: E402
-from zoo.hf import from_hf, hf_state_dict, to_hf, zoo_state_dict  # noqa: E402
-from zoo.hf_config import hf_model_type  # noqa: E402
+from moezoo.zoo import build_model  # noqa: E402
+from moezoo.zoo.hf import from_hf, hf_state_dict, to_hf, zoo_state_dict  # noqa: E402
+from moezoo.zoo.hf_config import hf_model_type  # noqa: E402
 
 SMALL = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=64, rope_theta=500.0)

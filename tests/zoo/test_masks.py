@@ -4,10 +4,10 @@ for dense, sparse (reference path), MoE and MLA models; bad masks are refused by
 import pytest
 import torch
 
-from configs import AttentionConfig, MLAConfig, ModelConfig, MoEConfig
+from moezoo.configs import AttentionConfig, MLAConfig, ModelConfig, MoEConfig
 from helpers import TOL, V, randomize_, tokens
-from training.data import pack_documents
-from zoo import build_model
+from moezoo.training.data import pack_documents
+from moezoo.zoo import build_model
 
 LOCAL = {"0:*": {"type": "local", "window": 3}}
 A_SHAPE = {"*": {"type": "a_shape", "sinks": 2, "window": 3}}
@@ -124,7 +124,7 @@ def test_pack_documents_targets_stay_inside_documents():
 def test_flex_path_of_packed_and_padded_attention_matches_masked_sdpa_on_cuda(v_dim):
     import torch.nn.functional as F
 
-    from layers.attention.masking import AttnMask, causal_mask, masked_causal_attention
+    from moezoo.layers.attention.masking import AttnMask, causal_mask, masked_causal_attention
     T, dev = 2048, torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     q = torch.randn(2, 4, T, 16, device=dev, generator=g)

@@ -2,8 +2,8 @@
 ``train.py --plan`` does): Qwen3-30B-A3B 30.5B / 3.3B, OLMoE-1B-7B 6.9B / 1.3B, DeepSeek-V3 671B / 37B."""
 import pytest
 
-from configs import load_config
-from zoo.flops import attention_flops_per_token, param_counts
+from moezoo.configs import load_config
+from moezoo.zoo.flops import attention_flops_per_token, param_counts
 
 
 @pytest.mark.parametrize("preset, total, active", [

@@ -1,8 +1,8 @@
 """zoo.show_attention: panel selection, densities at short and long lengths, the picture itself."""
 import pytest
 
-from configs import load_config
-from zoo.show_attention import default_heads, default_layers, layer_images, main, sparse_layers
+from moezoo.configs import load_config
+from moezoo.zoo.show_attention import default_heads, default_layers, layer_images, main, sparse_layers
 
 plt = pytest.importorskip("matplotlib.pyplot")
 

@@ -3,12 +3,12 @@ vertical-slash picks, per-call density / selection stats, flex kernel choice, an
 import pytest
 import torch
 
-from configs import ConfigError
-from configs.attention import AttentionConfig, validate_pattern
+from moezoo.configs import ConfigError
+from moezoo.configs.attention import AttentionConfig, validate_pattern
 from helpers import make_inputs, run_criterion
-from layers import SparsityPattern, pattern_mask, sparse_attention
-from layers.attention.flex import kernel_options_for, pick_flex_kernel
-from layers.attention.plan import plan_pattern
+from moezoo.layers import SparsityPattern, pattern_mask, sparse_attention
+from moezoo.layers.attention.flex import kernel_options_for, pick_flex_kernel
+from moezoo.layers.attention.plan import plan_pattern
 
 BS = 8
 
@@ -66,7 +66,7 @@ def test_query_max_selection_keeps_one_querys_far_block_that_pooling_averages_aw
     """The last block's queries all lean (weakly) to block 5; one of them looks for a key planted in block 2.
     Pooled over the block, block 5 wins; with query_max the one query's block 2 does. Chunking the
     per-query scores changes nothing."""
-    import layers.attention.selection as sel
+    import moezoo.layers.attention.selection as sel
     B, H, Hk, T = 1, 4, 2, 128
     q, k, _ = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=3)
     basis = torch.linalg.qr(torch.randn(q.shape[-1], 2, generator=torch.Generator().manual_seed(0)))[0].T          # two orthonormal directions
@@ -135,8 +135,8 @@ def test_block_topk_sinks_window_mask_is_the_union_of_its_parts():
 
 
 def test_budget_density_counts_block_topk_sinks_and_window():
-    from layers.attention.density import pattern_density
-    from layers.attention.plan import budget_plan
+    from moezoo.layers.attention.density import pattern_density
+    from moezoo.layers.attention.plan import budget_plan
     T = 64
     p = SparsityPattern(type="block_topk", top_k=2, sinks=2, window=20, block_size=BS)
     got = budget_plan(p, 1, T).token_mask()[0, 0]
@@ -182,7 +182,7 @@ def test_stats_report_visited_block_density_and_selection_sharpness(backend):
 
 
 def test_flex_kernel_choice_and_options(monkeypatch):
-    import layers.attention.flex as flex
+    import moezoo.layers.attention.flex as flex
     a = SparsityPattern(type="a_shape", sinks=128, window=2048, block_size=128)
     t = SparsityPattern(type="block_topk", top_k=16, block_size=128)
     v = SparsityPattern(type="vertical_slash", n_vertical=64, n_slash=64, block_size=128)
@@ -251,7 +251,7 @@ def test_preset_layer_on_gpu_flex_meets_fa_criterion_fwd_bwd(kernel):
 @pytest.mark.parametrize("N,start,nb", [(256, 0, 4), (200, 0, 4), (200, 30, 5), (5, 130, 1), (1, 63, 1), (300, 70, 6)])
 def test_block_means_equal_a_per_row_scatter_and_repeat_exactly(N, start, nb):
     # pooled scores choose the blocks: a recompute under activation checkpointing must see the same sums
-    from layers.attention.selection import _block_mean
+    from moezoo.layers.attention.selection import _block_mean
     x = torch.randn(2, 3, N, 8, generator=torch.Generator().manual_seed(N + start)).bfloat16()
     blk = torch.div(torch.arange(N) + start, 64, rounding_mode="floor") - start // 64
     sums = torch.zeros(2, 3, nb, 8).index_add_(2, blk, x.float())

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from layers import SparsityPattern
-from layers.attention.module import Attention
-from layers.attention.plan import plan_pattern
-from layers.rope import RotaryEmbedding, apply_rotary
-from training.parallel import _checkpointed
+from moezoo.layers import SparsityPattern
+from moezoo.layers.attention.module import Attention
+from moezoo.layers.attention.plan import plan_pattern
+from moezoo.layers.rope import RotaryEmbedding, apply_rotary
+from moezoo.training.parallel import _checkpointed
 
 BS, H, HK, D, T = 16, 8, 2, 64, 128
 # heads 0-3 A-shape (sinks + window), heads 4-7 block top-k shared per KV group (zoo/sparse_attn_1b_64k.yaml);
@@ -122,7 +122,7 @@ def test_compiled_selection_under_bf16_autocast_scores_in_float32_as_eager(monke
         got = torch.compile(blocks, backend="aot_eager_decomp_partition", dynamic=False)(q, k)
     assert torch.equal(got, want)
     assert torch.equal(want, blocks(q, k))                   # = float32 without autocast
-    import layers.attention.selection as selection           # scores rounded to bf16 would choose otherwise here
+    import moezoo.layers.attention.selection as selection           # scores rounded to bf16 would choose otherwise here
     scores = selection._group_scores
     monkeypatch.setattr(selection, "_group_scores", lambda q, k: scores(q, k).bfloat16().float())
     assert not torch.equal(blocks(q, k), want)

@@ -5,11 +5,11 @@ import dataclasses
 import pytest
 import torch
 
-from configs import ConfigError, load_config
+from moezoo.configs import ConfigError, load_config
 from helpers import BS
-from layers import Attention, RotaryEmbedding, SparsityPattern
-from layers.attention.compressed import compressed_attention
-from layers.rope import apply_rotary
+from moezoo.layers import Attention, RotaryEmbedding, SparsityPattern
+from moezoo.layers.attention.compressed import compressed_attention
+from moezoo.layers.rope import apply_rotary
 
 NSA = SparsityPattern(type="block_topk", top_k=2, share_group=1, query_max=1, compress=1, block_size=BS)
 LAYER = [SparsityPattern(type="a_shape", sinks=2, window=8, block_size=BS)] * 4 + [NSA] * 4
@@ -142,7 +142,7 @@ def test_density_stat_adds_the_compressed_pairs_to_the_visited_blocks():
 
 
 def test_bad_compress_configs_fail_naming_the_key(tmp_path):
-    from configs.attention import validate_pattern
+    from moezoo.configs.attention import validate_pattern
     with pytest.raises(ConfigError, match="p.compress: must be 0 or 1"):
         validate_pattern({"type": "block_topk", "top_k": 2, "compress": 2}, "p")
     with pytest.raises(ConfigError, match="p.compress: unknown parameter for pattern type 'a_shape'"):
@@ -151,7 +151,7 @@ def test_bad_compress_configs_fail_naming_the_key(tmp_path):
         load_config("zoo/deepseek_v3_671b.yaml",
                     ['model.attention.patterns={"0:*": {type: block_topk, top_k: 2, compress: 1}}']).validate()
     attn = Attention(32, 2, 1, pattern=NSA)
-    from layers.attention.masking import AttnMask
+    from moezoo.layers.attention.masking import AttnMask
     x, (cos, sin) = torch.randn(1, 16, 32), RotaryEmbedding(16)(torch.arange(16))
     mask = AttnMask.build(1, 16, 16, 0, torch.ones(1, 16, dtype=torch.long), None, x.device)
     with pytest.raises(ValueError, match="compress: 1 cannot run with padding or packed-document masks"):
@@ -161,9 +161,9 @@ def test_bad_compress_configs_fail_naming_the_key(tmp_path):
 def test_compiled_blocks_count_the_compressed_pairs_and_dst_leaves_the_gates_alone():
     """The budget density a compiled block logs (no stats recorded there) includes the branch's pairs, and
     DST's default targets skip the branch gates (gates, like routers)."""
-    from configs.dst import DSTConfig
-    from layers.attention.density import attention_metrics
-    from layers.dst.targets import dst_parameters
+    from moezoo.configs.dst import DSTConfig
+    from moezoo.layers.attention.density import attention_metrics
+    from moezoo.layers.dst.targets import dst_parameters
     T = 64
     attn = Attention(64, 8, 2, pattern=LAYER)
     fine = Attention(64, 8, 2, pattern=[dataclasses.replace(p, compress=0) for p in LAYER])
@@ -179,7 +179,7 @@ def test_trainer_learns_the_branch_gates_and_resumes_them(tmp_path, corpus_dir):
     """A tiny model with NSA heads through the trainer: the gates train, and a resumed run continues from
     the saved gates (they are ordinary parameters of the checkpoint)."""
     from helpers import tiny_overrides
-    from training.loop import Trainer
+    from moezoo.training.loop import Trainer
     pats = ('{"0-1:0-1": {type: a_shape, sinks: 2, window: 8, block_size: 8}, "0-1:2-3": {type: block_topk, '
             'top_k: 2, share_group: 1, query_max: 1, compress: 1, block_size: 8}}')
     ov = lambda sub, **kw: tiny_overrides(tmp_path / sub, corpus_dir, **{"model.attention.patterns": pats,  # noqa: E731
@@ -244,13 +244,13 @@ def test_heads_with_different_compress_blocks_each_get_their_own_pooling():
             per_head[:, h] = g[0][:, i] * per_head[:, h] + g[1][:, i] * cmp
         want = attn.wo(per_head.transpose(1, 2).flatten(2))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    from layers.attention.compressed import compressed_density
+    from moezoo.layers.attention.compressed import compressed_density
     share = compressed_density(pats, 64, 1.0)
     assert share[1] == (64 - 7) * 8 and share[2] == (64 - 15) * 4 and share[0] == 0
 
 
 def test_bad_compress_block_fails_naming_the_key():
-    from configs.attention import validate_pattern
+    from moezoo.configs.attention import validate_pattern
     with pytest.raises(ConfigError, match="p.compress_block: must be a power of two, got 24"):
         validate_pattern({"type": "block_topk", "top_k": 2, "compress": 1, "compress_block": 24}, "p")
     with pytest.raises(ConfigError, match="p.compress_block: sizes the compressed branch: set compress: 1 too"):

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from helpers import plain_attention, randomize_
-from layers import SparsityPattern, pattern_mask
-from layers.attention.mla import MLA
-from layers.rope import RotaryEmbedding
+from moezoo.layers import SparsityPattern, pattern_mask
+from moezoo.layers.attention.mla import MLA
+from moezoo.layers.rope import RotaryEmbedding
 
 PATTERNS = [None, SparsityPattern(type="a_shape", sinks=2, window=3, block_size=4),
             [SparsityPattern(type="local", window=2, block_size=4), SparsityPattern(type="dense"),

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from helpers import ROOT, subprocess_env
-from configs import AttentionConfig, ConfigError, load_config
-from configs.attention import minference_patterns
-from layers import SparsityPattern, pattern_mask
-from layers.attention.plan import budget_plan, plan_pattern
+from moezoo.configs import AttentionConfig, ConfigError, load_config
+from moezoo.configs.attention import minference_patterns
+from moezoo.layers import SparsityPattern, pattern_mask
+from moezoo.layers.attention.plan import budget_plan, plan_pattern
 
 
 def brute_static(p: SparsityPattern, T: int) -> torch.Tensor:
@@ -78,7 +78,7 @@ def test_random_blocks_are_r_whole_earlier_blocks_per_query_block_and_vary_by_he
 
 
 def test_random_pattern_identical_across_two_processes():
-    code = ("import hashlib; from layers import SparsityPattern, pattern_mask; "
+    code = ("import hashlib; from moezoo.layers import SparsityPattern, pattern_mask; "
             "p = SparsityPattern(type='bigbird', window=8, sinks=4, random_blocks=3, block_size=8, seed=11); "
             "m = pattern_mask(p, 200, 200, 4, layer=3); "
             "print(hashlib.sha256(m.numpy().tobytes()).hexdigest())")
@@ -156,7 +156,7 @@ def test_vertical_slash_rule_leaves_the_other_heads_of_a_mixed_layer_unchanged()
 @pytest.mark.parametrize("seed", range(4))
 def test_slash_ranking_skips_column_shadows_and_covers_at_least_minference_mass(seed):
     # heavy-hitter keys: every query scores them high, so each also adds one row's mass to L diagonals
-    from layers.attention.selection import estimate_vertical_slash
+    from moezoo.layers.attention.selection import estimate_vertical_slash
     g = torch.Generator().manual_seed(seed)
     B, H, Hk, T, D, L, nv, ns = 1, 4, 2, 96, 16, 8, 3, 6
     q, k = torch.randn(B, H, T, D, generator=g), torch.randn(B, Hk, T, D, generator=g)
@@ -183,7 +183,7 @@ def test_slash_ranking_skips_column_shadows_and_covers_at_least_minference_mass(
 
 @pytest.mark.parametrize("T, L, p0", [(29, 6, 23), (40, 40, 0), (31, 5, 10), (1, 1, 0)])
 def test_diagonal_sums_add_each_rows_mass_by_q_minus_k(T, L, p0):
-    from layers.attention.selection import _diagonal_sums
+    from moezoo.layers.attention.selection import _diagonal_sums
     prob = torch.rand(2, 3, L, T)
     prob = prob * (torch.arange(T)[None, :] <= torch.arange(p0, p0 + L)[:, None])     # zero where k > q
     want = torch.zeros(2, 3, T, dtype=torch.float64)
@@ -301,7 +301,7 @@ def test_sparsity_pattern_constructor_and_from_dict_validate():
 
 
 def test_dense_below_is_a_common_parameter_of_every_type_and_round_trips():
-    from configs.attention import PATTERN_TYPES
+    from moezoo.configs.attention import PATTERN_TYPES
     need = {"window": 4, "sinks": 2, "random_blocks": 1, "n_vertical": 3, "n_slash": 3, "top_k": 2}
     for t, (required, _) in PATTERN_TYPES.items():
         d = {"type": t, **{p: need[p] for p in required}, "dense_below": 4096}
@@ -349,7 +349,7 @@ def test_mixed_layer_plans_only_the_dense_below_heads_dense_and_skips_their_esti
 
 
 def test_budget_plan_and_density_follow_dense_below():
-    from layers.attention.density import pattern_density
+    from moezoo.layers.attention.density import pattern_density
     pats = [VS_DB, SparsityPattern(type="local", window=4, block_size=8, dense_below=40)]
     assert pattern_density(pats, 2, 39).tolist() == [1.0, 1.0]
     assert torch.equal(budget_plan(pats, 2, 39).token_mask()[0], torch.ones(2, 39, 39, dtype=torch.bool).tril())
@@ -358,8 +358,8 @@ def test_budget_plan_and_density_follow_dense_below():
 
 
 def test_long_context_presets_are_sparse_in_every_layer_with_trainable_selection():
-    from zoo.model import build_attention_pattern
-    from zoo.show_attention import layer_images
+    from moezoo.zoo.model import build_attention_pattern
+    from moezoo.zoo.show_attention import layer_images
     for name, T in (("sparse_attn_1b_64k.yaml", 65536), ("sparse_attn_1b_128k.yaml", 131072),
                     ("sparse_attn_small_16k.yaml", 16384)):
         cfg = load_config(os.path.join(ROOT, "zoo", name))
@@ -406,7 +406,7 @@ def test_minference_json_maps_to_our_patterns_and_is_checked(tmp_path):
 
 
 def test_minference_tool_folds_identical_heads_into_ranges(tmp_path):
-    from zoo.minference import load_minference
+    from moezoo.zoo.minference import load_minference
     vs = ["vertical_and_slash", 1000, 6096, 0.9]
     data = [{"0": vs, "1": vs, "2": ["stream_llm", 100, 800, 0.5], "3": vs}]
     path = tmp_path / "mi.json"
@@ -424,7 +424,7 @@ def test_minference_tool_folds_identical_heads_into_ranges(tmp_path):
 
 
 def test_show_attention_draws_a_png_of_every_sparse_layer(tmp_path):
-    from zoo.show_attention import layer_images, main
+    from moezoo.zoo.show_attention import layer_images, main
     cfg = load_config(os.path.join(ROOT, "zoo", "tiny_sparse_attn.yaml"))
     imgs = layer_images(cfg.model, 64)
     assert [layer for layer, _ in imgs] == [0, 1, 2, 3]

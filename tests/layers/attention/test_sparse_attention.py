@@ -4,9 +4,9 @@ import dataclasses
 import pytest
 import torch
 
-from layers import Attention, RotaryEmbedding, SparsityPattern, attention_density, pattern_mask, sparse_attention
+from moezoo.layers import Attention, RotaryEmbedding, SparsityPattern, attention_density, pattern_mask, sparse_attention
 from helpers import BS, emulated_counts, make_inputs, mask_mod_covers_whole_tiles, plain_attention, run_criterion
-from layers.attention.functional import dense_causal_attention
+from moezoo.layers.attention.functional import dense_causal_attention
 
 PATTERNS = {
     "local": SparsityPattern(type="local", window=20, block_size=BS),
@@ -55,8 +55,8 @@ def test_flex_backend_forward_gqa_extremes(group):
 def test_flex_block_lists_reproduce_the_token_mask(name):
     # Eager flex (the CPU path) ignores the block lists and evaluates mask_mod everywhere; the GPU
     # kernel visits only listed blocks: emulated, every allowed pair once and no other.
-    from layers.attention.plan import plan_pattern
-    from layers.attention.flex import flex_block_mask
+    from moezoo.layers.attention.plan import plan_pattern
+    from moezoo.layers.attention.flex import flex_block_mask
     B, H, T = 2, 8, 75
     q, k, _ = make_inputs(B, H, 2, T)
     plan = plan_pattern(PATTERNS[name], H, 0, T, T, 0, q, k)
@@ -71,8 +71,8 @@ def test_flex_block_lists_reproduce_the_token_mask(name):
 def test_flex_tiles_of_several_blocks_reproduce_the_token_mask(name, T, tile):
     # CUDA's flex templates need 128-token tiles; smaller blocks are laid out on tiles of several blocks
     # (flex_tile): a tile listed when any of its blocks is, full only when all are, mask_mod inside.
-    from layers.attention.plan import plan_pattern
-    from layers.attention.flex import flex_block_mask
+    from moezoo.layers.attention.plan import plan_pattern
+    from moezoo.layers.attention.flex import flex_block_mask
     B, H = 2, 8
     q, k, _ = make_inputs(B, H, 2, T, seed=T + tile)
     plan = plan_pattern(PATTERNS[name], H, 0, T, T, 0, q, k)
@@ -87,7 +87,7 @@ def test_flex_tiles_of_several_blocks_reproduce_the_token_mask(name, T, tile):
 
 
 def test_flex_tile_is_128_tokens_on_cuda_and_the_block_elsewhere():
-    from layers.attention.flex import flex_tile
+    from moezoo.layers.attention.flex import flex_tile
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert [flex_tile(b, cuda) for b in (16, 32, 64, 128, 256, 48)] == [128, 128, 128, 128, 256, 384]
     assert [flex_tile(b, cpu) for b in (16, 64, 128)] == [16, 64, 128]
@@ -97,7 +97,7 @@ def test_tiled_flex_forward_and_density_on_cpu(monkeypatch):
     # The whole call with 64-token tiles over 16-token blocks (what CUDA runs for blocks under 128): the
     # output meets the reference and the logged density counts tiles, the work a tiled kernel does.
     import importlib
-    sa = importlib.import_module("layers.attention.functional")
+    sa = importlib.import_module("moezoo.layers.attention.functional")
     monkeypatch.setattr(sa, "flex_tile", lambda bs, device: 64)
     B, H, T = 2, 8, 150
     q, k, v = make_inputs(B, H, 4, T, dtype=torch.float32, seed=11)
@@ -115,7 +115,7 @@ def test_tiled_flex_forward_and_density_on_cpu(monkeypatch):
 def test_static_block_mask_cache_drops_the_least_recently_used(monkeypatch):
     import importlib
     from collections import OrderedDict
-    sa = importlib.import_module("layers.attention.functional")   # the module, not the function layers exports
+    sa = importlib.import_module("moezoo.layers.attention.functional")   # the module, not the function layers exports
     monkeypatch.setattr(sa, "_MASK_CACHE", OrderedDict())
     monkeypatch.setattr(sa, "_MASK_CACHE_SIZE", 2)
     pats, cpu = [PATTERNS["bigbird"]] * 2, torch.device("cpu")

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from configs import AttentionConfig, ConfigError, MLAConfig, ModelConfig
+from moezoo.configs import AttentionConfig, ConfigError, MLAConfig, ModelConfig
 from helpers import TOL, V, randomize_, tokens
-from layers import Attention, SparsityPattern, pattern_mask
-from layers.rope import RotaryEmbedding, apply_rotary
-from zoo import build_model
+from moezoo.layers import Attention, SparsityPattern, pattern_mask
+from moezoo.layers.rope import RotaryEmbedding, apply_rotary
+from moezoo.zoo import build_model
 
 
 def reference(att: Attention, x: torch.Tensor, theta: float, pattern=None) -> torch.Tensor:
@@ -128,8 +128,8 @@ def test_decode_with_a_cache_equals_the_full_pass():
 
 
 def test_the_slope_trains_without_weight_decay():
-    from configs import OptimConfig
-    from training.optim import build_optimizer
+    from moezoo.configs import OptimConfig
+    from moezoo.training.optim import build_optimizer
     m = model(True, 7).train()
     for layer in m.layers:
         torch.nn.init.zeros_(layer.attention.ssmax)     # the init: the gradient must move it off zero
@@ -144,7 +144,7 @@ def test_the_slope_trains_without_weight_decay():
 def test_mla_and_hf_export_refuse_it_by_key():
     with pytest.raises(ConfigError, match=r"model\.attention\.ssmax"):
         model(True, mla=True)
-    from zoo.hf_config import hf_model_type
+    from moezoo.zoo.hf_config import hf_model_type
     with pytest.raises(ConfigError, match=r"model\.attention\.ssmax"):
         hf_model_type(model(True).cfg)
 

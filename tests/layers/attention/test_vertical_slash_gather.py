@@ -3,9 +3,9 @@ pair counted once, GQA, ragged lengths, mixed heads; backward of the gather on C
 import pytest
 import torch
 
-from layers import SparsityPattern
-from layers.attention.plan import plan_pattern
-from layers.attention.flex import column_slots, flex_attention_call, flex_block_mask, gather_columns
+from moezoo.layers import SparsityPattern
+from moezoo.layers.attention.plan import plan_pattern
+from moezoo.layers.attention.flex import column_slots, flex_attention_call, flex_block_mask, gather_columns
 from helpers import emulated_counts, fa_check, make_inputs, mask_mod_covers_whole_tiles, plain_attention, run_criterion
 
 BS = 16

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from configs import ConfigError, DSTConfig, ModelConfig
-from layers import DynamicSparsity
-from layers.dst.masks import erk_densities, is_nm, nm_select, transposable_nm_select
-from layers.dst.schedule import DSTSchedule
-from zoo import build_model
+from moezoo.configs import ConfigError, DSTConfig, ModelConfig
+from moezoo.layers import DynamicSparsity
+from moezoo.layers.dst.masks import erk_densities, is_nm, nm_select, transposable_nm_select
+from moezoo.layers.dst.schedule import DSTSchedule
+from moezoo.zoo import build_model
 
 
 def tiny_model(seed=0):
@@ -355,7 +355,7 @@ def test_stacked_experts_are_masked_per_expert_slice():
 
 def test_dst_on_layers_moe_experts():
     try:
-        from layers import MoE
+        from moezoo.layers import MoE
     except ImportError:
         pytest.skip("layers.MoE not available")
     torch.manual_seed(0)

@@ -7,11 +7,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from configs import ConfigError, ModelConfig
-from layers import DynamicSparsity
-from layers.dst.bits import pack_bits, unpack_bits
-from training.optim import CompactAdamW
-from zoo import build_model
+from moezoo.configs import ConfigError, ModelConfig
+from moezoo.layers import DynamicSparsity
+from moezoo.layers.dst.bits import pack_bits, unpack_bits
+from moezoo.training.optim import CompactAdamW
+from moezoo.zoo import build_model
 
 
 def mlp(seed=0):

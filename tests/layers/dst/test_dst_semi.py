@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from layers import DynamicSparsity
+from moezoo.layers import DynamicSparsity
 
 
 class Stack(nn.Module):
@@ -57,8 +57,8 @@ def test_semi_structured_linear_matches_masked_dense_forward_and_backward(transp
 
 def test_semi_structured_on_a_gpu_without_2_4_tensor_cores_is_a_config_error(monkeypatch):
     """Checked before any mask work; the device query is faked so this runs on any machine."""
-    from configs import ConfigError
-    from layers.dst.semi_structured import check_semi_structured_device
+    from moezoo.configs import ConfigError
+    from moezoo.layers.dst.semi_structured import check_semi_structured_device
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
     with pytest.raises(ConfigError) as e:

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from layers import MoE
-from layers.moe.expert_parallel import shard_experts
+from moezoo.layers import MoE
+from moezoo.layers.moe.expert_parallel import shard_experts
 
 from helpers import spawn   # forks P gloo ranks
 

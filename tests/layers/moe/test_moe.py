@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from configs import ConfigError
-from layers import MoE, NeuronRoutedFFN, moe_aux_loss, moe_update_bias
+from moezoo.configs import ConfigError
+from moezoo.layers import MoE, NeuronRoutedFFN, moe_aux_loss, moe_update_bias
 
 RTOL = 1e-5
 
@@ -254,7 +254,7 @@ def test_experts_that_do_not_split_over_the_ep_ranks_raise_config_error():
 
 
 def test_unknown_expert_activation_raises_config_error_naming_the_key():
-    from layers.moe.experts import GroupedExperts
+    from moezoo.layers.moe.experts import GroupedExperts
     with pytest.raises(ConfigError) as e:
         GroupedExperts(4, 8, 8, activation="gelu")
     assert e.value.key == "activation" and "\n" not in str(e.value)
@@ -278,8 +278,8 @@ def test_init_weights_uses_out_std_for_down_projections():
 
 
 def test_moe_presets_build_with_the_documented_sizes():
-    from configs import load_config
-    from zoo import build_model
+    from moezoo.configs import load_config
+    from moezoo.zoo import build_model
     cfg = load_config("zoo/moe_65b.yaml")
     m = cfg.model
     assert (m.n_layers, m.dim, m.n_heads, m.vocab_size) == (80, 8192, 64, 32000)
@@ -297,7 +297,7 @@ def test_moe_presets_build_with_the_documented_sizes():
 
 
 def test_dropless_plan_shortcut_equals_the_general_plan_and_sorts_stably():
-    from layers.moe.experts import make_plan
+    from moezoo.layers.moe.experts import make_plan
     idx = torch.stack([torch.randperm(6)[:3] for _ in range(17)])
     fast, general = make_plan(idx, 6), make_plan(idx, 6, capacity=17 * 3)
     assert fast.dense and not general.dense

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from configs import ConfigError, MoEConfig, NeuronConfig
-from layers import MoE, NeuronRoutedFFN
+from moezoo.configs import ConfigError, MoEConfig, NeuronConfig
+from moezoo.layers import MoE, NeuronRoutedFFN
 
 
 def test_keywords_and_cfg_build_the_same_layer_and_overrides_win():

@@ -4,10 +4,10 @@ bfloat16)."""
 import pytest
 import torch
 
-from layers import MoE
-from layers.moe import layer as moe_module
-from layers.moe.experts import GroupedExperts
-from layers.moe.routing_stage import RoutingSpec, compiled_routing_stage, routing_stage
+from moezoo.layers import MoE
+from moezoo.layers.moe import layer as moe_module
+from moezoo.layers.moe.experts import GroupedExperts
+from moezoo.layers.moe.routing_stage import RoutingSpec, compiled_routing_stage, routing_stage
 
 from helpers import grouped_grads_eager_and_compiled
 
@@ -164,7 +164,7 @@ def test_grouped_moe_path_on_cpu_equals_the_reference_path(fold, capacity_factor
 
 def test_swiglu_backward_cpu_fallback_returns_float32_dscale_as_its_fake_says(monkeypatch):
     """The closed-form CPU fallback (no Triton) agrees with the registered fake for any scale dtype."""
-    from kernels.moe_swiglu import swiglu_backward
+    from moezoo.kernels.moe_swiglu import swiglu_backward
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     a, b, dh = (torch.randn(5, 24, dtype=torch.bfloat16) for _ in range(3))
     scale = torch.rand(5, dtype=torch.bfloat16)

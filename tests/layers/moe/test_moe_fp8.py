@@ -5,10 +5,10 @@ traced by torch.compile (fullgraph)."""
 import pytest
 import torch
 
-from configs import ConfigError, MoEConfig, load_config
-from configs.moe import fp8_missing
-from layers import MoE
-from layers.moe.experts import GroupedExperts, make_plan
+from moezoo.configs import ConfigError, MoEConfig, load_config
+from moezoo.configs.moe import fp8_missing
+from moezoo.layers import MoE
+from moezoo.layers.moe.experts import GroupedExperts, make_plan
 
 from helpers import grouped_grads_eager_and_compiled
 

@@ -6,8 +6,8 @@ and compiled; a tiny fp8 MoE model trains with finite losses close to bf16's."""
 import pytest
 import torch
 
-from configs.moe import fp8_missing
-from layers import MoE
+from moezoo.configs.moe import fp8_missing
+from moezoo.layers import MoE
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -31,7 +31,7 @@ def wide_rows(R, C, seed=0):
 
 
 def test_triton_quantizers_on_gpu_equal_the_reference_bit_for_bit():
-    from kernels import moe_fp8 as f
+    from moezoo.kernels import moe_fp8 as f
     x = wide_rows(300, 5000)                                   # > ROWS_BLOCK columns: the row loop steps
     q, d = f.quantize_rows_triton(x)
     qr, dr = f.quantize_rows_reference(x)
@@ -58,7 +58,7 @@ def test_triton_quantizers_on_gpu_equal_the_reference_bit_for_bit():
 def test_scaled_grouped_mm_forward_dgrad_wgrad_match_the_float32_emulation():
     # The CUDA op on the operands the quantizers laid out, against the same recipe emulated on CPU: equal
     # up to accumulation order, FP8 fast accumulation and the bf16 output (a layout or scale mistake is O(1)).
-    from kernels.moe_fp8 import fp8_grouped_linear, fp8_grouped_linear_reference
+    from moezoo.kernels.moe_fp8 import fp8_grouped_linear, fp8_grouped_linear_reference
     torch.manual_seed(0)
     R, I, O = 3000, 512, 768
     offs = torch.tensor(SIZES, device="cuda").cumsum(0).to(torch.int32)
@@ -135,9 +135,9 @@ def test_compiled_fp8_moe_equals_eager():
 
 def test_tiny_fp8_moe_model_trains_with_finite_losses_close_to_bf16(tmp_path, corpus_dir):
     # The trainer in this process (no train.py start-up per precision): 6 steps each, the same data.
-    from configs import load_config
+    from moezoo.configs import load_config
     from helpers import tiny_overrides
-    from training.loop import Trainer
+    from moezoo.training.loop import Trainer
     losses = {}
     for p in ("bf16", "fp8"):
         cfg = load_config("zoo/tiny_moe.yaml", tiny_overrides(tmp_path / p, corpus_dir, **{

@@ -3,7 +3,7 @@ reference, bf16 tolerances; skipped without CUDA."""
 import pytest
 import torch
 
-from layers import MoE
+from moezoo.layers import MoE
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -42,7 +42,7 @@ def test_grouped_bf16_matches_fp32_reference_within_bf16_error(kw, align):
 
 
 def test_low_precision_router_logits_equal_fp32_logits_of_the_same_values():
-    from kernels.router_matmul import router_matmul
+    from moezoo.kernels.router_matmul import router_matmul
     x = torch.randn(4096, 512, device="cuda").bfloat16()
     w = torch.randn(64, 512, device="cuda").bfloat16()
     fast = router_matmul(x, w)
@@ -113,10 +113,10 @@ def test_folded_routing_weights_equal_the_weighted_combine(capacity_factor):
 def test_fused_permute_gate_up_matches_the_unfused_path_and_rounds_dx_once(kw):
     # Fused: dx sums a token's 2K rows of g1 = da w1 and g3 = db w3 in float32 and rounds once; unfused,
     # autograd first rounds g1 + g3 to bf16 per row. Forward and weight gradients are the same GEMMs.
-    from kernels.moe_combine import moe_combine_reference
-    from kernels.moe_permute import moe_permute
-    from layers.moe.experts import make_plan
-    from kernels.moe_gate_up import gate_up
+    from moezoo.kernels.moe_combine import moe_combine_reference
+    from moezoo.kernels.moe_permute import moe_permute
+    from moezoo.layers.moe.experts import make_plan
+    from moezoo.kernels.moe_gate_up import gate_up
     torch.manual_seed(0)
     T, K, E, D, H = 1000, 4, 16, 256, 384
     plan = make_plan(torch.rand(T, E, device="cuda").topk(K, dim=1).indices, E, **kw)

@@ -5,8 +5,8 @@ they replace."""
 import pytest
 import torch
 
-from layers.moe.experts import make_plan
-from layers.moe.router import sort_key_dtype, stable_order, tokens_per_expert, top_k_indices
+from moezoo.layers.moe.experts import make_plan
+from moezoo.layers.moe.router import sort_key_dtype, stable_order, tokens_per_expert, top_k_indices
 
 
 @pytest.mark.parametrize("num_ids,dtype", [(1, torch.uint8), (8, torch.uint8), (256, torch.uint8),
@@ -22,7 +22,7 @@ def test_stable_order_is_the_int64_stable_argsort(num_ids, dtype):
 
 @pytest.mark.parametrize("kw", [dict(), dict(capacity=3), dict(align=4), dict(capacity=2, align=8)], ids=str)
 def test_make_plan_equals_the_plan_of_the_int64_sort(kw, monkeypatch):
-    from layers.moe import experts
+    from moezoo.layers.moe import experts
     torch.manual_seed(0)
     idx = torch.stack([torch.randperm(6)[:2] for _ in range(17)])
     got = make_plan(idx, 6, **kw)

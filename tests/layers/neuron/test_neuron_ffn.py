@@ -5,13 +5,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from configs import ConfigError, load_config
+from moezoo.configs import ConfigError, load_config
 from helpers import ROOT, subprocess_env
-from layers import (MoE, NeuronRoutedFFN, SwiGLU, moe_aux_loss, neuron_schedule_step, neuron_stats,
+from moezoo.layers import (MoE, NeuronRoutedFFN, SwiGLU, moe_aux_loss, neuron_schedule_step, neuron_stats,
                     total_aux_loss)
-from layers.neuron.cluster import balanced_assign, balanced_kmeans, cluster_neurons
-from layers.neuron.schedule import neuron_phase
-from zoo import build_model
+from moezoo.layers.neuron.cluster import balanced_assign, balanced_kmeans, cluster_neurons
+from moezoo.layers.neuron.schedule import neuron_phase
+from moezoo.zoo import build_model
 
 TINY = ["model.vocab_size=64", "model.dim=16", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
         "model.ffn_hidden=32", "model.max_seq_len=16", "model.neuron.num_groups=4",
@@ -262,7 +262,7 @@ def test_neuron_section_is_ignored_when_no_layer_uses_it():
 
 FAST_PATH_CHECK = """
 import torch
-from layers import NeuronRoutedFFN, SwiGLU
+from moezoo.layers import NeuronRoutedFFN, SwiGLU
 torch.manual_seed(7)
 dense = SwiGLU(8, 32)
 ref = NeuronRoutedFFN.from_dense(dense, 4, 2, backend="torch")
@@ -341,7 +341,7 @@ def test_schedule_reclusters_once_when_the_warmup_ends():
 
 def _check_recluster_under_fsdp2_matches_one_process(rank, world):
     import copy
-    from training.parallel import ParallelState, build_meshes, parallelize
+    from moezoo.training.parallel import ParallelState, build_meshes, parallelize
     cfg = load_config("zoo/tiny_neuron.yaml", TINY + ["train.device=cpu", "train.batch_size=2"])
     mesh, dense = build_meshes("cpu", 1, world, 1)
     state = ParallelState(world, rank, rank, torch.device("cpu"), 1, world, 1, mesh, dense)
@@ -397,7 +397,7 @@ def test_under_autocast_the_router_reads_the_groups_bf16_copy_only_with_low_prec
 
 def test_flops_count_the_groups_a_neuron_routed_ffn_computes():
     # a sparse step computes K/G of the group weights, a dense step all; the default is the schedule's mean
-    from zoo.flops import count_params, sparse_step_share
+    from moezoo.zoo.flops import count_params, sparse_step_share
     m = NeuronRoutedFFN(8, 32, 8, 2, backend="torch", warmup_fraction=0.1, finish_fraction=0.2, sparse_ratio=0.5)
     model = torch.nn.Sequential(m)
     groups = sum(p.numel() for p in m.experts.parameters())

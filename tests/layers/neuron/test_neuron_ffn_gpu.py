@@ -4,7 +4,7 @@ backend on the same values, sparse and dense mode; skipped without CUDA."""
 import pytest
 import torch
 
-from layers import NeuronRoutedFFN
+from moezoo.layers import NeuronRoutedFFN
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

@@ -1,4 +1,7 @@
 """Trainer: data, tokenizer, optimizer and schedule, checkpoints, parallelism, logging, the loop."""
+from moezoo import _checkout_path
+
+__path__ = _checkout_path(__path__, "training")
 
 
 def run(cfg):

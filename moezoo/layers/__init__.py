@@ -3,6 +3,9 @@
 One subpackage per concept: ``attention/`` (dense + sparse), ``moe/``, ``neuron/``, ``dst/``; the small
 shared blocks (``norm``, ``rope``, ``mlp``, ``aux_loss``, ``sharding``) sit beside them.
 """
+from moezoo import _checkout_path
+
+__path__ = _checkout_path(__path__, "layers")
 from .attention import Attention, AttentionStats, KVCache, SparsityPattern, attention_density, dense_causal_attention, pattern_mask, sparse_attention
 from .aux_loss import total_aux_loss
 from .dst import DynamicSparsity

@@ -2,6 +2,9 @@
 
 Imported by every other package; imports none of them.
 """
+from moezoo import _checkout_path
+
+__path__ = _checkout_path(__path__, "configs")
 from .attention import AttentionConfig, validate_pattern
 from .config import Config
 from .dst import DSTConfig
