@@ -11,6 +11,7 @@ bytes. "vs copy" is that byte count at the rate of ``torch.clone`` of one float3
 over the measured time (1.0: as fast as a copy moves bytes). ``torch_fused`` is torch.optim.AdamW(fused=True)
 over float32 weights with float32 gradients (torchtitan's optimizer: 16 bytes read, 12 written a weight).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,13 @@ def main():
     args = ap.parse_args()
     for key in ("tensors", "numel", "reps"):
         check(getattr(args, key) > 0, f"--{key}", f"must be > 0, got {getattr(args, key)}")
-    check(torch.cuda.is_available(), "device", "bench/adamw.py times CUDA kernels: no CUDA device here")
+    check(
+        torch.cuda.is_available(),
+        "device",
+        "bench/adamw.py times CUDA kernels: no CUDA device here",
+    )
     import triton
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     n, k = args.numel, args.tensors
     masters = [torch.randn(n, generator=gen, device="cuda") for _ in range(k)]
@@ -49,20 +55,47 @@ def main():
     v = [torch.rand(n, generator=gen, device="cuda") for _ in range(k)]
     params = [w.bfloat16() for w in masters]
     copy_ms = timeit(lambda: masters[0].clone(), reps=args.reps)
-    rate = 2 * 4 * n / copy_ms                                       # bytes per ms
+    rate = 2 * 4 * n / copy_ms  # bytes per ms
     ideal = 28 * n * k / rate
-    res = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__},
-           "tensors": k, "numel": n, "copy_ms_one_master": copy_ms, "ideal_ms": ideal,
-           "default": [A.BLOCK, A.NUM_WARPS], "configs": {}}
-    print(f"{k} x {n} weights: at the copy rate ({rate / 1e9:.2f} TB/s) 28 B a weight take {ideal:.2f} ms", flush=True)
-    hp = (1 - 1e-3 * 0.1, 0.9, 0.95, 1e-8, 1e-3, 0.3)          # decay, beta1, beta2, eps, step size, sqrt(bc2)
+    res = {
+        "env": {
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+        },
+        "tensors": k,
+        "numel": n,
+        "copy_ms_one_master": copy_ms,
+        "ideal_ms": ideal,
+        "default": [A.BLOCK, A.NUM_WARPS],
+        "configs": {},
+    }
+    print(
+        f"{k} x {n} weights: at the copy rate ({rate / 1e9:.2f} TB/s) 28 B a weight take {ideal:.2f} ms",
+        flush=True,
+    )
+    hp = (
+        1 - 1e-3 * 0.1,
+        0.9,
+        0.95,
+        1e-8,
+        1e-3,
+        0.3,
+    )  # decay, beta1, beta2, eps, step size, sqrt(bc2)
     scale = torch.tensor(0.5, device="cuda")
     for block, warps in CONFIGS:
-        ms = timeit(lambda: A._adamw_triton(masters, grads, m, v, params, *hp, scale, block=block, num_warps=warps),
-                   reps=args.reps)
+        ms = timeit(
+            lambda: A._adamw_triton(
+                masters, grads, m, v, params, *hp, scale, block=block, num_warps=warps
+            ),
+            reps=args.reps,
+        )
         res["configs"][f"{block},{warps}"] = {"ms": ms, "vs_copy": ideal / ms}
-        print(f"  BLOCK {block:5d} warps {warps:2d}: {ms:7.2f} ms  {28 * n * k / ms / 1e9:5.2f} TB/s  "
-              f"vs copy {ideal / ms:.2f}", flush=True)
+        print(
+            f"  BLOCK {block:5d} warps {warps:2d}: {ms:7.2f} ms  {28 * n * k / ms / 1e9:5.2f} TB/s  "
+            f"vs copy {ideal / ms:.2f}",
+            flush=True,
+        )
     del params, grads
     # torch's fused AdamW over float32 weights and float32 gradients, one launch set for all tensors
     ws = [torch.nn.Parameter(t) for t in masters]
@@ -71,8 +104,11 @@ def main():
     opt = torch.optim.AdamW(ws, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     ms = timeit(opt.step, reps=args.reps)
     res["torch_fused_fp32"] = {"ms": ms, "tb_s": 28 * n * k / ms / 1e9}
-    print(f"  torch.optim.AdamW(fused=True), float32 weights and gradients: {ms:7.2f} ms  "
-          f"{28 * n * k / ms / 1e9:5.2f} TB/s", flush=True)
+    print(
+        f"  torch.optim.AdamW(fused=True), float32 weights and gradients: {ms:7.2f} ms  "
+        f"{28 * n * k / ms / 1e9:5.2f} TB/s",
+        flush=True,
+    )
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)

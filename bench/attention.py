@@ -48,6 +48,7 @@ heads, BENCHMARKS.md run 3): local 70% / 41% / 22% / 10.6% at 16k / 32k / 64k / 
 128k; iid ~100% throughout.
 Writes one JSON object per measurement to ``--out`` as it goes (a timeout keeps what finished).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,7 +68,11 @@ from moezoo.configs import exit_code  # noqa: E402
 from moezoo.configs.attention import FLEX_KERNELS  # noqa: E402
 from moezoo.configs.errors import choice_list, int_list  # noqa: E402
 from moezoo.layers import RotaryEmbedding, SparsityPattern, apply_rotary, sparse_attention  # noqa: E402
-from moezoo.layers.attention.compressed import compress_heads, compressed_attention, compressed_density  # noqa: E402
+from moezoo.layers.attention.compressed import (
+    compress_heads,
+    compressed_attention,
+    compressed_density,
+)  # noqa: E402
 from moezoo.layers.attention.module import put_heads, take_heads  # noqa: E402
 from moezoo.layers.attention.pattern import head_patterns  # noqa: E402
 from moezoo.layers.attention.plan import plan_pattern  # noqa: E402
@@ -77,12 +82,20 @@ from moezoo.layers.attention import flex as sa_mod  # noqa: E402
 
 H, HK, D, BS = 32, 8, 128, 128
 PATTERNS = {
-    "bigbird": SparsityPattern(type="bigbird", window=1024, sinks=128, random_blocks=4, block_size=BS),
+    "bigbird": SparsityPattern(
+        type="bigbird", window=1024, sinks=128, random_blocks=4, block_size=BS
+    ),
     "a_shape": SparsityPattern(type="a_shape", sinks=128, window=2048, block_size=BS),
-    "vs": SparsityPattern(type="vertical_slash", n_vertical=1000, n_slash=6096, last_q=64, block_size=BS),
+    "vs": SparsityPattern(
+        type="vertical_slash", n_vertical=1000, n_slash=6096, last_q=64, block_size=BS
+    ),
     "topk": SparsityPattern(type="block_topk", top_k=16, share_group=1, block_size=BS),
-    "topk_qmax": SparsityPattern(type="block_topk", top_k=16, share_group=1, query_max=1, block_size=BS),
-    "topk_nsa": SparsityPattern(type="block_topk", top_k=16, share_group=1, query_max=1, compress=1, block_size=BS),
+    "topk_qmax": SparsityPattern(
+        type="block_topk", top_k=16, share_group=1, query_max=1, block_size=BS
+    ),
+    "topk_nsa": SparsityPattern(
+        type="block_topk", top_k=16, share_group=1, query_max=1, compress=1, block_size=BS
+    ),
 }
 PATTERNS["mix"] = [PATTERNS["a_shape"]] * (H // 2) + [PATTERNS["topk"]] * (H // 2)
 
@@ -105,18 +118,27 @@ def make_inputs(S, family="iid", seed=0, device="cuda"):
         cos, sin = RotaryEmbedding(D, theta=10000.0)(torch.arange(S, device=device))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     elif family == "local":
-        low = 22                                        # lowest-frequency rotary pairs: i = 64-22 .. 63
+        low = 22  # lowest-frequency rotary pairs: i = 64-22 .. 63
         pair = torch.arange(D // 2, device=device) >= D // 2 - low
         u = torch.randn(HK, D, device=device, generator=g) * pair.repeat(2) * (D / 2 / low) ** 0.5
         q = q + 1.5 * u.repeat_interleave(H // HK, 0)[None, :, None]
         k = k + 1.5 * u[None, :, None]
         cos, sin = RotaryEmbedding(D, theta=500000.0)(torch.arange(S, device=device))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        hh = torch.cat([torch.arange(4, device=device),
-                        4 + torch.randperm(S - 4, device=device, generator=g)[:20]])
+        hh = torch.cat(
+            [
+                torch.arange(4, device=device),
+                4 + torch.randperm(S - 4, device=device, generator=g)[:20],
+            ]
+        )
         w = torch.randn(HK, D, device=device, generator=g)
-        k[:, :, hh] = noise * torch.randn(1, HK, hh.numel(), D, device=device, generator=g) + 30 / D ** 0.5 * w[None, :, None]
-        q = q + w.repeat_interleave(H // HK, 0)[None, :, None]     # q . k_hh / sqrt(D) ~ 30 at any distance
+        k[:, :, hh] = (
+            noise * torch.randn(1, HK, hh.numel(), D, device=device, generator=g)
+            + 30 / D**0.5 * w[None, :, None]
+        )
+        q = (
+            q + w.repeat_interleave(H // HK, 0)[None, :, None]
+        )  # q . k_hh / sqrt(D) ~ 30 at any distance
     elif family != "iid":
         raise ValueError(f"unknown input family {family!r}; expected one of {', '.join(VS_INPUTS)}")
     return q.bfloat16(), k.bfloat16(), v
@@ -124,6 +146,7 @@ def make_inputs(S, family="iid", seed=0, device="cuda"):
 
 def sdpa_causal(q, k, v):
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
@@ -136,6 +159,7 @@ def plain_flex(q, k, v, plan):
     every block (ours builds the block lists from indices instead). Returns the call to time."""
     global _plain_compiled
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
     if _plain_compiled is None:
         _plain_compiled = torch.compile(flex_attention)
     S = q.shape[2]
@@ -194,7 +218,9 @@ def compressed_share(p, S):
 
 
 def bench_length(S, names, modes, with_plain, out, vs_inputs=("structured",), kernels=("triton",)):
-    for name, family in [(n, f) for n in names for f in (vs_inputs if n.startswith("vs") else ("iid",))]:
+    for name, family in [
+        (n, f) for n in names for f in (vs_inputs if n.startswith("vs") else ("iid",))
+    ]:
         p = PATTERNS[name]
         q, k, v = make_inputs(S, family)
         plan = plan_pattern(p, H, 0, S, S, 0, q, k)
@@ -211,31 +237,43 @@ def bench_length(S, names, modes, with_plain, out, vs_inputs=("structured",), ke
                     o = f()
                     if grad:
                         o.backward(do)
+
                 return go
 
-            if (S, mode) not in _SDPA_MS:      # dense causal does not depend on the pattern
+            if (S, mode) not in _SDPA_MS:  # dense causal does not depend on the pattern
                 _SDPA_MS[S, mode] = timeit(run(lambda: sdpa_causal(qg, kg, vg)))
             sdpa = _SDPA_MS[S, mode]
             for kern in kernels:
                 t0 = time.perf_counter()
                 try:
                     ours = timeit(run(lambda: layer_attention(qg, kg, vg, p, kern)))
-                except Exception as e:    # a kernel that cannot run this pattern is a result too
+                except Exception as e:  # a kernel that cannot run this pattern is a result too
                     record(out, dict(S=S, pattern=name, mode=mode, kernel=kern, error=str(e)[:300]))
                     continue
                 compile_s = time.perf_counter() - t0
-                row = dict(S=S, pattern=name, inputs=family, mode=mode, kernel=kern,
-                           **{**densities, "block_density": round(dens, 4)},
-                           ours_ms=round(ours, 3), sdpa_ms=round(sdpa, 3), speedup=round(sdpa / ours, 2),
-                           limit=round(1 / dens, 2), of_limit=round(sdpa / ours * dens, 3),
-                           first_call_s=round(compile_s, 1))
+                row = dict(
+                    S=S,
+                    pattern=name,
+                    inputs=family,
+                    mode=mode,
+                    kernel=kern,
+                    **{**densities, "block_density": round(dens, 4)},
+                    ours_ms=round(ours, 3),
+                    sdpa_ms=round(sdpa, 3),
+                    speedup=round(sdpa / ours, 2),
+                    limit=round(1 / dens, 2),
+                    of_limit=round(sdpa / ours * dens, 3),
+                    first_call_s=round(compile_s, 1),
+                )
                 if kern != kernels[0] or not with_plain:
                     record(out, row)
                     continue
-                if _dynamic(p):   # plain flex must estimate and build its mask every call too
+                if _dynamic(p):  # plain flex must estimate and build its mask every call too
+
                     def pf():
                         pl = plan_pattern(p, H, 0, S, S, 0, qg, kg)
                         return plain_flex(qg, kg, vg, pl)()
+
                     plain = timeit(run(pf))
                 else:
                     pl = plan_pattern(p, H, 0, S, S, 0, device="cuda")
@@ -251,10 +289,16 @@ def bench_crossover(lengths, out):
     p = SparsityPattern(type="a_shape", sinks=128, window=1024, block_size=BS)
     for S in lengths:
         q, k, v = make_inputs(S)
-        row = dict(S=S, pattern="a_shape_1024", mode="fwd",
-                   reference_ms=round(timeit(lambda: sparse_attention(q, k, v, p, backend="reference")), 3),
-                   flex_ms=round(timeit(lambda: sparse_attention(q, k, v, p, backend="flex")), 3),
-                   sdpa_ms=round(timeit(lambda: sdpa_causal(q, k, v)), 3))
+        row = dict(
+            S=S,
+            pattern="a_shape_1024",
+            mode="fwd",
+            reference_ms=round(
+                timeit(lambda: sparse_attention(q, k, v, p, backend="reference")), 3
+            ),
+            flex_ms=round(timeit(lambda: sparse_attention(q, k, v, p, backend="flex")), 3),
+            sdpa_ms=round(timeit(lambda: sdpa_causal(q, k, v)), 3),
+        )
         record(out, row)
 
 
@@ -263,16 +307,54 @@ def sweep_kernel_options(S, out):
     p = PATTERNS["a_shape"]
     q, k, v = (t.requires_grad_() for t in make_inputs(S))
     do = torch.randn_like(q)
-    for opts in (None, {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64, "num_stages": 3, "num_warps": 4},
-                 {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32, "num_stages": 3, "num_warps": 8},
-                 {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64, "num_stages": 2, "num_warps": 8}):
+    for opts in (
+        None,
+        {
+            "BLOCK_M1": 64,
+            "BLOCK_N1": 64,
+            "BLOCK_M2": 64,
+            "BLOCK_N2": 64,
+            "num_stages": 3,
+            "num_warps": 4,
+        },
+        {
+            "BLOCK_M1": 32,
+            "BLOCK_N1": 128,
+            "BLOCK_M2": 128,
+            "BLOCK_N2": 32,
+            "num_stages": 3,
+            "num_warps": 8,
+        },
+        {
+            "BLOCK_M1": 64,
+            "BLOCK_N1": 128,
+            "BLOCK_M2": 128,
+            "BLOCK_N2": 64,
+            "num_stages": 2,
+            "num_warps": 8,
+        },
+    ):
+
         def step():
-            sparse_attention(q, k, v, p, backend="flex", kernel="triton", kernel_options=opts).backward(do)
+            sparse_attention(
+                q, k, v, p, backend="flex", kernel="triton", kernel_options=opts
+            ).backward(do)
+
         try:
             ms = timeit(step)
-            record(out, dict(S=S, pattern="a_shape", mode="fwdbwd", kernel_options=opts, ours_ms=round(ms, 3)))
+            record(
+                out,
+                dict(
+                    S=S, pattern="a_shape", mode="fwdbwd", kernel_options=opts, ours_ms=round(ms, 3)
+                ),
+            )
         except Exception as e:  # a tile shape the template rejects is a result too
-            record(out, dict(S=S, pattern="a_shape", mode="fwdbwd", kernel_options=opts, error=str(e)[:200]))
+            record(
+                out,
+                dict(
+                    S=S, pattern="a_shape", mode="fwdbwd", kernel_options=opts, error=str(e)[:200]
+                ),
+            )
 
 
 def vs_stages(S, family, out, profile_dir=None):
@@ -286,7 +368,9 @@ def vs_stages(S, family, out, profile_dir=None):
     bm = sa_mod.flex_block_mask(plan, slots, backward=False)
     stages = {
         "plan (estimation)": lambda: plan_pattern(p, H, 0, S, S, 0, q, k),
-        "column_slots + gather_columns": lambda: sa_mod.gather_columns(k, v, sa_mod.column_slots(plan)),
+        "column_slots + gather_columns": lambda: sa_mod.gather_columns(
+            k, v, sa_mod.column_slots(plan)
+        ),
         "flex_block_mask (fwd lists)": lambda: sa_mod.flex_block_mask(plan, slots, backward=False),
         "block_layout": lambda: plan.block_layout(include_cols=False),
         "flex kernel": lambda: sa_mod.flex_attention_call(q, kg, vg, bm),
@@ -299,10 +383,13 @@ def vs_stages(S, family, out, profile_dir=None):
     record(out, row)
     if profile_dir:
         from torch.profiler import ProfilerActivity, profile
+
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             stages["whole call"]()
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
+        table = prof.key_averages().table(
+            sort_by="cuda_time_total", row_limit=30, max_name_column_width=90
+        )
         with open(os.path.join(profile_dir, f"profile_vs_{S}_{family}.txt"), "w") as f:
             f.write(table)
 
@@ -313,15 +400,32 @@ def main():
     ap.add_argument("--patterns", default="a_shape,bigbird,vs")
     ap.add_argument("--modes", default="fwd,fwdbwd")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain-FlexAttention baseline")
-    ap.add_argument("--kernels", default="triton", help="flex kernels to time, from triton,flash (flash-attn-4)")
-    ap.add_argument("--crossover", default="", help="short lengths for the dense crossover, e.g. 1024,2048,4096")
-    ap.add_argument("--sweep", type=int, default=0, help="length for a flex tile-shape sweep (0 = none)")
-    ap.add_argument("--vs-inputs", default="structured",
-                    help=f"input families for the vs rows, comma-separated from {','.join(VS_INPUTS)} (module docstring)")
-    ap.add_argument("--vs-dense-below", type=int, default=0,
-                    help="time the vs pattern with this dense_below (tokens) too: the layer's crossover fallback")
-    ap.add_argument("--stages", type=int, default=0,
-                    help="length for a vertical-slash forward split into its stages (on each --vs-inputs family)")
+    ap.add_argument(
+        "--kernels", default="triton", help="flex kernels to time, from triton,flash (flash-attn-4)"
+    )
+    ap.add_argument(
+        "--crossover", default="", help="short lengths for the dense crossover, e.g. 1024,2048,4096"
+    )
+    ap.add_argument(
+        "--sweep", type=int, default=0, help="length for a flex tile-shape sweep (0 = none)"
+    )
+    ap.add_argument(
+        "--vs-inputs",
+        default="structured",
+        help=f"input families for the vs rows, comma-separated from {','.join(VS_INPUTS)} (module docstring)",
+    )
+    ap.add_argument(
+        "--vs-dense-below",
+        type=int,
+        default=0,
+        help="time the vs pattern with this dense_below (tokens) too: the layer's crossover fallback",
+    )
+    ap.add_argument(
+        "--stages",
+        type=int,
+        default=0,
+        help="length for a vertical-slash forward split into its stages (on each --vs-inputs family)",
+    )
     ap.add_argument("--profile", default=None, help="folder for the --stages kernel tables")
     ap.add_argument("--out", default="bench_attention.jsonl")
     a = ap.parse_args()
@@ -330,11 +434,25 @@ def main():
     names = choice_list(a.patterns, tuple(PATTERNS), "--patterns")
     modes = choice_list(a.modes, ("fwd", "fwdbwd"), "--modes")
     kernels = tuple(choice_list(a.kernels, FLEX_KERNELS, "--kernels"))
-    lengths, crossover = int_list(a.lengths, "--lengths", allow_empty=True), int_list(a.crossover, "--crossover", True)
-    print(json.dumps(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                          triton=__import__("triton").__version__, cuda=torch.version.cuda)), flush=True)
+    lengths, crossover = (
+        int_list(a.lengths, "--lengths", allow_empty=True),
+        int_list(a.crossover, "--crossover", True),
+    )
+    print(
+        json.dumps(
+            dict(
+                gpu=torch.cuda.get_device_name(),
+                torch=torch.__version__,
+                triton=__import__("triton").__version__,
+                cuda=torch.version.cuda,
+            )
+        ),
+        flush=True,
+    )
     if a.vs_dense_below:
-        PATTERNS["vs_dense_below"] = dataclasses.replace(PATTERNS["vs"], dense_below=a.vs_dense_below)
+        PATTERNS["vs_dense_below"] = dataclasses.replace(
+            PATTERNS["vs"], dense_below=a.vs_dense_below
+        )
         names = names + ["vs_dense_below"]
     for S in lengths:
         bench_length(S, names, modes, not a.no_plain, a.out, vs_inputs, kernels)

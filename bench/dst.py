@@ -13,6 +13,7 @@ mask update's extra time amortised over ``update_every`` as a share of the step.
 2:4 path (bench_semi): one LLaMA-7B SwiGLU FFN (4096 -> 11008 -> 4096), 16384 tokens, bf16, fwd+bwd:
 dense vs ours (kernels.semi_sparse_linear) vs torchao.sparsity.training (when installed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,22 +34,35 @@ from moezoo.kernels.semi_sparse_linear import SemiSparseLinear  # noqa: E402
 from moezoo.training.optim import CompactAdamW  # noqa: E402
 from moezoo.zoo import build_model  # noqa: E402
 
-ONE_B = ModelConfig(vocab_size=32000, dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_hidden=5632,
-                    max_seq_len=2048)
+ONE_B = ModelConfig(
+    vocab_size=32000,
+    dim=2048,
+    n_layers=22,
+    n_heads=32,
+    n_kv_heads=4,
+    ffn_hidden=5632,
+    max_seq_len=2048,
+)
 VARIANTS = {
     "rigl_erk80": dict(sparsity=0.8, method="rigl", distribution="erk"),
     "rigl_erk80_compact": dict(sparsity=0.8, method="rigl", distribution="erk", compact_state=True),
-    "rigl_erk80_ema_compact": dict(sparsity=0.8, method="rigl", distribution="erk", grad_ema=0.1, compact_state=True),
+    "rigl_erk80_ema_compact": dict(
+        sparsity=0.8, method="rigl", distribution="erk", grad_ema=0.1, compact_state=True
+    ),
     "rigl_erk80_ema": dict(sparsity=0.8, method="rigl", distribution="erk", grad_ema=0.1),
     "set_erk80": dict(sparsity=0.8, method="set", distribution="erk"),
-    "rigl_block1x128": dict(sparsity=0.8, method="rigl", distribution="uniform", granularity="block", block=[1, 128]),
+    "rigl_block1x128": dict(
+        sparsity=0.8, method="rigl", distribution="uniform", granularity="block", block=[1, 128]
+    ),
     "rigl_2to4": dict(sparsity=0.5, method="rigl", granularity="nm", n=2, m=4),
-    "rigl_2to4_transposable": dict(sparsity=0.5, method="rigl", granularity="nm", n=2, m=4, transposable=True),
+    "rigl_2to4_transposable": dict(
+        sparsity=0.5, method="rigl", granularity="nm", n=2, m=4, transposable=True
+    ),
 }
 
 
 def cuda_ms(fn) -> float:
-    if not torch.cuda.is_available():                              # --smoke on CPU: wall clock
+    if not torch.cuda.is_available():  # --smoke on CPU: wall clock
         t0 = time.perf_counter()
         fn()
         return 1e3 * (time.perf_counter() - t0)
@@ -80,7 +94,12 @@ def _peak():
 
 def optimizer_state_bytes(opt) -> int:
     """Bytes the optimizer keeps between steps: its state tensors, plus CompactAdamW's active indices."""
-    n = sum(v.untyped_storage().nbytes() for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+    n = sum(
+        v.untyped_storage().nbytes()
+        for st in opt.state.values()
+        for v in st.values()
+        if torch.is_tensor(v)
+    )
     n += sum(c.idx.numel() * c.idx.element_size() for c in getattr(opt, "_compact", {}).values())
     return n
 
@@ -110,8 +129,14 @@ def bench_1b(variants, batch, seq, steps, update_every, mcfg=ONE_B, dev="cuda"):
         if name != "dense":
             before = _mem()
             t0 = time.perf_counter()
-            dst = DynamicSparsity(model, opt, total_steps=100 * update_every, update_every=update_every,
-                                  stop_fraction=1.0, **opts)
+            dst = DynamicSparsity(
+                model,
+                opt,
+                total_steps=100 * update_every,
+                update_every=update_every,
+                stop_fraction=1.0,
+                **opts,
+            )
             if dev == "cuda":
                 torch.cuda.synchronize()
             r["setup_s"] = time.perf_counter() - t0
@@ -123,10 +148,10 @@ def bench_1b(variants, batch, seq, steps, update_every, mcfg=ONE_B, dev="cuda"):
         def step(i):
             train(model, opt)
             if dst is not None:
-                dst.step(i)                                        # i < update_every: no update
+                dst.step(i)  # i < update_every: no update
             opt.zero_grad(set_to_none=True)
 
-        step(1)                                                    # optimizer state exists from here
+        step(1)  # optimizer state exists from here
         t_step, peaks = [], []
         for i in range(steps):
             base = _mem()
@@ -138,8 +163,10 @@ def bench_1b(variants, batch, seq, steps, update_every, mcfg=ONE_B, dev="cuda"):
         r["step_peak_gb"] = (_mem() + max(peaks)) / 1e9
         r["optimizer_gb"] = optimizer_state_bytes(opt) / 1e9
         if dst is not None:
-            per = median([cuda_ms(lambda: dst.step(3)) for _ in range(3)])    # dst.step alone, no update
-            train(model, opt)                                      # grads present for the update's scores
+            per = median(
+                [cuda_ms(lambda: dst.step(3)) for _ in range(3)]
+            )  # dst.step alone, no update
+            train(model, opt)  # grads present for the update's scores
             t_upd = []
             for j in (1, 2, 3):
                 t_upd.append(cuda_ms(lambda: dst.step(j * update_every)))
@@ -157,7 +184,9 @@ def bench_1b(variants, batch, seq, steps, update_every, mcfg=ONE_B, dev="cuda"):
     for r in results[1:]:
         r["step_vs_dense"] = r["step_ms"] / dense["step_ms"]
         r["optimizer_vs_dense"] = r["optimizer_gb"] / dense["optimizer_gb"]
-        r["peak_vs_dense"] = r["step_peak_gb"] / dense["step_peak_gb"] if dense["step_peak_gb"] else None
+        r["peak_vs_dense"] = (
+            r["step_peak_gb"] / dense["step_peak_gb"] if dense["step_peak_gb"] else None
+        )
     return results
 
 
@@ -165,6 +194,7 @@ def _torchao_sparsify():
     """torchao's semi-structured training path (``torchao.sparsity.training``), or None when not installed."""
     try:
         from torchao.sparsity.training.autograd import semi_structured_sparsify
+
         return semi_structured_sparsify
     except ImportError:
         return None
@@ -196,11 +226,13 @@ def bench_semi(tokens=16384, dim=4096, hidden=11008):
     r = {"tokens": tokens, "dim": dim, "hidden": hidden, "torchao": sparsify is not None}
     ref = None
     for name, lin in linears.items():
+
         def ffn():
             return lin(F.silu(lin(x, w1)) * lin(x, w3), w2)
 
         def fwd_bwd():
             ffn().backward(g)
+
         try:
             for _ in range(3):
                 fwd_bwd()
@@ -230,7 +262,9 @@ def bench_apply():
         "loop_mul_bool": lambda: [w.mul_(m) for w, m in zip(ws, ms)],
         "foreach_mul_bool": lambda: torch._foreach_mul_(ws, ms),
         "loop_masked_fill_inverted": lambda: [w.masked_fill_(i, 0.0) for w, i in zip(ws, inv)],
-        "loop_masked_fill_not": lambda: [w.masked_fill_(m.logical_not(), 0.0) for w, m in zip(ws, ms)],
+        "loop_masked_fill_not": lambda: [
+            w.masked_fill_(m.logical_not(), 0.0) for w, m in zip(ws, ms)
+        ],
     }
     n = sum(w.numel() for w in ws)
     r = {"weights": n}
@@ -240,7 +274,7 @@ def bench_apply():
                 fn()
             t = median([cuda_ms(fn) for _ in range(7)])
             r[name + "_ms"] = t
-            r[name + "_GBps"] = n * 9 / t / 1e6                  # 4 B read + 4 B write + 1 B mask
+            r[name + "_GBps"] = n * 9 / t / 1e6  # 4 B read + 4 B write + 1 B mask
         except Exception as e:
             r[name + "_error"] = f"{type(e).__name__}: {str(e)[:150]}"
     print(json.dumps(r), flush=True)
@@ -259,11 +293,23 @@ def main():
     ap.add_argument("--update-every", type=int, default=100)
     ap.add_argument("--skip-semi", action="store_true")
     ap.add_argument("--skip-apply", action="store_true")
-    ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, the 1B section only (checks the script)")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU, a tiny model, the 1B section only (checks the script)",
+    )
     a = ap.parse_args()
     variants = [v for v in a.variants.split(",") if v]
     if a.smoke:
-        tiny = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=64)
+        tiny = ModelConfig(
+            vocab_size=256,
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            ffn_hidden=128,
+            max_seq_len=64,
+        )
         res = {"one_b": bench_1b(variants, 2, 32, 2, 4, tiny, "cpu")}
     else:
         res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}

@@ -13,6 +13,7 @@ the same MoE weights and tokens through three paths:
 Reports medians of CUDA-event timings after warm-up, the ratios to ``plain`` and the max abs difference
 of outputs against ``plain``. Timing helpers are bench/moe.py's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,12 +74,18 @@ def main() -> None:
     args = ap.parse_args()
     bm.DEV = "cuda" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("nccl" if bm.DEV == "cuda" else "gloo", init_method=f"file://{d}/store",
-                                rank=0, world_size=1)
+        dist.init_process_group(
+            "nccl" if bm.DEV == "cuda" else "gloo",
+            init_method=f"file://{d}/store",
+            rank=0,
+            world_size=1,
+        )
         try:
-            results = {"torch": torch.__version__,
-                       "gpu": torch.cuda.get_device_name() if bm.DEV == "cuda" else "cpu",
-                       "rows": [run_shape(n, args.reps) for n in args.shapes.split(",")]}
+            results = {
+                "torch": torch.__version__,
+                "gpu": torch.cuda.get_device_name() if bm.DEV == "cuda" else "cpu",
+                "rows": [run_shape(n, args.reps) for n in args.shapes.split(",")],
+            }
         finally:
             dist.destroy_process_group()
     print(json.dumps(results, indent=1))

@@ -17,6 +17,7 @@ GPU, over the measured time (1.0 = the quantizer moves its bytes as fast as a co
 ``--best FILE`` writes the pair with the least total time over all operands, as ``--fp8-tiles`` of
 ``bench/moe.py`` takes it (``ar,ac,aw;cr,cc,cw``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,13 +52,26 @@ def operands(gen: torch.Generator) -> dict:
     out = {}
     for name, cols in (("x", 4096), ("h", 14336)):
         t = torch.randn(R, cols, generator=gen, device="cuda").bfloat16()
-        out[name] = (lambda tiles, t=t: f._quantize_tiles(t, offs, pends, 0, P, True, f.FP8, tiles), t, 2 + 2 + 2)
+        out[name] = (
+            lambda tiles, t=t: f._quantize_tiles(t, offs, pends, 0, P, True, f.FP8, tiles),
+            t,
+            2 + 2 + 2,
+        )
     t = torch.randn(R, 4096, generator=gen, device="cuda").bfloat16()
-    out["dy_cols"] = (lambda tiles, t=t: f._quantize_tiles(t, offs, pends, 0, P, False, f.FP8, tiles), t, 2 + 2 + 1)
+    out["dy_cols"] = (
+        lambda tiles, t=t: f._quantize_tiles(t, offs, pends, 0, P, False, f.FP8, tiles),
+        t,
+        2 + 2 + 1,
+    )
     for dtype, size in ((torch.bfloat16, 2), (torch.float32, 4)):
         w = torch.randn(E, 14336, 4096, generator=gen, device="cuda").to(dtype)
-        out[f"w_{str(dtype)[6:]}"] = (lambda tiles, w=w: f._quantize_tiles(w.view(-1, 4096), None, None, 14336, 0, True,
-                                                                           f.FP8, tiles), w, size + size + 2)
+        out[f"w_{str(dtype)[6:]}"] = (
+            lambda tiles, w=w: f._quantize_tiles(
+                w.view(-1, 4096), None, None, 14336, 0, True, f.FP8, tiles
+            ),
+            w,
+            size + size + 2,
+        )
     return out
 
 
@@ -67,9 +81,14 @@ def tiles_key(amax, cast) -> str:
 
 
 def same(a, b) -> bool:
-    return all((x is None and y is None) or torch.equal(x.view(torch.uint8) if x.dtype == f.FP8 else x,
-                                                        y.view(torch.uint8) if y.dtype == f.FP8 else y)
-               for x, y in zip(a, b))
+    return all(
+        (x is None and y is None)
+        or torch.equal(
+            x.view(torch.uint8) if x.dtype == f.FP8 else x,
+            y.view(torch.uint8) if y.dtype == f.FP8 else y,
+        )
+        for x, y in zip(a, b)
+    )
 
 
 def main():
@@ -79,16 +98,28 @@ def main():
     ap.add_argument("--best", default=None)
     args = ap.parse_args()
     check(args.reps > 0, "--reps", f"must be > 0, got {args.reps}")
-    check(torch.cuda.is_available(), "device", "bench/fp8_quant.py times CUDA kernels: no CUDA device here")
+    check(
+        torch.cuda.is_available(),
+        "device",
+        "bench/fp8_quant.py times CUDA kernels: no CUDA device here",
+    )
     import triton
-    torch.manual_seed(0)                                  # the group sizes
+
+    torch.manual_seed(0)  # the group sizes
     gen = torch.Generator(device="cuda").manual_seed(0)
-    res = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__},
-           "default": [f.AMAX_TILE, f.CAST_TILE], "operands": {}}
+    res = {
+        "env": {
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+        },
+        "default": [f.AMAX_TILE, f.CAST_TILE],
+        "operands": {},
+    }
     totals: dict = {}
     for name, (run, t, bytes_per_elem) in operands(gen).items():
         copy_ms = timeit(lambda: t.clone(), reps=args.reps)
-        copy_rate = 2 * t.numel() * t.element_size() / copy_ms       # bytes per ms
+        copy_rate = 2 * t.numel() * t.element_size() / copy_ms  # bytes per ms
         ideal = bytes_per_elem * t.numel() / copy_rate
         want = run(None)
         rows = {}
@@ -97,23 +128,33 @@ def main():
             try:
                 ok = same(run((amax, cast)), want)
                 ms = timeit(lambda: run((amax, cast)), reps=args.reps)
-            except Exception as e:                        # a tile that does not compile here is reported
+            except Exception as e:  # a tile that does not compile here is reported
                 rows[key] = {"error": f"{type(e).__name__}: {e}"[:200]}
                 continue
             rows[key] = {"ms": ms, "vs_copy": ideal / ms, "equal": ok}
             totals[key] = totals.get(key, 0.0) + (ms if ok else float("inf"))
         best = min((r["ms"], k) for k, r in rows.items() if "ms" in r)
         dflt = rows.get(tiles_key(f.AMAX_TILE, f.CAST_TILE), {})
-        res["operands"][name] = {"shape": list(t.shape), "dtype": str(t.dtype), "copy_ms": copy_ms,
-                                 "ideal_ms": ideal, "tiles": rows}
-        print(f"{name:8s} {str(tuple(t.shape)):20s} copy {copy_ms:6.3f} ms  at copy rate {ideal:6.3f} ms  "
-              f"default {dflt.get('ms', float('nan')):6.3f} ms  best {best[0]:6.3f} ms ({best[1]})", flush=True)
+        res["operands"][name] = {
+            "shape": list(t.shape),
+            "dtype": str(t.dtype),
+            "copy_ms": copy_ms,
+            "ideal_ms": ideal,
+            "tiles": rows,
+        }
+        print(
+            f"{name:8s} {str(tuple(t.shape)):20s} copy {copy_ms:6.3f} ms  at copy rate {ideal:6.3f} ms  "
+            f"default {dflt.get('ms', float('nan')):6.3f} ms  best {best[0]:6.3f} ms ({best[1]})",
+            flush=True,
+        )
         bad = [k for k, r in rows.items() if r.get("equal") is False or "error" in r]
         if bad:
             print(f"  differs from the default or failed: {bad}", flush=True)
     ranked = sorted(totals.items(), key=lambda kv: kv[1])
     res["ranked_total_ms"] = ranked
-    print("total over the operands, best 8:", *(f"  {k}: {v:.3f} ms" for k, v in ranked[:8]), sep="\n")
+    print(
+        "total over the operands, best 8:", *(f"  {k}: {v:.3f} ms" for k, v in ranked[:8]), sep="\n"
+    )
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)

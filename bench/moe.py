@@ -21,6 +21,7 @@ Per shape, in one process:
     clock and power.
 TFLOP/s count the routed-expert GEMMs only: 3 GEMMs x 2*T*K*D*H FLOPs, x3 for forward+backward.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,9 +47,13 @@ from moezoo.kernels.moe_swiglu import swiglu_reference  # noqa: E402
 SHAPES = {  # T tokens, D model dim, H expert hidden, E experts, K top-k
     "mixtral": dict(T=16384, D=4096, H=14336, E=8, K=2),
     "fine": dict(T=16384, D=4096, H=1024, E=64, K=8),
-    "small": dict(T=32768, D=512, H=704, E=8, K=2),   # the dim-512 MoE of bench/train_moe.py (seq 1024 x batch 32)
-    "olmoe": dict(T=16384, D=2048, H=1024, E=64, K=8),   # bench/torchtitan_moe.py's layer (OLMoE-1B-7B), 16k tokens
-    "tiny": dict(T=256, D=64, H=96, E=8, K=2),        # smoke test of this script (also on CPU)
+    "small": dict(
+        T=32768, D=512, H=704, E=8, K=2
+    ),  # the dim-512 MoE of bench/train_moe.py (seq 1024 x batch 32)
+    "olmoe": dict(
+        T=16384, D=2048, H=1024, E=64, K=8
+    ),  # bench/torchtitan_moe.py's layer (OLMoE-1B-7B), 16k tokens
+    "tiny": dict(T=256, D=64, H=96, E=8, K=2),  # smoke test of this script (also on CPU)
 }
 DEV = "cuda"
 
@@ -65,7 +70,9 @@ VARIANTS = {
     "ours_eager_swiglu": {(moe_experts, "swiglu"): swiglu_reference},
     "ours_fp32_router": {"low_precision_router": False},
     "ours_unfused_permute": {"fuse_permute": False},
-    "ours_fp8": {"precision": "fp8"},     # model.moe.precision: rowwise-scaled e4m3 expert GEMMs (kernels.moe_fp8)
+    "ours_fp8": {
+        "precision": "fp8"
+    },  # model.moe.precision: rowwise-scaled e4m3 expert GEMMs (kernels.moe_fp8)
     # the weight gradients' row split (kernels.grouped_wgrad) forced to S parts; "ours" picks S itself
     **{f"ours_wgrad_split{s}": {(grouped_wgrad, "SPLITS"): s} for s in (1, 2, 4)},
 }
@@ -75,22 +82,30 @@ def torchao_fp8_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
     """x [N, in] -> [N, out] = x w[e]^T through torchao's FP8 rowwise MoE training op (its own Triton
     quantizers, torch._scaled_grouped_mm); needs every group a multiple of 16 rows (group_align 16)."""
     from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
-    return _to_fp8_rowwise_then_scaled_grouped_mm(x, w.transpose(-2, -1), offs, pad_token_groups_for_grouped_mm=False)
+
+    return _to_fp8_rowwise_then_scaled_grouped_mm(
+        x, w.transpose(-2, -1), offs, pad_token_groups_for_grouped_mm=False
+    )
 
 
 def torchao_gate_up(x, w1, w3, offs, inv=None, num_rows=0, zero_fill=False, fp8=False):
     """kernels.moe_gate_up.gate_up's contract with torchao's FP8 GEMMs (the peer's path: x quantized once per
     GEMM, the permute's backward a separate pass)."""
     from moezoo.kernels.moe_permute import moe_permute
+
     xs = x if inv is None else moe_permute(x, inv, num_rows, zero_fill)
     return torchao_fp8_mm(xs, w1, offs), torchao_fp8_mm(xs, w3, offs)
 
 
 # torchao 0.18's prototype MoE FP8 training path (issue 16 item 4 asks for both measured): our layer with
 # groups padded to 16 rows (its requirement) and its expert GEMMs swapped for torchao's op.
-VARIANTS["torchao_fp8"] = {"precision": "fp8", "group_align": 16, (moe_experts, "gate_up"): torchao_gate_up,
-                           (moe_experts, "fp8_grouped_linear"): torchao_fp8_mm}
-FP8_REL_ERR = 0.1    # normwise, against float32: e4m3 keeps 3 mantissa bits (~0.066 through the layer's 3 GEMMs)
+VARIANTS["torchao_fp8"] = {
+    "precision": "fp8",
+    "group_align": 16,
+    (moe_experts, "gate_up"): torchao_gate_up,
+    (moe_experts, "fp8_grouped_linear"): torchao_fp8_mm,
+}
+FP8_REL_ERR = 0.1  # normwise, against float32: e4m3 keeps 3 mantissa bits (~0.066 through the layer's 3 GEMMs)
 
 
 @contextlib.contextmanager
@@ -129,6 +144,7 @@ def time_interleaved(steps: dict, reps: int, warmup: int = 3, queued: bool = Fal
     behind the previous step's kernels, as a layer's do inside a model: a sync-free layer shows no
     launch gaps, one that reads back from the GPU still pays its stall. On CPU: wall-clock per rep.
     """
+
     def run(name):
         step, before = steps[name]
         if before:
@@ -171,10 +187,11 @@ def dense_gemm_step(T, D, H, K):
     w_in, w_out = r(D, H), r(H, D)
 
     def step():
-        torch.mm(xs, w_in), torch.mm(xs, w_in), torch.mm(h, w_out)             # gate, up, down
-        torch.mm(dy, w_out.t()), torch.mm(h.t(), dy)                            # down: dh, dw2
-        torch.mm(h, w_in.t()), torch.mm(h, w_in.t())                            # gate/up: dxs
-        torch.mm(xs.t(), h), torch.mm(xs.t(), h)                                # gate/up: dw1, dw3
+        torch.mm(xs, w_in), torch.mm(xs, w_in), torch.mm(h, w_out)  # gate, up, down
+        torch.mm(dy, w_out.t()), torch.mm(h.t(), dy)  # down: dh, dw2
+        torch.mm(h, w_in.t()), torch.mm(h, w_in.t())  # gate/up: dxs
+        torch.mm(xs.t(), h), torch.mm(xs.t(), h)  # gate/up: dw1, dw3
+
     return step
 
 
@@ -190,7 +207,7 @@ def allocator_and_clocks(step, reps: int = 5, before=None) -> dict:
     def nvml(fn):
         try:
             return fn()
-        except Exception as e:        # NVML (pynvml) missing on the image: report, do not fail the bench
+        except Exception as e:  # NVML (pynvml) missing on the image: report, do not fail the bench
             return f"unavailable ({type(e).__name__})"
 
     def median(xs):
@@ -199,7 +216,10 @@ def allocator_and_clocks(step, reps: int = 5, before=None) -> dict:
 
     torch.cuda.synchronize()
     m0 = torch.cuda.memory_stats()
-    out = {"sm_clock_before": nvml(torch.cuda.clock_rate), "power_before": nvml(torch.cuda.power_draw)}
+    out = {
+        "sm_clock_before": nvml(torch.cuda.clock_rate),
+        "power_before": nvml(torch.cuda.power_draw),
+    }
     clocks, power = [], []
     for _ in range(reps):
         if before:
@@ -224,15 +244,18 @@ def dense_rate(M, D, H, reps) -> float:
 
 def in_variant(name: str, moe: MoE, step):
     """``step`` run under VARIANTS[name]'s overrides of ``moe``."""
+
     def run():
         with variant(name, moe):
             step()
+
     return run
 
 
 def fwd_bwd(module, x, dy):
     def step():
         module(x).backward(dy)
+
     return step
 
 
@@ -244,6 +267,7 @@ def zero_grads(*mods_and_tensors):
             else:
                 for p in m.parameters():
                     p.grad = None
+
     return f
 
 
@@ -257,13 +281,20 @@ def grads_of(moe, x, dy):
     x = x.detach().clone().requires_grad_()
     y = moe(x)
     y.backward(dy.to(y.dtype))
-    return {"y": y.detach(), "dx": x.grad, "dgate": moe.gate.weight.grad,
-            "dw1": moe.experts.w1.grad, "dw2": moe.experts.w2.grad, "dw3": moe.experts.w3.grad}
+    return {
+        "y": y.detach(),
+        "dx": x.grad,
+        "dgate": moe.gate.weight.grad,
+        "dw1": moe.experts.w1.grad,
+        "dw2": moe.experts.w2.grad,
+        "dw3": moe.experts.w3.grad,
+    }
 
 
 def megablocks_peer(moe):
     """A megablocks dMoE holding a copy of ``moe``'s weights (bf16, grouped GEMM)."""
     from moezoo.layers.moe.megablocks import build_dmoe, megablocks_params
+
     dmoe = build_dmoe(moe.dim, moe.hidden_dim, moe.num_experts, moe.top_k, torch.device(DEV))
     with torch.no_grad():
         for name, t in megablocks_params(moe).items():
@@ -279,19 +310,27 @@ def profile_step(step, before, path: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from moezoo.training.profile import device_gaps
+
     for _ in range(2):
         before()
         step()
     before()
-    with profile(activities=[ProfilerActivity.CUDA if DEV == "cuda" else ProfilerActivity.CPU]) as prof:
+    with profile(
+        activities=[ProfilerActivity.CUDA if DEV == "cuda" else ProfilerActivity.CPU]
+    ) as prof:
         step()
         if DEV == "cuda":
             torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by=f"{'cuda' if DEV == 'cuda' else 'cpu'}_time_total", row_limit=30)
+    table = prof.key_averages().table(
+        sort_by=f"{'cuda' if DEV == 'cuda' else 'cpu'}_time_total", row_limit=30
+    )
     if DEV == "cuda":
         span, idle, gaps = device_gaps(prof.events(), top=5)
-        table += (f"\ndevice idle {idle / 1e3:.2f} ms of the {span / 1e3:.2f} ms from the first kernel to the last; "
-                  "largest gaps:\n" + "".join(f"  {us / 1e3:.3f} ms after {a[:60]} before {b[:60]}\n" for us, a, b in gaps))
+        table += (
+            f"\ndevice idle {idle / 1e3:.2f} ms of the {span / 1e3:.2f} ms from the first kernel to the last; "
+            "largest gaps:\n"
+            + "".join(f"  {us / 1e3:.3f} ms after {a[:60]} before {b[:60]}\n" for us, a, b in gaps)
+        )
     with open(path, "w") as f:
         f.write(table)
     print(path, table, sep="\n", flush=True)
@@ -315,15 +354,24 @@ def bench_shape(name, T, D, H, E, K, reps, profile_dir=None, skip=(), only=None)
     plain = grads_of(ref16, x, dy)
     res["rel_err_bf16_torch"] = {k: rel(plain[k], want[k]) for k in want}
     del plain
-    print(name, "rel err bf16 torch", {k: f"{v:.2e}" for k, v in res["rel_err_bf16_torch"].items()}, flush=True)
+    print(
+        name,
+        "rel err bf16 torch",
+        {k: f"{v:.2e}" for k, v in res["rel_err_bf16_torch"].items()},
+        flush=True,
+    )
     res["rel_err"], res["within_2x_torch"], res["variant_errors"] = {}, {}, {}
     variants = [v for v in (only or VARIANTS) if v == "ours" or v not in skip]
-    for v in variants:                     # compiles the routing stage (outside the timings)
+    for v in variants:  # compiles the routing stage (outside the timings)
         try:
             with variant(v, moe):
                 got = grads_of(moe, x, dy)
-        except Exception as e:             # one broken variant must not cost the others' numbers
-            frames = [ln.strip() for ln in traceback.format_exc().splitlines() if ln.strip().startswith("File")]
+        except Exception as e:  # one broken variant must not cost the others' numbers
+            frames = [
+                ln.strip()
+                for ln in traceback.format_exc().splitlines()
+                if ln.strip().startswith("File")
+            ]
             where = " <- ".join(frames[-3:])
             res["variant_errors"][v] = f"{type(e).__name__}: {e} (at {where})"
             print(name, v, "failed:", res["variant_errors"][v], flush=True)
@@ -331,20 +379,38 @@ def bench_shape(name, T, D, H, E, K, reps, profile_dir=None, skip=(), only=None)
         res["rel_err"][v] = {k: rel(got[k], want[k]) for k in want}
         del got
         if VARIANTS[v].get("precision") == "fp8":
-            res.setdefault("within_fp8_error", {})[v] = ok = all(e < FP8_REL_ERR for e in res["rel_err"][v].values())
+            res.setdefault("within_fp8_error", {})[v] = ok = all(
+                e < FP8_REL_ERR for e in res["rel_err"][v].values()
+            )
             verdict = f"within FP8 error (< {FP8_REL_ERR}): {ok}"
         else:
-            res["within_2x_torch"][v] = ok = all(res["rel_err"][v][k] <= 2 * res["rel_err_bf16_torch"][k] + 1e-6
-                                                 for k in want)
+            res["within_2x_torch"][v] = ok = all(
+                res["rel_err"][v][k] <= 2 * res["rel_err_bf16_torch"][k] + 1e-6 for k in want
+            )
             verdict = f"within 2x bf16 torch: {ok}"
-        print(name, "rel err", v, {k: f"{e:.2e}" for k, e in res["rel_err"][v].items()}, verdict, flush=True)
+        print(
+            name,
+            "rel err",
+            v,
+            {k: f"{e:.2e}" for k, e in res["rel_err"][v].items()},
+            verdict,
+            flush=True,
+        )
 
     # (2) timings: the torch reference alone (slow), then every other contender round-robin
     # (time_interleaved: same power state), waited-for and queued.
     zg = zero_grads(moe, x)
-    t = {"torch_reference": time_ms(fwd_bwd(ref16, x, dy), max(3, reps // 4), before=zero_grads(ref16, x))}
+    t = {
+        "torch_reference": time_ms(
+            fwd_bwd(ref16, x, dy), max(3, reps // 4), before=zero_grads(ref16, x)
+        )
+    }
     del ref16
-    contenders = {v: (in_variant(v, moe, fwd_bwd(moe, x, dy)), zg) for v in variants if v not in res["variant_errors"]}
+    contenders = {
+        v: (in_variant(v, moe, fwd_bwd(moe, x, dy)), zg)
+        for v in variants
+        if v not in res["variant_errors"]
+    }
     try:
         dmoe = megablocks_peer(moe)
         xm = x.detach().unsqueeze(1).requires_grad_()
@@ -354,12 +420,13 @@ def bench_shape(name, T, D, H, E, K, reps, profile_dir=None, skip=(), only=None)
         def mb_step():
             dmoe(xm).backward(dy.unsqueeze(1))
             clear_load_balancing_loss()
+
         contenders["megablocks"] = (mb_step, zero_grads(dmoe, xm))
         mb_backend = MoE(D, H, E, K, backend="megablocks").to(DEV).to(torch.bfloat16)
         mb_backend.load_state_dict(moe.state_dict())
         res["rel_err_megablocks_backend"] = rel(grads_of(mb_backend, x, dy)["y"], want["y"])
         del mb_backend
-    except Exception as e:                           # megablocks absent or broken: report, keep going
+    except Exception as e:  # megablocks absent or broken: report, keep going
         res["megablocks_error"] = f"{type(e).__name__}: {e}"
         print(name, "megablocks:", res["megablocks_error"], flush=True)
     del want
@@ -368,8 +435,10 @@ def bench_shape(name, T, D, H, E, K, reps, profile_dir=None, skip=(), only=None)
     t.update({k + "_queued": v for k, v in time_interleaved(contenders, reps, queued=True).items()})
     # every contender's clocks and power under its own load (the FP8 steps' kernels ran 4.3 ms slower timed
     # back to back than in one profiled step, bf16's 1.0 ms: BENCHMARKS.md, session 28)
-    res["step_waits"] = {k: allocator_and_clocks(step, reps=max(5, reps // 2), before=before)
-                         for k, (step, before) in contenders.items()}
+    res["step_waits"] = {
+        k: allocator_and_clocks(step, reps=max(5, reps // 2), before=before)
+        for k, (step, before) in contenders.items()
+    }
     for k, w in res["step_waits"].items():
         print(name, k, "step waits", w, flush=True)
     contenders.clear()
@@ -377,17 +446,25 @@ def bench_shape(name, T, D, H, E, K, reps, profile_dir=None, skip=(), only=None)
     res["tflops"] = {k: res["flops"] / v / 1e9 for k, v in t.items()}
     # "/dense": the time of the same GEMMs as plain torch.mm, timed beside ours in the same mode
     res["dense_gemm_tflops"] = res["tflops"]["dense_gemm_step"]
-    res["frac_of_dense"] = {k: t["dense_gemm_step_queued" if k.endswith("_queued") else "dense_gemm_step"] / v
-                            for k, v in t.items()}
-    res["dense_burst_tflops"] = dense_rate(T * K, D, H, reps)   # one GEMM after a pause: full clocks
+    res["frac_of_dense"] = {
+        k: t["dense_gemm_step_queued" if k.endswith("_queued") else "dense_gemm_step"] / v
+        for k, v in t.items()
+    }
+    res["dense_burst_tflops"] = dense_rate(T * K, D, H, reps)  # one GEMM after a pause: full clocks
     if "megablocks" in t:
-        res["speedup_vs_megablocks"] = {k: t["megablocks_queued" if k.endswith("_queued") else "megablocks"] / v
-                                        for k, v in t.items()}
+        res["speedup_vs_megablocks"] = {
+            k: t["megablocks_queued" if k.endswith("_queued") else "megablocks"] / v
+            for k, v in t.items()
+        }
 
     if profile_dir:
         for v in variants:
             if v not in res["variant_errors"]:
-                profile_step(in_variant(v, moe, fwd_bwd(moe, x, dy)), zg, os.path.join(profile_dir, f"profile_{name}_{v}.txt"))
+                profile_step(
+                    in_variant(v, moe, fwd_bwd(moe, x, dy)),
+                    zg,
+                    os.path.join(profile_dir, f"profile_{name}_{v}.txt"),
+                )
     return res
 
 
@@ -398,20 +475,34 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, help="folder for per-shape profiler tables")
     ap.add_argument("--device", default="cuda", help="cpu only smoke-tests this script")
-    ap.add_argument("--skip", default="", help="comma list of our variants to leave out, e.g. ours_align16")
-    ap.add_argument("--only", default="", help="comma list of our variants to run (default: all), e.g. ours,ours_fp8")
-    ap.add_argument("--fp8-tiles", default="", help="the FP8 quantizers' tiles, 'ar,ac,aw;cr,cc,cw' (rows, "
-                    "columns, warps of the amax and the cast pass; bench/fp8_quant.py --best writes it)")
+    ap.add_argument(
+        "--skip", default="", help="comma list of our variants to leave out, e.g. ours_align16"
+    )
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma list of our variants to run (default: all), e.g. ours,ours_fp8",
+    )
+    ap.add_argument(
+        "--fp8-tiles",
+        default="",
+        help="the FP8 quantizers' tiles, 'ar,ac,aw;cr,cc,cw' (rows, "
+        "columns, warps of the amax and the cast pass; bench/fp8_quant.py --best writes it)",
+    )
     args = ap.parse_args()
     # every choice checked before the GPU is touched: a bad one is one line and exit 2
     if args.fp8_tiles:
         from moezoo.kernels import moe_fp8
+
         try:
             tiles = [tuple(int(v) for v in part.split(",")) for part in args.fp8_tiles.split(";")]
         except ValueError:
             tiles = []
-        check([len(t) for t in tiles] == [3, 3], "--fp8-tiles",
-              f"expected 'ar,ac,aw;cr,cc,cw' (six integers), got {args.fp8_tiles!r}")
+        check(
+            [len(t) for t in tiles] == [3, 3],
+            "--fp8-tiles",
+            f"expected 'ar,ac,aw;cr,cc,cw' (six integers), got {args.fp8_tiles!r}",
+        )
         moe_fp8.AMAX_TILE, moe_fp8.CAST_TILE = tiles
     shapes = choice_list(args.shapes, tuple(SHAPES), "--shapes")
     only = tuple(choice_list(args.only, tuple(VARIANTS), "--only")) if args.only else None
@@ -421,35 +512,58 @@ def main():
     global DEV
     DEV = args.device
     if args.profile:
-        os.makedirs(args.profile, exist_ok=True)     # before the timings: a missing folder lost them once
+        os.makedirs(
+            args.profile, exist_ok=True
+        )  # before the timings: a missing folder lost them once
     import triton
-    env = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else DEV, "torch": torch.__version__,
-           "cuda": torch.version.cuda, "triton": triton.__version__}
+
+    env = {
+        "gpu": torch.cuda.get_device_name() if DEV == "cuda" else DEV,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+    }
     try:
         import megablocks
+
         env["megablocks"] = getattr(megablocks, "__version__", "installed")
     except Exception as e:
         env["megablocks"] = f"unavailable ({type(e).__name__})"
-    n = 8192 if DEV == "cuda" else 256   # the GPU's square-GEMM rate; on CPU (a smoke test) a size that runs in ms
-    out = {"env": env, "dense_square_gemm": n, "dense_square_tflops": dense_rate(n, n, n, args.reps), "shapes": {}}
+    n = (
+        8192 if DEV == "cuda" else 256
+    )  # the GPU's square-GEMM rate; on CPU (a smoke test) a size that runs in ms
+    out = {
+        "env": env,
+        "dense_square_gemm": n,
+        "dense_square_tflops": dense_rate(n, n, n, args.reps),
+        "shapes": {},
+    }
     print(env, f"dense {n}^3:", f"{out['dense_square_tflops']:.0f} TFLOP/s", flush=True)
     for name in shapes:
-        out["shapes"][name] = bench_shape(name, **SHAPES[name], reps=args.reps, profile_dir=args.profile,
-                                        skip=skip, only=only)
+        out["shapes"][name] = bench_shape(
+            name, **SHAPES[name], reps=args.reps, profile_dir=args.profile, skip=skip, only=only
+        )
         if DEV == "cuda":
             torch.cuda.empty_cache()
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
-    print(f"\n{'shape':8s} {'variant':30s} {'ms':>8s} {'TFLOP/s':>8s} {'/dense':>7s} {'vs mb':>6s} {'MHz':>6s} {'W':>5s}")
+    print(
+        f"\n{'shape':8s} {'variant':30s} {'ms':>8s} {'TFLOP/s':>8s} {'/dense':>7s} {'vs mb':>6s} {'MHz':>6s} {'W':>5s}"
+    )
     for name, r in out["shapes"].items():
         for k, ms in r["ms"].items():
             sp = r.get("speedup_vs_megablocks", {}).get(k, float("nan"))
-            w = r["step_waits"].get(k, {})        # SM clock and power under the contender's own load
+            w = r["step_waits"].get(k, {})  # SM clock and power under the contender's own load
             mhz, mw = w.get("sm_clock_under_load"), w.get("power_under_load")
-            load = (f" {mhz:6.0f} {mw / 1e3:5.0f}" if isinstance(mhz, (int, float)) and isinstance(mw, (int, float))
-                    else "")
-            print(f"{name:8s} {k:30s} {ms:8.2f} {r['tflops'][k]:8.0f} {r['frac_of_dense'][k]:7.3f} {sp:6.2f}{load}")
+            load = (
+                f" {mhz:6.0f} {mw / 1e3:5.0f}"
+                if isinstance(mhz, (int, float)) and isinstance(mw, (int, float))
+                else ""
+            )
+            print(
+                f"{name:8s} {k:30s} {ms:8.2f} {r['tflops'][k]:8.0f} {r['frac_of_dense'][k]:7.3f} {sp:6.2f}{load}"
+            )
         print(f"{name:8s} {'dense GEMM, one burst':30s} {'':8s} {r['dense_burst_tflops']:8.0f}")
 
 

@@ -7,6 +7,7 @@ CPU: counts leaf aten ops that touch data (metadata-only ops such as view / empt
 for the compiled stage the kernels inductor generated. CUDA: counts GPU kernels in the trace.
 One line per variant: forward, backward, total.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,13 +22,39 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moezoo.layers.moe.routing_stage import RoutingSpec, compiled_routing_stage, routing_stage  # noqa: E402
 
 # aten ops that launch no kernel (metadata, allocation, autograd bookkeeping).
-NO_KERNEL = {"aten::view", "aten::reshape", "aten::_unsafe_view", "aten::as_strided", "aten::empty",
-             "aten::empty_strided", "aten::empty_like", "aten::detach", "aten::detach_", "aten::t",
-             "aten::transpose", "aten::expand", "aten::select", "aten::slice", "aten::unsqueeze",
-             "aten::squeeze", "aten::alias", "aten::resolve_conj", "aten::resolve_neg", "aten::lift_fresh",
-             "aten::result_type", "aten::is_nonzero", "aten::_local_scalar_dense", "aten::item",
-             "aten::permute", "aten::chunk", "aten::split", "aten::unbind", "aten::contiguous", "aten::to",
-             "aten::_to_copy_meta"}
+NO_KERNEL = {
+    "aten::view",
+    "aten::reshape",
+    "aten::_unsafe_view",
+    "aten::as_strided",
+    "aten::empty",
+    "aten::empty_strided",
+    "aten::empty_like",
+    "aten::detach",
+    "aten::detach_",
+    "aten::t",
+    "aten::transpose",
+    "aten::expand",
+    "aten::select",
+    "aten::slice",
+    "aten::unsqueeze",
+    "aten::squeeze",
+    "aten::alias",
+    "aten::resolve_conj",
+    "aten::resolve_neg",
+    "aten::lift_fresh",
+    "aten::result_type",
+    "aten::is_nonzero",
+    "aten::_local_scalar_dense",
+    "aten::item",
+    "aten::permute",
+    "aten::chunk",
+    "aten::split",
+    "aten::unbind",
+    "aten::contiguous",
+    "aten::to",
+    "aten::_to_copy_meta",
+}
 
 
 def count(prof, device: str) -> int:
@@ -38,7 +65,7 @@ def count(prof, device: str) -> int:
         if not e.name.startswith("aten::") or e.name in NO_KERNEL:
             continue
         if any(c.name.startswith("aten::") and c.name not in NO_KERNEL for c in e.cpu_children):
-            continue                                  # composite: its children are counted
+            continue  # composite: its children are counted
         n += 1
     return n
 
@@ -51,7 +78,7 @@ def loss_of(r):
 
 def measure(fn, logits, spec, device):
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    for _ in range(2):                                   # compile / warm up
+    for _ in range(2):  # compile / warm up
         r = fn(logits, None, spec)
         torch.autograd.grad(loss_of(r), logits)
     if device == "cuda":
@@ -75,17 +102,24 @@ def main():
     ap.add_argument("--E", type=int, default=64)
     ap.add_argument("--K", type=int, default=8)
     args = ap.parse_args()
-    spec = RoutingSpec("softmax", args.K, False, True, args.E, 0.01, 0.001, None, 1, True, True, row_weights=True)
+    spec = RoutingSpec(
+        "softmax", args.K, False, True, args.E, 0.01, 0.001, None, 1, True, True, row_weights=True
+    )
     logits = torch.randn(args.T, args.E, device=args.device, requires_grad=True)
     from torch._inductor import metrics
+
     metrics.reset()
     variants = {"eager": routing_stage, "compiled": compiled_routing_stage("inductor", spec)}
-    print(f"routing stage, T={args.T} E={args.E} K={args.K}, {args.device}: "
-          f"{'kernels' if args.device == 'cuda' else 'leaf aten ops'} forward / backward / total")
+    print(
+        f"routing stage, T={args.T} E={args.E} K={args.K}, {args.device}: "
+        f"{'kernels' if args.device == 'cuda' else 'leaf aten ops'} forward / backward / total"
+    )
     for name, fn in variants.items():
         f, b = measure(fn, logits, spec, args.device)
         print(f"  {name:9s} {f:4d} {b:4d} {f + b:4d}")
-    print(f"  (inductor generated {metrics.generated_kernel_count} kernels for the compiled forward + backward)")
+    print(
+        f"  (inductor generated {metrics.generated_kernel_count} kernels for the compiled forward + backward)"
+    )
 
 
 if __name__ == "__main__":

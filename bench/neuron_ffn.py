@@ -15,6 +15,7 @@ Per shape (T tokens, D dim, H hidden, G groups, K groups per token), in one proc
     ``train.compile_mode: reduce-overhead`` does; each is compared with the other (``x dense``).
 TFLOP/s: dense 3 GEMMs x 2*T*D*H x3 (fwd+bwd); sparse the same x K/G (the groups computed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,7 @@ from moezoo.layers import NeuronRoutedFFN, SwiGLU  # noqa: E402
 SHAPES = {  # 25% of the groups (K/G = 4/16); H as LLaMA's 8/3 D rounded to 256 (1B- and 7B-like)
     "d2048": dict(T=16384, D=2048, H=5632, G=16, K=4),
     "d4096": dict(T=16384, D=4096, H=11008, G=16, K=4),
-    "tiny": dict(T=256, D=64, H=128, G=8, K=2),        # smoke test of this script (also on CPU)
+    "tiny": dict(T=256, D=64, H=128, G=8, K=2),  # smoke test of this script (also on CPU)
 }
 
 
@@ -45,6 +46,7 @@ def ffn_flops(T, D, H):
 def fwd_bwd(module, x, dy):
     def step():
         module(x).backward(dy)
+
     return step
 
 
@@ -53,6 +55,7 @@ def zero_grads(module, x):
         x.grad = None
         for p in module.parameters():
             p.grad = None
+
     return f
 
 
@@ -61,8 +64,13 @@ def grads_of(m, x, dy):
     x = x.detach().clone().requires_grad_()
     y = m(x)
     y.backward(dy.to(y.dtype))
-    return {"y": y.detach(), "dx": x.grad, "dw1": m.experts.w1.grad, "dw2": m.experts.w2.grad,
-            "dw3": m.experts.w3.grad}
+    return {
+        "y": y.detach(),
+        "dx": x.grad,
+        "dw1": m.experts.w1.grad,
+        "dw2": m.experts.w2.grad,
+        "dw3": m.experts.w3.grad,
+    }
 
 
 def graphed(module, x):
@@ -70,9 +78,14 @@ def graphed(module, x):
     with the reason printed when capture fails (the other contenders still run)."""
     try:
         # allow_unused_input: a sparse step's output does not depend on the router weight (top-k indices)
-        return torch.cuda.make_graphed_callables(copy.deepcopy(module), (x,), allow_unused_input=True)
+        return torch.cuda.make_graphed_callables(
+            copy.deepcopy(module), (x,), allow_unused_input=True
+        )
     except Exception as e:  # noqa: BLE001 - report, keep the eager numbers
-        print(f"CUDA graph capture of {type(module).__name__} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        print(
+            f"CUDA graph capture of {type(module).__name__} failed: {type(e).__name__}: {str(e)[:300]}",
+            flush=True,
+        )
         return None
 
 
@@ -84,8 +97,11 @@ def neuron(D, H, G, K, backend, dev, dtype, sparse=True):
 
 def bench_shape(name, T, D, H, G, K, reps, dev) -> dict:
     bf = torch.bfloat16
-    res = {"shape": dict(T=T, D=D, H=H, G=G, K=K), "flops_dense": ffn_flops(T, D, H),
-           "flops_sparse": ffn_flops(T, D, H) * K / G}
+    res = {
+        "shape": dict(T=T, D=D, H=H, G=G, K=K),
+        "flops_dense": ffn_flops(T, D, H),
+        "flops_sparse": ffn_flops(T, D, H) * K / G,
+    }
     torch.manual_seed(0)
     ours = neuron(D, H, G, K, "grouped", dev, bf)
     x = torch.randn(T, D, device=dev, dtype=bf, requires_grad=True)
@@ -102,17 +118,28 @@ def bench_shape(name, T, D, H, G, K, reps, dev) -> dict:
     got = grads_of(ours, x, dy)
     res["rel_err_bf16_torch"] = {k: rel(plain[k], want[k]) for k in want}
     res["rel_err"] = {k: rel(got[k], want[k]) for k in want}
-    res["within_2x_torch"] = all(res["rel_err"][k] <= 2 * res["rel_err_bf16_torch"][k] + 1e-6 for k in want)
-    print(name, "rel err", {k: f"{v:.2e}" for k, v in res["rel_err"].items()}, "bf16 torch",
-          {k: f"{v:.2e}" for k, v in res["rel_err_bf16_torch"].items()}, "within 2x:", res["within_2x_torch"],
-          flush=True)
+    res["within_2x_torch"] = all(
+        res["rel_err"][k] <= 2 * res["rel_err_bf16_torch"][k] + 1e-6 for k in want
+    )
+    print(
+        name,
+        "rel err",
+        {k: f"{v:.2e}" for k, v in res["rel_err"].items()},
+        "bf16 torch",
+        {k: f"{v:.2e}" for k, v in res["rel_err_bf16_torch"].items()},
+        "within 2x:",
+        res["within_2x_torch"],
+        flush=True,
+    )
     del plain, got, want
 
     dense = SwiGLU(D, H).to(dev, bf)
     ours_dense = neuron(D, H, G, K, "grouped", dev, bf, sparse=False)
-    contenders = {"dense": (fwd_bwd(dense, x, dy), zero_grads(dense, x)),
-                  "neuron_sparse": (fwd_bwd(ours, x, dy), zero_grads(ours, x)),
-                  "neuron_dense": (fwd_bwd(ours_dense, x, dy), zero_grads(ours_dense, x))}
+    contenders = {
+        "dense": (fwd_bwd(dense, x, dy), zero_grads(dense, x)),
+        "neuron_sparse": (fwd_bwd(ours, x, dy), zero_grads(ours, x)),
+        "neuron_dense": (fwd_bwd(ours_dense, x, dy), zero_grads(ours_dense, x)),
+    }
     if dev == "cuda":
         for key, module in (("dense_graphed", dense), ("neuron_sparse_graphed", ours)):
             g = graphed(module, x)
@@ -121,12 +148,16 @@ def bench_shape(name, T, D, H, G, K, reps, dev) -> dict:
     t = time_interleaved(contenders, reps)
     t.update({k + "_queued": v for k, v in time_interleaved(contenders, reps, queued=True).items()})
     res["ms"] = t
-    def base(k):   # graphed contenders against graphed dense, when it was captured
+
+    def base(k):  # graphed contenders against graphed dense, when it was captured
         d = "dense_graphed" if "graphed" in k and "dense_graphed" in t else "dense"
         return t[d + "_queued" if k.endswith("_queued") else d]
+
     res["speedup_vs_dense"] = {k: base(k) / v for k, v in t.items()}
-    res["tflops"] = {k: (res["flops_sparse"] if "sparse" in k else res["flops_dense"]) / v / 1e9
-                     for k, v in t.items()}
+    res["tflops"] = {
+        k: (res["flops_sparse"] if "sparse" in k else res["flops_dense"]) / v / 1e9
+        for k, v in t.items()
+    }
     return res
 
 
@@ -137,9 +168,12 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda", help="cpu only smoke-tests this script")
     args = ap.parse_args()
-    moe_bench.DEV = args.device          # time_interleaved's timer: CUDA events, or wall clock on CPU
-    env = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
-           "torch": torch.__version__, "cuda": torch.version.cuda}
+    moe_bench.DEV = args.device  # time_interleaved's timer: CUDA events, or wall clock on CPU
+    env = {
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
     out = {"env": env, "shapes": {}}
     print(env, flush=True)
     for name in args.shapes.split(","):
@@ -152,7 +186,9 @@ def main():
     print(f"\n{'shape':6s} {'contender':22s} {'ms':>8s} {'TFLOP/s':>8s} {'x dense':>8s}")
     for name, r in out["shapes"].items():
         for k, ms in r["ms"].items():
-            print(f"{name:6s} {k:22s} {ms:8.2f} {r['tflops'][k]:8.0f} {r['speedup_vs_dense'][k]:8.2f}")
+            print(
+                f"{name:6s} {k:22s} {ms:8.2f} {r['tflops'][k]:8.0f} {r['speedup_vs_dense'][k]:8.2f}"
+            )
 
 
 if __name__ == "__main__":

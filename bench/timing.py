@@ -1,5 +1,6 @@
 """CUDA-event timing shared by the bench/ scripts: ``timeit`` for one callable at a time, ``StepTimes`` for
 the steps of a training run."""
+
 from __future__ import annotations
 
 import time
@@ -42,7 +43,7 @@ class StepTimes:
 
     def __init__(self, cuda: bool):
         self.cuda, self.marks, self.read = cuda, [], 0
-        self.mark()                     # the first step's start
+        self.mark()  # the first step's start
 
     def mark(self) -> None:
         """After a step's launches."""

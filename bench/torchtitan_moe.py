@@ -36,6 +36,7 @@ test runs its forward only). On the H200 (torch 2.11, BENCHMARKS.md "Our MoE mod
 8 layers, batch 4, losses compiled: ours 87.4k tokens/s (MFU 37.5%), ours_bf16 95.1k (40.8%), torchtitan
 77.6k (33.3%), losses within 0.5% at step 30.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,22 +53,50 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.timing import StepTimes  # noqa: E402
 from moezoo.kernels.launch import to_device  # noqa: E402
 
-SHAPE = dict(dim=2048, n_heads=16, head_dim=128, experts=64, top_k=8, expert_hidden=1024, vocab=50304, seq=4096)
-SMOKE = dict(dim=64, n_heads=4, head_dim=16, experts=8, top_k=2, expert_hidden=32, vocab=512, seq=64)
+SHAPE = dict(
+    dim=2048,
+    n_heads=16,
+    head_dim=128,
+    experts=64,
+    top_k=8,
+    expert_hidden=1024,
+    vocab=50304,
+    seq=4096,
+)
+SMOKE = dict(
+    dim=64, n_heads=4, head_dim=16, experts=8, top_k=2, expert_hidden=32, vocab=512, seq=64
+)
 
 
 def our_config(s, n_layers):
     from moezoo.configs import ModelConfig, MoEConfig
-    moe = MoEConfig(num_experts=s["experts"], top_k=s["top_k"], hidden_dim=s["expert_hidden"], router="softmax",
-                    norm_topk=True, aux_loss_coef=0.0, bias_update_rate=1e-3)
-    return ModelConfig(vocab_size=s["vocab"], dim=s["dim"], n_layers=n_layers, n_heads=s["n_heads"],
-                       ffn="moe", moe=moe, max_seq_len=s["seq"], tie_embeddings=False)
+
+    moe = MoEConfig(
+        num_experts=s["experts"],
+        top_k=s["top_k"],
+        hidden_dim=s["expert_hidden"],
+        router="softmax",
+        norm_topk=True,
+        aux_loss_coef=0.0,
+        bias_update_rate=1e-3,
+    )
+    return ModelConfig(
+        vocab_size=s["vocab"],
+        dim=s["dim"],
+        n_layers=n_layers,
+        n_heads=s["n_heads"],
+        ffn="moe",
+        moe=moe,
+        max_seq_len=s["seq"],
+        tie_embeddings=False,
+    )
 
 
 def build_ours(s, n_layers, device, compile_loss=False):
     from moezoo.zoo.model import build_model, mean_cross_entropy
+
     model = build_model(our_config(s, n_layers), device)
-    if compile_loss:        # as training.loop does with train.compile
+    if compile_loss:  # as training.loop does with train.compile
         model.cross_entropy = torch.compile(mean_cross_entropy, dynamic=False)
 
     def loss_fn(x, y):
@@ -75,7 +104,9 @@ def build_ours(s, n_layers, device, compile_loss=False):
 
     def after_step():
         from moezoo.layers import moe_update_bias
+
         moe_update_bias(model)
+
     return model, list(model.layers), loss_fn, after_step
 
 
@@ -85,11 +116,14 @@ def _torch_211_stand_in():
     2.11) a stand-in dataclass lets its model code import; only this bench process sees it."""
     import dataclasses
     import torch.distributed.fsdp as fsdp
+
     if not hasattr(fsdp, "DataParallelMeshDims"):
+
         @dataclasses.dataclass(frozen=True)
         class DataParallelMeshDims:
             shard: object = None
             replicate: object = None
+
         fsdp.DataParallelMeshDims = DataParallelMeshDims
 
 
@@ -101,31 +135,75 @@ def _titan_cross_entropy(logits, y):
 def build_titan(s, n_layers, device, compile_loss=False):
     _torch_211_stand_in()
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-    from torchtitan.models.common.config_utils import (get_attention_config, make_gqa_config, make_moe_config,
-                                                       make_routed_experts_config, make_router_config)
-    from torchtitan.models.qwen3 import (_EMBEDDING_INIT, _LINEAR_INIT, Qwen3Model, Qwen3TransformerBlock,
-                                         _moe_experts_init, _qwen3_norm, _residual_output_init)
+    from torchtitan.models.common.config_utils import (
+        get_attention_config,
+        make_gqa_config,
+        make_moe_config,
+        make_routed_experts_config,
+        make_router_config,
+    )
+    from torchtitan.models.qwen3 import (
+        _EMBEDDING_INIT,
+        _LINEAR_INIT,
+        Qwen3Model,
+        Qwen3TransformerBlock,
+        _moe_experts_init,
+        _qwen3_norm,
+        _residual_output_init,
+    )
+
     D, hd = s["dim"], s["head_dim"]
     rope = CosSinRoPE.Config(dim=hd, max_seq_len=s["seq"], theta=10000.0)
-    layers = [Qwen3TransformerBlock.Config(
-        attention_norm=_qwen3_norm(D), ffn_norm=_qwen3_norm(D),
-        attention=make_gqa_config(dim=D, n_heads=s["n_heads"], n_kv_heads=s["n_heads"], head_dim=hd,
-                                  wqkv_param_init=_LINEAR_INIT, wo_param_init=_residual_output_init(n_layers),
-                                  inner_attention=get_attention_config("flex"), fuse_qkv=True, rope=rope,
-                                  qk_norm=None),
-        moe=make_moe_config(
-            num_experts=s["experts"], load_balance_coeff=1e-3,
-            router=make_router_config(dim=D, num_experts=s["experts"], gate_param_init=_LINEAR_INIT,
-                                      top_k=s["top_k"], score_func="softmax", route_norm=True),
-            routed_experts=make_routed_experts_config(dim=D, hidden_dim=s["expert_hidden"], num_experts=s["experts"],
-                                                      top_k=s["top_k"], param_init=_moe_experts_init(n_layers),
-                                                      comm_backend="standard")))
-        for _ in range(n_layers)]
+    layers = [
+        Qwen3TransformerBlock.Config(
+            attention_norm=_qwen3_norm(D),
+            ffn_norm=_qwen3_norm(D),
+            attention=make_gqa_config(
+                dim=D,
+                n_heads=s["n_heads"],
+                n_kv_heads=s["n_heads"],
+                head_dim=hd,
+                wqkv_param_init=_LINEAR_INIT,
+                wo_param_init=_residual_output_init(n_layers),
+                inner_attention=get_attention_config("flex"),
+                fuse_qkv=True,
+                rope=rope,
+                qk_norm=None,
+            ),
+            moe=make_moe_config(
+                num_experts=s["experts"],
+                load_balance_coeff=1e-3,
+                router=make_router_config(
+                    dim=D,
+                    num_experts=s["experts"],
+                    gate_param_init=_LINEAR_INIT,
+                    top_k=s["top_k"],
+                    score_func="softmax",
+                    route_norm=True,
+                ),
+                routed_experts=make_routed_experts_config(
+                    dim=D,
+                    hidden_dim=s["expert_hidden"],
+                    num_experts=s["experts"],
+                    top_k=s["top_k"],
+                    param_init=_moe_experts_init(n_layers),
+                    comm_backend="standard",
+                ),
+            ),
+        )
+        for _ in range(n_layers)
+    ]
     V = s["vocab"]
-    cfg = Qwen3Model.Config(vocab_size=V, dim=D, norm=_qwen3_norm(D), layers=layers,
-                            tok_embeddings=Embedding.Config(num_embeddings=V, embedding_dim=D,
-                                                            param_init=_EMBEDDING_INIT),
-                            lm_head=Linear.Config(in_features=D, out_features=V, param_init=_LINEAR_INIT))
+    cfg = Qwen3Model.Config(
+        vocab_size=V,
+        dim=D,
+        norm=_qwen3_norm(D),
+        layers=layers,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=V, embedding_dim=D, param_init=_EMBEDDING_INIT
+        ),
+        lm_head=Linear.Config(in_features=D, out_features=V, param_init=_LINEAR_INIT),
+    )
     with torch.device("meta"):
         model = cfg.build()
     model.to_empty(device=device)
@@ -134,15 +212,21 @@ def build_titan(s, n_layers, device, compile_loss=False):
     masks = {}
 
     def loss_fn(x, y):
-        if "m" not in masks:       # the causal BlockMask for this sequence length, shared by the batch
+        if "m" not in masks:  # the causal BlockMask for this sequence length, shared by the batch
             # built with torch's own create_block_mask: torchtitan 0.3.0's helper passes a keyword
             # (separate_full_blocks) that torch 2.11 does not take; the mask is the same causal one
             from torch.nn.attention.flex_attention import create_block_mask
+
             S = x.shape[1]
-            masks["m"] = create_block_mask(lambda b, h, q, k: q >= k, None, None, S, S, device=x.device)
+            masks["m"] = create_block_mask(
+                lambda b, h, q, k: q >= k, None, None, S, S, device=x.device
+            )
         return ce(model(x, positions=None, attention_masks=masks["m"]), y)
+
     # torchtitan's trainer compiles its loss when compiling the model (compile.components: model, loss)
-    ce = torch.compile(_titan_cross_entropy, dynamic=False) if compile_loss else _titan_cross_entropy
+    ce = (
+        torch.compile(_titan_cross_entropy, dynamic=False) if compile_loss else _titan_cross_entropy
+    )
     return model, list(model.layers.values()), loss_fn, None
 
 
@@ -151,18 +235,26 @@ def fit_check(s, n_layers, batch, device) -> dict:
     (measured order: ~1.9 GB per layer per 16k tokens at this shape, kept generous at 3 GB)."""
     from moezoo.zoo.flops import count_params, flops_per_token
     from moezoo.zoo.model import build_model
+
     cfg = our_config(s, n_layers)
     counts = count_params(build_model(cfg, "meta"))
     tokens = batch * s["seq"]
     need = 16 * counts.total + n_layers * 3e9 * tokens / 16384 + 4 * tokens * s["vocab"] * 3
-    plan = {"params": counts.total, "active": counts.active, "need_gb": need / 1e9,
-            "flops_per_token": flops_per_token(cfg, s["seq"], counts)}
+    plan = {
+        "params": counts.total,
+        "active": counts.active,
+        "need_gb": need / 1e9,
+        "flops_per_token": flops_per_token(cfg, s["seq"], counts),
+    }
     if device == "cuda":
         have = torch.cuda.get_device_properties(0).total_memory
         plan["have_gb"] = have / 1e9
         if need > 0.92 * have:
-            print(f"--layers {n_layers} --batch {batch}: needs ~{need / 1e9:.0f} GB, the GPU has "
-                  f"{have / 1e9:.0f} GB; lower --layers or --batch", file=sys.stderr)
+            print(
+                f"--layers {n_layers} --batch {batch}: needs ~{need / 1e9:.0f} GB, the GPU has "
+                f"{have / 1e9:.0f} GB; lower --layers or --batch",
+                file=sys.stderr,
+            )
             sys.exit(2)
     return plan
 
@@ -177,8 +269,10 @@ def batches(args, s, steps):
     g = np.random.default_rng(1)
     for _ in range(steps):
         starts = g.integers(0, len(data) - s["seq"] - 1, args.batch)
-        w = torch.from_numpy(np.stack([np.asarray(data[i:i + s["seq"] + 1], dtype=np.int64) for i in starts]))
-        w = w % s["vocab"]               # a smaller vocabulary than the tokenizer's (the smoke shapes)
+        w = torch.from_numpy(
+            np.stack([np.asarray(data[i : i + s["seq"] + 1], dtype=np.int64) for i in starts])
+        )
+        w = w % s["vocab"]  # a smaller vocabulary than the tokenizer's (the smoke shapes)
         yield w[:, :-1], w[:, 1:]
 
 
@@ -192,18 +286,24 @@ def train(name, build, s, args, plan) -> dict:
         # clipping factor applied inside its fused update (the same AdamW hyper-parameters as the others)
         from moezoo.training.optim import MasterAdamW, autocast_weights
         from moezoo.training.parallel import ParallelState, clip_coef, clip_grad_norm_
-        opt = master = MasterAdamW(model.parameters(), autocast_weights(model), lr=3e-4, weight_decay=0.1)
+
+        opt = master = MasterAdamW(
+            model.parameters(), autocast_weights(model), lr=3e-4, weight_decay=0.1
+        )
         one = ParallelState(1, 0, 0, torch.device(dev), 1, 1, 1)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=dev == "cuda")
     if args.compile:
         for b in blocks:
             b.compile(dynamic=False)
-    if after_step is None:      # torchtitan's aux-free bias update, through its optimizer hook
+    if after_step is None:  # torchtitan's aux-free bias update, through its optimizer hook
         try:
             import types
             from torchtitan.components.optimizer import register_moe_load_balancing_hook
-            one_gpu = types.SimpleNamespace(get_optional_mesh=lambda name: None, ep_enabled=False, tp=1)
+
+            one_gpu = types.SimpleNamespace(
+                get_optional_mesh=lambda name: None, ep_enabled=False, tp=1
+            )
             register_moe_load_balancing_hook(opt, [model], one_gpu)
         except Exception as e:  # noqa: BLE001 - report, keep the speed numbers
             print(name, "no load-balancing hook:", type(e).__name__, e, flush=True)
@@ -212,7 +312,10 @@ def train(name, build, s, args, plan) -> dict:
     # FlexAttention has no CPU backward: on CPU (the smoke test) torchtitan's model runs forward only
     forward_only = dev == "cpu" and name == "torchtitan"
     from moezoo.training.profile import StepProfiler
-    prof = StepProfiler(args.profile_at, 3, os.path.join(args.profile_dir, name), 0, torch.device(dev))
+
+    prof = StepProfiler(
+        args.profile_at, 3, os.path.join(args.profile_dir, name), 0, torch.device(dev)
+    )
     # No host sync a step, as neither trainer has one (torchtitan's reads the loss at its log steps only;
     # train.py's non-finite check stays on the device): each step's time is the device's, from an event after
     # it (bench.timing.StepTimes), and the losses are read after the run.
@@ -230,7 +333,11 @@ def train(name, build, s, args, plan) -> dict:
         if not forward_only:
             loss.backward()
             if master is not None:
-                opt.step(grad_scale=clip_coef(clip_grad_norm_(model.parameters(), 1.0, one, apply=False), 1.0))
+                opt.step(
+                    grad_scale=clip_coef(
+                        clip_grad_norm_(model.parameters(), 1.0, one, apply=False), 1.0
+                    )
+                )
             else:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
@@ -245,20 +352,33 @@ def train(name, build, s, args, plan) -> dict:
     warm = min(args.warmup, len(times) - 1)
     # the profiled steps (with the profiler's overhead) and the step after them (its interval holds the
     # profiler's export) stay out of tokens/s
-    timed = [t for i, t in enumerate(times[warm:], start=warm + 1) if not (prof.covers(i) or prof.covers(i - 1))]
+    timed = [
+        t
+        for i, t in enumerate(times[warm:], start=warm + 1)
+        if not (prof.covers(i) or prof.covers(i - 1))
+    ]
     tok_s = len(timed) * args.batch * s["seq"] / sum(timed)
-    out = {"tokens_per_s": tok_s, "losses": losses, "step_ms": [t * 1e3 for t in times],
-           "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else 0.0,
-           "params": sum(p.numel() for p in model.parameters()), "forward_only": forward_only,
-           "batch_copy": "moezoo.kernels.launch.to_device" if pinned else "Tensor.to"}   # on CUDA: pinned, queued / blocking
+    out = {
+        "tokens_per_s": tok_s,
+        "losses": losses,
+        "step_ms": [t * 1e3 for t in times],
+        "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else 0.0,
+        "params": sum(p.numel() for p in model.parameters()),
+        "forward_only": forward_only,
+        "batch_copy": "moezoo.kernels.launch.to_device" if pinned else "Tensor.to",
+    }  # on CUDA: pinned, queued / blocking
     if summary:
         out["profile"] = summary
-    if name.startswith("ours"):     # how unevenly the last step routed: its grouped GEMMs' group sizes
+    if name.startswith("ours"):  # how unevenly the last step routed: its grouped GEMMs' group sizes
         from moezoo.layers import MoE
-        loads = [m.stats["tokens_per_expert"].float() for m in model.modules() if isinstance(m, MoE)]
+
+        loads = [
+            m.stats["tokens_per_expert"].float() for m in model.modules() if isinstance(m, MoE)
+        ]
         out["expert_load_max_over_mean"] = [round((c.max() / c.mean()).item(), 2) for c in loads]
     if dev == "cuda":
         from moezoo.training.metrics import device_peak_flops
+
         peak = device_peak_flops(torch.device("cuda"))
         out["mfu"] = tok_s * plan["flops_per_token"] / peak if peak else None
     del model, opt
@@ -273,24 +393,43 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s (compilation)")
+    ap.add_argument(
+        "--warmup", type=int, default=5, help="steps left out of tokens/s (compilation)"
+    )
     ap.add_argument("--tokens", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU)")
-    ap.add_argument("--only", default="ours,torchtitan,ours_bf16",
-                    help="ours_bf16: ours with train.param_dtype=bfloat16 (training.optim.MasterAdamW)")
-    ap.add_argument("--profile-at", type=int, default=0,
-                    help="profile 3 steps from this one in both models (training.profile; 0 = off)")
-    ap.add_argument("--profile-dir", default="/tmp/torchtitan_moe_profile", help="traces and op tables, per model")
-    ap.add_argument("--feed", default="own", choices=("own", "pinned", "blocking"),
-                    help="how each batch reaches the GPU: as each trainer does (ours pinned and queued, torchtitan "
-                         "a blocking .to), or the same way for both")
+    ap.add_argument(
+        "--only",
+        default="ours,torchtitan,ours_bf16",
+        help="ours_bf16: ours with train.param_dtype=bfloat16 (training.optim.MasterAdamW)",
+    )
+    ap.add_argument(
+        "--profile-at",
+        type=int,
+        default=0,
+        help="profile 3 steps from this one in both models (training.profile; 0 = off)",
+    )
+    ap.add_argument(
+        "--profile-dir",
+        default="/tmp/torchtitan_moe_profile",
+        help="traces and op tables, per model",
+    )
+    ap.add_argument(
+        "--feed",
+        default="own",
+        choices=("own", "pinned", "blocking"),
+        help="how each batch reaches the GPU: as each trainer does (ours pinned and queued, torchtitan "
+        "a blocking .to), or the same way for both",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     s = SMOKE if args.smoke else SHAPE
     plan = fit_check(s, args.layers, args.batch, args.device)
-    print("plan", {k: round(v, 3) if isinstance(v, float) else v for k, v in plan.items()}, flush=True)
+    print(
+        "plan", {k: round(v, 3) if isinstance(v, float) else v for k, v in plan.items()}, flush=True
+    )
     res = {"plan": plan, "shape": s, "args": vars(args), "torch": torch.__version__}
     builders = {"ours": build_ours, "ours_bf16": build_ours, "torchtitan": build_titan}
     failed = []
@@ -300,6 +439,7 @@ def main():
         except Exception:  # noqa: BLE001 - one model's failure must not cost the others' numbers
             import gc
             import traceback
+
             traceback.print_exc()
             print(name, "failed", flush=True)
             failed.append(name)
@@ -308,20 +448,35 @@ def main():
                 torch.cuda.empty_cache()
             continue
         r = res[name]
-        print(name, f"{r['tokens_per_s']:.0f} tok/s", f"MFU {r.get('mfu') or 0:.3f}", f"peak {r['peak_gb']:.1f} GB",
-              f"params {r['params']}", "loss", [round(v, 3) for v in r["losses"][:: max(1, args.steps // 6)]],
-              flush=True)
+        print(
+            name,
+            f"{r['tokens_per_s']:.0f} tok/s",
+            f"MFU {r.get('mfu') or 0:.3f}",
+            f"peak {r['peak_gb']:.1f} GB",
+            f"params {r['params']}",
+            "loss",
+            [round(v, 3) for v in r["losses"][:: max(1, args.steps // 6)]],
+            flush=True,
+        )
         if "expert_load_max_over_mean" in r:
-            print(name, "last step, busiest expert's rows / mean, per layer:", r["expert_load_max_over_mean"], flush=True)
+            print(
+                name,
+                "last step, busiest expert's rows / mean, per layer:",
+                r["expert_load_max_over_mean"],
+                flush=True,
+            )
         if "profile" in r:
             from moezoo.training.profile import format_summary
+
             print(name, "profile:", format_summary(r["profile"], args.device == "cuda"), flush=True)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
     for ours in ("ours", "ours_bf16"):
         if ours in res and "torchtitan" in res:
-            print(f"{ours} / torchtitan tokens/s: {res[ours]['tokens_per_s'] / res['torchtitan']['tokens_per_s']:.3f}")
+            print(
+                f"{ours} / torchtitan tokens/s: {res[ours]['tokens_per_s'] / res['torchtitan']['tokens_per_s']:.3f}"
+            )
     if failed:
         sys.exit(f"failed: {', '.join(failed)}")
 

@@ -28,6 +28,7 @@ N steps and on Ctrl-C / SIGINT (``timeout -s INT``), and ``--resume`` continues 
 latest checkpoint under ``--out``, so a run longer than one GPU call spans two on the same machine.
 Rows go to ``DIR/train_attention.jsonl`` as they finish.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,14 +50,39 @@ class _NoSaveTrainer(Trainer):
         return ""
 
 
-def variant_config(path: str, overrides: list[str], variant: str, steps: int, out_dir: str, window: int = 2048,
-                   eval_every: int = 0, checkpoint_every: int = 0, resume: bool = False, compress_block: int = 0,
-                   score_block: int = 0, top_k: int = 0):
-    saves = [f"checkpoint.every={checkpoint_every}", "checkpoint.keep_last=1"] if checkpoint_every else []
-    cfg = load_config(path, overrides + saves + (["checkpoint.resume=true"] if resume else []) + [
-                                         f"train.steps={steps}", f"train.eval_every={eval_every or steps}",
-                                         f"train.out_dir={out_dir}/{variant}", "logging.wandb=disabled",
-                                         "logging.progress=false", f"logging.log_every={max(steps // 4, 1)}"])
+def variant_config(
+    path: str,
+    overrides: list[str],
+    variant: str,
+    steps: int,
+    out_dir: str,
+    window: int = 2048,
+    eval_every: int = 0,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+    compress_block: int = 0,
+    score_block: int = 0,
+    top_k: int = 0,
+):
+    saves = (
+        [f"checkpoint.every={checkpoint_every}", "checkpoint.keep_last=1"]
+        if checkpoint_every
+        else []
+    )
+    cfg = load_config(
+        path,
+        overrides
+        + saves
+        + (["checkpoint.resume=true"] if resume else [])
+        + [
+            f"train.steps={steps}",
+            f"train.eval_every={eval_every or steps}",
+            f"train.out_dir={out_dir}/{variant}",
+            "logging.wandb=disabled",
+            "logging.progress=false",
+            f"logging.log_every={max(steps // 4, 1)}",
+        ],
+    )
     # the preset's warm-up unless it is longer than a quarter of the run (a speed run of a few steps)
     cfg.optim.warmup_steps = min(cfg.optim.warmup_steps, max(steps // 4, 1))
     att = cfg.model.attention
@@ -64,24 +90,40 @@ def variant_config(path: str, overrides: list[str], variant: str, steps: int, ou
         att.patterns, att.minference_json = {}, None
     elif variant == "a_shape":
         bs = next((p.get("block_size", 64) for p in att.patterns.values()), 128)
-        att.patterns = {f"0-{cfg.model.n_layers - 1}:*": {"type": "a_shape", "sinks": min(128, window // 8),
-                                                          "window": window, "block_size": bs}}
+        att.patterns = {
+            f"0-{cfg.model.n_layers - 1}:*": {
+                "type": "a_shape",
+                "sinks": min(128, window // 8),
+                "window": window,
+                "block_size": bs,
+            }
+        }
     elif variant in ("query_max", "nsa"):
         if not any(dict(p).get("type") == "block_topk" for p in att.patterns.values()):
-            raise ConfigError("--variants", f"{variant} needs block_topk heads, and {path} has none")
+            raise ConfigError(
+                "--variants", f"{variant} needs block_topk heads, and {path} has none"
+            )
         nsa = {"compress": 1, **({"compress_block": compress_block} if compress_block else {})}
-        extra = {"query_max": 1, **({"score_block": score_block} if score_block else {}),
-                 **({"top_k": top_k} if top_k else {}),
-                 **(nsa if variant == "nsa" else {})}
-        att.patterns = {key: {**dict(p), **extra} if dict(p).get("type") == "block_topk" else p
-                        for key, p in att.patterns.items()}
+        extra = {
+            "query_max": 1,
+            **({"score_block": score_block} if score_block else {}),
+            **({"top_k": top_k} if top_k else {}),
+            **(nsa if variant == "nsa" else {}),
+        }
+        att.patterns = {
+            key: {**dict(p), **extra} if dict(p).get("type") == "block_topk" else p
+            for key, p in att.patterns.items()
+        }
     elif variant != "preset":
-        raise ConfigError("--variants", f"unknown {variant!r}; expected some of {','.join(VARIANTS)}")
+        raise ConfigError(
+            "--variants", f"unknown {variant!r}; expected some of {','.join(VARIANTS)}"
+        )
     return cfg.validate()
 
 
 def run_variant(cfg, variant: str, save: bool = False) -> dict:
     import torch
+
     t0 = time.perf_counter()
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
     trainer = (Trainer if save else _NoSaveTrainer)(cfg)
@@ -91,24 +133,38 @@ def run_variant(cfg, variant: str, save: bool = False) -> dict:
     steps = [r for r in rows if "tokens_per_s" in r]
     timed = steps[1:] or steps
     mean = lambda k: sum(r[k] for r in timed if k in r) / max(sum(1 for r in timed if k in r), 1)  # noqa: E731
-    out = dict(variant=variant, steps=summary["step"], tokens_per_s=round(mean("tokens_per_s")),
-               mfu=round(mean("mfu"), 4), mfu_model=round(mean("mfu_model"), 4),
-               peak_gb=round(max((r.get("mem/peak_gb", 0) for r in steps), default=0), 1),
-               val_loss=round(summary["val_history"][-1][1], 4), attn_density=round(mean("attn/density") if any("attn/density" in r for r in timed) else 1.0, 4),
-               wall_s=round(time.perf_counter() - t0, 1))
+    out = dict(
+        variant=variant,
+        steps=summary["step"],
+        tokens_per_s=round(mean("tokens_per_s")),
+        mfu=round(mean("mfu"), 4),
+        mfu_model=round(mean("mfu_model"), 4),
+        peak_gb=round(max((r.get("mem/peak_gb", 0) for r in steps), default=0), 1),
+        val_loss=round(summary["val_history"][-1][1], 4),
+        attn_density=round(
+            mean("attn/density") if any("attn/density" in r for r in timed) else 1.0, 4
+        ),
+        wall_s=round(time.perf_counter() - t0, 1),
+    )
     if any("attn/topk_entropy" in r for r in timed):
         out["topk_entropy"] = round(mean("attn/topk_entropy"), 4)
     pk = [r for r in rows if any(k.startswith("passkey/") for k in r)]
     if pk:
         out["passkey"] = {k.split("/")[1]: v for k, v in pk[-1].items() if k.startswith("passkey/")}
         # block top-k heads: did the selection hold the needle (per length, mean over layers and heads)
-        recall = {k.split("/")[1]: round(v, 3) for k, v in pk[-1].items()
-                  if k.startswith("passkey_recall/") and k.count("/") == 1}
+        recall = {
+            k.split("/")[1]: round(v, 3)
+            for k, v in pk[-1].items()
+            if k.startswith("passkey_recall/") and k.count("/") == 1
+        }
         if recall:
             out["needle_recall"] = recall
-    slopes = [[round(v, 3) for v in b.attention.ssmax.tolist()] for b in trainer.model.layers
-              if getattr(b.attention, "ssmax", None) is not None]
-    if slopes:      # SSMax: what each layer's heads learned (1 + s log(p + 1) at 16k is 1 + 9.7 s)
+    slopes = [
+        [round(v, 3) for v in b.attention.ssmax.tolist()]
+        for b in trainer.model.layers
+        if getattr(b.attention, "ssmax", None) is not None
+    ]
+    if slopes:  # SSMax: what each layer's heads learned (1 + s log(p + 1) at 16k is 1 + 9.7 s)
         out["ssmax"] = slopes
     del trainer
     if torch.cuda.is_available():
@@ -122,27 +178,71 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--variants", default="dense,preset")
     ap.add_argument("--out", default="runs/train_attention")
-    ap.add_argument("--a-shape-window", type=int, default=2048, help="window of the a_shape variant (sinks: 128 or window/8)")
-    ap.add_argument("--compress-block", type=int, default=0,
-                    help="the nsa variant's compressed-branch pooling block (compress_block; 0 = the block size)")
-    ap.add_argument("--score-block", type=int, default=0,
-                    help="query_max / nsa: the selection's key sub-block, a block scored by its best (score_block; 0 = whole blocks)")
-    ap.add_argument("--top-k", type=int, default=0,
-                    help="query_max / nsa: key blocks each query block keeps (top_k; 0 = the preset's)")
-    ap.add_argument("--eval-every", type=int, default=0,
-                    help="validate (and run the passkey eval) every N steps; 0 = at the end only")
-    ap.add_argument("--checkpoint-every", type=int, default=0,
-                    help="save each variant every N steps and on SIGINT, for --resume (0 = never save)")
-    ap.add_argument("--resume", action="store_true", help="continue each variant from its latest checkpoint")
-    ap.add_argument("overrides", nargs="*", help="dotted overrides for every variant, e.g. model.vocab_size=8192")
+    ap.add_argument(
+        "--a-shape-window",
+        type=int,
+        default=2048,
+        help="window of the a_shape variant (sinks: 128 or window/8)",
+    )
+    ap.add_argument(
+        "--compress-block",
+        type=int,
+        default=0,
+        help="the nsa variant's compressed-branch pooling block (compress_block; 0 = the block size)",
+    )
+    ap.add_argument(
+        "--score-block",
+        type=int,
+        default=0,
+        help="query_max / nsa: the selection's key sub-block, a block scored by its best (score_block; 0 = whole blocks)",
+    )
+    ap.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        help="query_max / nsa: key blocks each query block keeps (top_k; 0 = the preset's)",
+    )
+    ap.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="validate (and run the passkey eval) every N steps; 0 = at the end only",
+    )
+    ap.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="save each variant every N steps and on SIGINT, for --resume (0 = never save)",
+    )
+    ap.add_argument(
+        "--resume", action="store_true", help="continue each variant from its latest checkpoint"
+    )
+    ap.add_argument(
+        "overrides",
+        nargs="*",
+        help="dotted overrides for every variant, e.g. model.vocab_size=8192",
+    )
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     results = []
     # every variant's config first: a bad override or variant stops the script before any training
-    cfgs = {v: variant_config(a.config, a.overrides, v, a.steps, a.out, a.a_shape_window, a.eval_every,
-                              a.checkpoint_every, a.resume, a.compress_block, a.score_block,
-                              a.top_k)
-            for v in a.variants.split(",")}
+    cfgs = {
+        v: variant_config(
+            a.config,
+            a.overrides,
+            v,
+            a.steps,
+            a.out,
+            a.a_shape_window,
+            a.eval_every,
+            a.checkpoint_every,
+            a.resume,
+            a.compress_block,
+            a.score_block,
+            a.top_k,
+        )
+        for v in a.variants.split(",")
+    }
     for v, cfg in cfgs.items():
         r = run_variant(cfg, v, save=a.checkpoint_every > 0)
         r["seq_len"] = cfg.train.seq_len
@@ -151,18 +251,24 @@ def main():
         with open(os.path.join(a.out, "train_attention.jsonl"), "a") as f:
             f.write(json.dumps(r) + "\n")
     base = next((r["tokens_per_s"] for r in results if r["variant"] == "dense"), None)
-    print("\n| variant | seq | tok/s | vs dense | mfu (work done) | mfu_model | peak GB | val loss | attn density | passkey | needle recall |")
+    print(
+        "\n| variant | seq | tok/s | vs dense | mfu (work done) | mfu_model | peak GB | val loss | attn density | passkey | needle recall |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
-        print(f"| {r['variant']} | {r['seq_len']} | {r['tokens_per_s']} | {ratio} | {r['mfu']:.3f} | {r['mfu_model']:.3f} | "
-              f"{r['peak_gb']} | {r['val_loss']:.4f} | {r['attn_density']:.3f} | {r.get('passkey', '')} | "
-              f"{r.get('needle_recall', '')} |")
+        print(
+            f"| {r['variant']} | {r['seq_len']} | {r['tokens_per_s']} | {ratio} | {r['mfu']:.3f} | {r['mfu_model']:.3f} | "
+            f"{r['peak_gb']} | {r['val_loss']:.4f} | {r['attn_density']:.3f} | {r.get('passkey', '')} | "
+            f"{r.get('needle_recall', '')} |"
+        )
 
 
 if __name__ == "__main__":
     try:
         sys.exit(exit_code(main))
-    except KeyboardInterrupt as e:   # the trainer's Interrupted names the checkpoint it saved (--checkpoint-every)
+    except (
+        KeyboardInterrupt
+    ) as e:  # the trainer's Interrupted names the checkpoint it saved (--checkpoint-every)
         print(str(e) or "interrupted", file=sys.stderr)
         sys.exit(130)

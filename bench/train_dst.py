@@ -15,6 +15,7 @@ weight decay 0.1, clip 1.0, linear warm-up then cosine to 10%. Runs (``RUNS``):
   schedule from its density.
 Validation loss: the mean of 40 held-out batches (fixed generator), in nats per byte.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,15 +40,27 @@ RUNS = {
     "dense": dict(dst=None, lr_scale=1.0, warmup_scale=1.0),
     "rigl": dict(dst=RIGL, lr_scale=1.0, warmup_scale=1.0),
     "set": dict(dst=dict(RIGL, method="set"), lr_scale=1.0, warmup_scale=1.0),
-    "recipe": dict(dst=dict(RIGL, grad_ema=0.1, initial_sparsity=0.8, sparsity=0.5, sparsity_schedule="cosine",
-                            ramp_fraction=0.5), lr_scale=0.75, warmup_scale=2.0),
+    "recipe": dict(
+        dst=dict(
+            RIGL,
+            grad_ema=0.1,
+            initial_sparsity=0.8,
+            sparsity=0.5,
+            sparsity_schedule="cosine",
+            ramp_fraction=0.5,
+        ),
+        lr_scale=0.75,
+        warmup_scale=2.0,
+    ),
     "rigl50": dict(dst=dict(RIGL, sparsity=0.5), lr_scale=1.0, warmup_scale=1.0),
 }
 
 
 def stdlib_bytes():
     """Train/val byte streams: the standard library's .py files, split by file name (every 20th is val)."""
-    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True))
+    files = sorted(
+        glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True)
+    )
     tr, va = [], []
     for k, f in enumerate(files):
         with open(f, "rb") as fh:
@@ -59,23 +72,40 @@ def stdlib_bytes():
 def train_one(name, seed, a, data, dev):
     run = RUNS[name]
     train_t, val_t = data
-    cfg = ModelConfig(vocab_size=256, dim=a.dim, n_layers=a.layers, n_heads=max(1, a.dim // 64),
-                      n_kv_heads=max(1, a.dim // 64), ffn_hidden=int(8 * a.dim / 3) // 64 * 64 or 64,
-                      max_seq_len=a.seq)
+    cfg = ModelConfig(
+        vocab_size=256,
+        dim=a.dim,
+        n_layers=a.layers,
+        n_heads=max(1, a.dim // 64),
+        n_kv_heads=max(1, a.dim // 64),
+        ffn_hidden=int(8 * a.dim / 3) // 64 * 64 or 64,
+        max_seq_len=a.seq,
+    )
 
     def batch_at(data, gen):
         ix = torch.randint(0, data.numel() - a.seq - 1, (a.batch,), generator=gen, device=dev)
-        x = torch.stack([data[i:i + a.seq + 1] for i in ix.tolist()])
+        x = torch.stack([data[i : i + a.seq + 1] for i in ix.tolist()])
         return x[:, :-1], x[:, 1:]
 
     torch.manual_seed(seed)
     model = build_model(cfg, device=dev)
     lr, warm = a.lr * run["lr_scale"], int(a.warmup * run["warmup_scale"])
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=dev == "cuda")
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=dev == "cuda"
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / a.steps))))
-    dst = None if run["dst"] is None else DynamicSparsity(model, opt, total_steps=a.steps, update_every=a.update_every,
-                                                          seed=seed, **run["dst"])
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / a.steps)))
+        ),
+    )
+    dst = (
+        None
+        if run["dst"] is None
+        else DynamicSparsity(
+            model, opt, total_steps=a.steps, update_every=a.update_every, seed=seed, **run["dst"]
+        )
+    )
     gen = torch.Generator(device=dev).manual_seed(1000 + seed)
     t0 = time.perf_counter()
     for s in range(a.steps):
@@ -93,8 +123,13 @@ def train_one(name, seed, a, data, dev):
     vgen = torch.Generator(device=dev).manual_seed(2)
     with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
         vl = sum(model.loss(*batch_at(val_t, vgen))[0].item() for _ in range(40)) / 40
-    out = {"run": name, "seed": seed, "val_loss": vl, "train_s": time.perf_counter() - t0,
-           "params": sum(p.numel() for p in model.parameters())}
+    out = {
+        "run": name,
+        "seed": seed,
+        "val_loss": vl,
+        "train_s": time.perf_counter() - t0,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     if dst is not None:
         st = dst.stats()
         out.update(density=st["density"], ever_active=st["ever_active"])
@@ -114,12 +149,18 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--update-every", type=int, default=100)
-    ap.add_argument("--time-limit", type=float, default=0, help="seconds; start no new run after it (0: none)")
+    ap.add_argument(
+        "--time-limit", type=float, default=0, help="seconds; start no new run after it (0: none)"
+    )
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     data = tuple(t.to(dev) for t in stdlib_bytes())
-    res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
-           "args": vars(a), "runs": []}
+    res = {
+        "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "args": vars(a),
+        "runs": [],
+    }
     t0 = time.perf_counter()
     for seed in [int(s) for s in a.seeds.split(",")]:
         for name in a.runs.split(","):
@@ -138,7 +179,9 @@ def main():
     print(f"{'run':8s} {'seeds':>5s} {'val loss':>9s} {'vs dense':>9s}")
     for name, v in by.items():
         m = sum(v) / len(v)
-        print(f"{name:8s} {len(v):5d} {m:9.4f} {'' if dense is None else f'{100 * (m / dense - 1):+8.2f}%'}")
+        print(
+            f"{name:8s} {len(v):5d} {m:9.4f} {'' if dense is None else f'{100 * (m / dense - 1):+8.2f}%'}"
+        )
 
 
 if __name__ == "__main__":

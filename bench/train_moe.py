@@ -60,6 +60,7 @@ Steady seconds leave out steps over twice the median step (the first compile, CU
 recompiles at phase changes, the re-clustering step, profiled steps): the run's own median, or in a
 time-budgeted run the probe's settled step, since that run's clock must count as it goes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,19 +83,50 @@ from moezoo.training.profile import format_summary  # noqa: E402
 from bench.timing import StepTimes  # noqa: E402
 from moezoo.kernels import grouped_wgrad  # noqa: E402
 
-BACKBONE = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4",
-            "model.ffn_hidden=1408", "model.max_seq_len=1024", "train.seq_len=1024", "train.batch_size=32",
-            "optim.lr=2e-3", "optim.warmup_steps=50"]
-BACKBONE_2K = ["model.dim=2048", "model.n_layers=4", "model.n_heads=16", "model.n_kv_heads=8",
-               "model.ffn_hidden=5632", "model.max_seq_len=2048", "train.seq_len=2048", "train.batch_size=8"]
-BACKBONE_4K = ["model.dim=4096", "model.n_layers=4", "model.n_heads=32", "model.n_kv_heads=8",
-               "model.ffn_hidden=11008", "model.max_seq_len=2048", "train.seq_len=2048", "train.batch_size=8"]
+BACKBONE = [
+    "model.dim=512",
+    "model.n_layers=8",
+    "model.n_heads=8",
+    "model.n_kv_heads=4",
+    "model.ffn_hidden=1408",
+    "model.max_seq_len=1024",
+    "train.seq_len=1024",
+    "train.batch_size=32",
+    "optim.lr=2e-3",
+    "optim.warmup_steps=50",
+]
+BACKBONE_2K = [
+    "model.dim=2048",
+    "model.n_layers=4",
+    "model.n_heads=16",
+    "model.n_kv_heads=8",
+    "model.ffn_hidden=5632",
+    "model.max_seq_len=2048",
+    "train.seq_len=2048",
+    "train.batch_size=8",
+]
+BACKBONE_4K = [
+    "model.dim=4096",
+    "model.n_layers=4",
+    "model.n_heads=32",
+    "model.n_kv_heads=8",
+    "model.ffn_hidden=11008",
+    "model.max_seq_len=2048",
+    "train.seq_len=2048",
+    "train.batch_size=8",
+]
 # the neuron-routed FFN at 4 of 16 groups in every step (no dense warm-up, finish or re-grouping steps)
-NEURON_SPARSE = ["model.neuron.num_groups=16", "model.neuron.top_k_groups=4", "model.neuron.warmup_fraction=0",
-                 "model.neuron.finish_fraction=0", "model.neuron.sparse_ratio=1.0", "model.neuron.recluster=false"]
+NEURON_SPARSE = [
+    "model.neuron.num_groups=16",
+    "model.neuron.top_k_groups=4",
+    "model.neuron.warmup_fraction=0",
+    "model.neuron.finish_fraction=0",
+    "model.neuron.sparse_ratio=1.0",
+    "model.neuron.recluster=false",
+]
 # a few-step warm-up: a run of a few seconds reaches its cosine (the presets warm up over 30 steps)
 SMOKE = ["model.n_layers=2", "train.batch_size=2", "train.seq_len=64", "optim.warmup_steps=5"]
-SUITES = {   # name -> {run: (preset, overrides)}
+SUITES = {  # name -> {run: (preset, overrides)}
     "equal_time": {
         "dense": ("zoo/tiny_dense.yaml", BACKBONE),
         "moe": ("zoo/tiny_moe.yaml", BACKBONE + ["model.moe.hidden_dim=704"]),
@@ -104,19 +136,22 @@ SUITES = {   # name -> {run: (preset, overrides)}
         "dense_2k": ("zoo/tiny_dense.yaml", BACKBONE_2K),
         "neuron_2k": ("zoo/tiny_neuron.yaml", BACKBONE_2K + NEURON_SPARSE),
     },
-    "speed_4k": {   # a 7B-wide layer (LLaMA-7B's D and FFN), 4 of them: where the layer measured 2.37x
+    "speed_4k": {  # a 7B-wide layer (LLaMA-7B's D and FFN), 4 of them: where the layer measured 2.37x
         "dense_4k": ("zoo/tiny_dense.yaml", BACKBONE_4K),
         "neuron_4k": ("zoo/tiny_neuron.yaml", BACKBONE_4K + NEURON_SPARSE),
     },
-    "speed_512": {   # issue 16's small-model overhead: the MoE step against the dense step, same backbone
+    "speed_512": {  # issue 16's small-model overhead: the MoE step against the dense step, same backbone
         "dense": ("zoo/tiny_dense.yaml", BACKBONE),
         "moe": ("zoo/tiny_moe.yaml", BACKBONE + ["model.moe.hidden_dim=704"]),
     },
     "speed_fp8": {
         "moe_bf16": ("zoo/tiny_moe.yaml", BACKBONE + ["model.moe.hidden_dim=704"]),
-        "moe_fp8": ("zoo/tiny_moe.yaml", BACKBONE + ["model.moe.hidden_dim=704", "model.moe.precision=fp8"]),
+        "moe_fp8": (
+            "zoo/tiny_moe.yaml",
+            BACKBONE + ["model.moe.hidden_dim=704", "model.moe.precision=fp8"],
+        ),
     },
-    "smoke": {   # this script on CPU in seconds
+    "smoke": {  # this script on CPU in seconds
         "dense": ("zoo/tiny_dense.yaml", SMOKE),
         "moe": ("zoo/tiny_moe.yaml", SMOKE),
         "neuron": ("zoo/tiny_neuron.yaml", SMOKE),
@@ -127,8 +162,11 @@ SUITES = {   # name -> {run: (preset, overrides)}
 def with_overrides(suite: str, suffix: str, extra: list, runs=None) -> dict:
     """``suite``'s runs (those named in ``runs``, else all) with ``extra`` overrides, each renamed
     ``<run>_<suffix>``."""
-    return {f"{name}_{suffix}": (preset, ov + extra)
-            for name, (preset, ov) in SUITES[suite].items() if runs is None or name in runs}
+    return {
+        f"{name}_{suffix}": (preset, ov + extra)
+        for name, (preset, ov) in SUITES[suite].items()
+        if runs is None or name in runs
+    }
 
 
 def with_graphs(suite: str, runs=None) -> dict:
@@ -138,14 +176,18 @@ def with_graphs(suite: str, runs=None) -> dict:
 
 SUITES["speed_512_graphs"] = with_graphs("speed_512")
 # the same with train.param_dtype=bfloat16 (bf16 matmul weights, float32 masters in training.optim.MasterAdamW)
-SUITES["speed_512_graphs_bf16w"] = with_overrides("speed_512_graphs", "bf16w", ["train.param_dtype=bfloat16"])
+SUITES["speed_512_graphs_bf16w"] = with_overrides(
+    "speed_512_graphs", "bf16w", ["train.param_dtype=bfloat16"]
+)
 # the MoE with its router reading the float32 residual (before session 29's default: a float32 FFMA GEMM)
-SUITES["speed_512_graphs_fp32router"] = with_overrides("speed_512_graphs", "fp32router",
-                                                       ["model.moe.low_precision_router=false"], ("moe_graphs",))
+SUITES["speed_512_graphs_fp32router"] = with_overrides(
+    "speed_512_graphs", "fp32router", ["model.moe.low_precision_router=false"], ("moe_graphs",)
+)
 SUITES["speed_2k_graphs"] = with_graphs("speed_2k")
 # the neuron-routed FFN with its router reading the float32 residual (before session 29's default)
-SUITES["speed_2k_fp32router"] = with_overrides("speed_2k", "fp32router",
-                                               ["model.neuron.low_precision_router=false"], ("neuron_2k",))
+SUITES["speed_2k_fp32router"] = with_overrides(
+    "speed_2k", "fp32router", ["model.neuron.low_precision_router=false"], ("neuron_2k",)
+)
 # dense against MoE at equal time, each at its fastest step (graphs took 30% off the MoE step, 1% off dense's)
 SUITES["equal_time_graphs"] = with_graphs("equal_time", ("dense", "moe"))
 # MoE layouts of the same active FFN FLOPs (hidden 1408 a token) against dense, CUDA graphs: top-2 of 8 at
@@ -159,28 +201,45 @@ SUITES["equal_time_graphs"] = with_graphs("equal_time", ("dense", "moe"))
 # dense 1.892, shared + top-1 switch +2.2%, top-1 at 1408 switch +7.7%, top-4 of 16 +3.3%, all at ~2 epochs
 # of .tok25 (the device's own package corpus since: bench/moe_gpu.sh)
 _TOP1 = ["model.moe.top_k=1", "model.moe.router=switch"]
-_MOE_SHAPES = {"moe_shared": ["model.moe.shared_experts=1", *_TOP1, "model.moe.hidden_dim=704"],
-               "moe_top1": [*_TOP1, "model.moe.hidden_dim=1408"],
-               "moe_fine": ["model.moe.num_experts=16", "model.moe.top_k=4", "model.moe.hidden_dim=352"]}
-SUITES["moe_shapes"] = {"dense": SUITES["equal_time"]["dense"],
-                        **{n: ("zoo/tiny_moe.yaml", BACKBONE + ov) for n, ov in _MOE_SHAPES.items()}}
+_MOE_SHAPES = {
+    "moe_shared": ["model.moe.shared_experts=1", *_TOP1, "model.moe.hidden_dim=704"],
+    "moe_top1": [*_TOP1, "model.moe.hidden_dim=1408"],
+    "moe_fine": ["model.moe.num_experts=16", "model.moe.top_k=4", "model.moe.hidden_dim=352"],
+}
+SUITES["moe_shapes"] = {
+    "dense": SUITES["equal_time"]["dense"],
+    **{n: ("zoo/tiny_moe.yaml", BACKBONE + ov) for n, ov in _MOE_SHAPES.items()},
+}
 SUITES["equal_time_moe_shapes"] = with_graphs("moe_shapes")
 # More experts at the same active FLOPs (top-2 at 704): expert parameters 2x and 4x the 8-expert MoE's, the
 # per-token gain of routing growing with the expert count (Switch, DeepSeekMoE), against smaller groups per
 # GEMM and a larger optimizer step. Top-2 of 8 at 90 s on the package corpus: +2.9% over dense (BENCHMARKS.md).
-SUITES["moe_experts"] = {"dense": SUITES["equal_time"]["dense"],
-                         **{f"moe_e{e}": ("zoo/tiny_moe.yaml", BACKBONE + [f"model.moe.num_experts={e}",
-                                                                          "model.moe.hidden_dim=704"])
-                            for e in (16, 32)}}
+SUITES["moe_experts"] = {
+    "dense": SUITES["equal_time"]["dense"],
+    **{
+        f"moe_e{e}": (
+            "zoo/tiny_moe.yaml",
+            BACKBONE + [f"model.moe.num_experts={e}", "model.moe.hidden_dim=704"],
+        )
+        for e in (16, 32)
+    },
+}
 SUITES["equal_time_moe_experts"] = with_graphs("moe_experts")
 # MoE in every other layer (GShard, Switch): half the layers pay the routing overhead, half keep the dense
 # FFN's step. At 90 s, MoE in all 8 layers costs 1.25x the dense step (top-2 of 8) to 1.38x (of 32) and
 # ends 2.3-3.0% above dense's val loss (BENCHMARKS.md): this asks whether half the overhead buys more
 # than half the per-token gain.
 _INTERLEAVED = ['model.ffn_layers={"0,2,4,6": dense}', "model.moe.hidden_dim=704"]
-SUITES["moe_interleaved"] = {"dense": SUITES["equal_time"]["dense"],
-                             **{f"moe_alt_e{e}": ("zoo/tiny_moe.yaml", BACKBONE + _INTERLEAVED
-                                                  + [f"model.moe.num_experts={e}"]) for e in (8, 16)}}
+SUITES["moe_interleaved"] = {
+    "dense": SUITES["equal_time"]["dense"],
+    **{
+        f"moe_alt_e{e}": (
+            "zoo/tiny_moe.yaml",
+            BACKBONE + _INTERLEAVED + [f"model.moe.num_experts={e}"],
+        )
+        for e in (8, 16)
+    },
+}
 SUITES["equal_time_moe_interleaved"] = with_graphs("moe_interleaved")
 
 
@@ -214,7 +273,7 @@ class TimeSchedule:
         """The next step's LR over the base LR."""
         if self.elapsed >= self.seconds:
             return self.floor
-        if self.steps < self.warmup:   # LinearLR's ramp: 1 / warmup at step 0, 1 at step warmup
+        if self.steps < self.warmup:  # LinearLR's ramp: 1 / warmup at step 0, 1 at step warmup
             return (1 + (self.warmup - 1) * self.steps / self.warmup) / self.warmup
         done = (self.elapsed - self.warm_s) / (self.seconds - self.warm_s)
         return self.floor + (1 - self.floor) * (1 + math.cos(math.pi * done)) / 2
@@ -225,7 +284,9 @@ class TimeSchedule:
     def advance(self, steady_s: float) -> None:
         self.elapsed += steady_s
         self.timed += 1
-        if self.timed <= self.warmup:   # the cosine starts where the warm-up ends, as build_scheduler's
+        if (
+            self.timed <= self.warmup
+        ):  # the cosine starts where the warm-up ends, as build_scheduler's
             self.warm_s = self.elapsed
         self._set_lr()
 
@@ -242,10 +303,19 @@ def step_scheduled(cfg) -> bool:
 
 
 def make_config(preset, overrides, seed, steps, device, tokens_dir, out_dir, compile_=False):
-    common = ["logging.wandb=disabled", "logging.progress=false", "checkpoint.every=0", f"train.device={device}",
-              f"train.compile={str(compile_).lower()}", f"train.seed={seed}", f"train.steps={steps}",
-              "train.eval_batches=16", f"train.out_dir={out_dir}", f"train.eval_every={max(steps, 1)}",
-              f"data.tokenizer={os.path.join(tokens_dir, 'tokenizer.model')}"]
+    common = [
+        "logging.wandb=disabled",
+        "logging.progress=false",
+        "checkpoint.every=0",
+        f"train.device={device}",
+        f"train.compile={str(compile_).lower()}",
+        f"train.seed={seed}",
+        f"train.steps={steps}",
+        "train.eval_batches=16",
+        f"train.out_dir={out_dir}",
+        f"train.eval_every={max(steps, 1)}",
+        f"data.tokenizer={os.path.join(tokens_dir, 'tokenizer.model')}",
+    ]
     return load_config(preset, overrides + common)
 
 
@@ -255,12 +325,17 @@ def use_tokens(tokens_dir) -> int:
     import moezoo.training.loop
     from moezoo.training.data import TokenData
     from moezoo.training.tokenizer import Tokenizer
+
     with open(os.path.join(tokens_dir, "meta.json")) as f:
         dtype = np.dtype(json.load(f)["dtype"])
     tok = Tokenizer(os.path.join(tokens_dir, "tokenizer.model"))
-    arrays = {s: np.memmap(os.path.join(tokens_dir, f"tokens_{s}.bin"), dtype=dtype, mode="r")
-              for s in ("train", "val")}
-    moezoo.training.loop.prepare_data = lambda cfg, *a, **k: TokenData(tok, arrays["train"], arrays["val"])
+    arrays = {
+        s: np.memmap(os.path.join(tokens_dir, f"tokens_{s}.bin"), dtype=dtype, mode="r")
+        for s in ("train", "val")
+    }
+    moezoo.training.loop.prepare_data = lambda cfg, *a, **k: TokenData(
+        tok, arrays["train"], arrays["val"]
+    )
     return len(arrays["train"])
 
 
@@ -269,23 +344,42 @@ def prepare(out, source, max_files, vocab, max_tokens=0, cache_dir=None):
     data.cache_dir's default). ``max_tokens``: keep only the first N tokens of each split (a folder that fits
     one device transfer of 64 MiB)."""
     from moezoo.training.data import prepare_data
+
     cache = [f"data.cache_dir={cache_dir}"] if cache_dir else []
-    cfg = load_config("zoo/tiny_dense.yaml", [f"data.source={source}", f"data.max_files={max_files}",
-                                               "data.val_fraction=0.1",
-                                               f"model.vocab_size={vocab}", "train.seq_len=1024",
-                                               "model.max_seq_len=1024", *cache])
+    cfg = load_config(
+        "zoo/tiny_dense.yaml",
+        [
+            f"data.source={source}",
+            f"data.max_files={max_files}",
+            "data.val_fraction=0.1",
+            f"model.vocab_size={vocab}",
+            "train.seq_len=1024",
+            "model.max_seq_len=1024",
+            *cache,
+        ],
+    )
     td = prepare_data(cfg)
     os.makedirs(out, exist_ok=True)
-    keep = {s: getattr(td, s)[:max_tokens] if max_tokens else getattr(td, s) for s in ("train", "val")}
+    keep = {
+        s: getattr(td, s)[:max_tokens] if max_tokens else getattr(td, s) for s in ("train", "val")
+    }
     for split, arr in keep.items():
         arr.tofile(os.path.join(out, f"tokens_{split}.bin"))
     shutil.copy(td.tokenizer.path, os.path.join(out, "tokenizer.model"))
     from moezoo.training.corpus import load_documents, split_documents
+
     docs = load_documents(cfg.data)
     train, val = split_documents(docs, cfg.data.val_fraction)
-    meta = {"source": source, "max_files": max_files, "vocab": vocab, "dtype": str(td.train.dtype),
-            "tokens": {s: len(a) for s, a in keep.items()}, "max_tokens": max_tokens,
-            "documents": {"train": len(train), "val": len(val)}, "val_names": sorted(d.name for d in val)}
+    meta = {
+        "source": source,
+        "max_files": max_files,
+        "vocab": vocab,
+        "dtype": str(td.train.dtype),
+        "tokens": {s: len(a) for s, a in keep.items()},
+        "max_tokens": max_tokens,
+        "documents": {"train": len(train), "val": len(val)},
+        "val_names": sorted(d.name for d in val),
+    }
     with open(os.path.join(out, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
     print({k: v for k, v in meta.items() if k != "val_names"})
@@ -303,10 +397,19 @@ def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
     """
     from moezoo.training.loop import Trainer
     from moezoo.layers import NeuronSchedule
+
     dev = args.device
     profile = [f"logging.profile_at={args.profile_at}"] if args.profile_at else []
-    cfg = make_config(preset, overrides + profile, seed, steps, dev, args.tokens, os.path.join(args.runs, tag),
-                      args.compile)
+    cfg = make_config(
+        preset,
+        overrides + profile,
+        seed,
+        steps,
+        dev,
+        args.tokens,
+        os.path.join(args.runs, tag),
+        args.compile,
+    )
     # what earlier runs in this process still hold (their CUDA-graph pools live as long as the compiled
     # code that replays them): left out of this run's peak, so seed 1's peak is not seed 0's plus its own
     held = torch.cuda.memory_allocated() if dev == "cuda" else 0
@@ -327,6 +430,7 @@ def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
             times.append(float("inf") if covered[len(times)] else t)
             if clock:
                 clock.advance(times[-1] if times[-1] <= 2 * budget[1] else 0.0)
+
     while tr.step < steps and not (clock and clock.elapsed >= clock.seconds):
         tr.profiler.before(tr.step + 1)
         m = tr.train_step()
@@ -337,31 +441,51 @@ def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
         take(clocked.ready(keep=1 if dev == "cuda" else 0))
         prof = tr.profiler.after(tr.step) or prof
         phases.append(neuron.phase if neuron else "dense")
-        losses.append(m["loss/total"].detach().float())   # read once after the run
+        losses.append(m["loss/total"].detach().float())  # read once after the run
     take(clocked.ready())
     losses = torch.stack(losses).tolist()
-    tr.settle()   # the last step's skip flag (training.loop.skips_on_device)
+    tr.settle()  # the last step's skip flag (training.loop.skips_on_device)
     med = statistics.median([t for t in times if t < float("inf")] or [0.0])
-    limit = 2 * (budget[1] if budget else med)   # the longest steady step; with a budget the clock's own rule
+    limit = 2 * (
+        budget[1] if budget else med
+    )  # the longest steady step; with a budget the clock's own rule
     steady = [t for t in times if t <= limit] or [float("inf")]
-    out = {"steps": len(times), "tokens_seen": len(times) * tr.tokens_per_step, "wall_s": wall,
-           "steady_s": sum(steady), "steady_steps": len(steady), "lr_end": tr.optimizer.param_groups[0]["lr"],
-           # the median step of the run's second half: past compilation, CUDA-graph capture and warm-up
-           "tail_median_s": statistics.median([t for t in times[len(times) // 2:] if t < float("inf")] or [med]),
-           "tokens_per_s": len(steady) * tr.tokens_per_step / sum(steady), "val": tr.evaluate(),
-           "loss_first": losses[0], "loss_last": losses[-1], "skipped": tr.bad_total,
-           "peak_gb": (torch.cuda.max_memory_allocated() - held) / 1e9 if dev == "cuda" else 0.0,
-           "held_before_gb": held / 1e9, "mfu_flops_per_token": tr.flops_per_token}
-    if budget:   # short of the budget only when the bound stopped it (steps far slower than the probe's)
-        out.update(budget_s=budget[0], steps_bound=steps, budget_reached=clock.elapsed >= clock.seconds)
-    for p in sorted(set(phases)):        # per-phase step time (neuron: sparse vs dense steps)
+    out = {
+        "steps": len(times),
+        "tokens_seen": len(times) * tr.tokens_per_step,
+        "wall_s": wall,
+        "steady_s": sum(steady),
+        "steady_steps": len(steady),
+        "lr_end": tr.optimizer.param_groups[0]["lr"],
+        # the median step of the run's second half: past compilation, CUDA-graph capture and warm-up
+        "tail_median_s": statistics.median(
+            [t for t in times[len(times) // 2 :] if t < float("inf")] or [med]
+        ),
+        "tokens_per_s": len(steady) * tr.tokens_per_step / sum(steady),
+        "val": tr.evaluate(),
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "skipped": tr.bad_total,
+        "peak_gb": (torch.cuda.max_memory_allocated() - held) / 1e9 if dev == "cuda" else 0.0,
+        "held_before_gb": held / 1e9,
+        "mfu_flops_per_token": tr.flops_per_token,
+    }
+    if (
+        budget
+    ):  # short of the budget only when the bound stopped it (steps far slower than the probe's)
+        out.update(
+            budget_s=budget[0], steps_bound=steps, budget_reached=clock.elapsed >= clock.seconds
+        )
+    for p in sorted(set(phases)):  # per-phase step time (neuron: sparse vs dense steps)
         ts = [t for t, q in zip(times, phases) if q == p and t <= limit]
         if ts:
             out[f"tokens_per_s_{p}"] = len(ts) * tr.tokens_per_step / sum(ts)
     if tr.peak_flops:
         out["mfu"] = out["tokens_per_s"] * tr.flops_per_token / tr.peak_flops
     if prof:
-        out["profile"] = prof         # training.profile's summary; trace + op table under --runs/<tag>/profile
+        out["profile"] = (
+            prof  # training.profile's summary; trace + op table under --runs/<tag>/profile
+        )
     del tr
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -392,10 +516,18 @@ def equal_time(suite, args) -> dict:
             r = train_run(preset, ov, seed, steps, args, f"{name}_s{seed}", budget)
             r["epochs"] = r["tokens_seen"] / args.train_tokens
             if budget and not r["budget_reached"]:
-                print(f"{name} {seed}: short of the budget, stopped at its bound of {r['steps']} steps after "
-                      f"{r['steady_s']:.1f} steady s", flush=True)
+                print(
+                    f"{name} {seed}: short of the budget, stopped at its bound of {r['steps']} steps after "
+                    f"{r['steady_s']:.1f} steady s",
+                    flush=True,
+                )
             res[name]["seeds"][seed] = r
-            print(name, seed, {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
+            print(
+                name,
+                seed,
+                {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()},
+                flush=True,
+            )
     return res
 
 
@@ -403,7 +535,11 @@ def speed(suite, args) -> dict:
     res = {}
     for name, (preset, ov) in SUITES[suite].items():
         res[name] = train_run(preset, ov, 0, args.speed_steps, args, name)
-        print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in res[name].items()}, flush=True)
+        print(
+            name,
+            {k: round(v, 4) if isinstance(v, float) else v for k, v in res[name].items()},
+            flush=True,
+        )
     return res
 
 
@@ -413,47 +549,78 @@ def main():
     ap.add_argument("--source", default="python_packages")
     ap.add_argument("--max-files", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=2048)
-    ap.add_argument("--max-tokens", type=int, default=0,
-                    help="with --prepare: keep the first N tokens of each split (0 = all)")
-    ap.add_argument("--cache-dir", default=None,
-                    help="with --prepare: data.cache_dir, where the tokenizer and token cache go (default: the "
-                         "config's)")
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=0,
+        help="with --prepare: keep the first N tokens of each split (0 = all)",
+    )
+    ap.add_argument(
+        "--cache-dir",
+        default=None,
+        help="with --prepare: data.cache_dir, where the tokenizer and token cache go (default: the "
+        "config's)",
+    )
     ap.add_argument("--tokens", default=None, help="folder written by --prepare")
     ap.add_argument("--suite", default="equal_time,speed_2k")
-    ap.add_argument("--seconds", type=float, default=15.0, help="steady training seconds per equal-time run")
+    ap.add_argument(
+        "--seconds", type=float, default=15.0, help="steady training seconds per equal-time run"
+    )
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--probe-steps", type=int, default=30)
-    ap.add_argument("--fixed-steps", action="store_true",
-                    help="equal-time runs: the probe's step count for every model (the LR cosine over steps) "
-                         "instead of training each to --seconds of steady time")
+    ap.add_argument(
+        "--fixed-steps",
+        action="store_true",
+        help="equal-time runs: the probe's step count for every model (the LR cosine over steps) "
+        "instead of training each to --seconds of steady time",
+    )
     ap.add_argument("--speed-steps", type=int, default=25)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--compile", action="store_true", help="train.compile=true (per-block torch.compile)")
-    ap.add_argument("--profile-at", type=int, default=0,
-                    help="logging.profile_at: profile 3 steps from this one in every run (0 = off)")
+    ap.add_argument(
+        "--compile", action="store_true", help="train.compile=true (per-block torch.compile)"
+    )
+    ap.add_argument(
+        "--profile-at",
+        type=int,
+        default=0,
+        help="logging.profile_at: profile 3 steps from this one in every run (0 = off)",
+    )
     ap.add_argument("--runs", default="/tmp/train_moe")
-    ap.add_argument("--wgrad-splits", type=int, default=None,
-                    help="split every bf16 expert weight gradient into this many row parts (kernels.grouped_wgrad; "
-                         "default: its own choice), e.g. 1 for the unsplit GEMMs")
+    ap.add_argument(
+        "--wgrad-splits",
+        type=int,
+        default=None,
+        help="split every bf16 expert weight gradient into this many row parts (kernels.grouped_wgrad; "
+        "default: its own choice), e.g. 1 for the unsplit GEMMs",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.wgrad_splits is not None:
         check(args.wgrad_splits >= 1, "--wgrad-splits", f"must be >= 1, got {args.wgrad_splits}")
-        grouped_wgrad.SPLITS = args.wgrad_splits      # this benchmark process only
+        grouped_wgrad.SPLITS = args.wgrad_splits  # this benchmark process only
     if args.prepare:
-        return prepare(args.prepare, args.source, args.max_files, args.vocab, args.max_tokens, args.cache_dir)
-    for suite in args.suite.split(","):   # before any training: one line, exit 2
+        return prepare(
+            args.prepare, args.source, args.max_files, args.vocab, args.max_tokens, args.cache_dir
+        )
+    for suite in args.suite.split(","):  # before any training: one line, exit 2
         if suite not in SUITES:
             raise ConfigError("--suite", f"unknown suite {suite!r} (one of {', '.join(SUITES)})")
         graphs = any("train.compile_mode=reduce-overhead" in ov for _, ov in SUITES[suite].values())
         if graphs and not args.compile:
-            raise ConfigError("--suite", f"{suite} replays the compiled blocks as CUDA graphs: add --compile")
+            raise ConfigError(
+                "--suite", f"{suite} replays the compiled blocks as CUDA graphs: add --compile"
+            )
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.train_tokens = use_tokens(args.tokens)
     # a neuron block has a sparse and a dense training graph besides evaluation's: room for all of them
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    out = {"env": {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
-                   "torch": torch.__version__}, "args": {k: v for k, v in vars(args).items()}}
+    out = {
+        "env": {
+            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+            "torch": torch.__version__,
+        },
+        "args": {k: v for k, v in vars(args).items()},
+    }
     for suite in args.suite.split(","):
         out[suite] = speed(suite, args) if suite.startswith("speed") else equal_time(suite, args)
         if args.out:
@@ -468,27 +635,37 @@ def report(out):
             continue
         print(f"\n{suite}")
         if suite.startswith("speed"):
-            print(f"{'run':12s} {'tok/s':>10s} {'MFU':>6s} {'peak GB':>8s} {'loss last':>9s} {'val':>7s}")
+            print(
+                f"{'run':12s} {'tok/s':>10s} {'MFU':>6s} {'peak GB':>8s} {'loss last':>9s} {'val':>7s}"
+            )
             for name, r in res.items():
-                print(f"{name:12s} {r['tokens_per_s']:10.0f} {r.get('mfu', 0):6.3f} {r['peak_gb']:8.1f} "
-                      f"{r['loss_last']:9.4f} {r['val']:7.4f}")
+                print(
+                    f"{name:12s} {r['tokens_per_s']:10.0f} {r.get('mfu', 0):6.3f} {r['peak_gb']:8.1f} "
+                    f"{r['loss_last']:9.4f} {r['val']:7.4f}"
+                )
             for name, r in res.items():
                 if "profile" in r:
                     print(f"{name:12s} profile: {format_summary(r['profile'])}")
             continue
-        print(f"{'run':12s} {'seed':>4s} {'steps':>6s} {'tokens':>10s} {'epochs':>6s} {'steady s':>8s} "
-              f"{'tok/s':>10s} {'val':>7s}")
+        print(
+            f"{'run':12s} {'seed':>4s} {'steps':>6s} {'tokens':>10s} {'epochs':>6s} {'steady s':>8s} "
+            f"{'tok/s':>10s} {'val':>7s}"
+        )
         for name, r in res.items():
             for seed, s in r["seeds"].items():
-                print(f"{name:12s} {seed:>4} {s['steps']:6d} {s['tokens_seen']:10d} {s['epochs']:6.2f} "
-                      f"{s['steady_s']:8.1f} {s['tokens_per_s']:10.0f} {s['val']:7.4f}")
+                print(
+                    f"{name:12s} {seed:>4} {s['steps']:6d} {s['tokens_seen']:10d} {s['epochs']:6.2f} "
+                    f"{s['steady_s']:8.1f} {s['tokens_per_s']:10.0f} {s['val']:7.4f}"
+                )
         most = max(s["epochs"] for r in res.values() for s in r["seeds"].values())
         if most > 1:
             # a faster model repeats more of a small corpus: its val loss then pays for memorising, so the
             # comparison favours the slower one (on the H200, .tok25's 26M tokens: dense val 1.89 after 45 s,
             # 1.93 after 100 s)
-            print(f"note: up to {most:.1f} epochs of the training tokens; val loss measures repetition as well "
-                  f"(prepare a larger folder: bench/moe_gpu.sh's equal part tokenises on the device)")
+            print(
+                f"note: up to {most:.1f} epochs of the training tokens; val loss measures repetition as well "
+                f"(prepare a larger folder: bench/moe_gpu.sh's equal part tokenises on the device)"
+            )
 
 
 if __name__ == "__main__":

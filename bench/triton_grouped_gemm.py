@@ -22,6 +22,7 @@ each program finds its group from the per-group tile counts it computes itself (
 table), so the grid is the static bound ``cdiv(M, BM) + E`` row tiles. ``config`` (a dict of the meta
 parameters) launches one configuration (tests, interpreter); without it ``triton.autotune`` picks.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -76,7 +77,9 @@ def _cdiv(a, b):
 # helpers (cumsum, sum, cdiv, zeros): under TRITON_INTERPRET=1 those are callable from an interpreted kernel
 # only if Triton itself was first imported in interpreter mode, which a test run does not guarantee.
 @triton.jit
-def _tile(ends_ptr, E, n, BM: tl.constexpr, BN: tl.constexpr, E_PAD: tl.constexpr, GROUP_M: tl.constexpr):
+def _tile(
+    ends_ptr, E, n, BM: tl.constexpr, BN: tl.constexpr, E_PAD: tl.constexpr, GROUP_M: tl.constexpr
+):
     """(valid, e, first row, group end, column tile) of this program."""
     pid = tl.program_id(0)
     ei = tl.arange(0, E_PAD)
@@ -94,7 +97,7 @@ def _tile(ends_ptr, E, n, BM: tl.constexpr, BN: tl.constexpr, E_PAD: tl.constexp
     gsz = tl.maximum(tl.minimum(total_m - first_m, GROUP_M), 1)
     pid_m = first_m + (pid % width) % gsz
     pid_n = (pid % width) // gsz
-    e = tl.reduce((cum <= pid_m).to(tl.int32), 0, _add)      # first group whose tiles end past pid_m
+    e = tl.reduce((cum <= pid_m).to(tl.int32), 0, _add)  # first group whose tiles end past pid_m
     sel = ei == e
     tile0 = tl.reduce(tl.where(sel, cum - tiles, 0), 0, _add)
     start = tl.reduce(tl.where(sel, prev, 0), 0, _add)
@@ -116,8 +119,20 @@ def _span(start, size, BLOCK: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _load_b(b_ptr, desc, e, ki, pid_n, n, k, B_KMAJOR: tl.constexpr, TMA: tl.constexpr,
-            EVEN_N: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _load_b(
+    b_ptr,
+    desc,
+    e,
+    ki,
+    pid_n,
+    n,
+    k,
+    B_KMAJOR: tl.constexpr,
+    TMA: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     """The [BK, BN] tile (ki, pid_n) of b[e] (as the GEMM's right operand)."""
     if TMA:
         if B_KMAJOR:
@@ -136,16 +151,36 @@ def _load_b(b_ptr, desc, e, ki, pid_n, n, k, B_KMAJOR: tl.constexpr, TMA: tl.con
 
 
 @triton.jit
-def _gmm_kernel(a_ptr, src_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr, h_ptr, scale_ptr, ends_ptr,
-                M, E, n, k,
-                GATHER: tl.constexpr, DUAL: tl.constexpr, HAS_SCALE: tl.constexpr, B_KMAJOR: tl.constexpr,
-                EVEN_N: tl.constexpr, TMA: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_PAD: tl.constexpr,
-                GROUP_M: tl.constexpr):
+def _gmm_kernel(
+    a_ptr,
+    src_ptr,
+    b_ptr,
+    b2_ptr,
+    c_ptr,
+    c2_ptr,
+    h_ptr,
+    scale_ptr,
+    ends_ptr,
+    M,
+    E,
+    n,
+    k,
+    GATHER: tl.constexpr,
+    DUAL: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    B_KMAJOR: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    TMA: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    E_PAD: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     valid, e, row0, end, pid_n = _tile(ends_ptr, E, n, BM, BN, E_PAD, GROUP_M)
     if valid:
         rows = row0 + tl.arange(0, BM)
-        rows_c = tl.minimum(rows, end - 1)          # clamped, not masked: unmasked loads pipeline better
+        rows_c = tl.minimum(rows, end - 1)  # clamped, not masked: unmasked loads pipeline better
         if GATHER:
             src = tl.load(src_ptr + rows_c).to(tl.int64)
         else:
@@ -157,14 +192,21 @@ def _gmm_kernel(a_ptr, src_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr, h_ptr, scale_ptr, 
         a_desc = None
         if TMA:
             if B_KMAJOR:
-                b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * n, k], strides=[k, 1], block_shape=[BN, BK])
+                b_desc = tl.make_tensor_descriptor(
+                    b_ptr, shape=[E * n, k], strides=[k, 1], block_shape=[BN, BK]
+                )
                 if DUAL:
-                    b2_desc = tl.make_tensor_descriptor(b2_ptr, shape=[E * n, k], strides=[k, 1],
-                                                        block_shape=[BN, BK])
+                    b2_desc = tl.make_tensor_descriptor(
+                        b2_ptr, shape=[E * n, k], strides=[k, 1], block_shape=[BN, BK]
+                    )
             else:
-                b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * k, n], strides=[n, 1], block_shape=[BK, BN])
+                b_desc = tl.make_tensor_descriptor(
+                    b_ptr, shape=[E * k, n], strides=[n, 1], block_shape=[BK, BN]
+                )
             if not GATHER:
-                a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, k], strides=[k, 1], block_shape=[BM, BK])
+                a_desc = tl.make_tensor_descriptor(
+                    a_ptr, shape=[M, k], strides=[k, 1], block_shape=[BM, BK]
+                )
         acc = tl.full((BM, BN), 0.0, tl.float32)
         if DUAL:
             acc2 = tl.full((BM, BN), 0.0, tl.float32)
@@ -174,9 +216,15 @@ def _gmm_kernel(a_ptr, src_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr, h_ptr, scale_ptr, 
             else:
                 x = tl.load(a_ptrs)
                 a_ptrs += BK
-            acc = tl.dot(x, _load_b(b_ptr, b_desc, e, ki, pid_n, n, k, B_KMAJOR, TMA, EVEN_N, BN, BK), acc)
+            acc = tl.dot(
+                x, _load_b(b_ptr, b_desc, e, ki, pid_n, n, k, B_KMAJOR, TMA, EVEN_N, BN, BK), acc
+            )
             if DUAL:
-                acc2 = tl.dot(x, _load_b(b2_ptr, b2_desc, e, ki, pid_n, n, k, B_KMAJOR, TMA, EVEN_N, BN, BK), acc2)
+                acc2 = tl.dot(
+                    x,
+                    _load_b(b2_ptr, b2_desc, e, ki, pid_n, n, k, B_KMAJOR, TMA, EVEN_N, BN, BK),
+                    acc2,
+                )
         cols = pid_n * BN + tl.arange(0, BN)
         m = (rows < end)[:, None] & (cols < n)[None, :]
         c_off = rows.to(tl.int64)[:, None] * n + cols[None, :]
@@ -190,9 +238,23 @@ def _gmm_kernel(a_ptr, src_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr, h_ptr, scale_ptr, 
 
 
 @triton.jit
-def _gmm_t_kernel(a_ptr, b_ptr, src_ptr, w_ptr, ends_ptr, E, p, q,
-                  GATHER: tl.constexpr, EVEN_P: tl.constexpr, EVEN_Q: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+def _gmm_t_kernel(
+    a_ptr,
+    b_ptr,
+    src_ptr,
+    w_ptr,
+    ends_ptr,
+    E,
+    p,
+    q,
+    GATHER: tl.constexpr,
+    EVEN_P: tl.constexpr,
+    EVEN_Q: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     # grid (E * cdiv(p, BM) * cdiv(q, BN)): tile (pid_m, pid_n) of w[e], summed over the group's rows
     pid = tl.program_id(0)
     num_m, num_n = _cdiv(p, BM), _cdiv(q, BN)
@@ -212,7 +274,9 @@ def _gmm_t_kernel(a_ptr, b_ptr, src_ptr, w_ptr, ends_ptr, E, p, q,
     for r0 in range(start, end, BK):
         rr = r0 + tl.arange(0, BK)
         rm = rr < end
-        at = tl.load(a_ptr + rr[:, None].to(tl.int64) * p + ii[None, :], mask=rm[:, None], other=0.0)
+        at = tl.load(
+            a_ptr + rr[:, None].to(tl.int64) * p + ii[None, :], mask=rm[:, None], other=0.0
+        )
         if GATHER:
             srow = tl.load(src_ptr + rr, mask=rm, other=0).to(tl.int64)
         else:
@@ -222,27 +286,50 @@ def _gmm_t_kernel(a_ptr, b_ptr, src_ptr, w_ptr, ends_ptr, E, p, q,
     ii = pid_m * BM + tl.arange(0, BM)
     jj = pid_n * BN + tl.arange(0, BN)
     m = (ii < p)[:, None] & (jj < q)[None, :]
-    tl.store(w_ptr + e.to(tl.int64) * p * q + ii[:, None].to(tl.int64) * q + jj[None, :],
-             acc.to(w_ptr.dtype.element_ty), mask=m)
+    tl.store(
+        w_ptr + e.to(tl.int64) * p * q + ii[:, None].to(tl.int64) * q + jj[None, :],
+        acc.to(w_ptr.dtype.element_ty),
+        mask=m,
+    )
 
 
 # -- launchers --------------------------------------------------------------------------------------------
 def _row_configs(dual: bool):
     out = []
-    for bm, bn, warps, stages in ((128, 128, 8, 4), (128, 128, 8, 3), (128, 256, 8, 3), (128, 128, 4, 4),
-                                  (64, 256, 4, 4), (256, 128, 8, 3), (128, 64, 4, 4)):
-        if dual and bn > 128:        # two [BM, BN] fp32 accumulators must fit the registers
+    for bm, bn, warps, stages in (
+        (128, 128, 8, 4),
+        (128, 128, 8, 3),
+        (128, 256, 8, 3),
+        (128, 128, 4, 4),
+        (64, 256, 4, 4),
+        (256, 128, 8, 3),
+        (128, 64, 4, 4),
+    ):
+        if dual and bn > 128:  # two [BM, BN] fp32 accumulators must fit the registers
             continue
         for tma in (False, True):
-            out.append(triton.Config({"BM": bm, "BN": bn, "BK": 64, "GROUP_M": 8, "TMA": tma},
-                                     num_warps=warps, num_stages=stages))
+            out.append(
+                triton.Config(
+                    {"BM": bm, "BN": bn, "BK": 64, "GROUP_M": 8, "TMA": tma},
+                    num_warps=warps,
+                    num_stages=stages,
+                )
+            )
     return out
 
 
 def _t_configs():
-    return [triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
-            for bm, bn, bk, w, s in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4),
-                                     (128, 128, 32, 4, 4), (256, 128, 64, 8, 3), (128, 256, 32, 8, 4))]
+    return [
+        triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s in (
+            (128, 128, 64, 8, 3),
+            (128, 256, 64, 8, 3),
+            (128, 128, 64, 4, 4),
+            (128, 128, 32, 4, 4),
+            (256, 128, 64, 8, 3),
+            (128, 256, 32, 8, 4),
+        )
+    ]
 
 
 _tuned = {}
@@ -251,44 +338,81 @@ _tuned = {}
 def _autotuned(name: str):
     if name not in _tuned:
         if name == "t":
-            _tuned[name] = triton.autotune(_t_configs(), key=["p", "q", "E", "GATHER"])(_gmm_t_kernel)
+            _tuned[name] = triton.autotune(_t_configs(), key=["p", "q", "E", "GATHER"])(
+                _gmm_t_kernel
+            )
         else:
-            _tuned[name] = triton.autotune(_row_configs(name == "dual"),
-                                           key=["n", "k", "E", "GATHER", "HAS_SCALE", "B_KMAJOR"])(_gmm_kernel)
+            _tuned[name] = triton.autotune(
+                _row_configs(name == "dual"), key=["n", "k", "E", "GATHER", "HAS_SCALE", "B_KMAJOR"]
+            )(_gmm_kernel)
     return _tuned[name]
 
 
 def _scratch(size: int, alignment: int, stream):
     """Global scratch for device-side TMA descriptors (triton.set_allocator)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+    return torch.empty(
+        size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu"
+    )
 
 
 def _rows(a, b, b2, ends, src, scale, b_kmajor, config):
     triton.set_allocator(_scratch)
     E = b.shape[0]
     n, k = (b.shape[1], b.shape[2]) if b_kmajor else (b.shape[2], b.shape[1])
-    if a.shape[1] != k or k % 64 or not b.is_contiguous() or (b2 is not None and not b2.is_contiguous()):
-        raise ValueError(f"grouped_mm: a {tuple(a.shape)}, b {tuple(b.shape)}: need a contiguous b and "
-                         "k a multiple of 64")
+    if (
+        a.shape[1] != k
+        or k % 64
+        or not b.is_contiguous()
+        or (b2 is not None and not b2.is_contiguous())
+    ):
+        raise ValueError(
+            f"grouped_mm: a {tuple(a.shape)}, b {tuple(b.shape)}: need a contiguous b and "
+            "k a multiple of 64"
+        )
     num_rows = a.shape[0] if src is None else src.shape[0]
     dual = b2 is not None
     c = torch.empty(num_rows, n, dtype=a.dtype, device=a.device)
     c2 = torch.empty_like(c) if dual else c
     h = torch.empty_like(c) if dual else c
-    kw = dict(GATHER=src is not None, DUAL=dual, HAS_SCALE=scale is not None, B_KMAJOR=b_kmajor,
-              E_PAD=triton.next_power_of_2(E))
+    kw = dict(
+        GATHER=src is not None,
+        DUAL=dual,
+        HAS_SCALE=scale is not None,
+        B_KMAJOR=b_kmajor,
+        E_PAD=triton.next_power_of_2(E),
+    )
     if config is None:
         kernel, kw["EVEN_N"] = _autotuned("dual" if dual else "one"), n % 256 == 0
     else:
         kernel, kw = _gmm_kernel, {**kw, **config, "EVEN_N": n % config["BN"] == 0}
     grid = lambda meta: ((triton.cdiv(num_rows, meta["BM"]) + E) * triton.cdiv(n, meta["BN"]),)  # noqa: E731
-    kernel[grid](a, src if src is not None else ends, b, b2 if dual else b, c, c2, h,
-                 scale if scale is not None else ends, ends, a.shape[0], E, n, k, **kw)
+    kernel[grid](
+        a,
+        src if src is not None else ends,
+        b,
+        b2 if dual else b,
+        c,
+        c2,
+        h,
+        scale if scale is not None else ends,
+        ends,
+        a.shape[0],
+        E,
+        n,
+        k,
+        **kw,
+    )
     return (c, c2, h) if dual else c
 
 
-def grouped_mm(a, b, ends, src: Optional[torch.Tensor] = None, b_kmajor: bool = True,
-               config: Optional[dict] = None) -> torch.Tensor:
+def grouped_mm(
+    a,
+    b,
+    ends,
+    src: Optional[torch.Tensor] = None,
+    b_kmajor: bool = True,
+    config: Optional[dict] = None,
+) -> torch.Tensor:
     return _rows(a, b, None, ends, src, None, b_kmajor, config)
 
 
@@ -303,8 +427,10 @@ def grouped_mm_t(a, b, ends, src_b=None, config: Optional[dict] = None) -> torch
     if config is None:
         kernel, kw["EVEN_P"], kw["EVEN_Q"] = _autotuned("t"), p % 256 == 0, q % 256 == 0
     else:
-        kernel, kw = _gmm_t_kernel, {**kw, **config, "EVEN_P": p % config["BM"] == 0,
-                                     "EVEN_Q": q % config["BN"] == 0}
+        kernel, kw = (
+            _gmm_t_kernel,
+            {**kw, **config, "EVEN_P": p % config["BM"] == 0, "EVEN_Q": q % config["BN"] == 0},
+        )
     grid = lambda meta: (E * triton.cdiv(p, meta["BM"]) * triton.cdiv(q, meta["BN"]),)  # noqa: E731
     kernel[grid](a, b, src_b if src_b is not None else ends, w, ends, E, p, q, **kw)
     return w

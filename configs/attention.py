@@ -3,6 +3,7 @@
 Pattern dicts are checked here (pure data checks, so a bad YAML fails at load time);
 layers.SparsityPattern gives them meaning. Semantics are in DESIGN.md.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,14 +25,32 @@ PATTERN_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "a_shape": (("sinks", "window"), ()),
     "bigbird": (("window", "sinks", "random_blocks"), ()),
     "vertical_slash": (("n_vertical", "n_slash"), ("last_q", "keep_columns", "keep_diagonals")),
-    "block_topk": (("top_k",), ("window", "sinks", "share_group", "query_max", "compress", "compress_block",
-                                "score_block")),
+    "block_topk": (
+        ("top_k",),
+        (
+            "window",
+            "sinks",
+            "share_group",
+            "query_max",
+            "compress",
+            "compress_block",
+            "score_block",
+        ),
+    ),
 }
 COMMON_PARAMS = ("block_size", "seed", "dense_below")
 DEFAULT_BLOCK_SIZE = 64
 POSITIVE_PARAMS = ("window", "sinks", "n_vertical", "n_slash", "last_q", "top_k", "block_size")
-NONNEG_PARAMS = ("random_blocks", "seed", "dense_below", "keep_columns", "keep_diagonals", "compress_block", "score_block")
-FLAG_PARAMS = ("share_group", "query_max", "compress")      # 0 or 1
+NONNEG_PARAMS = (
+    "random_blocks",
+    "seed",
+    "dense_below",
+    "keep_columns",
+    "keep_diagonals",
+    "compress_block",
+    "score_block",
+)
+FLAG_PARAMS = ("share_group", "query_max", "compress")  # 0 or 1
 # MInference's per-head JSON names its three kernels; what each entry computes in MInference's runtime
 # (minference/modules/minference_forward.py), in our params:
 # - vertical_and_slash: budgets raised to at least 30 columns / 50 diagonals, the first 30 key columns and
@@ -39,16 +58,25 @@ FLAG_PARAMS = ("share_group", "query_max", "compress")      # 0 or 1
 # - stream_llm: streaming_forward(n_init, n_local);
 # - block_sparse: its kernel runs top-100 blocks of 64x64 per head whatever v_size / s_size say.
 MINFERENCE_TYPES = {
-    "vertical_and_slash": lambda v, s: {"type": "vertical_slash", "n_vertical": max(v, 30), "n_slash": max(s, 50),
-                                        "last_q": 64, "keep_columns": 30, "keep_diagonals": 100, "block_size": 64},
+    "vertical_and_slash": lambda v, s: {
+        "type": "vertical_slash",
+        "n_vertical": max(v, 30),
+        "n_slash": max(s, 50),
+        "last_q": 64,
+        "keep_columns": 30,
+        "keep_diagonals": 100,
+        "block_size": 64,
+    },
     "stream_llm": lambda v, s: {"type": "a_shape", "sinks": v, "window": s},
     "block_sparse": lambda v, s: {"type": "block_topk", "top_k": 100, "block_size": 64},
 }
 # FlexAttention kernels (``model.attention.flex_kernel``): auto = FLASH where the measured table in
 # layers/attention/flex.py says it is faster and flash-attn-4 runs here, else Triton.
 FLEX_KERNELS = ("auto", "triton", "flash")
-MIN_FLEX_BLOCK = 16       # Triton's smallest tensor-core tile; smaller blocks run only on the reference
-FLASH_BLOCK = 128         # FA4's Hopper/Blackwell tile: the FLASH kernel was checked with 128-token blocks only
+MIN_FLEX_BLOCK = 16  # Triton's smallest tensor-core tile; smaller blocks run only on the reference
+FLASH_BLOCK = (
+    128  # FA4's Hopper/Blackwell tile: the FLASH kernel was checked with 128-token blocks only
+)
 
 
 def validate_pattern(pat: dict, key: str) -> None:
@@ -64,8 +92,16 @@ def validate_pattern(pat: dict, key: str) -> None:
     for p, v in pat.items():
         if p == "type":
             continue
-        check(p in required + optional + COMMON_PARAMS, f"{key}.{p}", f"unknown parameter for pattern type {t!r}")
-        check(isinstance(v, int) and not isinstance(v, bool), f"{key}.{p}", f"must be an integer, got {v!r}")
+        check(
+            p in required + optional + COMMON_PARAMS,
+            f"{key}.{p}",
+            f"unknown parameter for pattern type {t!r}",
+        )
+        check(
+            isinstance(v, int) and not isinstance(v, bool),
+            f"{key}.{p}",
+            f"must be an integer, got {v!r}",
+        )
         if p in POSITIVE_PARAMS:
             check(v > 0, f"{key}.{p}", f"must be > 0, got {v}")
         if p in NONNEG_PARAMS:
@@ -76,13 +112,21 @@ def validate_pattern(pat: dict, key: str) -> None:
         b = pat.get(p, 0)
         check(b & (b - 1) == 0, f"{key}.{p}", f"must be a power of two, got {b}")
     bs = pat.get("block_size", DEFAULT_BLOCK_SIZE)
-    check(pat.get("score_block", 0) <= bs, f"{key}.score_block",
-          f"pools keys within a selection block: must be <= block_size ({bs}), got {pat.get('score_block')}")
-    check(not pat.get("compress_block") or pat.get("compress"), f"{key}.compress_block",
-          "sizes the compressed branch: set compress: 1 too")
+    check(
+        pat.get("score_block", 0) <= bs,
+        f"{key}.score_block",
+        f"pools keys within a selection block: must be <= block_size ({bs}), got {pat.get('score_block')}",
+    )
+    check(
+        not pat.get("compress_block") or pat.get("compress"),
+        f"{key}.compress_block",
+        "sizes the compressed branch: set compress: 1 too",
+    )
 
 
-def minference_patterns(data, n_layers: int, n_heads: int, key: str = "model.attention.minference_json") -> dict:
+def minference_patterns(
+    data, n_layers: int, n_heads: int, key: str = "model.attention.minference_json"
+) -> dict:
     """MInference's per-head config -> our ``{"<layer>:<head>": pattern dict}``.
 
     ``data`` is the parsed JSON (or a path to it): a list with one ``{head: [type, v_size, s_size, score]}``
@@ -90,24 +134,45 @@ def minference_patterns(data, n_layers: int, n_heads: int, key: str = "model.att
     """
     if isinstance(data, str):
         import json
+
         try:
             with open(data) as f:
                 data = json.load(f)
         except (OSError, ValueError) as e:
             raise ConfigError(key, f"cannot read MInference JSON: {e}") from None
-    check(isinstance(data, list), key, "must be a list with one {head: [type, v, s, score]} mapping per layer")
+    check(
+        isinstance(data, list),
+        key,
+        "must be a list with one {head: [type, v, s, score]} mapping per layer",
+    )
     check(len(data) <= n_layers, key, f"has {len(data)} layers, the model {n_layers}")
     out = {}
     for li, heads in enumerate(data):
-        check(hasattr(heads, "items"), f"{key}[{li}]", "must map head index -> [type, v_size, s_size, score]")
+        check(
+            hasattr(heads, "items"),
+            f"{key}[{li}]",
+            "must map head index -> [type, v_size, s_size, score]",
+        )
         for h, entry in heads.items():
             k = f"{key}[{li}][{h}]"
             check(str(h).isdigit() and int(h) < n_heads, k, f"head outside 0..{n_heads - 1}")
-            check(isinstance(entry, (list, tuple)) and len(entry) >= 3, k, "must be [type, v_size, s_size, score]")
+            check(
+                isinstance(entry, (list, tuple)) and len(entry) >= 3,
+                k,
+                "must be [type, v_size, s_size, score]",
+            )
             check_choice(entry[0], tuple(MINFERENCE_TYPES), f"{k}.type")
             sizes = entry[1:3]
-            check(all(isinstance(x, (int, float)) and not isinstance(x, bool) and float(x).is_integer() for x in sizes),
-                  k, f"v_size and s_size must be integers, got {list(sizes)}")
+            check(
+                all(
+                    isinstance(x, (int, float))
+                    and not isinstance(x, bool)
+                    and float(x).is_integer()
+                    for x in sizes
+                ),
+                k,
+                f"v_size and s_size must be integers, got {list(sizes)}",
+            )
             pat = MINFERENCE_TYPES[entry[0]](int(entry[1]), int(entry[2]))
             validate_pattern(pat, k)
             out[f"{li}:{int(h)}"] = pat
@@ -126,7 +191,9 @@ class AttentionConfig:
     # "<layers>:<heads>" -> pattern dict, e.g. {"0-3:*": {type: a_shape, sinks: 64, window: 1024}}.
     # Unlisted layers/heads are dense. A key without ":" means all heads of those layers.
     patterns: Dict[str, Any] = field(default_factory=dict)
-    minference_json: Optional[str] = None  # MInference per-head pattern file, applied under `patterns`
+    minference_json: Optional[str] = (
+        None  # MInference per-head pattern file, applied under `patterns`
+    )
     # backend "auto" runs the reference (same masked result) below this many keys; -1 = the measured
     # DENSE_CROSSOVER. Unlike the per-pattern ``dense_below``, which makes a head dense attention.
     reference_below: int = -1
@@ -140,7 +207,9 @@ class AttentionConfig:
     # BENCHMARKS.md Q12 / Q13). Every layer and head; not MLA.
     ssmax: bool = False
 
-    def layer_head_patterns(self, n_layers: int, n_heads: int, key: str = "model.attention.patterns") -> list[list]:
+    def layer_head_patterns(
+        self, n_layers: int, n_heads: int, key: str = "model.attention.patterns"
+    ) -> list[list]:
         """``[layer][head] -> pattern dict or None`` (None = dense). Overlapping head ranges are errors."""
         grid: list[list] = [[None] * n_heads for _ in range(n_layers)]
         if self.minference_json:
@@ -158,26 +227,55 @@ class AttentionConfig:
                 for h, p in enumerate(per_head):
                     if p is not None:
                         grid[li][h] = p
-        for li, row in enumerate(grid):   # one block size per layer: kernels tile with it
-            sizes = {p.get("block_size", DEFAULT_BLOCK_SIZE) for p in row if p is not None and p["type"] != "dense"}
-            check(len(sizes) <= 1, f"{key}.{li}", f"heads of one layer must share block_size, got {sorted(sizes)}")
+        for li, row in enumerate(grid):  # one block size per layer: kernels tile with it
+            sizes = {
+                p.get("block_size", DEFAULT_BLOCK_SIZE)
+                for p in row
+                if p is not None and p["type"] != "dense"
+            }
+            check(
+                len(sizes) <= 1,
+                f"{key}.{li}",
+                f"heads of one layer must share block_size, got {sorted(sizes)}",
+            )
         return grid
 
     def validate(self, n_layers: int, n_heads: int, key: str = "model.attention") -> None:
         check_choice(self.backend, ATTN_BACKENDS, f"{key}.backend")
         check_choice(self.flex_kernel, FLEX_KERNELS, f"{key}.flex_kernel")
-        check(self.reference_below >= -1, f"{key}.reference_below", f"must be >= -1, got {self.reference_below}")
-        check(hasattr(self.kernel_options, "keys"), f"{key}.kernel_options", "must be a mapping of flex kernel options")
+        check(
+            self.reference_below >= -1,
+            f"{key}.reference_below",
+            f"must be >= -1, got {self.reference_below}",
+        )
+        check(
+            hasattr(self.kernel_options, "keys"),
+            f"{key}.kernel_options",
+            "must be a mapping of flex kernel options",
+        )
         grid = self.layer_head_patterns(n_layers, n_heads, f"{key}.patterns")
-        sizes = {p.get("block_size", DEFAULT_BLOCK_SIZE) for row in grid for p in row if p and p["type"] != "dense"}
+        sizes = {
+            p.get("block_size", DEFAULT_BLOCK_SIZE)
+            for row in grid
+            for p in row
+            if p and p["type"] != "dense"
+        }
         if self.backend == "flex":
             bad = sorted(b for b in sizes if b < MIN_FLEX_BLOCK)
-            check(not bad, f"{key}.patterns", f"block_size {bad[0] if bad else 0} is below the {MIN_FLEX_BLOCK} tokens "
-                  f"flex tiles (use backend reference for smaller blocks)")
+            check(
+                not bad,
+                f"{key}.patterns",
+                f"block_size {bad[0] if bad else 0} is below the {MIN_FLEX_BLOCK} tokens "
+                f"flex tiles (use backend reference for smaller blocks)",
+            )
         if self.flex_kernel == "flash":
             bad = sorted(b for b in sizes if b % FLASH_BLOCK)
-            check(not bad, f"{key}.flex_kernel", f"flash tiles {FLASH_BLOCK}-token blocks; block_size {bad[0] if bad else 0} "
-                  f"cannot run on it")
+            check(
+                not bad,
+                f"{key}.flex_kernel",
+                f"flash tiles {FLASH_BLOCK}-token blocks; block_size {bad[0] if bad else 0} "
+                f"cannot run on it",
+            )
 
     def check_runtime(self, device_type: str, key: str = "model.attention") -> None:
         """Before any work: the fast paths this config asks for explicitly exist on this machine."""
@@ -190,9 +288,11 @@ class AttentionConfig:
 def fast_path_missing(device_type: str) -> Optional[str]:
     """None when flash-attn-4 (``flash_attn.cute``) imports and the GPU is sm90/sm100; else why not."""
     import importlib.util
+
     if device_type != "cuda":
         return f"device is {device_type}"
     import torch
+
     if not torch.cuda.is_available():
         return "no CUDA device"
     major = torch.cuda.get_device_capability()[0]
@@ -202,4 +302,4 @@ def fast_path_missing(device_type: str) -> Optional[str]:
         found = importlib.util.find_spec("flash_attn.cute") is not None
     except (ImportError, ValueError):
         found = False
-    return None if found else "flash_attn.cute is not importable (pip install -e \".[gpu]\")"
+    return None if found else 'flash_attn.cute is not importable (pip install -e ".[gpu]")'

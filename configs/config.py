@@ -1,4 +1,5 @@
 """The whole run's config: one dataclass per section."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -35,7 +36,9 @@ class Config:
     def validate(self) -> "Config":
         check(bool(self.name), "name", "must be a non-empty string")
         self.model.validate()
-        if "moe" in self.model.layer_ffn_types():   # here, not in ModelConfig: a run trains its router
+        if (
+            "moe" in self.model.layer_ffn_types()
+        ):  # here, not in ModelConfig: a run trains its router
             self.model.moe.check_trainable("model.moe")
         self.data.validate()
         self.train.validate()
@@ -45,8 +48,14 @@ class Config:
         self.logging.validate()
         self.checkpoint.validate()
         self.eval.validate(self.model.max_seq_len)
-        check(not (self.train.param_dtype == "bfloat16" and self.dst.enabled), "train.param_dtype",
-              "bfloat16 weights with dst.enabled: DST masks and grows float32 weights; use train.param_dtype float32")
-        check(self.train.seq_len <= self.model.max_seq_len, "train.seq_len",
-              f"seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        check(
+            not (self.train.param_dtype == "bfloat16" and self.dst.enabled),
+            "train.param_dtype",
+            "bfloat16 weights with dst.enabled: DST masks and grows float32 weights; use train.param_dtype float32",
+        )
+        check(
+            self.train.seq_len <= self.model.max_seq_len,
+            "train.seq_len",
+            f"seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
+        )
         return self

@@ -1,4 +1,5 @@
 """The one error type a bad config raises: its message names the key path and the reason."""
+
 import sys
 
 
@@ -17,7 +18,11 @@ def check(cond: bool, key: str, reason: str) -> None:
 
 
 def check_choice(value, choices, key: str) -> None:
-    check(value in choices, key, f"unknown value {value!r}; expected one of {', '.join(map(str, choices))}")
+    check(
+        value in choices,
+        key,
+        f"unknown value {value!r}; expected one of {', '.join(map(str, choices))}",
+    )
 
 
 def choice_list(text: str, choices, key: str) -> list[str]:

@@ -5,6 +5,7 @@
 A YAML file may start with ``include: [other.yaml, ...]`` (paths relative to the file); included files
 merge first, the file itself next, overrides last. Any failure raises ConfigError naming the key.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,7 +30,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
             seen.add(key)
         return super().construct_mapping(node, deep)
 
@@ -51,14 +54,18 @@ def _read_yaml(path: str, seen: tuple = ()) -> list:
         raise ConfigError(path, f"invalid YAML{where}: {getattr(e, 'problem', e)}") from None
     if data is None or data == {}:
         # An empty file would silently train the defaults (LLaMA-7B).
-        raise ConfigError(path, "is empty; a config needs at least one section (model:, train:, ...)")
+        raise ConfigError(
+            path, "is empty; a config needs at least one section (model:, train:, ...)"
+        )
     if not isinstance(data, dict):
         raise ConfigError(path, "top level must be a mapping of sections")
     includes = data.pop("include", []) or []
     if isinstance(includes, str):
         includes = [includes]
     if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
-        raise ConfigError("include", f"in {path} must be a file name or a list of file names, got {includes!r}")
+        raise ConfigError(
+            "include", f"in {path} must be a file name or a list of file names, got {includes!r}"
+        )
     _check_sections(data, Config, "")
     layers = []
     for inc in includes:
@@ -77,8 +84,10 @@ def _check_sections(data: dict, cls, prefix: str) -> None:
         if isinstance(value, dict):
             _check_sections(value, sub, f"{prefix}{key}.")
         elif value is not None:
-            raise ConfigError(f"{prefix}{key}", f"is a section (keys of {sub.__name__}), got {type(value).__name__} "
-                                                f"{value!r}")
+            raise ConfigError(
+                f"{prefix}{key}",
+                f"is a section (keys of {sub.__name__}), got {type(value).__name__} {value!r}",
+            )
 
 
 def _omegaconf_error(e: OmegaConfBaseException) -> ConfigError:
@@ -86,6 +95,7 @@ def _omegaconf_error(e: OmegaConfBaseException) -> ConfigError:
     msg = str(e).splitlines()[0].strip()
     if "Key '" in msg and "not in" in msg:
         from .suggest import suggest
+
         close = suggest(key)
         msg = f"unknown key (did you mean {close}?)" if close else "unknown key"
     return ConfigError(key, msg)
@@ -104,8 +114,10 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Co
                 raise ConfigError(ov, "override must look like section.key=value")
             try:
                 node = OmegaConf.from_dotlist([f"{k.strip()}={v}"])
-            except yaml.YAMLError as e:   # the value is parsed as YAML: "[1" or "{a: b" fail here
-                raise ConfigError(k.strip(), f"invalid value {v!r}: {getattr(e, 'problem', e)}") from None
+            except yaml.YAMLError as e:  # the value is parsed as YAML: "[1" or "{a: b" fail here
+                raise ConfigError(
+                    k.strip(), f"invalid value {v!r}: {getattr(e, 'problem', e)}"
+                ) from None
             _check_sections(OmegaConf.to_container(node), Config, "")
             cfg = OmegaConf.merge(cfg, node)
         obj: Config = OmegaConf.to_object(cfg)

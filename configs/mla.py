@@ -1,5 +1,6 @@
 """``model.mla``: Multi-head Latent Attention (DeepSeek-V2/V3; layers.attention.mla), read when
 ``model.attention_type: mla``. Defaults are DeepSeek-V3's."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,12 +11,24 @@ from .errors import check_positive
 
 @dataclass
 class MLAConfig:
-    q_lora_rank: Optional[int] = 1536     # rank of the low-rank query path; None = one full q projection (V2-Lite)
-    kv_lora_rank: int = 512               # the compressed kv latent (what the decode cache holds)
-    qk_nope_head_dim: int = 128           # per-head q/k dims without RoPE (from the latent)
-    qk_rope_head_dim: int = 64            # per-head q dims with RoPE; k's are one head shared by all
+    q_lora_rank: Optional[int] = (
+        1536  # rank of the low-rank query path; None = one full q projection (V2-Lite)
+    )
+    kv_lora_rank: int = 512  # the compressed kv latent (what the decode cache holds)
+    qk_nope_head_dim: int = 128  # per-head q/k dims without RoPE (from the latent)
+    qk_rope_head_dim: int = 64  # per-head q dims with RoPE; k's are one head shared by all
     v_head_dim: int = 128
-    rope_interleave: bool = True          # rope dims come in (even, odd) pairs (DeepSeek) not halves (HF rotate-half)
+    rope_interleave: bool = (
+        True  # rope dims come in (even, odd) pairs (DeepSeek) not halves (HF rotate-half)
+    )
 
     def validate(self, key: str = "model.mla") -> None:
-        check_positive(self, key, "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        check_positive(
+            self,
+            key,
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+        )

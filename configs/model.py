@@ -1,4 +1,5 @@
 """``model``: a LLaMA-style decoder (zoo.Transformer), with per-layer FFN and attention choices."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,33 +15,54 @@ from .ranges import assign_ranges
 FFN_TYPES = ("dense", "moe", "neuron")
 ROPE_SCALINGS = ("none", "linear", "ntk", "llama3", "yarn", "dynamic")
 QK_NORMS = ("none", "head", "full")
-FFN_ACTS = ("silu", "gelu", "gelu_tanh", "relu2")   # gate activation of the gated FFN (SwiGLU, GeGLU, ...)
+FFN_ACTS = (
+    "silu",
+    "gelu",
+    "gelu_tanh",
+    "relu2",
+)  # gate activation of the gated FFN (SwiGLU, GeGLU, ...)
 ATTENTION_TYPES = ("mha", "mla")
 
 
 @dataclass
 class RopeScalingConfig:
-    type: str = "none"                 # none | linear (position interpolation) | ntk (NTK-aware theta) | llama3
-                                       # | yarn (Peng et al. 2023) | dynamic (HF dynamic NTK: theta grows with length)
-    factor: float = 1.0                # context extension factor
-    original_max_seq_len: int = 2048   # length the base model was trained at (llama3: where its bands are set)
-    low_freq_factor: float = 1.0       # llama3: wavelengths > original_max_seq_len / this are divided by factor
-    high_freq_factor: float = 4.0      # llama3: wavelengths < original_max_seq_len / this are kept; blended between
-    beta_fast: float = 32.0            # yarn: rotations per original length above which a dim is kept
-    beta_slow: float = 1.0             # yarn: ... below which it is interpolated (divided by factor)
-    mscale: float = 1.0                # yarn: cos/sin scale 0.1*mscale*ln(factor)+1, over that of mscale_all_dim
-    mscale_all_dim: float = 0.0        # yarn (DeepSeek): also multiplies the MLA softmax scale by its mscale^2
-    attention_factor: Optional[float] = None  # yarn: explicit cos/sin scale (None: from mscale / mscale_all_dim)
-    truncate: bool = True              # yarn: round the correction range to whole dims (HF default)
+    type: str = "none"  # none | linear (position interpolation) | ntk (NTK-aware theta) | llama3
+    # | yarn (Peng et al. 2023) | dynamic (HF dynamic NTK: theta grows with length)
+    factor: float = 1.0  # context extension factor
+    original_max_seq_len: int = (
+        2048  # length the base model was trained at (llama3: where its bands are set)
+    )
+    low_freq_factor: float = (
+        1.0  # llama3: wavelengths > original_max_seq_len / this are divided by factor
+    )
+    high_freq_factor: float = (
+        4.0  # llama3: wavelengths < original_max_seq_len / this are kept; blended between
+    )
+    beta_fast: float = 32.0  # yarn: rotations per original length above which a dim is kept
+    beta_slow: float = 1.0  # yarn: ... below which it is interpolated (divided by factor)
+    mscale: float = 1.0  # yarn: cos/sin scale 0.1*mscale*ln(factor)+1, over that of mscale_all_dim
+    mscale_all_dim: float = (
+        0.0  # yarn (DeepSeek): also multiplies the MLA softmax scale by its mscale^2
+    )
+    attention_factor: Optional[float] = (
+        None  # yarn: explicit cos/sin scale (None: from mscale / mscale_all_dim)
+    )
+    truncate: bool = True  # yarn: round the correction range to whole dims (HF default)
 
     def validate(self, key: str = "model.rope_scaling") -> None:
         check_choice(self.type, ROPE_SCALINGS, f"{key}.type")
         check(self.factor >= 1.0, f"{key}.factor", f"must be >= 1, got {self.factor}")
         check_positive(self, key, "original_max_seq_len", "low_freq_factor", "high_freq_factor")
-        check(self.beta_fast > self.beta_slow > 0, f"{key}.beta_fast",
-              f"must be > beta_slow={self.beta_slow} > 0, got {self.beta_fast}")
-        check(self.high_freq_factor > self.low_freq_factor, f"{key}.high_freq_factor",
-              f"must be > low_freq_factor={self.low_freq_factor}, got {self.high_freq_factor}")
+        check(
+            self.beta_fast > self.beta_slow > 0,
+            f"{key}.beta_fast",
+            f"must be > beta_slow={self.beta_slow} > 0, got {self.beta_fast}",
+        )
+        check(
+            self.high_freq_factor > self.low_freq_factor,
+            f"{key}.high_freq_factor",
+            f"must be > low_freq_factor={self.low_freq_factor}, got {self.high_freq_factor}",
+        )
 
 
 @dataclass
@@ -49,8 +71,10 @@ class ModelConfig:
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
-    n_kv_heads: Optional[int] = None     # None = n_heads (MHA); fewer = GQA
-    ffn_hidden: Optional[int] = None     # None = LLaMA rule: 8/3*dim * ffn_dim_multiplier, rounded up to multiple_of
+    n_kv_heads: Optional[int] = None  # None = n_heads (MHA); fewer = GQA
+    ffn_hidden: Optional[int] = (
+        None  # None = LLaMA rule: 8/3*dim * ffn_dim_multiplier, rounded up to multiple_of
+    )
     multiple_of: int = 256
     ffn_dim_multiplier: Optional[float] = None
     norm_eps: float = 1e-5
@@ -58,16 +82,24 @@ class ModelConfig:
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     max_seq_len: int = 2048
     tie_embeddings: bool = False
-    attn_bias: bool = False              # q/k/v projection biases (Qwen2 family); LLaMA has none
-    attn_head_dim: Optional[int] = None  # per-head q/k/v size; None = dim // n_heads (Qwen3 sets it apart)
-    qk_norm: str = "none"                # RMSNorm on q and k before RoPE: none | head (Qwen3: over each head)
-                                         # | full (OLMoE: over the whole q / k projection)
-    ffn_act: str = "silu"                # gate activation of dense and expert FFNs: silu | gelu | gelu_tanh | relu2
-    attention_type: str = "mha"          # mha (GQA, Attention) | mla (DeepSeek-V2/V3 latent attention, see mla)
+    attn_bias: bool = False  # q/k/v projection biases (Qwen2 family); LLaMA has none
+    attn_head_dim: Optional[int] = (
+        None  # per-head q/k/v size; None = dim // n_heads (Qwen3 sets it apart)
+    )
+    qk_norm: str = "none"  # RMSNorm on q and k before RoPE: none | head (Qwen3: over each head)
+    # | full (OLMoE: over the whole q / k projection)
+    ffn_act: str = (
+        "silu"  # gate activation of dense and expert FFNs: silu | gelu | gelu_tanh | relu2
+    )
+    attention_type: str = (
+        "mha"  # mha (GQA, Attention) | mla (DeepSeek-V2/V3 latent attention, see mla)
+    )
     mla: MLAConfig = field(default_factory=MLAConfig)
     init_std: float = 0.02
-    ffn: str = "dense"                   # FFN of every layer: dense | moe | neuron
-    ffn_layers: Dict[str, str] = field(default_factory=dict)  # per-layer override, e.g. {"0": dense}
+    ffn: str = "dense"  # FFN of every layer: dense | moe | neuron
+    ffn_layers: Dict[str, str] = field(
+        default_factory=dict
+    )  # per-layer override, e.g. {"0": dense}
     moe: MoEConfig = field(default_factory=MoEConfig)
     neuron: NeuronConfig = field(default_factory=NeuronConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
@@ -114,38 +146,81 @@ class ModelConfig:
 
     def layer_ffn_types(self) -> list[str]:
         """FFN type of each layer after applying ``ffn_layers`` overrides."""
-        types = assign_ranges(dict(self.ffn_layers), self.n_layers, "model.ffn_layers", default=self.ffn)
+        types = assign_ranges(
+            dict(self.ffn_layers), self.n_layers, "model.ffn_layers", default=self.ffn
+        )
         for spec, t in self.ffn_layers.items():
             check_choice(t, FFN_TYPES, f"model.ffn_layers.{spec}")
         return types
 
     def validate(self, key: str = "model") -> None:
-        check_positive(self, key, "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
-                       "multiple_of", "ffn_dim_multiplier", "norm_eps", "rope_theta", "max_seq_len", "init_std",
-                       "attn_head_dim")
-        check(self.attn_head_dim is not None or self.attention_type == "mla" or self.dim % self.n_heads == 0,
-              f"{key}.dim", f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        check_positive(
+            self,
+            key,
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_hidden",
+            "multiple_of",
+            "ffn_dim_multiplier",
+            "norm_eps",
+            "rope_theta",
+            "max_seq_len",
+            "init_std",
+            "attn_head_dim",
+        )
+        check(
+            self.attn_head_dim is not None
+            or self.attention_type == "mla"
+            or self.dim % self.n_heads == 0,
+            f"{key}.dim",
+            f"dim={self.dim} is not divisible by n_heads={self.n_heads}",
+        )
         check_choice(self.qk_norm, QK_NORMS, f"{key}.qk_norm")
         check_choice(self.ffn_act, FFN_ACTS, f"{key}.ffn_act")
         check_choice(self.attention_type, ATTENTION_TYPES, f"{key}.attention_type")
         if self.attention_type == "mla":
             self.mla.validate(f"{key}.mla")
-            check(self.qk_norm == "none", f"{key}.qk_norm", "MLA normalises its latents; qk_norm must be none")
-            check(not self.attention.ssmax, f"{key}.attention.ssmax", "is for GQA attention (attention_type mha), not MLA")
-        check(self.n_heads % self.kv_heads == 0, f"{key}.n_kv_heads",
-              f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}")
-        check(self.rope_dim % 2 == 0, f"{key}.dim", f"head_dim={self.rope_dim} must be even for RoPE")
+            check(
+                self.qk_norm == "none",
+                f"{key}.qk_norm",
+                "MLA normalises its latents; qk_norm must be none",
+            )
+            check(
+                not self.attention.ssmax,
+                f"{key}.attention.ssmax",
+                "is for GQA attention (attention_type mha), not MLA",
+            )
+        check(
+            self.n_heads % self.kv_heads == 0,
+            f"{key}.n_kv_heads",
+            f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}",
+        )
+        check(
+            self.rope_dim % 2 == 0, f"{key}.dim", f"head_dim={self.rope_dim} must be even for RoPE"
+        )
         check_choice(self.ffn, FFN_TYPES, f"{key}.ffn")
         self.rope_scaling.validate(f"{key}.rope_scaling")
         types = self.layer_ffn_types()
         if "moe" in types:
             self.moe.validate(f"{key}.moe")
-            self.moe.check_precision_shapes(self.dim, self.expert_hidden_dim, self.ffn_act, f"{key}.moe")
+            self.moe.check_precision_shapes(
+                self.dim, self.expert_hidden_dim, self.ffn_act, f"{key}.moe"
+            )
         if "neuron" in types:
             self.neuron.validate(f"{key}.neuron", self.hidden_dim)
-            check(self.ffn_act == "silu", f"{key}.ffn_act", "neuron-routed FFNs take model.neuron.activation instead")
+            check(
+                self.ffn_act == "silu",
+                f"{key}.ffn_act",
+                "neuron-routed FFNs take model.neuron.activation instead",
+            )
         self.attention.validate(self.n_layers, self.n_heads, f"{key}.attention")
         if self.attention_type == "mla":
             grid = self.attention.layer_head_patterns(self.n_layers, self.n_heads)
-            check(not any(p and p.get("compress") for row in grid for p in row), f"{key}.attention.patterns",
-                  "block top-k compress: 1 runs with attention_type mha only (MLA has no compressed branch)")
+            check(
+                not any(p and p.get("compress") for row in grid for p in row),
+                f"{key}.attention.patterns",
+                "block top-k compress: 1 runs with attention_type mha only (MLA has no compressed branch)",
+            )

@@ -4,6 +4,7 @@ The preset folder is the zoo folder beside this package's own (``zoo/`` in a che
 an installed wheel), found by path: configs imports no other moezoo package, and importing zoo would
 import torch.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -20,7 +21,13 @@ def presets_dir() -> str | None:
 
 def preset_names() -> list[str]:
     d = presets_dir()
-    return sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(d, "*.yaml"))) if d else []
+    return (
+        sorted(
+            os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(d, "*.yaml"))
+        )
+        if d
+        else []
+    )
 
 
 def resolve_config_path(arg: str) -> str:
@@ -34,4 +41,7 @@ def resolve_config_path(arg: str) -> str:
         return os.path.join(presets_dir(), f"{name}.yaml")
     close = difflib.get_close_matches(name, names, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
-    raise ConfigError("--config", f"file not found: {arg}, nor a preset of that name{hint}; presets: {', '.join(names)}")
+    raise ConfigError(
+        "--config",
+        f"file not found: {arg}, nor a preset of that name{hint}; presets: {', '.join(names)}",
+    )

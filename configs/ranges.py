@@ -3,6 +3,7 @@
 ``"*"`` is everything, ``"3"`` one index, ``"0-3"`` an inclusive range, ``"0-3,8,10-11"`` a union.
 Per-layer sections key on ``"<layers>"`` and attention patterns on ``"<layers>:<heads>"``.
 """
+
 from __future__ import annotations
 
 from .errors import ConfigError
@@ -22,7 +23,9 @@ def parse_range(spec: str | int, n: int, key: str) -> list[int]:
             else:
                 lo = hi = int(part)
         except ValueError:
-            raise ConfigError(key, f"bad range {spec!r}; use '*', 'i', 'i-j' or a comma list") from None
+            raise ConfigError(
+                key, f"bad range {spec!r}; use '*', 'i', 'i-j' or a comma list"
+            ) from None
         if not (0 <= lo <= hi < n):
             raise ConfigError(key, f"range {part!r} outside 0..{n - 1}")
         out.extend(range(lo, hi + 1))

@@ -1,8 +1,9 @@
 """Every valid dotted key of the schema, and "did you mean ...?" for one that is not.
 
-    valid_keys()                  # ["name", "model.vocab_size", ..., "checkpoint.resume"]
-    suggest("train.stepz")        # "train.steps"
+valid_keys()                  # ["name", "model.vocab_size", ..., "checkpoint.resume"]
+suggest("train.stepz")        # "train.steps"
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -33,6 +33,7 @@ tensor map, so the launch count does not grow with the tensor count. Elsewhere `
 torch's foreach ops in AdamW's order (on CPU the same numbers as ``torch.optim.AdamW`` on float32
 parameters given the same float32 gradients).
 """
+
 from __future__ import annotations
 
 import math
@@ -46,12 +47,28 @@ from .launch import jit, tl, to_device, triton, use_triton
 # 8 x 134M weights): 10.45 ms, 1.01x the copy rate, against 11.55 at 2048 on 8 warps (the previous choice)
 # and 11.90 for torch's fused AdamW on float32; 4096 with 4 warps took 218 registers for sm_90
 BLOCK, NUM_WARPS = 1024, 4
-_blocks_cache: dict = {}          # (device, numels, block) -> int32 [blocks] tensor index of each block
+_blocks_cache: dict = {}  # (device, numels, block) -> int32 [blocks] tensor index of each block
 
 
-def _adamw_kernel(table_ptr, block_tensor_ptr, scale_ptr, skip_ptr, decay, one_minus_beta1, beta2, one_minus_beta2,
-                  eps, step_size, bc2_sqrt, G_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, HAS_PARAM: tl.constexpr,
-                  HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(
+    table_ptr,
+    block_tensor_ptr,
+    scale_ptr,
+    skip_ptr,
+    decay,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    step_size,
+    bc2_sqrt,
+    G_DTYPE: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    HAS_PARAM: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     # grid (blocks,): BLOCK elements of one tensor per program. The launcher checks every pointer is 16-byte
     # aligned: said here (a pointer read from memory has no known alignment), it lets a full block use vector
     # loads; the masked tail block of each tensor stays scalar.
@@ -103,10 +120,14 @@ def _adamw_kernel(table_ptr, block_tensor_ptr, scale_ptr, skip_ptr, decay, one_m
 
 
 def _triton_dtype(dtype: torch.dtype):
-    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[
+        dtype
+    ]
 
 
-def _block_map(device: torch.device, numels: tuple[int, ...], block: int) -> tuple[torch.Tensor, list[int]]:
+def _block_map(
+    device: torch.device, numels: tuple[int, ...], block: int
+) -> tuple[torch.Tensor, list[int]]:
     """int32 [blocks]: the tensor each program updates (cached: it depends on the sizes only), and each
     tensor's first block."""
     firsts, total = [], 0
@@ -116,13 +137,29 @@ def _block_map(device: torch.device, numels: tuple[int, ...], block: int) -> tup
     key = (device, numels, block)
     if key not in _blocks_cache:
         counts = torch.tensor([triton.cdiv(n, block) for n in numels])
-        _blocks_cache[key] = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32),
-                                                     counts).to(device)
+        _blocks_cache[key] = torch.repeat_interleave(
+            torch.arange(len(numels), dtype=torch.int32), counts
+        ).to(device)
     return _blocks_cache[key], firsts
 
 
-def _adamw_triton(weights, grads, exp_avgs, exp_avg_sqs, params, decay, beta1, beta2, eps, step_size, bc2_sqrt,
-                  grad_scale, found_inf=None, block: int = 0, num_warps: int = 0) -> None:
+def _adamw_triton(
+    weights,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    params,
+    decay,
+    beta1,
+    beta2,
+    eps,
+    step_size,
+    bc2_sqrt,
+    grad_scale,
+    found_inf=None,
+    block: int = 0,
+    num_warps: int = 0,
+) -> None:
     """The launcher; ``block`` / ``num_warps``: BLOCK / NUM_WARPS unless given (bench/adamw.py times others)."""
     block, num_warps = block or BLOCK, num_warps or NUM_WARPS
     device = weights[0].device
@@ -130,20 +167,63 @@ def _adamw_triton(weights, grads, exp_avgs, exp_avg_sqs, params, decay, beta1, b
     blocks, firsts = _block_map(device, numels, block)
     # the table's 7 columns (the kernel's row stride): weight, grad, exp_avg, exp_avg_sq, param (0: none), numel,
     # first block
-    rows = [[w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.data_ptr() if params else 0, n, f]
-            for w, g, m, v, p, n, f in zip(weights, grads, exp_avgs, exp_avg_sqs, params or weights, numels, firsts)]
-    table = to_device(torch.tensor(rows, dtype=torch.int64), device)   # queued behind the backward, no wait
+    rows = [
+        [
+            w.data_ptr(),
+            g.data_ptr(),
+            m.data_ptr(),
+            v.data_ptr(),
+            p.data_ptr() if params else 0,
+            n,
+            f,
+        ]
+        for w, g, m, v, p, n, f in zip(
+            weights, grads, exp_avgs, exp_avg_sqs, params or weights, numels, firsts
+        )
+    ]
+    table = to_device(
+        torch.tensor(rows, dtype=torch.int64), device
+    )  # queued behind the backward, no wait
     p_dtype = params[0].dtype if params else torch.float32
-    scale = grad_scale if grad_scale is not None else weights[0]      # unread without HAS_SCALE
-    skip = found_inf if found_inf is not None else weights[0]         # unread without HAS_SKIP
+    scale = grad_scale if grad_scale is not None else weights[0]  # unread without HAS_SCALE
+    skip = found_inf if found_inf is not None else weights[0]  # unread without HAS_SKIP
     jit(_adamw_kernel)[(blocks.numel(),)](
-        table, blocks, scale, skip, decay, 1.0 - beta1, beta2, 1.0 - beta2, eps, step_size, bc2_sqrt,
-        G_DTYPE=_triton_dtype(grads[0].dtype), P_DTYPE=_triton_dtype(p_dtype), HAS_PARAM=bool(params),
-        HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, BLOCK=block, num_warps=num_warps)
+        table,
+        blocks,
+        scale,
+        skip,
+        decay,
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        eps,
+        step_size,
+        bc2_sqrt,
+        G_DTYPE=_triton_dtype(grads[0].dtype),
+        P_DTYPE=_triton_dtype(p_dtype),
+        HAS_PARAM=bool(params),
+        HAS_SCALE=grad_scale is not None,
+        HAS_SKIP=found_inf is not None,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
 
 
-def adamw_reference_(weights, grads, exp_avgs, exp_avg_sqs, params, decay, beta1, beta2, eps, step_size,
-                     bc2_sqrt, grad_scale, found_inf=None) -> None:
+def adamw_reference_(
+    weights,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    params,
+    decay,
+    beta1,
+    beta2,
+    eps,
+    step_size,
+    bc2_sqrt,
+    grad_scale,
+    found_inf=None,
+) -> None:
     """torch.optim.AdamW's foreach update (non-capturable), on float32 copies of the gradients; nothing where
     ``found_inf`` is nonzero (read on the host)."""
     if found_inf is not None and bool(found_inf):
@@ -163,10 +243,22 @@ def adamw_reference_(weights, grads, exp_avgs, exp_avg_sqs, params, decay, beta1
         torch._foreach_copy_(params, weights)
 
 
-def adamw_(weights: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
-           exp_avg_sqs: Sequence[torch.Tensor], params: Optional[Sequence[torch.Tensor]] = None, *, lr: float,
-           beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-           grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> None:
+def adamw_(
+    weights: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    params: Optional[Sequence[torch.Tensor]] = None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    grad_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+) -> None:
     """See the module docstring. Every list holds tensors of one dtype each (one launch)."""
     if not weights:
         return
@@ -175,11 +267,21 @@ def adamw_(weights: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_a
             raise TypeError(f"adamw_: {name} must be float32")
     if len({g.dtype for g in grads}) > 1 or (params and len({p.dtype for p in params}) > 1):
         raise TypeError("adamw_: one gradient dtype and one parameter dtype per call")
-    args = (1.0 - lr * weight_decay, beta1, beta2, eps, lr / (1.0 - beta1 ** step),
-            math.sqrt(1.0 - beta2 ** step), grad_scale, found_inf)
+    args = (
+        1.0 - lr * weight_decay,
+        beta1,
+        beta2,
+        eps,
+        lr / (1.0 - beta1**step),
+        math.sqrt(1.0 - beta2**step),
+        grad_scale,
+        found_inf,
+    )
     tensors = [t for ts in (weights, grads, exp_avgs, exp_avg_sqs, params or ()) for t in ts]
     # the kernel takes every tensor as contiguous and 16-byte aligned (vector loads): fresh storages are
-    if use_triton(weights[0]) and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors):
+    if use_triton(weights[0]) and all(
+        t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors
+    ):
         _adamw_triton(weights, grads, exp_avgs, exp_avg_sqs, params, *args)
     else:
         adamw_reference_(weights, grads, exp_avgs, exp_avg_sqs, params, *args)

@@ -17,6 +17,7 @@ to spare and keep S = 1 (one GEMM, as before). The split points are device arith
 sync, CUDA-graph safe. Not yet measured on a GPU: bench/moe.py's ``small`` shape times S = 1, 2, 4 and the
 automatic choice side by side.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,19 +26,24 @@ from typing import Optional
 
 import torch
 
-MAX_SPLITS = 4          # more parts add partial outputs to sum for little more parallelism
-MIN_ROWS_PER_SPLIT = 1024   # average rows of a part: below this a part's tile is mostly prologue
-TILE_M, TILE_N = 128, 256   # the output tile the occupancy estimate assumes (CUTLASS's sm90 grouped kernels)
-MIN_GAIN = 0.9          # split only when the estimate saves at least 10% of the GEMM
-SPLITS: Optional[int] = None   # a fixed S for every call (benchmarks); None: ``wgrad_splits``
+MAX_SPLITS = 4  # more parts add partial outputs to sum for little more parallelism
+MIN_ROWS_PER_SPLIT = 1024  # average rows of a part: below this a part's tile is mostly prologue
+TILE_M, TILE_N = (
+    128,
+    256,
+)  # the output tile the occupancy estimate assumes (CUTLASS's sm90 grouped kernels)
+MIN_GAIN = 0.9  # split only when the estimate saves at least 10% of the GEMM
+SPLITS: Optional[int] = None  # a fixed S for every call (benchmarks); None: ``wgrad_splits``
 
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index if index >= 0 else torch.cuda.current_device()).multi_processor_count
+    return torch.cuda.get_device_properties(
+        index if index >= 0 else torch.cuda.current_device()
+    ).multi_processor_count
 
 
-@torch.compiler.assume_constant_result     # read while tracing a compiled backward, a constant in its graph
+@torch.compiler.assume_constant_result  # read while tracing a compiled backward, a constant in its graph
 def _num_sms(index: int) -> int:
     return _sm_count(index)
 
@@ -55,8 +61,8 @@ def wgrad_splits(rows: int, groups: int, m: int, n: int, device: torch.device) -
     tiles = groups * math.ceil(m / TILE_M) * math.ceil(n / TILE_N)
     sms = _num_sms(-1 if device.index is None else device.index)
     most = max(1, min(MAX_SPLITS, rows // (groups * MIN_ROWS_PER_SPLIT)))
-    cost = lambda s: math.ceil(s * tiles / sms) / s                        # noqa: E731
-    best = min(range(1, most + 1), key=cost)                               # ties: the fewest parts
+    cost = lambda s: math.ceil(s * tiles / sms) / s  # noqa: E731
+    best = min(range(1, most + 1), key=cost)  # ties: the fewest parts
     # a large GEMM's last partial wave is a few % of it: not worth the partial sums
     return best if cost(best) <= MIN_GAIN * cost(1) else 1
 
@@ -75,7 +81,7 @@ def grouped_wgrad(a_t: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> tor
     S = wgrad_splits(R, E, M, N, a_t.device)
     if S == 1:
         return torch._grouped_mm(a_t, b, offs=offs)
-    parts = torch._grouped_mm(a_t, b, offs=split_group_ends(offs, S))          # [E * S, M, N]
+    parts = torch._grouped_mm(a_t, b, offs=split_group_ends(offs, S))  # [E * S, M, N]
     return parts.view(E, S, M, N).sum(1, dtype=torch.float32).to(parts.dtype)
 
 
@@ -90,7 +96,7 @@ class _GroupedLinear(torch.autograd.Function):
         x, w, offs = ctx.saved_tensors
         dy = dy.contiguous()
         dx = torch._grouped_mm(dy, w, offs=offs) if ctx.needs_input_grad[0] else None
-        dw = grouped_wgrad(dy.t(), x, offs) if ctx.needs_input_grad[1] else None       # [E, O, I]
+        dw = grouped_wgrad(dy.t(), x, offs) if ctx.needs_input_grad[1] else None  # [E, O, I]
         return dx, dw, None
 
 

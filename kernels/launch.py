@@ -11,6 +11,7 @@ decides between compiled and interpreted execution at decoration time: a test th
 ``TRITON_INTERPRET=1`` before its first launch then gets the interpreter even if the module was
 imported earlier by another test.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,6 +22,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+
     HAVE_TRITON = True
 except ImportError:
     triton = tl = None

@@ -55,6 +55,7 @@ launchers -> custom ops ``moezoo::fp8_quantize_rows`` / ``fp8_quantize_groups_t`
 ``*_reference`` are the pure-torch oracles (and the path without triton); ``scaled_grouped_mm_reference``
 emulates torch._scaled_grouped_mm in float32 (CPU tests; the op itself is CUDA-only).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -64,11 +65,13 @@ import torch
 from .launch import jit, tl, triton, use_triton
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0           # largest finite float8_e4m3fn
-AMAX_EPS = 1e-12          # an all-zero row or column gets a finite scale (2^48) and quantizes to zeros
-WGRAD_ALIGN = 16          # rows per wgrad group: 16 bytes of fp8 (TMA alignment of group starts)
-FAST_ACCUM = True         # FP8 tensor-core accumulation without periodic float32 promotion (torchao: all three)
-ROWS_BLOCK = 4096         # columns per step of the row quantizer: 8 KB of bf16 in flight per program
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+AMAX_EPS = 1e-12  # an all-zero row or column gets a finite scale (2^48) and quantizes to zeros
+WGRAD_ALIGN = 16  # rows per wgrad group: 16 bytes of fp8 (TMA alignment of group starts)
+FAST_ACCUM = (
+    True  # FP8 tensor-core accumulation without periodic float32 promotion (torchao: all three)
+)
+ROWS_BLOCK = 4096  # columns per step of the row quantizer: 8 KB of bf16 in flight per program
 # The passes' tiles, (rows, columns, warps): the fastest of bench/fp8_quant.py's 20 pairs on an H100 (session
 # 26), 5.21 ms over the Mixtral layer's five operand kinds against 7.32 at 128 x 64 on 16 warps for both (the
 # amax pass on 16 warps was the slow part). Every global store of the cast pass is a 16-byte vector (ptxas
@@ -108,8 +111,9 @@ def padded_rows(num_rows: int, num_groups: int) -> int:
     return -(-num_rows // WGRAD_ALIGN) * WGRAD_ALIGN + WGRAD_ALIGN * num_groups
 
 
-def quantize_groups_t_reference(x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor,
-                                num_padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups_t_reference(
+    x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor, num_padded: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, C], offs / pends [E] int32 -> (qt [C, P] float8_e4m3fn, d [E, C] float32): expert e's rows
     ``offs[e-1] .. offs[e]`` quantized per column (``quantize_rows_reference`` of their transpose) and stored
     at columns ``pends[e-1] ..`` of qt, the rest of its padded block zero. Columns past ``pends[-1]`` are zero
@@ -120,7 +124,7 @@ def quantize_groups_t_reference(x: torch.Tensor, offs: torch.Tensor, pends: torc
     start = pstart = 0
     for e, (end, pend) in enumerate(zip(offs.tolist(), pends.tolist())):
         q, d[e] = quantize_rows_reference(x[start:end].t())
-        qt[:, pstart:pstart + end - start] = q
+        qt[:, pstart : pstart + end - start] = q
         start, pstart = end, pend
     return qt, d
 
@@ -131,7 +135,9 @@ def quantize_weight_t_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return quantize_rows_reference(w.transpose(-2, -1))
 
 
-def quantize_dual_reference(x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor, num_padded: int):
+def quantize_dual_reference(
+    x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor, num_padded: int
+):
     """x [R, C] -> (q [R, C], d [R], qt [C, P], dt [E, C]): ``quantize_rows_reference`` and
     ``quantize_groups_t_reference`` of the same x (the forward / dgrad operand and the wgrad operand)."""
     return (*quantize_rows_reference(x), *quantize_groups_t_reference(x, offs, pends, num_padded))
@@ -143,8 +149,9 @@ def quantize_weight_dual_reference(w: torch.Tensor):
     return (*quantize_rows_reference(w), *quantize_weight_t_reference(w))
 
 
-def scaled_grouped_mm_reference(a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tensor,
-                                offs: torch.Tensor) -> torch.Tensor:
+def scaled_grouped_mm_reference(
+    a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
     """torch._scaled_grouped_mm's rowwise math in float32, bf16 out; the two layouts moezoo uses:
 
     - a [R, K], b [E, K, N], da [R], db [E, N]: ``out[r] = (a[r] da[r]) (b[e] db[e])`` for the rows of
@@ -175,7 +182,10 @@ def scaled_grouped_mm_reference(a: torch.Tensor, b: torch.Tensor, da: torch.Tens
 # even after the clamp, as torch's does. Under TRITON_INTERPRET the tests read float32 outputs (the
 # interpreter's own fp8 cast is not IEEE) and cast them with torch.
 
-def _quantize_rows_kernel(x_ptr, q_ptr, d_ptr, C, MAX: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
+
+def _quantize_rows_kernel(
+    x_ptr, q_ptr, d_ptr, C, MAX: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr
+):
     # grid (R,): a row per program, two passes over it (amax, then scale and cast; the second reads hit L2).
     r = tl.program_id(0).to(tl.int64)
     amax = tl.full([BLOCK], 0.0, tl.float32)
@@ -193,8 +203,21 @@ def _quantize_rows_kernel(x_ptr, q_ptr, d_ptr, C, MAX: tl.constexpr, EPS: tl.con
     tl.store(d_ptr + r, tl.div_rn(1.0, s))
 
 
-def _amax_kernel(x_ptr, ends_ptr, ramax_ptr, camax_ptr, R, C, E, L, ROWS: tl.constexpr, PADDED: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+def _amax_kernel(
+    x_ptr,
+    ends_ptr,
+    ramax_ptr,
+    camax_ptr,
+    R,
+    C,
+    E,
+    L,
+    ROWS: tl.constexpr,
+    PADDED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
     # Pass 1. grid (cdiv(R, BLOCK_R), cdiv(C, BLOCK_C)) over x [R, C] row-major. Groups: rows ends[e-1] ..
     # ends[e] (PADDED; rows past the last end belong to none) or blocks of L rows. The tile's partial row amax
     # (ROWS) and, per group present in the tile, its columns' partial amax go to float32 buffers
@@ -203,11 +226,20 @@ def _amax_kernel(x_ptr, ends_ptr, ramax_ptr, camax_ptr, R, C, E, L, ROWS: tl.con
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     rm, cm = rows < R, cols < C
-    a = tl.abs(tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=rm[:, None] & cm[None, :],
-                       other=0.0).to(tl.float32))
+    a = tl.abs(
+        tl.load(
+            x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :],
+            mask=rm[:, None] & cm[None, :],
+            other=0.0,
+        ).to(tl.float32)
+    )
     if ROWS:
-        tl.atomic_max(ramax_ptr + rows, tl.reduce(a, 1, tl.standard._elementwise_max).to(tl.int32, bitcast=True),
-                      mask=rm, sem="relaxed")
+        tl.atomic_max(
+            ramax_ptr + rows,
+            tl.reduce(a, 1, tl.standard._elementwise_max).to(tl.int32, bitcast=True),
+            mask=rm,
+            sem="relaxed",
+        )
     if PADDED:
         es = tl.arange(0, BLOCK_E)
         ends = tl.load(ends_ptr + es, mask=es < E, other=2147483647)
@@ -217,14 +249,36 @@ def _amax_kernel(x_ptr, ends_ptr, ramax_ptr, camax_ptr, R, C, E, L, ROWS: tl.con
     g = tl.where(rm, g, E)
     g_lo = tl.reduce(g, 0, tl.standard._elementwise_min)
     g_hi = tl.minimum(tl.reduce(tl.where(g < E, g, -1), 0, tl.standard._elementwise_max), E - 1)
-    for gg in range(g_lo, g_hi + 1):          # a tile usually lies in one group
+    for gg in range(g_lo, g_hi + 1):  # a tile usually lies in one group
         m = tl.reduce(tl.where((g == gg)[:, None], a, 0.0), 0, tl.standard._elementwise_max)
-        tl.atomic_max(camax_ptr + gg * C + cols, m.to(tl.int32, bitcast=True), mask=cm, sem="relaxed")
+        tl.atomic_max(
+            camax_ptr + gg * C + cols, m.to(tl.int32, bitcast=True), mask=cm, sem="relaxed"
+        )
 
 
-def _cast_kernel(x_ptr, ends_ptr, pends_ptr, ramax_ptr, camax_ptr, d_ptr, dt_ptr, q_ptr, qt_ptr, R, C, E, L, P,
-                 ROWS: tl.constexpr, PADDED: tl.constexpr, MAX: tl.constexpr, EPS: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+def _cast_kernel(
+    x_ptr,
+    ends_ptr,
+    pends_ptr,
+    ramax_ptr,
+    camax_ptr,
+    d_ptr,
+    dt_ptr,
+    q_ptr,
+    qt_ptr,
+    R,
+    C,
+    E,
+    L,
+    P,
+    ROWS: tl.constexpr,
+    PADDED: tl.constexpr,
+    MAX: tl.constexpr,
+    EPS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
     # Pass 2, from pass 1's amax: ramax [R], camax [E, C]. The scales s = 2^floor(log2(MAX / amax)) are made
     # here (the exponent bits of tl.div_rn's quotient, as pow2_scale), and the tiles that hold a group's first
     # row (a source row, in the first column tile) write its dequantization scales dt[g, cols] (d[r]) = 1 / s,
@@ -251,12 +305,12 @@ def _cast_kernel(x_ptr, ends_ptr, pends_ptr, ramax_ptr, camax_ptr, d_ptr, dt_ptr
         pstart = tl.load(pends_ptr + g - 1, mask=g > 0, other=0)
         start = tl.load(ends_ptr + g - 1, mask=g > 0, other=0)
         src = start + p - pstart
-        real = src < tl.load(ends_ptr + g, mask=g < E, other=R)      # a source row (group E: up to R)
-        grouped = real & (g < E)                                        # one of a group's rows
+        real = src < tl.load(ends_ptr + g, mask=g < E, other=R)  # a source row (group E: up to R)
+        grouped = real & (g < E)  # one of a group's rows
         qt_base = qt_ptr
         dst = cols.to(tl.int64)[None, :] * P + p[:, None]
         dst_m = cm[None, :] & (p < P)[:, None]
-        first = (p == pstart) & (g < E)                                 # the rows that start a group
+        first = (p == pstart) & (g < E)  # the rows that start a group
     else:
         nblk = (L + BLOCK_R - 1) // BLOCK_R
         g_lo = tl.program_id(0) // nblk
@@ -270,40 +324,69 @@ def _cast_kernel(x_ptr, ends_ptr, pends_ptr, ramax_ptr, camax_ptr, d_ptr, dt_ptr
         dst = cols.to(tl.int64)[None, :] * L + local[:, None]
         dst_m = cm[None, :] & real[:, None]
         first = local == 0
-    x = tl.load(x_ptr + src.to(tl.int64)[:, None] * C + cols[None, :], mask=real[:, None] & cm[None, :],
-                other=0.0).to(tl.float32)
+    x = tl.load(
+        x_ptr + src.to(tl.int64)[:, None] * C + cols[None, :],
+        mask=real[:, None] & cm[None, :],
+        other=0.0,
+    ).to(tl.float32)
     if ROWS:
         row_a = tl.maximum(tl.load(ramax_ptr + src, mask=real, other=1.0), EPS)
-        row_s = (tl.div_rn(MAX, row_a).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-        tl.store(q_ptr + src.to(tl.int64)[:, None] * C + cols[None, :],
-                 tl.clamp(x * row_s[:, None], -MAX, MAX).to(q_ptr.dtype.element_ty), mask=real[:, None] & cm[None, :])
+        row_s = (tl.div_rn(MAX, row_a).to(tl.int32, bitcast=True) & 0x7F800000).to(
+            tl.float32, bitcast=True
+        )
+        tl.store(
+            q_ptr + src.to(tl.int64)[:, None] * C + cols[None, :],
+            tl.clamp(x * row_s[:, None], -MAX, MAX).to(q_ptr.dtype.element_ty),
+            mask=real[:, None] & cm[None, :],
+        )
         tl.store(d_ptr + src, tl.div_rn(1.0, row_s), mask=real & (j * 0 + tl.program_id(1) == 0))
     if g_lo == g_hi:
         # one group (all but the tiles on a group boundary): one row of scales for the tile; none past the
         # last group (g_lo == E; the bound as a vector: the interpreter refuses a scalar term in a mask)
         in_g = cm & (cols * 0 + g_lo < E)
         col_a = tl.maximum(tl.load(camax_ptr + g_lo * C + cols, mask=in_g, other=1.0), EPS)
-        col_s = (tl.div_rn(MAX, col_a).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        col_s = (tl.div_rn(MAX, col_a).to(tl.int32, bitcast=True) & 0x7F800000).to(
+            tl.float32, bitcast=True
+        )
         qv = x * tl.where(in_g, col_s, 0.0)[None, :]
     else:
         # (names of their own: Triton wants a name to have one type in both branches)
         tile_m = grouped[:, None] & cm[None, :]
-        tile_a = tl.maximum(tl.load(camax_ptr + g.to(tl.int64)[:, None] * C + cols[None, :], mask=tile_m, other=1.0),
-                            EPS)
-        tile_s = (tl.div_rn(MAX, tile_a).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        tile_a = tl.maximum(
+            tl.load(
+                camax_ptr + g.to(tl.int64)[:, None] * C + cols[None, :], mask=tile_m, other=1.0
+            ),
+            EPS,
+        )
+        tile_s = (tl.div_rn(MAX, tile_a).to(tl.int32, bitcast=True) & 0x7F800000).to(
+            tl.float32, bitcast=True
+        )
         qv = x * tl.where(tile_m, tile_s, 0.0)
     tl.store(qt_base + dst, tl.clamp(qv, -MAX, MAX).to(qt_ptr.dtype.element_ty), mask=dst_m)
     # dt[g, cols] from the tile rows that start a group (every group has one: at least 16 padded rows); only
     # the few tiles holding such a row do the tile's divisions
     if tl.reduce(first.to(tl.int32), 0, tl.standard._elementwise_max) > 0:
-        dt_a = tl.maximum(tl.load(camax_ptr + g.to(tl.int64)[:, None] * C + cols[None, :],
-                                  mask=first[:, None] & cm[None, :], other=1.0), EPS)
-        dt_s = (tl.div_rn(MAX, dt_a).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-        tl.store(dt_ptr + g.to(tl.int64)[:, None] * C + cols[None, :], tl.div_rn(1.0, dt_s),
-                 mask=first[:, None] & cm[None, :])
+        dt_a = tl.maximum(
+            tl.load(
+                camax_ptr + g.to(tl.int64)[:, None] * C + cols[None, :],
+                mask=first[:, None] & cm[None, :],
+                other=1.0,
+            ),
+            EPS,
+        )
+        dt_s = (tl.div_rn(MAX, dt_a).to(tl.int32, bitcast=True) & 0x7F800000).to(
+            tl.float32, bitcast=True
+        )
+        tl.store(
+            dt_ptr + g.to(tl.int64)[:, None] * C + cols[None, :],
+            tl.div_rn(1.0, dt_s),
+            mask=first[:, None] & cm[None, :],
+        )
 
 
-def quantize_rows_triton(x: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_triton(
+    x: torch.Tensor, out_dtype: torch.dtype = FP8
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher (no autograd): x [R, C] -> (q [R, C], d [R]); ``out_dtype`` float32 for interpreter tests."""
     x = x.contiguous()
     R, C = x.shape
@@ -311,13 +394,29 @@ def quantize_rows_triton(x: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple
     d = torch.empty(R, dtype=torch.float32, device=x.device)
     if R and C:
         block = min(triton.next_power_of_2(C), ROWS_BLOCK)
-        jit(_quantize_rows_kernel)[(R,)](x, q, d, C, MAX=FP8_MAX, EPS=AMAX_EPS, BLOCK=block,
-                                         num_warps=8 if block >= ROWS_BLOCK else 4)
+        jit(_quantize_rows_kernel)[(R,)](
+            x,
+            q,
+            d,
+            C,
+            MAX=FP8_MAX,
+            EPS=AMAX_EPS,
+            BLOCK=block,
+            num_warps=8 if block >= ROWS_BLOCK else 4,
+        )
     return q, d
 
 
-def _quantize_tiles(x: torch.Tensor, ends: Optional[torch.Tensor], pends: Optional[torch.Tensor], L: int,
-                    num_padded: int, rows: bool, out_dtype: torch.dtype, tiles: Optional[tuple] = None):
+def _quantize_tiles(
+    x: torch.Tensor,
+    ends: Optional[torch.Tensor],
+    pends: Optional[torch.Tensor],
+    L: int,
+    num_padded: int,
+    rows: bool,
+    out_dtype: torch.dtype,
+    tiles: Optional[tuple] = None,
+):
     """x [R, C] -> (q [R, C] | None, d [R] | None, qt, dt [E, C]): the two passes over x (amax, then cast) for
     the row and the per-group column quantization at once. Groups: ``ends`` [E] (PADDED, qt [C, P] with zero
     pads) or, with ``ends`` None, consecutive blocks of L rows (qt [E, C, L]). ``tiles``: ((rows, cols, warps)
@@ -328,46 +427,104 @@ def _quantize_tiles(x: torch.Tensor, ends: Optional[torch.Tensor], pends: Option
     E = ends.numel() if padded else (R // L if L else 0)
     dev = x.device
     nr = R if rows else 0
-    na = -(-nr // 4) * 4          # the column part starts 16-byte aligned (as the kernels' pointers specialise)
+    na = (
+        -(-nr // 4) * 4
+    )  # the column part starts 16-byte aligned (as the kernels' pointers specialise)
     # one memset for both amax buffers (views of one)
     amax = torch.zeros(max(na + E * C, 1), dtype=torch.float32, device=dev)
-    ramax, camax = amax[:nr], amax[na:na + E * C]
+    ramax, camax = amax[:nr], amax[na : na + E * C]
     # the scale outputs apart: a custom op's outputs may not alias one another (views of one buffer failed
     # torch's aliasing check on the GPU; the opcheck test of the Triton path checks it on the CPU)
-    d, dt = torch.empty(nr, dtype=torch.float32, device=dev), torch.empty(E, C, dtype=torch.float32, device=dev)
+    d, dt = (
+        torch.empty(nr, dtype=torch.float32, device=dev),
+        torch.empty(E, C, dtype=torch.float32, device=dev),
+    )
     q = torch.empty(R, C, dtype=out_dtype, device=dev) if rows else None
-    qt = (torch.empty(C, num_padded, dtype=out_dtype, device=dev) if padded
-          else torch.empty(E, C, L, dtype=out_dtype, device=dev))
-    ends = ends if padded else amax                     # unused pointers when not padded
+    qt = (
+        torch.empty(C, num_padded, dtype=out_dtype, device=dev)
+        if padded
+        else torch.empty(E, C, L, dtype=out_dtype, device=dev)
+    )
+    ends = ends if padded else amax  # unused pointers when not padded
     pends = pends if padded else amax
     block_e = triton.next_power_of_2(E) if padded else 1
     if R and C and E:
         jit(_amax_kernel)[(triton.cdiv(R, ar), triton.cdiv(C, ac))](
-            x, ends, amax.view(torch.int32), camax.view(torch.int32), R, C, E, L, ROWS=rows, PADDED=padded,
-            BLOCK_R=ar, BLOCK_C=ac, BLOCK_E=block_e, num_warps=aw)
-    if C and E:       # no rows: the pads (every group empty) still zeroed, the scales still written
-        grid = (triton.cdiv(num_padded, cr) if padded else E * triton.cdiv(L, cr), triton.cdiv(C, cc))
+            x,
+            ends,
+            amax.view(torch.int32),
+            camax.view(torch.int32),
+            R,
+            C,
+            E,
+            L,
+            ROWS=rows,
+            PADDED=padded,
+            BLOCK_R=ar,
+            BLOCK_C=ac,
+            BLOCK_E=block_e,
+            num_warps=aw,
+        )
+    if C and E:  # no rows: the pads (every group empty) still zeroed, the scales still written
+        grid = (
+            triton.cdiv(num_padded, cr) if padded else E * triton.cdiv(L, cr),
+            triton.cdiv(C, cc),
+        )
         # (d and q are dummy pointers, never written, without ROWS)
-        jit(_cast_kernel)[grid](x, ends, pends, amax, camax, d if nr else dt, dt, q if rows else qt, qt, R, C, E, L,
-                                num_padded, ROWS=rows, PADDED=padded, MAX=FP8_MAX, EPS=AMAX_EPS, BLOCK_R=cr,
-                                BLOCK_C=cc, BLOCK_E=block_e, num_warps=cw)
-    elif nr:          # no columns: every row is empty, its scale that of a zero amax (nothing to cast)
+        jit(_cast_kernel)[grid](
+            x,
+            ends,
+            pends,
+            amax,
+            camax,
+            d if nr else dt,
+            dt,
+            q if rows else qt,
+            qt,
+            R,
+            C,
+            E,
+            L,
+            num_padded,
+            ROWS=rows,
+            PADDED=padded,
+            MAX=FP8_MAX,
+            EPS=AMAX_EPS,
+            BLOCK_R=cr,
+            BLOCK_C=cc,
+            BLOCK_E=block_e,
+            num_warps=cw,
+        )
+    elif nr:  # no columns: every row is empty, its scale that of a zero amax (nothing to cast)
         d.copy_(1.0 / pow2_scale(ramax))
     return q, (d if rows else None), qt, dt
 
 
-def quantize_groups_t_triton(x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor, num_padded: int,
-                             out_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups_t_triton(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    pends: torch.Tensor,
+    num_padded: int,
+    out_dtype: torch.dtype = FP8,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: as ``quantize_groups_t_reference`` (columns past ``pends[-1]`` left unwritten)."""
-    _, _, qt, dt = _quantize_tiles(x.contiguous(), offs.contiguous(), pends.contiguous(), 0, num_padded, False,
-                                   out_dtype)
+    _, _, qt, dt = _quantize_tiles(
+        x.contiguous(), offs.contiguous(), pends.contiguous(), 0, num_padded, False, out_dtype
+    )
     return qt, dt
 
 
-def quantize_dual_triton(x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor, num_padded: int,
-                         out_dtype: torch.dtype = FP8):
+def quantize_dual_triton(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    pends: torch.Tensor,
+    num_padded: int,
+    out_dtype: torch.dtype = FP8,
+):
     """Launcher: as ``quantize_dual_reference``, x read twice in all (not three times, as the two apart)."""
-    return _quantize_tiles(x.contiguous(), offs.contiguous(), pends.contiguous(), 0, num_padded, True, out_dtype)
+    return _quantize_tiles(
+        x.contiguous(), offs.contiguous(), pends.contiguous(), 0, num_padded, True, out_dtype
+    )
 
 
 def quantize_weight_dual_triton(w: torch.Tensor, out_dtype: torch.dtype = FP8):
@@ -392,8 +549,9 @@ def _(x):
 
 
 @torch.library.custom_op("moezoo::fp8_quantize_groups_t", mutates_args=())
-def fp8_quantize_groups_t(x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor,
-                          num_padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_quantize_groups_t(
+    x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor, num_padded: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, C] -> (qt [C, P] e4m3, d [E, C] float32): per expert and column, transposed, groups padded."""
     if use_triton(x):
         return quantize_groups_t_triton(x, offs, pends, num_padded)
@@ -402,13 +560,16 @@ def fp8_quantize_groups_t(x: torch.Tensor, offs: torch.Tensor, pends: torch.Tens
 
 @fp8_quantize_groups_t.register_fake
 def _(x, offs, pends, num_padded):
-    return (x.new_empty(x.shape[1], num_padded, dtype=FP8),
-            x.new_empty(offs.shape[0], x.shape[1], dtype=torch.float32))
+    return (
+        x.new_empty(x.shape[1], num_padded, dtype=FP8),
+        x.new_empty(offs.shape[0], x.shape[1], dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("moezoo::fp8_quantize_dual", mutates_args=())
-def fp8_quantize_dual(x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor,
-                      num_padded: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def fp8_quantize_dual(
+    x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor, num_padded: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [R, C] -> ``fp8_quantize_rows(x)`` and ``fp8_quantize_groups_t(x, ...)`` from two reads of x."""
     if use_triton(x):
         return quantize_dual_triton(x, offs, pends, num_padded)
@@ -417,12 +578,18 @@ def fp8_quantize_dual(x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor,
 
 @fp8_quantize_dual.register_fake
 def _(x, offs, pends, num_padded):
-    return (x.new_empty(x.shape, dtype=FP8), x.new_empty(x.shape[0], dtype=torch.float32),
-            x.new_empty(x.shape[1], num_padded, dtype=FP8), x.new_empty(offs.shape[0], x.shape[1], dtype=torch.float32))
+    return (
+        x.new_empty(x.shape, dtype=FP8),
+        x.new_empty(x.shape[0], dtype=torch.float32),
+        x.new_empty(x.shape[1], num_padded, dtype=FP8),
+        x.new_empty(offs.shape[0], x.shape[1], dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("moezoo::fp8_quantize_weight_dual", mutates_args=())
-def fp8_quantize_weight_dual(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def fp8_quantize_weight_dual(
+    w: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [E, O, I] -> (q [E, O, I], d [E, O], qt [E, I, O], dt [E, I]): forward and dgrad operands at once."""
     if use_triton(w):
         return quantize_weight_dual_triton(w)
@@ -432,13 +599,18 @@ def fp8_quantize_weight_dual(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 @fp8_quantize_weight_dual.register_fake
 def _(w):
     E, O, I = w.shape
-    return (w.new_empty(E, O, I, dtype=FP8), w.new_empty(E, O, dtype=torch.float32),
-            w.new_empty(E, I, O, dtype=FP8), w.new_empty(E, I, dtype=torch.float32))
+    return (
+        w.new_empty(E, O, I, dtype=FP8),
+        w.new_empty(E, O, dtype=torch.float32),
+        w.new_empty(E, I, O, dtype=FP8),
+        w.new_empty(E, I, dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("moezoo::scaled_grouped_mm_emulated", mutates_args=())
-def scaled_grouped_mm_emulated(a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tensor,
-                               offs: torch.Tensor) -> torch.Tensor:
+def scaled_grouped_mm_emulated(
+    a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
     """``scaled_grouped_mm_reference`` as an op (its host loop over groups stays out of a traced graph)."""
     return scaled_grouped_mm_reference(a, b, da, db, offs)
 
@@ -455,7 +627,9 @@ def scaled_grouped_mm(a, b, da, db, offs) -> torch.Tensor:
     """torch._scaled_grouped_mm (bf16 out) on CUDA (and meta / fake tensors); its float32 emulation on CPU."""
     if a.device.type == "cpu":
         return scaled_grouped_mm_emulated(a, b, da, db, offs)
-    return torch._scaled_grouped_mm(a, b, da, db, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM)
+    return torch._scaled_grouped_mm(
+        a, b, da, db, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM
+    )
 
 
 def fp8_weight(w: torch.Tensor, dgrad: bool = True):
@@ -469,14 +643,23 @@ def fp8_weight(w: torch.Tensor, dgrad: bool = True):
     return wq.view(E, O, I), wd.view(E, O), None, None
 
 
-def fp8_operands(x: torch.Tensor, offs: torch.Tensor, rows: bool, cols: bool,
-                 pends: Optional[torch.Tensor] = None) -> tuple:
+def fp8_operands(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    rows: bool,
+    cols: bool,
+    pends: Optional[torch.Tensor] = None,
+) -> tuple:
     """x [R, C] -> (xq, xd, (qt, dt, pends)): the row-scaled operand (forward or dgrad) if ``rows``, the
     per-expert column-scaled wgrad operand if ``cols`` (each None when not asked for); both from one
     ``fp8_quantize_dual`` when both are. ``pends``: the padded group ends, when already computed for offs."""
     x = x.contiguous()
     if not cols:
-        return (*fp8_quantize_rows(x), (None, None, None)) if rows else (None, None, (None, None, None))
+        return (
+            (*fp8_quantize_rows(x), (None, None, None))
+            if rows
+            else (None, None, (None, None, None))
+        )
     pends = padded_group_ends(offs) if pends is None else pends
     P = padded_rows(x.shape[0], offs.numel())
     if rows:
@@ -527,8 +710,9 @@ def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> 
     return _FP8GroupedLinear.apply(x, w, offs)
 
 
-def fp8_grouped_linear_reference(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
-                                 dy: Optional[torch.Tensor] = None):
+def fp8_grouped_linear_reference(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, dy: Optional[torch.Tensor] = None
+):
     """The op's intended math in torch (no autograd), from the reference quantizers and the emulated GEMM:
     y, and with ``dy`` also (dx, dw). The oracle of the CPU tests."""
     xq, xd = quantize_rows_reference(x)

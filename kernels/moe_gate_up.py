@@ -23,6 +23,7 @@ one ``fp8_quantize_dual`` (that copy, 1 byte per element, is what the forward sa
 weight for its forward and its dgrad GEMM in one ``fp8_quantize_weight_dual`` (the dgrad operand kept for
 the backward), and da / db each for their dgrad and wgrad GEMMs in one dual pass.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -41,8 +42,10 @@ class _PermuteGateUp(torch.autograd.Function):
         ctx.zero_fill, ctx.fp8 = zero_fill, fp8
         if not fp8:
             ctx.save_for_backward(offs, inv, xs, w1, w3)
-            return (torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs),
-                    torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs))
+            return (
+                torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs),
+                torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs),
+            )
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         xq, xd, xt = fp8_operands(xs, offs, rows=True, cols=need_w)
         w1q, w1d, w1tq, w1td = fp8_weight(w1, dgrad=need_x)
@@ -59,7 +62,7 @@ class _PermuteGateUp(torch.autograd.Function):
             xt, wt1, wt3 = tuple(saved[:3]), saved[3:5], saved[5:]
             daq, dad, dat = fp8_operands(da, offs, rows=need_x, cols=need1, pends=xt[2])
             dbq, dbd, dbt = fp8_operands(db, offs, rows=need_x, cols=need3, pends=xt[2])
-            g1 = fp8_dgrad(daq, dad, *wt1, offs) if need_x else None      # [N, D]
+            g1 = fp8_dgrad(daq, dad, *wt1, offs) if need_x else None  # [N, D]
             g3 = fp8_dgrad(dbq, dbd, *wt3, offs) if need_x else None
             dw1 = fp8_wgrad(dat, xt, ctx.wdtypes[0]) if need1 else None
             dw3 = fp8_wgrad(dbt, xt, ctx.wdtypes[1]) if need3 else None
@@ -67,7 +70,7 @@ class _PermuteGateUp(torch.autograd.Function):
             xs, w1, w3 = saved
             g1 = torch._grouped_mm(da, w1, offs=offs) if need_x else None
             g3 = torch._grouped_mm(db, w3, offs=offs) if need_x else None
-            dw1 = grouped_wgrad(da.t(), xs, offs) if need1 else None   # [E, H, D]
+            dw1 = grouped_wgrad(da.t(), xs, offs) if need1 else None  # [E, H, D]
             dw3 = grouped_wgrad(db.t(), xs, offs) if need3 else None
         dx = None
         if need_x:
@@ -75,8 +78,15 @@ class _PermuteGateUp(torch.autograd.Function):
         return dx, dw1, dw3, None, None, None, None, None
 
 
-def gate_up(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offs: torch.Tensor,
-            inv: Optional[torch.Tensor] = None, num_rows: int = 0,
-            zero_fill: bool = False, fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_up(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    offs: torch.Tensor,
+    inv: Optional[torch.Tensor] = None,
+    num_rows: int = 0,
+    zero_fill: bool = False,
+    fp8: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(a, b) [N, H] of the (permuted) rows; differentiable in x, w1, w3. See the module docstring."""
     return _PermuteGateUp.apply(x, w1, w3, offs, inv, num_rows, zero_fill, fp8)

@@ -15,6 +15,7 @@ Layers: ``@triton.jit`` kernel + launcher -> ``torch.library.custom_op`` ``moezo
 ``moezoo::moe_unpermute`` (``register_fake`` + autograd); ``moe_permute_reference`` is the pure-torch
 oracle (and ``moe_combine_reference(ys, inv, None)`` the unpermute's).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -51,7 +52,9 @@ def _permute_kernel(x_ptr, inv_ptr, xs_ptr, D, K: tl.constexpr, BLOCK_D: tl.cons
         tl.store(xs_ptr + tl.maximum(dst, 0) * D + offs, row, mask=m & ((offs * 0 + dst) >= 0))
 
 
-def permute_rows(x: torch.Tensor, inv: torch.Tensor, num_rows: int, zero_fill: bool) -> torch.Tensor:
+def permute_rows(
+    x: torch.Tensor, inv: torch.Tensor, num_rows: int, zero_fill: bool
+) -> torch.Tensor:
     """Launcher (no autograd)."""
     x, inv = x.contiguous(), inv.contiguous()
     T, K = inv.shape
@@ -60,7 +63,9 @@ def permute_rows(x: torch.Tensor, inv: torch.Tensor, num_rows: int, zero_fill: b
     if T == 0:
         return xs
     BLOCK_D = _block_d(D)
-    jit(_permute_kernel)[(T, triton.cdiv(D, BLOCK_D))](x, inv, xs, D, K=K, BLOCK_D=BLOCK_D, num_warps=4)
+    jit(_permute_kernel)[(T, triton.cdiv(D, BLOCK_D))](
+        x, inv, xs, D, K=K, BLOCK_D=BLOCK_D, num_warps=4
+    )
     return xs
 
 
@@ -78,8 +83,9 @@ def _(x, inv, num_rows, zero_fill):
 
 
 @torch.library.custom_op("moezoo::moe_unpermute", mutates_args=())
-def moe_unpermute(ys: torch.Tensor, inv: torch.Tensor, zero_fill: bool,
-                  ys2: Optional[torch.Tensor] = None) -> torch.Tensor:
+def moe_unpermute(
+    ys: torch.Tensor, inv: torch.Tensor, zero_fill: bool, ys2: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """ys [N, D] -> out [T, D], ``out[t] = sum_j ys[inv[t, j]]`` over valid assignments; with ys2 [N, D]
     ``sum_j ys[inv[t, j]] + ys2[inv[t, j]]`` (one float32 sum, no [N, D] intermediate).
 
@@ -113,7 +119,7 @@ def _setup_unpermute(ctx, inputs, output):
 def _backward_unpermute(ctx, dout):
     (inv,) = ctx.saved_tensors
     dys = moe_permute(dout, inv, ctx.num_rows, ctx.zero_fill)
-    return dys, None, None, (dys if ctx.two else None)     # both sources get the same rows
+    return dys, None, None, (dys if ctx.two else None)  # both sources get the same rows
 
 
 moe_permute.register_autograd(_backward, setup_context=_setup)

@@ -16,6 +16,7 @@ scale walks a whole row to reduce dscale) + launchers -> custom op ``moezoo::swi
 ``moezoo::swiglu_backward`` (each with ``register_fake``); ``swiglu_reference`` and
 ``swiglu_backward_reference`` are the oracles.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -25,16 +26,19 @@ import torch.nn.functional as F
 
 from .launch import jit, tl, triton, use_triton
 
-MAX_BLOCK = 2048   # columns per program: 4 KB of bf16 per operand, enough bytes in flight per SM
+MAX_BLOCK = 2048  # columns per program: 4 KB of bf16 per operand, enough bytes in flight per SM
 
 
-def swiglu_reference(a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def swiglu_reference(
+    a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     h = F.silu(a) * b
     return h if scale is None else (h.float() * scale.float().unsqueeze(-1)).to(h.dtype)
 
 
-def swiglu_backward_reference(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                              scale: Optional[torch.Tensor] = None):
+def swiglu_backward_reference(
+    dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Tensor] = None
+):
     """Closed-form (da, db, dscale) in float32; da, db cast to a's and b's dtypes, dscale [N] float32 as
     the kernel's (empty without a scale). Not autograd: custom-op bodies run below the autograd dispatch
     key, where no graph is recorded."""
@@ -54,14 +58,25 @@ def _swiglu_fwd_kernel(a_ptr, b_ptr, s_ptr, h_ptr, H, HAS_S: tl.constexpr, BLOCK
     m = cols < H
     a = tl.load(a_ptr + r * H + cols, mask=m).to(tl.float32)
     b = tl.load(b_ptr + r * H + cols, mask=m).to(tl.float32)
-    h = a / (1.0 + tl.exp(-a)) * b      # silu(a) * b; builtins only (see kernels/moe_combine.py)
+    h = a / (1.0 + tl.exp(-a)) * b  # silu(a) * b; builtins only (see kernels/moe_combine.py)
     if HAS_S:
         h = h * tl.load(s_ptr + r).to(tl.float32)
     tl.store(h_ptr + r * H + cols, h.to(h_ptr.dtype.element_ty), mask=m)
 
 
-def _swiglu_bwd_kernel(dh_ptr, a_ptr, b_ptr, s_ptr, da_ptr, db_ptr, ds_ptr, H,
-                       HAS_S: tl.constexpr, BLOCK: tl.constexpr, N_BLOCKS: tl.constexpr):
+def _swiglu_bwd_kernel(
+    dh_ptr,
+    a_ptr,
+    b_ptr,
+    s_ptr,
+    da_ptr,
+    db_ptr,
+    ds_ptr,
+    H,
+    HAS_S: tl.constexpr,
+    BLOCK: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
+):
     # dh, a, b, da, db contiguous [N, H]. Without a scale: grid (N, cdiv(H, BLOCK)), one block per
     # program. With one: grid (N,), the program walks the whole row, because dscale[r] reduces over
     # all of H (no atomics: deterministic, one writer per row). N_BLOCKS (blocks a program walks) is a
@@ -82,12 +97,18 @@ def _swiglu_bwd_kernel(dh_ptr, a_ptr, b_ptr, s_ptr, da_ptr, db_ptr, ds_ptr, H,
         b = tl.load(b_ptr + r * H + cols, mask=m, other=0.0).to(tl.float32)
         s = 1.0 / (1.0 + tl.exp(-a))
         g = dh * sc
-        tl.store(da_ptr + r * H + cols, (g * b * s * (1.0 + a * (1.0 - s))).to(da_ptr.dtype.element_ty), mask=m)
+        tl.store(
+            da_ptr + r * H + cols,
+            (g * b * s * (1.0 + a * (1.0 - s))).to(da_ptr.dtype.element_ty),
+            mask=m,
+        )
         tl.store(db_ptr + r * H + cols, (g * a * s).to(db_ptr.dtype.element_ty), mask=m)
         if HAS_S:
             acc += dh * a * s * b
     if HAS_S:
-        tl.store(ds_ptr + r, tl.reduce(acc, 0, tl.standard._sum_combine).to(ds_ptr.dtype.element_ty))
+        tl.store(
+            ds_ptr + r, tl.reduce(acc, 0, tl.standard._sum_combine).to(ds_ptr.dtype.element_ty)
+        )
 
 
 def _block(H: int):
@@ -98,9 +119,10 @@ def _block(H: int):
 def _fwd(a, b, scale, h, N, H):
     if N and H:
         block, warps = _block(H)
-        s = scale.contiguous() if scale is not None else h    # dummy pointer when HAS_S is False
-        jit(_swiglu_fwd_kernel)[(N, triton.cdiv(H, block))](a, b, s, h, H, HAS_S=scale is not None,
-                                                             BLOCK=block, num_warps=warps)
+        s = scale.contiguous() if scale is not None else h  # dummy pointer when HAS_S is False
+        jit(_swiglu_fwd_kernel)[(N, triton.cdiv(H, block))](
+            a, b, s, h, H, HAS_S=scale is not None, BLOCK=block, num_warps=warps
+        )
     return h
 
 
@@ -112,9 +134,20 @@ def _bwd(dh, a, b, scale, da, db, N, H):
         grid = (N,) if scale is not None else (N, triton.cdiv(H, block))
         # Dummy pointers (never dereferenced) when HAS_S is False: real tensors, not the empty ds.
         s, ds_arg = (scale.contiguous(), ds) if scale is not None else (dh, dh)
-        jit(_swiglu_bwd_kernel)[grid](dh, a, b, s, da, db, ds_arg, H, HAS_S=scale is not None,
-                                      BLOCK=block, N_BLOCKS=triton.cdiv(H, block) if scale is not None else 1,
-                                      num_warps=warps)
+        jit(_swiglu_bwd_kernel)[grid](
+            dh,
+            a,
+            b,
+            s,
+            da,
+            db,
+            ds_arg,
+            H,
+            HAS_S=scale is not None,
+            BLOCK=block,
+            N_BLOCKS=triton.cdiv(H, block) if scale is not None else 1,
+            num_warps=warps,
+        )
     return ds
 
 
@@ -122,13 +155,17 @@ def _rows(t: torch.Tensor, H: int) -> int:
     return t.numel() // max(H, 1)
 
 
-def swiglu_rows_fwd(a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def swiglu_rows_fwd(
+    a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     a, b = a.contiguous(), b.contiguous()
     H = a.shape[-1] if a.dim() else 1
     return _fwd(a, b, scale, torch.empty_like(a), _rows(a, H), H)
 
 
-def swiglu_rows_bwd(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Tensor] = None):
+def swiglu_rows_bwd(
+    dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Tensor] = None
+):
     """-> (da, db, dscale) (dscale empty without a scale)."""
     dh, a, b = dh.contiguous(), a.contiguous(), b.contiguous()
     da, db = torch.empty_like(a), torch.empty_like(b)
@@ -151,8 +188,9 @@ def _(a, b, scale=None):
 
 
 @torch.library.custom_op("moezoo::swiglu_backward", mutates_args=())
-def swiglu_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                    scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def swiglu_backward(
+    dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (da, db, dscale); dscale is empty without a scale."""
     if use_triton(a):
         return swiglu_rows_bwd(dh, a, b, scale)
@@ -161,8 +199,11 @@ def swiglu_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
 
 @swiglu_backward.register_fake
 def _(dh, a, b, scale):
-    return torch.empty_like(a), torch.empty_like(b), dh.new_empty(0 if scale is None else scale.shape[0],
-                                                                  dtype=torch.float32)
+    return (
+        torch.empty_like(a),
+        torch.empty_like(b),
+        dh.new_empty(0 if scale is None else scale.shape[0], dtype=torch.float32),
+    )
 
 
 def _setup(ctx, inputs, output):

@@ -4,6 +4,7 @@
 Function over ``torch.mm(..., out_dtype=torch.float32)``; its reference (CPU, float32 inputs, or
 ``low_precision=False``) is ``F.linear`` of the float32 upcasts.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,14 @@ class _LowPrecisionRouterMM(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         g = g.to(x.dtype)
-        dx = g @ w if ctx.needs_input_grad[0] else None       # none for a detached input (NeuronRoutedFFN)
-        dw = torch.mm(g.t(), x, out_dtype=torch.float32).to(w.dtype) if ctx.needs_input_grad[1] else None
+        dx = (
+            g @ w if ctx.needs_input_grad[0] else None
+        )  # none for a detached input (NeuronRoutedFFN)
+        dw = (
+            torch.mm(g.t(), x, out_dtype=torch.float32).to(w.dtype)
+            if ctx.needs_input_grad[1]
+            else None
+        )
         return dx, dw
 
 

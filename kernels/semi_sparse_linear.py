@@ -7,6 +7,7 @@
             gW = g^T x        dense (RigL grows by |dL/dW| at masked positions)
 The pure-torch reference is ``F.linear`` on the masked weight. Used by layers.dst.semi_structured.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,6 +15,7 @@ import torch
 
 def pack_semi_structured(w: torch.Tensor):
     from torch.sparse import to_sparse_semi_structured
+
     return to_sparse_semi_structured(w)
 
 
@@ -33,6 +35,10 @@ class SemiSparseLinear(torch.autograd.Function):
         x2, w = ctx.saved_tensors
         with torch.autocast("cuda", enabled=False):
             g2 = gy.reshape(-1, gy.shape[-1]).to(w.dtype)
-            gx = torch.mm(g2, pack_semi_structured(w.t().contiguous()).t()) if ctx.transposable else torch.mm(g2, w)
+            gx = (
+                torch.mm(g2, pack_semi_structured(w.t().contiguous()).t())
+                if ctx.transposable
+                else torch.mm(g2, w)
+            )
             gw = torch.mm(g2.t(), x2)
         return gx.view(*gy.shape[:-1], w.shape[1]).to(ctx.xdtype), gw.to(ctx.wdtype), None, None

@@ -4,6 +4,7 @@ Convention shared by the layers: a module with auxiliary objectives stores their
 last forward in ``module.aux_loss`` (a scalar tensor with grad, reset each forward). Such layers derive
 from ``AuxLossModule``, so a copy of a model that has run forward works.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,7 +18,9 @@ class AuxLossModule(nn.Module):
     training step (timm's ``ModelEmaV2``, a ``copy.deepcopy(model)`` in a user's loop) would fail."""
 
     def __getstate__(self):
-        state = super().__getstate__()      # already a copy of __dict__: the live module keeps its graph
+        state = (
+            super().__getstate__()
+        )  # already a copy of __dict__: the live module keeps its graph
         if isinstance(state.get("aux_loss"), torch.Tensor):
             state["aux_loss"] = state["aux_loss"].detach()
         return state
@@ -33,4 +36,6 @@ def sum_aux_losses(modules) -> torch.Tensor:
 
 def total_aux_loss(model: nn.Module) -> torch.Tensor:
     """Sum of ``aux_loss`` over every module of ``model`` that has one (0 when none)."""
-    return sum_aux_losses(m for m in model.modules() if isinstance(getattr(m, "aux_loss", None), torch.Tensor))
+    return sum_aux_losses(
+        m for m in model.modules() if isinstance(getattr(m, "aux_loss", None), torch.Tensor)
+    )

@@ -3,6 +3,7 @@
 ``act`` is the gate activation HF configs name in ``hidden_act``: ``silu`` (SwiGLU), ``gelu`` (GeGLU, exact
 erf), ``gelu_tanh`` (GeGLU with the tanh approximation, HF ``gelu_pytorch_tanh``), ``relu2`` (squared ReLU).
 """
+
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -1,4 +1,5 @@
 """RMSNorm (Zhang & Sennrich 2019), as in LLaMA: x / rms(x) * weight, computed in float32."""
+
 import torch
 from torch import nn
 

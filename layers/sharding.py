@@ -3,6 +3,7 @@ weight now and then (DST mask updates, neuron re-clustering) and write back each
 
 All three are the identity on plain tensors.
 """
+
 from __future__ import annotations
 
 import torch

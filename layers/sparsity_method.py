@@ -21,6 +21,7 @@ finish); the trainer then reads that step's check at once and calls it without `
 Implemented by ``layers.moe.ExpertBalancing``, ``layers.neuron.NeuronSchedule`` and
 ``layers.dst.DynamicSparsity``. Hand-built models use them the same way as the trainer does.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Protocol, runtime_checkable

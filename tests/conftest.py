@@ -1,4 +1,5 @@
 """Shared fixtures: tiny configs and corpora so every training test runs in seconds on 2 CPU cores."""
+
 import importlib
 import os
 
@@ -42,7 +43,9 @@ def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         # GPU tests last: the CPU tests that fork gloo ranks (helpers.spawn) then run before any CUDA
         # backward has started autograd's device threads, which a forked child cannot use.
-        items.sort(key=lambda item: "gpu" in item.keywords)   # stable: collection order within each group
+        items.sort(
+            key=lambda item: "gpu" in item.keywords
+        )  # stable: collection order within each group
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
@@ -58,12 +61,46 @@ def corpus_dir(tmp_path_factory):
     data.val_fraction 0.05 the validation side is cmd.py (~15 KB), room for the passkey tests' haystacks.
     """
     import sysconfig
+
     src = sysconfig.get_paths()["stdlib"]
-    names = ["textwrap.py", "shlex.py", "glob.py", "fnmatch.py", "heapq.py", "bisect.py", "colorsys.py",
-             "keyword.py", "numbers.py", "operator.py", "queue.py", "sched.py", "string.py", "stat.py",
-             "token.py", "tty.py", "uu.py", "wave.py", "abc.py", "copy.py", "getopt.py", "graphlib.py",
-             "gettext.py", "linecache.py", "netrc.py", "ntpath.py", "posixpath.py", "pprint.py", "reprlib.py",
-             "rlcompleter.py", "secrets.py", "shelve.py", "cmd.py", "symtable.py", "timeit.py", "types.py"]
+    names = [
+        "textwrap.py",
+        "shlex.py",
+        "glob.py",
+        "fnmatch.py",
+        "heapq.py",
+        "bisect.py",
+        "colorsys.py",
+        "keyword.py",
+        "numbers.py",
+        "operator.py",
+        "queue.py",
+        "sched.py",
+        "string.py",
+        "stat.py",
+        "token.py",
+        "tty.py",
+        "uu.py",
+        "wave.py",
+        "abc.py",
+        "copy.py",
+        "getopt.py",
+        "graphlib.py",
+        "gettext.py",
+        "linecache.py",
+        "netrc.py",
+        "ntpath.py",
+        "posixpath.py",
+        "pprint.py",
+        "reprlib.py",
+        "rlcompleter.py",
+        "secrets.py",
+        "shelve.py",
+        "cmd.py",
+        "symtable.py",
+        "timeit.py",
+        "types.py",
+    ]
     d = tmp_path_factory.mktemp("corpus")
     for n in names:
         p = os.path.join(src, n)

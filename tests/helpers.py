@@ -5,6 +5,7 @@
 - attention: ``BS``, ``plain_attention``, ``make_inputs``, ``fa_check``, ``run_criterion``, ``emulated_counts``,
   ``mask_mod_covers_whole_tiles``.
 """
+
 import json
 import os
 import subprocess
@@ -16,7 +17,7 @@ from moezoo.configs import load_config
 
 from moezoo.layers import pattern_mask, sparse_attention
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 
 def subprocess_env(**extra) -> dict:
@@ -29,11 +30,29 @@ def subprocess_env(**extra) -> dict:
 def tiny_overrides(tmp, corpus, **extra) -> list[str]:
     """Overrides that make any preset a ~30k-parameter model training on ``corpus`` under ``tmp``."""
     ov = {
-        "model.vocab_size": 512, "model.dim": 32, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
-        "model.ffn_hidden": 64, "model.max_seq_len": 64, "data.source": corpus, "data.cache_dir": f"{tmp}/cache",
-        "data.max_files": 0, "train.seq_len": 32, "train.batch_size": 4, "train.steps": 20, "train.eval_every": 10,
-        "train.eval_batches": 2, "train.out_dir": f"{tmp}/run", "logging.wandb": "disabled", "logging.log_every": 5,
-        "logging.progress": False, "logging.plots": False, "optim.warmup_steps": 2, "optim.lr": 3e-3, "checkpoint.every": 10,
+        "model.vocab_size": 512,
+        "model.dim": 32,
+        "model.n_layers": 2,
+        "model.n_heads": 4,
+        "model.n_kv_heads": 2,
+        "model.ffn_hidden": 64,
+        "model.max_seq_len": 64,
+        "data.source": corpus,
+        "data.cache_dir": f"{tmp}/cache",
+        "data.max_files": 0,
+        "train.seq_len": 32,
+        "train.batch_size": 4,
+        "train.steps": 20,
+        "train.eval_every": 10,
+        "train.eval_batches": 2,
+        "train.out_dir": f"{tmp}/run",
+        "logging.wandb": "disabled",
+        "logging.log_every": 5,
+        "logging.progress": False,
+        "logging.plots": False,
+        "optim.warmup_steps": 2,
+        "optim.lr": 3e-3,
+        "checkpoint.every": 10,
         # CPU tests stay CPU tests on a GPU machine (losses, tolerances and torchrun ranks as written);
         # the GPU tests set train.device=cuda themselves.
         "train.device": "cpu",
@@ -55,16 +74,38 @@ def poison_loss(tr, bad) -> None:
 
 def train_cli(tmp, corpus, nproc, *extra, preset="zoo/tiny_dense.yaml", batch=4):
     """Run train.py (``nproc`` > 1: under torchrun) on a tiny model for 6 steps; the per-step total losses."""
-    ov = tiny_overrides(tmp, corpus, **{"train.steps": 6, "logging.log_every": 1, "train.eval_every": 6,
-                                        "train.batch_size": batch, "checkpoint.every": 3,
-                                        "data.cache_dir": f"{os.path.dirname(tmp)}/cache"})
+    ov = tiny_overrides(
+        tmp,
+        corpus,
+        **{
+            "train.steps": 6,
+            "logging.log_every": 1,
+            "train.eval_every": 6,
+            "train.batch_size": batch,
+            "checkpoint.every": 3,
+            "data.cache_dir": f"{os.path.dirname(tmp)}/cache",
+        },
+    )
     if nproc == 1:
         cmd = [sys.executable, "train.py"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "train.py",
+        ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(cmd + ["--config", preset, *ov, *extra], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600, env=env)
+    r = subprocess.run(
+        cmd + ["--config", preset, *ov, *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     with open(os.path.join(tmp, "run", "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
@@ -73,11 +114,26 @@ def train_cli(tmp, corpus, nproc, *extra, preset="zoo/tiny_dense.yaml", batch=4)
 
 def tiny_moe_cfg(*overrides):
     """A 2-layer, 4-expert MoE config on CPU (parallel and checkpoint tests)."""
-    return load_config(None, ["model.vocab_size=64", "model.dim=16", "model.n_layers=2", "model.n_heads=2",
-                              "model.ffn=moe", "model.moe.num_experts=4", "model.moe.top_k=2",
-                              "model.moe.hidden_dim=24", "model.moe.aux_loss_coef=0.1", "model.moe.z_loss_coef=0.01",
-                              "model.max_seq_len=16",
-                              "train.seq_len=8", "train.batch_size=2", "train.device=cpu", *overrides])
+    return load_config(
+        None,
+        [
+            "model.vocab_size=64",
+            "model.dim=16",
+            "model.n_layers=2",
+            "model.n_heads=2",
+            "model.ffn=moe",
+            "model.moe.num_experts=4",
+            "model.moe.top_k=2",
+            "model.moe.hidden_dim=24",
+            "model.moe.aux_loss_coef=0.1",
+            "model.moe.z_loss_coef=0.01",
+            "model.max_seq_len=16",
+            "train.seq_len=8",
+            "train.batch_size=2",
+            "train.device=cpu",
+            *overrides,
+        ],
+    )
 
 
 def spawn(fn, world: int, *args) -> None:
@@ -94,14 +150,21 @@ def spawn(fn, world: int, *args) -> None:
     import tempfile
 
     import torch.multiprocessing as mp
+
     method = "spawn" if torch.cuda.is_available() else "fork"
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_spawn_entry, args=(fn, world, os.path.join(d, "store"), args), nprocs=world,
-                           join=True, start_method=method)
+        mp.start_processes(
+            _spawn_entry,
+            args=(fn, world, os.path.join(d, "store"), args),
+            nprocs=world,
+            join=True,
+            start_method=method,
+        )
 
 
 def _spawn_entry(rank, fn, world, store, args):
     import torch.distributed as dist
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
@@ -111,13 +174,18 @@ def _spawn_entry(rank, fn, world, store, args):
 
 
 # --- MoE experts
-def grouped_grads_eager_and_compiled(ex, tokens: int, top_k: int, align: int = 1, backend: str = "aot_eager"):
+def grouped_grads_eager_and_compiled(
+    ex, tokens: int, top_k: int, align: int = 1, backend: str = "aot_eager"
+):
     """GroupedExperts ``ex`` (bfloat16, ``ex.w1 [E, H, D]``) on its grouped path over a random top-k dispatch
     plan of ``tokens`` rows, eager and ``torch.compile(fullgraph=True)``: two lists [dx, dw1, dw2, dw3] of the
     same weighted-sum loss (rows past the last group left out)."""
     from moezoo.layers.moe.experts import make_plan
+
     E, _, D = ex.w1.shape
-    plan = make_plan(torch.stack([torch.randperm(E)[:top_k] for _ in range(tokens)]), E, align=align)
+    plan = make_plan(
+        torch.stack([torch.randperm(E)[:top_k] for _ in range(tokens)]), E, align=align
+    )
     x = torch.randn(tokens, D).bfloat16()
     dy = torch.randn(plan.num_rows, D)
     rows = plan.inv.reshape(-1).long()
@@ -133,6 +201,7 @@ def grouped_grads_eager_and_compiled(ex, tokens: int, top_k: int, align: int = 1
         fn(xi).backward()
         outs.append([xi.grad, ex.w1.grad, ex.w2.grad, ex.w3.grad])
     return outs
+
 
 # --- HF parity
 
@@ -165,39 +234,92 @@ def assert_same_logits(hf_model, model, seed: int = 0) -> None:
 
 
 # tiny configs of the HF families beyond Llama / Mixtral / Qwen2-MoE (zoo.hf): class prefix, extra fields
-HF_BASE = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=64, rope_theta=500.0, intermediate_size=40)
+HF_BASE = dict(
+    vocab_size=V,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rope_theta=500.0,
+    intermediate_size=40,
+)
 HF_FAMILIES = {
     "mistral": ("Mistral", dict(head_dim=12, sliding_window=5)),
     "qwen2": ("Qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
     "qwen3": ("Qwen3", dict(head_dim=12, attention_bias=False)),
-    "qwen3_moe": ("Qwen3Moe", dict(head_dim=12, norm_topk_prob=True, mlp_only_layers=[0], moe_intermediate_size=16,
-                                   num_experts=6, num_experts_per_tok=2)),
+    "qwen3_moe": (
+        "Qwen3Moe",
+        dict(
+            head_dim=12,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+            moe_intermediate_size=16,
+            num_experts=6,
+            num_experts_per_tok=2,
+        ),
+    ),
     "olmoe": ("Olmoe", dict(num_experts=6, num_experts_per_tok=2, intermediate_size=16)),
-    "deepseek_v3": ("DeepseekV3", dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24,
-                                       qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, n_routed_experts=8,
-                                       n_group=4, topk_group=2, num_experts_per_tok=3, moe_intermediate_size=16,
-                                       first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5)),
-    "deepseek_v2": ("DeepseekV2", dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
-                                       qk_nope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_group=4, topk_group=2,
-                                       topk_method="group_limited_greedy", num_experts_per_tok=3,
-                                       moe_intermediate_size=16, first_k_dense_replace=1, n_shared_experts=2,
-                                       routed_scaling_factor=1.5)),
+    "deepseek_v3": (
+        "DeepseekV3",
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=3,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+        ),
+    ),
+    "deepseek_v2": (
+        "DeepseekV2",
+        dict(
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            num_experts_per_tok=3,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            n_shared_experts=2,
+            routed_scaling_factor=1.5,
+        ),
+    ),
 }
 
 
 def tiny_hf(family: str, seed: int = 0, **kw):
     """A tiny random ``<family>ForCausalLM`` in eval mode, weights (and DeepSeek's selection bias) re-drawn."""
     import transformers
+
     name, extra = HF_FAMILIES[family]
     torch.manual_seed(seed)
     cfg = getattr(transformers, f"{name}Config")(**{**HF_BASE, **extra, **kw})
     m = getattr(transformers, f"{name}ForCausalLM")(cfg).eval()
     randomize_(m, seed)
-    with torch.no_grad():   # the selection bias is a buffer: draw it too, large enough to change choices
+    with (
+        torch.no_grad()
+    ):  # the selection bias is a buffer: draw it too, large enough to change choices
         for mod in m.modules():
             if hasattr(mod, "e_score_correction_bias"):
-                mod.e_score_correction_bias.normal_(0, 0.3, generator=torch.Generator().manual_seed(seed))
+                mod.e_score_correction_bias.normal_(
+                    0, 0.3, generator=torch.Generator().manual_seed(seed)
+                )
     return m
 
 
@@ -230,7 +352,7 @@ def fa_check(name, got, ref32, plain):
 
 def run_criterion(pattern, backend, B, H, Hk, T, grads=True, D=16, device="cpu"):
     q, k, v = make_inputs(B, H, Hk, T, D=D, device=device)
-    mask = pattern_mask(pattern, T, T, H, q=q, k=k)          # estimation sees the same bf16 values
+    mask = pattern_mask(pattern, T, T, H, q=q, k=k)  # estimation sees the same bf16 values
     if mask.dim() == 3:
         mask = mask[None]
     leaves32 = [t.float().requires_grad_() for t in (q, k, v)]
@@ -269,12 +391,12 @@ def emulated_counts(bm, T, slots=None):
             seen = torch.zeros(T, L, dtype=torch.bool)
             for qb in range(pn.shape[2]):
                 rows = slice(qb * QB, (qb + 1) * QB)
-                for kb in pi[pb, h, qb, :pn[pb, h, qb]].tolist():
-                    seen[rows, kb * KB:(kb + 1) * KB] |= mm[rows, kb * KB:(kb + 1) * KB]
-                for kb in fi[fb, h, qb, :fn[fb, h, qb]].tolist():
-                    seen[rows, kb * KB:(kb + 1) * KB] = True
+                for kb in pi[pb, h, qb, : pn[pb, h, qb]].tolist():
+                    seen[rows, kb * KB : (kb + 1) * KB] |= mm[rows, kb * KB : (kb + 1) * KB]
+                for kb in fi[fb, h, qb, : fn[fb, h, qb]].tolist():
+                    seen[rows, kb * KB : (kb + 1) * KB] = True
             pos = torch.cat([slots[min(b, slots.shape[0] - 1), h].long(), torch.arange(T)])
-            real = pos < T                         # empty slots must never be attended
+            real = pos < T  # empty slots must never be attended
             assert not seen[:, ~real].any()
             counts[b, h].index_add_(1, pos[real], seen[:, real].long())
     return counts

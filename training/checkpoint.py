@@ -19,6 +19,7 @@ not. Expert-parallel tensors are stored as global ``[E, ...]`` views (``checkpoi
 checkpoint saved at one ``ep`` loads at another. Resuming needs the same world size (``check_resumable``
 says so before anything is built): the per-rank RNG streams are saved per rank.
 """
+
 from __future__ import annotations
 
 import glob
@@ -39,17 +40,36 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from moezoo.configs import Config, ConfigError, save_config
 
 from .parallel import checkpoint_views
-from .safe_load import CheckpointError, SafeLoadPlanner, SafeReader, UnsafeCheckpoint, load_dcp_metadata, load_tensors
+from .safe_load import (
+    CheckpointError,
+    SafeLoadPlanner,
+    SafeReader,
+    UnsafeCheckpoint,
+    load_dcp_metadata,
+    load_tensors,
+)
 
 FORMAT = 2
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 # One process without a process group is a supported DCP mode, not a problem worth a warning per save.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+)
 
-__all__ = ["CheckpointError", "UnsafeCheckpoint", "check_resumable", "find_resumable", "latest_checkpoint",
-           "list_checkpoints", "load_checkpoint", "read_train_state", "remove_checkpoint", "save_checkpoint",
-           "scan_checkpoints"]
+__all__ = [
+    "CheckpointError",
+    "UnsafeCheckpoint",
+    "check_resumable",
+    "find_resumable",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "read_train_state",
+    "remove_checkpoint",
+    "save_checkpoint",
+    "scan_checkpoints",
+]
 
 
 def _rank() -> int:
@@ -65,9 +85,17 @@ def _barrier() -> None:
 def _rng_state() -> dict:
     version, keys, gauss = random.getstate()
     name, mt, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": [version, torch.tensor(keys, dtype=torch.int64), gauss],
-             "numpy": [name, torch.from_numpy(mt.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
-             "torch": torch.get_rng_state()}
+    state = {
+        "python": [version, torch.tensor(keys, dtype=torch.int64), gauss],
+        "numpy": [
+            name,
+            torch.from_numpy(mt.astype(np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ],
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -160,6 +188,7 @@ def latest_checkpoint(ckpt_dir: str) -> str | None:
 def _validate(path: str, trust: bool) -> None:
     """Read every small part of a complete checkpoint (not the shards): raises CheckpointError."""
     import yaml
+
     state = read_train_state(path)
     _read_json(os.path.join(path, "optim_groups.json"), list)
     cfg_file = os.path.join(path, "config.yaml")
@@ -200,25 +229,33 @@ def _flatten(d: dict, prefix: str) -> dict:
     return out
 
 
-def check_resumable(path: str, cfg: Config, world_size: int, tokenizer_digest: str | None = None) -> None:
+def check_resumable(
+    path: str, cfg: Config, world_size: int, tokenizer_digest: str | None = None
+) -> None:
     """Before anything is built: the checkpoint's model config and tokenizer must match this run's, and
     at another world size the global batch (the data stays the same; DCP reshards the tensors).
     Raises ConfigError naming the first key that differs."""
     import yaml
     from moezoo.configs import to_dict
+
     with open(os.path.join(path, "config.yaml")) as f:
-        saved = yaml.safe_load(f)   # _validate has read it once already: well-formed
+        saved = yaml.safe_load(f)  # _validate has read it once already: well-formed
     old, new = _flatten(saved.get("model", {}), "model"), _flatten(to_dict(cfg)["model"], "model")
     for key in sorted(set(old) | set(new)):
         if old.get(key) != new.get(key):
-            raise ConfigError(key, f"is {new.get(key)!r} but checkpoint {path} was trained with {old.get(key)!r}")
+            raise ConfigError(
+                key, f"is {new.get(key)!r} but checkpoint {path} was trained with {old.get(key)!r}"
+            )
     # bf16 weights keep their float32 masters in the optimizer state, float32 ones in the model entries
     was = saved.get("train", {}).get("param_dtype", "float32")
     if was != cfg.train.param_dtype:
-        raise ConfigError("train.param_dtype", f"is {cfg.train.param_dtype!r} but checkpoint {path} was trained "
-                                               f"with {was!r} (its float32 weights are kept in "
-                                               f"{'the optimizer state' if was == 'bfloat16' else 'the model'}): "
-                                               f"resume with the same setting")
+        raise ConfigError(
+            "train.param_dtype",
+            f"is {cfg.train.param_dtype!r} but checkpoint {path} was trained "
+            f"with {was!r} (its float32 weights are kept in "
+            f"{'the optimizer state' if was == 'bfloat16' else 'the model'}): "
+            f"resume with the same setting",
+        )
     state = read_train_state(path)
     saved_world = state.get("world_size", 1)
     if saved_world != world_size:
@@ -228,24 +265,40 @@ def check_resumable(path: str, cfg: Config, world_size: int, tokenizer_digest: s
         t = cfg.train
         was, now = state.get("global_batch"), t.batch_size * t.grad_accum * world_size
         if cfg.dst.enabled and cfg.dst.compact_state:
-            raise ConfigError("dst.compact_state", f"compact DST moments are stored one block per rank; "
-                                                   f"checkpoint {path} resumes at world size {saved_world} only "
-                                                   f"(this run has {world_size})")
+            raise ConfigError(
+                "dst.compact_state",
+                f"compact DST moments are stored one block per rank; "
+                f"checkpoint {path} resumes at world size {saved_world} only "
+                f"(this run has {world_size})",
+            )
         if was is None:
-            raise ConfigError("checkpoint", f"{path} was saved with world size {saved_world} before checkpoints "
-                                            f"recorded their global batch; this run has {world_size}: resume "
-                                            f"with {saved_world} ranks")
+            raise ConfigError(
+                "checkpoint",
+                f"{path} was saved with world size {saved_world} before checkpoints "
+                f"recorded their global batch; this run has {world_size}: resume "
+                f"with {saved_world} ranks",
+            )
         if was != now:
             per = t.batch_size * world_size
-            fix = f"train.grad_accum={was // per}" if was % per == 0 else f"a train.batch_size dividing {was // world_size}"
-            raise ConfigError("train.grad_accum", f"world size {world_size} x train.batch_size {t.batch_size} x "
-                                                  f"train.grad_accum {t.grad_accum} = {now} sequences a step, but "
-                                                  f"checkpoint {path} trained on {was} (world size {saved_world}); "
-                                                  f"keep the global batch ({fix})")
+            fix = (
+                f"train.grad_accum={was // per}"
+                if was % per == 0
+                else f"a train.batch_size dividing {was // world_size}"
+            )
+            raise ConfigError(
+                "train.grad_accum",
+                f"world size {world_size} x train.batch_size {t.batch_size} x "
+                f"train.grad_accum {t.grad_accum} = {now} sequences a step, but "
+                f"checkpoint {path} trained on {was} (world size {saved_world}); "
+                f"keep the global batch ({fix})",
+            )
     saved_tok = state.get("tokenizer")
     if tokenizer_digest and saved_tok and saved_tok != tokenizer_digest:
-        raise ConfigError("data.tokenizer", f"differs from the tokenizer checkpoint {path} was trained with "
-                                            f"(digest {saved_tok} vs {tokenizer_digest})")
+        raise ConfigError(
+            "data.tokenizer",
+            f"differs from the tokenizer checkpoint {path} was trained with "
+            f"(digest {saved_tok} vs {tokenizer_digest})",
+        )
 
 
 # ---- save / load -----------------------------------------------------------------------------------
@@ -263,7 +316,9 @@ def _check_tensors_only(sd: dict, prefix: str = "") -> None:
         if isinstance(v, dict):
             _check_tensors_only(v, f"{prefix}{k}.")
         elif not isinstance(v, torch.Tensor):
-            raise TypeError(f"checkpoint state {prefix}{k} is a {type(v).__name__}; only tensors go into DCP")
+            raise TypeError(
+                f"checkpoint state {prefix}{k} is a {type(v).__name__}; only tensors go into DCP"
+            )
 
 
 def _split_optim(optim_sd: dict) -> tuple[dict, list[dict]]:
@@ -272,8 +327,9 @@ def _split_optim(optim_sd: dict) -> tuple[dict, list[dict]]:
     return {"state": optim_sd["state"]}, groups
 
 
-def save_checkpoint(ckpt_dir: str, step: int, model, optimizer, train_state: dict, cfg: Config,
-                    keep_last: int = 3) -> str:
+def save_checkpoint(
+    ckpt_dir: str, step: int, model, optimizer, train_state: dict, cfg: Config, keep_last: int = 3
+) -> str:
     """Collective: every rank calls it. Returns the final checkpoint path. Rotation keeps the newest
     ``keep_last`` checkpoints of this run (``train_state["run_id"]``) and never touches another run's."""
     rank = _rank()
@@ -299,7 +355,10 @@ def save_checkpoint(ckpt_dir: str, step: int, model, optimizer, train_state: dic
         files = {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
         run_id = train_state.get("run_id")
         # Written last inside the temp dir: a checkpoint without it is never loaded.
-        _write_json(os.path.join(tmp, MANIFEST), {"format": FORMAT, "step": step, "run_id": run_id, "files": files})
+        _write_json(
+            os.path.join(tmp, MANIFEST),
+            {"format": FORMAT, "step": step, "run_id": run_id, "files": files},
+        )
         if os.path.isdir(final):
             remove_checkpoint(final)
         os.replace(tmp, final)
@@ -318,28 +377,49 @@ def load_checkpoint(path: str, model, optimizer, trust: bool = False) -> dict:
     state = {"model": model_sd, "optim": optim_tensors}
     try:
         # The views share storage with state.
-        dcp.load(checkpoint_views(state, model), checkpoint_id=path, storage_reader=SafeReader(path, trust),
-                 planner=SafeLoadPlanner(path, trust))
+        dcp.load(
+            checkpoint_views(state, model),
+            checkpoint_id=path,
+            storage_reader=SafeReader(path, trust),
+            planner=SafeLoadPlanner(path, trust),
+        )
     except CheckpointError:
         raise
-    except (Exception, CheckpointException) as e:   # a shard that is short, garbled or of another shape
+    except (
+        Exception,
+        CheckpointException,
+    ) as e:  # a shard that is short, garbled or of another shape
         # DCP wraps each rank's exception (ours among them) into one CheckpointException (a BaseException).
         for failure in getattr(e, "failures", {}).values():
             inner = failure[0] if isinstance(failure, tuple) else failure
             if isinstance(inner, CheckpointError):
                 raise inner from None
         msg = str(e).strip().splitlines()
-        raise CheckpointError(path, f"cannot load the model/optimizer shards ({type(e).__name__}: "
-                                    f"{msg[0][:200] if msg else ''})") from None
+        raise CheckpointError(
+            path,
+            f"cannot load the model/optimizer shards ({type(e).__name__}: "
+            f"{msg[0][:200] if msg else ''})",
+        ) from None
     saved_groups = _read_json(os.path.join(path, "optim_groups.json"), list)
     if len(saved_groups) != len(optim_sd["param_groups"]):
-        raise CheckpointError(os.path.join(path, "optim_groups.json"),
-                              f"has {len(saved_groups)} param groups, the optimizer {len(optim_sd['param_groups'])}")
+        raise CheckpointError(
+            os.path.join(path, "optim_groups.json"),
+            f"has {len(saved_groups)} param groups, the optimizer {len(optim_sd['param_groups'])}",
+        )
     for group, saved in zip(optim_sd["param_groups"], saved_groups):
         # JSON turns tuples (betas) into lists: keep the type the optimizer built.
-        group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict={"state": state["optim"]["state"], "param_groups": optim_sd["param_groups"]})
+        group.update(
+            {k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()}
+        )
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict={
+            "state": state["optim"]["state"],
+            "param_groups": optim_sd["param_groups"],
+        },
+    )
     rng_file = os.path.join(path, f"rng_rank{_rank()}.pt")
     if os.path.isfile(rng_file):
         _set_rng_state(load_tensors(rng_file, trust))

@@ -9,6 +9,7 @@ Only training imports torch.distributed, the layers and the kernels (seconds of 
 ``--help``, ``--print-config`` and config errors answer without torch, and ``--plan`` with torch alone
 plus the model's layers on the meta device.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,21 +21,50 @@ from moezoo.configs.presets import resolve_config_path
 
 def parse_args(argv=None) -> argparse.Namespace:
     # allow_abbrev=False: "--resum" must be an error, not quietly taken as --resume.
-    p = argparse.ArgumentParser(prog="train.py", description="Train a moezoo model from a YAML config.",
-                                allow_abbrev=False)
-    p.add_argument("--config", required=True, help="preset YAML path, or a shipped preset's name, e.g. tiny_dense")
-    p.add_argument("overrides", nargs="*", help="dotted overrides applied last, e.g. model.n_layers=2 train.steps=50")
-    p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
-    p.add_argument("--trust-checkpoint", action="store_true",
-                   help="load checkpoint files the safe reader refuses (pickled objects): THEY CAN RUN CODE; only "
-                        "for a checkpoint whose author you trust")
-    p.add_argument("--plan", action="store_true", help="print params, FLOPs/token, memory and a parallel layout; "
-                   "allocate nothing")
-    p.add_argument("--eval", choices=["passkey"], default=None,
-                   help="evaluate instead of training: passkey retrieval at eval.passkey_lengths (with --resume: the latest checkpoint)")
-    p.add_argument("--gpus", type=int, default=None, help="GPU count for --plan (default: the smallest power of two that fits)")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config (every key, defaults "
-                   "included) as YAML and exit")
+    p = argparse.ArgumentParser(
+        prog="train.py", description="Train a moezoo model from a YAML config.", allow_abbrev=False
+    )
+    p.add_argument(
+        "--config",
+        required=True,
+        help="preset YAML path, or a shipped preset's name, e.g. tiny_dense",
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="dotted overrides applied last, e.g. model.n_layers=2 train.steps=50",
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the latest complete checkpoint"
+    )
+    p.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="load checkpoint files the safe reader refuses (pickled objects): THEY CAN RUN CODE; only "
+        "for a checkpoint whose author you trust",
+    )
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print params, FLOPs/token, memory and a parallel layout; allocate nothing",
+    )
+    p.add_argument(
+        "--eval",
+        choices=["passkey"],
+        default=None,
+        help="evaluate instead of training: passkey retrieval at eval.passkey_lengths (with --resume: the latest checkpoint)",
+    )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="GPU count for --plan (default: the smallest power of two that fits)",
+    )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (every key, defaults included) as YAML and exit",
+    )
     return p.parse_args(argv)
 
 
@@ -42,37 +72,54 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         return exit_code(_main, args)
-    except KeyboardInterrupt as e:   # Interrupted says which checkpoint it saved; a second Ctrl-C says nothing
-        print(str(e) or "\ninterrupted; the last complete checkpoint is intact (use --resume)", file=sys.stderr)
+    except (
+        KeyboardInterrupt
+    ) as e:  # Interrupted says which checkpoint it saved; a second Ctrl-C says nothing
+        print(
+            str(e) or "\ninterrupted; the last complete checkpoint is intact (use --resume)",
+            file=sys.stderr,
+        )
         return 130
 
 
 def _main(args: argparse.Namespace) -> int:
-    overrides = (list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
-                 + (["checkpoint.trust=true"] if args.trust_checkpoint else []))
+    overrides = (
+        list(args.overrides)
+        + (["checkpoint.resume=true"] if args.resume else [])
+        + (["checkpoint.trust=true"] if args.trust_checkpoint else [])
+    )
     cfg = load_config(resolve_config_path(args.config), overrides)
     if args.print_config:
         import yaml
+
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
     if args.plan:
         if args.gpus is not None and args.gpus < 1:
             raise ConfigError("--gpus", f"must be >= 1, got {args.gpus}")
         from moezoo.training.plan import format_plan, plan
+
         print(format_plan(plan(cfg, args.gpus)))
         return 0
     if args.eval == "passkey":
         from moezoo.training.evaluate import run_passkey
+
         run_passkey(cfg)
         return 0
-    from moezoo.training.loop import TrainingDiverged, run   # torch.distributed, layers, kernels: only to train
+    from moezoo.training.loop import (
+        TrainingDiverged,
+        run,
+    )  # torch.distributed, layers, kernels: only to train
+
     try:
         summary = run(cfg)
     except TrainingDiverged as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     hist = summary["val_history"]
-    if hist and summary.get("rank", 0) == 0:   # every rank returns a summary; one line is enough
-        print(f"done: {summary['step']} steps, val loss {hist[0][1]:.4f} -> {hist[-1][1]:.4f}, "
-              f"skipped steps {summary['bad_steps']}")
+    if hist and summary.get("rank", 0) == 0:  # every rank returns a summary; one line is enough
+        print(
+            f"done: {summary['step']} steps, val loss {hist[0][1]:.4f} -> {hist[-1][1]:.4f}, "
+            f"skipped steps {summary['bad_steps']}"
+        )
     return 0

@@ -14,6 +14,7 @@ glob's fixed prefix, the standard library), so the split does not move with the 
 copied to another place (a fresh clone, a test's temporary directory) splits the same way. A corpus of
 one document is split by tokens instead (training.data).
 """
+
 from __future__ import annotations
 
 import glob
@@ -46,11 +47,15 @@ def _stdlib_files() -> list[str]:
 
 def _source_files(source: str) -> list[str]:
     if source == "python_packages":
-        return []                    # documents come from training.corpus_packages (load_documents)
+        return []  # documents come from training.corpus_packages (load_documents)
     if source == "stdlib":
         return _stdlib_files()
     if os.path.isdir(source):
-        return sorted(f for f in glob.glob(os.path.join(source, "**", "*"), recursive=True) if os.path.isfile(f))
+        return sorted(
+            f
+            for f in glob.glob(os.path.join(source, "**", "*"), recursive=True)
+            if os.path.isfile(f)
+        )
     if os.path.isfile(source):
         return [source]
     files = sorted(f for f in glob.glob(source, recursive=True) if os.path.isfile(f))
@@ -67,7 +72,7 @@ def _name_root(source: str) -> str:
         return source
     if os.path.isfile(source):
         return os.path.dirname(source) or "."
-    fixed = re.split(r"[*?\[]", source, maxsplit=1)[0]     # the path up to the first glob character
+    fixed = re.split(r"[*?\[]", source, maxsplit=1)[0]  # the path up to the first glob character
     return os.path.dirname(fixed) or "."
 
 
@@ -80,6 +85,7 @@ def load_documents(cfg: DataConfig) -> list[Document]:
     docs: list[Document] = []
     if cfg.source == "python_packages":
         from .corpus_packages import package_texts
+
         docs = [Document(name, text) for name, text in package_texts()]
     root = _name_root(cfg.source)
     for path in _source_files(cfg.source):
@@ -92,9 +98,13 @@ def load_documents(cfg: DataConfig) -> list[Document]:
                     try:
                         rec = json.loads(line)
                     except json.JSONDecodeError as e:
-                        raise ConfigError("data.source", f"{path}:{i + 1}: invalid JSON ({e.msg})") from None
+                        raise ConfigError(
+                            "data.source", f"{path}:{i + 1}: invalid JSON ({e.msg})"
+                        ) from None
                     if cfg.jsonl_field not in rec:
-                        raise ConfigError("data.jsonl_field", f"{path}:{i + 1} has no field {cfg.jsonl_field!r}")
+                        raise ConfigError(
+                            "data.jsonl_field", f"{path}:{i + 1} has no field {cfg.jsonl_field!r}"
+                        )
                     docs.append(Document(f"{name}:{i}", str(rec[cfg.jsonl_field])))
         else:
             try:
@@ -112,7 +122,9 @@ def load_documents(cfg: DataConfig) -> list[Document]:
     return docs
 
 
-def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
+def split_documents(
+    docs: list[Document], val_fraction: float
+) -> tuple[list[Document], list[Document]]:
     """(train, val) by name hash; both non-empty whenever there are at least two documents."""
     salt = "moezoo-val"
     val = [d for d in docs if _hash01(salt + d.name) < val_fraction]

@@ -8,6 +8,7 @@ package in name order keeping it. A package found in two directories is read fro
 order). Documents are named by the package, so training.corpus's name-hash split puts each package
 wholly in train or in validation, never in both.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,7 +24,11 @@ _SKIP_SUFFIXES = (".dist-info", ".egg-info", ".data")
 def site_dirs() -> list[str]:
     """The interpreter's site-packages directories, in import order, each once."""
     paths = sysconfig.get_paths()
-    cands = [p for p in sys.path if os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages")]
+    cands = [
+        p
+        for p in sys.path
+        if os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages")
+    ]
     cands += [paths["purelib"], paths["platlib"], *site.getsitepackages()]
     out: list[str] = []
     for p in cands:
@@ -41,7 +46,9 @@ def _package_files(site_dir: str) -> dict[str, list[str]]:
         if entry.startswith(".") or entry == "__pycache__" or entry.endswith(_SKIP_SUFFIXES):
             continue
         if os.path.isdir(path):
-            files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".py"))
+            files = sorted(
+                os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".py")
+            )
             if files:
                 out[entry] = files
         elif entry.endswith(".py"):
@@ -65,12 +72,14 @@ def package_texts(dirs: list[str] | None = None) -> list[tuple[str, str]]:
                 with open(path, "rb") as f:
                     data = f.read()
             except OSError:
-                continue                     # a broken link or unreadable file: not part of the corpus
+                continue  # a broken link or unreadable file: not part of the corpus
             digest = hashlib.sha1(data).digest()
             if digest in seen or not data.strip():
                 continue
             seen.add(digest)
-            parts.append(f"# file: {os.path.relpath(path, root)}\n" + data.decode("utf-8", errors="replace"))
+            parts.append(
+                f"# file: {os.path.relpath(path, root)}\n" + data.decode("utf-8", errors="replace")
+            )
         if parts:
             out.append((name, "\n".join(parts)))
     return out

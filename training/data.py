@@ -8,6 +8,7 @@ A corpus of several documents is split by document (``corpus.split_documents``).
 document (one text file, one jsonl record) is split by tokens as nanoGPT does: the last
 ``data.val_fraction`` of its tokens is the validation split, and the tokenizer is trained on the rest.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,7 +27,7 @@ from .tokenizer import Tokenizer, get_tokenizer
 def _encode(tok: Tokenizer, texts: list[str]) -> list[int]:
     ids: list[int] = []
     for chunk in range(0, len(texts), 256):
-        for doc in tok.encode_batch(texts[chunk:chunk + 256]):
+        for doc in tok.encode_batch(texts[chunk : chunk + 256]):
             ids.extend(doc)
             ids.append(tok.eos_id)
     return ids
@@ -41,17 +42,19 @@ def _write_ids(ids: list[int], path: str, dtype) -> None:
 @dataclass
 class TokenData:
     tokenizer: Tokenizer
-    train: np.ndarray   # [N_train] token ids
-    val: np.ndarray     # [N_val]
+    train: np.ndarray  # [N_train] token ids
+    val: np.ndarray  # [N_val]
 
 
 def prepare_data(cfg: Config, is_main: bool = True, barrier=lambda: None) -> TokenData:
     """Load the corpus, get the tokenizer, and memmap the token files (rank 0 writes, others wait)."""
     docs = load_documents(cfg.data)
     val_fraction = cfg.data.val_fraction
-    one_doc = len(docs) == 1   # split by tokens below, since a split by document would leave one side empty
+    one_doc = (
+        len(docs) == 1
+    )  # split by tokens below, since a split by document would leave one side empty
     if one_doc:
-        train_texts = [docs[0].text[:int(len(docs[0].text) * (1 - val_fraction))]]
+        train_texts = [docs[0].text[: int(len(docs[0].text) * (1 - val_fraction))]]
     else:
         train_docs, val_docs = split_documents(docs, val_fraction)
         train_texts = [d.text for d in train_docs]
@@ -62,7 +65,9 @@ def prepare_data(cfg: Config, is_main: bool = True, barrier=lambda: None) -> Tok
     corpus_key = hashlib.sha1(listing.encode()).hexdigest()[:12]
     cache = cfg.data.cache_dir
     if is_main:
-        tok = get_tokenizer(cfg.data.tokenizer, train_texts, cfg.model.vocab_size, cache, corpus_key)
+        tok = get_tokenizer(
+            cfg.data.tokenizer, train_texts, cfg.model.vocab_size, cache, corpus_key
+        )
     barrier()
     if not is_main:
         tok = get_tokenizer(cfg.data.tokenizer, [], cfg.model.vocab_size, cache, corpus_key)
@@ -76,7 +81,10 @@ def prepare_data(cfg: Config, is_main: bool = True, barrier=lambda: None) -> Tok
             cut = int(len(ids) * (1 - val_fraction))
             splits = {"train": ids[:cut], "val": ids[cut:]}
         else:
-            splits = {"train": _encode(tok, train_texts), "val": _encode(tok, [d.text for d in val_docs])}
+            splits = {
+                "train": _encode(tok, train_texts),
+                "val": _encode(tok, [d.text for d in val_docs]),
+            }
         for split, ids in splits.items():
             _write_ids(ids, paths[split], dtype)
     barrier()
@@ -84,14 +92,25 @@ def prepare_data(cfg: Config, is_main: bool = True, barrier=lambda: None) -> Tok
     need = cfg.train.seq_len + 1
     for s, a in arrays.items():
         if len(a) < need:
-            raise ConfigError("data.source", f"{s} split has {len(a)} tokens, fewer than train.seq_len+1={need}"
-                                             + (" (raise data.val_fraction or add text)" if s == "val" else ""))
+            raise ConfigError(
+                "data.source",
+                f"{s} split has {len(a)} tokens, fewer than train.seq_len+1={need}"
+                + (" (raise data.val_fraction or add text)" if s == "val" else ""),
+            )
     return TokenData(tok, arrays["train"], arrays["val"])
 
 
-def sample_batch(tokens: np.ndarray, batch: int, seq_len: int, seed: int, step: int, rank: int = 0,
-                 world: int = 1, epoch: int = 0, passkey=None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def sample_batch(
+    tokens: np.ndarray,
+    batch: int,
+    seq_len: int,
+    seed: int,
+    step: int,
+    rank: int = 0,
+    world: int = 1,
+    epoch: int = 0,
+    passkey=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Rank ``rank``'s share ``(x[B, S], y[B, S], w)`` (int64, y = x shifted by one) of the global batch of
     ``B * world`` random windows drawn for ``(seed, step, epoch)``. So a run's data depends only on the
     global batch, not on how many ranks split it: 2 ranks x B equals 1 rank x 2B. ``passkey``: a
@@ -99,13 +118,21 @@ def sample_batch(tokens: np.ndarray, batch: int, seq_len: int, seed: int, step: 
     ``w`` float32 [B, S] is the loss weight of each target (the mix's ``answer_weight`` on the asked
     keys' tokens, 1 elsewhere), None when every target weighs the same."""
     g = torch.Generator().manual_seed(hash((seed, step, epoch)) & 0x7FFFFFFFFFFF)
-    starts = torch.randint(0, len(tokens) - seq_len - 1, (batch * world,), generator=g)[rank * batch:(rank + 1) * batch]
-    windows = np.stack([np.asarray(tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts.numpy()])
+    starts = torch.randint(0, len(tokens) - seq_len - 1, (batch * world,), generator=g)[
+        rank * batch : (rank + 1) * batch
+    ]
+    windows = np.stack(
+        [np.asarray(tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts.numpy()]
+    )
     w = None
     if passkey is not None:
-        answers = passkey.apply_(windows, [(seed, step, epoch, r) for r in range(rank * batch, (rank + 1) * batch)])
+        answers = passkey.apply_(
+            windows, [(seed, step, epoch, r) for r in range(rank * batch, (rank + 1) * batch)]
+        )
         if passkey.answer_weight != 1.0:
-            w = torch.from_numpy(np.where(answers[:, 1:], np.float32(passkey.answer_weight), np.float32(1.0)))
+            w = torch.from_numpy(
+                np.where(answers[:, 1:], np.float32(passkey.answer_weight), np.float32(1.0))
+            )
     t = torch.from_numpy(windows)
     return t[:, :-1], t[:, 1:], w
 
@@ -119,6 +146,7 @@ class PackedBatch:
     Feed ``model(tokens, targets, document_ids=document_ids)``: attention stays inside a document and RoPE
     positions restart at each (zoo.Transformer.forward).
     """
+
     tokens: torch.Tensor
     targets: torch.Tensor
     document_ids: torch.Tensor
@@ -130,7 +158,9 @@ def pack_documents(docs, seq_len: int, pad_id: int = 0) -> PackedBatch:
     document: the later pieces lose the context before the cut). Rows are padded with ``pad_id``."""
     if seq_len <= 0:
         raise ValueError(f"seq_len: must be > 0, got {seq_len}")
-    pieces = [list(d[i:i + seq_len]) for d in docs for i in range(0, max(len(d), 1), seq_len) if len(d)]
+    pieces = [
+        list(d[i : i + seq_len]) for d in docs for i in range(0, max(len(d), 1), seq_len) if len(d)
+    ]
     rows: list[list[list[int]]] = []
     for p in pieces:
         if not rows or sum(map(len, rows[-1])) + len(p) > seq_len:
@@ -144,8 +174,8 @@ def pack_documents(docs, seq_len: int, pad_id: int = 0) -> PackedBatch:
         at = 0
         for j, p in enumerate(row):
             t = torch.tensor(p, dtype=torch.int64)
-            tokens[r, at:at + len(p)] = t
-            targets[r, at:at + len(p) - 1] = t[1:]
-            ids[r, at:at + len(p)] = j
+            tokens[r, at : at + len(p)] = t
+            targets[r, at : at + len(p) - 1] = t[1:]
+            ids[r, at : at + len(p)] = j
             at += len(p)
     return PackedBatch(tokens, targets, ids)

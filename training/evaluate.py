@@ -1,5 +1,6 @@
 """Evaluation without training (``train.py --config X --resume --eval passkey``): a Trainer restores the
 latest checkpoint, the evaluation runs on its model and data, the result is printed and logged."""
+
 from __future__ import annotations
 
 from .loop import Trainer
@@ -12,8 +13,16 @@ def run_passkey(cfg) -> PasskeyResult:
     if not cfg.eval.passkey_lengths:
         cfg.eval.passkey_lengths = [cfg.train.seq_len]
     t = Trainer(cfg)
-    res = passkey_eval(t.model, t.data.tokenizer, t.data.val, cfg.eval.passkey_lengths, cfg.eval.passkey_samples,
-                       cfg.train.seed, t.device, t.autocast)
+    res = passkey_eval(
+        t.model,
+        t.data.tokenizer,
+        t.data.val,
+        cfg.eval.passkey_lengths,
+        cfg.eval.passkey_samples,
+        cfg.train.seed,
+        t.device,
+        t.autocast,
+    )
     t.logger.log(passkey_metrics(res), step=t.step)
     t.print(format_passkey_table(res, f"step {t.step}"))
     t.logger.finish()

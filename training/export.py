@@ -7,6 +7,7 @@
   (resolved config as YAML in the metadata) or anything else as a ``torch.save`` of
   ``{"model": state_dict, "config": dict}``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,6 +22,7 @@ from moezoo.configs import Config, ConfigError, to_dict
 
 def export_hf(model, tokenizer_path: str, out_dir: str) -> None:
     from moezoo.zoo.hf import to_hf
+
     to_hf(model).save_pretrained(out_dir, safe_serialization=True)
     shutil.copyfile(tokenizer_path, os.path.join(out_dir, "tokenizer.model"))
 
@@ -29,23 +31,32 @@ def export_file(model, cfg: Config, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if path.endswith(".safetensors"):
         from safetensors.torch import save_model
+
         # save_model, not save_file: it drops the tied output weight that shares the embedding's storage.
         save_model(model, path, metadata={"config": yaml.safe_dump(to_dict(cfg), sort_keys=False)})
     else:
         import torch
+
         torch.save({"model": model.state_dict(), "config": to_dict(cfg)}, path)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moezoo.training.export", description=__doc__.splitlines()[0])
-    p.add_argument("--run", required=True, help="run folder (runs/<name>), checkpoint dir or step_* checkpoint")
+    p = argparse.ArgumentParser(
+        prog="python -m moezoo.training.export", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "--run", required=True, help="run folder (runs/<name>), checkpoint dir or step_* checkpoint"
+    )
     p.add_argument("--hf", default=None, help="write a transformers save_pretrained folder here")
-    p.add_argument("--file", default=None, help="write one consolidated .safetensors (or torch.save) file here")
+    p.add_argument(
+        "--file", default=None, help="write one consolidated .safetensors (or torch.save) file here"
+    )
     a = p.parse_args(argv)
     try:
         if not (a.hf or a.file):
             raise ConfigError("export", "give --hf DIR and/or --file PATH")
         from .trained import load_run
+
         model, tok, cfg, ckpt = load_run(a.run)
         if a.hf:
             export_hf(model, tok.path, a.hf)

@@ -4,6 +4,7 @@ Offline is the default: runs land in ``<out_dir>/wandb/offline-run-*`` and uploa
 ``wandb sync``; nothing asks for a login. ``disabled`` returns a logger that writes nothing.
 Only rank 0 logs. wandb is imported only when used.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,15 @@ class NullLogger:
     def log(self, metrics: dict, step: int) -> None:
         pass
 
-    def log_heatmap(self, name: str, matrix, step: int, xlabel: str = "", ylabel: str = "",
-                    vmax: float | None = None) -> None:
+    def log_heatmap(
+        self,
+        name: str,
+        matrix,
+        step: int,
+        xlabel: str = "",
+        ylabel: str = "",
+        vmax: float | None = None,
+    ) -> None:
         pass
 
     def finish(self) -> None:
@@ -37,19 +45,33 @@ class WandbLogger(NullLogger):
         self.wandb = wandb
         os.makedirs(out_dir, exist_ok=True)
         self.run = wandb.init(
-            project=cfg.logging.project, entity=cfg.logging.entity, name=cfg.logging.run_name or cfg.name,
-            mode=cfg.logging.wandb, dir=out_dir, config=to_dict(cfg), id=resume_id,
+            project=cfg.logging.project,
+            entity=cfg.logging.entity,
+            name=cfg.logging.run_name or cfg.name,
+            mode=cfg.logging.wandb,
+            dir=out_dir,
+            config=to_dict(cfg),
+            id=resume_id,
             resume="allow" if resume_id else None,
-            settings=wandb.Settings(silent=True, console="off", x_disable_stats=True))
+            settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
+        )
 
     def log(self, metrics: dict, step: int) -> None:
         self.run.log(to_python(metrics), step=step)
 
-    def log_heatmap(self, name: str, matrix, step: int, xlabel: str = "", ylabel: str = "",
-                    vmax: float | None = None) -> None:
+    def log_heatmap(
+        self,
+        name: str,
+        matrix,
+        step: int,
+        xlabel: str = "",
+        ylabel: str = "",
+        vmax: float | None = None,
+    ) -> None:
         """A [rows, cols] array (e.g. expert load: layers x experts) as a picture with axes and a colour bar;
         ``vmax`` fixes the scale at 0 .. vmax so the pictures of different steps compare."""
         from .plot import figure_array, heatmap_figure
+
         fig = heatmap_figure(matrix, xlabel, ylabel, f"{name}, step {step}", vmax)
         self.run.log({name: self.wandb.Image(figure_array(fig))}, step=step)
 
@@ -63,14 +85,22 @@ def to_python(metrics: dict) -> dict:
     keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1]
     out = dict(metrics)
     if keys:
-        values = torch.stack([metrics[k].detach().reshape(()).float().to(metrics[keys[0]].device) for k in keys])
-        out.update((k, bool(v) if metrics[k].dtype == torch.bool else v) for k, v in zip(keys, values.cpu().tolist()))
+        values = torch.stack(
+            [metrics[k].detach().reshape(()).float().to(metrics[keys[0]].device) for k in keys]
+        )
+        out.update(
+            (k, bool(v) if metrics[k].dtype == torch.bool else v)
+            for k, v in zip(keys, values.cpu().tolist())
+        )
     return out
 
 
 def append_metrics(path: str, metrics: dict, step: int) -> None:
     """One JSON line of scalar metrics per logging step (``<out_dir>/metrics.jsonl``, rank 0), for scripts."""
-    row = {"step": step, **{k: v for k, v in to_python(metrics).items() if isinstance(v, (int, float, bool))}}
+    row = {
+        "step": step,
+        **{k: v for k, v in to_python(metrics).items() if isinstance(v, (int, float, bool))},
+    }
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
 

@@ -6,6 +6,7 @@ loss or gradient norm is not finite is skipped and counted; ``train.max_bad_step
 roll the run back to the last checkpoint and move the data stream to a new epoch; ``train.max_rollbacks``
 rollbacks without a new checkpoint in between stop the run. Ctrl-C saves a checkpoint and stops.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,16 +26,35 @@ from tqdm import tqdm
 
 from moezoo.configs import Config, ConfigError
 from moezoo.kernels.launch import to_device
-from moezoo.layers import AttentionStats, DynamicSparsity, ExpertBalancing, NeuronSchedule, attention_density
+from moezoo.layers import (
+    AttentionStats,
+    DynamicSparsity,
+    ExpertBalancing,
+    NeuronSchedule,
+    attention_density,
+)
 from moezoo.zoo import build_model
 from moezoo.zoo.model import mean_cross_entropy
 
-from .checkpoint import CheckpointError, check_resumable, find_resumable, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    check_resumable,
+    find_resumable,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .data import prepare_data, sample_batch
 from .logger import append_metrics, make_logger, to_python
 from .metrics import device_peak_flops, mfu_metrics
 from .optim import build_optimizer, build_scheduler
-from .parallel import all_reduce_mean, clip_coef, clip_grad_norm_, model_init_device, parallelize, setup_parallel
+from .parallel import (
+    all_reduce_mean,
+    clip_coef,
+    clip_grad_norm_,
+    model_init_device,
+    parallelize,
+    setup_parallel,
+)
 from .preflight import check_model, check_paths, check_runtime
 from .profile import StepProfiler, format_summary
 from .run_folder import check_fresh_start, clear_previous_run, new_run_id, trim_metrics
@@ -54,8 +74,9 @@ def skips_on_device(optimizer: torch.optim.Optimizer, methods: list) -> bool:
     Else the trainer reads the check each step (one host sync). Under torchrun every rank decides alike: the
     flags are all-reduced values."""
     fused_adamw = type(optimizer) is torch.optim.AdamW and bool(optimizer.defaults.get("fused"))
-    return ((fused_adamw or getattr(optimizer, "skips_on_device", False))
-            and all(getattr(m, "skips_on_device", False) for m in methods))
+    return (fused_adamw or getattr(optimizer, "skips_on_device", False)) and all(
+        getattr(m, "skips_on_device", False) for m in methods
+    )
 
 
 class TrainingDiverged(RuntimeError):
@@ -72,46 +93,75 @@ class Trainer:
         check_paths(cfg)
         self.par = setup_parallel(cfg)
         self.device = self.par.device
-        check_runtime(cfg, self.device, self.par.world_size)   # e.g. flash-attn-4 or FP8 asked for, unavailable
+        check_runtime(
+            cfg, self.device, self.par.world_size
+        )  # e.g. flash-attn-4 or FP8 asked for, unavailable
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         from .plan import check_fits
+
         # One meta-device model (no memory) for the plan, the FLOPs per token for MFU and the shape checks.
         meta_model = build_model(cfg.model, "meta")
-        self.flops_per_token = check_fits(cfg, self.par.world_size, self.device, meta_model).flops_per_token
+        self.flops_per_token = check_fits(
+            cfg, self.par.world_size, self.device, meta_model
+        ).flops_per_token
         check_model(cfg, meta_model)
         from moezoo.zoo.flops import attention_flops_per_token
-        self.dense_attn_flops = attention_flops_per_token(cfg.model, cfg.train.seq_len)   # mfu: the work done
+
+        self.dense_attn_flops = attention_flops_per_token(
+            cfg.model, cfg.train.seq_len
+        )  # mfu: the work done
         del meta_model
         self.resume_path, replaced = None, []
         if cfg.checkpoint.resume:
             self.resume_path = self._find_resume()
         else:
             replaced = check_fresh_start(cfg)
-        init_from = cfg.model.init_from and not self.resume_path   # a resumed run has its own weights
+        init_from = (
+            cfg.model.init_from and not self.resume_path
+        )  # a resumed run has its own weights
         if init_from:
             from moezoo.zoo.pretrained import check_init_from
-            check_init_from(cfg.model)   # reads the HF config only: a mismatch fails before the data work
+
+            check_init_from(
+                cfg.model
+            )  # reads the HF config only: a mismatch fails before the data work
         # Same seed on every rank: identical initial weights before sharding.
         seed_everything(cfg.train.seed)
         self.data = prepare_data(cfg, self.par.is_main, self.barrier)
         self.passkey_mix = None
-        if cfg.data.passkey_mix > 0:      # retrieval practice in the training windows (training/passkey.py)
+        if (
+            cfg.data.passkey_mix > 0
+        ):  # retrieval practice in the training windows (training/passkey.py)
             from .passkey import PasskeyMix
-            self.passkey_mix = PasskeyMix(self.data.tokenizer, cfg.data.passkey_mix, cfg.data.passkey_questions,
-                                          cfg.train.seq_len, cfg.data.passkey_answer_weight,
-                                          distance_bias=cfg.data.passkey_distance_bias,
-                                          bias_from_step=cfg.data.passkey_bias_from_step)
+
+            self.passkey_mix = PasskeyMix(
+                self.data.tokenizer,
+                cfg.data.passkey_mix,
+                cfg.data.passkey_questions,
+                cfg.train.seq_len,
+                cfg.data.passkey_answer_weight,
+                distance_bias=cfg.data.passkey_distance_bias,
+                bias_from_step=cfg.data.passkey_bias_from_step,
+            )
         if self.resume_path:
             check_resumable(self.resume_path, cfg, self.par.world_size, self.data.tokenizer.digest)
-        model = build_model(cfg.model, model_init_device(cfg, self.par))   # "meta" when too big to build whole
+        model = build_model(
+            cfg.model, model_init_device(cfg, self.par)
+        )  # "meta" when too big to build whole
         if init_from:
             if next(model.parameters()).is_meta:
-                raise ConfigError("model.init_from", "needs a model built whole on each rank (this one is built "
-                                                     "on the meta device and sharded)")
+                raise ConfigError(
+                    "model.init_from",
+                    "needs a model built whole on each rank (this one is built "
+                    "on the meta device and sharded)",
+                )
             from moezoo.zoo.pretrained import load_init_from
+
             load_init_from(model, cfg.model)
-        self.model = parallelize(model, cfg, self.par)   # in place (FSDP2 / EP): still the Transformer
+        self.model = parallelize(
+            model, cfg, self.par
+        )  # in place (FSDP2 / EP): still the Transformer
         if cfg.train.compile:
             # Per block and in place, as torchtitan does: parameter names, FSDP2 units and checkpoints unchanged.
             # Static shapes (a run's batch and length are fixed): automatic dynamic shapes would turn the
@@ -127,17 +177,30 @@ class Trainer:
             # The loss too (as torchtitan's compile.components "loss"): the logits' upcast fuses into it. Default
             # mode whatever compile_mode says: a graph of a few large kernels, no launches for CUDA graphs to save.
             model.cross_entropy = torch.compile(mean_cross_entropy, dynamic=False)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type,
-                                         compact=cfg.dst.enabled and cfg.dst.compact_state,
-                                         param_dtype=cfg.train.param_dtype, grad_accum=cfg.train.grad_accum)
+        self.optimizer = build_optimizer(
+            self.model,
+            cfg.optim,
+            self.device.type,
+            compact=cfg.dst.enabled and cfg.dst.compact_state,
+            param_dtype=cfg.train.param_dtype,
+            grad_accum=cfg.train.grad_accum,
+        )
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.sparsity = self._sparsity_methods()
         # Skip non-finite steps on the device (no host sync a step) where the optimizer and every method can;
         # the host then learns of a skipped step one step later (train_step, settle).
         self.skip_on_device = skips_on_device(self.optimizer, self.sparsity)
-        self.unread = None   # (host flags [finite, stop], event) of the last step, until the host reads it
+        self.unread = (
+            None  # (host flags [finite, stop], event) of the last step, until the host reads it
+        )
         self.autocast = self._autocast()
-        self.step, self.epoch, self.bad_total, self.bad_in_row, self.rollbacks_in_row = 0, 0, 0, 0, 0
+        self.step, self.epoch, self.bad_total, self.bad_in_row, self.rollbacks_in_row = (
+            0,
+            0,
+            0,
+            0,
+            0,
+        )
         self.best_val, self.wandb_id, self.run_id = float("inf"), None, new_run_id()
         self.val_history: list[tuple[int, float]] = []
         self.saved_step, self.stop_requested, self.stop_agreed = -1, False, False
@@ -146,7 +209,9 @@ class Trainer:
         seed_everything(cfg.train.seed + 1000 * self.par.rank)
         if self.par.is_main:
             if self.resume_path is None:
-                clear_previous_run(cfg, replaced)   # metrics.jsonl rows of an earlier attempt would mix in
+                clear_previous_run(
+                    cfg, replaced
+                )  # metrics.jsonl rows of an earlier attempt would mix in
             os.makedirs(cfg.out_dir, exist_ok=True)
         if cfg.checkpoint.resume and self.resume_path is None:
             self.warn(f"no checkpoint in {cfg.checkpoint_dir}; starting from step 0")
@@ -156,17 +221,26 @@ class Trainer:
             if self.par.is_main:
                 trim_metrics(self.metrics_path, self.step)
             if self.step >= cfg.train.steps:
-                self.print(f"{cfg.name} is already complete: step {self.step} of train.steps={cfg.train.steps} "
-                           f"(raise train.steps to train further)")
+                self.print(
+                    f"{cfg.name} is already complete: step {self.step} of train.steps={cfg.train.steps} "
+                    f"(raise train.steps to train further)"
+                )
             else:
                 self.print(f"resumed from {self.resume_path} at step {self.step}")
         self.logger = make_logger(cfg, cfg.out_dir, self.par.rank, self.wandb_id)
         self.wandb_id = getattr(self.logger.run, "id", None)
-        self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum * self.par.dp_size
+        self.tokens_per_step = (
+            cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum * self.par.dp_size
+        )
         self.peak_flops = device_peak_flops(self.device)
         lg = cfg.logging
-        self.profiler = StepProfiler(lg.profile_at, lg.profile_steps, os.path.join(cfg.out_dir, "profile"),
-                                     self.par.rank, self.device)
+        self.profiler = StepProfiler(
+            lg.profile_at,
+            lg.profile_steps,
+            os.path.join(cfg.out_dir, "profile"),
+            self.par.rank,
+            self.device,
+        )
         if self.par.is_main:
             # The run folder keeps its tokenizer, so generate/export find it there (training.trained).
             shutil.copyfile(self.data.tokenizer.path, os.path.join(cfg.out_dir, TOKENIZER_FILE))
@@ -185,13 +259,21 @@ class Trainer:
         ffn_types = c.model.layer_ffn_types()
         if "moe" in ffn_types:
             # Aux-loss-free balancing: every rank applies the same bias update from the global load.
-            out.append(ExpertBalancing(self.model, dist.group.WORLD if self.par.distributed else None))
+            out.append(
+                ExpertBalancing(self.model, dist.group.WORLD if self.par.distributed else None)
+            )
         if any(layer.attention.pattern is not None for layer in self.model.layers):
-            out.append(AttentionStats(self.model, c.train.seq_len))   # density (for mfu) and selection stats
+            out.append(
+                AttentionStats(self.model, c.train.seq_len)
+            )  # density (for mfu) and selection stats
         if "neuron" in ffn_types:
             out.append(NeuronSchedule(self.model, c.train.steps, self.optimizer))
         if c.dst.enabled:
-            out.append(DynamicSparsity.from_config(self.model, c.dst, self.optimizer, total_steps=c.train.steps))
+            out.append(
+                DynamicSparsity.from_config(
+                    self.model, c.dst, self.optimizer, total_steps=c.train.steps
+                )
+            )
         return out
 
     def print(self, msg: str) -> None:
@@ -207,7 +289,9 @@ class Trainer:
         c = self.cfg
         path, skipped = find_resumable(c.checkpoint_dir, c.checkpoint.trust)
         if path is None and skipped:
-            raise CheckpointError(c.checkpoint_dir, f"no usable checkpoint to resume from ({'; '.join(skipped)})")
+            raise CheckpointError(
+                c.checkpoint_dir, f"no usable checkpoint to resume from ({'; '.join(skipped)})"
+            )
         for line in skipped:
             self.warn(f"skipped damaged checkpoint {line}")
         if path:
@@ -220,11 +304,21 @@ class Trainer:
 
     # ---- state -----------------------------------------------------------------------------------
     def train_state(self) -> dict:
-        return {"step": self.step, "epoch": self.epoch, "bad_total": self.bad_total, "best_val": self.best_val,
-                "val_history": self.val_history, "scheduler": self.scheduler.state_dict(),
-                "wandb_id": self.wandb_id, "world_size": self.par.world_size,
-                "global_batch": self.tokens_per_step // self.cfg.train.seq_len,   # sequences a step (resharding)
-                "tokenizer": self.data.tokenizer.digest, "run_id": self.run_id, "total_steps": self.cfg.train.steps}
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "bad_total": self.bad_total,
+            "best_val": self.best_val,
+            "val_history": self.val_history,
+            "scheduler": self.scheduler.state_dict(),
+            "wandb_id": self.wandb_id,
+            "world_size": self.par.world_size,
+            "global_batch": self.tokens_per_step
+            // self.cfg.train.seq_len,  # sequences a step (resharding)
+            "tokenizer": self.data.tokenizer.digest,
+            "run_id": self.run_id,
+            "total_steps": self.cfg.train.steps,
+        }
 
     def _restore(self, path: str, resuming: bool = False) -> None:
         state = load_checkpoint(path, self.model, self.optimizer, self.cfg.checkpoint.trust)
@@ -233,7 +327,9 @@ class Trainer:
         self.val_history = [tuple(v) for v in state["val_history"]]
         self.wandb_id, self.run_id = state.get("wandb_id"), state.get("run_id", self.run_id)
         self.bad_in_row = 0
-        for method in self.sparsity:   # e.g. the MoE load routed since the last bias update belongs to dropped steps
+        for method in (
+            self.sparsity
+        ):  # e.g. the MoE load routed since the last bias update belongs to dropped steps
             method.skipped_step()
         old_steps = state.get("total_steps", self.cfg.train.steps)
         if old_steps == self.cfg.train.steps:
@@ -241,8 +337,10 @@ class Trainer:
         else:
             self._rebuild_schedule()
             if resuming:
-                self.print(f"train.steps changed from {old_steps} to {self.cfg.train.steps}: learning-rate schedule "
-                           f"rebuilt for {self.cfg.train.steps} steps (lr now {self.optimizer.param_groups[0]['lr']:.2e})")
+                self.print(
+                    f"train.steps changed from {old_steps} to {self.cfg.train.steps}: learning-rate schedule "
+                    f"rebuilt for {self.cfg.train.steps} steps (lr now {self.optimizer.param_groups[0]['lr']:.2e})"
+                )
 
     def _rebuild_schedule(self) -> None:
         """The schedule a run of the new ``train.steps`` would be at now: built fresh and stepped ``step``
@@ -250,15 +348,24 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"]
         self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.cfg.train.steps)
-        with warnings.catch_warnings():   # "lr_scheduler.step() before optimizer.step()": replaying, on purpose
+        with (
+            warnings.catch_warnings()
+        ):  # "lr_scheduler.step() before optimizer.step()": replaying, on purpose
             warnings.simplefilter("ignore")
             for _ in range(self.step):
                 self.scheduler.step()
 
     def save(self) -> str:
         self.settle()
-        path = save_checkpoint(self.cfg.checkpoint_dir, self.step, self.model, self.optimizer, self.train_state(),
-                               self.cfg, self.cfg.checkpoint.keep_last)
+        path = save_checkpoint(
+            self.cfg.checkpoint_dir,
+            self.step,
+            self.model,
+            self.optimizer,
+            self.train_state(),
+            self.cfg,
+            self.cfg.checkpoint.keep_last,
+        )
         self.saved_step, self.rollbacks_in_row = self.step, 0
         return path
 
@@ -269,15 +376,28 @@ class Trainer:
         # The step's global batch (batch_size x grad_accum x dp_size windows) is split into (micro, rank)
         # slices, so how it is split between accumulation and ranks does not change the data.
         accum = c.grad_accum if split == "train" else 1
-        x, y, w = sample_batch(tokens, c.batch_size, c.seq_len, c.seed, step, micro * self.par.dp_size + self.par.dp_rank,
-                            accum * self.par.dp_size, self.epoch if split == "train" else -1,
-                            self.passkey_mix if split == "train" else None)
+        x, y, w = sample_batch(
+            tokens,
+            c.batch_size,
+            c.seq_len,
+            c.seed,
+            step,
+            micro * self.par.dp_size + self.par.dp_rank,
+            accum * self.par.dp_size,
+            self.epoch if split == "train" else -1,
+            self.passkey_mix if split == "train" else None,
+        )
         # pinned copies, queued: a pageable one would make the host wait for the previous step to finish
         # and leave the GPU idle while it launches this one's first kernels (kernels.launch.to_device)
-        return to_device(x, self.device), to_device(y, self.device), None if w is None else to_device(w, self.device)
+        return (
+            to_device(x, self.device),
+            to_device(y, self.device),
+            None if w is None else to_device(w, self.device),
+        )
 
-    def compute_loss(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, dict]:
+    def compute_loss(
+        self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict]:
         # a new step for CUDA graphs (train.compile_mode=reduce-overhead): the last replay's outputs are done
         # with, so the next replay may reuse their memory (a no-op without CUDA graphs)
         torch.compiler.cudagraph_mark_step_begin()
@@ -300,22 +420,33 @@ class Trainer:
         # A plain tensor, the same on every rank: the norm spans the dense and expert meshes' shards. An
         # optimizer that scales gradients itself (MasterAdamW) takes the clipping factor instead of a pass.
         fused_scale = getattr(self.optimizer, "scales_gradients", False)
-        grads = [g for p in self.model.parameters() if (g := self.optimizer.gradient(p)) is not None] \
-            if fused_scale else None     # where the step finds them (MasterAdamW's float32 sums), in model order
-        grad_norm = clip_grad_norm_(self.model.parameters(), c.optim.grad_clip, self.par, apply=not fused_scale,
-                                    grads=grads)
+        grads = (
+            [g for p in self.model.parameters() if (g := self.optimizer.gradient(p)) is not None]
+            if fused_scale
+            else None
+        )  # where the step finds them (MasterAdamW's float32 sums), in model order
+        grad_norm = clip_grad_norm_(
+            self.model.parameters(), c.optim.grad_clip, self.par, apply=not fused_scale, grads=grads
+        )
         # One all-reduce for every loss part (the total is their sum) and, last, the Ctrl-C flag: its mean
         # is > 0 when any rank asked to stop, so the ranks agree on the step without a collective of its own.
         detached = [v.detach().float() for v in parts_sum.values()]
         # a fill kernel, not torch.tensor(..., device=): no host-to-device copy on the step's path
-        stop = torch.full((), float(self.stop_requested), dtype=torch.float32, device=detached[0].device)
+        stop = torch.full(
+            (), float(self.stop_requested), dtype=torch.float32, device=detached[0].device
+        )
         reduced = all_reduce_mean(torch.stack([*detached, stop]), self.par)
         parts_mean = reduced[:-1]
         loss_val = parts_mean.sum()
         ok = torch.isfinite(loss_val) & torch.isfinite(grad_norm)
         metrics = {f"loss/{k}": v for k, v in zip(parts_sum, parts_mean)}
-        metrics.update({"loss/total": loss_val, "grad_norm": grad_norm.detach(),
-                        "lr": self.optimizer.param_groups[0]["lr"]})
+        metrics.update(
+            {
+                "loss/total": loss_val,
+                "grad_norm": grad_norm.detach(),
+                "lr": self.optimizer.param_groups[0]["lr"],
+            }
+        )
 
         def optimizer_step():
             if fused_scale and c.optim.grad_clip > 0:
@@ -327,7 +458,8 @@ class Trainer:
         self.settle()
         # A method may need to know this step's outcome on the host now (DST's mask updates): a sync this step.
         deferred = self.skip_on_device and not any(
-            m.decides_on_host(self.step) for m in self.sparsity if hasattr(m, "decides_on_host"))
+            m.decides_on_host(self.step) for m in self.sparsity if hasattr(m, "decides_on_host")
+        )
         if deferred:
             # No host sync: the optimizer leaves weights, moments and step counts alone where found_inf is 1,
             # the methods take the same flag, and the host reads it a step later (settle), while the device
@@ -348,10 +480,10 @@ class Trainer:
             if event is not None:
                 event.record()
             self.unread = (host, event)
-            metrics["skipped"] = ~ok                      # a device tensor: logged at the log steps
+            metrics["skipped"] = ~ok  # a device tensor: logged at the log steps
         else:
             self.optimizer.found_inf = None
-            finite, self.stop_agreed = torch.stack([ok, reduced[-1] > 0]).tolist()   # one host sync
+            finite, self.stop_agreed = torch.stack([ok, reduced[-1] > 0]).tolist()  # one host sync
             if finite:
                 optimizer_step()
                 for method in self.sparsity:
@@ -394,7 +526,7 @@ class Trainer:
         losses = []
         for i in range(self.cfg.train.eval_batches):
             x, y, _ = self.batch(i, 0, "val")
-            losses.append(self.compute_loss(x, y)[1]["ce"].float())   # compute_loss enters autocast
+            losses.append(self.compute_loss(x, y)[1]["ce"].float())  # compute_loss enters autocast
         self.model.train()
         return float(all_reduce_mean(torch.stack(losses).mean(), self.par))
 
@@ -402,12 +534,16 @@ class Trainer:
         c = self.cfg
         path = find_resumable(c.checkpoint_dir, c.checkpoint.trust)[0]
         if path is None:
-            raise TrainingDiverged(f"{self.bad_in_row} non-finite steps in a row at step {self.step} and no "
-                                   f"checkpoint in {c.checkpoint_dir} to roll back to; lower optim.lr or "
-                                   f"set checkpoint.every")
+            raise TrainingDiverged(
+                f"{self.bad_in_row} non-finite steps in a row at step {self.step} and no "
+                f"checkpoint in {c.checkpoint_dir} to roll back to; lower optim.lr or "
+                f"set checkpoint.every"
+            )
         if self.rollbacks_in_row >= c.train.max_rollbacks:
-            raise TrainingDiverged(f"non-finite steps at step {self.step} after {self.rollbacks_in_row} rollbacks in a "
-                                   f"row to {path} (train.max_rollbacks={c.train.max_rollbacks}); lower optim.lr")
+            raise TrainingDiverged(
+                f"non-finite steps at step {self.step} after {self.rollbacks_in_row} rollbacks in a "
+                f"row to {path} (train.max_rollbacks={c.train.max_rollbacks}); lower optim.lr"
+            )
         self.rollbacks_in_row += 1
         epoch, bad_total, rollbacks = self.epoch, self.bad_total, self.rollbacks_in_row
         self._restore(path)
@@ -424,11 +560,20 @@ class Trainer:
         if self.par.is_main:
             append_metrics(self.metrics_path, {"val/loss": v}, self.step)
         self.print(f"step {self.step}: val loss {v:.4f}")
-        if self.cfg.eval.passkey_lengths:     # retrieval at several lengths (training/passkey.py)
+        if self.cfg.eval.passkey_lengths:  # retrieval at several lengths (training/passkey.py)
             from .passkey import format_passkey_table, passkey_eval, passkey_metrics
+
             e = self.cfg.eval
-            pk = passkey_eval(self.model, self.data.tokenizer, self.data.val, e.passkey_lengths, e.passkey_samples,
-                              self.cfg.train.seed, self.device, self.autocast)
+            pk = passkey_eval(
+                self.model,
+                self.data.tokenizer,
+                self.data.val,
+                e.passkey_lengths,
+                e.passkey_samples,
+                self.cfg.train.seed,
+                self.device,
+                self.autocast,
+            )
             self.logger.log(passkey_metrics(pk), step=self.step)
             if self.par.is_main:
                 append_metrics(self.metrics_path, passkey_metrics(pk), self.step)
@@ -440,12 +585,19 @@ class Trainer:
         if not (self.par.is_main and self.cfg.logging.plots):
             return
         from . import plot
+
         try:
             plot.write_metrics_plot(self.cfg.out_dir, self.cfg.name)
             if expert_load is not None:
-                plot.save_figure(plot.expert_load_figure(expert_load.numpy(), self.step), os.path.join(
-                    self.cfg.out_dir, plot.PLOTS_DIR, f"expert_load_step_{self.step:08d}.png"))
-        except ImportError as e:   # pictures are a convenience: a run without matplotlib still trains
+                plot.save_figure(
+                    plot.expert_load_figure(expert_load.numpy(), self.step),
+                    os.path.join(
+                        self.cfg.out_dir, plot.PLOTS_DIR, f"expert_load_step_{self.step:08d}.png"
+                    ),
+                )
+        except (
+            ImportError
+        ) as e:  # pictures are a convenience: a run without matplotlib still trains
             self.print(f"no plots: {e}")
             self.cfg.logging.plots = False
 
@@ -453,28 +605,45 @@ class Trainer:
     def fit(self) -> dict:
         """Train to ``train.steps``. The first Ctrl-C stops after the current step with a checkpoint
         (``Interrupted``); a second one stops at once."""
+
         def on_sigint(signum, frame):
             self.stop_requested = True
-            signal.signal(signal.SIGINT, previous)   # the next Ctrl-C raises KeyboardInterrupt right away
+            signal.signal(
+                signal.SIGINT, previous
+            )  # the next Ctrl-C raises KeyboardInterrupt right away
 
         previous = signal.getsignal(signal.SIGINT)
         # Only the main thread may set handlers (a Trainer driven from another thread keeps Ctrl-C as it is).
-        handle = previous is signal.default_int_handler and threading.current_thread() is threading.main_thread()
+        handle = (
+            previous is signal.default_int_handler
+            and threading.current_thread() is threading.main_thread()
+        )
         if handle:
             signal.signal(signal.SIGINT, on_sigint)
         progress = self.par.is_main and self.cfg.logging.progress
         # A bar on a terminal; in a log file (not a TTY) its redraws are noise, so plain lines instead.
         self.log_lines = progress and not sys.stdout.isatty()
-        bar = tqdm(total=self.cfg.train.steps, initial=self.step, dynamic_ncols=True, desc=self.cfg.name,
-                   unit="step", disable=not progress or self.log_lines)
+        bar = tqdm(
+            total=self.cfg.train.steps,
+            initial=self.step,
+            dynamic_ncols=True,
+            desc=self.cfg.name,
+            unit="step",
+            disable=not progress or self.log_lines,
+        )
         try:
             self._fit(bar)
         finally:
-            bar.close()   # before any message: it then starts on a fresh line
+            bar.close()  # before any message: it then starts on a fresh line
             if handle:
                 signal.signal(signal.SIGINT, previous)
             self.logger.finish()
-        return {"step": self.step, "val_history": self.val_history, "bad_steps": self.bad_total, "rank": self.par.rank}
+        return {
+            "step": self.step,
+            "val_history": self.val_history,
+            "bad_steps": self.bad_total,
+            "rank": self.par.rank,
+        }
 
     def _stop_requested(self) -> bool:
         """Ctrl-C on any rank (all ranks must agree on the step they stop and save at): alone, the flag
@@ -489,7 +658,9 @@ class Trainer:
         if self.step == 0 or not self.val_history:
             if any(layer.attention.pattern is not None for layer in self.model.layers):
                 dens = attention_density(self.model, c.train.seq_len)
-                self.logger.log({f"attn_density/{k}": v for k, v in dens.items() if "/head" not in k}, step=0)
+                self.logger.log(
+                    {f"attn_density/{k}": v for k, v in dens.items() if "/head" not in k}, step=0
+                )
                 self.print(f"attention density at seq_len {c.train.seq_len}: {dens['mean']:.3f}")
             self.validate()
         t0, tokens_since = time.perf_counter(), 0
@@ -501,12 +672,14 @@ class Trainer:
                 self.logger.log(prof, step=self.step)
                 if self.par.is_main:
                     append_metrics(self.metrics_path, prof, self.step)
-                self.print(f"profile of steps {c.logging.profile_at}-{self.step}: "
-                           f"{format_summary(prof, self.device.type == 'cuda')} -> {self.profiler.folder}")
+                self.print(
+                    f"profile of steps {c.logging.profile_at}-{self.step}: "
+                    f"{format_summary(prof, self.device.type == 'cuda')} -> {self.profiler.folder}"
+                )
             tokens_since += self.tokens_per_step
             bar.update(1)
             if self.unread is not None and self.bad_in_row + 1 >= c.train.max_bad_steps:
-                self.settle()   # this step could start a rollback: read it now, so the rollback comes at this step
+                self.settle()  # this step could start a rollback: read it now, so the rollback comes at this step
             if self.bad_in_row >= c.train.max_bad_steps:
                 # The step that triggers the rollback is logged: the rows after it restart at the checkpoint.
                 m["bad_steps"] = self.bad_total
@@ -527,39 +700,63 @@ class Trainer:
                 for method in self.sparsity:
                     m.update(method.metrics())
                 if self.peak_flops:
-                    m.update(mfu_metrics(m["tokens_per_s"], self.flops_per_token, self.dense_attn_flops,
-                                         m.get("attn/density"), self.peak_flops * self.par.world_size))
-                m = to_python(m)   # one host copy for every scalar of this log step
+                    m.update(
+                        mfu_metrics(
+                            m["tokens_per_s"],
+                            self.flops_per_token,
+                            self.dense_attn_flops,
+                            m.get("attn/density"),
+                            self.peak_flops * self.par.world_size,
+                        )
+                    )
+                m = to_python(m)  # one host copy for every scalar of this log step
                 self.logger.log({k: v for k, v in m.items() if k != "skipped"}, step=self.step)
                 if self.par.is_main:
                     append_metrics(self.metrics_path, m, self.step)
                 bar.set_postfix(loss=f"{float(m['loss/total']):.3f}", lr=f"{m['lr']:.2e}")
                 if self.log_lines:
-                    self.print(f"step {self.step}/{c.train.steps}: loss {float(m['loss/total']):.4f} lr {m['lr']:.2e} "
-                               f"{m['tokens_per_s']:,.0f} tokens/s")
+                    self.print(
+                        f"step {self.step}/{c.train.steps}: loss {float(m['loss/total']):.4f} lr {m['lr']:.2e} "
+                        f"{m['tokens_per_s']:,.0f} tokens/s"
+                    )
                 t0, tokens_since = time.perf_counter(), 0
             if self.step % c.train.eval_every == 0 or self.step == c.train.steps:
                 # Before evaluate(): the layers' stats are still those of the last training step.
-                load = next((s.expert_load() for s in self.sparsity if isinstance(s, ExpertBalancing)), None)
+                load = next(
+                    (s.expert_load() for s in self.sparsity if isinstance(s, ExpertBalancing)), None
+                )
                 if load is not None:
                     # A fixed scale, 0 .. twice the uniform share, so the pictures of different steps compare.
-                    self.logger.log_heatmap("moe/expert_load", load.numpy(), self.step, "expert", "layer",
-                                            2.0 / load.shape[1])
+                    self.logger.log_heatmap(
+                        "moe/expert_load",
+                        load.numpy(),
+                        self.step,
+                        "expert",
+                        "layer",
+                        2.0 / load.shape[1],
+                    )
                 self.best_val = min(self.best_val, self.validate())
                 self.write_plots(load)
-            if (c.checkpoint.every and self.step % c.checkpoint.every == 0) or self.step == c.train.steps:
+            if (
+                c.checkpoint.every and self.step % c.checkpoint.every == 0
+            ) or self.step == c.train.steps:
                 self.save()
-            if self.step < c.train.steps and self._stop_requested():   # a finished run just finishes
-                path = self.save() if self.saved_step != self.step else os.path.join(c.checkpoint_dir,
-                                                                                        f"step_{self.step:08d}")
-                raise Interrupted(f"interrupted at step {self.step}; checkpoint saved in {path} "
-                                  f"(continue with --resume)")
+            if self.step < c.train.steps and self._stop_requested():  # a finished run just finishes
+                path = (
+                    self.save()
+                    if self.saved_step != self.step
+                    else os.path.join(c.checkpoint_dir, f"step_{self.step:08d}")
+                )
+                raise Interrupted(
+                    f"interrupted at step {self.step}; checkpoint saved in {path} "
+                    f"(continue with --resume)"
+                )
 
 
 def run(cfg: Config) -> dict:
     """Train ``cfg`` end to end (alone or under torchrun). Returns a summary dict (rank-local)."""
     try:
         return Trainer(cfg).fit()
-    finally:   # also when setup fails (a ConfigError) after the process group was created
+    finally:  # also when setup fails (a ConfigError) after the process group was created
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -2,6 +2,7 @@
 ``CompactAdamW``: the same AdamW keeping DST-masked weights' moments for their active entries only;
 ``MasterAdamW``: the same AdamW for a model whose matmul weights are held in bfloat16, with their float32
 master copies in the optimizer (``train.param_dtype: bfloat16``)."""
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,14 @@ from moezoo.layers.moe.experts import GroupedExperts
 from moezoo.layers.sharding import DTensor, local_tensor
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str = "cpu",
-                    compact: bool = False, param_dtype: str = "float32", grad_accum: int = 1) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module,
+    cfg: OptimConfig,
+    device_type: str = "cpu",
+    compact: bool = False,
+    param_dtype: str = "float32",
+    grad_accum: int = 1,
+) -> torch.optim.Optimizer:
     """Weight decay on >= 2-D parameters (linears, embeddings, stacked experts); none on norms and biases.
     ``compact``: a ``CompactAdamW`` (for ``dst.compact_state``). ``param_dtype="bfloat16"``: a ``MasterAdamW``,
     which turns the model's ``autocast_weights`` into bfloat16 (in place) and keeps their float32 masters
@@ -31,10 +38,19 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str = "cpu"
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     if param_dtype == "bfloat16":
-        return MasterAdamW(groups, autocast_weights(model), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                           accumulate_float32=grad_accum > 1)
+        return MasterAdamW(
+            groups,
+            autocast_weights(model),
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            accumulate_float32=grad_accum > 1,
+        )
     fused = device_type == "cuda" if cfg.implementation == "auto" else cfg.implementation == "fused"
     cls = CompactAdamW if compact else torch.optim.AdamW
     return cls(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
@@ -43,7 +59,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str = "cpu"
 def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
     """Linear warm-up from lr/warmup to lr over ``warmup_steps``, then cosine to ``lr * min_lr_ratio``."""
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
-    cosine = CosineAnnealingLR(opt, T_max=max(total_steps - warmup, 1), eta_min=cfg.lr * cfg.min_lr_ratio)
+    cosine = CosineAnnealingLR(
+        opt, T_max=max(total_steps - warmup, 1), eta_min=cfg.lr * cfg.min_lr_ratio
+    )
     if warmup == 0:
         return cosine
     ramp = LinearLR(opt, start_factor=1.0 / warmup, end_factor=1.0, total_iters=warmup)
@@ -98,20 +116,30 @@ class MasterAdamW(torch.optim.Optimizer):
     ``p.grad`` is left None: the sum autocast over float32 parameters would have made. ``gradient(p)`` is
     the gradient the step will use (that sum, else ``.grad``), for the norm; ``zero_grad()`` drops the sums.
     """
-    scales_gradients = True   # step(grad_scale=) takes the clipping factor
+
+    scales_gradients = True  # step(grad_scale=) takes the clipping factor
     # A step skipped without the host reading its flag: ``found_inf`` (a scalar tensor, as torch.amp.GradScaler
     # sets it on torch's fused AdamW) makes the kernel write nothing; the step counts, on the host, go back when
     # the trainer reads the flag (``uncount_last_step``) before the next step (training.loop.skips_on_device).
     skips_on_device = True
     found_inf: Optional[torch.Tensor] = None
 
-    def __init__(self, params, low_precision, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, dtype: torch.dtype = torch.bfloat16, accumulate_float32: bool = False):
+    def __init__(
+        self,
+        params,
+        low_precision,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        dtype: torch.dtype = torch.bfloat16,
+        accumulate_float32: bool = False,
+    ):
         self._low_ids = {id(p) for p in low_precision}
         self._dtype = dtype
         self._accumulate = accumulate_float32
-        self._sums: dict = {}          # bf16 parameter -> float32 gradient summed over this step's backwards
-        self._counted: list = []       # the states whose step counts the last step() with found_inf advanced
+        self._sums: dict = {}  # bf16 parameter -> float32 gradient summed over this step's backwards
+        self._counted: list = []  # the states whose step counts the last step() with found_inf advanced
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     def add_param_group(self, param_group: dict) -> None:
@@ -163,7 +191,7 @@ class MasterAdamW(torch.optim.Optimizer):
         found_inf, self._counted = self.found_inf, []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            launches: dict = {}     # one kernels.adamw call per (step count, dtypes, device)
+            launches: dict = {}  # one kernels.adamw call per (step count, dtypes, device)
             for p in group["params"]:
                 grad = self.gradient(p)
                 if grad is None:
@@ -171,17 +199,28 @@ class MasterAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if "step" not in state:
                     self._init_state(p)
-                state["step"] += 1                          # a CPU scalar: no device sync
+                state["step"] += 1  # a CPU scalar: no device sync
                 if found_inf is not None:
                     self._counted.append(state)
                 key = (int(state["step"].item()), grad.dtype, "master" in state, p.dtype, p.device)
                 launches.setdefault(key, []).append((p, grad, state))
             for (step, _, low, _, _), items in launches.items():
                 ps, grads, st = zip(*items)
-                adamw_([s["master"] if low else p for s, p in zip(st, ps)], list(grads),
-                       [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st], list(ps) if low else None,
-                       lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                       weight_decay=group["weight_decay"], step=step, grad_scale=grad_scale, found_inf=found_inf)
+                adamw_(
+                    [s["master"] if low else p for s, p in zip(st, ps)],
+                    list(grads),
+                    [s["exp_avg"] for s in st],
+                    [s["exp_avg_sq"] for s in st],
+                    list(ps) if low else None,
+                    lr=float(group["lr"]),
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    step=step,
+                    grad_scale=grad_scale,
+                    found_inf=found_inf,
+                )
         return loss
 
     def uncount_last_step(self) -> None:
@@ -217,25 +256,25 @@ class MasterAdamW(torch.optim.Optimizer):
 class CompactAdamW(torch.optim.AdamW):
     """AdamW whose moments for DST-masked weights are held for the active entries only.
 
-    ``layers.dst.DynamicSparsity(..., compact_state=True)`` registers each masked weight ``p`` with
-    ``set_compact(p, mask, capacity)``: ``mask()`` returns this rank's bit-packed mask (``layers.dst.bits``)
-    and ``capacity`` the most entries ``p`` (this rank's shard) can have active. Then per step, for ``p``:
+        ``layers.dst.DynamicSparsity(..., compact_state=True)`` registers each masked weight ``p`` with
+        ``set_compact(p, mask, capacity)``: ``mask()`` returns this rank's bit-packed mask (``layers.dst.bits``)
+        and ``capacity`` the most entries ``p`` (this rank's shard) can have active. Then per step, for ``p``:
 
-        idx  = flat indices of the active entries (int32, rebuilt only when the mask buffer changes)
-        w_A  = p[idx]; g_A = grad[idx]          # gathered into [capacity] leaves
-        AdamW on (w_A, g_A) with compact exp_avg / exp_avg_sq [capacity]   (the same fused/foreach kernel)
-        p[idx] = w_A
+            idx  = flat indices of the active entries (int32, rebuilt only when the mask buffer changes)
+            w_A  = p[idx]; g_A = grad[idx]          # gathered into [capacity] leaves
+            AdamW on (w_A, g_A) with compact exp_avg / exp_avg_sq [capacity]   (the same fused/foreach kernel)
+            p[idx] = w_A
 
-Persistent per active entry: the two fp32 moments and the int32 index (12 B). The leaves ``w_A``, ``g_A``
-(8 B per active entry) exist only inside ``step()``: their storage is freed after it (as FSDP2 frees
-unsharded parameters), when the step's activations are gone already.
+    Persistent per active entry: the two fp32 moments and the int32 index (12 B). The leaves ``w_A``, ``g_A``
+    (8 B per active entry) exist only inside ``step()``: their storage is freed after it (as FSDP2 frees
+    unsharded parameters), when the step's activations are gone already.
 
-    Inactive weights are never touched, so they stay exactly zero and DST need not re-mask each step;
-    ``p.grad`` stays dense (RigL grows by it, clipping sees it). Unmasked parameters take the plain AdamW
-    path, bit for bit. At a mask update DST calls ``compact_remap(p)``: kept entries keep their moments,
-    grown ones start at zero, pruned ones are dropped. State is plain tensors (DTensors ``[ranks x
-    capacity]`` under FSDP2, one ``[capacity]`` block per rank) + the AdamW step, with fixed shapes, so DCP
-    saves and restores it bit-exactly at the same world size.
+        Inactive weights are never touched, so they stay exactly zero and DST need not re-mask each step;
+        ``p.grad`` stays dense (RigL grows by it, clipping sees it). Unmasked parameters take the plain AdamW
+        path, bit for bit. At a mask update DST calls ``compact_remap(p)``: kept entries keep their moments,
+        grown ones start at zero, pruned ones are dropped. State is plain tensors (DTensors ``[ranks x
+        capacity]`` under FSDP2, one ``[capacity]`` block per rank) + the AdamW step, with fixed shapes, so DCP
+        saves and restores it bit-exactly at the same world size.
     """
 
     @property
@@ -246,19 +285,25 @@ unsharded parameters), when the step's activations are gone already.
 
     def __init__(self, params, **kw):
         super().__init__(params, **kw)
-        self._compact: dict = {}       # param -> _Compact
+        self._compact: dict = {}  # param -> _Compact
         self._inner: Optional[torch.optim.AdamW] = None
-        self._inner_group: dict = {}   # outer group index -> inner group index
+        self._inner_group: dict = {}  # outer group index -> inner group index
 
     # ---- registration ---------------------------------------------------------------------------
     def set_compact(self, p: torch.Tensor, mask: Callable[[], torch.Tensor], capacity: int) -> None:
         if self.defaults.get("amsgrad"):
-            raise ConfigError("dst.compact_state", "CompactAdamW keeps no compact max_exp_avg_sq: needs amsgrad=False")
+            raise ConfigError(
+                "dst.compact_state",
+                "CompactAdamW keeps no compact max_exp_avg_sq: needs amsgrad=False",
+            )
         gi = next(i for i, g in enumerate(self.param_groups) if any(q is p for q in g["params"]))
         local = local_tensor(p)
         capacity = min(capacity, local.numel())
-        if local.numel() >= 2 ** 31:
-            raise ConfigError("dst.compact_state", f"int32 indices: a weight shard of {local.numel()} entries is too big")
+        if local.numel() >= 2**31:
+            raise ConfigError(
+                "dst.compact_state",
+                f"int32 indices: a weight shard of {local.numel()} entries is too big",
+            )
         leaf = _like_shards(torch.zeros(capacity, dtype=p.dtype, device=local.device), p)
         leaf.grad = _like_shards(torch.zeros(capacity, dtype=p.dtype, device=local.device), p)
         _free(leaf), _free(leaf.grad)
@@ -266,7 +311,9 @@ unsharded parameters), when the step's activations are gone already.
         self._compact[p] = c
         if self._inner is None:
             # hyperparameters are copied from the outer groups at every step (schedulers change lr there)
-            self._inner = torch.optim.AdamW([leaf], fused=self.defaults.get("fused"), foreach=self.defaults.get("foreach"))
+            self._inner = torch.optim.AdamW(
+                [leaf], fused=self.defaults.get("fused"), foreach=self.defaults.get("foreach")
+            )
             self._inner_group[gi] = 0
         elif gi in self._inner_group:
             self._inner.param_groups[self._inner_group[gi]]["params"].append(leaf)
@@ -275,11 +322,11 @@ unsharded parameters), when the step's activations are gone already.
             self._inner_group[gi] = len(self._inner.param_groups) - 1
         self._index(c)
         old = self.state.pop(p, None)
-        if old:                                             # dense moments from earlier steps: keep the active ones
+        if old:  # dense moments from earlier steps: keep the active ones
             new = {"step": old["step"]}
             for name in ("exp_avg", "exp_avg_sq"):
                 s = torch.zeros(capacity, dtype=old[name].dtype, device=local.device)
-                s[:c.k] = local_tensor(old[name]).reshape(-1)[c.idx]
+                s[: c.k] = local_tensor(old[name]).reshape(-1)[c.idx]
                 new[name] = _like_shards(s, p)
             self._inner.state[leaf] = new
             self.state[p] = new
@@ -290,8 +337,10 @@ unsharded parameters), when the step's activations are gone already.
         idx = unpack_bits(packed, c.cols).reshape(-1).nonzero().squeeze(1).to(torch.int32)
         cap = local_tensor(c.leaf).numel()
         if idx.numel() > cap:
-            raise RuntimeError(f"compact DST state: {idx.numel()} active entries on this rank exceed the capacity {cap}"
-                               " (a sharded weight's rows drew more active weights than the margin allows)")
+            raise RuntimeError(
+                f"compact DST state: {idx.numel()} active entries on this rank exceed the capacity {cap}"
+                " (a sharded weight's rows drew more active weights than the margin allows)"
+            )
         c.idx, c.k, c.key = idx, idx.numel(), (id(packed), packed._version)
 
     def compact_remap(self, p: torch.Tensor) -> None:
@@ -305,10 +354,10 @@ unsharded parameters), when the step's activations are gone already.
             if s is None:
                 continue
             s = local_tensor(s)
-            dense = torch.zeros(n, dtype=s.dtype, device=s.device)   # one weight's worth, transient
+            dense = torch.zeros(n, dtype=s.dtype, device=s.device)  # one weight's worth, transient
             dense[old_idx] = s[:old_k]
             s.zero_()
-            s[:c.k] = dense[c.idx]
+            s[: c.k] = dense[c.idx]
 
     # ---- step -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -323,14 +372,14 @@ unsharded parameters), when the step's activations are gone already.
                 c.leaf_grad, c.leaf.grad = c.leaf.grad, None
                 continue
             if c.key != (id(packed := c.mask()), packed._version):
-                self._index(c)                              # the mask buffer was reloaded (checkpoint)
+                self._index(c)  # the mask buffer was reloaded (checkpoint)
             lw, lg = _alloc(c.leaf), _alloc(c.leaf.grad)
-            torch.index_select(local_tensor(p).reshape(-1), 0, c.idx, out=lw[:c.k])
-            torch.index_select(local_tensor(p.grad).reshape(-1), 0, c.idx, out=lg[:c.k])
-            lw[c.k:].zero_()                                # padding: zero weight, grad, moments: stays zero
-            lg[c.k:].zero_()
+            torch.index_select(local_tensor(p).reshape(-1), 0, c.idx, out=lw[: c.k])
+            torch.index_select(local_tensor(p.grad).reshape(-1), 0, c.idx, out=lg[: c.k])
+            lw[c.k :].zero_()  # padding: zero weight, grad, moments: stays zero
+            lg[c.k :].zero_()
             hidden[p] = p.grad
-            p.grad = None                                   # the dense AdamW below skips it
+            p.grad = None  # the dense AdamW below skips it
         try:
             super().step()
         finally:
@@ -338,15 +387,19 @@ unsharded parameters), when the step's activations are gone already.
                 p.grad = g
         if self._inner is not None and hidden:
             for gi, ii in self._inner_group.items():
-                self._inner.param_groups[ii].update({k: v for k, v in self.param_groups[gi].items() if k != "params"})
+                self._inner.param_groups[ii].update(
+                    {k: v for k, v in self.param_groups[gi].items() if k != "params"}
+                )
             self._inner.found_inf = getattr(self, "found_inf", None)
             self._inner.step()
         for p, c in self._compact.items():
             if p in hidden:
-                local_tensor(p).view(-1).index_put_((c.idx,), local_tensor(c.leaf)[:c.k])
+                local_tensor(p).view(-1).index_put_((c.idx,), local_tensor(c.leaf)[: c.k])
                 _free(c.leaf), _free(c.leaf.grad)
                 if self.state.get(p) is not self._inner.state.get(c.leaf):
-                    self.state[p] = self._inner.state[c.leaf]    # one dict: saved with the outer state
+                    self.state[p] = self._inner.state[
+                        c.leaf
+                    ]  # one dict: saved with the outer state
             elif c.leaf_grad is not None:
                 c.leaf.grad, c.leaf_grad = c.leaf_grad, None
         return loss
@@ -356,18 +409,20 @@ unsharded parameters), when the step's activations are gone already.
         for p, c in self._compact.items():
             if p in self.state:
                 self._inner.state[c.leaf] = self.state[p]
-            c.key = None                                    # indices re-derived from the reloaded mask
+            c.key = None  # indices re-derived from the reloaded mask
 
 
 @dataclass
 class _Compact:
-    leaf: torch.Tensor          # [capacity] gathered active weights (a DTensor [ranks x capacity] under FSDP2)
-    mask: Callable              # -> this rank's packed mask buffer
-    cols: int                   # the weight's last dim (packed along it)
+    leaf: (
+        torch.Tensor
+    )  # [capacity] gathered active weights (a DTensor [ranks x capacity] under FSDP2)
+    mask: Callable  # -> this rank's packed mask buffer
+    cols: int  # the weight's last dim (packed along it)
     idx: Optional[torch.Tensor] = None
     k: int = 0
     key: Optional[tuple] = None
-    leaf_grad: Optional[torch.Tensor] = None   # parked while the weight has no grad this step
+    leaf_grad: Optional[torch.Tensor] = None  # parked while the weight has no grad this step
 
 
 def _alloc(t: torch.Tensor) -> torch.Tensor:
@@ -389,8 +444,10 @@ def _like_shards(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     if not isinstance(p, DTensor):
         return local
     from torch.distributed.tensor import Replicate, Shard
+
     mesh = p.device_mesh
     placements = [Shard(0) if pl.is_shard() else Replicate() for pl in p.placements]
     n = math.prod(mesh.size(i) for i, pl in enumerate(placements) if pl.is_shard())
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=(n * local.numel(),), stride=(1,))
-
+    return DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=(n * local.numel(),), stride=(1,)
+    )

@@ -22,6 +22,7 @@ fp32 gradient reduction. ``parallel.fsdp: false`` is DDP semantics (every rank h
 gradients all-reduced) through the same FSDP2 hooks on a shard degree of 1: unlike a DDP wrapper,
 it keeps ``model.loss(...)`` synchronising gradients, and parameter names unchanged.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -49,7 +50,9 @@ class ParallelState:
     dp_replicate: int
     dp_shard: int
     ep: int
-    mesh: Optional[object] = None        # DeviceMesh ("dp_replicate", "efsdp", "ep"); None when world == 1
+    mesh: Optional[object] = (
+        None  # DeviceMesh ("dp_replicate", "efsdp", "ep"); None when world == 1
+    )
     dense_mesh: Optional[object] = None  # DeviceMesh ("dp_replicate", "dp_shard")
 
     @property
@@ -92,8 +95,11 @@ def resolve_device(cfg: Config, local_rank: int = 0) -> torch.device:
     # One GPU per local rank: two ranks sharing a GPU fail later inside NCCL ("Duplicate GPU detected").
     local_world, gpus = _env_int("LOCAL_WORLD_SIZE", 1), torch.cuda.device_count()
     if local_world > gpus:
-        raise ConfigError("train.device", f"{local_world} ranks on this node (torchrun --nproc_per_node) but "
-                          f"{gpus} CUDA device(s); start at most {gpus} per node, or train.device=cpu (gloo)")
+        raise ConfigError(
+            "train.device",
+            f"{local_world} ranks on this node (torchrun --nproc_per_node) but "
+            f"{gpus} CUDA device(s); start at most {gpus} per node, or train.device=cpu (gloo)",
+        )
     return torch.device("cuda", local_rank)
 
 
@@ -101,11 +107,18 @@ def setup_parallel(cfg: Config) -> ParallelState:
     """Read the torchrun environment, validate ``cfg.parallel`` against it (ConfigError before any
     process-group work), then initialise the process group and the meshes. Works without torchrun
     (world size 1: no process group)."""
-    world, rank, local_rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    world, rank, local_rank = (
+        _env_int("WORLD_SIZE", 1),
+        _env_int("RANK", 0),
+        _env_int("LOCAL_RANK", 0),
+    )
     rep, shard, ep = cfg.parallel.resolve(world, moe_num_experts(cfg))
     if ep > 1 and cfg.model.moe.backend == "megablocks":
-        raise ConfigError("model.moe.backend", "megablocks cannot run under parallel.ep > 1 here (it has its own "
-                          "expert-parallel setup); use auto, grouped or torch")
+        raise ConfigError(
+            "model.moe.backend",
+            "megablocks cannot run under parallel.ep > 1 here (it has its own "
+            "expert-parallel setup); use auto, grouped or torch",
+        )
     device = resolve_device(cfg, local_rank)
     backend = cfg.parallel.backend
     if backend == "auto":
@@ -118,7 +131,9 @@ def setup_parallel(cfg: Config) -> ParallelState:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30))
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30)
+        )
     state.mesh, state.dense_mesh = build_meshes(device.type, rep, shard, ep)
     return state
 
@@ -126,9 +141,16 @@ def setup_parallel(cfg: Config) -> ParallelState:
 def build_meshes(device_type: str, rep: int, shard: int, ep: int):
     """The ("dp_replicate", "efsdp", "ep") and ("dp_replicate", "dp_shard") meshes over the same ranks."""
     from torch.distributed.device_mesh import DeviceMesh
+
     ranks = torch.arange(rep * shard)
-    mesh = DeviceMesh(device_type, ranks.view(rep, shard // ep, ep), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
-    dense = DeviceMesh(device_type, ranks.view(rep, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    mesh = DeviceMesh(
+        device_type,
+        ranks.view(rep, shard // ep, ep),
+        mesh_dim_names=("dp_replicate", "efsdp", "ep"),
+    )
+    dense = DeviceMesh(
+        device_type, ranks.view(rep, shard), mesh_dim_names=("dp_replicate", "dp_shard")
+    )
     return mesh, dense
 
 
@@ -139,13 +161,18 @@ def _fsdp_mesh(mesh, rep: int, shard_dim: str):
 
 def _mp_policy(cfg: Config, device: torch.device):
     from torch.distributed.fsdp import MixedPrecisionPolicy
+
     bf16 = device.type == "cuda" and cfg.train.dtype in ("auto", "bfloat16")
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+    return (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
         else MixedPrecisionPolicy()
+    )
 
 
 def _checkpointed(forward, *args, **kwargs):
     from torch.utils.checkpoint import checkpoint
+
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
@@ -174,6 +201,7 @@ def parallelize(model: nn.Module, cfg: Config, state: ParallelState) -> nn.Modul
         moe.balance_group = dist.group.WORLD
     if state.ep > 1:
         from moezoo.layers.moe.expert_parallel import shard_experts
+
         for moe in moe_modules(model):
             shard_experts(moe, state.ep_group, state.ep_rank)
     _fully_shard(model, cfg, state)
@@ -187,6 +215,7 @@ def parallelize(model: nn.Module, cfg: Config, state: ParallelState) -> nn.Modul
 def _fully_shard(model: nn.Module, cfg: Config, state: ParallelState) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
+
     mp = _mp_policy(cfg, state.device)
     dense = _fsdp_mesh(state.dense_mesh, state.dp_replicate, "dp_shard")
     expert_mesh = _fsdp_mesh(state.mesh, state.dp_replicate, "efsdp")
@@ -199,7 +228,9 @@ def _fully_shard(model: nn.Module, cfg: Config, state: ParallelState) -> None:
             if m in moes:
                 # Own FSDP unit so the block's unit (dense mesh) does not take the experts, which differ
                 # across ep ranks. Divide by the world: the all-to-all backward already summed over ep.
-                fully_shard(m.experts, mesh=expert_mesh, mp_policy=mp, shard_placement_fn=expert_placement)
+                fully_shard(
+                    m.experts, mesh=expert_mesh, mp_policy=mp, shard_placement_fn=expert_placement
+                )
                 m.experts.set_gradient_divide_factor(float(state.world_size))
                 if dist.get_backend() == "gloo" and efsdp > 1:
                     # gloo has no PREMUL_SUM: reduce with SUM and scale after. (Not with one shard rank:
@@ -213,6 +244,7 @@ def _expert_checkpoint_mesh(state: ParallelState):
     """The same ranks as ("dp_replicate", "ep", "efsdp"): ep outer, so [Shard(0) on ep, Shard(d) on
     efsdp] describes where each rank's expert shard sits in the global ``[E, ...]`` tensor."""
     from torch.distributed.device_mesh import DeviceMesh
+
     rep, efsdp, ep = state.dp_replicate, state.dp_shard // state.ep, state.ep
     ranks = torch.arange(state.world_size).view(rep, efsdp, ep).transpose(1, 2)
     return DeviceMesh(state.device.type, ranks, mesh_dim_names=("dp_replicate", "ep", "efsdp"))
@@ -228,6 +260,7 @@ def checkpoint_views(sd: dict, model: nn.Module) -> dict:
     tensors that load at any ep degree or on one process. Identity without EP.
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
+
     fqns = {}
     for name, m in model.named_modules():
         mesh = m.ep_checkpoint_mesh if isinstance(m, MoE) else None
@@ -241,15 +274,23 @@ def checkpoint_views(sd: dict, model: nn.Module) -> dict:
         ep = mesh["ep"].size()
         d = next(p.dim for p in t.placements if isinstance(p, Shard))
         shape = (t.shape[0] * ep, *t.shape[1:])
-        return DTensor.from_local(t.to_local(), mesh, [Replicate(), Shard(0), Shard(d)], run_check=False,
-                                  shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+        return DTensor.from_local(
+            t.to_local(),
+            mesh,
+            [Replicate(), Shard(0), Shard(d)],
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=torch.empty(shape, device="meta").stride(),
+        )
 
     out = dict(sd)
     if "model" in sd:
         out["model"] = {k: view(v, fqns[k]) if k in fqns else v for k, v in sd["model"].items()}
     if "optim" in sd and "state" in sd["optim"]:
-        st = {k: ({n: view(t, fqns[k]) for n, t in v.items()} if k in fqns else v)
-              for k, v in sd["optim"]["state"].items()}
+        st = {
+            k: ({n: view(t, fqns[k]) for n, t in v.items()} if k in fqns else v)
+            for k, v in sd["optim"]["state"].items()
+        }
         out["optim"] = {**sd["optim"], "state": st}
     return out
 
@@ -274,6 +315,7 @@ def init_local_shards(model: nn.Module, seed: int) -> None:
     derived ones, like RoPE frequencies, are recomputed by ``init_weights``).
     """
     from torch.distributed.tensor import DTensor
+
     swapped = []
     for mod in model.modules():
         for name, p in list(mod._parameters.items()):
@@ -284,7 +326,9 @@ def init_local_shards(model: nn.Module, seed: int) -> None:
             if b is not None and b.is_floating_point():
                 b.zero_()
     try:
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        with torch.random.fork_rng(
+            devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []
+        ):
             torch.manual_seed(seed)
             model.init_weights()
     finally:
@@ -311,8 +355,13 @@ def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, state: ParallelState, apply: bool = True,
-                    grads: Optional[list] = None) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters,
+    max_norm: float,
+    state: ParallelState,
+    apply: bool = True,
+    grads: Optional[list] = None,
+) -> torch.Tensor:
     """Total gradient norm over the whole (sharded) model, same on every rank; scales the gradients
     down to ``max_norm`` when it is exceeded (``max_norm <= 0`` or ``apply=False``: measure only).
     ``grads``: the gradients, where an optimizer keeps them outside ``.grad`` (``MasterAdamW.gradient(p)``).
@@ -322,6 +371,7 @@ def clip_grad_norm_(parameters, max_norm: float, state: ParallelState, apply: bo
     ``dp_replicate`` ranks (one per replica group), hence the division.
     """
     from torch.distributed.tensor import DTensor
+
     if grads is None:
         grads = [p.grad for p in parameters if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
@@ -350,5 +400,5 @@ def all_reduce_mean(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     if not state.distributed:
         return x
     x = x.detach().clone()
-    dist.all_reduce(x, op=dist.ReduceOp.SUM)   # every rank is a data-parallel rank
+    dist.all_reduce(x, op=dist.ReduceOp.SUM)  # every rank is a data-parallel rank
     return x / state.dp_size

@@ -32,6 +32,7 @@ without accuracy means they chose it and the model did not copy from it. Recorde
 recall per length); ``format_passkey_table`` prints it, ``passkey_metrics`` names it for the logs;
 ``training.evaluate.run_passkey(cfg)`` is ``train.py --config X --resume --eval passkey``.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -59,8 +60,9 @@ def _needle_and_ask(parts, question: list[int], key: list[int]) -> tuple[list[in
     return a + key + b + key + c, question + key
 
 
-def passkey_sample(tokenizer, haystack: np.ndarray, length: int, depth: float,
-                   seed: int) -> tuple[list[int], int, list[int]]:
+def passkey_sample(
+    tokenizer, haystack: np.ndarray, length: int, depth: float, seed: int
+) -> tuple[list[int], int, list[int]]:
     """``(tokens[length], n_answer, key_pos)``: one sample; its last ``n_answer`` tokens are the key, and
     ``key_pos`` are the positions of the needle's two copies of it."""
     rng = np.random.default_rng(seed)
@@ -69,13 +71,15 @@ def passkey_sample(tokenizer, haystack: np.ndarray, length: int, depth: float,
     needle, tail = _needle_and_ask(parts, question, key)
     n_hay = length - len(needle) - len(tail)
     if n_hay < 1 or len(haystack) <= n_hay:
-        raise ValueError(f"passkey length {length} leaves no room for haystack text (or the validation split "
-                         f"has only {len(haystack)} tokens)")
+        raise ValueError(
+            f"passkey length {length} leaves no room for haystack text (or the validation split "
+            f"has only {len(haystack)} tokens)"
+        )
     start = int(rng.integers(0, len(haystack) - n_hay))
-    hay = [int(t) for t in haystack[start:start + n_hay]]
+    hay = [int(t) for t in haystack[start : start + n_hay]]
     at = int(round(depth * n_hay))
-    first = at + len(parts[0])                          # after " The pass key is"
-    second = first + len(key) + len(parts[1])           # after ". Remember it."
+    first = at + len(parts[0])  # after " The pass key is"
+    second = first + len(key) + len(parts[1])  # after ". Remember it."
     key_pos = list(range(first, first + len(key))) + list(range(second, second + len(key)))
     return hay[:at] + needle + hay[at:] + tail, len(key), key_pos
 
@@ -122,11 +126,21 @@ class PasskeyMix:
     unbiased mix for the windows of earlier steps (``draws[i][1]``) and the biased one from that step on.
     """
 
-    def __init__(self, tokenizer, share: float, questions: int, seq_len: int, answer_weight: float = 1.0,
-                 distance_bias: float = 0.0, bias_from_step: int = 0):
+    def __init__(
+        self,
+        tokenizer,
+        share: float,
+        questions: int,
+        seq_len: int,
+        answer_weight: float = 1.0,
+        distance_bias: float = 0.0,
+        bias_from_step: int = 0,
+    ):
         self.tokenizer, self.share, self.answer_weight = tokenizer, share, answer_weight
         self.bias_from_step = bias_from_step
-        self.counts = [1 << i for i in range(questions.bit_length())]     # segments a window: 1, 2, 4, ..
+        self.counts = [
+            1 << i for i in range(questions.bit_length())
+        ]  # segments a window: 1, 2, 4, ..
         # Unbiased, m stays the one rng.integers call earlier runs drew it with, so their windows (and their
         # resumes) are unchanged. Biased: one rng.random() against the cumulative P(m) ~ m ** -bias; the
         # bounds stop before the last level, so a sum that rounds below 1 still ends on it.
@@ -135,12 +149,18 @@ class PasskeyMix:
             weights = np.array(self.counts, dtype=np.float64) ** -distance_bias
             self.count_bounds = (np.cumsum(weights) / weights.sum())[:-1]
         self.parts, self.question = _encoded_parts(tokenizer)
-        needle, ask = _needle_and_ask(self.parts, self.question, _random_key(tokenizer, np.random.default_rng(0)))
+        needle, ask = _needle_and_ask(
+            self.parts, self.question, _random_key(tokenizer, np.random.default_rng(0))
+        )
         need = self.counts[-1] * (len(needle) + len(ask))
         if need >= seq_len:
             from moezoo.configs import ConfigError
-            raise ConfigError("data.passkey_questions", f"{self.counts[-1]} segments of a needle and a question "
-                                                        f"take ~{need} tokens, more than train.seq_len={seq_len}")
+
+            raise ConfigError(
+                "data.passkey_questions",
+                f"{self.counts[-1]} segments of a needle and a question "
+                f"take ~{need} tokens, more than train.seq_len={seq_len}",
+            )
 
     def _count_level(self, rng: np.random.Generator, step: int) -> int:
         """Index into ``counts`` of a window's segment count in training step ``step``."""
@@ -161,13 +181,15 @@ class PasskeyMix:
                 key = _random_key(self.tokenizer, rng)
                 needle, ask = _needle_and_ask(self.parts, self.question, key)
                 free = seg - len(needle) - len(ask)
-                if free < 0:       # a key that tokenizes longer than the init check's: leave this segment's text
+                if (
+                    free < 0
+                ):  # a key that tokenizes longer than the init check's: leave this segment's text
                     continue
                 at = s * seg + int(rng.integers(0, free + 1))
-                w[at:at + len(needle)] = needle
+                w[at : at + len(needle)] = needle
                 end = (s + 1) * seg
-                w[end - len(ask):end] = ask
-                a[end - len(key):end] = True
+                w[end - len(ask) : end] = ask
+                a[end - len(key) : end] = True
         return answers
 
 
@@ -177,6 +199,7 @@ class PasskeyResult:
     the needle recall of the block top-k heads (module docstring), over the samples whose needle is in an
     earlier key block than the question; ``recall_layers``: the same per layer (``layer_id``). Lengths with
     no such sample, and models without block top-k heads, have no recall entry."""
+
     accuracy: dict[int, float]
     recall: dict[int, float] = field(default_factory=dict)
     recall_layers: dict[int, dict[int, float]] = field(default_factory=dict)
@@ -187,8 +210,14 @@ def _recording_selection(model):
     """The model's attention layers with block top-k heads, set to keep each forward's selection."""
     from moezoo.layers.attention import Attention
     from moezoo.layers.attention.pattern import head_patterns
-    layers = [m for m in model.modules() if isinstance(m, Attention) and m.pattern is not None
-              and any(p.type == "block_topk" for p in head_patterns(m.pattern, m.n_heads))]
+
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, Attention)
+        and m.pattern is not None
+        and any(p.type == "block_topk" for p in head_patterns(m.pattern, m.n_heads))
+    ]
     before = [m.record_selection for m in layers]
     for m in layers:
         m.record_selection = True
@@ -197,12 +226,22 @@ def _recording_selection(model):
     finally:
         for m, b in zip(layers, before):
             m.record_selection = b
-            m.attn_stats = {k: v for k, v in m.attn_stats.items() if k != "selection"}   # drop the blocks
+            m.attn_stats = {
+                k: v for k, v in m.attn_stats.items() if k != "selection"
+            }  # drop the blocks
 
 
 @torch.no_grad()
-def passkey_eval(model, tokenizer, val_tokens: np.ndarray, lengths, samples: int = 10, seed: int = 0,
-                 device=None, autocast=None) -> PasskeyResult:
+def passkey_eval(
+    model,
+    tokenizer,
+    val_tokens: np.ndarray,
+    lengths,
+    samples: int = 10,
+    seed: int = 0,
+    device=None,
+    autocast=None,
+) -> PasskeyResult:
     """Accuracy (and needle recall) per length over ``samples`` needles at depths ``0, 1/(n-1), .., 1``
     (one forward each)."""
     device = device or next(model.parameters()).device
@@ -212,36 +251,54 @@ def passkey_eval(model, tokenizer, val_tokens: np.ndarray, lengths, samples: int
     with _recording_selection(model) as layers:
         for L in lengths:
             hits = 0
-            found: dict[int, list[torch.Tensor]] = {}          # layer -> per far sample, bool [heads]
+            found: dict[int, list[torch.Tensor]] = {}  # layer -> per far sample, bool [heads]
             for i in range(samples):
                 depth = i / max(samples - 1, 1)
-                toks, n, key_pos = passkey_sample(tokenizer, val_tokens, L, depth, seed * 1_000_003 + L * 1009 + i)
+                toks, n, key_pos = passkey_sample(
+                    tokenizer, val_tokens, L, depth, seed * 1_000_003 + L * 1009 + i
+                )
                 x = torch.tensor(toks, device=device)[None]
-                torch.compiler.cudagraph_mark_step_begin()   # as Trainer.compute_loss (CUDA-graphed blocks)
-                with (autocast() if autocast else torch.autocast(device.type, enabled=False)):
+                torch.compiler.cudagraph_mark_step_begin()  # as Trainer.compute_loss (CUDA-graphed blocks)
+                with autocast() if autocast else torch.autocast(device.type, enabled=False):
                     logits = model(x)
-                pred = logits[0, -n - 1:-1].argmax(-1)
+                pred = logits[0, -n - 1 : -1].argmax(-1)
                 hits += int(torch.equal(pred, x[0, -n:]))
-                q_pos = len(toks) - n - 1                     # the query that predicts the answer's first token
+                q_pos = len(toks) - n - 1  # the query that predicts the answer's first token
                 for m in layers:
                     sel = m.attn_stats.get("selection")
                     if sel is not None and max(key_pos) // sel.block_size < q_pos // sel.block_size:
                         found.setdefault(m.layer_id, []).append(sel.covers(q_pos, key_pos)[0])
             res.accuracy[L] = hits / samples
             if found:
-                per_layer = {lid: torch.stack(v).float().mean().item() for lid, v in sorted(found.items())}
+                per_layer = {
+                    lid: torch.stack(v).float().mean().item() for lid, v in sorted(found.items())
+                }
                 res.recall_layers[L] = per_layer
-                res.recall[L] = torch.cat([torch.stack(v).flatten() for v in found.values()]).float().mean().item()
+                res.recall[L] = (
+                    torch.cat([torch.stack(v).flatten() for v in found.values()])
+                    .float()
+                    .mean()
+                    .item()
+                )
     model.train(was_training)
     return res
 
 
 def format_passkey_table(results: PasskeyResult, title: str = "passkey") -> str:
-    rows = [f"{title:>10} | " + " | ".join(f"{L:>7}" for L in results.accuracy),
-            f"{'accuracy':>10} | " + " | ".join(f"{a:>7.0%}" for a in results.accuracy.values())]
-    if results.recall:   # block top-k heads: did the selection hold the needle (blank: no far needle)
-        rows.append(f"{'recall':>10} | " + " | ".join(
-            f"{results.recall[L]:>7.0%}" if L in results.recall else " " * 7 for L in results.accuracy))
+    rows = [
+        f"{title:>10} | " + " | ".join(f"{L:>7}" for L in results.accuracy),
+        f"{'accuracy':>10} | " + " | ".join(f"{a:>7.0%}" for a in results.accuracy.values()),
+    ]
+    if (
+        results.recall
+    ):  # block top-k heads: did the selection hold the needle (blank: no far needle)
+        rows.append(
+            f"{'recall':>10} | "
+            + " | ".join(
+                f"{results.recall[L]:>7.0%}" if L in results.recall else " " * 7
+                for L in results.accuracy
+            )
+        )
     return "\n".join(rows)
 
 

@@ -18,6 +18,7 @@ Memory model per GPU (bytes), for FSDP2 with mixed precision as training.paralle
 A run "fits" when the total is at most ``HEADROOM`` of the device memory (CUDA context, allocator
 fragmentation and NCCL buffers take the rest).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,7 +29,7 @@ from typing import Optional
 from moezoo.configs import Config, ConfigError
 from moezoo.zoo.flops import ParamCounts, count_params, flops_per_token, is_routed_moe
 
-H200_BYTES = 141e9          # H200-class HBM3e
+H200_BYTES = 141e9  # H200-class HBM3e
 HEADROOM = 0.9
 FP32, ADAM_STATES = 4, 2
 GB = 1e9
@@ -55,19 +56,28 @@ class Layout:
 @dataclass
 class Memory:
     """Bytes per GPU."""
+
     weights: float
     grads: float
     optimizer: float
     fsdp_buffers: float
     activations: float
-    dst_masks: float = 0.0      # DST mask / ever-active / EMA-score buffers, sharded like the weights
-    dst_step: float = 0.0       # compact DST state: gathered active weights + grads inside optimizer.step()
+    dst_masks: float = 0.0  # DST mask / ever-active / EMA-score buffers, sharded like the weights
+    dst_step: float = (
+        0.0  # compact DST state: gathered active weights + grads inside optimizer.step()
+    )
 
     @property
     def total(self) -> float:
         # the compact store's gather lives only inside the optimizer step, after backward freed the activations
-        return self.weights + self.grads + self.optimizer + self.fsdp_buffers + self.dst_masks \
+        return (
+            self.weights
+            + self.grads
+            + self.optimizer
+            + self.fsdp_buffers
+            + self.dst_masks
             + max(self.activations, self.dst_step)
+        )
 
 
 @dataclass
@@ -76,15 +86,15 @@ class Plan:
     counts: ParamCounts
     flops_per_token: float
     seq_len: int
-    batch_size: int             # sequences per micro-batch per GPU
-    compute_bytes: int          # 2 (bf16) or 4 (fp32) for activations and gathered weights
+    batch_size: int  # sequences per micro-batch per GPU
+    compute_bytes: int  # 2 (bf16) or 4 (fp32) for activations and gathered weights
     n_gpus: int
     layout: Layout
-    layout_source: str          # "config" or "recommended"
+    layout_source: str  # "config" or "recommended"
     memory: Memory
     device_bytes: float
     notes: list = field(default_factory=list)
-    device: str = "GPU"         # what the report calls one device: "GPU" on CUDA, else "device"
+    device: str = "GPU"  # what the report calls one device: "GPU" on CUDA, else "device"
 
     @property
     def fits(self) -> bool:
@@ -94,34 +104,47 @@ class Plan:
 @dataclass(frozen=True)
 class _Shape:
     """What the memory model needs from the built (meta) model."""
-    dense_params: int           # everything but routed experts
-    expert_params: int          # routed experts, all layers
-    max_block_dense: int        # largest transformer block, dense part
-    max_block_expert: int       # largest transformer block, routed experts (all E)
+
+    dense_params: int  # everything but routed experts
+    expert_params: int  # routed experts, all layers
+    max_block_dense: int  # largest transformer block, dense part
+    max_block_expert: int  # largest transformer block, routed experts (all E)
     num_experts: Optional[int]  # routed experts per MoE layer (None: no MoE layer)
-    dst_dense: int = 0          # DST-masked weights outside routed experts
-    dst_expert: int = 0         # DST-masked routed-expert weights
+    dst_dense: int = 0  # DST-masked weights outside routed experts
+    dst_expert: int = 0  # DST-masked routed-expert weights
 
 
 def _shape(model, cfg: Optional[Config] = None) -> _Shape:
     counts = count_params(model)
     blocks_dense, blocks_expert, experts = [0], [0], None
     for block in getattr(model, "layers", []):
-        e = sum(p.numel() for m in block.modules() if is_routed_moe(m) for p in m.experts.parameters())
+        e = sum(
+            p.numel() for m in block.modules() if is_routed_moe(m) for p in m.experts.parameters()
+        )
         experts = next((m.num_experts for m in block.modules() if is_routed_moe(m)), experts)
         blocks_dense.append(sum(p.numel() for p in block.parameters()) - e)
         blocks_expert.append(e)
     dst_dense = dst_expert = 0
     if cfg is not None and cfg.dst.enabled:
         from moezoo.layers.dst.targets import dst_parameters
-        expert_ids = {id(p) for m in model.modules() if is_routed_moe(m) for p in m.experts.parameters()}
+
+        expert_ids = {
+            id(p) for m in model.modules() if is_routed_moe(m) for p in m.experts.parameters()
+        }
         for _, p in dst_parameters(model, cfg.dst.include, cfg.dst.exclude):
             if id(p) in expert_ids:
                 dst_expert += p.numel()
             else:
                 dst_dense += p.numel()
-    return _Shape(counts.total - counts.expert, counts.expert, max(blocks_dense), max(blocks_expert), experts,
-                  dst_dense, dst_expert)
+    return _Shape(
+        counts.total - counts.expert,
+        counts.expert,
+        max(blocks_dense),
+        max(blocks_expert),
+        experts,
+        dst_dense,
+        dst_expert,
+    )
 
 
 def activation_bytes_per_token(cfg: Config, compute_bytes: int, checkpointing: bool) -> float:
@@ -141,8 +164,12 @@ def activation_bytes_per_token(cfg: Config, compute_bytes: int, checkpointing: b
     for t in m.layer_ffn_types():
         if t == "moe":
             moe = m.moe
-            ffn = 2 * d + 2 * moe.num_experts + moe.top_k * (2 * d + 4 * m.expert_hidden_dim) \
+            ffn = (
+                2 * d
+                + 2 * moe.num_experts
+                + moe.top_k * (2 * d + 4 * m.expert_hidden_dim)
                 + 4 * m.shared_expert_hidden_dim
+            )
         else:
             ffn = 2 * d + 4 * m.hidden_dim
         per_block.append((attn + ffn) * compute_bytes)
@@ -155,27 +182,41 @@ def activation_bytes_per_token(cfg: Config, compute_bytes: int, checkpointing: b
 
 def memory_per_gpu(cfg: Config, shape: _Shape, layout: Layout, compute_bytes: int) -> Memory:
     shard = layout.dp_shard if layout.fsdp else 1
-    expert_shard = layout.ep * (shard // layout.ep if layout.fsdp else 1)   # ranks one expert weight spans
+    expert_shard = layout.ep * (
+        shard // layout.ep if layout.fsdp else 1
+    )  # ranks one expert weight spans
     held = shape.dense_params / shard + shape.expert_params / expert_shard
     gathered_block = shape.max_block_dense + shape.max_block_expert / layout.ep
-    buffers = (2 * gathered_block * compute_bytes + gathered_block * compute_bytes) if layout.fsdp and shard > 1 else 0
+    buffers = (
+        (2 * gathered_block * compute_bytes + gathered_block * compute_bytes)
+        if layout.fsdp and shard > 1
+        else 0
+    )
     tokens = cfg.train.batch_size * cfg.train.seq_len
     acts = tokens * activation_bytes_per_token(cfg, compute_bytes, layout.activation_checkpointing)
     dst_held = shape.dst_dense / shard + shape.dst_expert / expert_shard
     cost = dst_cost(cfg, layout)
     weight_b, grad_b = FP32, FP32
-    if cfg.train.param_dtype == "bfloat16":   # bf16 weights + float32 masters; bf16 grads (+ float32 sums)
+    if (
+        cfg.train.param_dtype == "bfloat16"
+    ):  # bf16 weights + float32 masters; bf16 grads (+ float32 sums)
         weight_b, grad_b = 2 + FP32, 2 + (FP32 if cfg.train.grad_accum > 1 else 0)
-    return Memory(weights=held * weight_b, grads=held * grad_b,
-                  optimizer=(held - dst_held) * FP32 * ADAM_STATES + dst_held * cost.optimizer,
-                  fsdp_buffers=buffers, activations=acts, dst_masks=dst_held * cost.buffers,
-                  dst_step=dst_held * cost.step_only)
+    return Memory(
+        weights=held * weight_b,
+        grads=held * grad_b,
+        optimizer=(held - dst_held) * FP32 * ADAM_STATES + dst_held * cost.optimizer,
+        fsdp_buffers=buffers,
+        activations=acts,
+        dst_masks=dst_held * cost.buffers,
+        dst_step=dst_held * cost.step_only,
+    )
 
 
 def dst_cost(cfg: Config, layout: Layout):
     """Bytes per masked weight of the DST options (layers.dst.costs); the compact store keeps a 10% margin
     for weights sharded over ranks."""
     from moezoo.layers.dst.costs import dst_state_bytes
+
     return dst_state_bytes(cfg.dst, margin=1.1 if layout.fsdp and layout.dp_shard > 1 else 1.0)
 
 
@@ -183,22 +224,29 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def recommend_layout(cfg: Config, shape: _Shape, n_gpus: int, compute_bytes: int, device_bytes: float) -> Layout:
+def recommend_layout(
+    cfg: Config, shape: _Shape, n_gpus: int, compute_bytes: int, device_bytes: float
+) -> Layout:
     """FSDP over every GPU; EP as wide as divides both the experts and the GPUs (expert weights then
     stay put and only tokens move, which is far less data per step than gathering experts); activation
     checkpointing only when the plan would not fit without it."""
-    ep = max(d for d in _divisors(n_gpus) if shape.num_experts and shape.num_experts % d == 0) \
-        if shape.num_experts else 1
+    ep = (
+        max(d for d in _divisors(n_gpus) if shape.num_experts and shape.num_experts % d == 0)
+        if shape.num_experts
+        else 1
+    )
     layout = Layout(1, n_gpus, ep, True, cfg.parallel.activation_checkpointing)
     if memory_per_gpu(cfg, shape, layout, compute_bytes).total > HEADROOM * device_bytes:
         layout = dataclasses.replace(layout, activation_checkpointing=True)
     return layout
 
 
-def smallest_fitting_gpus(cfg: Config, shape: _Shape, compute_bytes: int, device_bytes: float) -> int:
+def smallest_fitting_gpus(
+    cfg: Config, shape: _Shape, compute_bytes: int, device_bytes: float
+) -> int:
     """Smallest power of two (up to 2^16) whose recommended layout fits."""
     n = 1
-    while n < 2 ** 16:
+    while n < 2**16:
         lay = recommend_layout(cfg, shape, n, compute_bytes, device_bytes)
         if memory_per_gpu(cfg, shape, lay, compute_bytes).total <= HEADROOM * device_bytes:
             break
@@ -213,8 +261,14 @@ def _compute_bytes(cfg: Config, device_type: str) -> int:
     return 2 if dtype == "bfloat16" else 4
 
 
-def plan(cfg: Config, n_gpus: Optional[int] = None, device_bytes: float = H200_BYTES,
-         device_type: str = "cuda", layout: Optional[Layout] = None, model=None) -> Plan:
+def plan(
+    cfg: Config,
+    n_gpus: Optional[int] = None,
+    device_bytes: float = H200_BYTES,
+    device_type: str = "cuda",
+    layout: Optional[Layout] = None,
+    model=None,
+) -> Plan:
     """Plan ``cfg`` on ``n_gpus`` devices of ``device_bytes`` each.
 
     ``n_gpus=None``: the smallest power of two (up to 2^16) that fits with the recommended layout.
@@ -224,45 +278,69 @@ def plan(cfg: Config, n_gpus: Optional[int] = None, device_bytes: float = H200_B
     """
     if model is None:
         from moezoo.zoo import build_model
+
         model = build_model(cfg.model, "meta")
     counts, shape = count_params(model), _shape(model, cfg)
     cb = _compute_bytes(cfg, device_type)
     notes = []
     if n_gpus is None:
         n_gpus = smallest_fitting_gpus(cfg, shape, cb, device_bytes)
-        notes.append(f"n_gpus: smallest power of two that fits ({device_bytes / GB:.0f} GB per GPU)")
+        notes.append(
+            f"n_gpus: smallest power of two that fits ({device_bytes / GB:.0f} GB per GPU)"
+        )
     source = "config"
     if layout is None:
         p = cfg.parallel
         explicit = p.ep > 1 or p.dp_shard != -1 or p.dp_replicate > 1 or not p.fsdp
         try:
             rep, shard, ep = p.resolve(n_gpus, shape.num_experts)
-            layout = Layout(rep, shard, ep, p.fsdp, p.activation_checkpointing) if explicit else None
+            layout = (
+                Layout(rep, shard, ep, p.fsdp, p.activation_checkpointing) if explicit else None
+            )
         except ConfigError as e:
-            notes.append(f"config layout does not apply to {n_gpus} GPUs ({e}); showing the recommended one")
+            notes.append(
+                f"config layout does not apply to {n_gpus} GPUs ({e}); showing the recommended one"
+            )
         if layout is None:
             layout, source = recommend_layout(cfg, shape, n_gpus, cb, device_bytes), "recommended"
     mem = memory_per_gpu(cfg, shape, layout, cb)
     if cfg.dst.enabled and shape.dst_dense + shape.dst_expert:
         parts = dst_cost(cfg, layout).parts
-        notes.append("dst state per masked weight: " + ", ".join(f"{k} {v:.2f} B" for k, v in parts.items()))
-    out = Plan(name=cfg.name, counts=counts, flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len, counts),
-               seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, compute_bytes=cb, n_gpus=n_gpus,
-               layout=layout, layout_source=source, memory=mem, device_bytes=device_bytes, notes=notes,
-               device="GPU" if device_type == "cuda" else "device")
+        notes.append(
+            "dst state per masked weight: " + ", ".join(f"{k} {v:.2f} B" for k, v in parts.items())
+        )
+    out = Plan(
+        name=cfg.name,
+        counts=counts,
+        flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len, counts),
+        seq_len=cfg.train.seq_len,
+        batch_size=cfg.train.batch_size,
+        compute_bytes=cb,
+        n_gpus=n_gpus,
+        layout=layout,
+        layout_source=source,
+        memory=mem,
+        device_bytes=device_bytes,
+        notes=notes,
+        device="GPU" if device_type == "cuda" else "device",
+    )
     if not out.fits:
-        if source == "recommended":   # the best layout tried, but one to change, not to follow
+        if source == "recommended":  # the best layout tried, but one to change, not to follow
             out.layout_source = "best found, does not fit"
         smallest = smallest_fitting_gpus(cfg, shape, cb, device_bytes)
         notes.append(f"the recommended layout fits from {smallest} GPUs (power of two)")
         need = mem.total / (HEADROOM * device_bytes)
         fixes = "more GPUs, a smaller train.batch_size"
-        fixes += "" if layout.activation_checkpointing else " or parallel.activation_checkpointing=true"
+        fixes += (
+            "" if layout.activation_checkpointing else " or parallel.activation_checkpointing=true"
+        )
         if mem.dst_masks and not cfg.dst.compact_state:
             fixes += ", dst.compact_state=true (optimizer and DST state for active weights only)"
         elif mem.dst_masks and cfg.dst.grad_ema is not None:
             fixes += ", dst.grad_ema=null (2 B less per masked weight)"
-        notes.append(f"does not fit: needs {need:.2f}x the usable {HEADROOM:.0%} of device memory; try {fixes}")
+        notes.append(
+            f"does not fit: needs {need:.2f}x the usable {HEADROOM:.0%} of device memory; try {fixes}"
+        )
     return out
 
 
@@ -290,8 +368,14 @@ def format_plan(p: Plan) -> str:
         f"    fsdp buffers  {m.fsdp_buffers / GB:9.1f} GB",
         f"    activations   {m.activations / GB:9.1f} GB",
         *([f"    dst masks     {m.dst_masks / GB:9.1f} GB"] if m.dst_masks else []),
-        *([f"    dst step      {m.dst_step / GB:9.1f} GB   (compact store's gather, optimizer step only: "
-           "counted as max(activations, dst step))"] if m.dst_step else []),
+        *(
+            [
+                f"    dst step      {m.dst_step / GB:9.1f} GB   (compact store's gather, optimizer step only: "
+                "counted as max(activations, dst step))"
+            ]
+            if m.dst_step
+            else []
+        ),
         f"    total         {m.total / GB:9.1f} GB of {cap / GB:.0f} GB ({100 * m.total / cap:.0f}%) -> "
         + ("fits" if p.fits else "DOES NOT FIT"),
     ]
@@ -301,8 +385,14 @@ def format_plan(p: Plan) -> str:
 
 # The keys that make each part of the memory big: the error names the one behind the largest part.
 # Model-sized parts shrink per device with more GPUs / sharding (parallel.*).
-_PART_KEYS = {"activations": "train.batch_size", "weights": "parallel", "grads": "parallel", "optimizer": "parallel",
-              "fsdp_buffers": "parallel", "dst_masks": "dst.grad_ema"}
+_PART_KEYS = {
+    "activations": "train.batch_size",
+    "weights": "parallel",
+    "grads": "parallel",
+    "optimizer": "parallel",
+    "fsdp_buffers": "parallel",
+    "dst_masks": "dst.grad_ema",
+}
 
 
 class PlanDoesNotFit(ConfigError):
@@ -311,10 +401,17 @@ class PlanDoesNotFit(ConfigError):
     def __init__(self, p: Plan, where: str):
         self.plan = p
         part, size = max(((k, getattr(p.memory, k)) for k in _PART_KEYS), key=lambda kv: kv[1])
-        why = f" (train.batch_size={p.batch_size} x train.seq_len={p.seq_len})" if part == "activations" else ""
-        super().__init__(_PART_KEYS[part], f"{p.name} needs {p.memory.total / GB:.1f} GB per device on {where} "
-                                           f"({p.layout}) but has {p.device_bytes / GB:.1f} GB; the largest part is "
-                                           f"{part.replace('_', ' ')} {size / GB:.1f} GB{why}")
+        why = (
+            f" (train.batch_size={p.batch_size} x train.seq_len={p.seq_len})"
+            if part == "activations"
+            else ""
+        )
+        super().__init__(
+            _PART_KEYS[part],
+            f"{p.name} needs {p.memory.total / GB:.1f} GB per device on {where} "
+            f"({p.layout}) but has {p.device_bytes / GB:.1f} GB; the largest part is "
+            f"{part.replace('_', ' ')} {size / GB:.1f} GB{why}",
+        )
         self.report = format_plan(p)
 
     def __str__(self) -> str:
@@ -329,6 +426,7 @@ def moe_num_experts(cfg: Config) -> Optional[int]:
 def device_memory_bytes(device) -> float:
     """Total memory of one device: the GPU's, or this host's RAM split over its local ranks on CPU."""
     import torch
+
     device = torch.device(device)
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)

@@ -8,6 +8,7 @@
 The trainer writes them at every evaluation (``logging.plots``); ``python -m moezoo.training.plot runs/X``
 redraws ``metrics.png`` of any run. matplotlib is imported when a picture is drawn (Agg: no display).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,31 +23,43 @@ from moezoo.zoo.pyplot import pyplot
 PLOTS_DIR = "plots"
 
 
-def heatmap_figure(matrix, xlabel: str, ylabel: str, title: str, vmax: float | None = None,
-                   cbar_label: str = ""):
+def heatmap_figure(
+    matrix, xlabel: str, ylabel: str, title: str, vmax: float | None = None, cbar_label: str = ""
+):
     """``matrix [rows, cols]`` with axes and a colour bar; with ``vmax`` the scale is fixed at 0 .. vmax,
     diverging around vmax / 2 (white), else it spans the matrix."""
     plt = pyplot()
     m = np.asarray(matrix, dtype=np.float64)
     rows, cols = m.shape
-    fig, ax = plt.subplots(figsize=(min(12, 3 + 0.3 * cols), min(9, 2.4 + 0.3 * rows)), layout="constrained")
+    fig, ax = plt.subplots(
+        figsize=(min(12, 3 + 0.3 * cols), min(9, 2.4 + 0.3 * rows)), layout="constrained"
+    )
     cmap, lo, hi = ("RdBu_r", 0.0, vmax) if vmax else ("viridis", m.min(), m.max())
     im = ax.imshow(m, cmap=cmap, vmin=lo, vmax=hi, aspect="auto", interpolation="nearest")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     from matplotlib.ticker import MaxNLocator
+
     for axis, n in ((ax.xaxis, cols), (ax.yaxis, rows)):
         axis.set_major_locator(MaxNLocator(integer=True, nbins=min(n, 16)))
-    fig.colorbar(im, ax=ax, label=cbar_label, extend="max" if vmax and m.max() > vmax else "neither")
+    fig.colorbar(
+        im, ax=ax, label=cbar_label, extend="max" if vmax and m.max() > vmax else "neither"
+    )
     return fig
 
 
 def expert_load_figure(load, step: int):
     """Expert load ``[layers, experts]`` (token shares, rows sum to 1) on the fixed scale 0 .. 2/E."""
     E = np.asarray(load).shape[1]
-    return heatmap_figure(load, "expert", "layer", f"expert load, step {step} (white = uniform 1/{E})",
-                          vmax=2.0 / E, cbar_label="token share")
+    return heatmap_figure(
+        load,
+        "expert",
+        "layer",
+        f"expert load, step {step} (white = uniform 1/{E})",
+        vmax=2.0 / E,
+        cbar_label="token share",
+    )
 
 
 def save_figure(fig, path: str) -> str:
@@ -79,13 +92,23 @@ def read_metrics(path: str) -> dict[str, tuple[list[int], list[float]]]:
 def metrics_figure(metrics: dict, title: str):
     """One panel per quantity the run logged: loss, lr, tokens/s, then density / expert balance."""
     plt = pyplot()
-    panels = [("loss", ["loss/total", "val/loss"]), ("learning rate", ["lr"]), ("tokens/s", ["tokens_per_s"]),
-              ("weight density", ["dst/density", "dst/ever_active"]),
-              ("busiest expert / uniform", ["moe/max_load_ratio", "moe/mean_max_load_ratio"])]
+    panels = [
+        ("loss", ["loss/total", "val/loss"]),
+        ("learning rate", ["lr"]),
+        ("tokens/s", ["tokens_per_s"]),
+        ("weight density", ["dst/density", "dst/ever_active"]),
+        ("busiest expert / uniform", ["moe/max_load_ratio", "moe/mean_max_load_ratio"]),
+    ]
     panels = [(name, [k for k in keys if k in metrics]) for name, keys in panels]
     panels = [p for p in panels if p[1]]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 1.9 * len(panels) + 0.6), sharex=True, squeeze=False,
-                             layout="constrained")
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(7, 1.9 * len(panels) + 0.6),
+        sharex=True,
+        squeeze=False,
+        layout="constrained",
+    )
     for ax, (name, keys) in zip(axes[:, 0], panels):
         for k in keys:
             steps, values = metrics[k]
@@ -112,7 +135,9 @@ def write_metrics_plot(out_dir: str, title: str | None = None) -> str | None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moezoo.training.plot", description="Draw <run>/plots/metrics.png.")
+    p = argparse.ArgumentParser(
+        prog="python -m moezoo.training.plot", description="Draw <run>/plots/metrics.png."
+    )
     p.add_argument("run", help="run folder holding metrics.jsonl (runs/<name>)")
     a = p.parse_args(argv)
     try:
@@ -121,7 +146,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if out is None:
-        print(f"error: --run: no metrics in {os.path.join(a.run, 'metrics.jsonl')}", file=sys.stderr)
+        print(
+            f"error: --run: no metrics in {os.path.join(a.run, 'metrics.jsonl')}", file=sys.stderr
+        )
         return 2
     print(out)
     return 0

@@ -2,6 +2,7 @@
 
 Each failure is a ConfigError naming the key: one line, exit 2 from train.py.
 """
+
 from __future__ import annotations
 
 import glob
@@ -34,18 +35,29 @@ def check_paths(cfg: Config) -> None:
     _check_dir(cfg.out_dir, "train.out_dir")
     _check_dir(cfg.checkpoint_dir, "checkpoint.dir" if cfg.checkpoint.dir else "train.out_dir")
     src = cfg.data.source
-    if src not in BUILTIN_SOURCES and not os.path.exists(src) and not glob.glob(src, recursive=True):
+    if (
+        src not in BUILTIN_SOURCES
+        and not os.path.exists(src)
+        and not glob.glob(src, recursive=True)
+    ):
         raise ConfigError("data.source", f"no file matches {src!r} {NO_MATCH}")
     if cfg.data.tokenizer:
         if not os.path.isfile(cfg.data.tokenizer):
             raise ConfigError("data.tokenizer", f"file not found: {cfg.data.tokenizer}")
-        tok = Tokenizer(cfg.data.tokenizer)   # a small file: loading it is the check that it is a model
+        tok = Tokenizer(
+            cfg.data.tokenizer
+        )  # a small file: loading it is the check that it is a model
         if tok.vocab_size != cfg.model.vocab_size:
-            raise ConfigError("model.vocab_size", f"is {cfg.model.vocab_size} but tokenizer {tok.path} has "
-                                                  f"{tok.vocab_size} pieces")
+            raise ConfigError(
+                "model.vocab_size",
+                f"is {cfg.model.vocab_size} but tokenizer {tok.path} has {tok.vocab_size} pieces",
+            )
     elif cfg.model.vocab_size < MIN_TRAINED_VOCAB:
-        raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is too small for a byte-fallback tokenizer "
-                                              f"(>= {MIN_TRAINED_VOCAB}); or give data.tokenizer")
+        raise ConfigError(
+            "model.vocab_size",
+            f"{cfg.model.vocab_size} is too small for a byte-fallback tokenizer "
+            f"(>= {MIN_TRAINED_VOCAB}); or give data.tokenizer",
+        )
 
 
 def check_runtime(cfg: Config, device, world_size: int = 1) -> None:
@@ -53,13 +65,19 @@ def check_runtime(cfg: Config, device, world_size: int = 1) -> None:
     attention, FP8 expert GEMMs (``model.moe.precision: fp8``), bf16 weights (``train.param_dtype``)."""
     cfg.model.attention.check_runtime(device.type)
     if cfg.train.param_dtype == "bfloat16" and world_size > 1:
-        raise ConfigError("train.param_dtype", f"bfloat16 weights with float32 masters are for one process "
-                                               f"({world_size} here): FSDP2 computes in bfloat16 from float32 "
-                                               f"shards already (its mixed precision); use float32")
+        raise ConfigError(
+            "train.param_dtype",
+            f"bfloat16 weights with float32 masters are for one process "
+            f"({world_size} here): FSDP2 computes in bfloat16 from float32 "
+            f"shards already (its mixed precision); use float32",
+        )
     if cfg.train.param_dtype == "bfloat16" and cfg.train.dtype == "auto" and device.type != "cuda":
-        raise ConfigError("train.param_dtype", f"bfloat16 weights need bf16 autocast, which train.dtype auto "
-                                               f"gives on CUDA only (this run is on {device.type}): set "
-                                               f"train.dtype bfloat16")
+        raise ConfigError(
+            "train.param_dtype",
+            f"bfloat16 weights need bf16 autocast, which train.dtype auto "
+            f"gives on CUDA only (this run is on {device.type}): set "
+            f"train.dtype bfloat16",
+        )
     if "moe" in cfg.model.layer_ffn_types():
         cfg.model.moe.check_runtime(device)
 
@@ -68,6 +86,9 @@ def check_model(cfg: Config, meta_model) -> None:
     """Checks that need the model's shapes, on a meta-device build (no memory): DST targets and blocks."""
     if cfg.dst.enabled:
         from moezoo.layers import DynamicSparsity
+
         # The real constructor on the throwaway meta model: the same checks, run before anything is allocated.
         # No optimizer exists yet, so the compact optimizer state (checked when the trainer builds it) is off.
-        DynamicSparsity(meta_model, None, cfg=cfg.dst, total_steps=cfg.train.steps, compact_state=False)
+        DynamicSparsity(
+            meta_model, None, cfg=cfg.dst, total_steps=cfg.train.steps, compact_state=False
+        )

@@ -13,6 +13,7 @@ device waiting on the host).
 The kinds are read off kernel names, as torchtitan's and Megatron's profile summaries do: a rough
 split, the trace holds the truth. Profiling adds host overhead to the profiled steps only.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,11 +25,38 @@ import torch
 # (kind, name fragments), first match wins: collectives before everything (an NCCL kernel name can hold
 # "gemm"-like words), attention before matmul (flash / flex kernels run matmuls inside).
 KINDS = (
-    ("communication", ("nccl", "all_to_all", "alltoall", "all_reduce", "allreduce", "reduce_scatter",
-                       "all_gather", "allgather", "c10d", "gloo")),
+    (
+        "communication",
+        (
+            "nccl",
+            "all_to_all",
+            "alltoall",
+            "all_reduce",
+            "allreduce",
+            "reduce_scatter",
+            "all_gather",
+            "allgather",
+            "c10d",
+            "gloo",
+        ),
+    ),
     ("attention", ("flash", "fmha", "flex_attention", "attention", "sdpa", "triton_tem_fused")),
-    ("matmul", ("gemm", "xmma", "nvjet", "cutlass", "grouped_mm", "matmul", "aten::mm", "aten::bmm",
-                "aten::addmm", "aten::linear", "aten::_scaled")),
+    (
+        "matmul",
+        (
+            "gemm",
+            "xmma",
+            "nvjet",
+            "cutlass",
+            "grouped_mm",
+            "matmul",
+            "aten::mm",
+            "aten::bmm",
+            "aten::addmm",
+            "aten::linear",
+            "aten::_scaled",
+        ),
+    ),
     # the fused CUDA AdamW kernel; on CPU the per-parameter AdamW ops (lerp_, addcdiv_ are its own)
     ("optimizer", ("adam", "multi_tensor_apply", "_foreach", "aten::lerp_", "aten::addcdiv_")),
 )
@@ -46,9 +74,13 @@ def _device_events(prof, on_gpu: bool):
         if on_gpu:
             t = getattr(e, "self_device_time_total", 0) or 0
             is_kernel = str(getattr(e, "device_type", "")).endswith("CUDA")
-            if t > 0 and is_kernel and not _is_scope(e):    # counted, scopes doubled the optimizer's share
+            if (
+                t > 0 and is_kernel and not _is_scope(e)
+            ):  # counted, scopes doubled the optimizer's share
                 rows.append((e.key, t, e.count))
-        elif e.self_cpu_time_total > 0 and e.key.startswith(("aten::", "c10d::")):   # ops, not their scopes
+        elif e.self_cpu_time_total > 0 and e.key.startswith(
+            ("aten::", "c10d::")
+        ):  # ops, not their scopes
             rows.append((e.key, e.self_cpu_time_total, e.count))
     return rows
 
@@ -65,9 +97,13 @@ def device_gaps(events, top: int = 3) -> tuple[float, float, list]:
     of them no device work ran (the union of the intervals: streams may overlap), and the ``top`` gaps as
     (us, work before, work after). Idle inside the span is the device waiting on the host: launches slower
     than the kernels, or a sync (an upper bound: the profiler adds host time to every op)."""
-    iv = sorted((e.time_range.start, e.time_range.end, e.key) for e in events
-                if str(getattr(e, "device_type", "")).endswith("CUDA") and not _is_scope(e)
-                and e.time_range.end > e.time_range.start)
+    iv = sorted(
+        (e.time_range.start, e.time_range.end, e.key)
+        for e in events
+        if str(getattr(e, "device_type", "")).endswith("CUDA")
+        and not _is_scope(e)
+        and e.time_range.end > e.time_range.start
+    )
     if not iv:
         return 0.0, 0.0, []
     gaps, end, last = [], iv[0][1], iv[0][2]
@@ -88,17 +124,27 @@ def summarize(rows, steps: int, wall_s: float) -> dict:
     for name, t, _ in rows:
         out[f"profile/{kind_of(name)}_share"] += t / total
     out["profile/step_ms"] = 1e3 * wall_s / max(steps, 1)
-    out["profile/busy_ms"] = total / 1e3 / max(steps, 1)        # device (CPU: op) time per step
+    out["profile/busy_ms"] = total / 1e3 / max(steps, 1)  # device (CPU: op) time per step
     out["profile/kernels_per_step"] = sum(c for _, _, c in rows) / max(steps, 1)
     return out
 
 
 def format_summary(prof: dict, on_gpu: bool = True) -> str:
     """One line of ``summarize``'s dict: step time, shares by kind, launches a step."""
-    shares = ", ".join(f"{k[len('profile/'):-len('_share')]} {v:.0%}" for k, v in prof.items() if k.endswith("_share"))
-    idle = f", the device idle {prof['profile/idle_ms']:.1f} ms a step" if "profile/idle_ms" in prof else ""
-    return (f"{prof['profile/step_ms']:.1f} ms a step, {shares}; "
-            f"{prof['profile/kernels_per_step']:.0f} {'kernels' if on_gpu else 'ops'} a step{idle}")
+    shares = ", ".join(
+        f"{k[len('profile/') : -len('_share')]} {v:.0%}"
+        for k, v in prof.items()
+        if k.endswith("_share")
+    )
+    idle = (
+        f", the device idle {prof['profile/idle_ms']:.1f} ms a step"
+        if "profile/idle_ms" in prof
+        else ""
+    )
+    return (
+        f"{prof['profile/step_ms']:.1f} ms a step, {shares}; "
+        f"{prof['profile/kernels_per_step']:.0f} {'kernels' if on_gpu else 'ops'} a step{idle}"
+    )
 
 
 class StepProfiler:
@@ -109,7 +155,13 @@ class StepProfiler:
     """
 
     def __init__(self, start: int, steps: int, folder: str, rank: int, device: torch.device):
-        self.start, self.stop, self.folder, self.rank, self.device = start, start + steps, folder, rank, device
+        self.start, self.stop, self.folder, self.rank, self.device = (
+            start,
+            start + steps,
+            folder,
+            rank,
+            device,
+        )
         self.prof, self.t0 = None, 0.0
 
     @property
@@ -128,7 +180,10 @@ class StepProfiler:
         if not self.enabled or step != self.start:
             return
         from torch.profiler import ProfilerActivity, profile
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+
+        acts = [ProfilerActivity.CPU] + (
+            [ProfilerActivity.CUDA] if self.device.type == "cuda" else []
+        )
         self._sync()
         self.prof = profile(activities=acts)
         self.prof.start()
@@ -147,7 +202,9 @@ class StepProfiler:
         with open(os.path.join(self.folder, f"ops_rank{self.rank}.txt"), "w") as f:
             f.write(self.prof.key_averages().table(sort_by=sort, row_limit=60))
         out = summarize(_device_events(self.prof, on_gpu), self.stop - self.start, wall)
-        if on_gpu:      # between the profiled steps' first and last kernel, waiting on the host
-            out["profile/idle_ms"] = device_gaps(self.prof.events())[1] / 1e3 / (self.stop - self.start)
+        if on_gpu:  # between the profiled steps' first and last kernel, waiting on the host
+            out["profile/idle_ms"] = (
+                device_gaps(self.prof.events())[1] / 1e3 / (self.stop - self.start)
+            )
         self.prof = None
         return out

@@ -6,6 +6,7 @@ run's checkpoints. So a fresh run refuses a folder holding checkpoints, unless `
 that run) or ``train.overwrite=true`` (delete it and start over). Each run gets a random ``run_id``,
 saved in its checkpoints; rotation deletes only checkpoints of the same id.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ from .checkpoint import remove_checkpoint, scan_checkpoints
 
 
 def new_run_id() -> str:
-    return uuid.uuid4().hex[:12]   # os.urandom: the seeded RNG streams are untouched
+    return uuid.uuid4().hex[:12]  # os.urandom: the seeded RNG streams are untouched
 
 
 def check_fresh_start(cfg: Config) -> list[str]:
@@ -27,9 +28,12 @@ def check_fresh_start(cfg: Config) -> list[str]:
     found = [path for _, path, _ in scan_checkpoints(cfg.checkpoint_dir)]
     if found and not cfg.train.overwrite:
         key = "checkpoint.dir" if cfg.checkpoint.dir else "train.out_dir"
-        raise ConfigError(key, f"{cfg.checkpoint_dir} holds {len(found)} checkpoint(s) of another run (newest "
-                               f"{os.path.basename(found[-1])}); --resume to continue it, train.out_dir=<new "
-                               f"folder> (or name=...) for a separate run, or train.overwrite=true to delete it")
+        raise ConfigError(
+            key,
+            f"{cfg.checkpoint_dir} holds {len(found)} checkpoint(s) of another run (newest "
+            f"{os.path.basename(found[-1])}); --resume to continue it, train.out_dir=<new "
+            f"folder> (or name=...) for a separate run, or train.overwrite=true to delete it",
+        )
     return found
 
 
@@ -54,7 +58,7 @@ def trim_metrics(path: str, step: int) -> int:
         try:
             row_step = json.loads(line).get("step", 0)
         except (ValueError, AttributeError):
-            continue   # a line torn by a kill mid-write
+            continue  # a line torn by a kill mid-write
         if isinstance(row_step, int) and row_step <= step:
             keep.append(line)
     if len(keep) != len(lines):

@@ -12,6 +12,7 @@ A checkpoint directory may come from someone else, and ``pickle`` executes whate
 Every refusal is an ``UnsafeCheckpoint`` (a ConfigError: one line, exit 2) naming the file and what it
 asked for. ``trust=True`` (``--trust-checkpoint``) lifts the allowlists, for files the user vouches for.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,7 +26,9 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from moezoo.configs import ConfigError
 
-TRUST_HINT = "pass --trust-checkpoint only if you trust whoever wrote it (the file can then run code)"
+TRUST_HINT = (
+    "pass --trust-checkpoint only if you trust whoever wrote it (the file can then run code)"
+)
 
 
 class CheckpointError(ConfigError):
@@ -44,18 +47,26 @@ def _allowed_global(module: str, name: str):
         return obj if isinstance(obj, type) and obj.__module__ == module else None
     if (module, name) == ("torch.distributed.checkpoint.filesystem", "_StorageInfo"):
         from torch.distributed.checkpoint.filesystem import _StorageInfo
+
         return _StorageInfo
     if (module, name) == ("torch.serialization", "_get_layout"):
-        return torch.serialization._get_layout         # maps a layout name to torch.strided & co.
+        return torch.serialization._get_layout  # maps a layout name to torch.strided & co.
     if module == "torch":
         obj = getattr(torch, name, None)
         if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
             return obj
         return None
-    if module == "pathlib" and name in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+    if module == "pathlib" and name in (
+        "Path",
+        "PosixPath",
+        "PurePosixPath",
+        "WindowsPath",
+        "PureWindowsPath",
+    ):
         return getattr(pathlib, name)
     if (module, name) == ("collections", "OrderedDict"):
         import collections
+
         return collections.OrderedDict
     return None
 
@@ -68,8 +79,11 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         obj = _allowed_global(module, name)
         if obj is None:
-            raise UnsafeCheckpoint(self.path, f"refused to unpickle {module}.{name}, which DCP metadata never "
-                                              f"holds; {TRUST_HINT}")
+            raise UnsafeCheckpoint(
+                self.path,
+                f"refused to unpickle {module}.{name}, which DCP metadata never "
+                f"holds; {TRUST_HINT}",
+            )
         return obj
 
 
@@ -88,7 +102,7 @@ def load_dcp_metadata(path: str, trust: bool = False):
         raise
     except OSError as e:
         raise CheckpointError(path, f"cannot read: {e.strerror}") from None
-    except Exception as e:   # garbage or truncated bytes: any unpickling error
+    except Exception as e:  # garbage or truncated bytes: any unpickling error
         raise CheckpointError(path, f"not a DCP metadata file ({_first_line(e)})") from None
     if not isinstance(md, dcp_metadata.Metadata):
         raise CheckpointError(path, f"holds a {type(md).__name__}, not DCP metadata")
@@ -103,7 +117,9 @@ class SafeReader(FileSystemReader):
         self.trust = trust
 
     def read_metadata(self, *args, **kwargs):
-        rank = kwargs.get("rank")   # per-rank metadata files exist only in newer torch; ours is the global one
+        rank = kwargs.get(
+            "rank"
+        )  # per-rank metadata files exist only in newer torch; ours is the global one
         name = ".metadata" if rank is None else f"__{rank}.metadata"
         md = load_dcp_metadata(os.path.join(str(self.path), name), self.trust)
         if getattr(md, "storage_meta", None) is None:
@@ -121,8 +137,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value) -> None:
         if not self.trust:
-            raise UnsafeCheckpoint(self.path, f"entry {read_item.dest_index.fqn} is a pickled object where a "
-                                              f"tensor belongs; {TRUST_HINT}")
+            raise UnsafeCheckpoint(
+                self.path,
+                f"entry {read_item.dest_index.fqn} is a pickled object where a "
+                f"tensor belongs; {TRUST_HINT}",
+            )
         super().load_bytes(read_item, value)
 
 
@@ -134,10 +153,12 @@ def load_tensors(path: str, trust: bool = False):
         if "weights_only" in str(e) or "Unsupported global" in str(e):
             m = re.search(r"GLOBAL ([\w.]+)", str(e))
             what = m.group(1) if m else "a Python object"
-            raise UnsafeCheckpoint(path, f"refused to unpickle {what}: it holds more than tensors and numbers; "
-                                         f"{TRUST_HINT}") from None
+            raise UnsafeCheckpoint(
+                path,
+                f"refused to unpickle {what}: it holds more than tensors and numbers; {TRUST_HINT}",
+            ) from None
         raise CheckpointError(path, f"damaged ({_first_line(e)})") from None
     except OSError as e:
         raise CheckpointError(path, f"cannot read: {e.strerror}") from None
-    except Exception as e:   # truncated zip archive, bad magic number, ...
+    except Exception as e:  # truncated zip archive, bad magic number, ...
         raise CheckpointError(path, f"damaged ({_first_line(e)})") from None

@@ -6,25 +6,29 @@
 trainer copies there), a checkpoint directory, or one ``step_*`` checkpoint. The tokenizer is the run
 folder's copy (checked against the digest the checkpoint recorded), never a search through a cache.
 """
+
 from __future__ import annotations
 
 import os
 
 from moezoo.configs import Config, ConfigError, load_config
 
-TOKENIZER_FILE = "tokenizer.model"   # the run folder's copy of the tokenizer it trained with
+TOKENIZER_FILE = "tokenizer.model"  # the run folder's copy of the tokenizer it trained with
 
 
 def find_checkpoint(run: str) -> str:
     """The checkpoint ``run`` names: itself (a ``step_*`` dir), else the latest under it or its checkpoints/."""
     from .checkpoint import MANIFEST, latest_checkpoint
+
     if os.path.isfile(os.path.join(run, MANIFEST)):
         return run
     for d in (os.path.join(run, "checkpoints"), run):
         path = latest_checkpoint(d)
         if path:
             return path
-    raise ConfigError("--run", f"no complete checkpoint in {run} or {os.path.join(run, 'checkpoints')}")
+    raise ConfigError(
+        "--run", f"no complete checkpoint in {run} or {os.path.join(run, 'checkpoints')}"
+    )
 
 
 def run_folder(ckpt: str, cfg: Config) -> str:
@@ -43,20 +47,23 @@ def load_run(run: str, device: str = "cpu"):
     from .checkpoint import load_checkpoint, read_train_state
     from .optim import build_optimizer
     from .tokenizer import Tokenizer
+
     ckpt = find_checkpoint(run)
     cfg = load_config(os.path.join(ckpt, "config.yaml"))
     tok_path = os.path.join(run_folder(ckpt, cfg), TOKENIZER_FILE)
     if not os.path.isfile(tok_path):
         raise ConfigError("--run", f"{tok_path} not found (the trainer copies its tokenizer there)")
     tokenizer = Tokenizer(tok_path)
-    state = read_train_state(ckpt)   # JSON: a checkpoint from elsewhere is data, never code
+    state = read_train_state(ckpt)  # JSON: a checkpoint from elsewhere is data, never code
     if state.get("tokenizer") and state["tokenizer"] != tokenizer.digest:
         raise ConfigError("--run", f"{tok_path} is not the tokenizer {ckpt} was trained with")
     model = build_model(cfg.model, device)
     # The checkpoint's one public loader restores model and optimizer together; the optimizer is dropped.
     # A run with bf16 weights (train.param_dtype) keeps its float32 weights in the optimizer's masters: load
     # with the optimizer it trained with, then give the model those float32 values back.
-    optimizer = build_optimizer(model, cfg.optim, torch.device(device).type, param_dtype=cfg.train.param_dtype)
+    optimizer = build_optimizer(
+        model, cfg.optim, torch.device(device).type, param_dtype=cfg.train.param_dtype
+    )
     load_checkpoint(ckpt, model, optimizer)
     if hasattr(optimizer, "masters_to_model"):
         optimizer.masters_to_model()

@@ -23,6 +23,7 @@ full square). Two totals (the trainer logs both):
   blocks count whole, as they cost whole; dense heads 1; layers.attention.density.attention_metrics).
   ``mfu`` uses this one: it can never exceed what the GPU did.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,12 +36,12 @@ from moezoo.configs import ModelConfig
 
 @dataclass(frozen=True)
 class ParamCounts:
-    total: int          # every parameter once (tied weights once)
-    active: int         # parameters one token uses: experts scaled by top_k / num_experts
-    embedding: int      # input token embedding (not a matmul)
-    expert: int         # routed expert weights, all experts
-    tied: bool          # output projection shares the embedding weight
-    neuron: int = 0     # neuron-routed FFN group weights, all groups
+    total: int  # every parameter once (tied weights once)
+    active: int  # parameters one token uses: experts scaled by top_k / num_experts
+    embedding: int  # input token embedding (not a matmul)
+    expert: int  # routed expert weights, all experts
+    tied: bool  # output projection shares the embedding weight
+    neuron: int = 0  # neuron-routed FFN group weights, all groups
 
     @property
     def matmul_active(self) -> int:
@@ -49,12 +50,19 @@ class ParamCounts:
 
 
 def is_routed_moe(m: nn.Module) -> bool:
-    return hasattr(m, "num_experts") and hasattr(m, "top_k") and isinstance(getattr(m, "experts", None), nn.Module)
+    return (
+        hasattr(m, "num_experts")
+        and hasattr(m, "top_k")
+        and isinstance(getattr(m, "experts", None), nn.Module)
+    )
 
 
 def is_neuron_routed(m: nn.Module) -> bool:
-    return hasattr(m, "num_groups") and hasattr(m, "top_k_groups") and isinstance(getattr(m, "experts", None),
-                                                                                    nn.Module)
+    return (
+        hasattr(m, "num_groups")
+        and hasattr(m, "top_k_groups")
+        and isinstance(getattr(m, "experts", None), nn.Module)
+    )
 
 
 def sparse_step_share(cfg) -> float:
@@ -103,8 +111,14 @@ def count_params(model: nn.Module, sparse_share: float | None = None) -> ParamCo
     out = getattr(model, "output", None)
     tied = emb is not None and out is not None and out.weight is emb.weight
     active = total - expert + active_expert - neuron + active_neuron
-    return ParamCounts(total=total, active=int(round(active)), embedding=embedding, expert=expert, tied=tied,
-                       neuron=neuron)
+    return ParamCounts(
+        total=total,
+        active=int(round(active)),
+        embedding=embedding,
+        expert=expert,
+        tied=tied,
+        neuron=neuron,
+    )
 
 
 def param_counts(cfg_or_model: Union[ModelConfig, nn.Module]) -> ParamCounts:
@@ -112,6 +126,7 @@ def param_counts(cfg_or_model: Union[ModelConfig, nn.Module]) -> ParamCounts:
     if isinstance(cfg_or_model, nn.Module):
         return count_params(cfg_or_model)
     from .model import build_model
+
     return count_params(build_model(cfg_or_model, "meta"))
 
 
@@ -123,8 +138,9 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int, density: float = 1
     return 3.0 * cfg.n_layers * cfg.n_heads * (cfg.head_dim + dv) * (seq_len + 1) * density
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int, counts: ParamCounts | None = None,
-                    attn_density: float = 1.0) -> float:
+def flops_per_token(
+    cfg: ModelConfig, seq_len: int, counts: ParamCounts | None = None, attn_density: float = 1.0
+) -> float:
     """Training FLOPs (forward + backward) per token on active parameters: ``6 N + attention``."""
     counts = counts or param_counts(cfg)
     return 6.0 * counts.matmul_active + attention_flops_per_token(cfg, seq_len, attn_density)

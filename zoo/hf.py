@@ -21,6 +21,7 @@ MLA (DeepSeek's own names): ``q_proj | q_a_proj, q_a_layernorm, q_b_proj`` <-> `
 ``kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj`` <-> ``wkv_a, kv_norm, wkv_b, wo``; the router's
 ``e_score_correction_bias`` <-> the MoE's ``expert_bias`` buffer.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,6 +44,7 @@ class Link:
     ``fuse`` (HF ``gate_up_proj [E, 2H, D]`` <-> zoo ``w1, w3 [E, H, D]``), ``zero`` (an HF bias
     moezoo lacks: must be zero on import, written as zeros on export).
     """
+
     hf: tuple[str, ...]
     zoo: tuple[str, ...]
     kind: str = "copy"
@@ -54,7 +56,10 @@ class Link:
             return list(ts[0].chunk(2, dim=1))
         if self.kind == "zero":
             if any(t.count_nonzero() for t in ts):
-                raise ConfigError("hf.attention_bias", f"{self.hf[0]} is nonzero; moezoo attention has no output bias")
+                raise ConfigError(
+                    "hf.attention_bias",
+                    f"{self.hf[0]} is nonzero; moezoo attention has no output bias",
+                )
             return []
         return ts
 
@@ -74,29 +79,49 @@ def _linear(hf: str, zoo: str, bias: bool = False) -> list[Link]:
 
 
 def _swiglu(hf: str, zoo: str) -> list[Link]:
-    return (_linear(f"{hf}.gate_proj", f"{zoo}.w1") + _linear(f"{hf}.up_proj", f"{zoo}.w3")
-            + _linear(f"{hf}.down_proj", f"{zoo}.w2"))
+    return (
+        _linear(f"{hf}.gate_proj", f"{zoo}.w1")
+        + _linear(f"{hf}.up_proj", f"{zoo}.w3")
+        + _linear(f"{hf}.down_proj", f"{zoo}.w2")
+    )
 
 
-def _experts(hf_model: nn.Module, keys: set[str], hf: str, zoo: str, num_experts: int) -> list[Link]:
+def _experts(
+    hf_model: nn.Module, keys: set[str], hf: str, zoo: str, num_experts: int
+) -> list[Link]:
     if f"{hf}.gate_up_proj" in keys:  # transformers 5.x: fused 3-D parameters
         mod = hf_model.get_submodule(hf)
         if getattr(mod, "is_transposed", False) or not getattr(mod, "is_concatenated", True):
-            raise ConfigError("hf.experts", f"{hf}: only the concatenated, untransposed gate_up_proj layout maps")
-        return [Link((f"{hf}.gate_up_proj",), (f"{zoo}.w1", f"{zoo}.w3"), "fuse"),
-                Link((f"{hf}.down_proj",), (f"{zoo}.w2",))]
-    names = ("w1", "w3", "w2") if f"{hf}.0.w1.weight" in keys else ("gate_proj", "up_proj", "down_proj")
-    return [Link(tuple(f"{hf}.{e}.{n}.weight" for e in range(num_experts)), (f"{zoo}.{w}",), "stack")
-            for n, w in zip(names, ("w1", "w3", "w2"))]
+            raise ConfigError(
+                "hf.experts", f"{hf}: only the concatenated, untransposed gate_up_proj layout maps"
+            )
+        return [
+            Link((f"{hf}.gate_up_proj",), (f"{zoo}.w1", f"{zoo}.w3"), "fuse"),
+            Link((f"{hf}.down_proj",), (f"{zoo}.w2",)),
+        ]
+    names = (
+        ("w1", "w3", "w2") if f"{hf}.0.w1.weight" in keys else ("gate_proj", "up_proj", "down_proj")
+    )
+    return [
+        Link(tuple(f"{hf}.{e}.{n}.weight" for e in range(num_experts)), (f"{zoo}.{w}",), "stack")
+        for n, w in zip(names, ("w1", "w3", "w2"))
+    ]
 
 
 def _attention(cfg: ModelConfig, keys: set[str], hf: str, zoo: str) -> list[Link]:
     """``hf`` = ``model.layers.{i}.self_attn``, ``zoo`` = ``layers.{i}.attention``."""
     if cfg.attention_type == "mla":
-        q = ([("q_a_proj", "wq_a"), ("q_a_layernorm", "q_norm"), ("q_b_proj", "wq_b")]
-             if cfg.mla.q_lora_rank else [("q_proj", "wq")])
-        pairs = q + [("kv_a_proj_with_mqa", "wkv_a"), ("kv_a_layernorm", "kv_norm"), ("kv_b_proj", "wkv_b"),
-                     ("o_proj", "wo")]
+        q = (
+            [("q_a_proj", "wq_a"), ("q_a_layernorm", "q_norm"), ("q_b_proj", "wq_b")]
+            if cfg.mla.q_lora_rank
+            else [("q_proj", "wq")]
+        )
+        pairs = q + [
+            ("kv_a_proj_with_mqa", "wkv_a"),
+            ("kv_a_layernorm", "kv_norm"),
+            ("kv_b_proj", "wkv_b"),
+            ("o_proj", "wo"),
+        ]
         return [link for h, z in pairs for link in _linear(f"{hf}.{h}", f"{zoo}.{z}")]
     links = []
     for p, w in (("q", "wq"), ("k", "wk"), ("v", "wv")):
@@ -112,27 +137,34 @@ def _attention(cfg: ModelConfig, keys: set[str], hf: str, zoo: str) -> list[Link
 def weight_links(cfg: ModelConfig, hf_model: nn.Module) -> list[Link]:
     """Every weight of ``cfg``'s zoo model linked to the HF model's names and layout."""
     keys = set(hf_model.state_dict())
-    links = [Link(("model.embed_tokens.weight",), ("tok_embeddings.weight",)),
-             Link(("model.norm.weight",), ("norm.weight",)),
-             Link(("lm_head.weight",), ("output.weight",))]
+    links = [
+        Link(("model.embed_tokens.weight",), ("tok_embeddings.weight",)),
+        Link(("model.norm.weight",), ("norm.weight",)),
+        Link(("lm_head.weight",), ("output.weight",)),
+    ]
     for i, ffn in enumerate(cfg.layer_ffn_types()):
         hf, zoo = f"model.layers.{i}", f"layers.{i}"
         links += _attention(cfg, keys, f"{hf}.self_attn", f"{zoo}.attention")
         links += _linear(f"{hf}.input_layernorm", f"{zoo}.attention_norm")
         links += _linear(f"{hf}.post_attention_layernorm", f"{zoo}.ffn_norm")
-        mlp = f"{hf}.block_sparse_moe" if any(k.startswith(f"{hf}.block_sparse_moe.") for k in keys) else f"{hf}.mlp"
+        mlp = (
+            f"{hf}.block_sparse_moe"
+            if any(k.startswith(f"{hf}.block_sparse_moe.") for k in keys)
+            else f"{hf}.mlp"
+        )
         ff = f"{zoo}.feed_forward"
         if ffn == "dense":
             links += _swiglu(mlp, ff)
             continue
         links += _linear(f"{mlp}.gate", f"{ff}.gate")
-        if f"{mlp}.gate.e_score_correction_bias" in keys:     # DeepSeek-V3's selection bias
+        if f"{mlp}.gate.e_score_correction_bias" in keys:  # DeepSeek-V3's selection bias
             links.append(Link((f"{mlp}.gate.e_score_correction_bias",), (f"{ff}.expert_bias",)))
         links += _experts(hf_model, keys, f"{mlp}.experts", f"{ff}.experts", cfg.moe.num_experts)
-        if cfg.moe.shared_experts and cfg.moe.shared_gate:      # Qwen2-MoE
-            links += _swiglu(f"{mlp}.shared_expert", f"{ff}.shared") + _linear(f"{mlp}.shared_expert_gate",
-                                                                               f"{ff}.shared_gate")
-        elif cfg.moe.shared_experts:                            # DeepSeek-V3
+        if cfg.moe.shared_experts and cfg.moe.shared_gate:  # Qwen2-MoE
+            links += _swiglu(f"{mlp}.shared_expert", f"{ff}.shared") + _linear(
+                f"{mlp}.shared_expert_gate", f"{ff}.shared_gate"
+            )
+        elif cfg.moe.shared_experts:  # DeepSeek-V3
             links += _swiglu(f"{mlp}.shared_experts", f"{ff}.shared")
     return links
 
@@ -143,10 +175,14 @@ def _load(module: nn.Module, sd: dict[str, torch.Tensor], side: str) -> None:
     params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     missing, unexpected = sorted(params - sd.keys()), sorted(sd.keys() - own.keys())
     if missing or unexpected:
-        raise ValueError(f"{side} weight mapping incomplete: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        raise ValueError(
+            f"{side} weight mapping incomplete: missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
     for k, v in sd.items():
         if v.shape != own[k].shape:
-            raise ValueError(f"{side} weight {k}: shape {tuple(v.shape)} != expected {tuple(own[k].shape)}")
+            raise ValueError(
+                f"{side} weight {k}: shape {tuple(v.shape)} != expected {tuple(own[k].shape)}"
+            )
     module.load_state_dict(sd, strict=False)
 
 

@@ -11,6 +11,7 @@ one-to-one to HF checkpoints (zoo.hf).
 
 Shapes: B batch, S sequence, D model dim, V vocab.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,9 +30,11 @@ def build_ffn(cfg: ModelConfig, ffn_type: str) -> nn.Module:
         return SwiGLU(cfg.dim, cfg.hidden_dim, cfg.ffn_act)
     if ffn_type == "moe":
         from moezoo.layers import MoE
+
         return MoE(cfg.dim, cfg.expert_hidden_dim, cfg=cfg.moe, act=cfg.ffn_act, key="model.moe")
     if ffn_type == "neuron":
         from moezoo.layers import NeuronRoutedFFN
+
         return NeuronRoutedFFN(cfg.dim, cfg.hidden_dim, cfg=cfg.neuron, key="model.neuron")
     raise ValueError(f"unknown ffn type {ffn_type!r}")
 
@@ -42,6 +45,7 @@ def build_attention_pattern(cfg: ModelConfig, layer_id: int, grid: list):
     if all(p is None for p in per_head):
         return None
     from moezoo.layers import SparsityPattern
+
     pats = [SparsityPattern.from_dict(p or {"type": "dense"}) for p in per_head]
     return pats[0] if all(p == pats[0] for p in pats) else pats
 
@@ -52,23 +56,46 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, ffn_type: str, pattern=None):
         super().__init__()
         self.layer_id = layer_id
-        common = dict(pattern=pattern, backend=cfg.attention.backend, layer_id=layer_id,
-                      reference_below=cfg.attention.reference_below, flex_kernel=cfg.attention.flex_kernel,
-                      kernel_options=cfg.attention.kernel_options)
+        common = dict(
+            pattern=pattern,
+            backend=cfg.attention.backend,
+            layer_id=layer_id,
+            reference_below=cfg.attention.reference_below,
+            flex_kernel=cfg.attention.flex_kernel,
+            kernel_options=cfg.attention.kernel_options,
+        )
         if cfg.attention_type == "mla":
             from moezoo.layers.attention.mla import MLA
+
             self.attention = MLA.from_config(cfg, **common)
         else:
-            self.attention = Attention(cfg.dim, cfg.n_heads, cfg.kv_heads, bias=cfg.attn_bias,
-                                       head_dim=cfg.attn_head_dim, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
-                                       ssmax=cfg.attention.ssmax, **common)
+            self.attention = Attention(
+                cfg.dim,
+                cfg.n_heads,
+                cfg.kv_heads,
+                bias=cfg.attn_bias,
+                head_dim=cfg.attn_head_dim,
+                qk_norm=cfg.qk_norm,
+                norm_eps=cfg.norm_eps,
+                ssmax=cfg.attention.ssmax,
+                **common,
+            )
         self.feed_forward = build_ffn(cfg, ffn_type)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0,
-                mask: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos, mask, positions=positions)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        start_pos: int = 0,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = x + self.attention(
+            self.attention_norm(x), cos, sin, start_pos, mask, positions=positions
+        )
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -84,9 +111,10 @@ class Transformer(nn.Module):
         grid = cfg.attention.layer_head_patterns(cfg.n_layers, cfg.n_heads)
         self.layers = nn.ModuleList(
             TransformerBlock(cfg, i, t, build_attention_pattern(cfg, i, grid))
-            for i, t in enumerate(cfg.layer_ffn_types()))
+            for i, t in enumerate(cfg.layer_ffn_types())
+        )
         self.has_moe = "moe" in cfg.layer_ffn_types()
-        self.has_aux = self.has_moe or "neuron" in cfg.layer_ffn_types()   # layers with an aux_loss
+        self.has_aux = self.has_moe or "neuron" in cfg.layer_ffn_types()  # layers with an aux_loss
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # The training loss on the head's logits; the trainer swaps in its torch.compile'd twin (train.compile)
@@ -115,10 +143,17 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.cache = None
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
-                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, start_pos: int = 0,
-                loss_weights: torch.Tensor | None = None):
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        start_pos: int = 0,
+        loss_weights: torch.Tensor | None = None,
+    ):
         """Logits ``[B, S, V]`` (float32); with ``targets [B, S]``, ``(loss, parts)`` as in ``loss``.
 
         Training calls ``model(tokens, targets)`` so that DDP/FSDP2 forward hooks run on the root module;
@@ -135,23 +170,30 @@ class Transformer(nn.Module):
           a weighted mean (training.passkey's answer weight); ``parts["ce"]`` stays the plain mean.
         """
         from moezoo.layers.attention.masking import AttnMask, check_token_mask, document_positions
+
         B, S = tokens.shape
         T = start_pos + S
         if document_ids is not None and start_pos:
-            raise ValueError("document_ids: packed documents are for training and full passes, not decode")
+            raise ValueError(
+                "document_ids: packed documents are for training and full passes, not decode"
+            )
         check_token_mask("position_ids", position_ids, B, S)
         mask = AttnMask.build(B, S, T, start_pos, attention_mask, document_ids, tokens.device)
         if position_ids is None and document_ids is not None:
             position_ids = document_positions(document_ids)
         h = self.tok_embeddings(tokens)
-        positions = torch.arange(start_pos, T, device=tokens.device) if position_ids is None else position_ids
+        positions = (
+            torch.arange(start_pos, T, device=tokens.device)
+            if position_ids is None
+            else position_ids
+        )
         cos, sin = self.rope(positions)
         for layer in self.layers:
             h = layer(h, cos, sin, start_pos, mask, positions)
-        logits = self.output(self.norm(h))         # the autocast dtype under autocast
+        logits = self.output(self.norm(h))  # the autocast dtype under autocast
         if targets is None:
             return logits.float()
-        if attention_mask is not None:   # padding gets no loss (HF: labels -100 there)
+        if attention_mask is not None:  # padding gets no loss (HF: labels -100 there)
             targets = targets.masked_fill(~attention_mask[:, start_pos:].bool(), -100)
         return self._loss(logits, targets, loss_weights)
 
@@ -162,20 +204,26 @@ class Transformer(nn.Module):
         """
         return self(tokens, targets)
 
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, dict]:
+    def _loss(
+        self, logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict]:
         if weights is None:
             ce = self.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
             total = ce
         else:
-            per = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100,
-                                  reduction="none")
+            per = F.cross_entropy(
+                logits.view(-1, logits.shape[-1]).float(),
+                targets.reshape(-1),
+                ignore_index=-100,
+                reduction="none",
+            )
             w = weights.reshape(-1).float() * (targets.reshape(-1) != -100)
             ce = per.sum() / (targets != -100).sum().clamp(min=1)
             total = (per * w).sum() / w.sum().clamp(min=1e-6)
         parts = {"ce": ce.detach()}
         if self.has_aux:
             from moezoo.layers import total_aux_loss
+
             aux = total_aux_loss(self)
             total = total + aux
             parts["aux"] = aux.detach()
@@ -193,8 +241,18 @@ def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 
 # torch.nn.init's in-place initialisers, which nn.Linear / nn.Embedding call from their constructors.
-_INITIALISERS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "xavier_uniform_",
-                 "xavier_normal_", "zeros_", "ones_", "constant_")
+_INITIALISERS = (
+    "normal_",
+    "uniform_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "trunc_normal_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "zeros_",
+    "ones_",
+    "constant_",
+)
 
 
 @contextlib.contextmanager
@@ -214,7 +272,10 @@ def _skip_constructor_init():
 def build_model(cfg: ModelConfig, device=None) -> Transformer:
     """Build and initialise. ``device="meta"`` allocates nothing (for --plan and FSDP2 init)."""
     meta = str(device) == "meta"
-    with torch.device(device or "cpu"), (_skip_constructor_init() if meta else contextlib.nullcontext()):
+    with (
+        torch.device(device or "cpu"),
+        _skip_constructor_init() if meta else contextlib.nullcontext(),
+    ):
         model = Transformer(cfg)
     if not meta:
         model.init_weights()

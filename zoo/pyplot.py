@@ -2,6 +2,7 @@
 
 Agg backend (files, no display); a missing matplotlib is an ImportError that says how to get it.
 """
+
 from __future__ import annotations
 
 
@@ -12,4 +13,5 @@ def pyplot():
         raise ImportError("matplotlib is needed to draw pictures: pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt

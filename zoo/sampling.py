@@ -6,14 +6,20 @@ The prompt is prefilled in one forward; each new token is then one forward of le
 ``start_pos``, attending to the cached keys and values. ``temperature=0`` is greedy decoding.
 Shapes: B batch, S length, V vocab.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 
-def sample_next(logits_BV: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_next(
+    logits_BV: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """One token id per row ``[B]`` from ``logits [B, V]``."""
     if temperature <= 0:
         return logits_BV.argmax(-1)
@@ -31,9 +37,16 @@ def sample_next(logits_BV: torch.Tensor, temperature: float = 1.0, top_k: int | 
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompt: torch.Tensor | list[int], max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
-             seed: int | None = None) -> torch.Tensor:
+def generate(
+    model: nn.Module,
+    prompt: torch.Tensor | list[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    seed: int | None = None,
+) -> torch.Tensor:
     """``prompt [B, S]`` (or one list of ids) followed by up to ``max_new_tokens`` sampled ids: ``[B, S + n]``.
 
     Stops early once every row has produced ``eos_id``. The total length is capped at the model's
@@ -44,7 +57,9 @@ def generate(model: nn.Module, prompt: torch.Tensor | list[int], max_new_tokens:
     B, S = tokens.shape
     max_len = min(S + max_new_tokens, model.cfg.max_seq_len)
     if S >= max_len:
-        raise ValueError(f"prompt of {S} tokens leaves no room under max_seq_len={model.cfg.max_seq_len}")
+        raise ValueError(
+            f"prompt of {S} tokens leaves no room under max_seq_len={model.cfg.max_seq_len}"
+        )
     g = torch.Generator(param.device).manual_seed(seed) if seed is not None else None
     was_training = model.training
     model.eval()

@@ -15,6 +15,7 @@ O(heads x blocks^2), where counting tokens would take minutes per layer at 64k.
 most four, else the first, a middle and the last one, and every head up to 16, else 8 spread evenly.
 ``--length`` defaults to the preset's ``train.seq_len``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,9 @@ import sys
 from moezoo.configs import ConfigError, load_config, parse_range
 from moezoo.configs.presets import resolve_config_path
 
-TOKEN_DENSITY_MAX = 2048   # pattern_density is exact (and takes < 1 s a layer) up to its max_rows=2048
+TOKEN_DENSITY_MAX = (
+    2048  # pattern_density is exact (and takes < 1 s a layer) up to its max_rows=2048
+)
 
 
 def sparse_layers(cfg_model) -> list[int]:
@@ -37,17 +40,27 @@ def default_layers(sparse: list[int]) -> list[int]:
 
 
 def default_heads(n_heads: int) -> list[int]:
-    return list(range(n_heads)) if n_heads <= 16 else sorted({round(i * (n_heads - 1) / 7) for i in range(8)})
+    return (
+        list(range(n_heads))
+        if n_heads <= 16
+        else sorted({round(i * (n_heads - 1) / 7) for i in range(8)})
+    )
 
 
-def layer_images(cfg_model, length: int, layers: list[int] | None = None, heads: list[int] | None = None,
-                 progress=None) -> list[tuple[int, list]]:
+def layer_images(
+    cfg_model,
+    length: int,
+    layers: list[int] | None = None,
+    heads: list[int] | None = None,
+    progress=None,
+) -> list[tuple[int, list]]:
     """``[(layer, [(head, image[n, n] float, density, type), ...])]`` for the sparse layers among ``layers``
     (default: all), heads ``heads`` (default: all); ``progress(i, n, layer)`` is called before each layer."""
     from moezoo.layers.attention.density import pattern_density
     from moezoo.layers.attention.pattern import head_patterns
     from moezoo.layers.attention.plan import budget_plan
     from moezoo.zoo.model import build_attention_pattern
+
     grid = cfg_model.attention.layer_head_patterns(cfg_model.n_layers, cfg_model.n_heads)
     H = cfg_model.n_heads
     heads = list(range(H)) if heads is None else heads
@@ -66,7 +79,10 @@ def layer_images(cfg_model, length: int, layers: list[int] | None = None, heads:
             n = img.shape[-1]
             dens = (full + partial).sum((-1, -2)).double() / (n * (n + 1) / 2)
         pats = head_patterns(pattern, H)
-        kinds = [f"{p.type} (dense)" if p.type != "dense" and p.is_dense_at(length) else p.type for p in pats]
+        kinds = [
+            f"{p.type} (dense)" if p.type != "dense" and p.is_dense_at(length) else p.type
+            for p in pats
+        ]
         out.append((layer, [(h, img[h], float(dens[h]), kinds[h]) for h in heads]))
     return out
 
@@ -76,33 +92,60 @@ def draw(images: list, title: str, density_of: str):
     from matplotlib.patches import Patch
 
     from moezoo.zoo.pyplot import pyplot
+
     plt = pyplot()
     n_rows, n_cols = len(images), len(images[0][1])
-    fig, axes = plt.subplots(n_rows, n_cols, figsize=(max(5.5, 0.4 + 1.45 * n_cols), 1.1 + 1.75 * n_rows), squeeze=False,
-                             layout="constrained")
+    fig, axes = plt.subplots(
+        n_rows,
+        n_cols,
+        figsize=(max(5.5, 0.4 + 1.45 * n_cols), 1.1 + 1.75 * n_rows),
+        squeeze=False,
+        layout="constrained",
+    )
     for row, (layer, heads) in enumerate(images):
         for col, (h, img, dens, kind) in enumerate(heads):
             ax = axes[row][col]
             ax.imshow(img.numpy(), cmap="Greys", vmin=0, vmax=1, interpolation="antialiased")
-            ax.set_title(f"L{layer} H{h}\n{kind.replace(' (dense)', '*')}\n{100 * dens:.1f}%", fontsize=7,
-                         linespacing=1.1)
+            ax.set_title(
+                f"L{layer} H{h}\n{kind.replace(' (dense)', '*')}\n{100 * dens:.1f}%",
+                fontsize=7,
+                linespacing=1.1,
+            )
             ax.set_xticks([])
             ax.set_yticks([])
-    shades = [Patch(facecolor=c, edgecolor="0.5", label=label) for c, label in
-              (("white", "skipped block"), ("0.5", "partial block (token mask inside)"), ("black", "full block"))]
+    shades = [
+        Patch(facecolor=c, edgecolor="0.5", label=label)
+        for c, label in (
+            ("white", "skipped block"),
+            ("0.5", "partial block (token mask inside)"),
+            ("black", "full block"),
+        )
+    ]
     fig.legend(handles=shades, loc="outside lower center", ncol=3, fontsize=7, frameon=False)
     # The legend and title carry the reading key; the width above leaves them room even for one head.
-    fig.suptitle(f"{title}\nrows: query blocks, columns: key blocks\n% = {density_of}; * = dense at this length",
-                 fontsize=8)
+    fig.suptitle(
+        f"{title}\nrows: query blocks, columns: key blocks\n% = {density_of}; * = dense at this length",
+        fontsize=8,
+    )
     return fig
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moezoo.zoo.show_attention", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True, help="preset YAML path or name, e.g. sparse_attn_1b_64k")
-    ap.add_argument("--length", type=int, default=None, help="sequence length to draw (default: train.seq_len)")
-    ap.add_argument("--layers", default=None, help="layers to draw, e.g. '2,7,13' or '2-5' (default: see above)")
-    ap.add_argument("--heads", default=None, help="heads to draw, e.g. '0-3,8' (default: all up to 16, else 8)")
+    ap = argparse.ArgumentParser(
+        prog="python -m moezoo.zoo.show_attention", description=__doc__.splitlines()[0]
+    )
+    ap.add_argument(
+        "--config", required=True, help="preset YAML path or name, e.g. sparse_attn_1b_64k"
+    )
+    ap.add_argument(
+        "--length", type=int, default=None, help="sequence length to draw (default: train.seq_len)"
+    )
+    ap.add_argument(
+        "--layers", default=None, help="layers to draw, e.g. '2,7,13' or '2-5' (default: see above)"
+    )
+    ap.add_argument(
+        "--heads", default=None, help="heads to draw, e.g. '0-3,8' (default: all up to 16, else 8)"
+    )
     ap.add_argument("--out", default=None, help="PNG path (default attention_<name>_<length>.png)")
     ap.add_argument("--dpi", type=int, default=120)
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.n_layers=2")
@@ -116,23 +159,36 @@ def main(argv=None) -> int:
         sparse = sparse_layers(m)
         if not sparse:
             raise ConfigError("--config", f"{cfg.name}: every layer is dense; nothing to draw")
-        layers = parse_range(a.layers, m.n_layers, "--layers") if a.layers else default_layers(sparse)
+        layers = (
+            parse_range(a.layers, m.n_layers, "--layers") if a.layers else default_layers(sparse)
+        )
         if not set(layers) & set(sparse):
-            raise ConfigError("--layers", f"none of {a.layers} has a sparse head; sparse layers: {sparse}")
+            raise ConfigError(
+                "--layers", f"none of {a.layers} has a sparse head; sparse layers: {sparse}"
+            )
         heads = parse_range(a.heads, m.n_heads, "--heads") if a.heads else default_heads(m.n_heads)
         from moezoo.zoo.pyplot import pyplot
-        pyplot()   # fail on a missing matplotlib before the patterns are computed
+
+        pyplot()  # fail on a missing matplotlib before the patterns are computed
     except (ConfigError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
     def progress(i, n, layer):
-        print(f"\rlayer {layer} ({i + 1}/{n}) at {length} tokens ...", end="", file=sys.stderr, flush=True)
+        print(
+            f"\rlayer {layer} ({i + 1}/{n}) at {length} tokens ...",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
 
     images = layer_images(m, length, layers, heads, progress)
     print(file=sys.stderr)
-    density_of = "allowed / causal token pairs" if length <= TOKEN_DENSITY_MAX else \
-        "computed / causal blocks (full + partial)"
+    density_of = (
+        "allowed / causal token pairs"
+        if length <= TOKEN_DENSITY_MAX
+        else "computed / causal blocks (full + partial)"
+    )
     fig = draw(images, f"{cfg.name}: block patterns at {length} tokens", density_of)
     out = a.out or f"attention_{cfg.name}_{length}.png"
     fig.savefig(out, dpi=a.dpi)

@@ -10,11 +10,22 @@
 - ``flex``: FlexAttention BlockMask / mask_mod glue; ``flash``: flash-attn for sliding windows.
 - ``density``: ``attention_density`` / ``pattern_density`` for logging.
 """
+
 from .density import AttentionStats, attention_density, attention_metrics, pattern_density
 from .functional import dense_causal_attention, sparse_attention
 from .module import Attention, KVCache
 from .pattern import SparsityPattern
 from .plan import pattern_mask
 
-__all__ = ["AttentionStats", "Attention", "KVCache", "SparsityPattern", "attention_density", "attention_metrics", "dense_causal_attention",
-           "pattern_density", "pattern_mask", "sparse_attention"]
+__all__ = [
+    "AttentionStats",
+    "Attention",
+    "KVCache",
+    "SparsityPattern",
+    "attention_density",
+    "attention_metrics",
+    "dense_causal_attention",
+    "pattern_density",
+    "pattern_mask",
+    "sparse_attention",
+]

@@ -13,6 +13,7 @@ top-k gets no gradient). The layer mixes the branches with learned per-head gate
 ``compressed_attention(q [B, H, S, D], k, v [B, Hk, T, D], block_size, q_offset) -> [B, H, S, D]``;
 query i at absolute position ``q_offset + i`` (decode: the last rows of a prefill, exactly).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -21,8 +22,14 @@ import torch
 import torch.nn.functional as F
 
 
-def compressed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int,
-                         q_offset: int = 0, kv_heads: Optional[torch.Tensor] = None) -> torch.Tensor:
+def compressed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_size: int,
+    q_offset: int = 0,
+    kv_heads: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Softmax attention of each query over the mean-pooled complete key blocks before it (module docstring).
 
     ``kv_heads`` (int64 ``[H]``): the KV head of each query head; default GQA's ``h // (H / Hk)``. Keys are
@@ -31,20 +38,25 @@ def compressed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
     """
     B, H, S, D = q.shape
     T, bs = k.shape[2], block_size
-    nb = T // bs                                                   # complete blocks only
-    first = max(bs - 1 - q_offset, 0)                              # the first row that sees a block
+    nb = T // bs  # complete blocks only
+    first = max(bs - 1 - q_offset, 0)  # the first row that sees a block
     if nb == 0 or first >= S:
         return q.new_zeros(B, H, S, v.shape[-1])
-    kc = k[:, :, :nb * bs].unflatten(2, (nb, bs)).mean(3)          # [B, Hk, nb, D]
-    vc = v[:, :, :nb * bs].unflatten(2, (nb, bs)).mean(3)
+    kc = k[:, :, : nb * bs].unflatten(2, (nb, bs)).mean(3)  # [B, Hk, nb, D]
+    vc = v[:, :, : nb * bs].unflatten(2, (nb, bs)).mean(3)
     if kv_heads is not None:
         kc, vc = kc[:, kv_heads], vc[:, kv_heads]
     elif H != k.shape[1]:
         kc, vc = (t.repeat_interleave(H // k.shape[1], dim=1) for t in (kc, vc))
     pos = torch.arange(q_offset + first, q_offset + S, device=q.device)
-    seen = torch.arange(nb, device=q.device)[None, :] < torch.div(pos + 1, bs, rounding_mode="floor")[:, None]
-    rows = F.scaled_dot_product_attention(q[:, :, first:], kc.to(q.dtype), vc.to(q.dtype), attn_mask=seen)
-    return F.pad(rows, (0, 0, first, 0)) if first else rows       # rows before the first block end: 0
+    seen = (
+        torch.arange(nb, device=q.device)[None, :]
+        < torch.div(pos + 1, bs, rounding_mode="floor")[:, None]
+    )
+    rows = F.scaled_dot_product_attention(
+        q[:, :, first:], kc.to(q.dtype), vc.to(q.dtype), attn_mask=seen
+    )
+    return F.pad(rows, (0, 0, first, 0)) if first else rows  # rows before the first block end: 0
 
 
 def compressed_density(pats: Sequence, T: int, causal_pairs: float) -> list[float]:

@@ -3,6 +3,7 @@
 ``dense_causal_attention(q[B, Hq, S, Dh], k[B, Hk, T, Dh], v, q_offset) -> [B, Hq, S, Dh]``: the exact
 causal result every backend falls back to; query i sits at absolute position ``q_offset + i``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,9 @@ def flex_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
     return q.is_cuda and min(q.shape[-1], v.shape[-1]) >= FLEX_MIN_HEAD_DIM
 
 
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
+def dense_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0
+) -> torch.Tensor:
     """``q [B, Hq, S, Dh]``, ``k, v [B, Hk, T, Dh]`` with query i at absolute position ``q_offset + i``."""
     S, T = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
@@ -30,5 +33,8 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if S == 1:  # one decode step sees every cached key
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-    allowed = torch.arange(T, device=q.device)[None, :] <= (q_offset + torch.arange(S, device=q.device))[:, None]
+    allowed = (
+        torch.arange(T, device=q.device)[None, :]
+        <= (q_offset + torch.arange(S, device=q.device))[:, None]
+    )
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)

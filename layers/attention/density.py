@@ -1,4 +1,5 @@
 """Attention density for logging: the fraction of causal (q, k) pairs each head attends."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -11,8 +12,15 @@ from .pattern import PatternLike, head_patterns
 from .plan import budget_plan
 
 
-def pattern_density(pattern: PatternLike, n_heads: int, seq_len: int, layer: int = 0, max_rows: int = 2048,
-                    chunk: int = 256, device=None) -> torch.Tensor:
+def pattern_density(
+    pattern: PatternLike,
+    n_heads: int,
+    seq_len: int,
+    layer: int = 0,
+    max_rows: int = 2048,
+    chunk: int = 256,
+    device=None,
+) -> torch.Tensor:
     """float64 ``[n_heads]``: the fraction of causal (q, k) pairs each head of ``pattern`` attends at ``seq_len``.
 
     Input-dependent heads count what their budgets allow (``patterns.budget_plan``). Exact when
@@ -26,16 +34,19 @@ def pattern_density(pattern: PatternLike, n_heads: int, seq_len: int, layer: int
         n_chunks = max(max_rows // chunk, 2)
         starts = sorted({round(i * (seq_len - chunk) / (n_chunks - 1)) for i in range(n_chunks)})
     rows = [range(s, min(s + chunk, seq_len)) for s in starts]
-    per_row = [budget_plan(pattern, n_heads, seq_len, layer, r, device).token_mask()[0].sum(-1).double()
-               for r in rows]                                                      # [H, rows] allowed keys
+    per_row = [
+        budget_plan(pattern, n_heads, seq_len, layer, r, device).token_mask()[0].sum(-1).double()
+        for r in rows
+    ]  # [H, rows] allowed keys
     allowed = sum(c.sum(-1) for c in per_row)
-    for a, b, ra, rb in zip(per_row, per_row[1:], rows, rows[1:]):                  # trapezoid over skipped rows
+    for a, b, ra, rb in zip(per_row, per_row[1:], rows, rows[1:]):  # trapezoid over skipped rows
         allowed = allowed + (rb.start - ra.stop) * (a[:, -1] + b[:, 0]) / 2
-    return (allowed / (seq_len * (seq_len + 1) / 2)).cpu()                         # one host copy per layer
+    return (allowed / (seq_len * (seq_len + 1) / 2)).cpu()  # one host copy per layer
 
 
-def attention_density(model_or_attention: torch.nn.Module, seq_len: int, max_rows: int = 2048,
-                      chunk: int = 256) -> dict:
+def attention_density(
+    model_or_attention: torch.nn.Module, seq_len: int, max_rows: int = 2048, chunk: int = 256
+) -> dict:
     """Fraction of causal (q, k) pairs each head attends at ``seq_len``.
 
     Returns ``{"layer{L}/head{h}": float, "layer{L}": mean over heads, "mean": over all heads}`` for
@@ -89,11 +100,17 @@ def attention_metrics(model: torch.nn.Module, seq_len: int) -> dict:
         else:
             cached = m.__dict__.get("_budget_density")
             if cached is None or cached[0] != seq_len:
-                dev = m.wq.weight.device if m.wq.weight.device.type != "meta" else torch.device("cpu")
+                dev = (
+                    m.wq.weight.device if m.wq.weight.device.type != "meta" else torch.device("cpu")
+                )
                 dens_h = pattern_density(m.pattern, m.n_heads, seq_len, m.layer_id, device=dev)
                 # plus the compressed branch's pooled-key pairs (block top-k compress: 1), a token-level share too
-                dens_h = dens_h + torch.tensor(compressed_density(head_patterns(m.pattern, m.n_heads), seq_len,
-                                                                  seq_len * (seq_len + 1) / 2), dtype=dens_h.dtype)
+                dens_h = dens_h + torch.tensor(
+                    compressed_density(
+                        head_patterns(m.pattern, m.n_heads), seq_len, seq_len * (seq_len + 1) / 2
+                    ),
+                    dtype=dens_h.dtype,
+                )
                 m._budget_density = cached = (seq_len, dens_h.mean().float())
             dens.append(cached[1])
         if "entropy" in s:
@@ -114,7 +131,7 @@ class AttentionStats:
     steps; ``metrics()`` is ``attention_metrics`` of the last forward (density for the honest MFU, block
     top-k selection sharpness)."""
 
-    skips_on_device = True   # nothing to do after a step (layers.sparsity_method)
+    skips_on_device = True  # nothing to do after a step (layers.sparsity_method)
 
     def __init__(self, model: torch.nn.Module, seq_len: int):
         self.model, self.seq_len = model, seq_len
@@ -130,4 +147,3 @@ class AttentionStats:
 
     def metrics(self) -> dict:
         return attention_metrics(self.model, self.seq_len)
-

@@ -1,6 +1,7 @@
 """FlexAttention glue for sparse patterns: a BlockMask built from a PatternPlan's block indices, the
 mask_mod that evaluates the same token rule on partial blocks, and the vertical-slash column gather.
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,6 +50,7 @@ def _flex_fn(device: torch.device):
     """Compiled flex on CUDA (the fused kernel); eager elsewhere (unfused, forward-only on CPU)."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
+
     if device.type != "cuda":
         return flex_attention
     if _compiled_flex is None:
@@ -63,6 +65,7 @@ def _flex_fn(device: torch.device):
 def flash_kernel_available() -> bool:
     """flash-attn-4 importable and a Hopper/Blackwell GPU (probed once per process)."""
     from moezoo.configs.attention import fast_path_missing
+
     return fast_path_missing("cuda") is None
 
 
@@ -71,7 +74,11 @@ def pick_flex_kernel(kernel: str, pats, T: int, block_size: int) -> str:
     if kernel != "auto":
         return kernel
     types = {p.type for p in pats if not p.is_dense_at(T)}
-    if not types or block_size % 128 or any(T < FLASH_FASTER_FROM.get(t, float("inf")) for t in types):
+    if (
+        not types
+        or block_size % 128
+        or any(T < FLASH_FASTER_FROM.get(t, float("inf")) for t in types)
+    ):
         return "triton"
     return "flash" if flash_kernel_available() else "triton"
 
@@ -93,7 +100,7 @@ def _kv_blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     nk = m.shape[-1]
     num = m.sum(-1, dtype=torch.int32)
-    dest = torch.where(m, torch.cumsum(m, -1) - 1, nk)                  # rank among the chosen; others -> slot nk
+    dest = torch.where(m, torch.cumsum(m, -1) - 1, nk)  # rank among the chosen; others -> slot nk
     idx = torch.zeros(*m.shape[:-1], nk + 1, dtype=torch.int32, device=m.device)
     idx.scatter_(-1, dest, torch.arange(nk, dtype=torch.int32, device=m.device).expand(m.shape))
     return num, idx[..., :nk].contiguous()
@@ -114,7 +121,9 @@ def _keep_rule(plan: PatternPlan, with_cols: bool = True, tile: int = 0):
         nb = Tp // bs
         blocks = F.pad(blocks, (0, nb - blocks.shape[-1], 0, nb - blocks.shape[-2]))
     if plan.cols is not None:
-        diags = F.pad(plan.diag_reach(), (0, Tp - T))      # the slash rule's table (PatternPlan.diag_reach)
+        diags = F.pad(
+            plan.diag_reach(), (0, Tp - T)
+        )  # the slash rule's table (PatternPlan.diag_reach)
         cols = F.pad(plan.cols, (0, Tp - T)) if with_cols else None
     blocks, diags, cols = (_per_batch(t) for t in (blocks, diags, cols))
 
@@ -124,7 +133,7 @@ def _keep_rule(plan: PatternPlan, with_cols: bool = True, tile: int = 0):
         if blocks is not None:
             out = out | blocks(b, h, q_idx // bs, k // bs)
         if diags is not None:
-            x = (q_idx // bs) * bs - k                    # query block start - key; own block: reach[0]
+            x = (q_idx // bs) * bs - k  # query block start - key; own block: reach[0]
             out = out | diags(b, h, torch.where(x > 0, x, 0))
             if cols is not None:
                 out = out | cols(b, h, k)
@@ -176,7 +185,9 @@ def column_slots(plan: PatternPlan) -> torch.Tensor:
     without columns have only empty slots.
     """
     bs, T, cols = plan.block_size, plan.T, plan.cols
-    if plan.col_budget < 1:     # plans from plan_pattern / budget_plan always set it with their columns
+    if (
+        plan.col_budget < 1
+    ):  # plans from plan_pattern / budget_plan always set it with their columns
         raise ValueError("column_slots needs plan.col_budget (the most columns any head chose)")
     nvp = -(-plan.col_budget // bs) * bs
     kk = min(nvp, T)
@@ -187,7 +198,9 @@ def column_slots(plan: PatternPlan) -> torch.Tensor:
     return F.pad(slots, (0, nvp - kk), value=T)
 
 
-def gather_columns(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_columns(
+    k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``k, v [B, Hk, T, D]``, ``slots [B or 1, Hq, NVp]`` -> ``k', v' [B, Hq, NVp + T, D]``: per query head
     the keys (values) at its column slots (empty slots read key T-1; the mask never allows them), then
     all keys of its KV head. Differentiable: gradients of both parts flow back to ``k, v``."""
@@ -195,12 +208,14 @@ def gather_columns(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> tup
     Hq, nvp = slots.shape[1], slots.shape[2]
     g = Hq // Hk
     kv_head = torch.arange(Hq, device=k.device) // g
-    base = (torch.arange(B, device=k.device)[:, None] * Hk + kv_head[None, :]) * T          # [B, Hq]
+    base = (torch.arange(B, device=k.device)[:, None] * Hk + kv_head[None, :]) * T  # [B, Hq]
     flat = (base[:, :, None] + slots.clamp(max=T - 1).expand(B, Hq, nvp)).view(B, Hk, g, nvp)
 
     def one(x):
-        picked = x.flatten(0, 2)[flat]                                                       # [B, Hk, g, NVp, D]
-        return torch.cat([picked, x[:, :, None].expand(B, Hk, g, T, D)], dim=3).view(B, Hq, nvp + T, D)
+        picked = x.flatten(0, 2)[flat]  # [B, Hk, g, NVp, D]
+        return torch.cat([picked, x[:, :, None].expand(B, Hk, g, T, D)], dim=3).view(
+            B, Hq, nvp + T, D
+        )
 
     return one(k), one(v)
 
@@ -215,7 +230,7 @@ def gathered_mask_mod(plan: PatternPlan, slots: torch.Tensor, tile: int = 0):
     def mask_mod(b, h, q_idx, kv_idx):
         pre = kv_idx < nvp
         k = torch.where(pre, slot(b, h, torch.clamp(kv_idx, max=nvp - 1)), kv_idx - nvp)
-        rest = keep(b, h, q_idx, torch.clamp(k, max=T - 1))     # empty slots (k = T) fail causality
+        rest = keep(b, h, q_idx, torch.clamp(k, max=T - 1))  # empty slots (k = T) fail causality
         return (q_idx >= k) & torch.where(pre, ~rest, rest)
 
     return mask_mod
@@ -224,12 +239,14 @@ def gathered_mask_mod(plan: PatternPlan, slots: torch.Tensor, tile: int = 0):
 def _slot_blocks(slots: torch.Tensor, bs: int, n_q: int, T: int) -> torch.Tensor:
     """bool ``[B, H, nq, NVp / bs]``: slot block j is touched by query block qb when its first (smallest)
     column is <= the block's last query; never full (pairs the rest allows are masked out there)."""
-    first = slots[..., ::bs]                                                                 # [B, H, nj]
+    first = slots[..., ::bs]  # [B, H, nj]
     q_last = (torch.arange(n_q, device=slots.device) * bs + bs - 1).clamp(max=T - 1)
     return first[:, :, None, :] <= q_last[None, None, :, None]
 
 
-def _coarsen(partial: torch.Tensor, full: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _coarsen(
+    partial: torch.Tensor, full: torch.Tensor, m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Block layouts ``[B, H, nq, nk]`` -> the layouts of ``m x m``-block tiles ``[B, H, ceil(nq/m), ceil(nk/m)]``:
     a tile is full when its every block is (a ragged edge tile never is), partial when any block is
     listed and the tile is not full."""
@@ -241,8 +258,9 @@ def _coarsen(partial: torch.Tensor, full: torch.Tensor, m: int) -> tuple[torch.T
     return (touched & ~full).contiguous(), full.contiguous()
 
 
-def flex_block_mask(plan: PatternPlan, slots: Optional[torch.Tensor] = None, backward: bool = True,
-                    tile: int = 0):
+def flex_block_mask(
+    plan: PatternPlan, slots: Optional[torch.Tensor] = None, backward: bool = True, tile: int = 0
+):
     """A FlexAttention BlockMask for a square plan: full/partial blocks from ``plan.block_layout()``
     (built from indices, never by evaluating the mask per block) and ``plan_mask_mod`` on partial blocks.
 
@@ -253,6 +271,7 @@ def flex_block_mask(plan: PatternPlan, slots: Optional[torch.Tensor] = None, bac
     the layout is pooled onto tiles and the mask_mod masks inside them.
     """
     from torch.nn.attention.flex_attention import BlockMask
+
     bs, T = plan.block_size, plan.T
     tile = tile or bs
     if tile % bs:
@@ -272,15 +291,34 @@ def flex_block_mask(plan: PatternPlan, slots: Optional[torch.Tensor] = None, bac
         partial, full = _coarsen(partial, full, tile // bs)
     pn, pi = _kv_blocks(partial)
     fn, fi = _kv_blocks(full)
-    return BlockMask.from_kv_blocks(pn, pi, fn, fi, BLOCK_SIZE=tile, mask_mod=mask_mod, seq_lengths=(T, kv_len),
-                                    compute_q_blocks=backward)
+    return BlockMask.from_kv_blocks(
+        pn,
+        pi,
+        fn,
+        fi,
+        BLOCK_SIZE=tile,
+        mask_mod=mask_mod,
+        seq_lengths=(T, kv_len),
+        compute_q_blocks=backward,
+    )
 
 
-def flex_attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask,
-                        kernel_options: Optional[dict] = None) -> torch.Tensor:
+def flex_attention_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask,
+    kernel_options: Optional[dict] = None,
+) -> torch.Tensor:
     """FlexAttention (compiled on CUDA) over a BlockMask from ``flex_block_mask``; ``kernel_options`` per
     call (``kernel_options_for``): Triton tiles, or ``{"BACKEND": "FLASH"}``. Eager CPU flex takes none."""
     if q.device.type != "cuda":
         kernel_options = None
-    return _flex_fn(q.device)(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1],
-                              kernel_options=kernel_options)
+    return _flex_fn(q.device)(
+        q,
+        k,
+        v,
+        block_mask=block_mask,
+        enable_gqa=q.shape[1] != k.shape[1],
+        kernel_options=kernel_options,
+    )

@@ -25,6 +25,7 @@ same result, faster; in a mixed layer such heads are planned as dense heads (no 
 no ``triton`` backend: FlexAttention's generated Triton kernel already reaches the density limit forward on the H200 for static patterns, so
 an own block-sparse kernel had nothing to win there (BENCHMARKS.md "Sparse attention").
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -36,8 +37,15 @@ import torch.nn.functional as F
 from moezoo.configs.attention import ATTN_BACKENDS
 
 from .flash import flash_attn_window
-from .flex import (column_slots, flex_attention_call, flex_block_mask, flex_tile, gather_columns,
-                   kernel_options_for, pick_flex_kernel)
+from .flex import (
+    column_slots,
+    flex_attention_call,
+    flex_block_mask,
+    flex_tile,
+    gather_columns,
+    kernel_options_for,
+    pick_flex_kernel,
+)
 from .dense import DENSE_CROSSOVER, dense_causal_attention, flex_fits
 from .masking import masked_causal_attention
 from .pattern import PatternLike, head_patterns, layer_block_size as plan_block_size
@@ -47,11 +55,21 @@ _MASK_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
 _MASK_CACHE_SIZE = 32
 
 
-def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: PatternLike,
-                     backend: str = "auto", layer: int = 0, q_offset: int = 0,
-                     q_history: Optional[torch.Tensor] = None, reference_below: int = -1,
-                     mask: Optional[torch.Tensor] = None, kernel: str = "auto",
-                     kernel_options: Optional[dict] = None, stats: Optional[dict] = None) -> torch.Tensor:
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pattern: PatternLike,
+    backend: str = "auto",
+    layer: int = 0,
+    q_offset: int = 0,
+    q_history: Optional[torch.Tensor] = None,
+    reference_below: int = -1,
+    mask: Optional[torch.Tensor] = None,
+    kernel: str = "auto",
+    kernel_options: Optional[dict] = None,
+    stats: Optional[dict] = None,
+) -> torch.Tensor:
     """Causal attention under ``pattern`` (a SparsityPattern or one per query head).
 
     ``q_history [B, Hq, P, D]``: queries just before this chunk (decode); input-dependent patterns
@@ -70,24 +88,33 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     if Hq % k.shape[1]:
         raise ValueError(f"{Hq} query heads are not a multiple of {k.shape[1]} KV heads")
     if backend not in ATTN_BACKENDS:
-        raise ValueError(f"unknown sparse attention backend {backend!r}; expected one of {', '.join(ATTN_BACKENDS)}")
+        raise ValueError(
+            f"unknown sparse attention backend {backend!r}; expected one of {', '.join(ATTN_BACKENDS)}"
+        )
     pats = head_patterns(pattern, Hq)
-    if all(p.is_dense_at(T) for p in pats):       # e.g. a window longer than the input: exactly causal
+    if all(p.is_dense_at(T) for p in pats):  # e.g. a window longer than the input: exactly causal
         if stats is not None:
             stats["density"] = torch.ones(Hq, device=q.device)
         if mask is not None:
             return masked_causal_attention(q, k, v, mask, q_offset)
         return dense_causal_attention(q, k, v, q_offset)
     if mask is not None:
-        return reference_sparse_attention(q, k, v, plan_pattern(pats, Hq, q_offset, S, T, layer, q, k, q_history),
-                                          mask.dense(S, T))
+        return reference_sparse_attention(
+            q,
+            k,
+            v,
+            plan_pattern(pats, Hq, q_offset, S, T, layer, q, k, q_history),
+            mask.dense(S, T),
+        )
     square = S == T and q_offset == 0
     if backend == "auto":
         crossover = DENSE_CROSSOVER if reference_below < 0 else reference_below
         backend = "flex" if (flex_fits(q, v) and square and T >= crossover) else "reference"
     if backend == "flash_attn":
         return flash_attn_window(q, k, v, pats, square)
-    if backend == "flex" and square:   # decode / chunked prefill rows go to the reference: O(S T) mask
+    if (
+        backend == "flex" and square
+    ):  # decode / chunked prefill rows go to the reference: O(S T) mask
         return _flex_sparse(q, k, v, pats, layer, q_history, stats, kernel, kernel_options)
     plan = plan_pattern(pats, Hq, q_offset, S, T, layer, q, k, q_history, stats=stats)
     if stats is not None and square:
@@ -105,12 +132,14 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
 def _flex_sparse(q, k, v, pats, layer, q_history, stats, kernel, kernel_options):
     """The flex backend for a square call: q [B, Hq, T, Dh], k, v [B, Hk, T, Dh] -> [B, Hq, T, Dh]."""
     Hq, S, T = q.shape[1], q.shape[2], k.shape[2]
-    if any(p.dynamic and not p.is_dense_at(T) for p in pats):   # estimated from this input: a new mask every call
+    if any(
+        p.dynamic and not p.is_dense_at(T) for p in pats
+    ):  # estimated from this input: a new mask every call
         plan = plan_pattern(pats, Hq, 0, S, T, layer, q, k, q_history, stats=stats)
         # a mask built for this call only: its backward lists are needed only if a backward can follow
         bwd = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         slots = column_slots(plan) if plan.cols is not None else None
-        if slots is not None:          # vertical-slash columns ride in front of the keys (see column_slots)
+        if slots is not None:  # vertical-slash columns ride in front of the keys (see column_slots)
             k, v = gather_columns(k, v, slots)
         bm = flex_block_mask(plan, slots, backward=bwd, tile=flex_tile(plan.block_size, q.device))
         if stats is not None:
@@ -137,7 +166,7 @@ def _density_of(blocks: torch.Tensor, bs: int, T: int) -> torch.Tensor:
 def _visited_density(bm, T: int) -> torch.Tensor:
     """``_density_of`` a BlockMask's lists (partial + full blocks per query block; gathered columns
     included), in the BlockMask's own blocks: the tiles a kernel visits (``flex.flex_tile``)."""
-    n = bm.kv_num_blocks.sum(-1) + bm.full_kv_num_blocks.sum(-1)                 # [B, H]
+    n = bm.kv_num_blocks.sum(-1) + bm.full_kv_num_blocks.sum(-1)  # [B, H]
     return n.float().mean(0) / _causal_blocks(bm.BLOCK_SIZE[1], T)
 
 
@@ -147,8 +176,10 @@ def _static_block_mask(pats: list, n_heads: int, T: int, layer: int, device: tor
     key = (tuple(pats), layer, T, device)
     hit = _MASK_CACHE.get(key)
     if hit is None:
-        bm = flex_block_mask(plan_pattern(pats, n_heads, 0, T, T, layer, device=device),
-                             tile=flex_tile(plan_block_size(pats), device))
+        bm = flex_block_mask(
+            plan_pattern(pats, n_heads, 0, T, T, layer, device=device),
+            tile=flex_tile(plan_block_size(pats), device),
+        )
         hit = _MASK_CACHE[key] = (bm, _visited_density(bm, T))
     _MASK_CACHE.move_to_end(key)
     while len(_MASK_CACHE) > _MASK_CACHE_SIZE:
@@ -156,8 +187,13 @@ def _static_block_mask(pats: list, n_heads: int, T: int, layer: int, device: tor
     return hit
 
 
-def reference_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
-                               extra: Optional[torch.Tensor] = None) -> torch.Tensor:
+def reference_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: PatternPlan,
+    extra: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """SDPA with the materialised ``[B or 1, Hq, S, T]`` mask (ANDed with ``extra [B, 1, S, T]``); differentiable."""
     mask = plan.token_mask()
     if extra is not None:
@@ -167,6 +203,7 @@ def reference_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         # CPU's fused SDPA sums GQA groups' dk/dv in low precision (bf16 error ~2.5x plain torch);
         # the math kernel accumulates in float32 and meets the FlashAttention criterion.
         from torch.nn.attention import SDPBackend, sdpa_kernel
+
         with sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

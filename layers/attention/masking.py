@@ -14,6 +14,7 @@ by the loss (zoo.model) and by HF alike.
 
 Shapes: B batch, S queries (absolute positions ``q_offset .. q_offset + S - 1``), T keys.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class AttnMask:
     None. Nothing ``[S, T]``-sized is held until a path asks: ``dense()`` for SDPA / the sparse reference,
     ``block_mask()`` for FlexAttention (which skips whole blocks across documents), each built once.
     """
+
     key_valid: Optional[torch.Tensor]
     doc: Optional[torch.Tensor]
     q_offset: int = 0
@@ -49,14 +51,24 @@ class AttnMask:
     _block: Optional[object] = field(default=None, repr=False)
 
     @classmethod
-    def build(cls, B: int, S: int, T: int, q_offset: int, attention_mask: Optional[torch.Tensor] = None,
-              document_ids: Optional[torch.Tensor] = None, device=None) -> Optional["AttnMask"]:
+    def build(
+        cls,
+        B: int,
+        S: int,
+        T: int,
+        q_offset: int,
+        attention_mask: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None,
+        device=None,
+    ) -> Optional["AttnMask"]:
         """None when neither mask is given (plain causal attention needs none); ValueError naming a bad one."""
         if attention_mask is None and document_ids is None:
             return None
         check_token_mask("attention_mask", attention_mask, B, T)
         check_token_mask("document_ids", document_ids, B, T)
-        valid = None if attention_mask is None else attention_mask.to(device=device, dtype=torch.bool)
+        valid = (
+            None if attention_mask is None else attention_mask.to(device=device, dtype=torch.bool)
+        )
         doc = None if document_ids is None else document_ids.to(device)
         return cls(valid, doc, q_offset)
 
@@ -69,7 +81,7 @@ class AttnMask:
             if self.key_valid is not None:
                 allowed = allowed & self.key_valid[:, None, :]
             if self.doc is not None:
-                allowed = allowed & (self.doc[:, off:off + S, None] == self.doc[:, None, :])
+                allowed = allowed & (self.doc[:, off : off + S, None] == self.doc[:, None, :])
             rows = torch.arange(S, device=dev)
             allowed[:, rows, off + rows] = True
             self._dense = allowed[:, None]
@@ -79,6 +91,7 @@ class AttnMask:
         """FlexAttention BlockMask of causality AND this mask, for square (training / prefill) calls."""
         if self._block is None:
             from torch.nn.attention.flex_attention import create_block_mask
+
             valid, doc = self.key_valid, self.doc
 
             def mask_mod(b, h, q, k):
@@ -90,7 +103,9 @@ class AttnMask:
                 return keep
 
             B = (valid if valid is not None else doc).shape[0]
-            self._block = create_block_mask(mask_mod, B, None, T, T, device=device, _compile=device.type == "cuda")
+            self._block = create_block_mask(
+                mask_mod, B, None, T, T, device=device, _compile=device.type == "cuda"
+            )
         return self._block
 
 
@@ -106,18 +121,25 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
 
 def causal_mask(S: int, T: int, q_offset: int, device=None) -> torch.Tensor:
     """bool [S, T]: key j <= query position ``q_offset + i``."""
-    return torch.arange(T, device=device)[None, :] <= (q_offset + torch.arange(S, device=device))[:, None]
+    return (
+        torch.arange(T, device=device)[None, :]
+        <= (q_offset + torch.arange(S, device=device))[:, None]
+    )
 
 
-def masked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask,
-                            q_offset: int = 0) -> torch.Tensor:
+def masked_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, q_offset: int = 0
+) -> torch.Tensor:
     """Dense causal attention restricted by ``mask``: q [B, Hq, S, Dh], k [B, Hk, T, Dh], v [B, Hk, T, Dv]
     -> [B, Hq, S, Dv]. FlexAttention for square CUDA calls of at least DENSE_CROSSOVER tokens (head dims
     ``flex_fits``), else SDPA."""
     from .flex import flex_attention_call
     from .dense import DENSE_CROSSOVER, flex_fits
+
     S, T = q.shape[2], k.shape[2]
     if flex_fits(q, v) and S == T and q_offset == 0 and T >= DENSE_CROSSOVER:
         return flex_attention_call(q, k, v, mask.block_mask(T, q.device))
     allowed = mask.dense(S, T) & causal_mask(S, T, q_offset, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed, enable_gqa=q.shape[1] != k.shape[1]
+    )

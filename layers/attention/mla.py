@@ -18,6 +18,7 @@ Sparse patterns apply as in layers.attention.module.Attention (whose pattern dis
 reuses): q and k are ordinary [B, H, T, Dn + Dr] tensors by the time they meet the pattern, values
 have Dv dims. Parameter names follow DeepSeek's reference model (zoo.hf maps HF's).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -38,12 +39,22 @@ LATENT_NORM_EPS = 1e-6
 class MLACache(nn.Module):
     """Static-size latent cache ``c [B, max_len, R]``, ``kr [B, max_len, Dr]``."""
 
-    def __init__(self, batch: int, max_len: int, rank: int, rope_dim: int, dtype=torch.float32, device=None):
+    def __init__(
+        self, batch: int, max_len: int, rank: int, rope_dim: int, dtype=torch.float32, device=None
+    ):
         super().__init__()
-        self.register_buffer("c", torch.zeros(batch, max_len, rank, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("kr", torch.zeros(batch, max_len, rope_dim, dtype=dtype, device=device), persistent=False)
+        self.register_buffer(
+            "c", torch.zeros(batch, max_len, rank, dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer(
+            "kr",
+            torch.zeros(batch, max_len, rope_dim, dtype=dtype, device=device),
+            persistent=False,
+        )
 
-    def update(self, start_pos: int, c: torch.Tensor, kr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, start_pos: int, c: torch.Tensor, kr: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``c [B, S, R]``, ``kr [B, S, Dr]`` at ``start_pos``; return the filled prefixes."""
         end = start_pos + c.shape[1]
         if end > self.c.shape[1]:
@@ -61,11 +72,25 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 class MLA(Attention):
     """Latent attention with Attention's interface (``setup_cache``, ``cache``, patterns, masks)."""
 
-    def __init__(self, dim: int, n_heads: int, q_lora_rank: Optional[int], kv_lora_rank: int,
-                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope_interleave: bool = True,
-                 softmax_scale_factor: float = 1.0, pattern=None, backend: str = "auto", layer_id: int = 0,
-                 reference_below: int = -1, flex_kernel: str = "auto", kernel_options: Optional[dict] = None):
-        nn.Module.__init__(self)   # own projections; Attention contributes only the pattern dispatch
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        q_lora_rank: Optional[int],
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        rope_interleave: bool = True,
+        softmax_scale_factor: float = 1.0,
+        pattern=None,
+        backend: str = "auto",
+        layer_id: int = 0,
+        reference_below: int = -1,
+        flex_kernel: str = "auto",
+        kernel_options: Optional[dict] = None,
+    ):
+        nn.Module.__init__(self)  # own projections; Attention contributes only the pattern dispatch
         self.dim, self.n_heads, self.n_kv_heads = dim, n_heads, n_heads
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
@@ -73,7 +98,7 @@ class MLA(Attention):
         self.rope_interleave, self.softmax_scale_factor = rope_interleave, softmax_scale_factor
         self.layer_id, self.backend, self.reference_below = layer_id, backend, reference_below
         self.flex_kernel, self.kernel_options = flex_kernel, kernel_options
-        self.attn_stats: dict = {}         # as Attention's: last forward's sparse stats, selection on request
+        self.attn_stats: dict = {}  # as Attention's: last forward's sparse stats, selection on request
         self.record_selection = False
         if q_lora_rank:
             self.wq_a = nn.Linear(dim, q_lora_rank, bias=False)
@@ -89,7 +114,9 @@ class MLA(Attention):
             pats = head_patterns(pattern, n_heads)
             layer_block_size(pats)
             if compress_heads(pats):
-                raise ValueError("block top-k compress: 1 runs in layers.Attention only, not in MLA")
+                raise ValueError(
+                    "block top-k compress: 1 runs in layers.Attention only, not in MLA"
+                )
         self.pattern = pattern
         self.compress_heads = []
         self.cache: Optional[MLACache] = None
@@ -100,14 +127,28 @@ class MLA(Attention):
         """From a ``configs.ModelConfig`` with ``attention_type: mla`` (``kw``: pattern, backend, layer_id, ...)."""
         m, rs = cfg.mla, cfg.rope_scaling
         factor = 1.0
-        if rs.type == "yarn" and rs.mscale_all_dim:   # DeepSeek: softmax scale times mscale(all_dim)^2
+        if (
+            rs.type == "yarn" and rs.mscale_all_dim
+        ):  # DeepSeek: softmax scale times mscale(all_dim)^2
             factor = yarn_mscale(rs.factor, rs.mscale_all_dim) ** 2
-        return cls(cfg.dim, cfg.n_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim,
-                   m.v_head_dim, m.rope_interleave, factor, **kw)
+        return cls(
+            cfg.dim,
+            cfg.n_heads,
+            m.q_lora_rank,
+            m.kv_lora_rank,
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.v_head_dim,
+            m.rope_interleave,
+            factor,
+            **kw,
+        )
 
     def setup_cache(self, batch: int, max_len: int, dtype=None, device=None) -> None:
         w = self.wkv_a.weight
-        self.cache = MLACache(batch, max_len, self.kv_lora_rank, self.rope_dim, dtype or w.dtype, device or w.device)
+        self.cache = MLACache(
+            batch, max_len, self.kv_lora_rank, self.rope_dim, dtype or w.dtype, device or w.device
+        )
 
     def init_weights(self, std: float = 0.02, out_std: float = 0.02) -> None:
         for name in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b"):
@@ -118,18 +159,27 @@ class MLA(Attention):
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rotary(deinterleave(x) if self.rope_interleave else x, cos, sin)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0,
-                mask: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        start_pos: int = 0,
+        mask: Optional[torch.Tensor] = None,
+        positions: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         # positions: Attention's signature, which the block calls; only SSMax reads them, and MLA has none
         B, S, _ = x.shape
         H, Dn, Dr, Dv = self.n_heads, self.nope_dim, self.rope_dim, self.v_dim
         q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora_rank else self.wq(x)
         q = q.view(B, S, H, Dn + Dr).transpose(1, 2)
         q = torch.cat([q[..., :Dn], self._rope(q[..., Dn:], cos, sin)], dim=-1)
-        if self.softmax_scale_factor != 1.0:   # every attention path scales by 1/sqrt(Dn + Dr); fold the rest into q
+        if (
+            self.softmax_scale_factor != 1.0
+        ):  # every attention path scales by 1/sqrt(Dn + Dr); fold the rest into q
             q = q * self.softmax_scale_factor
         c, kr = self.wkv_a(x).split([self.kv_lora_rank, Dr], dim=-1)
-        c, kr = self.kv_norm(c), self._rope(kr[:, None], cos, sin)[:, 0]       # [B, S, R], [B, S, Dr]
+        c, kr = self.kv_norm(c), self._rope(kr[:, None], cos, sin)[:, 0]  # [B, S, R], [B, S, Dr]
         if self.cache is not None:
             c, kr = self.cache.update(start_pos, c, kr)
         T = c.shape[1]

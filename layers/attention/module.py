@@ -14,6 +14,7 @@ packed documents leave, ANDed with causality and the pattern. ``pattern`` is Non
 
 Shapes: B batch, S new tokens, T cached + new tokens, D model dim, Hq/Hk query/KV heads, Dh head dim.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -60,7 +61,7 @@ def put_heads(t: torch.Tensor, heads: list[int], rows: torch.Tensor) -> torch.Te
     for a, b in head_runs(heads):
         if a > prev:
             pieces.append(t[:, prev:a])
-        pieces.append(rows[:, j:j + b - a])
+        pieces.append(rows[:, j : j + b - a])
         j, prev = j + b - a, b
     if prev < t.shape[1]:
         pieces.append(t[:, prev:])
@@ -70,13 +71,23 @@ def put_heads(t: torch.Tensor, heads: list[int], rows: torch.Tensor) -> torch.Te
 class KVCache(nn.Module):
     """Static-size cache ``k, v [B, Hk, max_len, Dh]`` (gpt-fast style: no reallocation in decode)."""
 
-    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype=torch.float32, device=None):
+    def __init__(
+        self,
+        batch: int,
+        n_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype=torch.float32,
+        device=None,
+    ):
         super().__init__()
         shape = (batch, n_kv_heads, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, start_pos: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k, v [B, Hk, S, Dh]`` at ``start_pos``; return the filled prefix ``[B, Hk, start_pos+S, Dh]``."""
         end = start_pos + k.shape[2]
         if end > self.k.shape[2]:
@@ -94,19 +105,34 @@ class Attention(nn.Module):
     ``start_pos`` and queries attend to the prefix.
     """
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: Optional[int] = None, pattern=None,
-                 backend: str = "auto", layer_id: int = 0, reference_below: int = -1, bias: bool = False,
-                 head_dim: Optional[int] = None, qk_norm: str = "none", norm_eps: float = 1e-6,
-                 flex_kernel: str = "auto", kernel_options: Optional[dict] = None, ssmax: bool = False):
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: Optional[int] = None,
+        pattern=None,
+        backend: str = "auto",
+        layer_id: int = 0,
+        reference_below: int = -1,
+        bias: bool = False,
+        head_dim: Optional[int] = None,
+        qk_norm: str = "none",
+        norm_eps: float = 1e-6,
+        flex_kernel: str = "auto",
+        kernel_options: Optional[dict] = None,
+        ssmax: bool = False,
+    ):
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
         if (head_dim is None and dim % n_heads) or n_heads % n_kv_heads:
-            raise ValueError(f"dim={dim}, n_heads={n_heads}, n_kv_heads={n_kv_heads}: heads must divide evenly")
+            raise ValueError(
+                f"dim={dim}, n_heads={n_heads}, n_kv_heads={n_kv_heads}: heads must divide evenly"
+            )
         self.dim, self.n_heads, self.n_kv_heads = dim, n_heads, n_kv_heads
         self.head_dim = head_dim or dim // n_heads
         self.layer_id, self.backend, self.reference_below = layer_id, backend, reference_below
         self.flex_kernel, self.kernel_options = flex_kernel, dict(kernel_options or {})
-        self.attn_stats: dict = {}   # last forward's density / block top-k selection stats (layers.attention.density)
+        self.attn_stats: dict = {}  # last forward's density / block top-k selection stats (layers.attention.density)
         # True: eager forwards also keep their block top-k heads' chosen blocks, attn_stats["selection"]
         # (a layers.attention.plan.BlockSelection; the passkey eval's needle recall sets it for its forwards)
         self.record_selection = False
@@ -120,19 +146,27 @@ class Attention(nn.Module):
         if qk_norm != "none":
             per_head = qk_norm == "head"
             self.q_norm = RMSNorm(self.head_dim if per_head else n_heads * self.head_dim, norm_eps)
-            self.k_norm = RMSNorm(self.head_dim if per_head else n_kv_heads * self.head_dim, norm_eps)
+            self.k_norm = RMSNorm(
+                self.head_dim if per_head else n_kv_heads * self.head_dim, norm_eps
+            )
         # SSMax's per-head slope, float32 like the norms (1-D: no weight decay); zero = plain softmax
         self.ssmax = nn.Parameter(torch.zeros(n_heads)) if ssmax else None
-        if pattern is not None:   # a per-head list of the wrong length or mixed block sizes fails here, not in forward
+        if (
+            pattern is not None
+        ):  # a per-head list of the wrong length or mixed block sizes fails here, not in forward
             layer_block_size(head_patterns(pattern, n_heads))
         self.pattern = pattern
-        self.compress_heads = compress_heads(head_patterns(pattern, n_heads)) if pattern is not None else []
+        self.compress_heads = (
+            compress_heads(head_patterns(pattern, n_heads)) if pattern is not None else []
+        )
         if self.compress_heads:
             # NSA's branch gates from the layer input: [fine, compressed] logits per compressed head
             self.branch_gate = nn.Linear(dim, 2 * len(self.compress_heads))
-        self._compressed_density = None    # ((T, device), float32 [Hq]): the branch's share of the density stat
+        self._compressed_density = (
+            None  # ((T, device), float32 [Hq]): the branch's share of the density stat
+        )
         self.cache: Optional[KVCache] = None
-        self._q_history: Optional[torch.Tensor] = None   # last queries, for decode-time estimation
+        self._q_history: Optional[torch.Tensor] = None  # last queries, for decode-time estimation
 
     def setup_cache(self, batch: int, max_len: int, dtype=None, device=None) -> None:
         dtype = dtype or self.wk.weight.dtype
@@ -147,17 +181,26 @@ class Attention(nn.Module):
         nn.init.normal_(self.wo.weight, std=out_std)
         if self.ssmax is not None:
             nn.init.zeros_(self.ssmax)
-        if self.compress_heads:       # gates near sigmoid(0) = 1/2 for both branches at the start
+        if self.compress_heads:  # gates near sigmoid(0) = 1/2 for both branches at the start
             nn.init.normal_(self.branch_gate.weight, std=std)
             nn.init.zeros_(self.branch_gate.bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0,
-                mask: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        start_pos: int = 0,
+        mask: Optional[torch.Tensor] = None,
+        positions: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """``positions`` ([S] or [B, S], default ``start_pos + arange(S)``): the queries' positions, the
         RoPE ones (per document when packed); read only by SSMax."""
         if self.compress_heads and mask is not None:
-            raise ValueError("block top-k compress: 1 cannot run with padding or packed-document masks: its pooled "
-                             "key blocks would mix documents and padding")
+            raise ValueError(
+                "block top-k compress: 1 cannot run with padding or packed-document masks: its pooled "
+                "key blocks would mix documents and padding"
+            )
         q, k = self.wq(x), self.wk(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -166,18 +209,25 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = (rearrange(t, "b s h d -> b h s d") for t in (q, k))
         v = rearrange(self.wv(x), "b s (h d) -> b h s d", d=self.head_dim)
-        q_scale = None if self.ssmax is None else self._ssmax_scale(q.shape[2], q.device, start_pos, positions)
+        q_scale = (
+            None
+            if self.ssmax is None
+            else self._ssmax_scale(q.shape[2], q.device, start_pos, positions)
+        )
         q, k = apply_rotary(q, cos, sin, q_scale), apply_rotary(k, cos, sin)
         if self.cache is not None:
             k, v = self.cache.update(start_pos, k, v)
         stats_before = self.attn_stats
         out = self._attend(q, k, v, start_pos, mask)
         if self.compress_heads:
-            out = self._with_compressed(x, q, k, v, out, start_pos, self.attn_stats is not stats_before)
+            out = self._with_compressed(
+                x, q, k, v, out, start_pos, self.attn_stats is not stats_before
+            )
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))
 
-    def _ssmax_scale(self, S: int, device: torch.device, start_pos: int,
-                     positions: Optional[torch.Tensor]) -> torch.Tensor:
+    def _ssmax_scale(
+        self, S: int, device: torch.device, start_pos: int, positions: Optional[torch.Tensor]
+    ) -> torch.Tensor:
         """SSMax's query scale ``max(0, 1 + ssmax[h] * log(p + 1))``, float32 ``[Hq, S, 1]`` (``[B, Hq, S, 1]`` for
         per-row positions), applied to q after RoPE inside RoPE's float32 pass: SSMax's ``s log n`` with
         n = p + 1, the keys a causal query at p sees, plus a fixed 1 so that s = 0 is plain attention. Scaling
@@ -191,16 +241,20 @@ class Attention(nn.Module):
         if positions is None:
             positions = torch.arange(start_pos, start_pos + S, device=device)
         # padding rows may carry negative position_ids (HF-style cumsum - 1): log1p(-1) = -inf would give NaN
-        logn = torch.log1p(positions.float().clamp(min=0))               # [S] or [B, S]
+        logn = torch.log1p(positions.float().clamp(min=0))  # [S] or [B, S]
         # float32 (as RoPE's math): a bf16 scale would drop slopes below ~0.004 / log(p + 1)
-        scale = (1.0 + self.ssmax.float()[:, None] * logn.unsqueeze(-2)).clamp(min=0.0)   # [(B,) Hq, S]
+        scale = (1.0 + self.ssmax.float()[:, None] * logn.unsqueeze(-2)).clamp(
+            min=0.0
+        )  # [(B,) Hq, S]
         return scale.unsqueeze(-1)
 
     def _with_compressed(self, x, q, k, v, out, q_offset: int, fresh_stats: bool) -> torch.Tensor:
         """``out [B, Hq, S, Dh]`` with each compressed head's rows replaced by
         ``sigmoid(g_fine) * out + sigmoid(g_cmp) * compressed_attention`` (layers.attention.compressed)."""
         pats = head_patterns(self.pattern, self.n_heads)
-        g = rearrange(torch.sigmoid(self.branch_gate(x)), "b s (two h) -> two b h s 1", two=2).to(out.dtype)
+        g = rearrange(torch.sigmoid(self.branch_gate(x)), "b s (two h) -> two b h s 1", two=2).to(
+            out.dtype
+        )
         # one call per pooling block size among the heads (a layer normally has one)
         by_block: dict[int, list[int]] = {}
         for i, h in enumerate(self.compress_heads):
@@ -212,23 +266,42 @@ class Attention(nn.Module):
             parts.append(compressed_attention(take_heads(q, hs), k, v, cb, q_offset, kv_heads))
         if len(parts) == 1:
             cmp = parts[0]
-        else:      # back to compress_heads' order: head j sits at position order.index(j) of the concatenation
+        else:  # back to compress_heads' order: head j sits at position order.index(j) of the concatenation
             order = [i for idx in by_block.values() for i in idx]
-            cmp = torch.cat(parts, 1)[:, index_tensor([order.index(j) for j in range(len(order))], q.device)]
+            cmp = torch.cat(parts, 1)[
+                :, index_tensor([order.index(j) for j in range(len(order))], q.device)
+            ]
         mixed = g[0] * take_heads(out, self.compress_heads) + g[1] * cmp.to(out.dtype)
-        if fresh_stats and "density" in self.attn_stats and q.shape[2] == k.shape[2] and q_offset == 0:
+        if (
+            fresh_stats
+            and "density" in self.attn_stats
+            and q.shape[2] == k.shape[2]
+            and q_offset == 0
+        ):
             # honest FLOPs: the branch's (query, pooled key) pairs, in the block units of the kernel's density
             T, bs = k.shape[2], layer_block_size(pats)
             if self._compressed_density is None or self._compressed_density[0] != (T, q.device):
-                n = (T + bs - 1) // bs     # a host list made a device tensor once per length (no copy per step)
-                self._compressed_density = ((T, q.device), torch.tensor(
-                    compressed_density(pats, T, bs * bs * n * (n + 1) / 2), device=q.device))
+                n = (
+                    T + bs - 1
+                ) // bs  # a host list made a device tensor once per length (no copy per step)
+                self._compressed_density = (
+                    (T, q.device),
+                    torch.tensor(
+                        compressed_density(pats, T, bs * bs * n * (n + 1) / 2), device=q.device
+                    ),
+                )
             dens = self.attn_stats["density"] + self._compressed_density[1]
             self.attn_stats = {**self.attn_stats, "density": dens}
         return put_heads(out, self.compress_heads, mixed)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_offset: int,
+        mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         if self.pattern is None:
             if mask is not None:
                 return masked_causal_attention(q, k, v, mask, q_offset)
@@ -242,12 +315,30 @@ class Attention(nn.Module):
             # step re-estimates exactly what prefill of the same tokens would (last_q rows, pooled block).
             history = self._q_history if q_offset > 0 else None
             keep = max(max(p.last_q, p.block_size) for p in dyn)
-            self._q_history = (q if history is None else torch.cat([history, q], dim=2))[:, :, -keep:].detach()
+            self._q_history = (q if history is None else torch.cat([history, q], dim=2))[
+                :, :, -keep:
+            ].detach()
         # stats only in eager mode: a dict written inside a compiled block would be a graph side effect
-        stats = None if torch.compiler.is_compiling() else ({"selection": None} if self.record_selection else {})
-        out = sparse_attention(q, k, v, self.pattern, backend=self.backend, layer=self.layer_id, q_offset=q_offset,
-                               q_history=history, reference_below=self.reference_below, kernel=self.flex_kernel,
-                               kernel_options=self.kernel_options, stats=stats, mask=mask)
+        stats = (
+            None
+            if torch.compiler.is_compiling()
+            else ({"selection": None} if self.record_selection else {})
+        )
+        out = sparse_attention(
+            q,
+            k,
+            v,
+            self.pattern,
+            backend=self.backend,
+            layer=self.layer_id,
+            q_offset=q_offset,
+            q_history=history,
+            reference_below=self.reference_below,
+            kernel=self.flex_kernel,
+            kernel_options=self.kernel_options,
+            stats=stats,
+            mask=mask,
+        )
         if stats:
             self.attn_stats = stats
         return out

@@ -63,13 +63,19 @@ each decode step re-estimates: ``last_q x T`` scores, ``last_q`` times a dense d
 
 Shapes: B batch, H query heads, S queries, T keys, D head dim, nq/nk query/key blocks.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-from moezoo.configs.attention import COMMON_PARAMS, DEFAULT_BLOCK_SIZE, PATTERN_TYPES, validate_pattern
+from moezoo.configs.attention import (
+    COMMON_PARAMS,
+    DEFAULT_BLOCK_SIZE,
+    PATTERN_TYPES,
+    validate_pattern,
+)
 from moezoo.configs.errors import ConfigError, check_choice
 
 DYNAMIC_TYPES = ("vertical_slash", "block_topk")
@@ -90,13 +96,21 @@ class SparsityPattern:
     last_q: int = 64
     top_k: int = 0
     dense_below: int = 0
-    keep_columns: int = 0       # vertical-slash: the first N key columns always among the chosen (MInference: 30)
-    keep_diagonals: int = 0     # vertical-slash: the N diagonals nearest the main one always chosen (MInference: 100)
-    share_group: int = 0        # block top-k: 1 = one selection per KV group (NSA-style, GQA-native)
-    query_max: int = 0          # block top-k: 1 = a query block scores key blocks by its best query (MoBA/NSA per-query affinity)
-    compress: int = 0           # block top-k: 1 = plus NSA's compressed branch, gated (layers.attention.compressed)
-    compress_block: int = 0     # the compressed branch's pooling block (power of two; 0 = block_size)
-    score_block: int = 0        # block top-k: keys pooled per sub-block, a block scored by its best (0 = block_size)
+    keep_columns: int = (
+        0  # vertical-slash: the first N key columns always among the chosen (MInference: 30)
+    )
+    keep_diagonals: int = (
+        0  # vertical-slash: the N diagonals nearest the main one always chosen (MInference: 100)
+    )
+    share_group: int = 0  # block top-k: 1 = one selection per KV group (NSA-style, GQA-native)
+    query_max: int = 0  # block top-k: 1 = a query block scores key blocks by its best query (MoBA/NSA per-query affinity)
+    compress: int = (
+        0  # block top-k: 1 = plus NSA's compressed branch, gated (layers.attention.compressed)
+    )
+    compress_block: int = 0  # the compressed branch's pooling block (power of two; 0 = block_size)
+    score_block: int = (
+        0  # block top-k: keys pooled per sub-block, a block scored by its best (0 = block_size)
+    )
 
     def __post_init__(self):
         validate_pattern(self.to_dict(), "pattern")
@@ -155,5 +169,7 @@ def layer_block_size(pats: Sequence[SparsityPattern]) -> int:
     """The block size shared by a layer's sparse heads (kernels tile one block size per layer)."""
     sizes = {p.block_size for p in pats if p.type != "dense"} or {SparsityPattern().block_size}
     if len(sizes) != 1:
-        raise ConfigError("pattern.block_size", f"heads of one layer must share block_size, got {sorted(sizes)}")
+        raise ConfigError(
+            "pattern.block_size", f"heads of one layer must share block_size, got {sorted(sizes)}"
+        )
     return sizes.pop()

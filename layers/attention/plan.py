@@ -4,6 +4,7 @@ heads chose (``BlockSelection``).
 
 Shapes: B batch, H query heads, S queries, T keys, D head dim, nq/nk query/key blocks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ class PatternPlan:
     query positions ``q_start ..``. ``col_budget``: the most columns any head chose (known from the budgets,
     so a backend can size per-head column slots without reading ``cols`` back from the GPU).
     """
+
     block_size: int
     q_pos: torch.Tensor
     T: int
@@ -43,9 +45,11 @@ class PatternPlan:
     def token_mask(self) -> torch.Tensor:
         """bool ``[B or 1, H, S, T]``."""
         k_pos = torch.arange(self.T, device=self.q_pos.device)
-        d = self.q_pos[:, None] - k_pos[None, :]                                            # [S, T]
-        keep = (d[None] < self.window[:, None, None]) | (k_pos[None, None, :] < self.sinks[:, None, None])
-        keep = keep[None]                                                                   # [1, H, S, T]
+        d = self.q_pos[:, None] - k_pos[None, :]  # [S, T]
+        keep = (d[None] < self.window[:, None, None]) | (
+            k_pos[None, None, :] < self.sinks[:, None, None]
+        )
+        keep = keep[None]  # [1, H, S, T]
         if self.blocks is not None:
             bs = self.block_size
             qb = torch.div(self.q_pos, bs, rounding_mode="floor") - self.q_block0
@@ -62,7 +66,7 @@ class PatternPlan:
         diagonals iff ``k >= qs`` or ``reach[qs - k]`` (module docstring).
         """
         bs, T = self.block_size, self.T
-        cs = torch.nn.functional.pad(self.diags.int().cumsum(-1), (1, 0))                 # [B, H, T+1]
+        cs = torch.nn.functional.pad(self.diags.int().cumsum(-1), (1, 0))  # [B, H, T+1]
         x = torch.arange(T, device=self.diags.device)
         return cs[..., (x + bs).clamp(max=T)] > cs[..., x]
 
@@ -70,12 +74,12 @@ class PatternPlan:
         """The slash rule as bool ``[B, H, S, T]`` (for vertical-slash heads True on and past each query's
         block start; causality is the caller's): one gathered row per query block, repeated over its queries."""
         bs, T = self.block_size, self.T
-        qs = torch.div(self.q_pos, bs, rounding_mode="floor") * bs                          # [S]
+        qs = torch.div(self.q_pos, bs, rounding_mode="floor") * bs  # [S]
         starts, row_of = torch.unique_consecutive(qs, return_inverse=True)
-        x = starts[:, None] - torch.arange(T, device=qs.device)[None, :]                   # [nb, T]
+        x = starts[:, None] - torch.arange(T, device=qs.device)[None, :]  # [nb, T]
         # x <= 0 (the query's own block) reads reach[0]: true exactly for heads with diagonal 0 chosen,
         # i.e. the vertical-slash heads; other heads of the plan get nothing from this rule
-        rows = self.diag_reach()[..., x.clamp(min=0)]                                       # [B, H, nb, T]
+        rows = self.diag_reach()[..., x.clamp(min=0)]  # [B, H, nb, T]
         return rows[:, :, row_of]
 
     def block_layout(self, include_cols: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,11 +96,11 @@ class PatternPlan:
         if self.q_pos.numel() != T or self.q_start != 0:
             raise ValueError("block_layout needs queries at positions 0..T-1")
         n = (T + bs - 1) // bs
-        off = torch.arange(n, device=dev)[:, None] - torch.arange(n, device=dev)[None, :]     # qb - kb
+        off = torch.arange(n, device=dev)[:, None] - torch.arange(n, device=dev)[None, :]  # qb - kb
         causal, below = off >= 0, off > 0
         win, sinks = self.window[:, None, None], self.sinks[:, None, None]
         kb_lo = torch.arange(n, device=dev)[None, :] * bs
-        touch = causal & (((off * bs - (bs - 1)) < win) | (kb_lo < sinks))                   # [H, n, n]
+        touch = causal & (((off * bs - (bs - 1)) < win) | (kb_lo < sinks))  # [H, n, n]
         full = below & (((off * bs + (bs - 1)) < win) | (kb_lo + bs <= sinks))
         touch, full = touch[None], full[None]
         if self.blocks is not None:
@@ -106,16 +110,20 @@ class PatternPlan:
             # Block offset o >= 1 holds the pairs with qs - k in x = o*bs-(bs-1) .. o*bs, kept where
             # reach[x]: touched when a chosen diagonal lies in o*bs-(bs-1) .. o*bs+(bs-1), full when
             # reach holds on all bs of them. The diagonal block (o = 0) is kept whole (up to causality).
-            cs = torch.nn.functional.pad(self.diags.int().cumsum(-1), (1, 0))                # [B, H, T+1]
+            cs = torch.nn.functional.pad(self.diags.int().cumsum(-1), (1, 0))  # [B, H, T+1]
             cr = torch.nn.functional.pad(self.diag_reach().int().cumsum(-1), (1, 0))
             o = torch.arange(n, device=dev)
             lo, hi = (o * bs - (bs - 1)).clamp(0, T), (o * bs + bs).clamp(0, T)
-            n_diag = cs[..., hi] - cs[..., lo]                       # [B, H, n] chosen diagonals by offset
+            n_diag = cs[..., hi] - cs[..., lo]  # [B, H, n] chosen diagonals by offset
             oc = off.clamp(min=0)
             hit = n_diag > 0
             if include_cols:
                 pad = n * bs - T
-                has_col = torch.nn.functional.pad(self.cols, (0, pad)).view(*self.cols.shape[:2], n, bs).any(-1)
+                has_col = (
+                    torch.nn.functional.pad(self.cols, (0, pad))
+                    .view(*self.cols.shape[:2], n, bs)
+                    .any(-1)
+                )
                 hit = hit[:, :, oc] | has_col[:, :, None, :]
             else:
                 hit = hit[:, :, oc]
@@ -137,6 +145,7 @@ class BlockSelection:
     own block included, plus any random blocks) for query blocks ``q_block0 ..``; ``heads``: the block top-k
     heads, in order.
     """
+
     blocks: torch.Tensor
     heads: tuple[int, ...]
     block_size: int
@@ -147,13 +156,25 @@ class BlockSelection:
         the keys ``k_pos`` (windows and sinks aside: what the selection itself found)."""
         bs = self.block_size
         kb = index_tensor(sorted({int(k) // bs for k in k_pos}), self.blocks.device)
-        row = self.blocks[:, index_tensor(self.heads, self.blocks.device), q_pos // bs - self.q_block0]   # [B, h, nk]
+        row = self.blocks[
+            :, index_tensor(self.heads, self.blocks.device), q_pos // bs - self.q_block0
+        ]  # [B, h, nk]
         return row[..., kb].any(-1)
 
 
-def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: int, layer: int = 0,
-                 q: Optional[torch.Tensor] = None, k: Optional[torch.Tensor] = None,
-                 q_history: Optional[torch.Tensor] = None, device=None, stats: Optional[dict] = None) -> PatternPlan:
+def plan_pattern(
+    pattern: PatternLike,
+    n_heads: int,
+    q_start: int,
+    S: int,
+    T: int,
+    layer: int = 0,
+    q: Optional[torch.Tensor] = None,
+    k: Optional[torch.Tensor] = None,
+    q_history: Optional[torch.Tensor] = None,
+    device=None,
+    stats: Optional[dict] = None,
+) -> PatternPlan:
     """Resolve a (per-head) pattern for queries at positions ``q_start .. q_start+S-1`` over keys ``0..T-1``.
 
     Input-dependent heads need ``q[B, H, S, D]`` and ``k[B, Hk, T, D]``; ``q_history[B, H, P, D]``
@@ -188,16 +209,24 @@ def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: in
         if vs:
             L = min(max(pats[h].last_q for h in vs), src.shape[2])
             src_end = src_start + src.shape[2]
-            heads = index_tensor(vs, dev)      # index tensors, not lists: a list index is a blocking host-to-GPU copy
-            c, dg = estimate_vertical_slash(src[:, heads, -L:], _kv_for_heads(k, vs, n_heads), range(src_end - L, src_end),
-                                            [pats[h].n_vertical for h in vs], [pats[h].n_slash for h in vs],
-                                            [pats[h].keep_columns for h in vs], [pats[h].keep_diagonals for h in vs])
+            heads = index_tensor(
+                vs, dev
+            )  # index tensors, not lists: a list index is a blocking host-to-GPU copy
+            c, dg = estimate_vertical_slash(
+                src[:, heads, -L:],
+                _kv_for_heads(k, vs, n_heads),
+                range(src_end - L, src_end),
+                [pats[h].n_vertical for h in vs],
+                [pats[h].n_slash for h in vs],
+                [pats[h].keep_columns for h in vs],
+                [pats[h].keep_diagonals for h in vs],
+            )
             cols = torch.zeros(B, n_heads, T, dtype=torch.bool, device=dev)
             diags = torch.zeros_like(cols)
             cols[:, heads], diags[:, heads] = c, dg
         bt = [h for h in dyn if pats[h].type == "block_topk"]
         if bt:
-            first = max(qb0 * bs - src_start, 0)       # pool from the first query block's start on
+            first = max(qb0 * bs - src_start, 0)  # pool from the first query block's start on
             g = n_heads // k.shape[1]
             full = torch.zeros(B, n_heads, q_blocks.numel(), nk, dtype=torch.bool, device=dev)
             if blocks is not None:
@@ -209,11 +238,23 @@ def plan_pattern(pattern: PatternLike, n_heads: int, q_start: int, S: int, T: in
                 hs = [h for h in bt if rule[h] == (qmax, sub)]
                 heads = index_tensor(hs, dev)
                 # share_group heads of one KV group with one budget share a slot (one selection); others their own
-                slot_key = [(h // g, pats[h].top_k) if pats[h].share_group else ("head", h) for h in hs]
+                slot_key = [
+                    (h // g, pats[h].top_k) if pats[h].share_group else ("head", h) for h in hs
+                ]
                 slot = [sorted(set(slot_key), key=str).index(x) for x in slot_key]
-                full[:, heads] |= estimate_block_topk(src[:, heads, first:], src_start + first,
-                                                      _kv_for_heads(k, hs, n_heads), q_blocks, qb0, bs,
-                                                      [pats[h].top_k for h in hs], slot, stats, bool(qmax), sub)
+                full[:, heads] |= estimate_block_topk(
+                    src[:, heads, first:],
+                    src_start + first,
+                    _kv_for_heads(k, hs, n_heads),
+                    q_blocks,
+                    qb0,
+                    bs,
+                    [pats[h].top_k for h in hs],
+                    slot,
+                    stats,
+                    bool(qmax),
+                    sub,
+                )
             blocks = full
             if stats is not None and "selection" in stats:
                 stats["selection"] = BlockSelection(blocks, tuple(bt), bs, qb0)
@@ -236,8 +277,16 @@ def _kv_for_heads(k: torch.Tensor, heads: Sequence[int], n_heads: int) -> torch.
     return k[:, index_tensor([h // g for h in heads], k.device)]
 
 
-def pattern_mask(pattern: PatternLike, q_len: int, kv_len: int, n_heads: int, layer: int = 0,
-                 q: Optional[torch.Tensor] = None, k: Optional[torch.Tensor] = None, device=None) -> torch.Tensor:
+def pattern_mask(
+    pattern: PatternLike,
+    q_len: int,
+    kv_len: int,
+    n_heads: int,
+    layer: int = 0,
+    q: Optional[torch.Tensor] = None,
+    k: Optional[torch.Tensor] = None,
+    device=None,
+) -> torch.Tensor:
     """The token-level mask a pattern means: bool ``[n_heads, q_len, kv_len]`` (``[B, ...]`` with ``q, k``).
 
     Queries are the last ``q_len`` positions of the ``kv_len`` keys (decode: ``q_len = 1``).
@@ -249,8 +298,14 @@ def pattern_mask(pattern: PatternLike, q_len: int, kv_len: int, n_heads: int, la
     return m if q is not None else m[0]
 
 
-def budget_plan(pattern: PatternLike, n_heads: int, T: int, layer: int = 0, rows: Optional[range] = None,
-                device=None) -> PatternPlan:
+def budget_plan(
+    pattern: PatternLike,
+    n_heads: int,
+    T: int,
+    layer: int = 0,
+    rows: Optional[range] = None,
+    device=None,
+) -> PatternPlan:
     """A plan that needs no input: input-dependent heads get the places their budgets allow.
 
     Vertical-slash heads take columns ``0 .. n_vertical-1`` and diagonals ``0 .. n_slash-1``; block
@@ -259,23 +314,33 @@ def budget_plan(pattern: PatternLike, n_heads: int, T: int, layer: int = 0, rows
     """
     pats = head_patterns(pattern, n_heads)
     rows = range(T) if rows is None else rows
-    dyn = [h for h, p in enumerate(pats) if p.dynamic and not p.is_dense_at(T)]   # heads dense at T: plan_pattern
+    dyn = [
+        h for h, p in enumerate(pats) if p.dynamic and not p.is_dense_at(T)
+    ]  # heads dense at T: plan_pattern
     # stand-ins that keep the layer's block size; their window is cleared below
-    static = [SparsityPattern(type="local", window=1, block_size=p.block_size) if h in dyn else p
-              for h, p in enumerate(pats)]
+    static = [
+        SparsityPattern(type="local", window=1, block_size=p.block_size) if h in dyn else p
+        for h, p in enumerate(pats)
+    ]
     plan = plan_pattern(static, n_heads, rows.start, len(rows), T, layer, device=device)
     if not dyn:
         return plan
     idx = torch.arange(T, device=device)
     plan.window, plan.sinks = plan.window.clone(), plan.sinks.clone()
-    for h in dyn:   # block top-k heads keep their own sinks / window on top of the blocks
-        plan.window[h], plan.sinks[h] = (pats[h].window, pats[h].sinks) if pats[h].type == "block_topk" else (0, 0)
+    for h in dyn:  # block top-k heads keep their own sinks / window on top of the blocks
+        plan.window[h], plan.sinks[h] = (
+            (pats[h].window, pats[h].sinks) if pats[h].type == "block_topk" else (0, 0)
+        )
     cols = torch.zeros(1, n_heads, T, dtype=torch.bool, device=device)
     diags = torch.zeros_like(cols)
     nq = (rows.stop - 1) // plan.block_size - plan.q_block0 + 1 if len(rows) else 0
     nk = (T + plan.block_size - 1) // plan.block_size
     qb = torch.arange(plan.q_block0, plan.q_block0 + nq, device=device)[:, None]
-    blocks = torch.zeros(1, n_heads, nq, nk, dtype=torch.bool, device=device) if plan.blocks is None else plan.blocks.clone()
+    blocks = (
+        torch.zeros(1, n_heads, nq, nk, dtype=torch.bool, device=device)
+        if plan.blocks is None
+        else plan.blocks.clone()
+    )
     for h in dyn:
         p = pats[h]
         if p.type == "vertical_slash":

@@ -3,6 +3,7 @@ estimation (MInference) and block top-k estimation (MoBA-style pooled scores).
 
 Semantics in layers.attention.pattern. Shapes: B batch, H query heads, S queries, T keys, D head dim.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -35,7 +36,9 @@ def index_tensor(values: Sequence[int], device=None) -> torch.Tensor:
     return to_device(t, device)
 
 
-def random_block_rows(pats: Sequence[SparsityPattern], layer: int, q_blocks: torch.Tensor, n_k_blocks: int) -> torch.Tensor:
+def random_block_rows(
+    pats: Sequence[SparsityPattern], layer: int, q_blocks: torch.Tensor, n_k_blocks: int
+) -> torch.Tensor:
     """``bool[H, len(q_blocks), n_k_blocks]``: the ``random_blocks`` key blocks each head's query blocks draw.
 
     Block ``qb`` of head h picks the ``r`` blocks of ``0 .. qb-1`` with the largest 32-bit hash of
@@ -44,12 +47,19 @@ def random_block_rows(pats: Sequence[SparsityPattern], layer: int, q_blocks: tor
     """
     dev = q_blocks.device
     kb = torch.arange(n_k_blocks, device=dev)
-    base = index_tensor([_fmix32((p.seed * 0x9E3779B1 + layer * 0x85EBCA77 + h * 0xC2B2AE3D) & _MASK32)
-                  for h, p in enumerate(pats)], dev)                                     # [H]
-    hq = _fmix32(base[:, None] ^ ((q_blocks.long() * 0x27D4EB2F) & _MASK32)[None, :])   # [H, nq]
-    h = _fmix32(hq[:, :, None] ^ ((kb * 0x165667B1) & _MASK32))                          # [H, nq, nk]
-    earlier = kb[None, :] < q_blocks[:, None]                                             # [nq, nk]
-    score = torch.where(earlier, (h << 20) | kb, -1)     # distinct scores: ties never depend on topk order
+    base = index_tensor(
+        [
+            _fmix32((p.seed * 0x9E3779B1 + layer * 0x85EBCA77 + h * 0xC2B2AE3D) & _MASK32)
+            for h, p in enumerate(pats)
+        ],
+        dev,
+    )  # [H]
+    hq = _fmix32(base[:, None] ^ ((q_blocks.long() * 0x27D4EB2F) & _MASK32)[None, :])  # [H, nq]
+    h = _fmix32(hq[:, :, None] ^ ((kb * 0x165667B1) & _MASK32))  # [H, nq, nk]
+    earlier = kb[None, :] < q_blocks[:, None]  # [nq, nk]
+    score = torch.where(
+        earlier, (h << 20) | kb, -1
+    )  # distinct scores: ties never depend on topk order
     return _topk_per_head(score[None], [p.random_blocks for p in pats])[0] & earlier
 
 
@@ -61,15 +71,20 @@ def _group_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """``q[B, H, L, D]``, ``k[B, Hk, T, D]`` -> float32 ``q k^T / sqrt(D)`` of shape ``[B, H, L, T]`` (GQA without repeat)."""
     B, H, L, D = q.shape
     Hk = k.shape[1]
-    with torch.autocast(q.device.type, enabled=False):    # index choice in float32 even under bf16 autocast
+    with torch.autocast(
+        q.device.type, enabled=False
+    ):  # index choice in float32 even under bf16 autocast
         if q.is_cuda and q.dtype == k.dtype and q.dtype in (torch.bfloat16, torch.float16):
             # Tensor cores with float32 accumulation and output: 16-bit products are exact in float32, so
             # this is the float32 GEMM below up to summation order, ~10x faster (CUDA has no TF32 default).
-            s = torch.bmm(q.reshape(B * Hk, H // Hk * L, D), k.reshape(B * Hk, -1, D).transpose(1, 2),
-                          out_dtype=torch.float32).mul_(D ** -0.5)
+            s = torch.bmm(
+                q.reshape(B * Hk, H // Hk * L, D),
+                k.reshape(B * Hk, -1, D).transpose(1, 2),
+                out_dtype=torch.float32,
+            ).mul_(D**-0.5)
         else:
             qg = q.float().view(B, Hk, H // Hk, L, D)
-            s = torch.einsum("bkgld,bktd->bkglt", qg, k.float()) * D ** -0.5
+            s = torch.einsum("bkgld,bktd->bkglt", qg, k.float()) * D**-0.5
     return s.reshape(B, H, L, -1)
 
 
@@ -78,16 +93,24 @@ def _topk_per_head(score: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
     H, N = score.shape[1], score.shape[-1]
     kmax = min(max(ks), N)
     idx = score.topk(kmax, dim=-1).indices
-    rank_ok = torch.arange(kmax, device=score.device)[None, :] < index_tensor(ks, score.device)[:, None]
+    rank_ok = (
+        torch.arange(kmax, device=score.device)[None, :] < index_tensor(ks, score.device)[:, None]
+    )
     rank_ok = rank_ok.view(H, *([1] * (score.dim() - 3)), kmax)
     out = torch.zeros(score.shape, dtype=torch.bool, device=score.device)
     return out.scatter_(-1, idx, rank_ok.expand_as(idx))
 
 
-@torch.no_grad()   # indices only: nothing differentiable leaves, so record no graph
-def estimate_vertical_slash(q_est: torch.Tensor, k: torch.Tensor, est_pos: range,
-                            n_vertical: Sequence[int], n_slash: Sequence[int],
-                            keep_columns: Sequence[int] = (), keep_diagonals: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.no_grad()  # indices only: nothing differentiable leaves, so record no graph
+def estimate_vertical_slash(
+    q_est: torch.Tensor,
+    k: torch.Tensor,
+    est_pos: range,
+    n_vertical: Sequence[int],
+    n_slash: Sequence[int],
+    keep_columns: Sequence[int] = (),
+    keep_diagonals: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
     """MInference's online index estimation.
 
     ``q_est[B, H, L, D]`` are the last queries (absolute positions ``est_pos``, a range), ``k[B, Hk, T, D]``.
@@ -96,10 +119,13 @@ def estimate_vertical_slash(q_est: torch.Tensor, k: torch.Tensor, est_pos: range
     top-k (MInference's kernel sets their scores to +inf), earliest / nearest first.
     """
     T, L, p0 = k.shape[2], q_est.shape[2], est_pos.start
-    s = _group_scores(q_est, k)                                             # [B, H, L, T]
+    s = _group_scores(q_est, k)  # [B, H, L, T]
     # only keys after the first estimating query can lie in a row's future: mask that tail in place
-    future = torch.arange(p0 + 1, T, device=k.device)[None, :] > torch.arange(p0, p0 + L, device=k.device)[:, None]
-    s[..., p0 + 1:].masked_fill_(future, float("-inf"))
+    future = (
+        torch.arange(p0 + 1, T, device=k.device)[None, :]
+        > torch.arange(p0, p0 + L, device=k.device)[:, None]
+    )
+    s[..., p0 + 1 :].masked_fill_(future, float("-inf"))
     prob = s.softmax(-1)
     cols = _topk_per_head(_force_first(prob.sum(-2), keep_columns, L), n_vertical)
     # Diagonals are ranked by the mass the chosen columns leave: a heavy column key otherwise puts one
@@ -120,7 +146,7 @@ def _force_first(score: torch.Tensor, keep: Sequence[int], L: int) -> torch.Tens
         return score
     T = score.shape[-1]
     idx = torch.arange(T, device=score.device, dtype=score.dtype)
-    forced = idx[None, :] < index_tensor(list(keep), score.device)[:, None]              # [H, T]
+    forced = idx[None, :] < index_tensor(list(keep), score.device)[:, None]  # [H, T]
     return torch.where(forced, L + 2 - idx / T, score)
 
 
@@ -137,11 +163,14 @@ def _diagonal_sums(prob: torch.Tensor, p0: int) -> torch.Tensor:
     prob = prob.contiguous()
     out = prob.new_zeros(B, H, T)
     main = prob.as_strided((B, H, L, p0 + 1), (H * L * T, L * T, T + 1, 1), prob.storage_offset())
-    out[..., :p0 + 1] = main.sum(-2).flip(-1)
+    out[..., : p0 + 1] = main.sum(-2).flip(-1)
     if L > 1:
-        key = torch.arange(L, device=prob.device)[:, None] - torch.arange(1, L, device=prob.device)[None, :]   # [L, L-1]
+        key = (
+            torch.arange(L, device=prob.device)[:, None]
+            - torch.arange(1, L, device=prob.device)[None, :]
+        )  # [L, L-1]
         vals = prob[..., :L].gather(-1, key.clamp(min=0).expand(B, H, L, L - 1)) * (key >= 0)
-        out[..., p0 + 1:p0 + L] = vals.sum(-2)
+        out[..., p0 + 1 : p0 + L] = vals.sum(-2)
     return out
 
 
@@ -182,7 +211,9 @@ def _slot_mean(x: torch.Tensor, slot: Sequence[int]) -> torch.Tensor:
     # heads per slot from the host list (a graph constant under compile; inductor's CPU code for an
     # index_add_ into a one-element tensor fails to build, e.g. one KV group of shared heads)
     cnt = index_tensor([list(slot).count(v) for v in sorted(set(slot))], x.device).float()
-    out = torch.zeros(x.shape[0], len(cnt), *x.shape[2:], device=x.device).index_add_(1, sl, x.float())
+    out = torch.zeros(x.shape[0], len(cnt), *x.shape[2:], device=x.device).index_add_(
+        1, sl, x.float()
+    )
     return out / cnt[None, :, None, None]
 
 
@@ -190,7 +221,9 @@ def _slot_mean(x: torch.Tensor, slot: Sequence[int]) -> torch.Tensor:
 _QUERY_MAX_CHUNK = 1 << 26
 
 
-def _block_max_scores(q: torch.Tensor, start: int, bs: int, n_blocks: int, kp: torch.Tensor) -> torch.Tensor:
+def _block_max_scores(
+    q: torch.Tensor, start: int, bs: int, n_blocks: int, kp: torch.Tensor
+) -> torch.Tensor:
     """float32 ``[B, H, n_blocks, nk]``: for each query block, the max over its queries of ``q . kp / sqrt(D)``.
 
     ``q[B, H, N, D]`` rows from position ``start`` (block 0 = the one holding it), ``kp[B, H, nk, D]``
@@ -205,19 +238,29 @@ def _block_max_scores(q: torch.Tensor, start: int, bs: int, n_blocks: int, kp: t
     step = max(1, _QUERY_MAX_CHUNK // max(B * H * bs * nk, 1))
     for b0 in range(0, min(nb, n_blocks), step):
         b1 = min(b0 + step, nb, n_blocks)
-        s = _group_scores(q[:, :, b0 * bs:b1 * bs], kp)                              # [B, H, rows, nk]
-        if b0 == 0 and head:     # padding rows take no part (only the first and last block have any)
+        s = _group_scores(q[:, :, b0 * bs : b1 * bs], kp)  # [B, H, rows, nk]
+        if b0 == 0 and head:  # padding rows take no part (only the first and last block have any)
             s[:, :, :head] = float("-inf")
         if b1 == nb and tail:
-            s[:, :, s.shape[2] - tail:] = float("-inf")
+            s[:, :, s.shape[2] - tail :] = float("-inf")
         out[:, :, b0:b1] = s.unflatten(2, (b1 - b0, bs)).amax(3)
     return out
 
 
 @torch.no_grad()
-def estimate_block_topk(q_pool_src: torch.Tensor, src_start: int, k: torch.Tensor, q_blocks: torch.Tensor,
-                        first: int, bs: int, top_k: Sequence[int], slot: Sequence[int] | None = None,
-                        stats: dict | None = None, query_max: bool = False, sub_blocks: int = 1) -> torch.Tensor:
+def estimate_block_topk(
+    q_pool_src: torch.Tensor,
+    src_start: int,
+    k: torch.Tensor,
+    q_blocks: torch.Tensor,
+    first: int,
+    bs: int,
+    top_k: Sequence[int],
+    slot: Sequence[int] | None = None,
+    stats: dict | None = None,
+    query_max: bool = False,
+    sub_blocks: int = 1,
+) -> torch.Tensor:
     """Block top-k by pooled scores.
 
     ``q_pool_src[B, H, N, D]`` holds queries at positions ``src_start ..`` covering every query block in
@@ -243,31 +286,37 @@ def estimate_block_topk(q_pool_src: torch.Tensor, src_start: int, k: torch.Tenso
     q = q_pool_src if query_max else _block_mean(q_pool_src, off, bs, q_blocks.numel())
     reps = list(range(H))
     if slot is not None and len(set(slot)) < H:
-        reps = [list(slot).index(x) for x in sorted(set(slot))]                   # first head of each slot
+        reps = [list(slot).index(x) for x in sorted(set(slot))]  # first head of each slot
         # the group's mean query: its score is the mean of the group's heads' scores (linear in q)
         q = _slot_mean(q, slot)
         k = k[:, index_tensor(reps, k.device)]
         top_k = [top_k[r] for r in reps]
     sb = bs // sub_blocks
-    kp = _block_mean(k, 0, sb, nk * sub_blocks)                                    # [B, Hs, nk * sub, D]
+    kp = _block_mean(k, 0, sb, nk * sub_blocks)  # [B, Hs, nk * sub, D]
     if query_max:
         # 16-bit operands on CUDA for the tensor-core GEMM (float32 accumulation, _group_scores); float32 elsewhere
         half = q_pool_src.is_cuda and q_pool_src.dtype in (torch.bfloat16, torch.float16)
         dt = q_pool_src.dtype if half else torch.float32
-        s = _block_max_scores(q.to(dt), off, bs, q_blocks.numel(), kp.to(dt))    # [B, Hs, nq, nk * sub]
+        s = _block_max_scores(
+            q.to(dt), off, bs, q_blocks.numel(), kp.to(dt)
+        )  # [B, Hs, nq, nk * sub]
     else:
-        s = _group_scores(q, kp)                                                   # [B, Hs, nq, nk * sub]
+        s = _group_scores(q, kp)  # [B, Hs, nq, nk * sub]
     if sub_blocks > 1:
         # sub-blocks past the last key hold no keys (their pooled key is 0): they never win their block
-        s = s.masked_fill(torch.arange(nk * sub_blocks, device=k.device) >= (T + sb - 1) // sb, float("-inf"))
-        s = s.unflatten(-1, (nk, sub_blocks)).amax(-1)                            # [B, Hs, nq, nk]
+        s = s.masked_fill(
+            torch.arange(nk * sub_blocks, device=k.device) >= (T + sb - 1) // sb, float("-inf")
+        )
+        s = s.unflatten(-1, (nk, sub_blocks)).amax(-1)  # [B, Hs, nq, nk]
     kb = torch.arange(nk, device=k.device)
     s = s.masked_fill(kb[None, :] > q_blocks[:, None], float("-inf"))
-    pick = _topk_per_head(torch.where(kb[None, :] == q_blocks[:, None], torch.full_like(s, float("inf")), s), top_k)
+    pick = _topk_per_head(
+        torch.where(kb[None, :] == q_blocks[:, None], torch.full_like(s, float("inf")), s), top_k
+    )
     pick &= kb[None, :] <= q_blocks[:, None]
     if stats is not None:
         p = s.softmax(-1)
-        n = (q_blocks + 1).clamp(min=2).log()[:, None]                             # log of causal blocks per row
+        n = (q_blocks + 1).clamp(min=2).log()[:, None]  # log of causal blocks per row
         stats["entropy"] = (-(p * p.clamp_min(1e-30).log()).sum(-1) / n[:, 0]).mean()
         stats["topk_mass"] = (p * pick).sum(-1).mean()
     if len(reps) < H:

@@ -5,6 +5,7 @@
 - ``schedule``: the sparsity ramp and drop-fraction schedule.
 - ``semi_structured``: 2:4 layers through torch's semi-structured sparse kernels on GPU.
 """
+
 from .dynamic_sparsity import DynamicSparsity
 
 __all__ = ["DynamicSparsity"]

@@ -4,6 +4,7 @@ Packed along the last dim only, row by row, so a packed mask has the weight's le
 on dim 0 exactly like the weight (FSDP2 ``Shard(0)``): each rank's packed shard is the packing of its
 weight shard. Bit j of byte b holds entry ``8 b + j`` (little-endian within the byte).
 """
+
 from __future__ import annotations
 
 import torch

@@ -51,6 +51,7 @@ for plain tensors; SET draws come from a generator seeded by (seed, step, layer)
 update steps, so the per-layer / per-expert top-k is exact; each rank keeps its shard of the new mask,
 and mask buffers are DTensors with the parameter's placements (sharded like it).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,12 +65,20 @@ from torch import nn
 from moezoo.configs import ConfigError, DSTConfig
 
 from .bits import pack_bits, unpack_bits
-from .masks import (block_expand, block_of, block_pool, erk_densities, nm_select, nm_update, rigl_update,
-                        topk_mask, transposable_nm_select)
+from .masks import (
+    block_expand,
+    block_of,
+    block_pool,
+    erk_densities,
+    nm_select,
+    nm_update,
+    rigl_update,
+    topk_mask,
+    transposable_nm_select,
+)
 from .schedule import DSTSchedule
 from .targets import Target, dst_parameters
 from ..sharding import DTensor, full_tensor, local_tensor, shard_like
-
 
 
 def resolve_config(cfg: Optional[DSTConfig], overrides: dict) -> DSTConfig:
@@ -95,53 +104,81 @@ class DynamicSparsity:
     mask is computed.
     """
 
-    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
-                 cfg: Optional[DSTConfig] = None, total_steps: Optional[int] = None, process_group=None,
-                 **overrides):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        *,
+        cfg: Optional[DSTConfig] = None,
+        total_steps: Optional[int] = None,
+        process_group=None,
+        **overrides,
+    ):
         cfg = resolve_config(cfg, overrides)
         if cfg.compact_state and not callable(getattr(optimizer, "set_compact", None)):
-            raise ConfigError("dst.compact_state", f"needs an optimizer that keeps state for active weights only "
-                                                   f"(training.optim.CompactAdamW), got {type(optimizer).__name__}")
+            raise ConfigError(
+                "dst.compact_state",
+                f"needs an optimizer that keeps state for active weights only "
+                f"(training.optim.CompactAdamW), got {type(optimizer).__name__}",
+            )
         if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module                               # parameter names without "module."
-        model = getattr(model, "_orig_mod", model)             # torch.compile wrapper: no "_orig_mod."
+            model = model.module  # parameter names without "module."
+        model = getattr(model, "_orig_mod", model)  # torch.compile wrapper: no "_orig_mod."
         self.cfg, self.model, self.optimizer, self.group = cfg, model, optimizer, process_group
         self.schedule = DSTSchedule.from_config(cfg, total_steps)
         self.targets = self._find_targets()
         if cfg.semi_structured:
             from .semi_structured import check_semi_structured_device
+
             check_semi_structured_device(self.targets[0].param().device)
         for s in {self.schedule.sparsity_at(0), cfg.sparsity}:
-            self._counts(s)                                     # infeasible densities fail here, before work
+            self._counts(s)  # infeasible densities fail here, before work
         self.last_flip_rate = 0.0
         self._dense = False
         self._last_step = 0
         self._init_masks()
         if cfg.semi_structured:
             from .semi_structured import enable_semi_structured
+
             self.semi_structured = enable_semi_structured(self.targets, cfg.transposable)
         else:
             self.semi_structured = []
 
     @classmethod
-    def from_config(cls, model: nn.Module, cfg: DSTConfig, optimizer=None, total_steps: Optional[int] = None,
-                    process_group=None) -> "DynamicSparsity":
+    def from_config(
+        cls,
+        model: nn.Module,
+        cfg: DSTConfig,
+        optimizer=None,
+        total_steps: Optional[int] = None,
+        process_group=None,
+    ) -> "DynamicSparsity":
         return cls(model, optimizer, cfg=cfg, total_steps=total_steps, process_group=process_group)
 
     # ---- setup ----------------------------------------------------------------------------------
 
     def _find_targets(self) -> list[Target]:
         cfg = self.cfg
-        out = [Target.of(self.model, name, p) for name, p in dst_parameters(self.model, cfg.include, cfg.exclude)]
+        out = [
+            Target.of(self.model, name, p)
+            for name, p in dst_parameters(self.model, cfg.include, cfg.exclude)
+        ]
         if not out:
-            what = "the default (nn.Linear weights, expert stacks)" if cfg.include is None \
+            what = (
+                "the default (nn.Linear weights, expert stacks)"
+                if cfg.include is None
                 else f"patterns {list(cfg.include)}"
-            raise ConfigError("dst.include", f"{what} minus exclude {list(cfg.exclude)} match no parameter "
-                                             "of 2 or more dims")
+            )
+            raise ConfigError(
+                "dst.include",
+                f"{what} minus exclude {list(cfg.exclude)} match no parameter of 2 or more dims",
+            )
         for t in out:
             _, R, C = t.shape
             if cfg.granularity == "block" and (R % cfg.block[0] or C % cfg.block[1]):
-                raise ConfigError("dst.block", f"block {list(cfg.block)} does not divide {t.name} ({R} x {C})")
+                raise ConfigError(
+                    "dst.block", f"block {list(cfg.block)} does not divide {t.name} ({R} x {C})"
+                )
             if cfg.granularity == "nm" and (C % cfg.m or (cfg.transposable and R % cfg.m)):
                 raise ConfigError("dst.m", f"m={cfg.m} does not divide {t.name} ({R} x {C})")
         return out
@@ -166,8 +203,11 @@ class DynamicSparsity:
         ks = [round(d * self._units(t)) for d, t in zip(self.densities(sparsity), self.targets)]
         for k, t in zip(ks, self.targets):
             if k < 1:
-                raise ConfigError("dst.sparsity", f"sparsity {sparsity:g} ({self.cfg.distribution}) leaves "
-                                                  f"{t.name} with no active weights")
+                raise ConfigError(
+                    "dst.sparsity",
+                    f"sparsity {sparsity:g} ({self.cfg.distribution}) leaves "
+                    f"{t.name} with no active weights",
+                )
         return ks
 
     @torch.no_grad()
@@ -179,7 +219,9 @@ class DynamicSparsity:
             p = t.param()
             for kind in ("mask", "ever", "score"):
                 if hasattr(t.module, f"{t.attr}_{kind}"):
-                    raise ValueError(f"{t.name}_{kind} already exists: DynamicSparsity was applied twice")
+                    raise ValueError(
+                        f"{t.name}_{kind} already exists: DynamicSparsity was applied twice"
+                    )
             W = full_tensor(p.detach()).reshape(t.shape).abs()
             if cfg.granularity == "nm":
                 mask = (transposable_nm_select if cfg.transposable else nm_select)(W, cfg.n, cfg.m)
@@ -192,8 +234,10 @@ class DynamicSparsity:
             t.module.register_buffer(f"{t.attr}_ever", shard_like(self._stored(mask), p))
             if cfg.grad_ema is not None:
                 dtype = torch.bfloat16 if cfg.compact_state else torch.float32
-                t.module.register_buffer(f"{t.attr}_score",
-                                         shard_like(torch.zeros(p.shape, dtype=dtype, device=mask.device), p))
+                t.module.register_buffer(
+                    f"{t.attr}_score",
+                    shard_like(torch.zeros(p.shape, dtype=dtype, device=mask.device), p),
+                )
         self._apply_masks(states=True)
         if cfg.compact_state:
             for t, cap in zip(self.targets, self._capacities()):
@@ -210,18 +254,27 @@ class DynamicSparsity:
         return unpack_bits(b, t.param().shape[-1]) if self.cfg.compact_state else b
 
     def _write(self, t: Target, kind: str, local_mask: torch.Tensor) -> None:
-        local_tensor(t.buf(kind)).copy_(pack_bits(local_mask) if self.cfg.compact_state else local_mask)
+        local_tensor(t.buf(kind)).copy_(
+            pack_bits(local_mask) if self.cfg.compact_state else local_mask
+        )
 
     def _capacities(self) -> list[int]:
         """Most active entries each target's compact optimizer state must hold on this rank: the exact count
         at the schedule's densest point, plus a margin for a sharded weight (its rows' share varies)."""
         area = self.cfg.block[0] * self.cfg.block[1] if self.cfg.granularity == "block" else 1
-        ks = [max(a, b) for a, b in zip(self._counts(self.schedule.sparsity_at(0)), self._counts(self.cfg.sparsity))]
+        ks = [
+            max(a, b)
+            for a, b in zip(
+                self._counts(self.schedule.sparsity_at(0)), self._counts(self.cfg.sparsity)
+            )
+        ]
         out = []
         for t, k in zip(self.targets, ks):
             p, active = t.param(), t.shape[0] * k * area
             if isinstance(p, DTensor):
-                n = math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements) if pl.is_shard())
+                n = math.prod(
+                    p.device_mesh.size(i) for i, pl in enumerate(p.placements) if pl.is_shard()
+                )
                 rows = p.shape[0]
                 local = math.ceil(rows / n) * (t.numel // rows)
                 active = min(local, math.ceil(1.1 * active / t.numel * local) + 64)
@@ -244,8 +297,11 @@ class DynamicSparsity:
         """Optimizer state tensors of parameter shape (exp_avg, exp_avg_sq, momentum_buffer, ...)."""
         if self.optimizer is None:
             return []
-        return [v for v in self.optimizer.state.get(p, {}).values()
-                if torch.is_tensor(v) and v.shape == p.shape]
+        return [
+            v
+            for v in self.optimizer.state.get(p, {}).values()
+            if torch.is_tensor(v) and v.shape == p.shape
+        ]
 
     @torch.no_grad()
     def _apply_masks(self, states: bool = False) -> None:
@@ -254,40 +310,45 @@ class DynamicSparsity:
             self._follow_layout(t)
             p, off = t.param(), self._mask(t).logical_not()
             for x in [p.detach(), *(self._states(p) if states else [])]:
-                local_tensor(x).masked_fill_(off, 0)           # 12% faster than mul_ by a bool mask on H200
+                local_tensor(x).masked_fill_(off, 0)  # 12% faster than mul_ by a bool mask on H200
 
     @torch.no_grad()
     def step(self, step: int, applied: Optional[torch.Tensor] = None) -> None:
         """Call right after ``optimizer.step()`` of training step ``step`` (grads still present). ``applied``: a
         0-dim float tensor, 1 if the step's update was applied, 0 if it was skipped on the device (see
         ``decides_on_host``: never at a mask update or the dense finish's first step)."""
-        if step < self._last_step:                             # a rollback reloaded earlier masks
+        if step < self._last_step:  # a rollback reloaded earlier masks
             self._dense = False
         self._last_step = step
         if self.schedule.is_dense(step):
-            if not self._dense:                                # dense finish: masks become all ones
+            if not self._dense:  # dense finish: masks become all ones
                 for t in self.targets:
                     local_tensor(t.buf("mask")).fill_(True)
                     local_tensor(t.buf("ever")).fill_(True)
                 if self.semi_structured:
                     from .semi_structured import disable_semi_structured
+
                     disable_semi_structured(self.targets)
                     self.semi_structured = []
                 self._dense = True
             return
-        if self.cfg.grad_ema is not None:                       # S = a |g| + (1 - a) S = lerp(S, |g|, a)
+        if self.cfg.grad_ema is not None:  # S = a |g| + (1 - a) S = lerp(S, |g|, a)
             for t in self.targets:
                 g = t.param().grad
-                if g is not None:                               # one layer's |g| temporary at a time
+                if g is not None:  # one layer's |g| temporary at a time
                     score = local_tensor(t.buf("score"))
                     g_abs = local_tensor(g).abs().to(score.dtype)
                     if applied is None:
                         score.lerp_(g_abs, self.cfg.grad_ema)
-                    else:                               # a skipped step's gradient (maybe NaN) leaves S as it is
-                        score.copy_(torch.where(applied > 0, torch.lerp(score, g_abs, self.cfg.grad_ema), score))
+                    else:  # a skipped step's gradient (maybe NaN) leaves S as it is
+                        score.copy_(
+                            torch.where(
+                                applied > 0, torch.lerp(score, g_abs, self.cfg.grad_ema), score
+                            )
+                        )
         if self.schedule.is_update(step):
             self._update(step)
-        if not self.cfg.compact_state:                          # CompactAdamW never moves inactive weights
+        if not self.cfg.compact_state:  # CompactAdamW never moves inactive weights
             self._apply_masks()
 
     def _grow_score(self, t: Target, i: int, step: int, like: torch.Tensor) -> torch.Tensor:
@@ -300,11 +361,17 @@ class DynamicSparsity:
             elif p.grad is not None:
                 src = p.grad
             else:
-                raise RuntimeError(f"DST RigL update at step {step}: {t.name} has no .grad; call dst.step(step) "
-                                   "after optimizer.step() and before optimizer.zero_grad()")
+                raise RuntimeError(
+                    f"DST RigL update at step {step}: {t.name} has no .grad; call dst.step(step) "
+                    "after optimizer.step() and before optimizer.zero_grad()"
+                )
             score = full_tensor(src).float()
-            if not isinstance(src, DTensor) and dist.is_available() and dist.is_initialized() \
-                    and dist.get_world_size(self.group) > 1:
+            if (
+                not isinstance(src, DTensor)
+                and dist.is_available()
+                and dist.is_initialized()
+                and dist.get_world_size(self.group) > 1
+            ):
                 # the gradient is summed before |.| (a sum ranks like the DDP mean); EMA scores are summed as
                 # they are: sum_r EMA(|g_r|) = EMA(sum_r |g_r|)
                 score = score.clone() if score is src else score.contiguous()
@@ -312,7 +379,7 @@ class DynamicSparsity:
             score = score.abs()
             return score
         gen = torch.Generator(device=like.device)
-        gen.manual_seed(((self.cfg.seed * 1_000_003 + step) * 1_009 + i) % (2 ** 63))
+        gen.manual_seed(((self.cfg.seed * 1_000_003 + step) * 1_009 + i) % (2**63))
         return torch.rand(like.shape, generator=gen, device=like.device)
 
     @torch.no_grad()
@@ -329,28 +396,35 @@ class DynamicSparsity:
             if cfg.granularity == "nm":
                 new = nm_update(old, W, grow, cfg.n, cfg.m, frac, cfg.transposable)
             elif cfg.granularity == "block":
-                new_b = rigl_update(block_of(old, cfg.block), block_pool(W, cfg.block), block_pool(grow, cfg.block),
-                                    k, frac)
+                new_b = rigl_update(
+                    block_of(old, cfg.block),
+                    block_pool(W, cfg.block),
+                    block_pool(grow, cfg.block),
+                    k,
+                    frac,
+                )
                 new = block_expand(new_b, t.shape, cfg.block)
             else:
                 S = t.shape[0]
-                new = rigl_update(old.reshape(S, -1), W.reshape(S, -1), grow.reshape(S, -1), k, frac)
+                new = rigl_update(
+                    old.reshape(S, -1), W.reshape(S, -1), grow.reshape(S, -1), k, frac
+                )
             new = new.reshape(p.shape)
-            changed.append((old.reshape(p.shape) != new).sum())     # summed on device, read once below
+            changed.append((old.reshape(p.shape) != new).sum())  # summed on device, read once below
             total += t.numel
             new_local = local_tensor(shard_like(new, p))
-            stay = self._mask(t) & new_local                  # grown and pruned: value 0, moments 0
+            stay = self._mask(t) & new_local  # grown and pruned: value 0, moments 0
             off = stay.logical_not()
             for x in [p.detach(), *self._states(p)]:
                 local_tensor(x).masked_fill_(off, 0)
             self._write(t, "ever", self._mask(t, "ever") | new_local)
             self._write(t, "mask", new_local)
-            if self.cfg.compact_state:                          # kept moments move, grown start at 0, pruned go
+            if self.cfg.compact_state:  # kept moments move, grown start at 0, pruned go
                 self.optimizer.compact_remap(p)
         self.last_flip_rate = int(torch.stack(changed).sum()) / total
 
     # ---- the trainer's sparsity-method protocol (layers.sparsity_method) -----------------------------
-    skips_on_device = True   # but for the steps decides_on_host names
+    skips_on_device = True  # but for the steps decides_on_host names
 
     def decides_on_host(self, step: int) -> bool:
         """The steps whose work depends on whether the step was applied, decided on the host: a mask update
@@ -377,13 +451,20 @@ class DynamicSparsity:
         per layer, ``flip_rate`` (share of mask entries changed by the last update), ``ever_active``
         (share of maskable weights active at some point: the in-time over-parameterisation rate) and
         ``target_sparsity``. One host sync."""
-        count = (lambda t, k: self._mask(t, k, full=True).sum()) if self.cfg.compact_state \
+        count = (
+            (lambda t, k: self._mask(t, k, full=True).sum())
+            if self.cfg.compact_state
             else (lambda t, k: full_tensor(t.buf(k).sum()))
+        )
         counts = torch.stack([count(t, k) for t in self.targets for k in ("mask", "ever")]).tolist()
         active, ever = counts[0::2], counts[1::2]
         total = sum(t.numel for t in self.targets)
-        out = {"density": sum(active) / total, "ever_active": sum(ever) / total,
-               "flip_rate": self.last_flip_rate, "target_sparsity": self.target_sparsity()}
+        out = {
+            "density": sum(active) / total,
+            "ever_active": sum(ever) / total,
+            "flip_rate": self.last_flip_rate,
+            "target_sparsity": self.target_sparsity(),
+        }
         for t, c in zip(self.targets, active):
             out[f"density/{t.name}"] = c / t.numel
         return out

@@ -10,6 +10,7 @@ The update rule is RigL's (google-research/rigl ``generic_mask_update``), per sl
 keep the ``n_keep`` largest-|W| active weights, then grow the ``k - n_keep`` largest grow scores among
 the positions not kept (a weight dropped in this update may be regrown). Masks are bool.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -44,8 +45,13 @@ def keep_largest(mask: torch.Tensor, drop_score: torch.Tensor, n_keep: int) -> t
     return topk_mask(drop_score.float().masked_fill(~mask, -math.inf), n_keep)
 
 
-def rigl_update(mask: torch.Tensor, drop_score: torch.Tensor, grow_score: torch.Tensor, k: int,
-                drop_fraction: float) -> torch.Tensor:
+def rigl_update(
+    mask: torch.Tensor,
+    drop_score: torch.Tensor,
+    grow_score: torch.Tensor,
+    k: int,
+    drop_fraction: float,
+) -> torch.Tensor:
     """Unstructured drop/grow on ``[S, N]`` slices -> new ``bool[S, N]`` with exactly ``k`` True per row.
 
     ``mask`` must hold the same count in every row (true by construction). Grown positions are the
@@ -58,6 +64,7 @@ def rigl_update(mask: torch.Tensor, drop_score: torch.Tensor, grow_score: torch.
 
 
 # ---- blocks -------------------------------------------------------------------------------------
+
 
 def block_pool(x: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
     """``x[S, R, C] -> [S, R/br * C/bc]``: the sum of each ``br x bc`` block (as float32)."""
@@ -76,10 +83,11 @@ def block_expand(mask_b: torch.Tensor, shape: Sequence[int], block: Sequence[int
 
 def block_of(mask: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
     """``bool[S, R, C] -> bool[S, nb]``: the block-level mask of a block-structured element mask."""
-    return mask[:, ::block[0], ::block[1]].reshape(mask.shape[0], -1)
+    return mask[:, :: block[0], :: block[1]].reshape(mask.shape[0], -1)
 
 
 # ---- N:M ----------------------------------------------------------------------------------------
+
 
 def nm_select(score: torch.Tensor, n: int, m: int) -> torch.Tensor:
     """``score[S, R, C] -> bool[S, R, C]``: the n largest of every m consecutive entries along C (ties:
@@ -90,9 +98,9 @@ def nm_select(score: torch.Tensor, n: int, m: int) -> torch.Tensor:
     """
     S, R, C = score.shape
     g = score.float().reshape(-1, m)
-    gi, gj = g.unsqueeze(2), g.unsqueeze(1)                               # [G, m(i), 1], [G, 1, m(j)]
+    gi, gj = g.unsqueeze(2), g.unsqueeze(1)  # [G, m(i), 1], [G, 1, m(j)]
     earlier = torch.ones(m, m, dtype=torch.bool, device=g.device).tril(-1)  # j < i
-    beats = (gj > gi) | ((gj == gi) & earlier)                            # entry j outranks entry i
+    beats = (gj > gi) | ((gj == gi) & earlier)  # entry j outranks entry i
     return (beats.sum(-1) < n).view(S, R, C)
 
 
@@ -100,8 +108,11 @@ def nm_select(score: torch.Tensor, n: int, m: int) -> torch.Tensor:
 def _tile_patterns(n: int, m: int) -> torch.Tensor:
     """All ``m x m`` 0/1 tiles with n ones in every row and every column, as ``float[P, m*m]`` (90 for 2:4)."""
     rows = [r for r in itertools.product((0, 1), repeat=m) if sum(r) == n]
-    pats = [sum(t, ()) for t in itertools.product(rows, repeat=m)
-            if all(sum(t[i][j] for i in range(m)) == n for j in range(m))]
+    pats = [
+        sum(t, ())
+        for t in itertools.product(rows, repeat=m)
+        if all(sum(t[i][j] for i in range(m)) == n for j in range(m))
+    ]
     return torch.tensor(pats, dtype=torch.float32)
 
 
@@ -115,8 +126,15 @@ def transposable_nm_select(score: torch.Tensor, n: int, m: int) -> torch.Tensor:
     return best.view(S, R // m, C // m, m, m).permute(0, 1, 3, 2, 4).reshape(S, R, C)
 
 
-def nm_update(mask: torch.Tensor, drop_score: torch.Tensor, grow_score: torch.Tensor, n: int, m: int,
-              drop_fraction: float, transposable: bool) -> torch.Tensor:
+def nm_update(
+    mask: torch.Tensor,
+    drop_score: torch.Tensor,
+    grow_score: torch.Tensor,
+    n: int,
+    m: int,
+    drop_fraction: float,
+    transposable: bool,
+) -> torch.Tensor:
     """N:M drop/grow on ``[S, R, C]``: drop the ``floor(drop_fraction * active)`` smallest-|W| active
     weights of each slice, then refill every group (tile) to N from the largest grow scores.
 
@@ -127,7 +145,9 @@ def nm_update(mask: torch.Tensor, drop_score: torch.Tensor, grow_score: torch.Te
     S, R, C = mask.shape
     flat = mask.view(S, -1)
     n_active = int(flat[0].sum())
-    keep = keep_largest(flat, drop_score.reshape(S, -1), n_active - int(math.floor(drop_fraction * n_active)))
+    keep = keep_largest(
+        flat, drop_score.reshape(S, -1), n_active - int(math.floor(drop_fraction * n_active))
+    )
     g = grow_score.float().reshape(S, -1)
     g = g / g.amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     sel = torch.where(keep, torch.full_like(g, n * m + 1.0), g).view(S, R, C)
@@ -145,7 +165,10 @@ def is_nm(mask: torch.Tensor, n: int, m: int, transposable: bool = False) -> boo
 
 # ---- layer densities ----------------------------------------------------------------------------
 
-def erk_densities(shapes: Sequence[Sequence[int]], density: float, power: float = 1.0) -> list[float]:
+
+def erk_densities(
+    shapes: Sequence[Sequence[int]], density: float, power: float = 1.0
+) -> list[float]:
     """Erdos-Renyi-Kernel densities: ``d_l = min(1, eps * ((out+in)/(out*in))**power)`` with eps solved so
     that ``sum d_l N_l = density * sum N_l``. ``shapes[l] = (S, out, in)``, ``N_l = S*out*in``.
 

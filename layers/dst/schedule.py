@@ -9,6 +9,7 @@ Cosine sparsity ramp (seed 001): from ``initial_sparsity`` at step 0 to ``sparsi
 is dropped at ``stop_step`` and training ends dense. ``total_steps=None`` is open-ended training: updates
 never stop, which only a schedule with no fraction of training in it allows (``from_config`` checks).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,12 +38,19 @@ class DSTSchedule:
     def from_config(cls, cfg: DSTConfig, total_steps: Optional[int]) -> "DSTSchedule":
         """The schedule of ``cfg``; ``ConfigError`` when it needs ``total_steps`` and has none."""
         if total_steps is None:
-            need = {"stop_fraction": cfg.stop_fraction < 1.0, "drop_schedule": cfg.drop_schedule != "constant",
-                    "sparsity_schedule": cfg.sparsity_schedule != "constant", "dense_finish": cfg.dense_finish}
+            need = {
+                "stop_fraction": cfg.stop_fraction < 1.0,
+                "drop_schedule": cfg.drop_schedule != "constant",
+                "sparsity_schedule": cfg.sparsity_schedule != "constant",
+                "dense_finish": cfg.dense_finish,
+            }
             named = ", ".join(f"{k}={getattr(cfg, k)!r}" for k, v in need.items() if v)
             if named:
-                raise ConfigError("dst.total_steps", f"{named} are fractions of training: pass total_steps=N, or "
-                                                     "drop_schedule='constant', stop_fraction=1.0 for open-ended runs")
+                raise ConfigError(
+                    "dst.total_steps",
+                    f"{named} are fractions of training: pass total_steps=N, or "
+                    "drop_schedule='constant', stop_fraction=1.0 for open-ended runs",
+                )
         elif not (isinstance(total_steps, int) and total_steps > 0):
             raise ConfigError("train.steps", f"DST needs total_steps > 0, got {total_steps}")
         fields = {f.name for f in dataclasses.fields(cls)} - {"total_steps"}
@@ -50,7 +58,9 @@ class DSTSchedule:
 
     @property
     def stop_step(self) -> int:
-        return sys.maxsize if self.total_steps is None else int(self.stop_fraction * self.total_steps)
+        return (
+            sys.maxsize if self.total_steps is None else int(self.stop_fraction * self.total_steps)
+        )
 
     def is_update(self, step: int) -> bool:
         return 0 < step <= self.stop_step and step % self.update_every == 0
@@ -69,4 +79,8 @@ class DSTSchedule:
     def drop_fraction_at(self, step: int) -> float:
         if self.drop_schedule == "constant":
             return self.drop_fraction
-        return 0.5 * self.drop_fraction * (1.0 + math.cos(math.pi * min(step / max(1, self.stop_step), 1.0)))
+        return (
+            0.5
+            * self.drop_fraction
+            * (1.0 + math.cos(math.pi * min(step / max(1, self.stop_step), 1.0)))
+        )

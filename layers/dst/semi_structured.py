@@ -4,6 +4,7 @@
 bf16, 2:4 mask along ``in``) for ``SemiSparseLinear``; ``disable_semi_structured`` undoes it. Expect
 modest gains at best on Hopper (BENCHMARKS.md): packing costs a pass over W per call.
 """
+
 from __future__ import annotations
 
 import types
@@ -30,7 +31,11 @@ def semi_structured_available(device: torch.device, dtype: torch.dtype, shape=(1
         x = torch.ones(32, shape[1], dtype=dtype, device=device)
         torch.mm(x, pack_semi_structured(w).t())
         return True
-    except (RuntimeError, NotImplementedError, ValueError):  # capability probe: torch raises these when unsupported
+    except (
+        RuntimeError,
+        NotImplementedError,
+        ValueError,
+    ):  # capability probe: torch raises these when unsupported
         return False
 
 
@@ -40,14 +45,19 @@ def check_semi_structured_device(device: torch.device) -> None:
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
         cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        raise ConfigError("dst.semi_structured", f"{torch.cuda.get_device_name(device)} (sm {cap}) has no 2:4 "
-                                                 "sparse tensor cores (needs sm80+); set it false")
+        raise ConfigError(
+            "dst.semi_structured",
+            f"{torch.cuda.get_device_name(device)} (sm {cap}) has no 2:4 "
+            "sparse tensor cores (needs sm80+); set it false",
+        )
 
 
 def _semi_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if not x.is_cuda:
         return F.linear(x, self.weight, self.bias)
-    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else self.weight.dtype
+    dtype = (
+        torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else self.weight.dtype
+    )
     if dtype not in _OK_DTYPES:
         return F.linear(x, self.weight, self.bias)
     y = SemiSparseLinear.apply(x, self.weight, dtype, self._dst_transposable)
@@ -70,8 +80,9 @@ def enable_semi_structured(targets, transposable: bool) -> list[str]:
         dtype = torch.bfloat16 if w.dtype == torch.float32 else w.dtype
         key = (w.device, dtype, tuple(w.shape))
         if key not in probed:
-            probed[key] = semi_structured_available(w.device, dtype, tuple(w.shape)) and \
-                (not transposable or semi_structured_available(w.device, dtype, tuple(w.shape[::-1])))
+            probed[key] = semi_structured_available(w.device, dtype, tuple(w.shape)) and (
+                not transposable or semi_structured_available(w.device, dtype, tuple(w.shape[::-1]))
+            )
         if not probed[key]:
             skipped.append(t.name)
             continue
@@ -79,8 +90,10 @@ def enable_semi_structured(targets, transposable: bool) -> list[str]:
         mod.forward = types.MethodType(_semi_forward, mod)
         done.append(t.name)
     if skipped:
-        warnings.warn(f"dst.semi_structured: {len(skipped)} layer(s) stay dense-masked (no CUDA 2:4 kernel for "
-                      f"their device/shape/layout): {', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}")
+        warnings.warn(
+            f"dst.semi_structured: {len(skipped)} layer(s) stay dense-masked (no CUDA 2:4 kernel for "
+            f"their device/shape/layout): {', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}"
+        )
     return done
 
 

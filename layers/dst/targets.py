@@ -11,6 +11,7 @@ Either way, names matching an ``exclude`` pattern (routers, by default) are skip
 
 A target ``[out, in]`` is one slice ``[1, out, in]``; ``[E, out, in]`` is E slices, each its own top-k.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,7 +22,14 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_CONV = (
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+)
 
 
 def _head_and_embeddings(model: nn.Module) -> set[int]:
@@ -35,20 +43,27 @@ def _head_and_embeddings(model: nn.Module) -> set[int]:
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     if head is None and embeds:
         vocab = {e.num_embeddings for e in embeds}
-        head = next((m for m in reversed(linears) if id(m.weight) in skip or m.out_features in vocab), None)
+        head = next(
+            (m for m in reversed(linears) if id(m.weight) in skip or m.out_features in vocab), None
+        )
     if head is None and not embeds and len(linears) > 1:
-        head = linears[-1]                 # a one-Linear model's only layer is what the user means to mask
+        head = linears[-1]  # a one-Linear model's only layer is what the user means to mask
     if isinstance(head, nn.Module) and isinstance(getattr(head, "weight", None), torch.Tensor):
         skip.add(id(head.weight))
     return skip
 
 
-def dst_parameters(model: nn.Module, include: Optional[Sequence[str]], exclude: Sequence[str]) -> list:
+def dst_parameters(
+    model: nn.Module, include: Optional[Sequence[str]], exclude: Sequence[str]
+) -> list:
     """``[(name, parameter)]`` DST masks, in ``named_parameters`` order (see the module docstring)."""
     excluded = lambda name: any(fnmatch(name, pat) for pat in exclude)  # noqa: E731
     if include is not None:
-        return [(n, p) for n, p in model.named_parameters()
-                if p.dim() >= 2 and any(fnmatch(n, pat) for pat in include) and not excluded(n)]
+        return [
+            (n, p)
+            for n, p in model.named_parameters()
+            if p.dim() >= 2 and any(fnmatch(n, pat) for pat in include) and not excluded(n)
+        ]
     skip = _head_and_embeddings(model)
     owner = {}
     for mod in model.modules():
@@ -67,6 +82,7 @@ def dst_parameters(model: nn.Module, include: Optional[Sequence[str]], exclude: 
 @dataclass
 class Target:
     """One masked parameter ``module.<attr>``, viewed as slices ``[S, R, C]``."""
+
     name: str
     module: nn.Module
     attr: str

@@ -8,7 +8,15 @@
 - ``megablocks``: the optional megablocks dMoE backend.
 - ``balancing``: ``ExpertBalancing``, the MoE layers as one sparsity method for the trainer (bias updates, load stats).
 """
+
 from .balancing import ExpertBalancing
 from .layer import MoE, moe_aux_loss, moe_modules, moe_reset_load, moe_update_bias
 
-__all__ = ["ExpertBalancing", "MoE", "moe_aux_loss", "moe_modules", "moe_reset_load", "moe_update_bias"]
+__all__ = [
+    "ExpertBalancing",
+    "MoE",
+    "moe_aux_loss",
+    "moe_modules",
+    "moe_reset_load",
+    "moe_update_bias",
+]

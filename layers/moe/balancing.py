@@ -6,6 +6,7 @@ applies the same update); a skipped step drops its counts (otherwise the next up
 steps' load). ``metrics()`` are the load statistics of the last forward, averaged over layers;
 ``expert_load()`` the ``[layers, experts]`` token shares for a heatmap.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -17,7 +18,9 @@ from .layer import moe_modules, moe_reset_load, moe_update_bias
 
 
 class ExpertBalancing:
-    skips_on_device = True   # the bias update multiplies by the step's applied flag (layers.sparsity_method)
+    skips_on_device = (
+        True  # the bias update multiplies by the step's applied flag (layers.sparsity_method)
+    )
 
     def __init__(self, model: nn.Module, group=None):
         self.model, self.layers = model, moe_modules(model)
@@ -49,10 +52,14 @@ class ExpertBalancing:
         shares = torch.cat(loads).cpu()
         per_layer_max = torch.stack([x.max() * x.numel() for x in loads]).cpu()
         return {
-            "moe/max_load_ratio": per_layer_max.max(),       # busiest expert vs perfectly even, worst layer
+            "moe/max_load_ratio": per_layer_max.max(),  # busiest expert vs perfectly even, worst layer
             "moe/mean_max_load_ratio": per_layer_max.mean(),
-            "moe/dropped_frac": torch.stack([s["dropped_frac"].detach().float() for s in stats]).mean().cpu(),
-            "moe/router_entropy": torch.stack([s["router_entropy"].detach().float() for s in stats]).mean().cpu(),
+            "moe/dropped_frac": torch.stack([s["dropped_frac"].detach().float() for s in stats])
+            .mean()
+            .cpu(),
+            "moe/router_entropy": torch.stack([s["router_entropy"].detach().float() for s in stats])
+            .mean()
+            .cpu(),
             "moe/min_expert_share": shares.min(),
         }
 

@@ -19,6 +19,7 @@ rank's tokens (the FSDP reduction in training.parallel divides accordingly).
 Legend: N rows of the sorted buffer, D model dim, E experts, L = E/P local experts, R received rows.
 The split sizes go to the host (``.tolist()``): all_to_all_single takes Python lists.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -35,12 +36,15 @@ def all_to_all(x: torch.Tensor, out_splits: list, in_splits: list, group) -> tor
     """Differentiable ``all_to_all_single``: send ``in_splits[p]`` rows of ``x`` to rank p, receive
     ``out_splits[p]`` rows from rank p, concatenated in rank order (torch's autograd collective: its
     backward is the reverse exchange)."""
-    import torch.distributed.nn.functional as dist_nn   # loads the autograd collectives only under EP
+    import torch.distributed.nn.functional as dist_nn  # loads the autograd collectives only under EP
+
     out = x.new_empty(sum(out_splits), *x.shape[1:])
     return dist_nn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
 
 
-def ep_run_experts(xs_ND: torch.Tensor, sizes_E: torch.Tensor, experts: nn.Module, group) -> torch.Tensor:
+def ep_run_experts(
+    xs_ND: torch.Tensor, sizes_E: torch.Tensor, experts: nn.Module, group
+) -> torch.Tensor:
     """Run global experts over an expert-sorted buffer with the experts spread over ``group``.
 
     ``xs_ND``: rows sorted by global expert, expert e owning ``sizes_E[e]`` consecutive rows from the
@@ -56,22 +60,31 @@ def ep_run_experts(xs_ND: torch.Tensor, sizes_E: torch.Tensor, experts: nn.Modul
     recv_PL = torch.empty_like(sizes_E)
     dist.all_to_all_single(recv_PL, sizes_E, group=group)
     recv_PL = recv_PL.view(P, L)
-    in_splits, out_splits = torch.stack([sizes_E.view(P, L).sum(1), recv_PL.sum(1)]).tolist()   # one host sync
+    in_splits, out_splits = torch.stack(
+        [sizes_E.view(P, L).sum(1), recv_PL.sum(1)]
+    ).tolist()  # one host sync
     n_send = sum(in_splits)
     # 2. rows out, grouped by source rank then by local expert
     x_recv = all_to_all(xs_ND[:n_send], out_splits, in_splits, group)
     # 3. source-major -> expert-major (stable: keeps each source's rows in order)
     # output_size: the received row count is already on the host, so repeat_interleave need not sync again.
-    local_ids = torch.arange(L, device=xs_ND.device).repeat(P).repeat_interleave(
-        recv_PL.flatten(), output_size=x_recv.shape[0])
+    local_ids = (
+        torch.arange(L, device=xs_ND.device)
+        .repeat(P)
+        .repeat_interleave(recv_PL.flatten(), output_size=x_recv.shape[0])
+    )
     order = stable_order(local_ids, L)
     # One zero row appended to the last local expert: SwiGLU(0) = 0 and adds 0 to every gradient, but it
     # keeps the output tied to the input and the weights when this rank receives no rows. Otherwise its
     # backward would skip the reverse all-to-all (and FSDP's gradient reduction) that its peers wait on.
     counts_L = recv_PL.sum(0)
     counts_L[-1] += 1
-    y_local = experts(torch.cat([x_recv[order], x_recv.new_zeros(1, x_recv.shape[1])]), counts_L)[:-1]
-    y_recv = torch.empty_like(y_local).index_copy(0, order, y_local)   # y_recv[order[i]] = y_local[i]
+    y_local = experts(torch.cat([x_recv[order], x_recv.new_zeros(1, x_recv.shape[1])]), counts_L)[
+        :-1
+    ]
+    y_recv = torch.empty_like(y_local).index_copy(
+        0, order, y_local
+    )  # y_recv[order[i]] = y_local[i]
     # 4. outputs back to the ranks that own the tokens
     y = all_to_all(y_recv, in_splits, out_splits, group)
     if n_send == xs_ND.shape[0]:
@@ -79,8 +92,14 @@ def ep_run_experts(xs_ND: torch.Tensor, sizes_E: torch.Tensor, experts: nn.Modul
     return torch.cat([y, y.new_zeros(xs_ND.shape[0] - n_send, *y.shape[1:])])
 
 
-def ep_dispatch(moe: nn.Module, x_TD: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor,
-                routed_E: Optional[torch.Tensor] = None, plan=None):
+def ep_dispatch(
+    moe: nn.Module,
+    x_TD: torch.Tensor,
+    indices_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    routed_E: Optional[torch.Tensor] = None,
+    plan=None,
+):
     """``MoE.forward``'s dispatch stage under ``moe.ep_group``. A group of one rank holds every expert,
     so it takes the local path unchanged (EP degree 1 costs nothing); otherwise ``all_to_all_dispatch``.
     ``plan``: the DispatchPlan of ``indices_TK`` if already built (MoE's routing stage builds it).
@@ -90,12 +109,20 @@ def ep_dispatch(moe: nn.Module, x_TD: torch.Tensor, indices_TK: torch.Tensor, we
     return all_to_all_dispatch(moe, x_TD, indices_TK, weights_TK, routed_E, plan)
 
 
-def all_to_all_dispatch(moe: nn.Module, x_TD: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor,
-                        routed_E: Optional[torch.Tensor] = None, plan=None):
+def all_to_all_dispatch(
+    moe: nn.Module,
+    x_TD: torch.Tensor,
+    indices_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    routed_E: Optional[torch.Tensor] = None,
+    plan=None,
+):
     """``MoE._dispatch_local`` (same plan over global expert ids, permute and combine of this rank's
     tokens) with the experts run by ``ep_run_experts`` over ``moe.ep_group``."""
+
     def run(xs_ND, sizes_E):
         return ep_run_experts(xs_ND, sizes_E, moe.experts, moe.ep_group)
+
     return moe._dispatch_local(x_TD, indices_TK, weights_TK, routed_E, run_experts=run, plan=plan)
 
 
@@ -106,7 +133,7 @@ def shard_experts(moe: nn.Module, group, rank: int) -> None:
     ConfigError (``moe.num_experts``) when P does not divide E."""
     L = local_expert_count(moe.num_experts, dist.get_world_size(group))
     for name, p in list(moe.experts.named_parameters(recurse=False)):
-        local = p[rank * L:(rank + 1) * L].clone()
+        local = p[rank * L : (rank + 1) * L].clone()
         setattr(moe.experts, name, nn.Parameter(local, requires_grad=p.requires_grad))
     moe.experts.num_experts = L
     moe.num_local_experts = L

@@ -21,6 +21,7 @@ H expert hidden dim, N rows of the expert-sorted buffer.
   ``model.moe.precision``) makes those GEMMs kernels.moe_fp8's rowwise-scaled e4m3 ones, forward and
   backward, on the grouped path only (ValueError where that path cannot run).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,14 +47,18 @@ from .router import stable_order, tokens_per_expert
 
 @dataclass
 class DispatchPlan:
-    inv: torch.Tensor       # [T, K] int32: sorted row of assignment (t, j), -1 when dropped
-    counts: torch.Tensor    # [E] int64: rows of each expert's group (after capacity, before padding)
+    inv: torch.Tensor  # [T, K] int32: sorted row of assignment (t, j), -1 when dropped
+    counts: torch.Tensor  # [E] int64: rows of each expert's group (after capacity, before padding)
     group_sizes: torch.Tensor  # [E] int64: counts rounded up to the alignment (what the GEMMs see)
-    num_rows: int           # N, static: T * K (+ E * (align - 1) of padding, rounded up to a multiple of align)
-    dense: bool             # every row 0..N-1 is some assignment's (no drops, no padding)
+    num_rows: (
+        int  # N, static: T * K (+ E * (align - 1) of padding, rounded up to a multiple of align)
+    )
+    dense: bool  # every row 0..N-1 is some assignment's (no drops, no padding)
 
 
-def plan_layout(num_assignments: int, num_experts: int, capacity: Optional[int], align: int) -> tuple[int, bool]:
+def plan_layout(
+    num_assignments: int, num_experts: int, capacity: Optional[int], align: int
+) -> tuple[int, bool]:
     """The static part of a DispatchPlan: ``(num_rows, dense)`` for T*K = ``num_assignments``."""
     dense = capacity is None and align == 1
     if align == 1:
@@ -63,8 +68,13 @@ def plan_layout(num_assignments: int, num_experts: int, capacity: Optional[int],
     return -(-(num_assignments + num_experts * (align - 1)) // align) * align, dense
 
 
-def make_plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int] = None,
-              align: int = 1, routed: Optional[torch.Tensor] = None) -> DispatchPlan:
+def make_plan(
+    indices: torch.Tensor,
+    num_experts: int,
+    capacity: Optional[int] = None,
+    align: int = 1,
+    routed: Optional[torch.Tensor] = None,
+) -> DispatchPlan:
     """indices [T, K] -> DispatchPlan. ``capacity``: max assignments kept per expert (None = dropless).
 
     ``align``: pad every expert's group to a multiple of this many rows (grouped-GEMM kernels that need
@@ -74,7 +84,7 @@ def make_plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int] =
     T, K = indices.shape
     flat = indices.reshape(-1)
     n = flat.numel()
-    order = stable_order(flat, num_experts)                     # [T*K] assignment at each sorted position
+    order = stable_order(flat, num_experts)  # [T*K] assignment at each sorted position
     if routed is None:
         routed = tokens_per_expert(indices, num_experts)
     arange = torch.arange(n, device=flat.device)
@@ -86,7 +96,7 @@ def make_plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int] =
         return DispatchPlan(inv.view(T, K), routed, routed, n, dense=True)
     sorted_e = flat[order]
     starts = torch.cumsum(routed, 0) - routed
-    rank = arange - starts[sorted_e]                            # position within its expert
+    rank = arange - starts[sorted_e]  # position within its expert
     counts = routed if capacity is None else routed.clamp(max=capacity)
     sizes = counts if align == 1 else (counts + align - 1) // align * align
     new_starts = torch.cumsum(sizes, 0) - sizes
@@ -94,11 +104,20 @@ def make_plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int] =
     if capacity is not None:
         pos = torch.where(rank < capacity, pos, torch.full_like(pos, -1))
     inv[order] = pos.to(torch.int32)
-    return DispatchPlan(inv.view(T, K), counts, sizes, *plan_layout(n, num_experts, capacity, align))
+    return DispatchPlan(
+        inv.view(T, K), counts, sizes, *plan_layout(n, num_experts, capacity, align)
+    )
 
 
-def run_plan(x: torch.Tensor, plan: DispatchPlan, weights: Optional[torch.Tensor], run_experts,
-             fast: bool, row_weights: Optional[torch.Tensor] = None, fuse_permute: bool = True) -> torch.Tensor:
+def run_plan(
+    x: torch.Tensor,
+    plan: DispatchPlan,
+    weights: Optional[torch.Tensor],
+    run_experts,
+    fast: bool,
+    row_weights: Optional[torch.Tensor] = None,
+    fuse_permute: bool = True,
+) -> torch.Tensor:
     """x [T, D] -> y [T, D] = ``sum_j weights[t, j] * ys[inv[t, j]]`` with ``ys = run_experts(xs[N, D],
     plan.group_sizes)`` on the expert-sorted copy ``xs`` of x (``weights=None``: unit weights).
 
@@ -156,7 +175,9 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def routing_inputs(x: torch.Tensor, low_precision_router: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def routing_inputs(
+    x: torch.Tensor, low_precision_router: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] -> (what the router reads, what the experts read). The experts read ``autocast_input(x)``;
     with ``low_precision_router`` the router reads that copy too (bf16 products, float32 accumulation and
     logits through kernels.router_matmul, as megablocks' and torchtitan's routers read bf16 inputs): a float32
@@ -169,13 +190,21 @@ def routing_inputs(x: torch.Tensor, low_precision_router: bool) -> tuple[torch.T
 
 def local_expert_count(num_experts: int, ep_size: int, key: str = "moe") -> int:
     """Experts each of ``ep_size`` expert-parallel ranks holds; ConfigError unless they split evenly."""
-    check(num_experts % ep_size == 0, f"{key}.num_experts",
-          f"{num_experts} experts do not split over {ep_size} EP ranks")
+    check(
+        num_experts % ep_size == 0,
+        f"{key}.num_experts",
+        f"{num_experts} experts do not split over {ep_size} EP ranks",
+    )
     return num_experts // ep_size
 
 
-def expert_hidden(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, activation: str,
-                  gate_act: str = "silu") -> torch.Tensor:
+def expert_hidden(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor | None,
+    activation: str,
+    gate_act: str = "silu",
+) -> torch.Tensor:
     """x [n, D], w1/w3 [H, D] -> hidden [n, H]: ``act(x w1^T) * x w3^T`` (swiglu; act = ``gate_act``, silu by
     default) or ``relu(x w1^T)^2`` (relu2)."""
     a = F.linear(x, w1)
@@ -197,17 +226,37 @@ class GroupedExperts(nn.Module):
     ``forward(x[T, D], plan.group_sizes, plan=plan)`` runs the rows ``sorted_rows(x, plan)`` (run_plan).
     """
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int, activation: str = "swiglu", gate_act: str = "silu"):
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        hidden_dim: int,
+        activation: str = "swiglu",
+        gate_act: str = "silu",
+    ):
         super().__init__()
         check_choice(activation, NEURON_ACTIVATIONS, "activation")
         _gate_act(gate_act)
-        self.num_experts, self.dim, self.hidden_dim, self.activation = num_experts, dim, hidden_dim, activation
-        self.gate_act = gate_act   # the gated (swiglu) layout's gate activation: silu | gelu | gelu_tanh | relu2
+        self.num_experts, self.dim, self.hidden_dim, self.activation = (
+            num_experts,
+            dim,
+            hidden_dim,
+            activation,
+        )
+        self.gate_act = (
+            gate_act  # the gated (swiglu) layout's gate activation: silu | gelu | gelu_tanh | relu2
+        )
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim)) if activation == "swiglu" else None
+        self.w3 = (
+            nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+            if activation == "swiglu"
+            else None
+        )
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.backend = "loop"
-        self.precision = "bf16"   # the grouped path's GEMM operands: bf16 | fp8 (set by the owner, as backend)
+        self.precision = (
+            "bf16"  # the grouped path's GEMM operands: bf16 | fp8 (set by the owner, as backend)
+        )
 
     def init_weights(self, std: float = 0.02, out_std: float = 0.02) -> None:
         nn.init.normal_(self.w1, std=std)
@@ -215,24 +264,41 @@ class GroupedExperts(nn.Module):
             nn.init.normal_(self.w3, std=std)
         nn.init.normal_(self.w2, std=out_std)
 
-    def forward(self, xs: torch.Tensor, counts: torch.Tensor, row_scale: Optional[torch.Tensor] = None,
-                plan: Optional[DispatchPlan] = None) -> torch.Tensor:
+    def forward(
+        self,
+        xs: torch.Tensor,
+        counts: torch.Tensor,
+        row_scale: Optional[torch.Tensor] = None,
+        plan: Optional[DispatchPlan] = None,
+    ) -> torch.Tensor:
         """``row_scale`` [N] float32: multiplies each row's hidden state (the folded routing weight).
         ``plan``: xs is the tokens x [T, D] and the experts run on ``sorted_rows(x, plan)``."""
         # the fused grouped path computes silu gates; other gate activations take the loop
-        if self.backend == "grouped" and xs.is_cuda and xs.dtype == torch.bfloat16 and self.gate_act == "silu":
+        if (
+            self.backend == "grouped"
+            and xs.is_cuda
+            and xs.dtype == torch.bfloat16
+            and self.gate_act == "silu"
+        ):
             return self._grouped(xs, counts, row_scale, plan)
         if self.precision == "fp8":
-            raise ValueError(f"precision fp8 runs on the grouped CUDA path with bfloat16 activations (a bf16 model or "
-                             f"autocast) and a silu gate; got {xs.dtype} on {xs.device.type}, backend {self.backend}")
+            raise ValueError(
+                f"precision fp8 runs on the grouped CUDA path with bfloat16 activations (a bf16 model or "
+                f"autocast) and a silu gate; got {xs.dtype} on {xs.device.type}, backend {self.backend}"
+            )
         return self._loop(xs, counts, row_scale, plan)
 
     # Eager inside a compiled block: the loop reads the counts on the host, and dynamo specialised the code
     # after that graph break on each count's value, so every batch with new counts recompiled it until the
     # recompile limit (a CPU trainer with train.compile; float32 or non-silu experts on CUDA).
     @torch.compiler.disable
-    def _loop(self, xs: torch.Tensor, counts: torch.Tensor, row_scale: Optional[torch.Tensor] = None,
-              plan: Optional[DispatchPlan] = None) -> torch.Tensor:
+    def _loop(
+        self,
+        xs: torch.Tensor,
+        counts: torch.Tensor,
+        row_scale: Optional[torch.Tensor] = None,
+        plan: Optional[DispatchPlan] = None,
+    ) -> torch.Tensor:
         if plan is not None:
             xs = sorted_rows(xs, plan)
         pieces, start = [], 0
@@ -240,17 +306,27 @@ class GroupedExperts(nn.Module):
         w3 = self.w3.to(xs.dtype) if self.w3 is not None else None
         for e, n in enumerate(counts.tolist()):
             if n:
-                h = expert_hidden(xs[start:start + n], w1[e], w3[e] if w3 is not None else None, self.activation,
-                                  self.gate_act)
+                h = expert_hidden(
+                    xs[start : start + n],
+                    w1[e],
+                    w3[e] if w3 is not None else None,
+                    self.activation,
+                    self.gate_act,
+                )
                 if row_scale is not None:
-                    h = scale_rows(h, row_scale[start:start + n])
+                    h = scale_rows(h, row_scale[start : start + n])
                 pieces.append(F.linear(h, w2[e]))
             start += n
         pieces.append(xs.new_zeros(xs.shape[0] - start, self.dim))
         return torch.cat(pieces)
 
-    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor, row_scale: Optional[torch.Tensor] = None,
-                 plan: Optional[DispatchPlan] = None) -> torch.Tensor:
+    def _grouped(
+        self,
+        xs: torch.Tensor,
+        counts: torch.Tensor,
+        row_scale: Optional[torch.Tensor] = None,
+        plan: Optional[DispatchPlan] = None,
+    ) -> torch.Tensor:
         # One grouped GEMM per projection over all experts; offs are group ends (int32, on device: no sync).
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         fp8 = self.precision == "fp8"

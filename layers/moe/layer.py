@@ -25,6 +25,7 @@ After each forward: ``aux_loss`` (scalar with grad: aux_loss_coef * balance + z_
 ``aux_parts`` (detached, unweighted), ``stats`` (tokens_per_expert [E] float, dropped_frac,
 router_entropy; all device tensors, no host sync).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,15 @@ from moezoo.kernels.router_matmul import router_matmul
 
 from ..aux_loss import AuxLossModule, sum_aux_losses
 from ..mlp import SwiGLU
-from .experts import (DispatchPlan, GroupedExperts, local_expert_count, make_plan, plan_layout, routing_inputs,
-                      run_plan)
+from .experts import (
+    DispatchPlan,
+    GroupedExperts,
+    local_expert_count,
+    make_plan,
+    plan_layout,
+    routing_inputs,
+    run_plan,
+)
 from .router import balance_loss_of_mean, noisy_logits, route
 from .routing_stage import RoutingSpec, routing_fn
 
@@ -52,8 +60,10 @@ def layer_config(cls, cfg, positional: dict, overrides: dict, owner: str):
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r} "
-                        f"(its options are {cls.__name__}'s fields)")
+        raise TypeError(
+            f"{owner}() got an unexpected keyword argument {unknown[0]!r} "
+            f"(its options are {cls.__name__}'s fields)"
+        )
     given = {k: v for k, v in positional.items() if v is not None}
     return dataclasses.replace(cfg if cfg is not None else cls(), **given, **overrides)
 
@@ -63,7 +73,9 @@ def resolve_backend(name: str, device_type: str) -> str:
     if name == "auto":
         return "grouped" if device_type == "cuda" else "reference"
     if name in ("grouped", "megablocks") and device_type != "cuda" or name == "torch":
-        return "reference"   # the CPU path of every backend is the reference; "torch" is its old name
+        return (
+            "reference"  # the CPU path of every backend is the reference; "torch" is its old name
+        )
     return name
 
 
@@ -73,6 +85,7 @@ class ExpertsModule(AuxLossModule):
     (``_apply``: ``.to``, ``.cuda``, ``to_empty``); weights on the meta device leave it to the first forward.
     Resolved only at the first forward, it was a module mutation that a compiled block's guards read
     (``self._backend is None``), so every MoE model's first MoE block was traced twice."""
+
     _backend: Optional[str] = None
 
     def backend(self, device: torch.device) -> str:
@@ -103,40 +116,72 @@ class MoE(ExpertsModule):
     ``precision="fp8"`` raises ConfigError (a ValueError) when built off the meta device on a machine
     without a Hopper / Blackwell GPU, and ValueError when run on CPU tensors.
     """
+
     # children read with autocast off (routing in float32): their weights stay float32 when a trainer holds
     # the other matmul weights in bf16 (training.optim.autocast_weights)
     float32_children = ("gate", "noise")
 
-    def __init__(self, dim: int, hidden_dim: Optional[int] = None, num_experts: Optional[int] = None,
-                 top_k: Optional[int] = None, *, cfg: Optional[MoEConfig] = None, act: str = "silu", ep_group=None,
-                 key: str = "moe", **overrides):
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: Optional[int] = None,
+        num_experts: Optional[int] = None,
+        top_k: Optional[int] = None,
+        *,
+        cfg: Optional[MoEConfig] = None,
+        act: str = "silu",
+        ep_group=None,
+        key: str = "moe",
+        **overrides,
+    ):
         """``cfg`` (a MoEConfig) plus keyword overrides of its fields; ``act``: the experts' gate activation
         (the model's ``ffn_act``: silu, gelu, gelu_tanh, relu2)."""
         super().__init__()
         if not (isinstance(dim, int) and dim > 0):
             raise ConfigError(f"{key}.dim", f"must be > 0, got {dim}")
-        cfg = layer_config(MoEConfig, cfg, dict(hidden_dim=hidden_dim, num_experts=num_experts, top_k=top_k),
-                           overrides, "MoE")
+        cfg = layer_config(
+            MoEConfig,
+            cfg,
+            dict(hidden_dim=hidden_dim, num_experts=num_experts, top_k=top_k),
+            overrides,
+            "MoE",
+        )
         if cfg.hidden_dim is None:
             raise ConfigError(f"{key}.hidden_dim", "the layer needs the expert hidden size")
         cfg.validate(key)
         if cfg.backend == "megablocks":
             if act != "silu" or cfg.n_group > 1 or cfg.routed_scaling_factor != 1.0:
-                raise ConfigError(f"{key}.backend", "megablocks runs SwiGLU experts behind its own Mixtral router: "
-                                  "no other activation, group-limited routing or routed_scaling_factor")
+                raise ConfigError(
+                    f"{key}.backend",
+                    "megablocks runs SwiGLU experts behind its own Mixtral router: "
+                    "no other activation, group-limited routing or routed_scaling_factor",
+                )
             from .megablocks import check_megablocks_config
+
             check_megablocks_config(cfg, key)
         self.cfg = cfg
-        hidden_dim, num_experts, top_k, router = cfg.hidden_dim, cfg.num_experts, cfg.top_k, cfg.router
+        hidden_dim, num_experts, top_k, router = (
+            cfg.hidden_dim,
+            cfg.num_experts,
+            cfg.top_k,
+            cfg.router,
+        )
         bias_update_rate, shared_experts = cfg.bias_update_rate, cfg.shared_experts
-        self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, num_experts, top_k
+        self.dim, self.hidden_dim, self.num_experts, self.top_k = (
+            dim,
+            hidden_dim,
+            num_experts,
+            top_k,
+        )
         self.ep_group = ep_group
         # Data-parallel group for the global balance loss; set by training.parallel (None = this rank only).
         self.balance_group = None
         # The mesh (ep ranks x expert-FSDP ranks) the checkpoint's global [E, ...] expert views live on;
         # set by training.parallel under expert parallelism (None: the experts are stored as they are).
         self.ep_checkpoint_mesh = None
-        self.num_local_experts = local_expert_count(num_experts, 1 if ep_group is None else ep_group.size(), key)
+        self.num_local_experts = local_expert_count(
+            num_experts, 1 if ep_group is None else ep_group.size(), key
+        )
 
         self.gate = nn.Linear(dim, num_experts, bias=False)
         if router == "noisy_topk":
@@ -145,11 +190,15 @@ class MoE(ExpertsModule):
             self.register_buffer("expert_bias", torch.zeros(num_experts))
         if bias_update_rate > 0:
             # int64: model-wide dtype casts (.to(bfloat16)) leave it alone and counts stay exact.
-            self.register_buffer("load_accum", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+            self.register_buffer(
+                "load_accum", torch.zeros(num_experts, dtype=torch.int64), persistent=False
+            )
         self.experts = GroupedExperts(self.num_local_experts, dim, hidden_dim, gate_act=act)
         cfg.check_precision_shapes(dim, hidden_dim, act, key)
         if not self.experts.w1.is_meta:
-            cfg.check_runtime("cuda", key)   # fp8 on a machine that cannot run it; a meta build (a plan) may
+            cfg.check_runtime(
+                "cuda", key
+            )  # fp8 on a machine that cannot run it; a meta build (a plan) may
         if shared_experts > 0:
             self.shared = SwiGLU(dim, cfg.shared_hidden_dim or hidden_dim * shared_experts, act)
             if cfg.shared_gate:
@@ -173,7 +222,7 @@ class MoE(ExpertsModule):
         if hasattr(self, "expert_bias"):
             self.expert_bias.zero_()
         if hasattr(self, "load_accum"):
-            self.load_accum.zero_()   # integer buffer: a meta-device build leaves it uninitialised
+            self.load_accum.zero_()  # integer buffer: a meta-device build leaves it uninitialised
         self.experts.init_weights(std, out_std)
         if hasattr(self, "shared"):
             self.shared.init_weights(std, out_std)
@@ -195,7 +244,9 @@ class MoE(ExpertsModule):
         with torch.autocast(x.device.type, enabled=False):
             logits = router_matmul(x, self.gate.weight, self.cfg.low_precision_router)
             if hasattr(self, "noise") and self.training:
-                logits = noisy_logits(logits, router_matmul(x, self.noise.weight, self.cfg.low_precision_router))
+                logits = noisy_logits(
+                    logits, router_matmul(x, self.noise.weight, self.cfg.low_precision_router)
+                )
         return logits
 
     def route(self, x: torch.Tensor):
@@ -203,8 +254,17 @@ class MoE(ExpertsModule):
         logits = self.router_logits(x)
         bias = getattr(self, "expert_bias", None)
         c = self.cfg
-        indices, weights, probs = route(logits, c.router, c.top_k, c.softmax_before_topk, c.norm_topk, bias,
-                                        c.n_group, c.topk_group, c.routed_scaling_factor)
+        indices, weights, probs = route(
+            logits,
+            c.router,
+            c.top_k,
+            c.softmax_before_topk,
+            c.norm_topk,
+            bias,
+            c.n_group,
+            c.topk_group,
+            c.routed_scaling_factor,
+        )
         return indices, weights, logits, probs
 
     def capacity(self, num_tokens: int) -> Optional[int]:
@@ -216,9 +276,16 @@ class MoE(ExpertsModule):
     def _align(self, x: torch.Tensor) -> int:
         return self.cfg.group_align if self.backend(x.device) == "grouped" and x.is_cuda else 1
 
-    def _dispatch_local(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                        routed: Optional[torch.Tensor] = None, run_experts=None,
-                        plan: Optional[DispatchPlan] = None, row_weights: Optional[torch.Tensor] = None):
+    def _dispatch_local(
+        self,
+        x: torch.Tensor,
+        indices: torch.Tensor,
+        weights: torch.Tensor,
+        routed: Optional[torch.Tensor] = None,
+        run_experts=None,
+        plan: Optional[DispatchPlan] = None,
+        row_weights: Optional[torch.Tensor] = None,
+    ):
         """All experts on this rank: x [T, D] -> y [T, D].
 
         ``run_experts(xs[N, D], group_sizes[E]) -> [N, D]`` replaces ``self.experts`` on the sorted
@@ -228,24 +295,34 @@ class MoE(ExpertsModule):
         """
         fast = self.backend(x.device) == "grouped"
         if plan is None:
-            plan = make_plan(indices, self.num_experts, self.capacity(x.shape[0]), self._align(x), routed)
-        return run_plan(x, plan, weights, run_experts or self.experts, fast, row_weights, self.cfg.fuse_permute)
+            plan = make_plan(
+                indices, self.num_experts, self.capacity(x.shape[0]), self._align(x), routed
+            )
+        return run_plan(
+            x, plan, weights, run_experts or self.experts, fast, row_weights, self.cfg.fuse_permute
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.experts.precision != self.cfg.precision:   # read each forward, as the speed switches
+        if self.experts.precision != self.cfg.precision:  # read each forward, as the speed switches
             self.experts.precision = self.cfg.precision
         shape = x.shape
         x2 = x.reshape(-1, self.dim)
-        xr, x2 = routing_inputs(x2, self.cfg.low_precision_router)   # the router's input, the experts' (autocast copy)
+        xr, x2 = routing_inputs(
+            x2, self.cfg.low_precision_router
+        )  # the router's input, the experts' (autocast copy)
         r, plan = self._route_and_record(xr)
         if self.ep_group is not None:
             from .expert_parallel import ep_dispatch
+
             y = ep_dispatch(self, x2, r.indices, r.weights, r.routed, plan)
         elif self.backend(x.device) == "megablocks":
             from .megablocks import megablocks_forward
+
             y = megablocks_forward(self, x2)
         else:
-            y = self._dispatch_local(x2, r.indices, r.weights, r.routed, plan=plan, row_weights=r.row_weights)
+            y = self._dispatch_local(
+                x2, r.indices, r.weights, r.routed, plan=plan, row_weights=r.row_weights
+            )
         if hasattr(self, "shared"):
             s = self.shared(x2)
             if hasattr(self, "shared_gate"):
@@ -264,12 +341,23 @@ class MoE(ExpertsModule):
         backend = self.backend(x.device)
         align = self._align(x)
         capacity = self.capacity(T)
-        spec = RoutingSpec(c.router, c.top_k, c.softmax_before_topk, c.norm_topk, self.num_experts,
-                           float(c.aux_loss_coef), float(c.z_loss_coef), capacity, align, local,
-                           plan=backend != "megablocks",
-                           row_weights=c.fold_weights and backend == "grouped" and self.ep_group is None,
-                           n_group=c.n_group, topk_group=c.topk_group,
-                           routed_scaling_factor=float(c.routed_scaling_factor))
+        spec = RoutingSpec(
+            c.router,
+            c.top_k,
+            c.softmax_before_topk,
+            c.norm_topk,
+            self.num_experts,
+            float(c.aux_loss_coef),
+            float(c.z_loss_coef),
+            capacity,
+            align,
+            local,
+            plan=backend != "megablocks",
+            row_weights=c.fold_weights and backend == "grouped" and self.ep_group is None,
+            n_group=c.n_group,
+            topk_group=c.topk_group,
+            routed_scaling_factor=float(c.routed_scaling_factor),
+        )
         fn = routing_fn(x.device, c.compile_routing if backend == "grouped" else None, spec)
         r = fn(self.router_logits(x), getattr(self, "expert_bias", None), spec)
         bal, aux = r.balance, r.aux_loss
@@ -283,7 +371,9 @@ class MoE(ExpertsModule):
             self.load_accum += r.routed
         plan = None
         if r.plan_tensors is not None:
-            plan = DispatchPlan(*r.plan_tensors, *plan_layout(r.indices.numel(), self.num_experts, capacity, align))
+            plan = DispatchPlan(
+                *r.plan_tensors, *plan_layout(r.indices.numel(), self.num_experts, capacity, align)
+            )
         return r, plan
 
     @torch.no_grad()

@@ -22,6 +22,7 @@ consecutive experts, each token first keeps its ``topk_group`` best groups (V3, 
 sum of its two best biased scores; V2, softmax: its best probability) and picks its top-k inside them.
 ``routed_scaling_factor`` multiplies the final weights (DeepSeek-V3: 2.5), after any renormalisation.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -34,21 +35,33 @@ def group_limited(sel: torch.Tensor, n_group: int, topk_group: int, pair_sum: bo
     """sel [T, E] -> sel with every expert outside the token's ``topk_group`` best groups set to -inf."""
     T, E = sel.shape
     grouped = sel.view(T, n_group, E // n_group)
-    score = grouped.topk(2, dim=-1).values.sum(-1) if pair_sum else grouped.amax(-1)   # [T, n_group]
-    keep = torch.zeros_like(score, dtype=torch.bool).scatter_(1, score.topk(topk_group, dim=-1).indices, True)
+    score = grouped.topk(2, dim=-1).values.sum(-1) if pair_sum else grouped.amax(-1)  # [T, n_group]
+    keep = torch.zeros_like(score, dtype=torch.bool).scatter_(
+        1, score.topk(topk_group, dim=-1).indices, True
+    )
     return grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
 
 
-def route(logits: torch.Tensor, router: str, top_k: int, softmax_before_topk: bool = False,
-          norm_topk: bool = True, bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
-          routed_scaling_factor: float = 1.0):
+def route(
+    logits: torch.Tensor,
+    router: str,
+    top_k: int,
+    softmax_before_topk: bool = False,
+    norm_topk: bool = True,
+    bias: Optional[torch.Tensor] = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+):
     """logits [T, E] float32 -> (indices [T, K] int64, weights [T, K] float32, probs [T, E] float32).
 
     ``probs`` are the per-token expert probabilities the balance loss and entropy use.
     """
-    topk_then_softmax = router in ("softmax", "noisy_topk") and norm_topk and not softmax_before_topk
+    topk_then_softmax = (
+        router in ("softmax", "noisy_topk") and norm_topk and not softmax_before_topk
+    )
     if router == "sigmoid":
-        rank = torch.sigmoid(logits)                      # the scores
+        rank = torch.sigmoid(logits)  # the scores
         probs = rank / rank.sum(-1, keepdim=True)
     else:
         probs = torch.softmax(logits, dim=-1)
@@ -59,7 +72,7 @@ def route(logits: torch.Tensor, router: str, top_k: int, softmax_before_topk: bo
     indices = top_k_indices(sel, top_k)
     if topk_then_softmax:
         weights = torch.softmax(logits.gather(-1, indices), dim=-1)
-    else:                                                 # the chosen sigmoid scores or softmax probabilities
+    else:  # the chosen sigmoid scores or softmax probabilities
         weights = rank.gather(-1, indices)
         if norm_topk and router != "switch":
             weights = weights / weights.sum(-1, keepdim=True)
@@ -96,14 +109,17 @@ def tokens_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     """
     flat = indices.reshape(-1)
     if torch.compiler.is_compiling():
-        return (flat[:, None] == torch.arange(num_experts, device=flat.device, dtype=flat.dtype)).sum(0)
+        return (
+            flat[:, None] == torch.arange(num_experts, device=flat.device, dtype=flat.dtype)
+        ).sum(0)
     return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat))
+        0, flat, torch.ones_like(flat)
+    )
 
 
 def sort_key_dtype(num_ids: int) -> torch.dtype:
     """The narrowest integer dtype holding ids ``0 .. num_ids - 1`` (expert ids as sort keys)."""
-    return torch.uint8 if num_ids <= 256 else torch.int16 if num_ids <= 2 ** 15 else torch.int32
+    return torch.uint8 if num_ids <= 256 else torch.int16 if num_ids <= 2**15 else torch.int32
 
 
 def stable_order(ids: torch.Tensor, num_ids: int) -> torch.Tensor:
@@ -116,8 +132,9 @@ def stable_order(ids: torch.Tensor, num_ids: int) -> torch.Tensor:
     return torch.argsort(ids.to(sort_key_dtype(num_ids)), stable=True)
 
 
-def balance_loss_of_mean(p: torch.Tensor, counts: torch.Tensor, num_tokens: int, top_k: int,
-                         group=None) -> torch.Tensor:
+def balance_loss_of_mean(
+    p: torch.Tensor, counts: torch.Tensor, num_tokens: int, top_k: int, group=None
+) -> torch.Tensor:
     """Switch balance loss ``E * sum_e f_e * P_e`` with f_e = counts_e / (T * K) and P = ``p`` [E], the mean
     routing probabilities ``probs.mean(0)`` over the T = ``num_tokens`` tokens.
 
@@ -130,6 +147,7 @@ def balance_loss_of_mean(p: torch.Tensor, counts: torch.Tensor, num_tokens: int,
     E, T = p.shape[0], num_tokens
     if group is not None and torch.distributed.get_world_size(group) > 1:
         from torch.distributed.nn.functional import all_reduce
+
         world = torch.distributed.get_world_size(group)
         counts = counts.clone()
         torch.distributed.all_reduce(counts, group=group)

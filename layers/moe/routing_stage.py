@@ -15,6 +15,7 @@ group) stays outside: the caller computes the logits and, for ``spec.local_balan
 the balance loss from the returned mean probabilities with ``balance_loss_of_mean``.
 Legend: T tokens, K experts per token, E experts.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,6 +30,7 @@ from .router import balance_loss_of_mean, route, router_entropy, tokens_per_expe
 
 class RoutingSpec(NamedTuple):
     """The static arguments (graph constants under torch.compile)."""
+
     router: str
     top_k: int
     softmax_before_topk: bool
@@ -36,44 +38,56 @@ class RoutingSpec(NamedTuple):
     num_experts: int
     aux_loss_coef: float
     z_loss_coef: float
-    capacity: Optional[int]       # max kept assignments per expert; None = dropless
-    align: int                    # dispatch-plan group alignment (rows)
-    local_balance: bool           # balance loss on this process's tokens only (no collective)
-    plan: bool                    # also build the dispatch plan
-    row_weights: bool = False     # also the combine weights in sorted-row order (needs plan)
-    n_group: int = 1              # group-limited selection (DeepSeek-V2/V3; layers.moe.router.route)
+    capacity: Optional[int]  # max kept assignments per expert; None = dropless
+    align: int  # dispatch-plan group alignment (rows)
+    local_balance: bool  # balance loss on this process's tokens only (no collective)
+    plan: bool  # also build the dispatch plan
+    row_weights: bool = False  # also the combine weights in sorted-row order (needs plan)
+    n_group: int = 1  # group-limited selection (DeepSeek-V2/V3; layers.moe.router.route)
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
 
 
 class Routed(NamedTuple):
-    indices: torch.Tensor             # [T, K] int64
-    weights: torch.Tensor             # [T, K] float32, with grad
-    routed: torch.Tensor              # [E] int64 assignments per expert (before capacity)
-    aux_loss: torch.Tensor            # scalar with grad; the z part only when not local_balance
-    balance: Optional[torch.Tensor]   # scalar with grad (local_balance) or None
-    p_mean: Optional[torch.Tensor]    # [E] mean routing probabilities with grad (not local_balance)
-    z: torch.Tensor                   # scalar with grad
-    stats: dict                       # tokens_per_expert [E] float, dropped_frac, router_entropy (detached)
-    plan_tensors: Optional[tuple]     # (inv [T, K] int32, counts [E], group_sizes [E]) when spec.plan
-    row_weights: Optional[torch.Tensor]   # [num_rows] float32 with grad when spec.row_weights
+    indices: torch.Tensor  # [T, K] int64
+    weights: torch.Tensor  # [T, K] float32, with grad
+    routed: torch.Tensor  # [E] int64 assignments per expert (before capacity)
+    aux_loss: torch.Tensor  # scalar with grad; the z part only when not local_balance
+    balance: Optional[torch.Tensor]  # scalar with grad (local_balance) or None
+    p_mean: Optional[torch.Tensor]  # [E] mean routing probabilities with grad (not local_balance)
+    z: torch.Tensor  # scalar with grad
+    stats: dict  # tokens_per_expert [E] float, dropped_frac, router_entropy (detached)
+    plan_tensors: Optional[tuple]  # (inv [T, K] int32, counts [E], group_sizes [E]) when spec.plan
+    row_weights: Optional[torch.Tensor]  # [num_rows] float32 with grad when spec.row_weights
 
 
 def routing_stage(logits: torch.Tensor, bias: Optional[torch.Tensor], spec: RoutingSpec) -> Routed:
     """logits [T, E] float32 -> Routed (see the module docstring)."""
     T = logits.shape[0]
-    indices, weights, probs = route(logits, spec.router, spec.top_k, spec.softmax_before_topk,
-                                    spec.norm_topk, bias, spec.n_group, spec.topk_group, spec.routed_scaling_factor)
+    indices, weights, probs = route(
+        logits,
+        spec.router,
+        spec.top_k,
+        spec.softmax_before_topk,
+        spec.norm_topk,
+        bias,
+        spec.n_group,
+        spec.topk_group,
+        spec.routed_scaling_factor,
+    )
     routed = tokens_per_expert(indices, spec.num_experts)
     p_mean = probs.mean(0)
     z = z_loss(logits)
     n = T * spec.top_k
     if spec.capacity is None:
-        dropped = torch.zeros((), device=logits.device)     # dropless: exactly zero, no reduction
+        dropped = torch.zeros((), device=logits.device)  # dropless: exactly zero, no reduction
     else:
         dropped = 1.0 - routed.clamp(max=spec.capacity).sum().float() / max(n, 1)
-    stats = {"tokens_per_expert": routed.float(), "router_entropy": router_entropy(probs).detach(),
-             "dropped_frac": dropped.detach()}
+    stats = {
+        "tokens_per_expert": routed.float(),
+        "router_entropy": router_entropy(probs).detach(),
+        "dropped_frac": dropped.detach(),
+    }
     balance = None
     aux = spec.z_loss_coef * z
     if spec.local_balance:
@@ -86,7 +100,9 @@ def routing_stage(logits: torch.Tensor, bias: Optional[torch.Tensor], spec: Rout
         plan_tensors = (p.inv, p.counts, p.group_sizes)
         if spec.row_weights:
             row_weights = sorted_row_weights(weights, p.inv, p.num_rows)
-    return Routed(indices, weights, routed, aux, balance, p_mean, z, stats, plan_tensors, row_weights)
+    return Routed(
+        indices, weights, routed, aux, balance, p_mean, z, stats, plan_tensors, row_weights
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,7 +111,9 @@ def compiled_routing_stage(backend: str, spec: RoutingSpec):
     counts recompilations per code object (8, then a hard error under fullgraph), and every MoE
     configuration is a different graph. dynamic=None: static shapes first, one dynamic recompile if the
     token count changes."""
-    fn = types.FunctionType(routing_stage.__code__.replace(), routing_stage.__globals__, "routing_stage")
+    fn = types.FunctionType(
+        routing_stage.__code__.replace(), routing_stage.__globals__, "routing_stage"
+    )
     return torch.compile(fn, fullgraph=True, dynamic=None, backend=backend)
 
 

@@ -4,6 +4,7 @@
 - ``cluster``: balanced k-means of the FFN's rows into groups.
 - ``schedule``: dense warm-up, sparse/dense alternation, dense finish.
 """
+
 from .ffn import NeuronRoutedFFN, NeuronSchedule, neuron_schedule_step, neuron_stats
 
 __all__ = ["NeuronSchedule", "NeuronRoutedFFN", "neuron_schedule_step", "neuron_stats"]

@@ -13,6 +13,7 @@ Legend: N points (FFN hidden units), F features per point, G clusters of exactly
 Deterministic for a given seed and device (the seeded generator runs on the CPU), so data-parallel
 ranks that cluster the same weights agree without communication.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -51,7 +52,9 @@ def balanced_assign(dist: torch.Tensor, capacity: int) -> torch.Tensor:
         room -= torch.bincount(c[keep], minlength=G)
 
 
-def balanced_kmeans(points: torch.Tensor, num_clusters: int, iters: int = 20, seed: int = 0) -> torch.Tensor:
+def balanced_kmeans(
+    points: torch.Tensor, num_clusters: int, iters: int = 20, seed: int = 0
+) -> torch.Tensor:
     """points [N, F] -> labels [N] int64: ``num_clusters`` clusters of exactly N / num_clusters points."""
     N = points.shape[0]
     if N % num_clusters:
@@ -71,8 +74,9 @@ def balanced_kmeans(points: torch.Tensor, num_clusters: int, iters: int = 20, se
     return labels
 
 
-def cluster_neurons(w1: torch.Tensor, w3: Optional[torch.Tensor], num_groups: int, iters: int = 20,
-                    seed: int = 0) -> torch.Tensor:
+def cluster_neurons(
+    w1: torch.Tensor, w3: Optional[torch.Tensor], num_groups: int, iters: int = 20, seed: int = 0
+) -> torch.Tensor:
     """w1 (gate) [H, D], w3 (up) [H, D] or None -> order [H] int64: neuron indices grouped by cluster."""
     feats = w1 if w3 is None else torch.cat([w1, w3], dim=1)
     labels = balanced_kmeans(feats, num_groups, iters, seed)

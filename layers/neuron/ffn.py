@@ -33,6 +33,7 @@ top-K groups by mass that the router also ranks top-K) and ``mass_captured`` (sh
 mass in the router's top-K groups) in dense mode, where the true masses are known; the last dense
 forward's router numbers stay in ``router_stats`` through the sparse steps that follow.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -61,18 +62,34 @@ class NeuronRoutedFFN(ExpertsModule):
     """A dense FFN whose hidden units form ``num_groups`` routed groups. Options are NeuronConfig's fields
     (declared there only): ``NeuronRoutedFFN(dim, hidden_dim, num_groups, top_k_groups, **fields)`` or
     ``NeuronRoutedFFN(dim, hidden_dim, cfg=NeuronConfig(...), **fields)``; arguments override ``cfg``."""
-    float32_children = ("router",)   # read with autocast off (as MoE's router; training.optim.autocast_weights)
 
-    def __init__(self, dim: int, hidden_dim: int, num_groups: Optional[int] = None,
-                 top_k_groups: Optional[int] = None, *, cfg: Optional[NeuronConfig] = None,
-                 key: str = "neuron", **overrides):
+    float32_children = (
+        "router",
+    )  # read with autocast off (as MoE's router; training.optim.autocast_weights)
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_groups: Optional[int] = None,
+        top_k_groups: Optional[int] = None,
+        *,
+        cfg: Optional[NeuronConfig] = None,
+        key: str = "neuron",
+        **overrides,
+    ):
         super().__init__()
         if not (isinstance(dim, int) and dim > 0):
             raise ConfigError(f"{key}.dim", f"must be > 0, got {dim}")
         if not (isinstance(hidden_dim, int) and hidden_dim > 0):
             raise ConfigError(f"{key}.hidden_dim", f"must be > 0, got {hidden_dim}")
-        cfg = layer_config(NeuronConfig, cfg, dict(num_groups=num_groups, top_k_groups=top_k_groups),
-                           overrides, "NeuronRoutedFFN")
+        cfg = layer_config(
+            NeuronConfig,
+            cfg,
+            dict(num_groups=num_groups, top_k_groups=top_k_groups),
+            overrides,
+            "NeuronRoutedFFN",
+        )
         cfg.validate(key, hidden_dim)
         self.cfg = cfg
         num_groups, top_k_groups, activation = cfg.num_groups, cfg.top_k_groups, cfg.activation
@@ -83,10 +100,10 @@ class NeuronRoutedFFN(ExpertsModule):
         self.experts = GroupedExperts(num_groups, dim, self.group_dim, activation)
         self.router = nn.Linear(dim, num_groups, bias=False)
         self.register_buffer("neuron_index", torch.arange(hidden_dim))
-        self.sparse = True          # the schedule (set_step) switches it per training step
+        self.sparse = True  # the schedule (set_step) switches it per training step
         self.aux_loss = torch.zeros(())
         self.stats: dict = {}
-        self.router_stats: dict = {}    # router_loss, recall, mass_captured of the last dense forward
+        self.router_stats: dict = {}  # router_loss, recall, mass_captured of the last dense forward
         self.init_weights()
         self._resolve_backend()
 
@@ -96,10 +113,14 @@ class NeuronRoutedFFN(ExpertsModule):
         self.experts.init_weights(std, out_std)
         nn.init.normal_(self.router.weight, std=std)
         # Fresh groups are contiguous unit ranges (from_dense re-clusters); also repairs a meta-device build.
-        self.neuron_index.copy_(torch.arange(self.neuron_index.numel(), device=self.neuron_index.device))
+        self.neuron_index.copy_(
+            torch.arange(self.neuron_index.numel(), device=self.neuron_index.device)
+        )
 
     @classmethod
-    def from_dense(cls, ffn: nn.Module, num_groups: int, top_k_groups: int, **kwargs) -> "NeuronRoutedFFN":
+    def from_dense(
+        cls, ffn: nn.Module, num_groups: int, top_k_groups: int, **kwargs
+    ) -> "NeuronRoutedFFN":
         """Cluster a dense FFN (``w1``, ``w2`` and, for SwiGLU, ``w3`` linears, LLaMA naming) into routed groups.
 
         ``activation`` defaults to swiglu when ``ffn`` has ``w3``, else relu2; other keywords as the
@@ -107,22 +128,27 @@ class NeuronRoutedFFN(ExpertsModule):
         """
         w1 = ffn.w1.weight
         kwargs.setdefault("activation", "swiglu" if hasattr(ffn, "w3") else "relu2")
-        m = cls(w1.shape[1], w1.shape[0], num_groups, top_k_groups, **kwargs).to(w1.device, w1.dtype)
+        m = cls(w1.shape[1], w1.shape[0], num_groups, top_k_groups, **kwargs).to(
+            w1.device, w1.dtype
+        )
         w3 = getattr(ffn, "w3", None)
         m.load_dense(w1, ffn.w2.weight, None if w3 is None else w3.weight)
         return m
 
     @torch.no_grad()
-    def load_dense(self, w1: torch.Tensor, w2: torch.Tensor, w3: Optional[torch.Tensor] = None,
-                   seed: int = 0) -> None:
+    def load_dense(
+        self, w1: torch.Tensor, w2: torch.Tensor, w3: Optional[torch.Tensor] = None, seed: int = 0
+    ) -> None:
         """Group dense weights w1/w3 [H, D], w2 [D, H] by balanced k-means on the W1 (and W3) rows.
 
         The router starts at each group's mean gate row, a linear predictor of the group's mean
         pre-activation (MoEfication's similarity routing), so routing is sensible before any training.
         """
         if (w3 is None) != (self.activation == "relu2"):
-            raise ConfigError("neuron.activation", f"{self.activation} {'needs a' if w3 is None else 'has no'} "
-                              "w3 (up projection)")
+            raise ConfigError(
+                "neuron.activation",
+                f"{self.activation} {'needs a' if w3 is None else 'has no'} w3 (up projection)",
+            )
         order = cluster_neurons(w1, w3, self.num_groups, self.cfg.kmeans_iters, seed)
         G, Hg, D = self.num_groups, self.group_dim, self.dim
         self.experts.w1.copy_(w1[order].view(G, Hg, D))
@@ -145,26 +171,42 @@ class NeuronRoutedFFN(ExpertsModule):
         gated = self.activation == "swiglu"
         # The float32 values: an optimizer keeping float32 masters of bf16 weights (training.optim.MasterAdamW)
         # holds them in its state, and the clustering and the router must not see the rounding.
-        states = {p: optimizer.state.get(p, {}) if optimizer is not None else {} for p in self.experts.parameters()}
-        value = lambda p: full_tensor(states[p].get("master", p))       # noqa: E731
+        states = {
+            p: optimizer.state.get(p, {}) if optimizer is not None else {}
+            for p in self.experts.parameters()
+        }
+        value = lambda p: full_tensor(states[p].get("master", p))  # noqa: E731
         w1 = value(self.experts.w1).reshape(H, D)
-        order = cluster_neurons(w1, value(self.experts.w3).reshape(H, D) if gated else None, G,
-                                self.cfg.kmeans_iters, seed)
+        order = cluster_neurons(
+            w1,
+            value(self.experts.w3).reshape(H, D) if gated else None,
+            G,
+            self.cfg.kmeans_iters,
+            seed,
+        )
 
-        def rows(t):   # [G, Hg, D] grouped rows -> regrouped
+        def rows(t):  # [G, Hg, D] grouped rows -> regrouped
             return t.reshape(H, D)[order].view(G, Hg, D)
 
-        def cols(t):   # [G, D, Hg] grouped columns -> regrouped
+        def cols(t):  # [G, D, Hg] grouped columns -> regrouped
             return t.permute(1, 0, 2).reshape(D, H)[:, order].reshape(D, G, Hg).permute(1, 0, 2)
 
-        weights = [(self.experts.w1, rows), (self.experts.w2, cols)] + ([(self.experts.w3, rows)] if gated else [])
+        weights = [(self.experts.w1, rows), (self.experts.w2, cols)] + (
+            [(self.experts.w3, rows)] if gated else []
+        )
         for p, regroup in weights:
-            for t in [p] + [v for v in states[p].values() if torch.is_tensor(v) and v.shape == p.shape]:
+            for t in [p] + [
+                v for v in states[p].values() if torch.is_tensor(v) and v.shape == p.shape
+            ]:
                 _assign(t, regroup(full_tensor(t)))
         self.neuron_index.copy_(self.neuron_index[order])
-        _assign(self.router.weight, value(self.experts.w1).float().mean(1).to(self.router.weight.dtype))
+        _assign(
+            self.router.weight, value(self.experts.w1).float().mean(1).to(self.router.weight.dtype)
+        )
         if optimizer is not None:
-            optimizer.state.pop(self.router.weight, None)   # moments of the old groups mean nothing now
+            optimizer.state.pop(
+                self.router.weight, None
+            )  # moments of the old groups mean nothing now
 
     def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """(w1 [H, D], w2 [D, H], w3 [H, D] or None) in the dense FFN's original unit order (differentiable)."""
@@ -176,14 +218,18 @@ class NeuronRoutedFFN(ExpertsModule):
         return w1, w2, w3
 
     # -- schedule ---------------------------------------------------------------------------------------
-    def set_step(self, step: int, total_steps: int, optimizer: Optional[torch.optim.Optimizer] = None) -> str:
+    def set_step(
+        self, step: int, total_steps: int, optimizer: Optional[torch.optim.Optimizer] = None
+    ) -> str:
         """Set the mode for training step ``step`` of ``total_steps``; returns the phase (neuron_schedule).
 
         With ``recluster``, the first step after a non-empty warm-up re-clusters first (``optimizer``'s
         state is permuted with the weights: pass it whenever there is one).
         """
         c = self.cfg
-        phase = neuron_phase(step, total_steps, c.warmup_fraction, c.sparse_ratio, c.finish_fraction)
+        phase = neuron_phase(
+            step, total_steps, c.warmup_fraction, c.sparse_ratio, c.finish_fraction
+        )
         self.sparse = phase == "sparse"
         warm = phase_bounds(total_steps, c.warmup_fraction, c.finish_fraction)[0]
         if c.recluster and warm > 0 and step == warm:
@@ -200,7 +246,9 @@ class NeuronRoutedFFN(ExpertsModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.dim)
-        xr, x2 = routing_inputs(x2, self.cfg.low_precision_router)    # the groups read the autocast copy
+        xr, x2 = routing_inputs(
+            x2, self.cfg.low_precision_router
+        )  # the groups read the autocast copy
         logits = self.router_logits(xr)
         if self.sparse:
             y = self._sparse(x2, logits)
@@ -211,24 +259,28 @@ class NeuronRoutedFFN(ExpertsModule):
     def _dense(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         G, Hg, H, D = self.num_groups, self.group_dim, self.hidden_dim, self.dim
         w3 = self.experts.w3.reshape(H, D) if self.activation == "swiglu" else None
-        h = expert_hidden(x, self.experts.w1.reshape(H, D), w3, self.activation)         # [T, H]
+        h = expert_hidden(x, self.experts.w1.reshape(H, D), w3, self.activation)  # [T, H]
         y = torch.einsum("tgh,gdh->td", h.view(-1, G, Hg), self.experts.w2.to(h.dtype))
         # per-group L1 mass [T, G] in float32 from one read of h (on CUDA the reduction takes bf16 in, float32
         # out: no float32 copy of the [T, H] hidden state, as .float().abs().sum() made)
-        mass = torch.linalg.vector_norm(h.detach().view(-1, G, Hg), ord=1, dim=-1, dtype=torch.float32)
+        mass = torch.linalg.vector_norm(
+            h.detach().view(-1, G, Hg), ord=1, dim=-1, dtype=torch.float32
+        )
         self._record_dense(mass, logits)
         return y
 
     def _sparse(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        indices = logits.topk(self.top_k_groups, dim=-1).indices                        # [T, K]
+        indices = logits.topk(self.top_k_groups, dim=-1).indices  # [T, K]
         plan = make_plan(indices, self.num_groups)
         y = run_plan(x, plan, None, self.experts, self.backend(x.device) == "grouped")
         # Zero, but through the router: its weight then gets a (zero) gradient every step, as data-parallel
         # wrappers that expect every parameter to take part in the backward require.
         self.aux_loss = logits.sum() * 0.0
         # torch.full is a fill kernel; torch.tensor(float, device=cuda) would be a host copy that syncs
-        self.stats = {"active_frac": torch.full((), self.top_k_groups / self.num_groups, device=x.device),
-                      "tokens_per_group": plan.counts.float()}
+        self.stats = {
+            "active_frac": torch.full((), self.top_k_groups / self.num_groups, device=x.device),
+            "tokens_per_group": plan.counts.float(),
+        }
         return y
 
     def _record_dense(self, mass: torch.Tensor, logits: torch.Tensor) -> None:
@@ -242,9 +294,14 @@ class NeuronRoutedFFN(ExpertsModule):
         self.aux_loss = self.cfg.router_loss_coef * loss
         K = self.top_k_groups
         pred = logits.detach().topk(K, dim=-1).indices
-        hit = torch.zeros_like(target, dtype=torch.bool).scatter_(1, target.topk(K, dim=-1).indices, True)
-        self.router_stats = {"router_loss": loss.detach(), "recall": hit.gather(1, pred).float().mean(),
-                             "mass_captured": target.gather(1, pred).sum(-1).mean()}
+        hit = torch.zeros_like(target, dtype=torch.bool).scatter_(
+            1, target.topk(K, dim=-1).indices, True
+        )
+        self.router_stats = {
+            "router_loss": loss.detach(),
+            "recall": hit.gather(1, pred).float().mean(),
+            "mass_captured": target.gather(1, pred).sum(-1).mean(),
+        }
         self.stats = {"active_frac": torch.ones((), device=mass.device), **self.router_stats}
 
 
@@ -252,8 +309,9 @@ def neuron_modules(model: nn.Module) -> list[NeuronRoutedFFN]:
     return [m for m in model.modules() if isinstance(m, NeuronRoutedFFN)]
 
 
-def neuron_schedule_step(model: nn.Module, step: int, total_steps: int,
-                         optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[str]:
+def neuron_schedule_step(
+    model: nn.Module, step: int, total_steps: int, optimizer: Optional[torch.optim.Optimizer] = None
+) -> Optional[str]:
     """Set the mode of every NeuronRoutedFFN of ``model`` for training step ``step`` (0-based) of
     ``total_steps``; call once per step before the forward. Returns the phase of the first such layer
     ("warmup", "sparse", "dense" or "finish"; see layers.neuron.schedule), None when there is none.
@@ -270,9 +328,13 @@ def neuron_stats(model: nn.Module) -> dict:
     out: dict = {}
     for name in ("active_frac", "router_loss", "recall", "mass_captured"):
         src = "stats" if name == "active_frac" else "router_stats"
-        vals = [getattr(m, src)[name].float() for m in neuron_modules(model) if name in getattr(m, src)]
+        vals = [
+            getattr(m, src)[name].float() for m in neuron_modules(model) if name in getattr(m, src)
+        ]
         if vals:
-            out[f"neuron/{name}"] = torch.stack([v.to(vals[0].device) for v in vals]).mean().detach()
+            out[f"neuron/{name}"] = (
+                torch.stack([v.to(vals[0].device) for v in vals]).mean().detach()
+            )
     return out
 
 
@@ -282,9 +344,11 @@ class NeuronSchedule:
 
     PHASES = ("warmup", "sparse", "dense", "finish")
 
-    skips_on_device = True   # nothing to do after a step (layers.sparsity_method)
+    skips_on_device = True  # nothing to do after a step (layers.sparsity_method)
 
-    def __init__(self, model: nn.Module, total_steps: int, optimizer: Optional[torch.optim.Optimizer] = None):
+    def __init__(
+        self, model: nn.Module, total_steps: int, optimizer: Optional[torch.optim.Optimizer] = None
+    ):
         self.model, self.total_steps, self.optimizer = model, total_steps, optimizer
         self.phase: Optional[str] = None
 

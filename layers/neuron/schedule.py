@@ -9,6 +9,7 @@ of the alternation is sparse when ``floor((i + 1) * r) > floor(i * r)`` with r =
 ``r`` of the steps are sparse, spread evenly (r = 0.75 gives dense, sparse, sparse, sparse, dense, ...).
 A pure function of the step, so resuming from a checkpoint needs no schedule state.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,13 +21,16 @@ def _steps(fraction: float, total_steps: int) -> int:
     return int(math.floor(fraction * total_steps + 0.5))
 
 
-def phase_bounds(total_steps: int, warmup_fraction: float, finish_fraction: float) -> tuple[int, int]:
+def phase_bounds(
+    total_steps: int, warmup_fraction: float, finish_fraction: float
+) -> tuple[int, int]:
     """(first step after the warm-up, first step of the dense finish)."""
     return _steps(warmup_fraction, total_steps), total_steps - _steps(finish_fraction, total_steps)
 
 
-def neuron_phase(step: int, total_steps: int, warmup_fraction: float, sparse_ratio: float,
-                 finish_fraction: float) -> str:
+def neuron_phase(
+    step: int, total_steps: int, warmup_fraction: float, sparse_ratio: float, finish_fraction: float
+) -> str:
     """Phase of ``step`` (0-based) in a run of ``total_steps``; steps past the end count as ``finish``."""
     warm, finish_start = phase_bounds(total_steps, warmup_fraction, finish_fraction)
     if step < warm:

@@ -2,6 +2,7 @@
 
 Imported by every other package; imports none of them.
 """
+
 from moezoo import _checkout_path
 
 __path__ = _checkout_path(__path__, "configs")
@@ -18,7 +19,27 @@ from .parallel import ParallelConfig
 from .ranges import assign_ranges, parse_range
 from .run import CheckpointConfig, DataConfig, LoggingConfig, OptimConfig, TrainConfig
 
-__all__ = ["AttentionConfig", "CheckpointConfig", "Config", "ConfigError", "DSTConfig", "DataConfig",
-           "LoggingConfig", "MLAConfig", "MoEConfig", "ModelConfig", "NeuronConfig", "OptimConfig", "ParallelConfig", "RopeScalingConfig",
-           "TrainConfig", "assign_ranges", "exit_code", "load_config", "parse_range", "save_config", "to_dict",
-           "validate_pattern"]
+__all__ = [
+    "AttentionConfig",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DSTConfig",
+    "DataConfig",
+    "LoggingConfig",
+    "MLAConfig",
+    "MoEConfig",
+    "ModelConfig",
+    "NeuronConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "RopeScalingConfig",
+    "TrainConfig",
+    "assign_ranges",
+    "exit_code",
+    "load_config",
+    "parse_range",
+    "save_config",
+    "to_dict",
+    "validate_pattern",
+]

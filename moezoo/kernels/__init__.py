@@ -15,6 +15,7 @@ with the same signature; without triton (or on CPU tensors) the references run (
 | ``SemiSparseLinear`` (2:4 sparse linear, cuSPARSELt) | semi_sparse_linear | layers.dst.semi_structured |
 | ``jit`` / ``use_triton`` / ``HAVE_TRITON`` (launch helpers) | launch | the Triton ops above |
 """
+
 from moezoo import _checkout_path
 
 __path__ = _checkout_path(__path__, "kernels")

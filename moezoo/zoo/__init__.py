@@ -1,4 +1,5 @@
 """Model assembly from config, presets (``zoo/*.yaml``), HF import/export."""
+
 from moezoo import _checkout_path
 
 __path__ = _checkout_path(__path__, "zoo")

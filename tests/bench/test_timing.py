@@ -1,4 +1,5 @@
 """bench.timing.StepTimes: each step's time once, in order, the newest ``keep`` held back."""
+
 import time
 
 from bench.timing import StepTimes

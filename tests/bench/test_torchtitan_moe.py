@@ -1,5 +1,6 @@
 """bench/torchtitan_moe.py on CPU at its smoke shapes, our two precision layouts only (torchtitan is a GPU-image
 dependency): both build the same model, train, and start from the same loss."""
+
 import json
 import math
 import subprocess
@@ -10,10 +11,30 @@ from helpers import ROOT, subprocess_env
 
 def test_ours_and_ours_bf16_train_the_same_model(tmp_path):
     out = tmp_path / "titan.json"
-    cmd = [sys.executable, "bench/torchtitan_moe.py", "--smoke", "--device", "cpu", "--only", "ours,ours_bf16",
-           "--steps", "3", "--warmup", "1", "--no-compile", "--out", str(out)]
-    r = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True,
-                       timeout=600)
+    cmd = [
+        sys.executable,
+        "bench/torchtitan_moe.py",
+        "--smoke",
+        "--device",
+        "cpu",
+        "--only",
+        "ours,ours_bf16",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--no-compile",
+        "--out",
+        str(out),
+    ]
+    r = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=subprocess_env(CUDA_VISIBLE_DEVICES=""),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     a, b = res["ours"], res["ours_bf16"]
@@ -24,4 +45,6 @@ def test_ours_and_ours_bf16_train_the_same_model(tmp_path):
     # the last step's routing load per MoE layer: the busiest expert's rows over the mean (>= 1)
     assert len(a["expert_load_max_over_mean"]) == res["args"]["layers"]
     assert all(v >= 1.0 for v in a["expert_load_max_over_mean"])
-    assert a["batch_copy"] == b["batch_copy"] == "moezoo.kernels.launch.to_device"     # ours fed as train.py feeds it
+    assert (
+        a["batch_copy"] == b["batch_copy"] == "moezoo.kernels.launch.to_device"
+    )  # ours fed as train.py feeds it

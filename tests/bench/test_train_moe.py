@@ -1,5 +1,6 @@
 """bench/train_moe.py's equal-time runs: the LR on the steady-seconds clock (TimeSchedule) and a CPU run of the
 ``smoke`` suite that stops at its time budget with the LR at the cosine floor."""
+
 import importlib.util
 import json
 import os
@@ -18,7 +19,9 @@ from moezoo.training.optim import build_scheduler
 @pytest.fixture(scope="module")
 def bench():
     """bench/train_moe.py as a module (a script, not a package)."""
-    spec = importlib.util.spec_from_file_location("train_moe", os.path.join(ROOT, "bench", "train_moe.py"))
+    spec = importlib.util.spec_from_file_location(
+        "train_moe", os.path.join(ROOT, "bench", "train_moe.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -45,7 +48,9 @@ def test_time_schedule_at_a_constant_step_time_is_the_trainers_step_schedule(ben
     ref_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=cfg.lr)
     ref = lrs(build_scheduler(ref_opt, cfg, T), ref_opt, T)
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=cfg.lr)
-    build_scheduler(opt, cfg, 10 * T)   # what the trainer built for its bound of steps, then replaced
+    build_scheduler(
+        opt, cfg, 10 * T
+    )  # what the trainer built for its bound of steps, then replaced
     got = lrs(bench.TimeSchedule(opt, cfg, T * dt), opt, T, dt)
     assert got == pytest.approx(ref, rel=1e-9, abs=0)
     assert got[-1] == pytest.approx(cfg.lr * cfg.min_lr_ratio)
@@ -57,46 +62,82 @@ def test_time_schedule_follows_seconds_not_steps(bench):
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
     build_scheduler(opt, cfg, 100)
     sched = bench.TimeSchedule(opt, cfg, seconds=10.0)
-    assert lrs(sched, opt, 2, dt=1.0) == pytest.approx([0.5, 0.75, 1.0])   # warm-up by step; cosine from 2 s
+    assert lrs(sched, opt, 2, dt=1.0) == pytest.approx(
+        [0.5, 0.75, 1.0]
+    )  # warm-up by step; cosine from 2 s
     sched.step()
-    sched.advance(0.0)                    # a compile step: no time, no decay
+    sched.advance(0.0)  # a compile step: no time, no decay
     assert opt.param_groups[0]["lr"] == 1.0
     sched.step()
-    sched.advance(4.0)                    # 6 of 10 s: half of the 8 s after the warm-up
+    sched.advance(4.0)  # 6 of 10 s: half of the 8 s after the warm-up
     assert opt.param_groups[0]["lr"] == pytest.approx(0.5)
     sched.step()
-    sched.advance(5.0)                    # past the budget
+    sched.advance(5.0)  # past the budget
     assert opt.param_groups[0]["lr"] == 0.0
 
 
 def test_every_suite_run_config_loads(bench):
     """The suites' presets plus overrides validate (e.g. the top-1 layouts on a router that trains); the
     CUDA-graph suites only add a compile mode to these."""
-    runs = {(preset, tuple(o for o in ov if not o.startswith("train.compile_mode=")))
-            for suite in bench.SUITES.values() for preset, ov in suite.values()}
+    runs = {
+        (preset, tuple(o for o in ov if not o.startswith("train.compile_mode=")))
+        for suite in bench.SUITES.values()
+        for preset, ov in suite.values()
+    }
     for preset, ov in sorted(runs):
         load_config(preset, list(ov))
 
 
 @pytest.mark.slow
-def test_smoke_suite_trains_each_model_to_the_time_budget_with_the_lr_at_the_floor(bench, tmp_path, corpus_dir):
+def test_smoke_suite_trains_each_model_to_the_time_budget_with_the_lr_at_the_floor(
+    bench, tmp_path, corpus_dir
+):
     """dense and MoE train until their steady seconds reach --seconds (the step bound unused) and end at the
     cosine floor; the neuron-routed model keeps the probe's step count (its schedule is in steps)."""
     seconds, probe_steps = 1.5, 12
-    env = subprocess_env(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")   # 1 thread: steady under xdist
+    env = subprocess_env(
+        CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1"
+    )  # 1 thread: steady under xdist
     tok, out = tmp_path / "tok", tmp_path / "out.json"
     # the tokens here (no process state: training.data's code, its cache under tmp_path), the runs in a child
     # (the script points the trainer's data at the token files process-wide)
     bench.prepare(str(tok), corpus_dir, 0, 2048, cache_dir=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train_moe.py"), "--tokens", str(tok),
-                        "--suite", "smoke", "--device", "cpu", "--seconds", str(seconds), "--seeds", "0",
-                        "--probe-steps", str(probe_steps), "--runs", str(tmp_path / "runs"), "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "bench", "train_moe.py"),
+            "--tokens",
+            str(tok),
+            "--suite",
+            "smoke",
+            "--device",
+            "cpu",
+            "--seconds",
+            str(seconds),
+            "--seeds",
+            "0",
+            "--probe-steps",
+            str(probe_steps),
+            "--runs",
+            str(tmp_path / "runs"),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())["smoke"]
     train_tokens = json.loads((tok / "meta.json").read_text())["tokens"]["train"]
-    for run in res.values():   # epochs: the tokens seen over the folder's training tokens, in the table too
-        assert run["seeds"]["0"]["epochs"] == pytest.approx(run["seeds"]["0"]["tokens_seen"] / train_tokens)
+    for run in (
+        res.values()
+    ):  # epochs: the tokens seen over the folder's training tokens, in the table too
+        assert run["seeds"]["0"]["epochs"] == pytest.approx(
+            run["seeds"]["0"]["tokens_seen"] / train_tokens
+        )
     assert re.search(r"tokens\s+epochs\s+steady s", r.stdout)
     floor = load_config("zoo/tiny_dense.yaml").optim
     for name in ("dense", "moe"):
@@ -109,5 +150,7 @@ def test_smoke_suite_trains_each_model_to_the_time_budget_with_the_lr_at_the_flo
         assert run["tokens_seen"] == run["steps"] * 2 * 64
         assert run["lr_end"] == pytest.approx(floor.lr * floor.min_lr_ratio)
     probe, run = res["neuron"]["probe"], res["neuron"]["seeds"]["0"]
-    assert "budget_s" not in run and run["steps"] == max(probe_steps, int(seconds / probe["tail_median_s"]))
+    assert "budget_s" not in run and run["steps"] == max(
+        probe_steps, int(seconds / probe["tail_median_s"])
+    )
     assert run["lr_end"] == pytest.approx(floor.lr * floor.min_lr_ratio)

@@ -1,5 +1,6 @@
 """Bad config files, paths and sizes: one line naming the file or key, exit 2, before the corpus is read
 or the model is built."""
+
 import pytest
 
 from moezoo.training.cli import main
@@ -10,8 +11,10 @@ from helpers import tiny_overrides
 @pytest.fixture
 def no_data(monkeypatch):
     """Every error here must come before the corpus is read (and so before the model is built)."""
+
     def boom(*a, **k):
         raise AssertionError("the corpus was read before the error")
+
     monkeypatch.setattr("moezoo.training.loop.prepare_data", boom)
 
 
@@ -59,44 +62,76 @@ def _paths_cases(tmp):
     (tmp / "not_spm.model").write_bytes(b"\x00\x01 certainly not a ModelProto")
     return {
         "tokenizer_not_spm": ({"data.tokenizer": tmp / "not_spm.model"}, "data.tokenizer: "),
-        "tokenizer_missing": ({"data.tokenizer": tmp / "missing.model"}, "data.tokenizer: file not found"),
+        "tokenizer_missing": (
+            {"data.tokenizer": tmp / "missing.model"},
+            "data.tokenizer: file not found",
+        ),
         "cache_dir_is_a_file": ({"data.cache_dir": tmp / "afile"}, "data.cache_dir: "),
         "out_dir_is_a_file": ({"train.out_dir": tmp / "afile"}, "train.out_dir: "),
         "out_dir_inside_a_file": ({"train.out_dir": tmp / "afile" / "run"}, "train.out_dir: "),
         "vocab_too_small": ({"model.vocab_size": 256}, "model.vocab_size: 256 is too small"),
-        "batch_too_big": ({"train.batch_size": 10_000_000}, "train.batch_size: "),   # ~3 TB of activations: no host or GPU
+        "batch_too_big": (
+            {"train.batch_size": 10_000_000},
+            "train.batch_size: ",
+        ),  # ~3 TB of activations: no host or GPU
         "source_missing": ({"data.source": tmp / "nothing*.txt"}, "data.source: "),
     }
 
 
-@pytest.mark.parametrize("case", ["tokenizer_not_spm", "tokenizer_missing", "cache_dir_is_a_file",
-                                  "out_dir_is_a_file", "out_dir_inside_a_file", "vocab_too_small",
-                                  "batch_too_big", "source_missing"])
-def test_bad_path_or_size_is_one_line_before_the_corpus_is_read(tmp_path, corpus_dir, capsys, no_data, case):
+@pytest.mark.parametrize(
+    "case",
+    [
+        "tokenizer_not_spm",
+        "tokenizer_missing",
+        "cache_dir_is_a_file",
+        "out_dir_is_a_file",
+        "out_dir_inside_a_file",
+        "vocab_too_small",
+        "batch_too_big",
+        "source_missing",
+    ],
+)
+def test_bad_path_or_size_is_one_line_before_the_corpus_is_read(
+    tmp_path, corpus_dir, capsys, no_data, case
+):
     extra, expect = _paths_cases(tmp_path)[case]
     argv = ["--config", "zoo/tiny_dense.yaml", *tiny_overrides(tmp_path, corpus_dir, **extra)]
     line = _one_line_error(capsys, argv, then_plan=case == "batch_too_big")
     assert line.startswith(f"error: {expect}"), line
 
 
-@pytest.mark.parametrize("extra, key", [
-    ({"dst.granularity": "block", "dst.block": "[3,7]"}, "dst.block"),
-    ({"dst.granularity": "nm", "dst.n": 1, "dst.m": 5}, "dst.m"),
-    ({"dst.include": "[nothing.*]"}, "dst.include"),
-])
-def test_dst_shape_errors_come_from_the_config_before_the_corpus_is_read(tmp_path, corpus_dir, capsys, no_data,
-                                                                         extra, key):
-    line = _one_line_error(capsys, ["--config", "zoo/tiny_dst.yaml", *tiny_overrides(tmp_path, corpus_dir, **extra)])
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ({"dst.granularity": "block", "dst.block": "[3,7]"}, "dst.block"),
+        ({"dst.granularity": "nm", "dst.n": 1, "dst.m": 5}, "dst.m"),
+        ({"dst.include": "[nothing.*]"}, "dst.include"),
+    ],
+)
+def test_dst_shape_errors_come_from_the_config_before_the_corpus_is_read(
+    tmp_path, corpus_dir, capsys, no_data, extra, key
+):
+    line = _one_line_error(
+        capsys, ["--config", "zoo/tiny_dst.yaml", *tiny_overrides(tmp_path, corpus_dir, **extra)]
+    )
     assert line.startswith(f"error: {key}: "), line
 
 
-@pytest.mark.parametrize("extra, expect", [
-    ({"model.moe.hidden_dim": 100}, "multiples of 16; got hidden_dim=100"),
-    ({"train.device": "cpu"}, "cannot run here: device is cpu"),
-], ids=["dims", "device"])
+@pytest.mark.parametrize(
+    "extra, expect",
+    [
+        ({"model.moe.hidden_dim": 100}, "multiples of 16; got hidden_dim=100"),
+        ({"train.device": "cpu"}, "cannot run here: device is cpu"),
+    ],
+    ids=["dims", "device"],
+)
 def test_fp8_experts_that_cannot_run_are_one_line_naming_the_key_before_the_corpus_is_read(
-        tmp_path, corpus_dir, capsys, no_data, extra, expect):
-    argv = ["--config", "zoo/tiny_moe.yaml", *tiny_overrides(tmp_path, corpus_dir, **{"model.moe.precision": "fp8",
-                                                                                       **extra})]
+    tmp_path, corpus_dir, capsys, no_data, extra, expect
+):
+    argv = [
+        "--config",
+        "zoo/tiny_moe.yaml",
+        *tiny_overrides(tmp_path, corpus_dir, **{"model.moe.precision": "fp8", **extra}),
+    ]
     line = _one_line_error(capsys, argv)
     assert line.startswith("error: model.moe.precision: ") and expect in line, line

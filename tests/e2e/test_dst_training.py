@@ -1,5 +1,6 @@
 """DST wired into the trainer (cfg.dst.enabled): densities logged, masks checkpointed, resume bit-exact,
 with dense or compact (dst.compact_state: CompactAdamW) optimizer state."""
+
 import pytest
 import torch
 
@@ -8,8 +9,13 @@ from helpers import tiny_overrides
 from moezoo.layers import DynamicSparsity
 from moezoo.training.loop import Trainer
 
-DST = {"dst.enabled": True, "dst.sparsity": 0.8, "dst.update_every": 3, "dst.stop_fraction": 1.0,
-       "train.steps": 16}
+DST = {
+    "dst.enabled": True,
+    "dst.sparsity": 0.8,
+    "dst.update_every": 3,
+    "dst.stop_fraction": 1.0,
+    "train.steps": 16,
+}
 
 
 def dst_of(trainer):
@@ -50,7 +56,9 @@ def test_trainer_with_dst_keeps_density_and_resumes_bit_exactly(tmp_path, corpus
 
 
 def test_trainer_with_dst_on_the_moe_preset_masks_experts_per_expert(tmp_path, corpus_dir):
-    cfg = load_config("zoo/tiny_moe.yaml", tiny_overrides(tmp_path, corpus_dir, **{**DST, "train.steps": 6}))
+    cfg = load_config(
+        "zoo/tiny_moe.yaml", tiny_overrides(tmp_path, corpus_dir, **{**DST, "train.steps": 6})
+    )
     tr = Trainer(cfg)
     for _ in range(6):
         tr.train_step()

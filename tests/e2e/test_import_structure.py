@@ -2,6 +2,7 @@
 is shadowed by; arrows point one way (kernels <- layers <- zoo <- training <- train.py, configs imports
 none of them, no import cycle at all, function-level imports included); the library imports and runs on
 CPU with triton absent."""
+
 import ast
 import os
 import subprocess
@@ -11,8 +12,13 @@ from helpers import ROOT, subprocess_env
 
 PACKAGES = ["configs", "kernels", "layers", "zoo", "training"]
 # What each package may import (besides itself); everything may import configs.
-ALLOWED = {"configs": set(), "kernels": {"configs"}, "layers": {"configs", "kernels"},
-           "zoo": {"configs", "kernels", "layers"}, "training": {"configs", "kernels", "layers", "zoo"}}
+ALLOWED = {
+    "configs": set(),
+    "kernels": {"configs"},
+    "layers": {"configs", "kernels"},
+    "zoo": {"configs", "kernels", "layers"},
+    "training": {"configs", "kernels", "layers", "zoo"},
+}
 
 
 def _module_name(path: str) -> str:
@@ -42,7 +48,7 @@ def _imports(path: str) -> set[str]:
             else:
                 target = node.module
             out.add(target)
-            out.update(f"{target}.{a.name}" for a in node.names)   # `from pkg import submodule`
+            out.update(f"{target}.{a.name}" for a in node.names)  # `from pkg import submodule`
     return {m for m in out if m.startswith("moezoo.") and _package(m) in PACKAGES}
 
 
@@ -51,26 +57,44 @@ def _graph() -> dict[str, set[str]]:
     for pkg in PACKAGES:
         for top in (os.path.join(ROOT, pkg), os.path.join(ROOT, "moezoo", pkg)):
             for d, _, names in os.walk(top):
-                files.update({_module_name(os.path.join(d, n)): os.path.join(d, n) for n in names if n.endswith(".py")})
+                files.update(
+                    {
+                        _module_name(os.path.join(d, n)): os.path.join(d, n)
+                        for n in names
+                        if n.endswith(".py")
+                    }
+                )
+
     # an import of a package or a name inside a module points at the module that exists
     def resolve(m):
         while m and m not in files:
             m = m.rpartition(".")[0]
         return m
+
     return {m: {r for r in map(resolve, _imports(p)) if r and r != m} for m, p in files.items()}
 
 
 def test_imports_point_downward_only():
-    bad = [f"{m} imports {t}" for m, ts in _graph().items() for t in ts
-           if _package(t) != _package(m) and _package(t) not in ALLOWED[_package(m)]]
+    bad = [
+        f"{m} imports {t}"
+        for m, ts in _graph().items()
+        for t in ts
+        if _package(t) != _package(m) and _package(t) not in ALLOWED[_package(m)]
+    ]
     assert not bad, "upward imports:\n" + "\n".join(sorted(bad))
 
 
 def test_no_import_cycle():
     graph = _graph()
     # a package's __init__ re-exporting its modules is not a cycle of ideas; drop package -> own-submodule edges
-    edges = {m: {t for t in ts if not (t.startswith(m + ".") and os.path.isdir(os.path.join(ROOT, *m.split(".")[1:])))}
-             for m, ts in graph.items()}
+    edges = {
+        m: {
+            t
+            for t in ts
+            if not (t.startswith(m + ".") and os.path.isdir(os.path.join(ROOT, *m.split(".")[1:])))
+        }
+        for m, ts in graph.items()
+    }
     state, stack, cycles = {}, [], []
 
     def visit(m):
@@ -78,7 +102,7 @@ def test_no_import_cycle():
         stack.append(m)
         for t in sorted(edges.get(m, ())):
             if state.get(t) == "open":
-                cycles.append(stack[stack.index(t):] + [t])
+                cycles.append(stack[stack.index(t) :] + [t])
             elif t not in state:
                 visit(t)
         stack.pop()
@@ -121,8 +145,14 @@ print("ok")
 def test_library_imports_and_trains_on_cpu_without_triton():
     env = subprocess_env()
     env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, "-c", HIDE_TRITON], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", HIDE_TRITON],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 

@@ -1,6 +1,7 @@
 """The trainer's GPU paths (bf16 autocast, fused AdamW, grouped MoE, FlexAttention in the model) compiled
 and eager: the same loss and gradients at each of a few steps, from the same weights. Run on a CUDA
 machine: ``pytest -m gpu tests/e2e/test_training_gpu.py``."""
+
 import copy
 
 import pytest
@@ -13,33 +14,83 @@ from moezoo.training.loop import Trainer
 pytestmark = pytest.mark.gpu
 
 # Big enough for the GPU paths: bf16 grouped GEMMs need 16-byte-aligned dims; flex runs above the crossover.
-GPU_SIZES = {"model.dim": 256, "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_hidden": 512,
-             "train.device": "cuda", "train.batch_size": 2}
+GPU_SIZES = {
+    "model.dim": 256,
+    "model.n_heads": 4,
+    "model.n_kv_heads": 2,
+    "model.ffn_hidden": 512,
+    "train.device": "cuda",
+    "train.batch_size": 2,
+}
 CASES = {
-    "moe": ("zoo/tiny_moe.yaml", {"model.moe.hidden_dim": 256, "train.seq_len": 256, "model.max_seq_len": 256}),
+    "moe": (
+        "zoo/tiny_moe.yaml",
+        {"model.moe.hidden_dim": 256, "train.seq_len": 256, "model.max_seq_len": 256},
+    ),
     # train.compile_mode=reduce-overhead: the compiled blocks replayed as CUDA graphs (the eager twin ignores it)
-    "moe_cudagraphs": ("zoo/tiny_moe.yaml", {"model.moe.hidden_dim": 256, "train.seq_len": 256, "model.max_seq_len": 256,
-                                             "train.compile_mode": "reduce-overhead"}),
+    "moe_cudagraphs": (
+        "zoo/tiny_moe.yaml",
+        {
+            "model.moe.hidden_dim": 256,
+            "train.seq_len": 256,
+            "model.max_seq_len": 256,
+            "train.compile_mode": "reduce-overhead",
+        },
+    ),
     # train.param_dtype=bfloat16: bf16 matmul weights, float32 masters and the fused kernel (training.optim.MasterAdamW)
-    "moe_bf16_weights": ("zoo/tiny_moe.yaml", {"model.moe.hidden_dim": 256, "train.seq_len": 256,
-                                               "model.max_seq_len": 256, "train.param_dtype": "bfloat16"}),
+    "moe_bf16_weights": (
+        "zoo/tiny_moe.yaml",
+        {
+            "model.moe.hidden_dim": 256,
+            "train.seq_len": 256,
+            "model.max_seq_len": 256,
+            "train.param_dtype": "bfloat16",
+        },
+    ),
     # 2 layers: the dense first one and one with shared experts (with 3, the case took ~360 s of the whole
     # suite's ~570 s on the H100 and H200; not profiled)
-    "moe_shared_first_dense": ("zoo/deepseek_moe_16b.yaml", {
-        "model.moe.hidden_dim": 128, "model.moe.num_experts": 16, "model.moe.top_k": 4, "model.n_layers": 2,
-        "train.seq_len": 256, "model.max_seq_len": 256}),
+    "moe_shared_first_dense": (
+        "zoo/deepseek_moe_16b.yaml",
+        {
+            "model.moe.hidden_dim": 128,
+            "model.moe.num_experts": 16,
+            "model.moe.top_k": 4,
+            "model.n_layers": 2,
+            "train.seq_len": 256,
+            "model.max_seq_len": 256,
+        },
+    ),
     # the long-context preset's per-head patterns (A-shape, GQA-shared block top-k) on a small backbone
-    "sparse_attention": ("zoo/sparse_attn_1b_64k.yaml", {
-        "model.n_layers": 16, "model.n_heads": 16, "model.n_kv_heads": 4, "train.seq_len": 8192,
-        "model.max_seq_len": 8192, "train.batch_size": 1, "eval.passkey_lengths": "[]",
-        # 8k-token validation windows: the default 5% of the test corpus' files can be fewer tokens
-        "data.val_fraction": 0.25}),
+    "sparse_attention": (
+        "zoo/sparse_attn_1b_64k.yaml",
+        {
+            "model.n_layers": 16,
+            "model.n_heads": 16,
+            "model.n_kv_heads": 4,
+            "train.seq_len": 8192,
+            "model.max_seq_len": 8192,
+            "train.batch_size": 1,
+            "eval.passkey_lengths": "[]",
+            # 8k-token validation windows: the default 5% of the test corpus' files can be fewer tokens
+            "data.val_fraction": 0.25,
+        },
+    ),
     # the same with NSA's gated compressed branch on the block top-k heads (bench/train_attention.py's nsa)
-    "sparse_attention_nsa": ("zoo/sparse_attn_1b_64k.yaml", {
-        "model.n_layers": 16, "model.n_heads": 16, "model.n_kv_heads": 4, "train.seq_len": 8192,
-        "model.max_seq_len": 8192, "train.batch_size": 1, "eval.passkey_lengths": "[]", "data.val_fraction": 0.25,
-        "model.attention.patterns": '{"0-15:8-15": {type: block_topk, top_k: 16, share_group: 1, query_max: 1, '
-                                    'compress: 1, block_size: 128}}'}),
+    "sparse_attention_nsa": (
+        "zoo/sparse_attn_1b_64k.yaml",
+        {
+            "model.n_layers": 16,
+            "model.n_heads": 16,
+            "model.n_kv_heads": 4,
+            "train.seq_len": 8192,
+            "model.max_seq_len": 8192,
+            "train.batch_size": 1,
+            "eval.passkey_lengths": "[]",
+            "data.val_fraction": 0.25,
+            "model.attention.patterns": '{"0-15:8-15": {type: block_topk, top_k: 16, share_group: 1, query_max: 1, '
+            "compress: 1, block_size: 128}}",
+        },
+    ),
 }
 
 
@@ -62,8 +113,8 @@ CASES = {
 # On the H200, synced, the sparse case's step-0 grad norm was 11% off (19.10 eager, 16.97 compiled; loss
 # equal) while the sparse flex call was traced into the compiled blocks; it now runs eager there
 # (layers/attention/functional._flex_sparse) and the case passes.
-LOSS_RTOL = 5e-3   # relative, per step
-GRAD_RTOL = 0.2    # ||g_compiled - g_eager|| / ||g_eager|| of each parameter, per step
+LOSS_RTOL = 5e-3  # relative, per step
+GRAD_RTOL = 0.2  # ||g_compiled - g_eager|| / ||g_eager|| of each parameter, per step
 
 
 def _grads_before_step(trainer) -> dict:
@@ -88,14 +139,18 @@ def test_compiled_training_steps_equal_eager_on_cuda(tmp_path, corpus_dir, case)
     torch._dynamo.reset()
 
     def trainer(sub, compile_):
-        ov = tiny_overrides(tmp_path / sub, corpus_dir, **{**GPU_SIZES, **extra, "train.compile": compile_})
+        ov = tiny_overrides(
+            tmp_path / sub, corpus_dir, **{**GPU_SIZES, **extra, "train.compile": compile_}
+        )
         return Trainer(load_config(preset, ov))
 
     eager, compiled = trainer("e", False), trainer("c", True)
     ge, gc = _grads_before_step(eager), _grads_before_step(compiled)
     seen = []
     for step in range(3):
-        compiled.model.load_state_dict(eager.model.state_dict())      # compiled blocks keep the parameter names
+        compiled.model.load_state_dict(
+            eager.model.state_dict()
+        )  # compiled blocks keep the parameter names
         # a copy: Optimizer.load_state_dict keeps tensors already of the right device and dtype (shared state)
         compiled.optimizer.load_state_dict(copy.deepcopy(eager.optimizer.state_dict()))
         a, b = eager.train_step(), compiled.train_step()
@@ -103,9 +158,18 @@ def test_compiled_training_steps_equal_eager_on_cuda(tmp_path, corpus_dir, case)
         assert ge.keys() == gc.keys() and ge, step
         rel = {n: float((gc[n] - ge[n]).norm() / ge[n].norm().clamp_min(1e-30)) for n in ge}
         worst = max(rel, key=rel.get)
-        seen.append({"loss (eager, compiled)": (float(a["loss/total"]), float(b["loss/total"])),
-                     "grad_norm": (float(a["grad_norm"]), float(b["grad_norm"])), "worst grad": (worst, rel[worst])})
-        msg = lambda m: f"{m}\nstep {step}; steps so far: {seen}"   # noqa: E731
-        torch.testing.assert_close(b["loss/total"].float(), a["loss/total"].float(), rtol=LOSS_RTOL, atol=0, msg=msg)
-        assert rel[worst] <= GRAD_RTOL, msg(f"gradient of {worst} off by {rel[worst]:.3g} (relative)")
+        seen.append(
+            {
+                "loss (eager, compiled)": (float(a["loss/total"]), float(b["loss/total"])),
+                "grad_norm": (float(a["grad_norm"]), float(b["grad_norm"])),
+                "worst grad": (worst, rel[worst]),
+            }
+        )
+        msg = lambda m: f"{m}\nstep {step}; steps so far: {seen}"  # noqa: E731
+        torch.testing.assert_close(
+            b["loss/total"].float(), a["loss/total"].float(), rtol=LOSS_RTOL, atol=0, msg=msg
+        )
+        assert rel[worst] <= GRAD_RTOL, msg(
+            f"gradient of {worst} off by {rel[worst]:.3g} (relative)"
+        )
     torch.cuda.synchronize()

@@ -8,6 +8,7 @@ kernel of 349a889, found here before it reached a GPU) runs interpreted and fail
 spills more than a few bytes of registers (ptxas's stack frame, read with cuobjdump): the same tile kernel at
 128 x 128 on 8 warps spilled up to 200 B a thread. Needs triton with its NVIDIA backend (it ships ptxas); no
 GPU."""
+
 import inspect
 
 import pytest
@@ -15,14 +16,23 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-MAX_STACK = 16   # bytes of per-thread stack frame a kernel may have
+MAX_STACK = 16  # bytes of per-thread stack frame a kernel may have
 
-_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
-          torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}
+_TYPES = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.uint8: "u8",
+    torch.bool: "i1",
+    torch.float8_e4m3fn: "fp8e4nv",
+}
 
 
 class _CompileOnly:
     """Stands in for ``kernels.launch.jit(fn)``: ``[grid](*args, **meta)`` compiles for sm_90, records it."""
+
     compiled: list = []
 
     def __init__(self, fn):
@@ -35,6 +45,7 @@ class _CompileOnly:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         from triton.runtime.jit import JITFunction
+
         options = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
         names = list(inspect.signature(self.fn).parameters)
         sig, attrs = {}, {}
@@ -46,7 +57,7 @@ class _CompileOnly:
             elif isinstance(a, bool):
                 sig[name], aligned = "i1", False
             elif isinstance(a, int):
-                sig[name], aligned = ("i64" if abs(a) >= 2 ** 31 else "i32"), a % 16 == 0
+                sig[name], aligned = ("i64" if abs(a) >= 2**31 else "i32"), a % 16 == 0
             else:
                 sig[name], aligned = "fp32", False
             if aligned:
@@ -63,27 +74,31 @@ def _stack_bytes(cubin: bytes):
     import os
     import subprocess
     import tempfile
+
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.isfile(tool):
         return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True
+        ).stdout
     found = [int(w.split(":")[1]) for w in out.split() if w.startswith("STACK:")]
     return found[0] if found else None
 
 
 def _launch_everything():
     from moezoo.kernels import adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu
+
     g = torch.Generator().manual_seed(0)
     x = torch.randn(300, 256, generator=g).to(torch.bfloat16)
-    offs = torch.tensor([100, 100, 250, 300], dtype=torch.int32)          # an empty expert included
+    offs = torch.tensor([100, 100, 250, 300], dtype=torch.int32)  # an empty expert included
     pends = torch.tensor([112, 128, 272, 336], dtype=torch.int32)
     moe_fp8.quantize_rows_triton(x)
     moe_fp8.quantize_groups_t_triton(x, offs, pends, 336)
     moe_fp8.quantize_dual_triton(x, offs, pends, 336)
-    for dtype in (torch.bfloat16, torch.float32):                         # bf16 and float32 master weights
+    for dtype in (torch.bfloat16, torch.float32):  # bf16 and float32 master weights
         moe_fp8.quantize_weight_dual_triton(torch.randn(4, 96, 256, generator=g).to(dtype))
     inv = torch.randperm(64, generator=g).view(32, 2).int()
     rows = moe_permute.permute_rows(x[:32], inv, 64, zero_fill=False)
@@ -97,13 +112,36 @@ def _launch_everything():
         moe_swiglu.swiglu_rows_bwd(a, a, b, scale)
     ws = [torch.randn(100, generator=g)]
     moments = [torch.zeros(100), torch.zeros(100)]
-    adamw._adamw_triton(ws, [ws[0].bfloat16()], *[[m] for m in moments], [ws[0].bfloat16()], 0.9, 0.9, 0.95,
-                        1e-8, 1e-3, 0.5, torch.tensor(1.0))
-    adamw._adamw_triton(ws, [ws[0].clone()], *[[m] for m in moments], None, 0.9, 0.9, 0.95, 1e-8, 1e-3, 0.5,
-                        None, torch.tensor(0.0))
+    adamw._adamw_triton(
+        ws,
+        [ws[0].bfloat16()],
+        *[[m] for m in moments],
+        [ws[0].bfloat16()],
+        0.9,
+        0.9,
+        0.95,
+        1e-8,
+        1e-3,
+        0.5,
+        torch.tensor(1.0),
+    )
+    adamw._adamw_triton(
+        ws,
+        [ws[0].clone()],
+        *[[m] for m in moments],
+        None,
+        0.9,
+        0.9,
+        0.95,
+        1e-8,
+        1e-3,
+        0.5,
+        None,
+        torch.tensor(0.0),
+    )
 
 
-@pytest.mark.usefixtures("triton_interpreter")   # the launchers take the Triton path on CPU tensors
+@pytest.mark.usefixtures("triton_interpreter")  # the launchers take the Triton path on CPU tensors
 def test_every_triton_kernel_compiles_for_sm90(monkeypatch):
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
@@ -111,17 +149,26 @@ def test_every_triton_kernel_compiles_for_sm90(monkeypatch):
     except ImportError as e:
         pytest.skip(f"triton without its NVIDIA backend: {e}")
     from moezoo.kernels import adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu
+
     for module in (adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu):
         monkeypatch.setattr(module, "jit", _CompileOnly)
     monkeypatch.setattr(_CompileOnly, "compiled", [])
     _launch_everything()
     names = {name for name, _, _ in _CompileOnly.compiled}
-    kernel_fns = {n for m in (adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu) for n, f in vars(m).items()
-                  if n.startswith("_") and n.endswith("_kernel") and callable(f)}
+    kernel_fns = {
+        n
+        for m in (adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu)
+        for n, f in vars(m).items()
+        if n.startswith("_") and n.endswith("_kernel") and callable(f)
+    }
     assert names == kernel_fns, f"not launched here: {kernel_fns - names}"
     # no real register spills (a spilled FP8 tile kernel moved ~20x its tile's bytes through local memory).
     # A few bytes are allowed: triton 3.6's ptxas gives the FP8 cast pass's groups-only variant at its
     # default tile (32 x 128, 4 warps; 3.9's: none) an 8-byte frame, and on an H100 that variant ran as fast
     # as the tiles with none (bench/fp8_quant.py's dy_cols: 0.368 ms vs 0.362 at 64 x 64; BENCHMARKS.md).
-    spills = [(name, meta, stack) for name, meta, stack in _CompileOnly.compiled if stack and stack > MAX_STACK]
+    spills = [
+        (name, meta, stack)
+        for name, meta, stack in _CompileOnly.compiled
+        if stack and stack > MAX_STACK
+    ]
     assert not spills, spills

@@ -2,12 +2,13 @@
 weight gradient equals the per-expert float32 product within bf16 error for any number of parts (uneven and
 empty groups, rows past the last group), the grouped linear's gradients equal autograd through
 torch._grouped_mm, and the split count follows the output-tile count."""
+
 import pytest
 import torch
 
 from moezoo.kernels import grouped_wgrad as gw
 
-OFFS = [5, 5, 40, 41, 100]      # uneven groups, one empty expert; rows 100.. past the last group
+OFFS = [5, 5, 40, 41, 100]  # uneven groups, one empty expert; rows 100.. past the last group
 
 
 def per_expert(a_t, b, offs):
@@ -23,7 +24,9 @@ def test_split_group_ends_partition_each_group_into_near_equal_consecutive_parts
     for s in (1, 2, 3, 4):
         ends = gw.split_group_ends(offs, s)
         assert ends.dtype == torch.int32 and ends.numel() == len(OFFS) * s
-        assert torch.equal(ends.view(-1, s)[:, -1], offs), "the last part of a group ends where the group does"
+        assert torch.equal(ends.view(-1, s)[:, -1], offs), (
+            "the last part of a group ends where the group does"
+        )
         sizes = torch.diff(ends, prepend=ends.new_zeros(1)).view(-1, s)
         assert bool((sizes >= 0).all())
         assert bool((sizes.amax(1) - sizes.amin(1) <= 1).all()), "parts differ by at most one row"
@@ -41,7 +44,7 @@ def test_split_weight_gradient_equals_the_per_expert_product(monkeypatch, splits
     assert got.shape == (len(OFFS), 24, 16) and got.dtype == torch.bfloat16
     assert torch.count_nonzero(got[1]) == 0, "an empty expert's gradient is zero"
     err = float((got.double() - want).norm() / want.norm())
-    assert err < 2 ** -7, err           # bf16 rounding of the partial products and of the sum
+    assert err < 2**-7, err  # bf16 rounding of the partial products and of the sum
 
 
 def test_grouped_linear_gradients_equal_autograd_through_grouped_mm(monkeypatch):
@@ -58,7 +61,7 @@ def test_grouped_linear_gradients_equal_autograd_through_grouped_mm(monkeypatch)
     y2.backward(dy)
     n = OFFS[-1]
     assert torch.equal(y[:n], y2[:n]) and torch.equal(x.grad[:n], x2.grad[:n])
-    assert float((w.grad.double() - w2.grad.double()).norm() / w2.grad.double().norm()) < 2 ** -7
+    assert float((w.grad.double() - w2.grad.double()).norm() / w2.grad.double().norm()) < 2**-7
 
 
 def test_splits_follow_the_output_tile_count(monkeypatch):
@@ -67,14 +70,16 @@ def test_splits_follow_the_output_tile_count(monkeypatch):
     # the dim-512 MoE: 8 experts of 704 x 512 over 65536 rows -> 96 tiles of 128 x 256 on 132 SMs: split in
     # 2 or 3 some SMs still get 2 or 3 tiles (no gain); in 4, 3 tiles of a quarter each (3/4 of the time)
     assert gw.wgrad_splits(65536, 8, 704, 512, cuda) == 4
-    assert gw.wgrad_splits(8 * 2048, 8, 704, 512, cuda) == 1          # 2 parts of 1024 rows would not pay
-    assert gw.wgrad_splits(32768, 8, 14336, 4096, cuda) == 1          # Mixtral: tiles to spare
-    assert gw.wgrad_splits(131072, 64, 1024, 2048, cuda) == 1         # OLMoE
-    assert gw.wgrad_splits(4096, 8, 704, 512, cuda) == 1              # too few rows a part
+    assert gw.wgrad_splits(8 * 2048, 8, 704, 512, cuda) == 1  # 2 parts of 1024 rows would not pay
+    assert gw.wgrad_splits(32768, 8, 14336, 4096, cuda) == 1  # Mixtral: tiles to spare
+    assert gw.wgrad_splits(131072, 64, 1024, 2048, cuda) == 1  # OLMoE
+    assert gw.wgrad_splits(4096, 8, 704, 512, cuda) == 1  # too few rows a part
     assert gw.wgrad_splits(65536, 8, 704, 512, torch.device("cpu")) == 1
     # inside a compiled graph (a block's backward) the SM count is read once while tracing, a constant
     torch._dynamo.reset()
-    traced = torch.compile(lambda t: t * gw.wgrad_splits(65536, 8, 704, 512, cuda), backend="eager", fullgraph=True)
+    traced = torch.compile(
+        lambda t: t * gw.wgrad_splits(65536, 8, 704, 512, cuda), backend="eager", fullgraph=True
+    )
     assert float(traced(torch.ones(()))) == 4.0
 
 
@@ -89,7 +94,9 @@ def test_grouped_linear_traces_into_one_graph_forward_and_backward(monkeypatch):
     def loss(x, w):
         return gw.grouped_linear(x, w, offs).float().square().sum()
 
-    torch.compile(loss, backend="aot_eager", fullgraph=True)(x, w).backward()   # backward: AOT-traced at compile
+    torch.compile(loss, backend="aot_eager", fullgraph=True)(
+        x, w
+    ).backward()  # backward: AOT-traced at compile
     got = w.grad.clone()
     w.grad = None
     loss(x, w).backward()

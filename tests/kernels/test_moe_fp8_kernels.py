@@ -3,17 +3,27 @@ Triton quantizers (TRITON_INTERPRET) equal the torch references bit for bit, the
 torch._scaled_grouped_mm is the per-group product of the dequantized operands, the autograd op computes
 the recipe's forward, dgrad and wgrad (any group sizes, empty experts, rows past the last group), and
 its arguments pass torch._scaled_grouped_mm's own shape / stride / scale checks (meta tensors)."""
+
 import pytest
 import torch
 
 from moezoo.kernels import moe_fp8 as f
-from moezoo.kernels.moe_fp8 import (FP8, FP8_MAX, fp8_grouped_linear, fp8_grouped_linear_reference, padded_group_ends,
-                             padded_rows, quantize_groups_t_reference, quantize_rows_reference,
-                             quantize_weight_t_reference, scaled_grouped_mm_reference)
+from moezoo.kernels.moe_fp8 import (
+    FP8,
+    FP8_MAX,
+    fp8_grouped_linear,
+    fp8_grouped_linear_reference,
+    padded_group_ends,
+    padded_rows,
+    quantize_groups_t_reference,
+    quantize_rows_reference,
+    quantize_weight_t_reference,
+    scaled_grouped_mm_reference,
+)
 
-E4M3_REL = 2.0 ** -4          # half an ulp of a 3-bit mantissa, relative, for normal e4m3 values
-E4M3_SUBNORMAL_STEP = 2.0 ** -9
-OFFS = [7, 7, 40, 41, 100]    # uneven groups, one empty expert, rows 100.. past the last group
+E4M3_REL = 2.0**-4  # half an ulp of a 3-bit mantissa, relative, for normal e4m3 values
+E4M3_SUBNORMAL_STEP = 2.0**-9
+OFFS = [7, 7, 40, 41, 100]  # uneven groups, one empty expert, rows 100.. past the last group
 
 
 def rel(a, b):
@@ -41,11 +51,13 @@ def test_rowwise_e4m3_round_trip_is_within_e4m3_rounding_and_scales_are_powers_o
     x = wide_rows()
     q, d = quantize_rows_reference(x)
     assert q.dtype == FP8 and d.dtype == torch.float32 and q.is_contiguous()
-    assert torch.equal(d, torch.exp2(torch.log2(d).round())), "dequantization scales are powers of two"
+    assert torch.equal(d, torch.exp2(torch.log2(d).round())), (
+        "dequantization scales are powers of two"
+    )
     amax = x.float().abs().amax(-1)
-    used = amax[amax > 0] / d[amax > 0]               # each row's amax in e4m3 units: (224, 448]
+    used = amax[amax > 0] / d[amax > 0]  # each row's amax in e4m3 units: (224, 448]
     assert bool((used > FP8_MAX / 2).all() and (used <= FP8_MAX).all())
-    assert float((amax[5] / d[5])) == FP8_MAX          # 448 / 3.5 = 128 exactly: no lost power of two
+    assert float((amax[5] / d[5])) == FP8_MAX  # 448 / 3.5 = 128 exactly: no lost power of two
     assert within_e4m3(q, d[:, None], x)
     assert torch.count_nonzero(q[3].float()) == 0 and torch.isfinite(d[3])
 
@@ -81,17 +93,20 @@ def _interpreter_loops_over_runtime_values() -> bool:
     which numpy >= 2.4 refuses (seen on the H200 image; Triton 3.9 is fine). The column quantizer's loops run
     to a group size read from memory, so it cannot take the constexpr bound the other kernels use."""
     import numpy as np
+
     try:
         import triton
     except ImportError:
-        return True                        # no triton: the test skips on its fixture's import anyway
-    version = lambda v: tuple(int(p) for p in v.split(".")[:2])   # noqa: E731
+        return True  # no triton: the test skips on its fixture's import anyway
+    version = lambda v: tuple(int(p) for p in v.split(".")[:2])  # noqa: E731
     return version(triton.__version__) >= (3, 7) or version(np.__version__) < (2, 4)
 
 
 needs_interpreter_loops = pytest.mark.skipif(
-    not _interpreter_loops_over_runtime_values(), reason="Triton < 3.7's interpreter with numpy >= 2.4 cannot "
-    "loop to a runtime bound; the compiled kernels' GPU test covers them")
+    not _interpreter_loops_over_runtime_values(),
+    reason="Triton < 3.7's interpreter with numpy >= 2.4 cannot "
+    "loop to a runtime bound; the compiled kernels' GPU test covers them",
+)
 
 
 @needs_interpreter_loops
@@ -105,6 +120,7 @@ def test_triton_quantizers_equal_the_reference_bit_for_bit(monkeypatch):
 
     def bits(q):
         return q.to(FP8).view(torch.uint8)
+
     x = wide_rows(24, 50)
     q, d = f.quantize_rows_triton(x, torch.float32)
     qr, dr = quantize_rows_reference(x)
@@ -116,7 +132,7 @@ def test_triton_quantizers_equal_the_reference_bit_for_bit(monkeypatch):
     P = padded_rows(110, len(OFFS))
     qt, dt = f.quantize_groups_t_triton(y, offs, pends, P, torch.float32)
     qtr, dtr = quantize_groups_t_reference(y, offs, pends, P)
-    n = int(pends[-1])                                  # columns past the last padded group are unwritten
+    n = int(pends[-1])  # columns past the last padded group are unwritten
     assert torch.equal(bits(qt[:, :n]), qtr[:, :n].view(torch.uint8)) and torch.equal(dt, dtr)
 
     # the dual pass: both layouts from the same two reads; tiles of 16 rows cross group boundaries
@@ -124,16 +140,20 @@ def test_triton_quantizers_equal_the_reference_bit_for_bit(monkeypatch):
     got = f.quantize_dual_triton(y, offs, pends, P, torch.float32)
     want = f.quantize_dual_reference(y, offs, pends, P)
     assert torch.equal(bits(got[0]), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
-    assert torch.equal(bits(got[2][:, :n]), want[2][:, :n].view(torch.uint8)) and torch.equal(got[3], want[3])
+    assert torch.equal(bits(got[2][:, :n]), want[2][:, :n].view(torch.uint8)) and torch.equal(
+        got[3], want[3]
+    )
 
     w = torch.randn(3, 40, 33)
     got = f.quantize_weight_dual_triton(w, torch.float32)
-    qwr, dwr = quantize_weight_t_reference(w)                 # the dgrad operand: per input channel, transposed
+    qwr, dwr = quantize_weight_t_reference(w)  # the dgrad operand: per input channel, transposed
     assert torch.equal(bits(got[2]), qwr.view(torch.uint8)) and torch.equal(got[3], dwr)
     want = f.quantize_weight_dual_reference(w)
     assert [t.shape for t in got] == [t.shape for t in want]
     for g_, w_ in zip(got, want):
-        assert torch.equal(bits(g_), w_.view(torch.uint8)) if w_.dtype == FP8 else torch.equal(g_, w_)
+        assert (
+            torch.equal(bits(g_), w_.view(torch.uint8)) if w_.dtype == FP8 else torch.equal(g_, w_)
+        )
 
 
 @pytest.mark.parametrize("triton_path", [False, pytest.param(True, marks=needs_interpreter_loops)])
@@ -145,8 +165,12 @@ def test_quantize_ops_pass_opcheck(triton_path, request):
     x = wide_rows(20, 32)
     offs = torch.tensor([5, 5, 18], dtype=torch.int32)
     torch.library.opcheck(f.fp8_quantize_rows, (x,))
-    torch.library.opcheck(f.fp8_quantize_groups_t, (x, offs, padded_group_ends(offs), padded_rows(20, 3)))
-    torch.library.opcheck(f.fp8_quantize_dual, (x, offs, padded_group_ends(offs), padded_rows(20, 3)))
+    torch.library.opcheck(
+        f.fp8_quantize_groups_t, (x, offs, padded_group_ends(offs), padded_rows(20, 3))
+    )
+    torch.library.opcheck(
+        f.fp8_quantize_dual, (x, offs, padded_group_ends(offs), padded_rows(20, 3))
+    )
     torch.library.opcheck(f.fp8_quantize_weight_dual, (torch.randn(2, 16, 32),))
 
 
@@ -157,27 +181,27 @@ def test_emulated_scaled_grouped_mm_equals_float32_products_of_the_dequantized_o
     offs = torch.tensor(OFFS, dtype=torch.int32)
     R, K, N, E = 110, 32, 48, len(OFFS)
     aq, da = quantize_rows_reference(torch.randn(R, K, generator=g))
-    bq, db = quantize_rows_reference(torch.randn(E, N, K, generator=g))          # [E, N, K], scales per n
+    bq, db = quantize_rows_reference(torch.randn(E, N, K, generator=g))  # [E, N, K], scales per n
     got = scaled_grouped_mm_reference(aq, bq.transpose(-2, -1), da, db, offs)
-    group = torch.bucketize(torch.arange(R), offs, right=True)                   # E for rows past the end
+    group = torch.bucketize(torch.arange(R), offs, right=True)  # E for rows past the end
     rows = group < E
     A = aq.float() * da[:, None]
-    B = bq.float() * db[..., None]                                               # [E, N, K]
+    B = bq.float() * db[..., None]  # [E, N, K]
     want = torch.einsum("rk,rnk->rn", A[rows], B[group[rows]])
-    torch.testing.assert_close(got[rows].float(), want.bfloat16().float(), rtol=2 ** -7, atol=1e-6)
+    torch.testing.assert_close(got[rows].float(), want.bfloat16().float(), rtol=2**-7, atol=1e-6)
     assert torch.count_nonzero(got[~rows]) == 0
 
     pends = padded_group_ends(offs)
     P = padded_rows(R, E)
     M = 24
-    at, dat = quantize_groups_t_reference(torch.randn(R, M, generator=g), offs, pends, P)     # [M, P]
-    bt, dbt = quantize_groups_t_reference(torch.randn(R, N, generator=g), offs, pends, P)     # [N, P]
+    at, dat = quantize_groups_t_reference(torch.randn(R, M, generator=g), offs, pends, P)  # [M, P]
+    bt, dbt = quantize_groups_t_reference(torch.randn(R, N, generator=g), offs, pends, P)  # [N, P]
     got = scaled_grouped_mm_reference(at, bt.t(), dat.reshape(-1), dbt.reshape(-1), pends)
     cols = torch.bucketize(torch.arange(P), pends, right=True)
     for e in range(E):
         mask = (cols == e).float()
         want = (at.float() * dat[e][:, None] * mask) @ (bt.float() * dbt[e][:, None]).t()
-        torch.testing.assert_close(got[e].float(), want.bfloat16().float(), rtol=2 ** -7, atol=1e-6)
+        torch.testing.assert_close(got[e].float(), want.bfloat16().float(), rtol=2**-7, atol=1e-6)
 
 
 def exact_grouped_linear(x, w, offs, dy):
@@ -206,11 +230,13 @@ def test_fp8_grouped_linear_computes_the_recipe_forward_dgrad_and_wgrad(wdtype):
     n = OFFS[-1]
     yr, dxr, dwr = fp8_grouped_linear_reference(x.detach(), w.detach(), offs, dy)
     assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16 and w.grad.dtype == wdtype
-    assert torch.equal(y[:n], yr[:n]) and torch.equal(x.grad[:n], dxr[:n]) and torch.equal(w.grad, dwr)
-    assert torch.count_nonzero(w.grad[1]) == 0                                   # the expert with no rows
+    assert (
+        torch.equal(y[:n], yr[:n]) and torch.equal(x.grad[:n], dxr[:n]) and torch.equal(w.grad, dwr)
+    )
+    assert torch.count_nonzero(w.grad[1]) == 0  # the expert with no rows
     ye, dxe, dwe = exact_grouped_linear(x.detach(), w.detach(), offs, dy)
     for name, got, want in (("y", y[:n], ye[:n]), ("dx", x.grad[:n], dxe[:n]), ("dw", w.grad, dwe)):
-        assert 1e-3 < rel(got, want) < 0.1, name      # FP8 error: a few percent, and really quantized
+        assert 1e-3 < rel(got, want) < 0.1, name  # FP8 error: a few percent, and really quantized
 
 
 def test_fp8_gate_up_equals_two_fp8_linears_on_the_permuted_rows():
@@ -219,10 +245,11 @@ def test_fp8_gate_up_equals_two_fp8_linears_on_the_permuted_rows():
     from moezoo.kernels.moe_gate_up import gate_up
     from moezoo.kernels.moe_permute import moe_permute_reference
     from moezoo.layers.moe.experts import make_plan
+
     torch.manual_seed(0)
     T, K, E, D, H = 40, 2, 5, 32, 48
     idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
-    idx[idx == 1] = 0                                                            # expert 1 gets no token
+    idx[idx == 1] = 0  # expert 1 gets no token
     plan = make_plan(idx, E, capacity=14)
     offs = torch.cumsum(plan.group_sizes, 0, dtype=torch.int32)
     x = torch.randn(T, D).bfloat16().requires_grad_()
@@ -240,7 +267,7 @@ def test_fp8_gate_up_equals_two_fp8_linears_on_the_permuted_rows():
         outs.append([a[rows], b[rows], *torch.autograd.grad(loss, (x, w1, w3))])
     for name, got, want in zip(["a", "b", "dx", "dw1", "dw3"], *outs):
         if name == "dx":
-            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-2, msg=name)
+            torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-2, msg=name)
         else:
             assert torch.equal(got, want), name
 
@@ -249,6 +276,7 @@ def test_fp8_gemm_arguments_pass_torch_scaled_grouped_mm_checks_on_meta():
     # On meta tensors the quantizers run their fakes and torch._scaled_grouped_mm its meta function, which
     # checks dtypes, row / column-major layouts, 16-byte strides, scale shapes and offsets as the CUDA op does.
     from moezoo.kernels.moe_gate_up import gate_up
+
     R, D, H, E, T = 1000, 64, 96, 5, 400
     meta = dict(device="meta")
     x = torch.empty(R, D, dtype=torch.bfloat16, requires_grad=True, **meta)
@@ -256,7 +284,12 @@ def test_fp8_gemm_arguments_pass_torch_scaled_grouped_mm_checks_on_meta():
     offs = torch.empty(E, dtype=torch.int32, **meta)
     y = fp8_grouped_linear(x, w, offs)
     y.backward(torch.empty_like(y))
-    assert y.shape == (R, H) and x.grad.shape == x.shape and w.grad.shape == w.shape and w.grad.dtype == w.dtype
+    assert (
+        y.shape == (R, H)
+        and x.grad.shape == x.shape
+        and w.grad.shape == w.shape
+        and w.grad.dtype == w.dtype
+    )
     xt = torch.empty(T, D, dtype=torch.bfloat16, requires_grad=True, **meta)
     inv = torch.empty(T, 2, dtype=torch.int32, **meta)
     w3 = torch.empty(E, H, D, dtype=torch.bfloat16, requires_grad=True, **meta)

@@ -1,4 +1,5 @@
 """RMSNorm, RoPE (plain, linear, NTK), dense GQA attention with KV cache, SwiGLU: against plain formulas."""
+
 import math
 
 import pytest
@@ -36,8 +37,12 @@ def test_rope_matches_naive_rotation_with_scaling(scaling, factor):
     cos, sin = RotaryEmbedding(D, theta, scaling, factor)(pos)
     eff_pos = pos / factor if scaling == "linear" else pos
     eff_theta = theta * factor ** (D / (D - 2)) if scaling == "ntk" else theta
-    torch.testing.assert_close(apply_rotary(x, cos.double(), sin.double()), _naive_rope(x, eff_pos, eff_theta),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        apply_rotary(x, cos.double(), sin.double()),
+        _naive_rope(x, eff_pos, eff_theta),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def _naive_attention(attn, x, cos, sin):
@@ -51,8 +56,10 @@ def _naive_attention(attn, x, cos, sin):
     for h in range(H):
         kh, vh = k[:, h * Hk // H], v[:, h * Hk // H]
         for i in range(S):
-            w = torch.softmax(q[:, h, i:i + 1] @ kh[:, :i + 1].transpose(-1, -2) / math.sqrt(Dh), -1)
-            out[:, h, i] = (w @ vh[:, :i + 1])[:, 0]
+            w = torch.softmax(
+                q[:, h, i : i + 1] @ kh[:, : i + 1].transpose(-1, -2) / math.sqrt(Dh), -1
+            )
+            out[:, h, i] = (w @ vh[:, : i + 1])[:, 0]
     return attn.wo(out.transpose(1, 2).reshape(B, S, H * Dh))
 
 
@@ -63,7 +70,9 @@ def test_dense_gqa_attention_matches_naive_loop(n_kv_heads):
     attn.init_weights(0.2, 0.2)
     x = torch.randn(2, 7, 32)
     cos, sin = RotaryEmbedding(8)(torch.arange(7))
-    torch.testing.assert_close(attn(x, cos, sin), _naive_attention(attn, x, cos, sin), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        attn(x, cos, sin), _naive_attention(attn, x, cos, sin), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_kv_cache_prefill_then_decode_equals_full_forward():
@@ -74,7 +83,9 @@ def test_kv_cache_prefill_then_decode_equals_full_forward():
     with torch.no_grad():
         full = model(tokens)
         model.setup_cache(2, 16)
-        steps = [model(tokens[:, :8], start_pos=0)] + [model(tokens[:, i:i + 1], start_pos=i) for i in range(8, 12)]
+        steps = [model(tokens[:, :8], start_pos=0)] + [
+            model(tokens[:, i : i + 1], start_pos=i) for i in range(8, 12)
+        ]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
 
 
@@ -94,10 +105,13 @@ def test_transformer_loss_is_cross_entropy_of_logits():
     torch.testing.assert_close(parts["ce"], ref)
 
 
-@pytest.mark.parametrize("preset,overrides", [
-    ("zoo/tiny_moe.yaml", ["model.moe.bias_update_rate=0.001"]),
-    ("zoo/tiny_neuron.yaml", []),
-])
+@pytest.mark.parametrize(
+    "preset,overrides",
+    [
+        ("zoo/tiny_moe.yaml", ["model.moe.bias_update_rate=0.001"]),
+        ("zoo/tiny_neuron.yaml", []),
+    ],
+)
 def test_meta_build_then_init_weights_leaves_no_uninitialised_buffer(preset, overrides):
     """What FSDP2's meta-device path does for big models: to_empty (garbage), then init_weights."""
     cfg = load_config(preset, overrides).model

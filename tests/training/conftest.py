@@ -1,4 +1,5 @@
 """One short trained run shared by the checkpoint / resume / run-folder tests: each test copies it."""
+
 import os
 import shutil
 from dataclasses import dataclass
@@ -7,12 +8,12 @@ import pytest
 
 from helpers import tiny_overrides
 
-STEPS, EVERY = 10, 5   # checkpoints at steps 5 and 10
+STEPS, EVERY = 10, 5  # checkpoints at steps 5 and 10
 
 
 @dataclass
 class Run:
-    root: str       # holds run/ (out_dir) and cache/
+    root: str  # holds run/ (out_dir) and cache/
     corpus: str
 
     @property
@@ -27,8 +28,16 @@ class Run:
         return os.path.join(self.ckpt_dir, f"step_{step:08d}")
 
     def overrides(self, **extra) -> list[str]:
-        ov = tiny_overrides(self.root, self.corpus, **{"train.steps": STEPS, "checkpoint.every": EVERY,
-                                                       "logging.log_every": 1, "train.eval_every": EVERY})
+        ov = tiny_overrides(
+            self.root,
+            self.corpus,
+            **{
+                "train.steps": STEPS,
+                "checkpoint.every": EVERY,
+                "logging.log_every": 1,
+                "train.eval_every": EVERY,
+            },
+        )
         # The tokenizer and token files of the original run: copies need not rebuild them.
         return ov + [f"data.cache_dir={self.cache}"] + [f"{k}={v}" for k, v in extra.items()]
 
@@ -39,6 +48,7 @@ class Run:
 def trained_run(tmp_path_factory, corpus_dir) -> Run:
     from moezoo.configs import load_config
     from moezoo.training.loop import Trainer
+
     root = str(tmp_path_factory.mktemp("trained"))
     run = Run(root, corpus_dir, cache=os.path.join(root, "cache"))
     Trainer(load_config("zoo/tiny_dense.yaml", run.overrides())).fit()

@@ -1,5 +1,6 @@
 """Damaged checkpoints: --resume falls back to the previous complete one with a warning naming what it
 skipped, or stops with one line; never a traceback. Rotation never leaves a partial checkpoint."""
+
 import os
 import shutil
 
@@ -45,10 +46,14 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
-def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_with_a_warning(run_copy, capsys, damage):
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_with_a_warning(
+    run_copy, capsys, damage
+):
     name, spoil = DAMAGE[damage]
     spoil(os.path.join(run_copy.step_dir(10), name))
-    tr = Trainer(load_config("zoo/tiny_dense.yaml", run_copy.overrides(**{"checkpoint.resume": True})))
+    tr = Trainer(
+        load_config("zoo/tiny_dense.yaml", run_copy.overrides(**{"checkpoint.resume": True}))
+    )
     assert tr.step == 5
     warnings = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning:")]
     assert len(warnings) == 1 and "step_00000010" in warnings[0], warnings
@@ -64,7 +69,9 @@ def test_every_checkpoint_damaged_stops_with_one_line(run_copy, capsys):
     assert "step_00000010" in err[0] and "step_00000005" in err[0]
 
 
-def test_garbled_shard_of_the_right_size_stops_with_one_line_naming_the_checkpoint(run_copy, capsys):
+def test_garbled_shard_of_the_right_size_stops_with_one_line_naming_the_checkpoint(
+    run_copy, capsys
+):
     """Only loading the shards can find this one, after the model is built: one line, not a traceback."""
     _same_size_garbage(os.path.join(run_copy.step_dir(10), "__0_0.distcp"))
     rc = main(["--config", "zoo/tiny_dense.yaml", *run_copy.overrides(), "--resume"])
@@ -80,9 +87,12 @@ def test_checkpoint_without_every_part_is_not_complete(run_copy):
 
 def test_kill_during_rotation_leaves_no_partial_checkpoint(run_copy, monkeypatch):
     """remove_checkpoint renames before deleting: a kill inside the delete leaves only a .trash_ dir."""
+
     def killed_rmtree(path, ignore_errors=False):
         if ".trash_" in str(path) and os.path.exists(path):
-            os.remove(os.path.join(path, "__0_0.distcp"))   # part of the delete happened, then the kill
+            os.remove(
+                os.path.join(path, "__0_0.distcp")
+            )  # part of the delete happened, then the kill
             raise SystemExit("killed")
 
     monkeypatch.setattr(shutil, "rmtree", killed_rmtree)

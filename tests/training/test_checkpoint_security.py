@@ -1,5 +1,6 @@
 """A checkpoint from someone else cannot run code on --resume: a payload planted in any file it reads
 (with the manifest updated to match, as an attacker would) does not run, and the run stops with one line."""
+
 import json
 import os
 import pickle
@@ -25,7 +26,9 @@ def _fix_manifest(ckpt: str) -> None:
     path = os.path.join(ckpt, "manifest.json")
     with open(path) as f:
         manifest = json.load(f)
-    manifest["files"] = {n: os.path.getsize(os.path.join(ckpt, n)) for n in os.listdir(ckpt) if n != "manifest.json"}
+    manifest["files"] = {
+        n: os.path.getsize(os.path.join(ckpt, n)) for n in os.listdir(ckpt) if n != "manifest.json"
+    }
     with open(path, "w") as f:
         json.dump(manifest, f)
 
@@ -48,8 +51,11 @@ def _assert_refused(rc, err, marker, culprit):
 
 def test_payload_in_rng_state_does_not_run(run_copy, tmp_path, capsys):
     marker = str(tmp_path / "pwned")
-    rc, err = _plant_and_resume(run_copy, capsys, lambda ckpt: torch.save(
-        {"python": Payload(marker)}, os.path.join(ckpt, "rng_rank0.pt")))
+    rc, err = _plant_and_resume(
+        run_copy,
+        capsys,
+        lambda ckpt: torch.save({"python": Payload(marker)}, os.path.join(ckpt, "rng_rank0.pt")),
+    )
     _assert_refused(rc, err, marker, "rng_rank0.pt")
 
 
@@ -69,18 +75,26 @@ def test_payload_as_a_dcp_byte_entry_does_not_run(run_copy, tmp_path, capsys):
     declares a weight as bytes must be refused, not unpickled (and training must not go on)."""
     from moezoo.configs import load_config
     from moezoo.training.loop import Trainer
+
     marker = str(tmp_path / "pwned")
-    tr = Trainer(load_config("zoo/tiny_dense.yaml", run_copy.overrides(**{"checkpoint.resume": True})))
+    tr = Trainer(
+        load_config("zoo/tiny_dense.yaml", run_copy.overrides(**{"checkpoint.resume": True}))
+    )
     model_sd, optim_sd = get_state_dict(tr.model, tr.optimizer)
     name = next(iter(model_sd))
     crafted = {"model": {**model_sd, name: Payload(marker)}, "optim": {"state": optim_sd["state"]}}
-    rc, err = _plant_and_resume(run_copy, capsys, lambda ckpt: dcp.save(crafted, checkpoint_id=ckpt))
+    rc, err = _plant_and_resume(
+        run_copy, capsys, lambda ckpt: dcp.save(crafted, checkpoint_id=ckpt)
+    )
     _assert_refused(rc, err, marker, name)
 
 
 def test_pickled_train_state_beside_the_checkpoint_is_never_read(run_copy, tmp_path, capsys):
     """The old format's train_state.pt is not part of a checkpoint any more: a planted one is ignored."""
     marker = str(tmp_path / "pwned")
-    rc, err = _plant_and_resume(run_copy, capsys, lambda ckpt: torch.save(
-        {"step": Payload(marker)}, os.path.join(ckpt, "train_state.pt")))
+    rc, err = _plant_and_resume(
+        run_copy,
+        capsys,
+        lambda ckpt: torch.save({"step": Payload(marker)}, os.path.join(ckpt, "train_state.pt")),
+    )
     assert rc == 0 and not os.path.exists(marker)

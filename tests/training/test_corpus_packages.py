@@ -1,5 +1,6 @@
 """data.source=python_packages: one document per installed package, files deduplicated by content, and
 the validation split by package name."""
+
 import os
 
 from moezoo.configs import DataConfig
@@ -17,14 +18,18 @@ def test_packages_are_documents_with_each_file_once(tmp_path):
     a, b = str(tmp_path / "a" / "site-packages"), str(tmp_path / "b" / "site-packages")
     write(f"{a}/alpha/__init__.py", "x = 1\n")
     write(f"{a}/alpha/sub/util.py", "def f():\n    return 2\n")
-    write(f"{a}/beta/vendored.py", "def f():\n    return 2\n")      # same content as alpha's: counted once
+    write(
+        f"{a}/beta/vendored.py", "def f():\n    return 2\n"
+    )  # same content as alpha's: counted once
     write(f"{a}/beta/own.py", "y = 3\n")
-    write(f"{a}/solo.py", "z = 4\n")                                 # a top-level module is a package too
-    write(f"{a}/alpha-1.0.dist-info/RECORD.py", "nope = 1\n")        # metadata folders are skipped
-    write(f"{b}/alpha/__init__.py", "shadowed = 1\n")                # later directory: not read
+    write(f"{a}/solo.py", "z = 4\n")  # a top-level module is a package too
+    write(f"{a}/alpha-1.0.dist-info/RECORD.py", "nope = 1\n")  # metadata folders are skipped
+    write(f"{b}/alpha/__init__.py", "shadowed = 1\n")  # later directory: not read
     docs = dict(corpus_packages.package_texts([a, b]))
     assert sorted(docs) == ["alpha", "beta", "solo"]
-    assert "return 2" in docs["alpha"] and "return 2" not in docs["beta"] and "y = 3" in docs["beta"]
+    assert (
+        "return 2" in docs["alpha"] and "return 2" not in docs["beta"] and "y = 3" in docs["beta"]
+    )
     assert "shadowed" not in docs["alpha"] and "# file: alpha/sub/util.py" in docs["alpha"]
 
 
@@ -51,11 +56,14 @@ def test_preflight_accepts_every_builtin_source(tmp_path):
     from moezoo.configs import ConfigError, load_config
     from moezoo.training.corpus import BUILTIN_SOURCES
     from moezoo.training.preflight import check_paths
+
     base = ["train.device=cpu", f"train.out_dir={tmp_path}/out", f"data.cache_dir={tmp_path}/cache"]
     for src in BUILTIN_SOURCES:
         check_paths(load_config("zoo/tiny_dense.yaml", base + [f"data.source={src}"]))
     try:
-        check_paths(load_config("zoo/tiny_dense.yaml", base + [f"data.source={tmp_path}/missing*.txt"]))
+        check_paths(
+            load_config("zoo/tiny_dense.yaml", base + [f"data.source={tmp_path}/missing*.txt"])
+        )
     except ConfigError as e:
         assert str(e).startswith("data.source: ") and "python_packages" in str(e)
     else:

@@ -1,4 +1,5 @@
 """Corpus, tokenizer and batch sampling."""
+
 import os
 
 import numpy as np
@@ -16,7 +17,9 @@ def test_stdlib_corpus_is_present_and_split_deterministically():
     train, val = split_documents(docs, 0.1)
     assert len(docs) == 50 and train and val
     assert {d.name for d in train}.isdisjoint({d.name for d in val})
-    assert [d.name for d in split_documents(load_documents(DataConfig(max_files=50)), 0.1)[1]] == [d.name for d in val]
+    assert [d.name for d in split_documents(load_documents(DataConfig(max_files=50)), 0.1)[1]] == [
+        d.name for d in val
+    ]
 
 
 def test_jsonl_and_glob_sources(tmp_path):
@@ -39,13 +42,20 @@ def test_a_corpus_splits_the_same_wherever_it_lives(tmp_path):
         for n in names:
             (tmp_path / where / "sub" / n).write_text(f"text of {n}\n" * 3)
     splits = []
-    for source in (tmp_path / "a", tmp_path / "b/deeper", tmp_path / "a/sub/*.txt", tmp_path / "b/deeper/sub/doc*.txt"):
+    for source in (
+        tmp_path / "a",
+        tmp_path / "b/deeper",
+        tmp_path / "a/sub/*.txt",
+        tmp_path / "b/deeper/sub/doc*.txt",
+    ):
         docs = load_documents(DataConfig(source=str(source)))
         assert len(docs) == 40 and not any(str(tmp_path) in d.name for d in docs)
         train, val = split_documents(docs, 0.2)
         splits.append(sorted(d.name for d in val))
         assert val and train
-    assert splits[0] == splits[1] and splits[2] == splits[3]   # directory names keep "sub/", glob names don't
+    assert (
+        splits[0] == splits[1] and splits[2] == splits[3]
+    )  # directory names keep "sub/", glob names don't
     one = load_documents(DataConfig(source=str(tmp_path / "a/sub/doc00.txt")))
     assert [d.name for d in one] == ["doc00.txt"]
 
@@ -54,15 +64,24 @@ def test_token_caches_of_two_directories_with_the_same_listing_stay_apart(tmp_pa
     # Same file names and sizes, different text: the shared cache dir must not serve one's tokens to the other.
     rng = np.random.default_rng(0)
     words = [rng.integers(0, 13, size=rng.integers(2, 8)) for _ in range(3000)]
-    for where, first in (("a", "a"), ("b", "n")):            # letters a-m in one corpus, n-z in the other
+    for where, first in (("a", "a"), ("b", "n")):  # letters a-m in one corpus, n-z in the other
         (tmp_path / where).mkdir()
         for i in range(3):
-            text = " ".join("".join(chr(ord(first) + int(c)) for c in w) for w in words[i * 1000:(i + 1) * 1000])
+            text = " ".join(
+                "".join(chr(ord(first) + int(c)) for c in w)
+                for w in words[i * 1000 : (i + 1) * 1000]
+            )
             (tmp_path / where / f"f{i}.txt").write_text(text)
     seen = []
     for where in ("a", "b"):
-        cfg = load_config("zoo/tiny_dense.yaml", tiny_overrides(tmp_path, str(tmp_path / where),
-                                                                **{"data.val_fraction": 0.4, "model.vocab_size": 300}))
+        cfg = load_config(
+            "zoo/tiny_dense.yaml",
+            tiny_overrides(
+                tmp_path,
+                str(tmp_path / where),
+                **{"data.val_fraction": 0.4, "model.vocab_size": 300},
+            ),
+        )
         data = prepare_data(cfg)
         seen.append(set(data.tokenizer.decode(np.asarray(data.train[:200]).tolist())) - {" "})
     assert seen[0] <= set("abcdefghijklm") and seen[1] <= set("nopqrstuvwxyz"), seen

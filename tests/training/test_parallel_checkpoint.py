@@ -5,6 +5,7 @@ model built from another seed: every weight and AdamW moment comes back. The che
 global ``[E, ...]`` expert tensors (not one ep rank's half), so one process without a process group
 loads it too and gets the experts in the right order, and the same ranks load it at another ep degree.
 """
+
 import os
 import tempfile
 
@@ -21,6 +22,7 @@ from helpers import tiny_moe_cfg
 
 def _full(t):
     from torch.distributed.tensor import DTensor
+
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
@@ -34,7 +36,9 @@ def _global_experts(t, state):
 
 def _make(cfg, world, rank, seed):
     rep, shard, ep = cfg.parallel.resolve(world, cfg.model.moe.num_experts)
-    state = ParallelState(world, rank, rank, torch.device("cpu"), rep, shard, ep, *build_meshes("cpu", rep, shard, ep))
+    state = ParallelState(
+        world, rank, rank, torch.device("cpu"), rep, shard, ep, *build_meshes("cpu", rep, shard, ep)
+    )
     torch.manual_seed(seed)
     model = parallelize(build_model(cfg.model), cfg, state)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -42,7 +46,9 @@ def _make(cfg, world, rank, seed):
 
 
 def _one_step(model, opt, cfg, rank):
-    x = torch.randint(0, cfg.model.vocab_size, (2, 8), generator=torch.Generator().manual_seed(rank))
+    x = torch.randint(
+        0, cfg.model.vocab_size, (2, 8), generator=torch.Generator().manual_seed(rank)
+    )
     model.loss(x, x)[0].backward()
     opt.step()
 
@@ -78,11 +84,17 @@ def _save_ep2_load_ep1(rank, world, ckpt_dir):
     _one_step(model, opt, cfg, rank)
     want = _snapshot(model, opt, state)
     save_checkpoint(ckpt_dir, 1, model, opt, {"step": 1}, cfg, keep_last=1)
-    state1, model1, opt1 = _make(tiny_moe_cfg(), world, rank, seed=5)   # same 2 ranks, ep=1 (experts FSDP-sharded)
+    state1, model1, opt1 = _make(
+        tiny_moe_cfg(), world, rank, seed=5
+    )  # same 2 ranks, ep=1 (experts FSDP-sharded)
     load_checkpoint(os.path.join(ckpt_dir, "step_00000001"), model1, opt1)
     for name, p in model1.named_parameters():
-        torch.testing.assert_close(_full(p.detach()), want[name], atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
-        torch.testing.assert_close(_full(opt1.state[p]["exp_avg"]), want[name + ":exp_avg"], atol=0, rtol=0)
+        torch.testing.assert_close(
+            _full(p.detach()), want[name], atol=0, rtol=0, msg=lambda m: f"{name}: {m}"
+        )
+        torch.testing.assert_close(
+            _full(opt1.state[p]["exp_avg"]), want[name + ":exp_avg"], atol=0, rtol=0
+        )
 
 
 def test_ep2_checkpoint_loads_at_ep1_on_the_same_ranks():
@@ -101,5 +113,9 @@ def test_ep_checkpoint_resumes_under_ep_and_loads_on_one_process():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         load_checkpoint(os.path.join(d, "step_00000001"), model, opt)
         for name, p in model.named_parameters():
-            torch.testing.assert_close(p.detach(), want[name], atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
-            torch.testing.assert_close(opt.state[p]["exp_avg"], want[name + ":exp_avg"], atol=0, rtol=0)
+            torch.testing.assert_close(
+                p.detach(), want[name], atol=0, rtol=0, msg=lambda m: f"{name}: {m}"
+            )
+            torch.testing.assert_close(
+                opt.state[p]["exp_avg"], want[name + ":exp_avg"], atol=0, rtol=0
+            )

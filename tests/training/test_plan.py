@@ -1,4 +1,5 @@
 """training.plan / zoo.flops: parameter counts, FLOPs and memory plans built on the meta device."""
+
 import os
 import resource
 
@@ -43,7 +44,9 @@ def test_flops_per_token_is_6n_plus_attention():
     cfg = preset("llama_65b.yaml")
     c = param_counts(cfg.model)
     S = cfg.train.seq_len
-    expected = 6 * (c.total - c.embedding) + 6 * cfg.model.n_layers * cfg.model.dim * (S + 1)   # causal pairs
+    expected = 6 * (c.total - c.embedding) + 6 * cfg.model.n_layers * cfg.model.dim * (
+        S + 1
+    )  # causal pairs
     assert flops_per_token(cfg.model, S, c) == pytest.approx(expected)
 
 
@@ -79,7 +82,9 @@ def test_plan_without_gpu_count_picks_smallest_power_of_two_that_fits():
 
 
 def test_config_layout_is_used_when_it_resolves():
-    cfg = preset("llama_65b.yaml", "parallel.dp_replicate=2", "parallel.activation_checkpointing=true")
+    cfg = preset(
+        "llama_65b.yaml", "parallel.dp_replicate=2", "parallel.activation_checkpointing=true"
+    )
     p = plan(cfg, n_gpus=32)
     assert p.layout_source == "config"
     assert (p.layout.dp_replicate, p.layout.dp_shard, p.layout.ep) == (2, 16, 1)
@@ -93,7 +98,7 @@ def test_check_fits_raises_config_error_with_the_plan():
     assert isinstance(e.value, ConfigError)
     first, *rest = str(e.value).splitlines()
     assert first.startswith("parallel: llama_65b needs") and "GB per device" in first
-    assert any("memory/device" in line for line in rest)   # a CPU run is not planned in GPUs
+    assert any("memory/device" in line for line in rest)  # a CPU run is not planned in GPUs
 
 
 def test_check_fits_passes_for_tiny_preset():
@@ -102,7 +107,12 @@ def test_check_fits_passes_for_tiny_preset():
 
 
 def test_config_layout_that_does_not_fit_is_reported_with_the_fix():
-    cfg = preset("moe_65b.yaml", "parallel.ep=8", "parallel.activation_checkpointing=false", "dst.enabled=false")
+    cfg = preset(
+        "moe_65b.yaml",
+        "parallel.ep=8",
+        "parallel.activation_checkpointing=false",
+        "dst.enabled=false",
+    )
     p = plan(cfg, n_gpus=256)
     assert p.layout_source == "config" and p.layout.ep == 8 and not p.fits
     assert any("activation_checkpointing=true" in n for n in p.notes)
@@ -121,11 +131,17 @@ def test_dst_masks_are_counted_and_their_fix_suggested():
 
 
 def test_compact_dst_state_fits_moe_65b_on_256_gpus_within_the_headroom():
-    compact, dense_state = plan(preset("moe_65b.yaml"), n_gpus=256), plan(preset("moe_65b.yaml", "dst.compact_state=false"), n_gpus=256)
-    masked = dense_state.memory.dst_masks / 6                     # masked weights per GPU (6 B each when dense)
+    compact, dense_state = (
+        plan(preset("moe_65b.yaml"), n_gpus=256),
+        plan(preset("moe_65b.yaml", "dst.compact_state=false"), n_gpus=256),
+    )
+    masked = dense_state.memory.dst_masks / 6  # masked weights per GPU (6 B each when dense)
     # 1 bit mask + 1 bit ever-active + 2 B bf16 score; moments + int32 index for the active 55% (50% + 10% margin)
     assert abs(compact.memory.dst_masks - 2.25 * masked) < 1e-3 * masked
-    assert abs((dense_state.memory.optimizer - compact.memory.optimizer) - masked * (8 - 12 * 0.55)) < 1e-3 * masked
+    assert (
+        abs((dense_state.memory.optimizer - compact.memory.optimizer) - masked * (8 - 12 * 0.55))
+        < 1e-3 * masked
+    )
     assert compact.fits and compact.memory.total <= 0.9 * compact.device_bytes
     assert any("EMA score (bf16, grad_ema) 2.00 B" in n for n in compact.notes)
 
@@ -133,9 +149,14 @@ def test_compact_dst_state_fits_moe_65b_on_256_gpus_within_the_headroom():
 def test_bf16_weights_hold_the_same_bytes_a_parameter_and_four_more_with_accumulation():
     # float32: 4 B weight + 4 B grad; bfloat16 weights: 2 B + 4 B master, 2 B grad (+ a 4 B float32 sum)
     base = plan(preset("olmoe_1b_7b.yaml"), n_gpus=1, device_type="cuda").memory
-    low = plan(preset("olmoe_1b_7b.yaml", "train.param_dtype=bfloat16"), n_gpus=1, device_type="cuda").memory
-    acc = plan(preset("olmoe_1b_7b.yaml", "train.param_dtype=bfloat16", "train.grad_accum=2"), n_gpus=1,
-               device_type="cuda").memory
+    low = plan(
+        preset("olmoe_1b_7b.yaml", "train.param_dtype=bfloat16"), n_gpus=1, device_type="cuda"
+    ).memory
+    acc = plan(
+        preset("olmoe_1b_7b.yaml", "train.param_dtype=bfloat16", "train.grad_accum=2"),
+        n_gpus=1,
+        device_type="cuda",
+    ).memory
     assert low.weights + low.grads == pytest.approx(base.weights + base.grads)
     assert low.weights == pytest.approx(1.5 * base.weights)
     assert acc.grads == pytest.approx(1.5 * base.grads)

@@ -1,4 +1,5 @@
 """Local pictures of a run: metrics.png and fixed-scale expert-load heatmaps under <out_dir>/plots/."""
+
 import os
 
 import numpy as np
@@ -15,21 +16,38 @@ plt = pytest.importorskip("matplotlib.pyplot")
 @pytest.fixture(scope="module")
 def moe_run(tmp_path_factory, corpus_dir):
     tmp = tmp_path_factory.mktemp("plots")
-    cfg = load_config("zoo/tiny_moe.yaml", tiny_overrides(tmp, corpus_dir, **{
-        "train.steps": 6, "train.eval_every": 3, "logging.log_every": 2, "checkpoint.every": 0, "logging.plots": True}))
+    cfg = load_config(
+        "zoo/tiny_moe.yaml",
+        tiny_overrides(
+            tmp,
+            corpus_dir,
+            **{
+                "train.steps": 6,
+                "train.eval_every": 3,
+                "logging.log_every": 2,
+                "checkpoint.every": 0,
+                "logging.plots": True,
+            },
+        ),
+    )
     run(cfg)
     return cfg
 
 
 def test_run_writes_metrics_and_expert_load_pictures(moe_run):
     plots = os.path.join(moe_run.out_dir, "plots")
-    assert sorted(os.listdir(plots)) == ["expert_load_step_00000003.png", "expert_load_step_00000006.png",
-                                         "metrics.png"]
+    assert sorted(os.listdir(plots)) == [
+        "expert_load_step_00000003.png",
+        "expert_load_step_00000006.png",
+        "metrics.png",
+    ]
     for name in os.listdir(plots):
         path = os.path.join(plots, name)
         assert 5_000 < os.path.getsize(path) < 200_000
         img = plt.imread(path)
-        assert img.shape[0] > 150 and img.shape[1] > 300 and img[..., :3].std() > 0.05   # drawn, not blank
+        assert (
+            img.shape[0] > 150 and img.shape[1] > 300 and img[..., :3].std() > 0.05
+        )  # drawn, not blank
 
 
 def test_plot_command_redraws_metrics_png(moe_run, capsys):
@@ -52,4 +70,4 @@ def test_expert_load_scale_is_fixed_across_steps():
     centre_uniform = px[0][int(h * 0.65), int(w * 0.3)]
     centre_skewed_row1 = px[1][int(h * 0.65), int(w * 0.3)]
     assert np.abs(centre_uniform.astype(int) - centre_skewed_row1.astype(int)).max() < 10
-    assert centre_uniform.min() > 200   # near white
+    assert centre_uniform.min() > 200  # near white

@@ -1,5 +1,6 @@
 """Non-finite steps: rollback stops after train.max_rollbacks in a row, the step that triggers a rollback
 is logged, and a skipped MoE step leaves no trace in the aux-loss-free bias."""
+
 import json
 import os
 
@@ -21,10 +22,17 @@ def test_rollback_stops_after_max_rollbacks_in_a_row(run_copy, capsys, monkeypat
         poison_loss(self, lambda step: step >= 5)
 
     monkeypatch.setattr(Trainer, "__init__", init)
-    ov = run_copy.overrides(**{"train.overwrite": True, "train.max_bad_steps": 1, "train.max_rollbacks": 2})
+    ov = run_copy.overrides(
+        **{"train.overwrite": True, "train.max_bad_steps": 1, "train.max_rollbacks": 2}
+    )
     rc = main(["--config", "zoo/tiny_dense.yaml", *ov])
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert rc == 1 and len(err) == 1 and "2 rollbacks in a row" in err[0] and "train.max_rollbacks" in err[0], err
+    assert (
+        rc == 1
+        and len(err) == 1
+        and "2 rollbacks in a row" in err[0]
+        and "train.max_rollbacks" in err[0]
+    ), err
     with open(os.path.join(run_copy.out_dir, "metrics.jsonl")) as f:
         rollbacks = [json.loads(line) for line in f if '"rollback"' in line]
     # The bad step that triggered each rollback is on record, with its non-finite loss.
@@ -43,8 +51,8 @@ def test_moe_bias_after_a_skipped_step_equals_a_run_without_that_step(tmp_path, 
     for _ in range(2):
         skipped.train_step()
         without.train_step()
-    assert skipped.train_step()["skipped"]           # step 2: routed, then skipped
-    without.step += 1                                 # step 2 never ran: only the step count and schedule move
+    assert skipped.train_step()["skipped"]  # step 2: routed, then skipped
+    without.step += 1  # step 2 never ran: only the step count and schedule move
     without.scheduler.step()
     skipped.train_step()
     without.train_step()

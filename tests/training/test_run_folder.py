@@ -1,5 +1,6 @@
 """A run folder belongs to one run; resume continues it without repeating rows or restarting the
 schedule; Ctrl-C saves a checkpoint first."""
+
 import json
 import os
 import signal
@@ -21,8 +22,10 @@ def _cfg(run, **extra):
 
 def _no_data(monkeypatch):
     """Fail the test if the run gets as far as reading the corpus."""
+
     def boom(*a, **k):
         raise AssertionError("the corpus was read before the error")
+
     monkeypatch.setattr("moezoo.training.loop.prepare_data", boom)
 
 
@@ -30,7 +33,12 @@ def test_fresh_run_refuses_a_folder_holding_another_runs_checkpoints(run_copy, c
     _no_data(monkeypatch)
     rc = main(["--config", "zoo/tiny_dense.yaml", *run_copy.overrides(), "model.n_layers=1"])
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert rc == 2 and len(err) == 1 and err[0].startswith("error: train.out_dir:") and "--resume" in err[0], err
+    assert (
+        rc == 2
+        and len(err) == 1
+        and err[0].startswith("error: train.out_dir:")
+        and "--resume" in err[0]
+    ), err
     assert [s for s, _ in list_checkpoints(run_copy.ckpt_dir)] == [5, 10]
 
 
@@ -124,24 +132,30 @@ def _interrupt_at(tr, steps):
 
 
 def test_ctrl_c_saves_a_checkpoint_before_exiting(run_copy, default_sigint):
-    tr = Trainer(_cfg(run_copy, **{"train.overwrite": True, "train.steps": 8, "checkpoint.every": 0}))
+    tr = Trainer(
+        _cfg(run_copy, **{"train.overwrite": True, "train.steps": 8, "checkpoint.every": 0})
+    )
     _interrupt_at(tr, {2})
     with pytest.raises(Interrupted, match="step 3"):
         tr.fit()
     assert [s for s, _ in list_checkpoints(run_copy.ckpt_dir)] == [3]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    resumed = Trainer(_cfg(run_copy, **{"checkpoint.resume": True, "train.steps": 8, "checkpoint.every": 0}))
+    resumed = Trainer(
+        _cfg(run_copy, **{"checkpoint.resume": True, "train.steps": 8, "checkpoint.every": 0})
+    )
     assert resumed.step == 3
 
 
 def test_second_ctrl_c_exits_at_once(run_copy, default_sigint):
-    tr = Trainer(_cfg(run_copy, **{"train.overwrite": True, "train.steps": 8, "checkpoint.every": 0}))
+    tr = Trainer(
+        _cfg(run_copy, **{"train.overwrite": True, "train.steps": 8, "checkpoint.every": 0})
+    )
     real = tr.train_step
 
     def step():
         if tr.step == 2:
-            os.kill(os.getpid(), signal.SIGINT)   # asks for a checkpoint at the end of the step
-            os.kill(os.getpid(), signal.SIGINT)   # does not wait for it
+            os.kill(os.getpid(), signal.SIGINT)  # asks for a checkpoint at the end of the step
+            os.kill(os.getpid(), signal.SIGINT)  # does not wait for it
         return real()
 
     tr.train_step = step
@@ -153,13 +167,15 @@ def test_second_ctrl_c_exits_at_once(run_copy, default_sigint):
 
 def _ctrl_c_on_rank_1(rank, world, overrides):
     """One of two gloo ranks (the trainer joins spawn's process group) is asked to stop inside step 2."""
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))   # this child only
+    os.environ.update(
+        WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank)
+    )  # this child only
     tr = Trainer(load_config("zoo/tiny_dense.yaml", overrides))
     real = tr.train_step
 
     def step():
         if rank == 1 and tr.step == 2:
-            tr.stop_requested = True       # what the SIGINT handler sets, on this rank alone
+            tr.stop_requested = True  # what the SIGINT handler sets, on this rank alone
         return real()
 
     tr.train_step = step
@@ -170,6 +186,9 @@ def _ctrl_c_on_rank_1(rank, world, overrides):
 def test_ctrl_c_on_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(run_copy):
     """The flag travels in the step's loss all-reduce (no collective of its own): both ranks stop after
     step 3 and save it together."""
-    spawn(_ctrl_c_on_rank_1, 2, run_copy.overrides(**{"train.overwrite": True, "train.steps": 8,
-                                                      "checkpoint.every": 0}))
+    spawn(
+        _ctrl_c_on_rank_1,
+        2,
+        run_copy.overrides(**{"train.overwrite": True, "train.steps": 8, "checkpoint.every": 0}),
+    )
     assert [s for s, _ in list_checkpoints(run_copy.ckpt_dir)] == [3]

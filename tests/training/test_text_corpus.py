@@ -1,4 +1,5 @@
 """Own text: one plain text file trains, split by tokens (the last val_fraction is validation)."""
+
 import glob
 import json
 import os
@@ -20,8 +21,10 @@ def _one_file(tmp_path, corpus_dir) -> str:
 
 
 def test_single_text_file_is_split_by_tokens_at_the_end(tmp_path, corpus_dir):
-    cfg = load_config("zoo/tiny_dense.yaml", tiny_overrides(tmp_path, _one_file(tmp_path, corpus_dir),
-                                                            **{"data.val_fraction": 0.1}))
+    cfg = load_config(
+        "zoo/tiny_dense.yaml",
+        tiny_overrides(tmp_path, _one_file(tmp_path, corpus_dir), **{"data.val_fraction": 0.1}),
+    )
     data = prepare_data(cfg)
     n_train, n_val = len(data.train), len(data.val)
     assert abs(n_val / (n_train + n_val) - 0.1) < 0.01
@@ -31,8 +34,12 @@ def test_single_text_file_is_split_by_tokens_at_the_end(tmp_path, corpus_dir):
 
 
 def test_single_text_file_trains(tmp_path, corpus_dir):
-    cfg = load_config("zoo/tiny_dense.yaml", tiny_overrides(tmp_path, _one_file(tmp_path, corpus_dir),
-                                                            **{"train.steps": 10, "checkpoint.every": 0}))
+    cfg = load_config(
+        "zoo/tiny_dense.yaml",
+        tiny_overrides(
+            tmp_path, _one_file(tmp_path, corpus_dir), **{"train.steps": 10, "checkpoint.every": 0}
+        ),
+    )
     summary = run(cfg)
     assert summary["step"] == 10 and len(summary["val_history"]) == 2
     rows = [json.loads(line) for line in open(os.path.join(cfg.out_dir, "metrics.jsonl"))]

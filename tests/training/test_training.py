@@ -1,4 +1,5 @@
 """The training spine: a short run learns, resume is bit-exact, non-finite steps are skipped, wandb modes."""
+
 import glob
 import os
 
@@ -34,7 +35,9 @@ def test_resume_is_bit_exact(tmp_path, corpus_dir):
     first = Trainer(make_cfg(tmp_path / "b", corpus_dir, **{"train.steps": 20}))
     losses_resumed = [first.train_step()["loss/total"].item() for _ in range(10)]
     first.save()
-    second = Trainer(make_cfg(tmp_path / "b", corpus_dir, **{"train.steps": 20, "checkpoint.resume": True}))
+    second = Trainer(
+        make_cfg(tmp_path / "b", corpus_dir, **{"train.steps": 20, "checkpoint.resume": True})
+    )
     assert second.step == 10
     losses_resumed += [second.train_step()["loss/total"].item() for _ in range(10)]
 
@@ -56,12 +59,16 @@ def test_injected_nan_step_is_skipped_and_training_continues(tmp_path, corpus_di
         if tr.step == 4:
             assert m["skipped"] and tr.bad_total == 1
             after = _params(tr.model)
-            assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step changed weights"
+            assert all(torch.equal(before[k], after[k]) for k in before), (
+                "a skipped step changed weights"
+            )
     assert tr.step == 6 and tr.bad_total == 1 and tr.bad_in_row == 0
 
 
 def test_repeated_nan_steps_roll_back_to_last_checkpoint(tmp_path, corpus_dir):
-    cfg = make_cfg(tmp_path, corpus_dir, **{"train.steps": 30, "train.max_bad_steps": 2, "checkpoint.every": 5})
+    cfg = make_cfg(
+        tmp_path, corpus_dir, **{"train.steps": 30, "train.max_bad_steps": 2, "checkpoint.every": 5}
+    )
     tr = Trainer(cfg)
     state = {"poison": True}
     poison_loss(tr, lambda step: step in (7, 8) and state["poison"])
@@ -77,7 +84,11 @@ def test_repeated_nan_steps_roll_back_to_last_checkpoint(tmp_path, corpus_dir):
 
 
 def test_checkpoint_write_is_atomic_and_keeps_last_k(tmp_path, corpus_dir):
-    cfg = make_cfg(tmp_path, corpus_dir, **{"train.steps": 20, "checkpoint.every": 5, "checkpoint.keep_last": 2})
+    cfg = make_cfg(
+        tmp_path,
+        corpus_dir,
+        **{"train.steps": 20, "checkpoint.every": 5, "checkpoint.keep_last": 2},
+    )
     Trainer(cfg).fit()
     assert [s for s, _ in list_checkpoints(cfg.checkpoint_dir)] == [15, 20]
     # A save killed midway leaves only a temp dir (or a dir without manifest.json): never picked for resume.
@@ -103,7 +114,9 @@ def test_wandb_offline_writes_a_run_and_disabled_writes_nothing(tmp_path, corpus
 @pytest.mark.slow
 def test_train_compile_runs_compiled_blocks_with_the_same_losses(tmp_path, corpus_dir):
     eager = Trainer(make_cfg(tmp_path / "e", corpus_dir, **{"train.steps": 2}))
-    compiled = Trainer(make_cfg(tmp_path / "c", corpus_dir, **{"train.steps": 2, "train.compile": True}))
+    compiled = Trainer(
+        make_cfg(tmp_path / "c", corpus_dir, **{"train.steps": 2, "train.compile": True})
+    )
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in compiled.model.layers)
     assert eager.model.state_dict().keys() == compiled.model.state_dict().keys()
     for _ in range(2):
@@ -111,31 +124,52 @@ def test_train_compile_runs_compiled_blocks_with_the_same_losses(tmp_path, corpu
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
 
 
-def test_train_compile_cache_holds_a_training_and_an_evaluation_graph_of_every_block(tmp_path, corpus_dir,
-                                                                                    monkeypatch):
+def test_train_compile_cache_holds_a_training_and_an_evaluation_graph_of_every_block(
+    tmp_path, corpus_dir, monkeypatch
+):
     """Evaluation (no_grad, eval mode) recompiles every block; past dynamo's limit a block would run eagerly,
     and the step-0 validation comes first, so the limit must cover both graphs of every distinct block, on
     top of what earlier models in the process hold in the same cache (the block class's forward)."""
-    monkeypatch.setattr(torch._dynamo.config, "cache_size_limit", 8)     # restored after the test
+    monkeypatch.setattr(torch._dynamo.config, "cache_size_limit", 8)  # restored after the test
     for run in range(2):
         before = torch._dynamo.config.cache_size_limit
-        Trainer(make_cfg(tmp_path / str(run), corpus_dir, **{"train.steps": 2, "train.compile": True,
-                                                               "model.n_layers": 12}))
+        Trainer(
+            make_cfg(
+                tmp_path / str(run),
+                corpus_dir,
+                **{"train.steps": 2, "train.compile": True, "model.n_layers": 12},
+            )
+        )
         assert torch._dynamo.config.cache_size_limit >= before + 2 * 12
 
 
 def test_expert_load_heatmap_is_logged_at_every_eval_step(tmp_path, corpus_dir):
-    cfg = load_config("zoo/tiny_moe.yaml", tiny_overrides(tmp_path, corpus_dir, **{
-        "train.steps": 6, "train.eval_every": 3, "logging.log_every": 4, "checkpoint.every": 0}))
+    cfg = load_config(
+        "zoo/tiny_moe.yaml",
+        tiny_overrides(
+            tmp_path,
+            corpus_dir,
+            **{
+                "train.steps": 6,
+                "train.eval_every": 3,
+                "logging.log_every": 4,
+                "checkpoint.every": 0,
+            },
+        ),
+    )
     tr = Trainer(cfg)
     heatmaps = []
-    tr.logger.log_heatmap = lambda name, matrix, step, *a: heatmaps.append((name, step, matrix.shape))
+    tr.logger.log_heatmap = lambda name, matrix, step, *a: heatmaps.append(
+        (name, step, matrix.shape)
+    )
     tr.fit()
     L, E = cfg.model.n_layers, cfg.model.moe.num_experts
     assert heatmaps == [("moe/expert_load", 3, (L, E)), ("moe/expert_load", 6, (L, E))]
 
 
-def test_kill_during_checkpoint_write_leaves_the_previous_checkpoint_resumable(tmp_path, corpus_dir):
+def test_kill_during_checkpoint_write_leaves_the_previous_checkpoint_resumable(
+    tmp_path, corpus_dir
+):
     """SIGKILL a real run while it writes its second checkpoint; --resume then picks the first one."""
     import signal
     import subprocess
@@ -143,6 +177,7 @@ def test_kill_during_checkpoint_write_leaves_the_previous_checkpoint_resumable(t
     import time
 
     from helpers import ROOT
+
     ov = tiny_overrides(tmp_path, corpus_dir, **{"train.steps": 20, "checkpoint.every": 5})
     # Slow down the write of step 10's manifest.json (the last file of a checkpoint) to kill inside it.
     code = f"""
@@ -175,7 +210,9 @@ Trainer(load_config("zoo/tiny_dense.yaml", {ov!r})).fit()
 
 def test_gradient_accumulation_equals_one_large_batch(tmp_path, corpus_dir):
     big = Trainer(make_cfg(tmp_path / "big", corpus_dir, **{"train.batch_size": 8}))
-    acc = Trainer(make_cfg(tmp_path / "acc", corpus_dir, **{"train.batch_size": 4, "train.grad_accum": 2}))
+    acc = Trainer(
+        make_cfg(tmp_path / "acc", corpus_dir, **{"train.batch_size": 4, "train.grad_accum": 2})
+    )
     for _ in range(4):
         a, b = big.train_step()["loss/total"].item(), acc.train_step()["loss/total"].item()
         assert abs(a - b) < 1e-5, (a, b)

@@ -3,6 +3,7 @@
 Weights are re-drawn at a large scale (not HF's 0.02 init) so logits are O(1) and a wrong mapping
 (a swapped projection, a missed bias, a wrong RoPE) shows far above the 1e-4 tolerance.
 """
+
 import pytest
 import torch
 
@@ -15,8 +16,16 @@ from moezoo.zoo.hf import from_hf, to_hf  # noqa: E402
 
 
 def llama(seed: int = 0, **kw):
-    base = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64, rope_theta=500.0)
+    base = dict(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=500.0,
+    )
     base.update(kw)
     torch.manual_seed(seed)
     m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**base)).eval()
@@ -25,8 +34,16 @@ def llama(seed: int = 0, **kw):
 
 
 def zoo_model(seed: int = 0, **kw):
-    base = dict(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=64,
-                rope_theta=500.0)
+    base = dict(
+        vocab_size=V,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=48,
+        max_seq_len=64,
+        rope_theta=500.0,
+    )
     base.update(kw)
     m = build_model(ModelConfig(**base)).eval()
     randomize_(m, seed)
@@ -38,7 +55,11 @@ def zoo_model(seed: int = 0, **kw):
 def test_from_hf_llama_matches_hf_logits_with_gqa_and_tied_or_untied_embeddings(tie, kv_heads):
     hf = llama(seed=kv_heads, num_key_value_heads=kv_heads, tie_word_embeddings=tie)
     model = from_hf(hf)
-    assert model.cfg.kv_heads == kv_heads and model.cfg.tie_embeddings == tie and model.cfg.rope_theta == 500.0
+    assert (
+        model.cfg.kv_heads == kv_heads
+        and model.cfg.tie_embeddings == tie
+        and model.cfg.rope_theta == 500.0
+    )
     assert (model.output.weight is model.tok_embeddings.weight) == tie
     assert_same_logits(hf, model, seed=kv_heads)
 
@@ -79,7 +100,9 @@ def test_bf16_round_trip_keeps_dtype_mode_and_float32_rope_frequencies():
     model = from_hf(hf)
     assert next(model.parameters()).dtype == torch.bfloat16 and not model.training
     assert model.rope.inv_freq.dtype == torch.float32
-    assert torch.equal(model.layers[1].attention.wk.weight, hf.model.layers[1].self_attn.k_proj.weight)
+    assert torch.equal(
+        model.layers[1].attention.wk.weight, hf.model.layers[1].self_attn.k_proj.weight
+    )
     back = to_hf(model.train())
     assert next(back.parameters()).dtype == torch.bfloat16 and back.training
     assert back.model.rotary_emb.inv_freq.dtype == torch.float32
@@ -94,7 +117,7 @@ def test_llama_attention_bias_imports_when_output_bias_is_zero_and_exports_as_qw
     model = from_hf(hf)
     assert model.cfg.attn_bias and model.layers[0].attention.wq.bias is not None
     assert_same_logits(hf, model, seed=5)
-    back = to_hf(model).eval()      # q/k/v biases without an o_proj bias: Qwen2's layout exactly
+    back = to_hf(model).eval()  # q/k/v biases without an o_proj bias: Qwen2's layout exactly
     assert type(back).__name__ == "Qwen2ForCausalLM"
     assert_same_logits(back, model, seed=6)
 
@@ -108,47 +131,93 @@ def test_transformers4_style_llama_config_with_rope_theta_and_rope_scaling_is_re
     from types import SimpleNamespace
 
     from moezoo.zoo.hf_config import config_from_hf
-    hc = SimpleNamespace(model_type="llama", vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, hidden_act="silu", max_position_embeddings=64,
-                         initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=500.0,
-                         rope_scaling={"type": "linear", "factor": 2.0}, attention_bias=False, mlp_bias=False,
-                         pretraining_tp=1)
+
+    hc = SimpleNamespace(
+        model_type="llama",
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_act="silu",
+        max_position_embeddings=64,
+        initializer_range=0.02,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=500.0,
+        rope_scaling={"type": "linear", "factor": 2.0},
+        attention_bias=False,
+        mlp_bias=False,
+        pretraining_tp=1,
+    )
     cfg = config_from_hf(hc)
-    assert (cfg.rope_theta, cfg.rope_scaling.type, cfg.rope_scaling.factor) == (500.0, "linear", 2.0)
+    assert (cfg.rope_theta, cfg.rope_scaling.type, cfg.rope_scaling.factor) == (
+        500.0,
+        "linear",
+        2.0,
+    )
     assert (cfg.kv_heads, cfg.hidden_dim, cfg.norm_eps, cfg.ffn) == (2, 48, 1e-6, "dense")
 
 
 ROPE_KEY = "hf.rope_parameters.rope_type"
 
 
-@pytest.mark.parametrize("override, key", [
-    (dict(rope_parameters={"rope_type": "longrope", "factor": 2.0, "rope_theta": 500.0}), ROPE_KEY),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 500.0}),
-     "hf.rope_parameters.original_max_position_embeddings"),
-    (dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}),
-     "hf.partial_rotary_factor"),
-    (dict(hidden_act="gelu_fast"), "hf.hidden_act"),
-    (dict(mlp_bias=True), "hf.mlp_bias"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        (
+            dict(rope_parameters={"rope_type": "longrope", "factor": 2.0, "rope_theta": 500.0}),
+            ROPE_KEY,
+        ),
+        (
+            dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 500.0}),
+            "hf.rope_parameters.original_max_position_embeddings",
+        ),
+        (
+            dict(
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": 500.0,
+                    "partial_rotary_factor": 0.5,
+                }
+            ),
+            "hf.partial_rotary_factor",
+        ),
+        (dict(hidden_act="gelu_fast"), "hf.hidden_act"),
+        (dict(mlp_bias=True), "hf.mlp_bias"),
+    ],
+)
 def test_hf_configs_moezoo_cannot_express_raise_config_error_naming_the_field(override, key):
     hf_cfg = llama().config
     for k, v in override.items():
         setattr(hf_cfg, k, v)
     from moezoo.zoo.hf_config import config_from_hf
+
     with pytest.raises(ConfigError) as e:
         config_from_hf(hf_cfg)
     assert e.value.key == key
 
 
-@pytest.mark.parametrize("patterns", [
-    {"0:*": {"type": "local", "window": 4}},                    # Mistral windows every layer
-    {"0:*": {"type": "a_shape", "sinks": 2, "window": 4}},      # no HF model has sinks
-    {"0:0-1": {"type": "local", "window": 4}},                  # HF windows cover every head
-])
+@pytest.mark.parametrize(
+    "patterns",
+    [
+        {"0:*": {"type": "local", "window": 4}},  # Mistral windows every layer
+        {"0:*": {"type": "a_shape", "sinks": 2, "window": 4}},  # no HF model has sinks
+        {"0:0-1": {"type": "local", "window": 4}},  # HF windows cover every head
+    ],
+)
 def test_zoo_model_with_sparse_attention_hf_cannot_express_is_refused_by_to_hf(patterns):
-    cfg = ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, ffn_hidden=48,
-                      attention=AttentionConfig(patterns=patterns))
+    cfg = ModelConfig(
+        vocab_size=V,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        ffn_hidden=48,
+        attention=AttentionConfig(patterns=patterns),
+    )
     from moezoo.zoo.hf_config import hf_model_type
+
     with pytest.raises(ConfigError) as e:
         hf_model_type(cfg)
     assert e.value.key == "model.attention.patterns"

@@ -1,5 +1,6 @@
 """zoo.hf for HF MixtralForCausalLM and Qwen2MoeForCausalLM: logit parity both ways (eval, dropless,
 torch reference experts), the transformers 4.x per-expert layout, and MoE configs HF cannot express."""
+
 import pytest
 import torch
 from torch import nn
@@ -12,14 +13,22 @@ from moezoo.zoo import build_model  # noqa: E402
 from moezoo.zoo.hf import from_hf, hf_state_dict, to_hf, zoo_state_dict  # noqa: E402
 from moezoo.zoo.hf_config import hf_model_type  # noqa: E402
 
-SMALL = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=64, rope_theta=500.0)
+SMALL = dict(
+    vocab_size=V,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rope_theta=500.0,
+)
 
 
 def mixtral(seed: int = 0, **kw):
     torch.manual_seed(seed)
-    cfg = transformers.MixtralConfig(**{**SMALL, "intermediate_size": 24, "num_local_experts": 4,
-                                        "num_experts_per_tok": 2, **kw})
+    cfg = transformers.MixtralConfig(
+        **{**SMALL, "intermediate_size": 24, "num_local_experts": 4, "num_experts_per_tok": 2, **kw}
+    )
     m = transformers.MixtralForCausalLM(cfg).eval()
     randomize_(m, seed)
     return m
@@ -27,18 +36,39 @@ def mixtral(seed: int = 0, **kw):
 
 def qwen2_moe(seed: int = 0, **kw):
     torch.manual_seed(seed)
-    cfg = transformers.Qwen2MoeConfig(**{**SMALL, "num_hidden_layers": 3, "intermediate_size": 40,
-                                         "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24,
-                                         "num_experts": 6, "num_experts_per_tok": 3, **kw})
+    cfg = transformers.Qwen2MoeConfig(
+        **{
+            **SMALL,
+            "num_hidden_layers": 3,
+            "intermediate_size": 40,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 24,
+            "num_experts": 6,
+            "num_experts_per_tok": 3,
+            **kw,
+        }
+    )
     m = transformers.Qwen2MoeForCausalLM(cfg).eval()
     randomize_(m, seed)
     return m
 
 
 def zoo_moe(seed: int = 0, ffn_layers=None, **moe):
-    cfg = ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=40, max_seq_len=64,
-                      rope_theta=500.0, ffn="moe", ffn_layers=ffn_layers or {},
-                      moe=MoEConfig(**{"num_experts": 4, "top_k": 2, "hidden_dim": 16, "backend": "torch", **moe}))
+    cfg = ModelConfig(
+        vocab_size=V,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=40,
+        max_seq_len=64,
+        rope_theta=500.0,
+        ffn="moe",
+        ffn_layers=ffn_layers or {},
+        moe=MoEConfig(
+            **{"num_experts": 4, "top_k": 2, "hidden_dim": 16, "backend": "torch", **moe}
+        ),
+    )
     m = build_model(cfg).eval()
     randomize_(m, seed)
     return m
@@ -64,7 +94,9 @@ def test_to_hf_of_random_zoo_moe_model_is_mixtral_with_same_logits():
 
 @pytest.mark.parametrize("norm_topk", [False, True])
 @pytest.mark.parametrize("layers", [dict(mlp_only_layers=[1]), dict(decoder_sparse_step=2)])
-def test_from_hf_qwen2_moe_with_shared_expert_dense_layers_and_qkv_bias_matches_hf_logits(norm_topk, layers):
+def test_from_hf_qwen2_moe_with_shared_expert_dense_layers_and_qkv_bias_matches_hf_logits(
+    norm_topk, layers
+):
     hf = qwen2_moe(seed=3, norm_topk_prob=norm_topk, **layers)
     model = from_hf(hf, moe_backend="torch")
     cfg = model.cfg
@@ -76,9 +108,18 @@ def test_from_hf_qwen2_moe_with_shared_expert_dense_layers_and_qkv_bias_matches_
 
 
 @pytest.mark.parametrize("norm_topk, dense_layers", [(False, {}), (True, {"0": "dense"})])
-def test_to_hf_of_zoo_model_with_gated_shared_expert_is_qwen2_moe_with_same_logits(norm_topk, dense_layers):
-    model = zoo_moe(seed=4, ffn_layers=dense_layers, norm_topk=norm_topk, softmax_before_topk=True,
-                    shared_experts=1, shared_hidden_dim=24, shared_gate=True)
+def test_to_hf_of_zoo_model_with_gated_shared_expert_is_qwen2_moe_with_same_logits(
+    norm_topk, dense_layers
+):
+    model = zoo_moe(
+        seed=4,
+        ffn_layers=dense_layers,
+        norm_topk=norm_topk,
+        softmax_before_topk=True,
+        shared_experts=1,
+        shared_hidden_dim=24,
+        shared_gate=True,
+    )
     hf = to_hf(model).eval()
     assert type(hf).__name__ == "Qwen2MoeForCausalLM" and hf.config.norm_topk_prob == norm_topk
     assert hf.config.mlp_only_layers == [int(k) for k in dense_layers]
@@ -92,7 +133,7 @@ def test_mixtral_sliding_window_maps_to_a_local_pattern_with_same_logits_both_wa
     hf = mixtral(seed=8, sliding_window=5)
     model = from_hf(hf, moe_backend="torch")
     assert model.cfg.attention.patterns == {"0,1": {"type": "local", "window": 5}}
-    assert_same_logits(hf, model, seed=8)   # 13 tokens: the window matters
+    assert_same_logits(hf, model, seed=8)  # 13 tokens: the window matters
     back = to_hf(model).eval()
     assert back.config.sliding_window == 5
     assert_same_logits(back, model, seed=9)
@@ -101,8 +142,13 @@ def test_mixtral_sliding_window_maps_to_a_local_pattern_with_same_logits_both_wa
 
 
 def test_qwen2_moe_sliding_layers_map_to_local_patterns_with_same_logits_both_ways():
-    hf = qwen2_moe(seed=9, use_sliding_window=True, sliding_window=4, max_window_layers=3,
-                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    hf = qwen2_moe(
+        seed=9,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )
     model = from_hf(hf, moe_backend="torch")
     assert model.cfg.attention.patterns == {"0,2": {"type": "local", "window": 4}}
     assert_same_logits(hf, model, seed=9)
@@ -163,13 +209,16 @@ def test_transformers4_per_expert_layout_maps_to_the_same_zoo_weights(make):
     assert all(torch.equal(exported[k], v) for k, v in old.state_dict().items())
 
 
-@pytest.mark.parametrize("moe, key", [
-    (dict(router="sigmoid"), "model.moe.router"),
-    (dict(capacity_factor=1.0), "model.moe.capacity_factor"),
-    (dict(bias_update_rate=1e-3), "model.moe.bias_update_rate"),
-    (dict(shared_experts=1), "model.moe.shared_gate"),
-    (dict(norm_topk=False, softmax_before_topk=True), "model.moe.norm_topk"),
-])
+@pytest.mark.parametrize(
+    "moe, key",
+    [
+        (dict(router="sigmoid"), "model.moe.router"),
+        (dict(capacity_factor=1.0), "model.moe.capacity_factor"),
+        (dict(bias_update_rate=1e-3), "model.moe.bias_update_rate"),
+        (dict(shared_experts=1), "model.moe.shared_gate"),
+        (dict(norm_topk=False, softmax_before_topk=True), "model.moe.norm_topk"),
+    ],
+)
 def test_moe_configs_without_an_hf_equivalent_raise_config_error_naming_the_key(moe, key):
     cfg = ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, ffn="moe", moe=MoEConfig(**moe))
     with pytest.raises(ConfigError) as e:
@@ -178,7 +227,9 @@ def test_moe_configs_without_an_hf_equivalent_raise_config_error_naming_the_key(
 
 
 def test_dense_layers_without_shared_expert_are_refused_for_mixtral():
-    cfg = ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, ffn="moe", ffn_layers={"0": "dense"})
+    cfg = ModelConfig(
+        vocab_size=V, dim=32, n_layers=2, n_heads=4, ffn="moe", ffn_layers={"0": "dense"}
+    )
     with pytest.raises(ConfigError) as e:
         hf_model_type(cfg)
     assert e.value.key == "model.ffn_layers"

@@ -4,6 +4,7 @@ The branch has no ``model.init_from`` yet (the user-workflow issue adds it), so 
 API: ``from_hf`` -> save the config (``configs.save_config``) and weights (``state_dict``) -> train.py's
 ``main`` on the saved config, and the saved weights loaded into ``build_model`` and trained a few AdamW steps.
 """
+
 import os
 
 import pytest
@@ -23,18 +24,32 @@ def test_model_imported_from_hf_saves_loads_and_trains(family, tmp_path, corpus_
     imported = from_hf(tiny_hf(family, seed=9, vocab_size=512))
     weights = str(tmp_path / "weights.pt")
     torch.save(imported.state_dict(), weights)
-    ov = [o for o in tiny_overrides(str(tmp_path), corpus_dir, **{
-        "train.steps": 3, "train.eval_every": 3, "checkpoint.every": 3, "logging.log_every": 1,
-        "data.cache_dir": f"{os.path.dirname(tmp_path)}/cache"}) if not o.startswith("model.")]
+    ov = [
+        o
+        for o in tiny_overrides(
+            str(tmp_path),
+            corpus_dir,
+            **{
+                "train.steps": 3,
+                "train.eval_every": 3,
+                "checkpoint.every": 3,
+                "logging.log_every": 1,
+                "data.cache_dir": f"{os.path.dirname(tmp_path)}/cache",
+            },
+        )
+        if not o.startswith("model.")
+    ]
     cfg = load_config(None, ov)
     cfg.model = imported.cfg
     path = str(tmp_path / "imported.yaml")
     save_config(cfg, path)
-    assert train_main(["--config", path]) == 0          # train.py's entry, in this process (no 10 s of imports)
+    assert (
+        train_main(["--config", path]) == 0
+    )  # train.py's entry, in this process (no 10 s of imports)
     assert os.path.exists(tmp_path / "run" / "metrics.jsonl")
 
-    model = build_model(load_config(path).model)       # the saved config rebuilds the imported model ...
-    model.load_state_dict(torch.load(weights))          # ... and takes its weights
+    model = build_model(load_config(path).model)  # the saved config rebuilds the imported model ...
+    model.load_state_dict(torch.load(weights))  # ... and takes its weights
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     x, y = tokens(1, b=4, s=16) * 5, tokens(2, b=4, s=16) * 5
     losses = []
@@ -51,9 +66,14 @@ def test_model_imported_from_hf_saves_loads_and_trains(family, tmp_path, corpus_
 def test_minference_json_patterns_apply_to_imported_models(family, tmp_path):
     import copy
     import json
+
     imported = from_hf(tiny_hf(family, seed=10), moe_backend="torch")
-    layer = {"0": ["stream_llm", 1, 3, 0.9], "1": ["vertical_and_slash", 2, 2, 0.8],
-             "2": ["stream_llm", 2, 2, 0.7], "3": ["block_sparse", 1, 0, 0.6]}
+    layer = {
+        "0": ["stream_llm", 1, 3, 0.9],
+        "1": ["vertical_and_slash", 2, 2, 0.8],
+        "2": ["stream_llm", 2, 2, 0.7],
+        "3": ["block_sparse", 1, 0, 0.6],
+    }
     path = tmp_path / "minference.json"
     path.write_text(json.dumps([layer] * imported.cfg.n_layers))
     cfg = copy.deepcopy(imported.cfg)

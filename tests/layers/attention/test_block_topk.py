@@ -1,5 +1,6 @@
 """Block top-k as the trainable workhorse (GQA-shared selection, sinks + window), MInference's forced
 vertical-slash picks, per-call density / selection stats, flex kernel choice, and the config errors."""
+
 import pytest
 import torch
 
@@ -28,22 +29,27 @@ def _pooled_topk_reference(q, k, bs, top_k, group_shared, query_max=False, sub_b
         for j in range(bs // sb):
             lo = i * bs + j * sb
             if lo < T:
-                kp[:, :, i, j] = k[:, :, lo:lo + sb].float().mean(2)
+                kp[:, :, i, j] = k[:, :, lo : lo + sb].float().mean(2)
     kp = kp.repeat_interleave(g, 1)
     qf = q.float()
     if group_shared:
         qf = qf.view(B, H // g, g, T, D).mean(2).repeat_interleave(g, 1)
 
-    def best_sub(s):       # [.., n, sub] -> [.., n]: the best non-empty sub-block
+    def best_sub(s):  # [.., n, sub] -> [.., n]: the best non-empty sub-block
         return s.nan_to_num(float("-inf")).amax(-1)
-    if query_max:   # each query against every pooled key block, then the best query of each block
-        per_q = best_sub(torch.einsum("bhtd,bhnsd->bhtns", qf, kp))                        # [B, H, T, n]
-        s = torch.stack([per_q[:, :, i * bs:(i + 1) * bs].amax(2) for i in range(n)], 2)
+
+    if query_max:  # each query against every pooled key block, then the best query of each block
+        per_q = best_sub(torch.einsum("bhtd,bhnsd->bhtns", qf, kp))  # [B, H, T, n]
+        s = torch.stack([per_q[:, :, i * bs : (i + 1) * bs].amax(2) for i in range(n)], 2)
     else:
-        qp = torch.stack([qf[:, :, i * bs:(i + 1) * bs].mean(2) for i in range(n)], 2)   # [B, H, n, D]
+        qp = torch.stack(
+            [qf[:, :, i * bs : (i + 1) * bs].mean(2) for i in range(n)], 2
+        )  # [B, H, n, D]
         s = best_sub(torch.einsum("bhqd,bhnsd->bhqns", qp, kp))
     causal = torch.ones(n, n).tril().bool()
-    s = s.masked_fill(~causal, float("-inf")) + torch.diag(torch.full((n,), float("inf"))).nan_to_num(posinf=1e9)
+    s = s.masked_fill(~causal, float("-inf")) + torch.diag(
+        torch.full((n,), float("inf"))
+    ).nan_to_num(posinf=1e9)
     out = torch.zeros_like(s, dtype=torch.bool)
     idx = s.topk(min(top_k, n), -1).indices
     return out.scatter_(-1, idx, True) & causal
@@ -54,7 +60,9 @@ def _pooled_topk_reference(q, k, bs, top_k, group_shared, query_max=False, sub_b
 def test_block_topk_selection_matches_pooled_reference_and_shares_kv_groups(shared, query_max):
     B, H, Hk, T = 2, 8, 2, 64
     q, k, _ = make_inputs(B, H, Hk, T)
-    p = SparsityPattern(type="block_topk", top_k=3, block_size=BS, share_group=shared, query_max=query_max)
+    p = SparsityPattern(
+        type="block_topk", top_k=3, block_size=BS, share_group=shared, query_max=query_max
+    )
     plan = plan_pattern(p, H, 0, T, T, 0, q, k)
     ref = _pooled_topk_reference(q, k, BS, 3, shared, query_max)
     assert torch.equal(plan.blocks, ref)
@@ -67,22 +75,31 @@ def test_query_max_selection_keeps_one_querys_far_block_that_pooling_averages_aw
     Pooled over the block, block 5 wins; with query_max the one query's block 2 does. Chunking the
     per-query scores changes nothing."""
     import moezoo.layers.attention.selection as sel
+
     B, H, Hk, T = 1, 4, 2, 128
     q, k, _ = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=3)
-    basis = torch.linalg.qr(torch.randn(q.shape[-1], 2, generator=torch.Generator().manual_seed(0)))[0].T          # two orthonormal directions
-    k[:, :, 2 * BS + 3] += 16 * basis[0]                                # one key of block 2
-    q[:, :, T - 2] += 16 * basis[0]                                     # one query of the last block asks for it
-    k[:, :, 5 * BS:6 * BS] += 4 * basis[1]                              # every key of block 5 ...
-    q[:, :, T - BS:] += 4 * basis[1]                                    # ... and every query of the last block
+    basis = torch.linalg.qr(
+        torch.randn(q.shape[-1], 2, generator=torch.Generator().manual_seed(0))
+    )[0].T  # two orthonormal directions
+    k[:, :, 2 * BS + 3] += 16 * basis[0]  # one key of block 2
+    q[:, :, T - 2] += 16 * basis[0]  # one query of the last block asks for it
+    k[:, :, 5 * BS : 6 * BS] += 4 * basis[1]  # every key of block 5 ...
+    q[:, :, T - BS :] += 4 * basis[1]  # ... and every query of the last block
     picks = {}
     for qmax in (0, 1):
-        p = SparsityPattern(type="block_topk", top_k=2, block_size=BS, share_group=1, query_max=qmax)
-        picks[qmax] = plan_pattern(p, H, 0, T, T, 0, q, k).blocks[0, :, -1]      # [H, nk] of the last block
+        p = SparsityPattern(
+            type="block_topk", top_k=2, block_size=BS, share_group=1, query_max=qmax
+        )
+        picks[qmax] = plan_pattern(p, H, 0, T, T, 0, q, k).blocks[
+            0, :, -1
+        ]  # [H, nk] of the last block
     assert picks[0][:, 5].all() and not picks[0][:, 2].any()
     assert picks[1][:, 2].all() and not picks[1][:, 5].any()
-    monkeypatch.setattr(sel, "_QUERY_MAX_CHUNK", Hk * BS * (T // BS))   # one query block per chunk
+    monkeypatch.setattr(sel, "_QUERY_MAX_CHUNK", Hk * BS * (T // BS))  # one query block per chunk
     p = SparsityPattern(type="block_topk", top_k=3, block_size=BS, share_group=1, query_max=1)
-    assert torch.equal(plan_pattern(p, H, 0, T, T, 0, q, k).blocks, _pooled_topk_reference(q, k, BS, 3, 1, True))
+    assert torch.equal(
+        plan_pattern(p, H, 0, T, T, 0, q, k).blocks, _pooled_topk_reference(q, k, BS, 3, 1, True)
+    )
 
 
 @pytest.mark.parametrize("query_max", [0, 1])
@@ -92,13 +109,28 @@ def test_score_block_scores_each_block_by_its_best_sub_block(sub_block, query_ma
     one (NSA's selection from its finer compression scores); a partial last block included."""
     B, H, Hk, T = 2, 8, 2, 60
     q, k, _ = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=5)
-    p = SparsityPattern(type="block_topk", top_k=3, block_size=BS, share_group=1, query_max=query_max,
-                        score_block=sub_block)
+    p = SparsityPattern(
+        type="block_topk",
+        top_k=3,
+        block_size=BS,
+        share_group=1,
+        query_max=query_max,
+        score_block=sub_block,
+    )
     plan = plan_pattern(p, H, 0, T, T, 0, q, k)
     assert torch.equal(plan.blocks, _pooled_topk_reference(q, k, BS, 3, 1, query_max, sub_block))
-    whole = SparsityPattern(type="block_topk", top_k=3, block_size=BS, share_group=1, query_max=query_max,
-                            score_block=BS)     # sub-blocks the size of the block: the plain rule
-    assert torch.equal(plan_pattern(whole, H, 0, T, T, 0, q, k).blocks, _pooled_topk_reference(q, k, BS, 3, 1, query_max))
+    whole = SparsityPattern(
+        type="block_topk",
+        top_k=3,
+        block_size=BS,
+        share_group=1,
+        query_max=query_max,
+        score_block=BS,
+    )  # sub-blocks the size of the block: the plain rule
+    assert torch.equal(
+        plan_pattern(whole, H, 0, T, T, 0, q, k).blocks,
+        _pooled_topk_reference(q, k, BS, 3, 1, query_max),
+    )
 
 
 def test_finer_sub_blocks_find_a_needle_that_a_whole_blocks_mean_dilutes():
@@ -107,13 +139,17 @@ def test_finer_sub_blocks_find_a_needle_that_a_whole_blocks_mean_dilutes():
     needle's sub-block beats block 5's."""
     B, H, Hk, T = 1, 4, 2, 128
     q, k, _ = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=3)
-    basis = torch.linalg.qr(torch.randn(q.shape[-1], 2, generator=torch.Generator().manual_seed(0)))[0].T
+    basis = torch.linalg.qr(
+        torch.randn(q.shape[-1], 2, generator=torch.Generator().manual_seed(0))
+    )[0].T
     k[:, :, 2 * BS + 3] += 16 * basis[0]
-    k[:, :, 5 * BS:6 * BS] += 4 * basis[1]
-    q[:, :, T - BS:] += 4 * basis[0] + 4 * basis[1]
+    k[:, :, 5 * BS : 6 * BS] += 4 * basis[1]
+    q[:, :, T - BS :] += 4 * basis[0] + 4 * basis[1]
     picks = {}
     for cb in (BS, 2):
-        p = SparsityPattern(type="block_topk", top_k=2, block_size=BS, share_group=1, query_max=1, score_block=cb)
+        p = SparsityPattern(
+            type="block_topk", top_k=2, block_size=BS, share_group=1, query_max=1, score_block=cb
+        )
         picks[cb] = plan_pattern(p, H, 0, T, T, 0, q, k).blocks[0, :, -1]
     assert picks[BS][:, 5].all() and not picks[BS][:, 2].any()
     assert picks[2][:, 2].all() and not picks[2][:, 5].any()
@@ -121,15 +157,26 @@ def test_finer_sub_blocks_find_a_needle_that_a_whole_blocks_mean_dilutes():
 
 @pytest.mark.parametrize("backend,grads", [("reference", True), ("flex", False)])
 def test_block_topk_with_sinks_and_window_meets_fa_criterion(backend, grads):
-    p = SparsityPattern(type="block_topk", top_k=2, sinks=3, window=11, block_size=BS, share_group=1)
+    p = SparsityPattern(
+        type="block_topk", top_k=2, sinks=3, window=11, block_size=BS, share_group=1
+    )
     run_criterion(p, backend, B=2, H=8, Hk=2, T=75, grads=grads)
 
 
 def test_block_topk_sinks_window_mask_is_the_union_of_its_parts():
     B, H, T = 1, 4, 48
     q, k, _ = make_inputs(B, H, 2, T)
-    both = pattern_mask(SparsityPattern(type="block_topk", top_k=2, sinks=2, window=5, block_size=BS), T, T, H, q=q, k=k)
-    topk = pattern_mask(SparsityPattern(type="block_topk", top_k=2, block_size=BS), T, T, H, q=q, k=k)
+    both = pattern_mask(
+        SparsityPattern(type="block_topk", top_k=2, sinks=2, window=5, block_size=BS),
+        T,
+        T,
+        H,
+        q=q,
+        k=k,
+    )
+    topk = pattern_mask(
+        SparsityPattern(type="block_topk", top_k=2, block_size=BS), T, T, H, q=q, k=k
+    )
     ash = pattern_mask(SparsityPattern(type="a_shape", sinks=2, window=5, block_size=BS), T, T, H)
     assert torch.equal(both, topk | ash[None])
 
@@ -137,29 +184,54 @@ def test_block_topk_sinks_window_mask_is_the_union_of_its_parts():
 def test_budget_density_counts_block_topk_sinks_and_window():
     from moezoo.layers.attention.density import pattern_density
     from moezoo.layers.attention.plan import budget_plan
+
     T = 64
     p = SparsityPattern(type="block_topk", top_k=2, sinks=2, window=20, block_size=BS)
     got = budget_plan(p, 1, T).token_mask()[0, 0]
-    blocks = budget_plan(SparsityPattern(type="block_topk", top_k=2, block_size=BS), 1, T).token_mask()[0, 0]
-    ash = pattern_mask(SparsityPattern(type="a_shape", sinks=2, window=20, block_size=BS), T, T, 1)[0]
+    blocks = budget_plan(
+        SparsityPattern(type="block_topk", top_k=2, block_size=BS), 1, T
+    ).token_mask()[0, 0]
+    ash = pattern_mask(SparsityPattern(type="a_shape", sinks=2, window=20, block_size=BS), T, T, 1)[
+        0
+    ]
     assert torch.equal(got, blocks | ash)
-    assert float(pattern_density(p, 1, T)[0]) == pytest.approx(float((blocks | ash).sum()) / (T * (T + 1) / 2))
+    assert float(pattern_density(p, 1, T)[0]) == pytest.approx(
+        float((blocks | ash).sum()) / (T * (T + 1) / 2)
+    )
 
 
 def test_vertical_slash_keeps_first_columns_and_nearest_diagonals_like_minference():
     B, H, T = 1, 2, 96
     q, k, _ = make_inputs(B, H, 2, T)
-    k[:, :, 40] += 5 * q[:, :, -1:].mean(2)          # one heavy column far from the forced ones
-    p = SparsityPattern(type="vertical_slash", n_vertical=6, n_slash=12, last_q=8, block_size=BS,
-                        keep_columns=4, keep_diagonals=10)
+    k[:, :, 40] += 5 * q[:, :, -1:].mean(2)  # one heavy column far from the forced ones
+    p = SparsityPattern(
+        type="vertical_slash",
+        n_vertical=6,
+        n_slash=12,
+        last_q=8,
+        block_size=BS,
+        keep_columns=4,
+        keep_diagonals=10,
+    )
     plan = plan_pattern(p, H, 0, T, T, 0, q, k)
     assert plan.cols[..., :4].all() and plan.diags[..., :10].all()
     assert int(plan.cols.sum(-1).max()) == 6 and int(plan.diags.sum(-1).max()) == 12
-    assert plan.cols[..., 40].all()                   # the estimate still picks within the rest of the budget
-    tight = SparsityPattern(type="vertical_slash", n_vertical=2, n_slash=3, last_q=8, block_size=BS, keep_columns=4,
-                            keep_diagonals=10)
-    plan = plan_pattern(tight, H, 0, T, T, 0, q, k)  # a budget below the forced count keeps the first / nearest
-    assert plan.cols[..., :2].all() and int(plan.cols.sum(-1).max()) == 2 and plan.diags[..., :3].all()
+    assert plan.cols[..., 40].all()  # the estimate still picks within the rest of the budget
+    tight = SparsityPattern(
+        type="vertical_slash",
+        n_vertical=2,
+        n_slash=3,
+        last_q=8,
+        block_size=BS,
+        keep_columns=4,
+        keep_diagonals=10,
+    )
+    plan = plan_pattern(
+        tight, H, 0, T, T, 0, q, k
+    )  # a budget below the forced count keeps the first / nearest
+    assert (
+        plan.cols[..., :2].all() and int(plan.cols.sum(-1).max()) == 2 and plan.diags[..., :3].all()
+    )
     run_criterion(p, "reference", B=1, H=4, Hk=2, T=70)
 
 
@@ -167,15 +239,19 @@ def test_vertical_slash_keeps_first_columns_and_nearest_diagonals_like_minferenc
 def test_stats_report_visited_block_density_and_selection_sharpness(backend):
     B, H, T = 2, 4, 64
     q, k, v = make_inputs(B, H, 2, T)
-    pats = [SparsityPattern(type="block_topk", top_k=2, block_size=BS)] * 2 + \
-           [SparsityPattern(type="a_shape", sinks=2, window=9, block_size=BS), SparsityPattern(block_size=BS)]
+    pats = [SparsityPattern(type="block_topk", top_k=2, block_size=BS)] * 2 + [
+        SparsityPattern(type="a_shape", sinks=2, window=9, block_size=BS),
+        SparsityPattern(block_size=BS),
+    ]
     stats = {}
     with torch.no_grad():
         sparse_attention(q, k, v, pats, backend=backend, stats=stats)
     n = T // BS
     # top-2 of the causal blocks per query block (1 for the first), a_shape: window blocks + sink column
     topk_blocks = sum(min(2, i + 1) for i in range(n))
-    a_blocks = sum(len({0} | {j for j in range(n) if j <= i and (i - j) * BS - (BS - 1) < 9}) for i in range(n))
+    a_blocks = sum(
+        len({0} | {j for j in range(n) if j <= i and (i - j) * BS - (BS - 1) < 9}) for i in range(n)
+    )
     want = torch.tensor([topk_blocks, topk_blocks, a_blocks, n * (n + 1) / 2]) / (n * (n + 1) / 2)
     assert torch.allclose(stats["density"].cpu(), want.float())
     assert 0 < float(stats["entropy"]) <= 1 and 0 < float(stats["topk_mass"]) <= 1
@@ -183,33 +259,63 @@ def test_stats_report_visited_block_density_and_selection_sharpness(backend):
 
 def test_flex_kernel_choice_and_options(monkeypatch):
     import moezoo.layers.attention.flex as flex
+
     a = SparsityPattern(type="a_shape", sinks=128, window=2048, block_size=128)
     t = SparsityPattern(type="block_topk", top_k=16, block_size=128)
     v = SparsityPattern(type="vertical_slash", n_vertical=64, n_slash=64, block_size=128)
-    monkeypatch.setattr(flex, "flash_kernel_available", lambda: True)   # as on a Hopper GPU with flash-attn-4
+    monkeypatch.setattr(
+        flex, "flash_kernel_available", lambda: True
+    )  # as on a Hopper GPU with flash-attn-4
     assert pick_flex_kernel("triton", [a], 65536, 128) == "triton"
-    assert pick_flex_kernel("auto", [a, t], 65536, 128) == "flash"      # the presets' layer at 64k (measured)
-    assert pick_flex_kernel("auto", [t], 32768, 128) == "triton"        # block top-k: FLASH measured from 64k
-    assert pick_flex_kernel("auto", [a], 8192, 128) == "triton"          # below the measured length
-    assert pick_flex_kernel("auto", [a, v], 65536, 128) == "triton"     # one unmeasured type: Triton
-    assert pick_flex_kernel("auto", [a], 65536, 64) == "triton"          # FLASH tiles 128-token blocks
-    monkeypatch.setattr(flex, "flash_kernel_available", lambda: False)  # flash-attn-4 missing: never FLASH
+    assert (
+        pick_flex_kernel("auto", [a, t], 65536, 128) == "flash"
+    )  # the presets' layer at 64k (measured)
+    assert (
+        pick_flex_kernel("auto", [t], 32768, 128) == "triton"
+    )  # block top-k: FLASH measured from 64k
+    assert pick_flex_kernel("auto", [a], 8192, 128) == "triton"  # below the measured length
+    assert pick_flex_kernel("auto", [a, v], 65536, 128) == "triton"  # one unmeasured type: Triton
+    assert pick_flex_kernel("auto", [a], 65536, 64) == "triton"  # FLASH tiles 128-token blocks
+    monkeypatch.setattr(
+        flex, "flash_kernel_available", lambda: False
+    )  # flash-attn-4 missing: never FLASH
     assert pick_flex_kernel("auto", [a, t], 65536, 128) == "triton"
     assert kernel_options_for("flash", {"num_stages": 2}) == {"num_stages": 2, "BACKEND": "FLASH"}
     assert kernel_options_for("triton", {}) is None
 
 
-@pytest.mark.parametrize("pat,match", [
-    ({"type": "block_topk", "top_k": 0}, r"pattern\.top_k: must be > 0"),
-    ({"type": "block_topk", "top_k": 2, "share_group": 2}, r"pattern\.share_group: must be 0 or 1"),
-    ({"type": "block_topk", "top_k": 2, "query_max": 2}, r"pattern\.query_max: must be 0 or 1"),
-    ({"type": "a_shape", "sinks": 2, "window": 8, "query_max": 1}, r"pattern\.query_max: unknown parameter"),
-    ({"type": "block_topk", "top_k": 2, "n_slash": 3}, r"pattern\.n_slash: unknown parameter"),
-    ({"type": "vertical_slash", "n_vertical": 2, "n_slash": 2, "keep_columns": -1}, r"pattern\.keep_columns"),
-    ({"type": "block_topk", "top_k": 2, "score_block": 12}, r"pattern\.score_block: must be a power of two"),
-    ({"type": "block_topk", "top_k": 2, "block_size": 32, "score_block": 64}, r"pattern\.score_block: .*<= block_size \(32\)"),
-    ({"type": "a_shape", "sinks": 2, "window": 8, "score_block": 8}, r"pattern\.score_block: unknown parameter"),
-])
+@pytest.mark.parametrize(
+    "pat,match",
+    [
+        ({"type": "block_topk", "top_k": 0}, r"pattern\.top_k: must be > 0"),
+        (
+            {"type": "block_topk", "top_k": 2, "share_group": 2},
+            r"pattern\.share_group: must be 0 or 1",
+        ),
+        ({"type": "block_topk", "top_k": 2, "query_max": 2}, r"pattern\.query_max: must be 0 or 1"),
+        (
+            {"type": "a_shape", "sinks": 2, "window": 8, "query_max": 1},
+            r"pattern\.query_max: unknown parameter",
+        ),
+        ({"type": "block_topk", "top_k": 2, "n_slash": 3}, r"pattern\.n_slash: unknown parameter"),
+        (
+            {"type": "vertical_slash", "n_vertical": 2, "n_slash": 2, "keep_columns": -1},
+            r"pattern\.keep_columns",
+        ),
+        (
+            {"type": "block_topk", "top_k": 2, "score_block": 12},
+            r"pattern\.score_block: must be a power of two",
+        ),
+        (
+            {"type": "block_topk", "top_k": 2, "block_size": 32, "score_block": 64},
+            r"pattern\.score_block: .*<= block_size \(32\)",
+        ),
+        (
+            {"type": "a_shape", "sinks": 2, "window": 8, "score_block": 8},
+            r"pattern\.score_block: unknown parameter",
+        ),
+    ],
+)
 def test_bad_pattern_dicts_fail_naming_the_key(pat, match):
     with pytest.raises(ConfigError, match=match):
         validate_pattern(pat, "pattern")
@@ -217,15 +323,21 @@ def test_bad_pattern_dicts_fail_naming_the_key(pat, match):
 
 def test_backend_that_cannot_tile_or_is_missing_fails_before_any_work():
     pats = {"0:*": {"type": "block_topk", "top_k": 2, "block_size": 8}}
-    with pytest.raises(ConfigError, match=r"model\.attention\.patterns: block_size 8 is below the 16"):
+    with pytest.raises(
+        ConfigError, match=r"model\.attention\.patterns: block_size 8 is below the 16"
+    ):
         AttentionConfig(backend="flex", patterns=pats).validate(1, 2)
-    with pytest.raises(ConfigError, match=r"model\.attention\.flex_kernel: flash tiles 128-token blocks"):
+    with pytest.raises(
+        ConfigError, match=r"model\.attention\.flex_kernel: flash tiles 128-token blocks"
+    ):
         AttentionConfig(flex_kernel="flash", patterns=pats).validate(1, 2)
     with pytest.raises(ConfigError, match=r"model\.attention\.flex_kernel"):
         AttentionConfig(flex_kernel="cute").validate(1, 2)
-    with pytest.raises(ConfigError, match=r"model\.attention\.backend: needs flash-attn-4 .*device is cpu"):
+    with pytest.raises(
+        ConfigError, match=r"model\.attention\.backend: needs flash-attn-4 .*device is cpu"
+    ):
         AttentionConfig(backend="flash_attn").check_runtime("cpu")
-    AttentionConfig(backend="flex").check_runtime("cpu")       # nothing asked of flash: no error
+    AttentionConfig(backend="flex").check_runtime("cpu")  # nothing asked of flash: no error
 
 
 @pytest.mark.gpu
@@ -240,18 +352,25 @@ def test_preset_layer_on_gpu_flex_meets_fa_criterion_fwd_bwd(kernel):
     pats = [a, a, a, a, t, t, tw, tw]
     run_criterion(pats, "flex", B=2, H=8, Hk=2, T=1000, D=64, device="cuda")
     q, k, v = make_inputs(1, 8, 2, 1024, D=64, device="cuda")
-    stats = {"selection": None}           # also asks for the chosen blocks (the passkey eval's needle recall)
+    stats = {
+        "selection": None
+    }  # also asks for the chosen blocks (the passkey eval's needle recall)
     with torch.no_grad():
         sparse_attention(q, k, v, pats, backend="flex", kernel=kernel, stats=stats)
     assert (stats["density"] <= 1).all() and (stats["density"][4:6] < 1).all()
     sel = stats["selection"]
-    assert sel.heads == (4, 5, 6, 7) and torch.equal(sel.blocks, plan_pattern(pats, 8, 0, 1024, 1024, 0, q, k).blocks)
+    assert sel.heads == (4, 5, 6, 7) and torch.equal(
+        sel.blocks, plan_pattern(pats, 8, 0, 1024, 1024, 0, q, k).blocks
+    )
 
 
-@pytest.mark.parametrize("N,start,nb", [(256, 0, 4), (200, 0, 4), (200, 30, 5), (5, 130, 1), (1, 63, 1), (300, 70, 6)])
+@pytest.mark.parametrize(
+    "N,start,nb", [(256, 0, 4), (200, 0, 4), (200, 30, 5), (5, 130, 1), (1, 63, 1), (300, 70, 6)]
+)
 def test_block_means_equal_a_per_row_scatter_and_repeat_exactly(N, start, nb):
     # pooled scores choose the blocks: a recompute under activation checkpointing must see the same sums
     from moezoo.layers.attention.selection import _block_mean
+
     x = torch.randn(2, 3, N, 8, generator=torch.Generator().manual_seed(N + start)).bfloat16()
     blk = torch.div(torch.arange(N) + start, 64, rounding_mode="floor") - start // 64
     sums = torch.zeros(2, 3, nb, 8).index_add_(2, blk, x.float())

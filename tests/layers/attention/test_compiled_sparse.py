@@ -2,6 +2,7 @@
 it (the block in place, static shapes, activation checkpointing) against eager, in float32 on CPU: the same
 selection, output and gradients, input after input (a plan or mask baked into the graph at trace time, a
 stats-only branch that changes the computation, or a different block list would show as a difference)."""
+
 import functools
 
 import pytest
@@ -17,13 +18,24 @@ from moezoo.training.parallel import _checkpointed
 BS, H, HK, D, T = 16, 8, 2, 64, 128
 # heads 0-3 A-shape (sinks + window), heads 4-7 block top-k shared per KV group (zoo/sparse_attn_1b_64k.yaml);
 # here the shared heads are one KV group, one selection slot
-PATS = [SparsityPattern(type="a_shape", sinks=BS, window=2 * BS, block_size=BS)] * 4 + \
-       [SparsityPattern(type="block_topk", top_k=3, share_group=1, block_size=BS)] * 4
+PATS = [SparsityPattern(type="a_shape", sinks=BS, window=2 * BS, block_size=BS)] * 4 + [
+    SparsityPattern(type="block_topk", top_k=3, share_group=1, block_size=BS)
+] * 4
 # the same with the block top-k heads scoring by their blocks' best query (query_max)
-PATS_QMAX = PATS[:4] + [SparsityPattern(type="block_topk", top_k=3, share_group=1, query_max=1, block_size=BS)] * 4
+PATS_QMAX = (
+    PATS[:4]
+    + [SparsityPattern(type="block_topk", top_k=3, share_group=1, query_max=1, block_size=BS)] * 4
+)
 # and with NSA's gated compressed branch on them (compress: 1)
-PATS_NSA = PATS[:4] + [SparsityPattern(type="block_topk", top_k=3, share_group=1, query_max=1, compress=1,
-                                       block_size=BS)] * 4
+PATS_NSA = (
+    PATS[:4]
+    + [
+        SparsityPattern(
+            type="block_topk", top_k=3, share_group=1, query_max=1, compress=1, block_size=BS
+        )
+    ]
+    * 4
+)
 
 
 class _Layer(nn.Module):
@@ -34,7 +46,9 @@ class _Layer(nn.Module):
         torch.manual_seed(0)
         self.pats = pats
         self.attention = Attention(D, H, HK, pattern=pats, backend=backend, layer_id=5)
-        self.attention.init_weights(std=0.5, out_std=0.05)   # peaked scores: q, k matter for the selection
+        self.attention.init_weights(
+            std=0.5, out_std=0.05
+        )  # peaked scores: q, k matter for the selection
         self.rope = RotaryEmbedding(D // H, 10000.0)
         self.forward = functools.partial(_checkpointed, self._forward)
 
@@ -69,16 +83,24 @@ def _inputs():
 # checkpointed block, without inductor's code generation (seconds). inductor (what the trainer runs; ~1 min
 # on CPU with a cold compile cache) failed to build the one-slot layer before estimate_block_topk took its
 # heads-per-slot counts from the host (its CPU code for an index_add_ into a one-element tensor asserts).
-@pytest.mark.parametrize("backend,pats", [("aot_eager_decomp_partition", PATS), ("aot_eager_decomp_partition", PATS_QMAX),
-                                          ("aot_eager_decomp_partition", PATS_NSA),
-                                          pytest.param("inductor", PATS, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "backend,pats",
+    [
+        ("aot_eager_decomp_partition", PATS),
+        ("aot_eager_decomp_partition", PATS_QMAX),
+        ("aot_eager_decomp_partition", PATS_NSA),
+        pytest.param("inductor", PATS, marks=pytest.mark.slow),
+    ],
+)
 def test_compiled_block_topk_a_shape_layer_equals_eager_fwd_bwd_float32(backend, pats):
     eager, compiled = _Layer("reference", pats), _Layer("reference", pats)
     compiled.load_state_dict(eager.state_dict())
-    compiled.compile(dynamic=False, backend=backend)      # as training.loop compiles each block
+    compiled.compile(dynamic=False, backend=backend)  # as training.loop compiles each block
     xs = _inputs()
     picks = [_selection(eager, x) for x in xs]
-    assert not torch.equal(picks[0], picks[1])   # the second input selects other blocks: nothing may be reused
+    assert not torch.equal(
+        picks[0], picks[1]
+    )  # the second input selects other blocks: nothing may be reused
     for x in xs:
         outs, grads = [], []
         for m in (eager, compiled):
@@ -112,7 +134,10 @@ def test_compiled_selection_under_bf16_autocast_scores_in_float32_as_eager(monke
     # (selection._group_scores disables autocast). 128 key blocks, top 16: bf16 scores flip a few near ties.
     pats = [SparsityPattern(type="block_topk", top_k=16, share_group=1, block_size=BS)] * H
     g = torch.Generator().manual_seed(2)
-    q, k = torch.randn(1, H, 2048, D // H, generator=g), torch.randn(1, HK, 2048, D // H, generator=g)
+    q, k = (
+        torch.randn(1, H, 2048, D // H, generator=g),
+        torch.randn(1, HK, 2048, D // H, generator=g),
+    )
 
     def blocks(q, k):
         return plan_pattern(pats, H, 0, 2048, 2048, 0, q, k).blocks
@@ -121,8 +146,9 @@ def test_compiled_selection_under_bf16_autocast_scores_in_float32_as_eager(monke
         want = blocks(q, k)
         got = torch.compile(blocks, backend="aot_eager_decomp_partition", dynamic=False)(q, k)
     assert torch.equal(got, want)
-    assert torch.equal(want, blocks(q, k))                   # = float32 without autocast
-    import moezoo.layers.attention.selection as selection           # scores rounded to bf16 would choose otherwise here
+    assert torch.equal(want, blocks(q, k))  # = float32 without autocast
+    import moezoo.layers.attention.selection as selection  # scores rounded to bf16 would choose otherwise here
+
     scores = selection._group_scores
     monkeypatch.setattr(selection, "_group_scores", lambda q, k: scores(q, k).bfloat16().float())
     assert not torch.equal(blocks(q, k), want)

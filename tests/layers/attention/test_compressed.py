@@ -1,5 +1,6 @@
 """NSA's compressed branch (block top-k ``compress: 1``): the branch against a per-query loop, the layer's
 gated mix, the gradient it gives blocks the selection left out, decode, density, bad configs."""
+
 import dataclasses
 
 import pytest
@@ -11,7 +12,9 @@ from moezoo.layers import Attention, RotaryEmbedding, SparsityPattern
 from moezoo.layers.attention.compressed import compressed_attention
 from moezoo.layers.rope import apply_rotary
 
-NSA = SparsityPattern(type="block_topk", top_k=2, share_group=1, query_max=1, compress=1, block_size=BS)
+NSA = SparsityPattern(
+    type="block_topk", top_k=2, share_group=1, query_max=1, compress=1, block_size=BS
+)
 LAYER = [SparsityPattern(type="a_shape", sinks=2, window=8, block_size=BS)] * 4 + [NSA] * 4
 
 
@@ -24,17 +27,21 @@ def _loop_reference(q, k, v, bs, q_offset):
         kk, vv = k[:, h // g].double(), v[:, h // g].double()
         for i in range(S):
             p = q_offset + i
-            n = (p + 1) // bs                                  # blocks 0 .. n-1 end at or before p
+            n = (p + 1) // bs  # blocks 0 .. n-1 end at or before p
             if n == 0:
                 continue
-            kc = torch.stack([kk[:, j * bs:(j + 1) * bs].mean(1) for j in range(n)], 1)     # [B, n, D]
-            vc = torch.stack([vv[:, j * bs:(j + 1) * bs].mean(1) for j in range(n)], 1)
-            w = torch.softmax(torch.einsum("bd,bnd->bn", q[:, h, i].double(), kc) / D ** 0.5, -1)
+            kc = torch.stack(
+                [kk[:, j * bs : (j + 1) * bs].mean(1) for j in range(n)], 1
+            )  # [B, n, D]
+            vc = torch.stack([vv[:, j * bs : (j + 1) * bs].mean(1) for j in range(n)], 1)
+            w = torch.softmax(torch.einsum("bd,bnd->bn", q[:, h, i].double(), kc) / D**0.5, -1)
             out[:, h, i] = torch.einsum("bn,bnd->bd", w, vc)
     return out
 
 
-@pytest.mark.parametrize("Hk,bs,T,q_offset", [(2, 8, 45, 0), (4, 16, 64, 0), (1, 8, 37, 30), (2, 8, 20, 3)])
+@pytest.mark.parametrize(
+    "Hk,bs,T,q_offset", [(2, 8, 45, 0), (4, 16, 64, 0), (1, 8, 37, 30), (2, 8, 20, 3)]
+)
 def test_compressed_branch_equals_a_per_query_loop_fwd_and_grads(Hk, bs, T, q_offset):
     """Every query, GQA groups, a partial last block, and rows of a decode / chunked prefill (``q_offset``)."""
     torch.manual_seed(T)
@@ -67,7 +74,9 @@ def test_layer_output_is_the_gated_sum_of_the_fine_and_compressed_branches():
     attn = Attention(dim, H, Hk, pattern=LAYER)
     attn.init_weights(0.2, 0.2)
     fine = Attention(dim, H, Hk, pattern=[dataclasses.replace(p, compress=0) for p in LAYER])
-    fine.load_state_dict({n: t for n, t in attn.state_dict().items() if not n.startswith("branch_gate")})
+    fine.load_state_dict(
+        {n: t for n, t in attn.state_dict().items() if not n.startswith("branch_gate")}
+    )
     rope = RotaryEmbedding(dim // H)
     x = torch.randn(2, T, dim)
     cos, sin = rope(torch.arange(T))
@@ -77,13 +86,17 @@ def test_layer_output_is_the_gated_sum_of_the_fine_and_compressed_branches():
         got = attn(x, cos, sin)
         fine(x, cos, sin)
         q, k, v = _qkv(attn, x, cos, sin)
-        cmp = compressed_attention(q[:, 4:], k, v, BS, kv_heads=torch.tensor([1, 1, 1, 1]))  # heads 4-7: KV head 1
-        g = torch.sigmoid(attn.branch_gate(x)).unflatten(-1, (2, 4)).permute(2, 0, 3, 1)[..., None]  # [2, B, 4, S, 1]
+        cmp = compressed_attention(
+            q[:, 4:], k, v, BS, kv_heads=torch.tensor([1, 1, 1, 1])
+        )  # heads 4-7: KV head 1
+        g = (
+            torch.sigmoid(attn.branch_gate(x)).unflatten(-1, (2, 4)).permute(2, 0, 3, 1)[..., None]
+        )  # [2, B, 4, S, 1]
         per_head = heads_in["fine"].unflatten(-1, (H, dim // H)).transpose(1, 2).clone()
         per_head[:, 4:] = g[0] * per_head[:, 4:] + g[1] * cmp
         want = attn.wo(per_head.transpose(1, 2).flatten(2))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert (got - fine(x, cos, sin)).abs().max() > 1e-2           # the branch changes the output
+    assert (got - fine(x, cos, sin)).abs().max() > 1e-2  # the branch changes the output
 
 
 def test_compressed_branch_gives_gradient_to_a_far_block_the_selection_left_out():
@@ -91,16 +104,18 @@ def test_compressed_branch_gives_gradient_to_a_far_block_the_selection_left_out(
     last query only through it (hard top-k selection passes none; MoBA, NSA)."""
     torch.manual_seed(3)
     dim, H, Hk, T = 32, 2, 1, 64
-    far = slice(8, 16)                        # key block 1 (BS = 8), far before the last query's window
+    far = slice(8, 16)  # key block 1 (BS = 8), far before the last query's window
     grads = {}
     for c in (0, 1):
-        pat = SparsityPattern(type="block_topk", top_k=1, compress=c, block_size=BS)  # own block only
+        pat = SparsityPattern(
+            type="block_topk", top_k=1, compress=c, block_size=BS
+        )  # own block only
         attn = Attention(dim, H, Hk, pattern=pat)
         attn.init_weights(0.2, 0.2)
         rope = RotaryEmbedding(dim // H)
         x = torch.randn(1, T, dim, requires_grad=True)
         cos, sin = rope(torch.arange(T))
-        attn(x, cos, sin)[:, -1].square().sum().backward()        # the loss of the last position only
+        attn(x, cos, sin)[:, -1].square().sum().backward()  # the loss of the last position only
         grads[c] = x.grad[0, far].norm()
     assert grads[0] == 0 and grads[1] > 1e-3
 
@@ -115,12 +130,16 @@ def test_decode_steps_equal_prefill_rows_with_the_compressed_branch():
     cos, sin = rope(torch.arange(T))
     with torch.no_grad():
         attn.setup_cache(2, T)
-        attn(x[:, :T - 3], cos[:T - 3], sin[:T - 3], 0)
-        steps = [attn(x[:, t:t + 1], cos[t:t + 1], sin[t:t + 1], t) for t in range(T - 3, T)]
+        attn(x[:, : T - 3], cos[: T - 3], sin[: T - 3], 0)
+        steps = [attn(x[:, t : t + 1], cos[t : t + 1], sin[t : t + 1], t) for t in range(T - 3, T)]
         attn.cache = None
         for t, out in zip(range(T - 3, T), steps):
-            torch.testing.assert_close(out[:, 0], attn(x[:, :t + 1], cos[:t + 1], sin[:t + 1])[:, -1],
-                                       atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                out[:, 0],
+                attn(x[:, : t + 1], cos[: t + 1], sin[: t + 1])[:, -1],
+                atol=1e-5,
+                rtol=1e-5,
+            )
 
 
 def test_density_stat_adds_the_compressed_pairs_to_the_visited_blocks():
@@ -128,7 +147,9 @@ def test_density_stat_adds_the_compressed_pairs_to_the_visited_blocks():
     dim, H, Hk, T = 64, 8, 2, 64
     attn = Attention(dim, H, Hk, pattern=LAYER)
     fine = Attention(dim, H, Hk, pattern=[dataclasses.replace(p, compress=0) for p in LAYER])
-    fine.load_state_dict({n: t for n, t in attn.state_dict().items() if not n.startswith("branch_gate")})
+    fine.load_state_dict(
+        {n: t for n, t in attn.state_dict().items() if not n.startswith("branch_gate")}
+    )
     rope = RotaryEmbedding(dim // H)
     x = torch.randn(1, T, dim)
     cos, sin = rope(torch.arange(T))
@@ -136,25 +157,36 @@ def test_density_stat_adds_the_compressed_pairs_to_the_visited_blocks():
         attn(x, cos, sin)
         fine(x, cos, sin)
     n = T // BS
-    extra = (T - (BS - 1)) * n / (BS * BS * n * (n + 1) / 2)         # rows that see a block x pooled keys
+    extra = (T - (BS - 1)) * n / (BS * BS * n * (n + 1) / 2)  # rows that see a block x pooled keys
     want = fine.attn_stats["density"] + torch.tensor([0.0] * 4 + [extra] * 4)
     torch.testing.assert_close(attn.attn_stats["density"], want)
 
 
 def test_bad_compress_configs_fail_naming_the_key(tmp_path):
     from moezoo.configs.attention import validate_pattern
+
     with pytest.raises(ConfigError, match="p.compress: must be 0 or 1"):
         validate_pattern({"type": "block_topk", "top_k": 2, "compress": 2}, "p")
-    with pytest.raises(ConfigError, match="p.compress: unknown parameter for pattern type 'a_shape'"):
+    with pytest.raises(
+        ConfigError, match="p.compress: unknown parameter for pattern type 'a_shape'"
+    ):
         validate_pattern({"type": "a_shape", "sinks": 2, "window": 8, "compress": 1}, "p")
-    with pytest.raises(ConfigError, match="model.attention.patterns: block top-k compress: 1 runs with attention_type mha"):
-        load_config("zoo/deepseek_v3_671b.yaml",
-                    ['model.attention.patterns={"0:*": {type: block_topk, top_k: 2, compress: 1}}']).validate()
+    with pytest.raises(
+        ConfigError,
+        match="model.attention.patterns: block top-k compress: 1 runs with attention_type mha",
+    ):
+        load_config(
+            "zoo/deepseek_v3_671b.yaml",
+            ['model.attention.patterns={"0:*": {type: block_topk, top_k: 2, compress: 1}}'],
+        ).validate()
     attn = Attention(32, 2, 1, pattern=NSA)
     from moezoo.layers.attention.masking import AttnMask
+
     x, (cos, sin) = torch.randn(1, 16, 32), RotaryEmbedding(16)(torch.arange(16))
     mask = AttnMask.build(1, 16, 16, 0, torch.ones(1, 16, dtype=torch.long), None, x.device)
-    with pytest.raises(ValueError, match="compress: 1 cannot run with padding or packed-document masks"):
+    with pytest.raises(
+        ValueError, match="compress: 1 cannot run with padding or packed-document masks"
+    ):
         attn(x, cos, sin, 0, mask)
 
 
@@ -164,14 +196,22 @@ def test_compiled_blocks_count_the_compressed_pairs_and_dst_leaves_the_gates_alo
     from moezoo.configs.dst import DSTConfig
     from moezoo.layers.attention.density import attention_metrics
     from moezoo.layers.dst.targets import dst_parameters
+
     T = 64
     attn = Attention(64, 8, 2, pattern=LAYER)
     fine = Attention(64, 8, 2, pattern=[dataclasses.replace(p, compress=0) for p in LAYER])
     n = T // BS
-    extra = (T - (BS - 1)) * n / (T * (T + 1) / 2) * 4 / 8          # 4 of 8 heads, token-level share
-    got = float(attention_metrics(attn, T)["attn/density"]) - float(attention_metrics(fine, T)["attn/density"])
+    extra = (T - (BS - 1)) * n / (T * (T + 1) / 2) * 4 / 8  # 4 of 8 heads, token-level share
+    got = float(attention_metrics(attn, T)["attn/density"]) - float(
+        attention_metrics(fine, T)["attn/density"]
+    )
     assert abs(got - extra) < 1e-6
-    names = [n for n, _ in dst_parameters(torch.nn.Sequential(attn, torch.nn.Linear(64, 64)), None, DSTConfig().exclude)]
+    names = [
+        n
+        for n, _ in dst_parameters(
+            torch.nn.Sequential(attn, torch.nn.Linear(64, 64)), None, DSTConfig().exclude
+        )
+    ]
     assert "0.wq.weight" in names and not any("branch_gate" in n for n in names)
 
 
@@ -180,15 +220,27 @@ def test_trainer_learns_the_branch_gates_and_resumes_them(tmp_path, corpus_dir):
     the saved gates (they are ordinary parameters of the checkpoint)."""
     from helpers import tiny_overrides
     from moezoo.training.loop import Trainer
-    pats = ('{"0-1:0-1": {type: a_shape, sinks: 2, window: 8, block_size: 8}, "0-1:2-3": {type: block_topk, '
-            'top_k: 2, share_group: 1, query_max: 1, compress: 1, block_size: 8}}')
-    ov = lambda sub, **kw: tiny_overrides(tmp_path / sub, corpus_dir, **{"model.attention.patterns": pats,  # noqa: E731
-                                                                         "train.steps": 6, **kw})
+
+    pats = (
+        '{"0-1:0-1": {type: a_shape, sinks: 2, window: 8, block_size: 8}, "0-1:2-3": {type: block_topk, '
+        "top_k: 2, share_group: 1, query_max: 1, compress: 1, block_size: 8}}"
+    )
+    ov = lambda sub, **kw: tiny_overrides(
+        tmp_path / sub,
+        corpus_dir,
+        **{
+            "model.attention.patterns": pats,  # noqa: E731
+            "train.steps": 6,
+            **kw,
+        },
+    )
     t = Trainer(load_config("zoo/tiny_dense.yaml", ov("a")))
     g0 = t.model.layers[0].attention.branch_gate.weight.detach().clone()
     losses = [float(t.train_step()["loss/total"]) for _ in range(3)]
     t.save()
-    assert all(torch.isfinite(torch.tensor(losses))) and not torch.equal(g0, t.model.layers[0].attention.branch_gate.weight)
+    assert all(torch.isfinite(torch.tensor(losses))) and not torch.equal(
+        g0, t.model.layers[0].attention.branch_gate.weight
+    )
     more = [float(t.train_step()["loss/total"]) for _ in range(3)]
     r = Trainer(load_config("zoo/tiny_dense.yaml", ov("a", **{"checkpoint.resume": True})))
     assert r.step == 3 and [float(r.train_step()["loss/total"]) for _ in range(3)] == more
@@ -225,8 +277,12 @@ def test_heads_with_different_compress_blocks_each_get_their_own_pooling():
     dim, H, Hk, T = 64, 8, 2, 50
     attn = Attention(dim, H, Hk, pattern=pats)
     attn.init_weights(0.2, 0.2)
-    fine = Attention(dim, H, Hk, pattern=[dataclasses.replace(p, compress=0, compress_block=0) for p in pats])
-    fine.load_state_dict({n: t for n, t in attn.state_dict().items() if not n.startswith("branch_gate")})
+    fine = Attention(
+        dim, H, Hk, pattern=[dataclasses.replace(p, compress=0, compress_block=0) for p in pats]
+    )
+    fine.load_state_dict(
+        {n: t for n, t in attn.state_dict().items() if not n.startswith("branch_gate")}
+    )
     rope = RotaryEmbedding(dim // H)
     x = torch.randn(2, T, dim)
     cos, sin = rope(torch.arange(T))
@@ -240,18 +296,26 @@ def test_heads_with_different_compress_blocks_each_get_their_own_pooling():
         g = torch.sigmoid(attn.branch_gate(x)).unflatten(-1, (2, 5)).permute(2, 0, 3, 1)[..., None]
         for i, h in enumerate(attn.compress_heads):
             kv = slice(h // 4, h // 4 + 1)
-            cmp = compressed_attention(q[:, h:h + 1], k[:, kv], v[:, kv], pats[h].compress_block or BS)[:, 0]
+            cmp = compressed_attention(
+                q[:, h : h + 1], k[:, kv], v[:, kv], pats[h].compress_block or BS
+            )[:, 0]
             per_head[:, h] = g[0][:, i] * per_head[:, h] + g[1][:, i] * cmp
         want = attn.wo(per_head.transpose(1, 2).flatten(2))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     from moezoo.layers.attention.compressed import compressed_density
+
     share = compressed_density(pats, 64, 1.0)
     assert share[1] == (64 - 7) * 8 and share[2] == (64 - 15) * 4 and share[0] == 0
 
 
 def test_bad_compress_block_fails_naming_the_key():
     from moezoo.configs.attention import validate_pattern
+
     with pytest.raises(ConfigError, match="p.compress_block: must be a power of two, got 24"):
-        validate_pattern({"type": "block_topk", "top_k": 2, "compress": 1, "compress_block": 24}, "p")
-    with pytest.raises(ConfigError, match="p.compress_block: sizes the compressed branch: set compress: 1 too"):
+        validate_pattern(
+            {"type": "block_topk", "top_k": 2, "compress": 1, "compress_block": 24}, "p"
+        )
+    with pytest.raises(
+        ConfigError, match="p.compress_block: sizes the compressed branch: set compress: 1 too"
+    ):
         validate_pattern({"type": "block_topk", "top_k": 2, "compress_block": 32}, "p")

@@ -1,11 +1,26 @@
 """sparse_attention backends against a float32 reference (FlashAttention's 2x criterion), GQA, decode, density."""
+
 import dataclasses
 
 import pytest
 import torch
 
-from moezoo.layers import Attention, RotaryEmbedding, SparsityPattern, attention_density, pattern_mask, sparse_attention
-from helpers import BS, emulated_counts, make_inputs, mask_mod_covers_whole_tiles, plain_attention, run_criterion
+from moezoo.layers import (
+    Attention,
+    RotaryEmbedding,
+    SparsityPattern,
+    attention_density,
+    pattern_mask,
+    sparse_attention,
+)
+from helpers import (
+    BS,
+    emulated_counts,
+    make_inputs,
+    mask_mod_covers_whole_tiles,
+    plain_attention,
+    run_criterion,
+)
 from moezoo.layers.attention.functional import dense_causal_attention
 
 PATTERNS = {
@@ -13,19 +28,30 @@ PATTERNS = {
     "local_sinks": SparsityPattern(type="local", window=9, sinks=3, block_size=BS),
     "a_shape": SparsityPattern(type="a_shape", sinks=5, window=24, block_size=BS),
     "bigbird": SparsityPattern(type="bigbird", window=17, sinks=4, random_blocks=2, block_size=BS),
-    "vertical_slash": SparsityPattern(type="vertical_slash", n_vertical=6, n_slash=5, last_q=8, block_size=BS),
+    "vertical_slash": SparsityPattern(
+        type="vertical_slash", n_vertical=6, n_slash=5, last_q=8, block_size=BS
+    ),
     "block_topk": SparsityPattern(type="block_topk", top_k=2, block_size=BS),
-    "block_topk_shared": SparsityPattern(type="block_topk", top_k=2, sinks=2, window=5, share_group=1, block_size=BS),
-    "block_topk_qmax": SparsityPattern(type="block_topk", top_k=2, sinks=2, window=5, share_group=1, query_max=1,
-                                       block_size=BS),
+    "block_topk_shared": SparsityPattern(
+        type="block_topk", top_k=2, sinks=2, window=5, share_group=1, block_size=BS
+    ),
+    "block_topk_qmax": SparsityPattern(
+        type="block_topk", top_k=2, sinks=2, window=5, share_group=1, query_max=1, block_size=BS
+    ),
     # one layer, both scoring rules: one estimate per rule
-    "block_topk_rules": [SparsityPattern(type="block_topk", top_k=3, block_size=BS),
-                         SparsityPattern(type="block_topk", top_k=2, query_max=1, block_size=BS)] * 4,
+    "block_topk_rules": [
+        SparsityPattern(type="block_topk", top_k=3, block_size=BS),
+        SparsityPattern(type="block_topk", top_k=2, query_max=1, block_size=BS),
+    ]
+    * 4,
     "dense": SparsityPattern(type="dense", block_size=BS),
-    "mixed": [SparsityPattern(type="a_shape", sinks=2, window=8, block_size=BS),
-              SparsityPattern(type="vertical_slash", n_vertical=4, n_slash=4, last_q=4, block_size=BS),
-              SparsityPattern(type="bigbird", window=5, sinks=1, random_blocks=1, block_size=BS),
-              SparsityPattern(type="block_topk", top_k=3, block_size=BS)] * 2,
+    "mixed": [
+        SparsityPattern(type="a_shape", sinks=2, window=8, block_size=BS),
+        SparsityPattern(type="vertical_slash", n_vertical=4, n_slash=4, last_q=4, block_size=BS),
+        SparsityPattern(type="bigbird", window=5, sinks=1, random_blocks=1, block_size=BS),
+        SparsityPattern(type="block_topk", top_k=3, block_size=BS),
+    ]
+    * 2,
 }
 
 
@@ -35,7 +61,9 @@ def test_reference_backend_meets_fa_criterion_fwd_bwd_every_pattern(name):
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-@pytest.mark.parametrize("name", ["bigbird", "vertical_slash", "block_topk", "block_topk_shared", "block_topk_qmax"])
+@pytest.mark.parametrize(
+    "name", ["bigbird", "vertical_slash", "block_topk", "block_topk_shared", "block_topk_qmax"]
+)
 def test_reference_backend_gqa_groups(name, group):
     run_criterion(PATTERNS[name], "reference", B=2, H=8, Hk=8 // group, T=41)
 
@@ -57,39 +85,59 @@ def test_flex_block_lists_reproduce_the_token_mask(name):
     # kernel visits only listed blocks: emulated, every allowed pair once and no other.
     from moezoo.layers.attention.plan import plan_pattern
     from moezoo.layers.attention.flex import flex_block_mask
+
     B, H, T = 2, 8, 75
     q, k, _ = make_inputs(B, H, 2, T)
     plan = plan_pattern(PATTERNS[name], H, 0, T, T, 0, q, k)
     bm = flex_block_mask(plan)
     assert bm.kv_num_blocks.shape[0] == bm.full_kv_num_blocks.shape[0]
     # block lists without a batch dimension of their own (static patterns) serve every batch element
-    assert torch.equal(emulated_counts(bm, T).expand(B, H, T, T), plan.token_mask().expand(B, H, T, T).long())
+    assert torch.equal(
+        emulated_counts(bm, T).expand(B, H, T, T), plan.token_mask().expand(B, H, T, T).long()
+    )
 
 
-@pytest.mark.parametrize("name", ["a_shape", "bigbird", "vertical_slash", "block_topk", "block_topk_qmax", "mixed"])
+@pytest.mark.parametrize(
+    "name", ["a_shape", "bigbird", "vertical_slash", "block_topk", "block_topk_qmax", "mixed"]
+)
 @pytest.mark.parametrize("T,tile", [(75, 64), (75, 32), (130, 64), (16, 64)])
 def test_flex_tiles_of_several_blocks_reproduce_the_token_mask(name, T, tile):
     # CUDA's flex templates need 128-token tiles; smaller blocks are laid out on tiles of several blocks
     # (flex_tile): a tile listed when any of its blocks is, full only when all are, mask_mod inside.
     from moezoo.layers.attention.plan import plan_pattern
     from moezoo.layers.attention.flex import flex_block_mask
+
     B, H = 2, 8
     q, k, _ = make_inputs(B, H, 2, T, seed=T + tile)
     plan = plan_pattern(PATTERNS[name], H, 0, T, T, 0, q, k)
     bm = flex_block_mask(plan, tile=tile)
     assert bm.BLOCK_SIZE == (tile, tile) and bm.kv_num_blocks.shape[-1] == -(-T // tile)
-    assert torch.equal(emulated_counts(bm, T).expand(B, H, T, T), plan.token_mask().expand(B, H, T, T).long())
+    assert torch.equal(
+        emulated_counts(bm, T).expand(B, H, T, T), plan.token_mask().expand(B, H, T, T).long()
+    )
     mask_mod_covers_whole_tiles(bm, T)
-    fine = flex_block_mask(plan)           # each tile pools several blocks: its lists are no longer than theirs
-    assert (bm.kv_num_blocks + bm.full_kv_num_blocks).sum() <= (fine.kv_num_blocks + fine.full_kv_num_blocks).sum()
+    fine = flex_block_mask(
+        plan
+    )  # each tile pools several blocks: its lists are no longer than theirs
+    assert (bm.kv_num_blocks + bm.full_kv_num_blocks).sum() <= (
+        fine.kv_num_blocks + fine.full_kv_num_blocks
+    ).sum()
     with pytest.raises(ValueError, match="not a multiple"):
         flex_block_mask(plan, tile=BS + 8)
 
 
 def test_flex_tile_is_128_tokens_on_cuda_and_the_block_elsewhere():
     from moezoo.layers.attention.flex import flex_tile
+
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert [flex_tile(b, cuda) for b in (16, 32, 64, 128, 256, 48)] == [128, 128, 128, 128, 256, 384]
+    assert [flex_tile(b, cuda) for b in (16, 32, 64, 128, 256, 48)] == [
+        128,
+        128,
+        128,
+        128,
+        256,
+        384,
+    ]
     assert [flex_tile(b, cpu) for b in (16, 64, 128)] == [16, 64, 128]
 
 
@@ -97,6 +145,7 @@ def test_tiled_flex_forward_and_density_on_cpu(monkeypatch):
     # The whole call with 64-token tiles over 16-token blocks (what CUDA runs for blocks under 128): the
     # output meets the reference and the logged density counts tiles, the work a tiled kernel does.
     import importlib
+
     sa = importlib.import_module("moezoo.layers.attention.functional")
     monkeypatch.setattr(sa, "flex_tile", lambda bs, device: 64)
     B, H, T = 2, 8, 150
@@ -107,7 +156,9 @@ def test_tiled_flex_forward_and_density_on_cpu(monkeypatch):
     want = sparse_attention(q, k, v, pats, backend="reference")
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     n = -(-T // 64)
-    tiles = stats["density"] * (n * (n + 1) / 2) * B            # tiles visited per head, summed over the batch
+    tiles = (
+        stats["density"] * (n * (n + 1) / 2) * B
+    )  # tiles visited per head, summed over the batch
     assert stats["density"].shape == (H,) and torch.allclose(tiles, tiles.round(), atol=1e-4)
     assert (tiles > 0).all()
 
@@ -115,19 +166,32 @@ def test_tiled_flex_forward_and_density_on_cpu(monkeypatch):
 def test_static_block_mask_cache_drops_the_least_recently_used(monkeypatch):
     import importlib
     from collections import OrderedDict
-    sa = importlib.import_module("moezoo.layers.attention.functional")   # the module, not the function layers exports
+
+    sa = importlib.import_module(
+        "moezoo.layers.attention.functional"
+    )  # the module, not the function layers exports
     monkeypatch.setattr(sa, "_MASK_CACHE", OrderedDict())
     monkeypatch.setattr(sa, "_MASK_CACHE_SIZE", 2)
     pats, cpu = [PATTERNS["bigbird"]] * 2, torch.device("cpu")
     first = sa._static_block_mask(pats, 2, 32, 0, cpu)
     sa._static_block_mask(pats, 2, 48, 0, cpu)
-    assert sa._static_block_mask(pats, 2, 32, 0, cpu) is first      # a hit, and now the most recent
-    sa._static_block_mask(pats, 2, 64, 0, cpu)                      # evicts length 48, not 32
+    assert sa._static_block_mask(pats, 2, 32, 0, cpu) is first  # a hit, and now the most recent
+    sa._static_block_mask(pats, 2, 64, 0, cpu)  # evicts length 48, not 32
     assert [key[2] for key in sa._MASK_CACHE] == [32, 64]
 
 
-@pytest.mark.parametrize("name", ["local_sinks", "bigbird", "vertical_slash", "block_topk", "block_topk_shared",
-                                  "block_topk_qmax", "mixed"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "local_sinks",
+        "bigbird",
+        "vertical_slash",
+        "block_topk",
+        "block_topk_shared",
+        "block_topk_qmax",
+        "mixed",
+    ],
+)
 def test_decode_output_equals_last_row_of_prefill(name):
     torch.manual_seed(0)
     dim, H, Hk, T = 64, 8, 2, 53
@@ -137,19 +201,21 @@ def test_decode_output_equals_last_row_of_prefill(name):
     x = torch.randn(2, T, dim)
     cos, sin = rope(torch.arange(T))
     with torch.no_grad():
-        full = attn(x, cos, sin)                                  # training-style prefill, no cache
+        full = attn(x, cos, sin)  # training-style prefill, no cache
         attn.setup_cache(2, T)
-        pre = attn(x[:, :T - 3], cos[:T - 3], sin[:T - 3], 0)     # prefill with cache
-        steps = [attn(x[:, t:t + 1], cos[t:t + 1], sin[t:t + 1], t) for t in range(T - 3, T)]
+        pre = attn(x[:, : T - 3], cos[: T - 3], sin[: T - 3], 0)  # prefill with cache
+        steps = [attn(x[:, t : t + 1], cos[t : t + 1], sin[t : t + 1], t) for t in range(T - 3, T)]
     torch.testing.assert_close(steps[-1][:, 0], full[:, -1], atol=1e-5, rtol=1e-5)
     pats = PATTERNS[name] if isinstance(PATTERNS[name], list) else [PATTERNS[name]]
-    if not any(p.dynamic for p in pats):   # input-dependent masks are estimated from the input's own tail
-        torch.testing.assert_close(pre, full[:, :T - 3], atol=1e-5, rtol=1e-5)
-    for i, out in enumerate(steps):   # and each step equals the last row of a prefill that long
+    if not any(
+        p.dynamic for p in pats
+    ):  # input-dependent masks are estimated from the input's own tail
+        torch.testing.assert_close(pre, full[:, : T - 3], atol=1e-5, rtol=1e-5)
+    for i, out in enumerate(steps):  # and each step equals the last row of a prefill that long
         t = T - 3 + i
         with torch.no_grad():
             attn.cache = None
-            pref = attn(x[:, :t + 1], cos[:t + 1], sin[:t + 1])
+            pref = attn(x[:, : t + 1], cos[: t + 1], sin[: t + 1])
         torch.testing.assert_close(out[:, 0], pref[:, -1], atol=1e-5, rtol=1e-5)
 
 
@@ -160,12 +226,18 @@ VS_DB = dataclasses.replace(PATTERNS["vertical_slash"], dense_below=46)
 def test_vertical_slash_head_below_dense_below_equals_dense_causal_attention(backend):
     q, k, v = make_inputs(2, 4, 2, 45, dtype=torch.float32, seed=3)
     want = dense_causal_attention(q, k, v)
-    torch.testing.assert_close(sparse_attention(q, k, v, VS_DB, backend=backend), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        sparse_attention(q, k, v, VS_DB, backend=backend), want, atol=1e-5, rtol=1e-5
+    )
     # from dense_below keys on, the pattern is the one without dense_below (and not dense)
     q, k, v = make_inputs(2, 4, 2, 46, dtype=torch.float32, seed=4)
     got = sparse_attention(q, k, v, VS_DB, backend=backend)
-    torch.testing.assert_close(got, sparse_attention(q, k, v, PATTERNS["vertical_slash"], backend=backend),
-                               atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        got,
+        sparse_attention(q, k, v, PATTERNS["vertical_slash"], backend=backend),
+        atol=1e-6,
+        rtol=1e-6,
+    )
     assert (got - dense_causal_attention(q, k, v)).abs().max() > 1e-2
 
 
@@ -175,12 +247,16 @@ def test_mixed_layer_with_dense_below_heads_matches_the_reference_per_head(backe
     float32 softmax under causal rows for the former and the estimated pattern for the latter."""
     B, H, Hk, T = 2, 8, 2, 45
     mixed = PATTERNS["mixed"]
-    pats = [dataclasses.replace(p, dense_below=46) if h in (0, 2) else p for h, p in enumerate(mixed)]
+    pats = [
+        dataclasses.replace(p, dense_below=46) if h in (0, 2) else p for h, p in enumerate(mixed)
+    ]
     q, k, v = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=5)
     mask = pattern_mask(mixed, T, T, H, q=q, k=k).clone()
     mask[:, [0, 2]] = torch.ones(T, T, dtype=torch.bool).tril()
     want = plain_attention(q.double(), k.double(), v.double(), mask).float()
-    torch.testing.assert_close(sparse_attention(q, k, v, pats, backend=backend), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        sparse_attention(q, k, v, pats, backend=backend), want, atol=1e-5, rtol=1e-5
+    )
 
 
 def test_decode_at_t_keys_follows_prefill_over_t_keys_when_crossing_dense_below():
@@ -203,17 +279,21 @@ def test_decode_at_t_keys_follows_prefill_over_t_keys_when_crossing_dense_below(
     cos, sin = rope(torch.arange(T))
     with torch.no_grad():
         attn.setup_cache(2, T)
-        pre = attn(x[:, :T - 3], cos[:T - 3], sin[:T - 3], 0)
-        steps = [attn(x[:, t:t + 1], cos[t:t + 1], sin[t:t + 1], t) for t in range(T - 3, T)]
+        pre = attn(x[:, : T - 3], cos[: T - 3], sin[: T - 3], 0)
+        steps = [attn(x[:, t : t + 1], cos[t : t + 1], sin[t : t + 1], t) for t in range(T - 3, T)]
         attn.cache = None
-        torch.testing.assert_close(pre, twins["dense"](x[:, :T - 3], cos[:T - 3], sin[:T - 3]), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            pre, twins["dense"](x[:, : T - 3], cos[: T - 3], sin[: T - 3]), atol=1e-5, rtol=1e-5
+        )
         for t, out in zip(range(T - 3, T), steps):
-            n = t + 1                                                     # keys this step attends over
+            n = t + 1  # keys this step attends over
             pref = attn(x[:, :n], cos[:n], sin[:n])
             twin = twins["dense" if n < db else "sparse"](x[:, :n], cos[:n], sin[:n])
             torch.testing.assert_close(out[:, 0], pref[:, -1], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(out[:, 0], twin[:, -1], atol=1e-5, rtol=1e-5)
-        assert (twins["dense"](x, cos, sin)[:, -1] - steps[-1][:, 0]).abs().max() > 1e-3   # the sparse rows differ
+        assert (
+            twins["dense"](x, cos, sin)[:, -1] - steps[-1][:, 0]
+        ).abs().max() > 1e-3  # the sparse rows differ
 
 
 def test_flex_backend_module_decodes_through_the_reference_rows():
@@ -227,8 +307,8 @@ def test_flex_backend_module_decodes_through_the_reference_rows():
     with torch.no_grad():
         full = attn(x, cos, sin)
         attn.setup_cache(1, T)
-        attn(x[:, :T - 1], cos[:T - 1], sin[:T - 1], 0)
-        last = attn(x[:, T - 1:], cos[T - 1:], sin[T - 1:], T - 1)
+        attn(x[:, : T - 1], cos[: T - 1], sin[: T - 1], 0)
+        last = attn(x[:, T - 1 :], cos[T - 1 :], sin[T - 1 :], T - 1)
     torch.testing.assert_close(last[:, 0], full[:, -1], atol=1e-5, rtol=1e-5)
 
 
@@ -242,18 +322,31 @@ def test_sparse_output_differs_from_dense_where_mask_differs():
 
 def test_attention_density_per_layer_and_head():
     T, W = 96, 16
-    attn = Attention(32, 4, 2, pattern=[SparsityPattern(type="local", window=W)] * 2 + [SparsityPattern()] * 2,
-                     layer_id=3)
-    d = attention_density(attn, T, chunk=40)      # exact: every row counted
+    attn = Attention(
+        32,
+        4,
+        2,
+        pattern=[SparsityPattern(type="local", window=W)] * 2 + [SparsityPattern()] * 2,
+        layer_id=3,
+    )
+    d = attention_density(attn, T, chunk=40)  # exact: every row counted
     exact = sum(min(W, q + 1) for q in range(T)) / (T * (T + 1) / 2)
     assert d["layer3/head0"] == pytest.approx(exact) and d["layer3/head3"] == 1.0
     assert d["layer3"] == pytest.approx((2 * exact + 2) / 4) and d["mean"] == d["layer3"]
-    vs = Attention(32, 2, 2, pattern=SparsityPattern(type="vertical_slash", n_vertical=4, n_slash=4, block_size=16),
-                   layer_id=0)
+    vs = Attention(
+        32,
+        2,
+        2,
+        pattern=SparsityPattern(type="vertical_slash", n_vertical=4, n_slash=4, block_size=16),
+        layer_id=0,
+    )
     # budget stand-in: columns 0..3, diagonals 0..3 dilated to the query block (keys qs-3 .. q)
-    want = sum(len(set(range(min(4, q + 1))) | set(range(max(0, q // 16 * 16 - 3), q + 1))) for q in range(T))
+    want = sum(
+        len(set(range(min(4, q + 1))) | set(range(max(0, q // 16 * 16 - 3), q + 1)))
+        for q in range(T)
+    )
     assert attention_density(vs, T)["layer0/head1"] == pytest.approx(want / (T * (T + 1) / 2))
-    T = 6000                                       # long: evenly spaced row chunks estimate it
+    T = 6000  # long: evenly spaced row chunks estimate it
     est = attention_density(attn, T, max_rows=512, chunk=64)["layer3/head0"]
     exact = sum(min(W, q + 1) for q in range(T)) / (T * (T + 1) / 2)
     assert est == pytest.approx(exact, rel=0.01)
@@ -270,9 +363,13 @@ def test_flash_attn_backend_maps_window_to_flash_attn_convention(monkeypatch):
         S = q.shape[1]
         i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
         mask = (j <= i) & (j >= i - window_size[0])
-        return plain_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask).transpose(1, 2)
+        return plain_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask
+        ).transpose(1, 2)
 
-    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=flash_attn_func))
+    monkeypatch.setitem(
+        sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=flash_attn_func)
+    )
     q, k, v = make_inputs(2, 4, 2, 70, dtype=torch.float32)
     got = sparse_attention(q, k, v, PATTERNS["local"], backend="flash_attn")
     want = sparse_attention(q, k, v, PATTERNS["local"], backend="reference")
@@ -285,7 +382,12 @@ def test_attention_rejects_a_bad_per_head_pattern_list_at_construction():
     with pytest.raises(ValueError, match="3 entries for 4 heads"):
         Attention(32, 4, 2, pattern=[PATTERNS["local"]] * 3)
     with pytest.raises(ValueError, match="block_size"):
-        Attention(32, 4, 2, pattern=[PATTERNS["local"], SparsityPattern(type="local", window=4, block_size=32)] * 2)
+        Attention(
+            32,
+            4,
+            2,
+            pattern=[PATTERNS["local"], SparsityPattern(type="local", window=4, block_size=32)] * 2,
+        )
 
 
 def test_unknown_backend_and_bad_gqa_raise():
@@ -307,8 +409,20 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["a_shape", "vertical_slash", "mixed"])
 def test_flex_backend_on_gpu_meets_fa_criterion_fwd_bwd(name):
     pats = PATTERNS[name]
-    big = [SparsityPattern(**{**p.to_dict(), "block_size": 128}) for p in (pats if isinstance(pats, list) else [pats])]
-    run_criterion(big if isinstance(pats, list) else big[0], "flex", B=2, H=8, Hk=2, T=1000, D=64, device="cuda")
+    big = [
+        SparsityPattern(**{**p.to_dict(), "block_size": 128})
+        for p in (pats if isinstance(pats, list) else [pats])
+    ]
+    run_criterion(
+        big if isinstance(pats, list) else big[0],
+        "flex",
+        B=2,
+        H=8,
+        Hk=2,
+        T=1000,
+        D=64,
+        device="cuda",
+    )
 
 
 @pytest.mark.gpu

@@ -2,6 +2,7 @@
 an independent masked-softmax reference with the scale on the logits, on the dense and the sparse
 (reference) paths, through prefill + decode and left padding (packed documents: tests/zoo/test_masks.py); s = 0 is plain attention bit for bit;
 s trains (gets a gradient, no weight decay); MLA and HF export refuse it by key."""
+
 import math
 
 import pytest
@@ -26,19 +27,27 @@ def reference(att: Attention, x: torch.Tensor, theta: float, pattern=None) -> to
     cos, sin = RotaryEmbedding(Dh, theta=theta)(torch.arange(S))
     q, k = apply_rotary(q, cos.double(), sin.double()), apply_rotary(k, cos.double(), sin.double())
     k, v = (t.repeat_interleave(Hq // Hk, dim=1) for t in (k, v))
-    logits = q @ k.transpose(-1, -2) / math.sqrt(Dh)                              # [B, Hq, S, S]
+    logits = q @ k.transpose(-1, -2) / math.sqrt(Dh)  # [B, Hq, S, S]
     p = torch.arange(S, dtype=torch.float64)
-    logits = logits * (1 + att.ssmax.double()[:, None, None] * torch.log(p + 1)[:, None]).clamp(min=0)
+    logits = logits * (1 + att.ssmax.double()[:, None, None] * torch.log(p + 1)[:, None]).clamp(
+        min=0
+    )
     allowed = torch.ones(S, S, dtype=torch.bool).tril()
     if pattern is not None:
-        allowed = allowed & pattern_mask(pattern, S, S, Hq)                      # [Hq, S, S]
+        allowed = allowed & pattern_mask(pattern, S, S, Hq)  # [Hq, S, S]
     logits = logits.masked_fill(~allowed, float("-inf"))
     out = (logits.softmax(-1) @ v).transpose(1, 2).reshape(B, S, Hq * Dh)
     return (out @ att.wo.weight.double().T).float()
 
 
-@pytest.mark.parametrize("pattern", [None, {"type": "local", "window": 16, "block_size": 16},
-                                     {"type": "a_shape", "sinks": 4, "window": 8, "block_size": 16}])
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        None,
+        {"type": "local", "window": 16, "block_size": 16},
+        {"type": "a_shape", "sinks": 4, "window": 8, "block_size": 16},
+    ],
+)
 def test_ssmax_attention_equals_the_scaled_logit_reference(pattern):
     # the sparse windows are shorter than the 48 keys: the layer's sparse (reference backend) path runs
     torch.manual_seed(0)
@@ -67,19 +76,30 @@ def test_a_negative_slope_past_its_zero_gives_uniform_rows_not_inverted_ones():
     cos, sin = RotaryEmbedding(8, theta=10000.0)(torch.arange(S))
     with torch.no_grad():
         got = att(x, cos, sin)
-        v = att.wv(x).view(1, S, 2, 8).repeat_interleave(2, dim=2)                     # [1, S, Hq, Dh]
-        mean_v = v.cumsum(1) / torch.arange(1, S + 1)[None, :, None, None]            # causal running mean
+        v = att.wv(x).view(1, S, 2, 8).repeat_interleave(2, dim=2)  # [1, S, Hq, Dh]
+        mean_v = v.cumsum(1) / torch.arange(1, S + 1)[None, :, None, None]  # causal running mean
         uniform = att.wo(mean_v.reshape(1, S, 32))
     assert (got[0, 7:] - uniform[0, 7:]).abs().max().item() < TOL
     assert (got - reference(att, x, 10000.0)).abs().max().item() < TOL
 
 
 def model(ssmax: bool, seed: int = 0, mla: bool = False):
-    cfg = ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=40, max_seq_len=64,
-                      rope_theta=500.0, attention=AttentionConfig(ssmax=ssmax))
+    cfg = ModelConfig(
+        vocab_size=V,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=40,
+        max_seq_len=64,
+        rope_theta=500.0,
+        attention=AttentionConfig(ssmax=ssmax),
+    )
     if mla:
         cfg.attention_type = "mla"
-        cfg.mla = MLAConfig(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+        cfg.mla = MLAConfig(
+            q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6
+        )
     cfg.validate()
     m = build_model(cfg).eval()
     randomize_(m, seed)
@@ -95,10 +115,12 @@ def test_zero_slope_is_plain_attention_bit_for_bit():
     x = tokens(3, b=2, s=20)
     with torch.no_grad():
         assert torch.equal(plain(x), scaled(x))
-    fresh = build_model(scaled.cfg, device="meta")      # FSDP2's path: meta, then memory, then init_weights
+    fresh = build_model(
+        scaled.cfg, device="meta"
+    )  # FSDP2's path: meta, then memory, then init_weights
     fresh.to_empty(device="cpu")
     for layer in fresh.layers:
-        torch.nn.init.ones_(layer.attention.ssmax)     # what uninitialised memory might hold
+        torch.nn.init.ones_(layer.attention.ssmax)  # what uninitialised memory might hold
     fresh.init_weights()
     assert all(torch.count_nonzero(layer.attention.ssmax) == 0 for layer in fresh.layers)
 
@@ -122,7 +144,7 @@ def test_decode_with_a_cache_equals_the_full_pass():
     with torch.no_grad():
         ref = m(x)
         m.setup_cache(2, 12)
-        outs = [m(x[:, :7])] + [m(x[:, t:t + 1], start_pos=t) for t in range(7, 12)]
+        outs = [m(x[:, :7])] + [m(x[:, t : t + 1], start_pos=t) for t in range(7, 12)]
         m.clear_cache()
     assert (torch.cat(outs, 1) - ref).abs().max().item() < TOL
 
@@ -130,9 +152,10 @@ def test_decode_with_a_cache_equals_the_full_pass():
 def test_the_slope_trains_without_weight_decay():
     from moezoo.configs import OptimConfig
     from moezoo.training.optim import build_optimizer
+
     m = model(True, 7).train()
     for layer in m.layers:
-        torch.nn.init.zeros_(layer.attention.ssmax)     # the init: the gradient must move it off zero
+        torch.nn.init.zeros_(layer.attention.ssmax)  # the init: the gradient must move it off zero
     loss, _ = m(tokens(8, b=2, s=16), tokens(9, b=2, s=16))
     loss.backward()
     assert all(layer.attention.ssmax.grad.abs().sum() > 0 for layer in m.layers)
@@ -145,19 +168,26 @@ def test_mla_and_hf_export_refuse_it_by_key():
     with pytest.raises(ConfigError, match=r"model\.attention\.ssmax"):
         model(True, mla=True)
     from moezoo.zoo.hf_config import hf_model_type
+
     with pytest.raises(ConfigError, match=r"model\.attention\.ssmax"):
         hf_model_type(model(True).cfg)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("pattern, compiled", [(None, False), (None, True),
-                                               ({"type": "a_shape", "sinks": 128, "window": 128, "block_size": 128},
-                                                False)])
+@pytest.mark.parametrize(
+    "pattern, compiled",
+    [
+        (None, False),
+        (None, True),
+        ({"type": "a_shape", "sinks": 128, "window": 128, "block_size": 128}, False),
+    ],
+)
 def test_ssmax_on_cuda_bf16_matches_the_float64_reference_fwd_bwd(pattern, compiled):
     # dense runs SDPA's fused kernels, the A-shape head (256 of the 512 keys at most) flex's block-sparse
     # kernel: both must see the scaled queries, forward and in the slope's gradient
     import copy
+
     torch.manual_seed(0)
     pattern = SparsityPattern.from_dict(pattern) if pattern else None
     assert pattern is None or not pattern.is_dense_at(512)

@@ -1,32 +1,59 @@
 """Flex vertical-slash through gathered columns (K' = cat(K[cols], K)): the same mask as the reference, each
 pair counted once, GQA, ragged lengths, mixed heads; backward of the gather on CPU, of flex on the GPU."""
+
 import pytest
 import torch
 
 from moezoo.layers import SparsityPattern
 from moezoo.layers.attention.plan import plan_pattern
-from moezoo.layers.attention.flex import column_slots, flex_attention_call, flex_block_mask, gather_columns
-from helpers import emulated_counts, fa_check, make_inputs, mask_mod_covers_whole_tiles, plain_attention, run_criterion
+from moezoo.layers.attention.flex import (
+    column_slots,
+    flex_attention_call,
+    flex_block_mask,
+    gather_columns,
+)
+from helpers import (
+    emulated_counts,
+    fa_check,
+    make_inputs,
+    mask_mod_covers_whole_tiles,
+    plain_attention,
+    run_criterion,
+)
 
 BS = 16
 
 
 def vs(nv, ns, last_q=8, bs=BS):
-    return SparsityPattern(type="vertical_slash", n_vertical=nv, n_slash=ns, last_q=last_q, block_size=bs)
+    return SparsityPattern(
+        type="vertical_slash", n_vertical=nv, n_slash=ns, last_q=last_q, block_size=bs
+    )
 
 
-MIXED = [vs(6, 5), SparsityPattern(type="a_shape", sinks=3, window=10, block_size=BS), vs(20, 3),
-         SparsityPattern(type="bigbird", window=7, sinks=2, random_blocks=1, block_size=BS), vs(1, 40),
-         SparsityPattern(type="block_topk", top_k=2, block_size=BS), SparsityPattern(type="dense", block_size=BS),
-         vs(33, 9)]
+MIXED = [
+    vs(6, 5),
+    SparsityPattern(type="a_shape", sinks=3, window=10, block_size=BS),
+    vs(20, 3),
+    SparsityPattern(type="bigbird", window=7, sinks=2, random_blocks=1, block_size=BS),
+    vs(1, 40),
+    SparsityPattern(type="block_topk", top_k=2, block_size=BS),
+    SparsityPattern(type="dense", block_size=BS),
+    vs(33, 9),
+]
 
 
 def handmade_plan(B, H, T, seed=0):
     """A plan whose columns overlap everything else: random windows, sinks, whole blocks, a contiguous run of
     diagonals (full blocks) plus random ones, and per-head column counts from 0 to 25 (some inside the window)."""
     g = torch.Generator().manual_seed(seed)
-    plan = plan_pattern([SparsityPattern(type="bigbird", window=1, sinks=1, random_blocks=1, block_size=BS)] * H,
-                        H, 0, T, T, 0)
+    plan = plan_pattern(
+        [SparsityPattern(type="bigbird", window=1, sinks=1, random_blocks=1, block_size=BS)] * H,
+        H,
+        0,
+        T,
+        T,
+        0,
+    )
     plan.window = torch.randint(0, 12, (H,), generator=g)
     plan.sinks = torch.randint(0, 4, (H,), generator=g)
     plan.blocks = plan.blocks & (torch.rand(plan.blocks.shape, generator=g) < 0.5)
@@ -35,16 +62,16 @@ def handmade_plan(B, H, T, seed=0):
     for b in range(B):
         for h, c in enumerate(counts):
             cols[b, h, torch.randperm(T, generator=g)[:c]] = True
-    cols[:, 3, T - 5:] = True                       # the last keys: inside every late query's window/diagonals
+    cols[:, 3, T - 5 :] = True  # the last keys: inside every late query's window/diagonals
     diags = torch.rand(B, H, T, generator=g) < 0.15
     diags[..., 0] = True
-    diags[:, 1, :2 * BS + 8] = True                 # offsets 1 (and 2 partly) fully covered: full blocks
+    diags[:, 1, : 2 * BS + 8] = True  # offsets 1 (and 2 partly) fully covered: full blocks
     plan.cols, plan.diags = cols, diags
     plan.col_budget = int(cols.sum(-1).max())
     return plan
 
 
-@pytest.mark.parametrize("tile", [0, 64])           # 0: the plan's blocks; 64: tiles of 4 blocks (flex_tile)
+@pytest.mark.parametrize("tile", [0, 64])  # 0: the plan's blocks; 64: tiles of 4 blocks (flex_tile)
 @pytest.mark.parametrize("case", ["handmade", "mixed", "vs_only"])
 def test_gathered_block_lists_count_every_allowed_pair_exactly_once(case, tile):
     B, H, T = 2, 8, 75
@@ -76,11 +103,13 @@ def test_layout_without_columns_drops_only_column_blocks():
     plan = handmade_plan(2, 8, 75)
     p_all, f_all = plan.block_layout()
     p_rest, f_rest = plan.block_layout(include_cols=False)
-    assert torch.equal(f_all, f_rest)                       # columns never make a block full
+    assert torch.equal(f_all, f_rest)  # columns never make a block full
     assert not ((p_rest | f_rest) & ~(p_all | f_all)).any()
-    assert f_all[:, 1].diagonal(-1, -2, -1).all()               # head 1: every diagonal of offset 1 chosen
+    assert f_all[:, 1].diagonal(-1, -2, -1).all()  # head 1: every diagonal of offset 1 chosen
     q, k, _ = make_inputs(2, 8, 2, 75)
-    plan = plan_pattern(vs(10, 2), 8, 0, 75, 75, 0, q, k)       # few diagonals: columns touch extra blocks
+    plan = plan_pattern(
+        vs(10, 2), 8, 0, 75, 75, 0, q, k
+    )  # few diagonals: columns touch extra blocks
     p_all, f_all = plan.block_layout()
     p_rest, f_rest = plan.block_layout(include_cols=False)
     extra = (p_all | f_all) & ~(p_rest | f_rest)
@@ -111,6 +140,7 @@ def test_gathered_keys_and_mask_give_reference_output_and_grads_float64(group):
     # so the gather's autograd (prefix + main gradients summed back into k, v; GQA expansion summed over
     # the group) is checked against the reference on the token mask.
     from torch.nn.attention.flex_attention import create_mask
+
     B, H, T = 2, 8, 75
     plan = handmade_plan(B, H, T, seed=5)
     q, k, v = make_inputs(B, H, H // group, T, dtype=torch.float64, seed=2)
@@ -136,6 +166,7 @@ def test_compiled_cpu_flex_visiting_only_listed_blocks_equals_reference(bs, tile
     # the listed blocks, as the GPU kernel does. Block 128, or blocks of 32 on CUDA's 128-token tiles
     # (flex_tile); ragged length, GQA 4, batch 2, float32.
     from torch.nn.attention.flex_attention import flex_attention
+
     pats = [SparsityPattern(**{**p.to_dict(), "block_size": bs}) for p in MIXED]
     B, H, T = 2, 8, 300
     q, k, v = make_inputs(B, H, 2, T, D=32, dtype=torch.float32, seed=4)
@@ -145,7 +176,9 @@ def test_compiled_cpu_flex_visiting_only_listed_blocks_equals_reference(bs, tile
     with torch.no_grad():
         # static shapes: a second compile in one process goes dynamic, and inductor's CPU flex template
         # then fails to build ("cur_qSplitSize5 was not declared", torch 2.13; each case alone compiles)
-        got = torch.compile(flex_attention, dynamic=False)(q, *gather_columns(k, v, slots), block_mask=bm)
+        got = torch.compile(flex_attention, dynamic=False)(
+            q, *gather_columns(k, v, slots), block_mask=bm
+        )
     want = plain_attention(q, k, v, plan.token_mask())
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
@@ -161,5 +194,9 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_flex_gathered_columns_on_gpu_meet_fa_criterion_fwd_bwd(name, group, T):
     # Compiled flex, block 128, dq, dk, dv: GQA groups 1 and 4, a length that is not a multiple of the block.
     big = vs(200, 300, last_q=64, bs=128)
-    pats = big if name == "vs" else [SparsityPattern(**{**p.to_dict(), "block_size": 128}) for p in MIXED]
+    pats = (
+        big
+        if name == "vs"
+        else [SparsityPattern(**{**p.to_dict(), "block_size": 128}) for p in MIXED]
+    )
     run_criterion(pats, "flex", B=2, H=8, Hk=8 // group, T=T, D=64, device="cuda")

@@ -1,6 +1,7 @@
 """DST on any model with default options, and compact DST state (dst.compact_state): bit-packed masks, a
 bf16 EMA score and AdamW moments for active weights only (training.optim.CompactAdamW) match the dense
 state at every active entry, resume bit-exactly through DCP, and cost <= 0.5x the bytes per masked weight."""
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -16,13 +17,25 @@ from moezoo.zoo import build_model
 
 def mlp(seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
+    return nn.Sequential(
+        nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5)
+    )
 
 
 def zoo_model(seed=0, tie=False):
     torch.manual_seed(seed)
-    return build_model(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
-                                   max_seq_len=32, tie_embeddings=tie))
+    return build_model(
+        ModelConfig(
+            vocab_size=64,
+            dim=32,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            ffn_hidden=64,
+            max_seq_len=32,
+            tie_embeddings=tie,
+        )
+    )
 
 
 def mlp_steps(model, opt, dst, steps, start=0):
@@ -39,15 +52,17 @@ def test_default_options_work_on_a_plain_torch_mlp():
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     dst = DynamicSparsity(model, opt, total_steps=20)
-    assert [t.name for t in dst.targets] == ["0.weight", "2.weight"]        # the last Linear is the head
+    assert [t.name for t in dst.targets] == ["0.weight", "2.weight"]  # the last Linear is the head
     mlp_steps(model, opt, dst, 20)
     st = dst.stats()
-    assert abs(st["density"] - 0.2) < 0.01 and torch.all(model[0].weight[~model[0].weight_mask] == 0)
+    assert abs(st["density"] - 0.2) < 0.01 and torch.all(
+        model[0].weight[~model[0].weight_mask] == 0
+    )
 
 
 def test_total_steps_is_needed_only_by_schedules_in_fractions_of_training():
     with pytest.raises(ConfigError) as e:
-        DynamicSparsity(mlp(), None)                        # default: cosine drop fraction until 75% of training
+        DynamicSparsity(mlp(), None)  # default: cosine drop fraction until 75% of training
     assert e.value.key == "dst.total_steps" and "\n" not in str(e.value)
     dst = DynamicSparsity(mlp(), None, drop_schedule="constant", stop_fraction=1.0, update_every=3)
     assert dst.schedule.is_update(3_000_000)
@@ -77,7 +92,9 @@ def test_bits_round_trip_on_odd_widths():
 def test_compact_state_needs_an_optimizer_it_can_wrap():
     model = mlp()
     with pytest.raises(ConfigError) as e:
-        DynamicSparsity(model, torch.optim.AdamW(model.parameters()), total_steps=10, compact_state=True)
+        DynamicSparsity(
+            model, torch.optim.AdamW(model.parameters()), total_steps=10, compact_state=True
+        )
     assert e.value.key == "dst.compact_state"
 
 
@@ -86,7 +103,9 @@ def _pair(opts, seed=0):
     out = []
     for compact in (False, True):
         model = mlp(seed)
-        opt = (CompactAdamW if compact else torch.optim.AdamW)(model.parameters(), lr=1e-2, weight_decay=0.1)
+        opt = (CompactAdamW if compact else torch.optim.AdamW)(
+            model.parameters(), lr=1e-2, weight_decay=0.1
+        )
         out.append((model, opt, DynamicSparsity(model, opt, compact_state=compact, **opts)))
     return out
 
@@ -144,16 +163,31 @@ def test_compact_state_resumes_bit_exactly_through_dcp(tmp_path):
 def _state_bytes(model, opt, dst):
     per = 0
     for t in dst.targets:
-        per += sum(v.numel() * v.element_size() for v in opt.state[t.param()].values() if v.dim() > 0)
-        per += sum(b.numel() * b.element_size() for b in map(t.buf, ("mask", "ever", "score")) if b is not None)
+        per += sum(
+            v.numel() * v.element_size() for v in opt.state[t.param()].values() if v.dim() > 0
+        )
+        per += sum(
+            b.numel() * b.element_size()
+            for b in map(t.buf, ("mask", "ever", "score"))
+            if b is not None
+        )
         c = getattr(opt, "_compact", {}).get(t.param())
-        if c is not None:                       # the gathered leaves hold storage only inside step()
-            per += c.idx.numel() * c.idx.element_size() + sum(x.untyped_storage().nbytes() for x in (c.leaf, c.leaf.grad))
+        if c is not None:  # the gathered leaves hold storage only inside step()
+            per += c.idx.numel() * c.idx.element_size() + sum(
+                x.untyped_storage().nbytes() for x in (c.leaf, c.leaf.grad)
+            )
     return per / sum(t.numel for t in dst.targets)
 
 
 def test_compact_state_costs_at_most_half_the_bytes_per_masked_weight_at_20_percent_density():
-    opts = dict(sparsity=0.8, distribution="uniform", update_every=2, total_steps=4, stop_fraction=1.0, grad_ema=0.9)
+    opts = dict(
+        sparsity=0.8,
+        distribution="uniform",
+        update_every=2,
+        total_steps=4,
+        stop_fraction=1.0,
+        grad_ema=0.9,
+    )
     (rm, ro, rd), (cm, co, cd) = _pair(opts)
     mlp_steps(rm, ro, rd, 3)
     mlp_steps(cm, co, cd, 3)
@@ -163,8 +197,15 @@ def test_compact_state_costs_at_most_half_the_bytes_per_masked_weight_at_20_perc
 
 def test_default_targets_on_a_hf_llama_skip_embeddings_and_lm_head():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     dst = DynamicSparsity(model, None, total_steps=10)

@@ -5,6 +5,7 @@ runs the single-process layer on all tokens as the reference, then the EP layer 
 the P ranks) on its own uneven slice of tokens, and compares: its output rows, its input gradient, the
 gradient of its local experts, and the all-reduced router gradient (float32, 1e-5).
 """
+
 import copy
 
 import pytest
@@ -14,14 +15,14 @@ import torch.distributed as dist
 from moezoo.layers import MoE
 from moezoo.layers.moe.expert_parallel import shard_experts
 
-from helpers import spawn   # forks P gloo ranks
+from helpers import spawn  # forks P gloo ranks
 
-D, H, E = 16, 24, 12   # 12 experts split over 2, 3 and 4 ranks
+D, H, E = 16, 24, 12  # 12 experts split over 2, 3 and 4 ranks
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
 def _tokens_per_rank(world):
-    return [3 + 4 * r for r in range(world)]   # uneven: 3, 7, 11, 15
+    return [3 + 4 * r for r in range(world)]  # uneven: 3, 7, 11, 15
 
 
 def _make_moe(scenario, top_k):
@@ -61,12 +62,12 @@ def _check_ep_matches_single_process(rank, world, scenario, top_k):
 
     routed = ref.stats["tokens_per_expert"]
     if scenario == "one_expert":
-        assert routed[0] == sum(counts) and routed[top_k:].sum() == 0   # experts with no tokens
+        assert routed[0] == sum(counts) and routed[top_k:].sum() == 0  # experts with no tokens
     torch.testing.assert_close(y, y_ref[sl].detach(), **TOL)
     torch.testing.assert_close(x.grad, xr.grad[sl], **TOL)
     for name in ("w1", "w2", "w3"):
         mine = getattr(ep.experts, name).grad
-        want = getattr(ref.experts, name).grad[rank * L:(rank + 1) * L]
+        want = getattr(ref.experts, name).grad[rank * L : (rank + 1) * L]
         torch.testing.assert_close(mine, want, **TOL)
     gate = ep.gate.weight.grad.clone()
     dist.all_reduce(gate)

@@ -1,4 +1,5 @@
 """layers.MoE against an independent per-token loop (float32, CPU): outputs, gradients, losses, noise, bias."""
+
 import math
 
 import pytest
@@ -19,7 +20,7 @@ def close(a, b):
 def make_moe(dim=12, hidden=10, E=6, K=2, seed=0, **kw):
     torch.manual_seed(seed)
     m = MoE(dim, hidden, E, K, **kw)
-    with torch.no_grad():                      # fresh random values everywhere (no zero init)
+    with torch.no_grad():  # fresh random values everywhere (no zero init)
         for p in m.parameters():
             p.normal_(0, 0.5)
         if hasattr(m, "expert_bias"):
@@ -97,10 +98,15 @@ def check_against_loop(m, T=13, noisy_seed=None):
     return m
 
 
-ROUTERS = [dict(router="softmax"), dict(router="softmax", softmax_before_topk=True),
-           dict(router="softmax", norm_topk=False), dict(router="sigmoid"),
-           dict(router="sigmoid", norm_topk=False), dict(router="switch", K=1),
-           dict(router="noisy_topk")]
+ROUTERS = [
+    dict(router="softmax"),
+    dict(router="softmax", softmax_before_topk=True),
+    dict(router="softmax", norm_topk=False),
+    dict(router="sigmoid"),
+    dict(router="sigmoid", norm_topk=False),
+    dict(router="switch", K=1),
+    dict(router="noisy_topk"),
+]
 
 
 @pytest.mark.parametrize("kw", ROUTERS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
@@ -123,7 +129,7 @@ def test_shared_experts_with_sigmoid_gate_equal_loop():
 
 def test_experts_receiving_no_token_are_fine_and_get_zero_grad():
     m = make_moe(E=8, K=2)
-    check_against_loop(m, T=3)                 # 6 assignments over 8 experts: some get nothing
+    check_against_loop(m, T=3)  # 6 assignments over 8 experts: some get nothing
     x = torch.randn(3, m.dim)
     m(x).sum().backward()
     idle = m.stats["tokens_per_expert"] == 0
@@ -191,7 +197,7 @@ def test_zero_coefficients_give_a_zero_aux_loss():
 def test_bias_balancing_lowers_imbalance_on_a_skewed_stream(router):
     torch.manual_seed(0)
     m = MoE(16, 8, 8, 2, router=router, bias_update_rate=1e-3)
-    skew = torch.randn(16) * 2.0                # a shared direction: the stream prefers a few experts
+    skew = torch.randn(16) * 2.0  # a shared direction: the stream prefers a few experts
 
     def imbalance():
         with torch.no_grad():
@@ -228,13 +234,22 @@ def test_bias_changes_selection_only_not_weights():
     torch.testing.assert_close(w, torch.sigmoid(logits).gather(-1, idx))
 
 
-@pytest.mark.parametrize("kw,key", [
-    (dict(top_k=7), "moe.top_k"), (dict(top_k=0), "moe.top_k"), (dict(num_experts=0), "moe.num_experts"),
-    (dict(hidden_dim=0), "moe.hidden_dim"), (dict(dim=-1), "moe.dim"),
-    (dict(capacity_factor=0.0), "moe.capacity_factor"), (dict(router="expert_choice"), "moe.router"),
-    (dict(backend="cutlass"), "moe.backend"), (dict(aux_loss_coef=-1.0), "moe.aux_loss_coef"),
-    (dict(router="switch", top_k=2), "moe.top_k"), (dict(shared_experts=-1), "moe.shared_experts"),
-])
+@pytest.mark.parametrize(
+    "kw,key",
+    [
+        (dict(top_k=7), "moe.top_k"),
+        (dict(top_k=0), "moe.top_k"),
+        (dict(num_experts=0), "moe.num_experts"),
+        (dict(hidden_dim=0), "moe.hidden_dim"),
+        (dict(dim=-1), "moe.dim"),
+        (dict(capacity_factor=0.0), "moe.capacity_factor"),
+        (dict(router="expert_choice"), "moe.router"),
+        (dict(backend="cutlass"), "moe.backend"),
+        (dict(aux_loss_coef=-1.0), "moe.aux_loss_coef"),
+        (dict(router="switch", top_k=2), "moe.top_k"),
+        (dict(shared_experts=-1), "moe.shared_experts"),
+    ],
+)
 def test_bad_values_raise_config_error_naming_the_key(kw, key):
     args = dict(dim=8, hidden_dim=8, num_experts=4, top_k=2)
     args.update(kw)
@@ -248,6 +263,7 @@ def test_experts_that_do_not_split_over_the_ep_ranks_raise_config_error():
     class FiveRanks:
         def size(self):
             return 5
+
     with pytest.raises(ConfigError) as e:
         MoE(8, 8, 12, 2, ep_group=FiveRanks())
     assert e.value.key == "moe.num_experts" and "\n" not in str(e.value)
@@ -255,6 +271,7 @@ def test_experts_that_do_not_split_over_the_ep_ranks_raise_config_error():
 
 def test_unknown_expert_activation_raises_config_error_naming_the_key():
     from moezoo.layers.moe.experts import GroupedExperts
+
     with pytest.raises(ConfigError) as e:
         GroupedExperts(4, 8, 8, activation="gelu")
     assert e.value.key == "activation" and "\n" not in str(e.value)
@@ -262,6 +279,7 @@ def test_unknown_expert_activation_raises_config_error_naming_the_key():
 
 def test_megablocks_backend_without_megablocks_raises_config_error():
     import importlib.util
+
     if importlib.util.find_spec("megablocks") is not None:
         pytest.skip("megablocks is installed")
     with pytest.raises(ConfigError) as e:
@@ -280,6 +298,7 @@ def test_init_weights_uses_out_std_for_down_projections():
 def test_moe_presets_build_with_the_documented_sizes():
     from moezoo.configs import load_config
     from moezoo.zoo import build_model
+
     cfg = load_config("zoo/moe_65b.yaml")
     m = cfg.model
     assert (m.n_layers, m.dim, m.n_heads, m.vocab_size) == (80, 8192, 64, 32000)
@@ -298,6 +317,7 @@ def test_moe_presets_build_with_the_documented_sizes():
 
 def test_dropless_plan_shortcut_equals_the_general_plan_and_sorts_stably():
     from moezoo.layers.moe.experts import make_plan
+
     idx = torch.stack([torch.randperm(6)[:3] for _ in range(17)])
     fast, general = make_plan(idx, 6), make_plan(idx, 6, capacity=17 * 3)
     assert fast.dense and not general.dense
@@ -306,8 +326,8 @@ def test_dropless_plan_shortcut_equals_the_general_plan_and_sorts_stably():
     flat_inv, flat_e = fast.inv.reshape(-1).long(), idx.reshape(-1)
     by_row = torch.empty_like(flat_e)
     by_row[flat_inv] = flat_e
-    assert torch.all(by_row[1:] >= by_row[:-1])            # rows grouped by expert
-    for e in range(6):                                      # earlier assignments first within an expert
+    assert torch.all(by_row[1:] >= by_row[:-1])  # rows grouped by expert
+    for e in range(6):  # earlier assignments first within an expert
         rows = flat_inv[flat_e == e]
         assert torch.all(rows[1:] > rows[:-1])
 
@@ -328,11 +348,15 @@ def test_under_autocast_the_experts_get_the_autocast_dtype_from_a_float32_residu
 
 
 @pytest.mark.parametrize("low_precision_router", [True, False])
-def test_under_autocast_routing_reads_the_bf16_copy_only_with_low_precision_router(low_precision_router):
+def test_under_autocast_routing_reads_the_bf16_copy_only_with_low_precision_router(
+    low_precision_router,
+):
     """low_precision_router (default): the router reads the autocast-dtype copy, as the experts do, so its
     logits, losses and stats are the float32 ones of the bf16-rounded input. Off: those of the float32
     residual itself."""
-    moe = make_moe(dim=32, hidden=48, E=4, K=2, z_loss_coef=1e-2, low_precision_router=low_precision_router)
+    moe = make_moe(
+        dim=32, hidden=48, E=4, K=2, z_loss_coef=1e-2, low_precision_router=low_precision_router
+    )
     x = torch.randn(2, 8, 32)
     moe(x.bfloat16().float() if low_precision_router else x)
     want = moe.aux_loss.detach().clone(), dict(moe.stats)
@@ -343,15 +367,23 @@ def test_under_autocast_routing_reads_the_bf16_copy_only_with_low_precision_rout
         assert torch.equal(moe.stats[k], v), k
 
 
-@pytest.mark.parametrize("make", [lambda: MoE(32, 48, 4, 2, backend="torch"),
-                                  lambda: NeuronRoutedFFN(32, 64, 8, 2, backend="torch")], ids=["moe", "neuron"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: MoE(32, 48, 4, 2, backend="torch"),
+        lambda: NeuronRoutedFFN(32, 64, 8, 2, backend="torch"),
+    ],
+    ids=["moe", "neuron"],
+)
 def test_a_compiled_block_does_not_recompile_on_its_second_call(make):
     # The backend is resolved when the weights are made or moved: resolved at the first forward, it was a
     # module mutation that failed the graph's guard `_backend is None`, and the second call recompiled.
     torch._dynamo.reset()
     torch.manual_seed(0)
     block = torch.nn.Sequential(torch.nn.Linear(32, 32), make())
-    block.compile(dynamic=False, backend="eager")   # the guards are dynamo's: no inductor codegen needed
+    block.compile(
+        dynamic=False, backend="eager"
+    )  # the guards are dynamo's: no inductor codegen needed
     x = torch.randn(16, 32)
     want = block(x)
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -367,20 +399,25 @@ def test_a_compiled_block_on_the_loop_backend_does_not_recompile_when_the_expert
     block.compile(dynamic=False, backend="eager")
     xs = [torch.randn(16, 32) for _ in range(3)]
     ys, counts = [], []
-    with torch._dynamo.config.patch(error_on_recompile=True):     # the first call compiles, no later one
+    with torch._dynamo.config.patch(
+        error_on_recompile=True
+    ):  # the first call compiles, no later one
         for x in xs:
             ys.append(block(x))
             counts.append(tuple(block[1].stats["tokens_per_expert"].tolist()))
-    assert len(set(counts)) > 1, counts                   # the batches did route differently
+    assert len(set(counts)) > 1, counts  # the batches did route differently
     torch.testing.assert_close(ys[0], block(xs[0]))
 
 
-@pytest.mark.parametrize("make", [lambda: MoE(32, 48, 4, 2), lambda: NeuronRoutedFFN(32, 64, 8, 2)],
-                         ids=["moe", "neuron"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: MoE(32, 48, 4, 2), lambda: NeuronRoutedFFN(32, 64, 8, 2)],
+    ids=["moe", "neuron"],
+)
 def test_the_backend_follows_the_weights_device_from_construction_and_to_empty(make):
-    assert make()._backend == "reference"                    # auto on CPU, resolved before any forward
+    assert make()._backend == "reference"  # auto on CPU, resolved before any forward
     with torch.device("meta"):
         m = make()
-    assert m._backend is None                                # meta weights: left to the first forward
-    m.to_empty(device="cpu")                                 # moving the weights resolves it (Module._apply)
+    assert m._backend is None  # meta weights: left to the first forward
+    m.to_empty(device="cpu")  # moving the weights resolves it (Module._apply)
     assert m._backend == "reference" and m.experts.backend == "loop"

@@ -1,5 +1,6 @@
 """One source of truth for MoE / NeuronRoutedFFN options: the config dataclass; the layers take ``cfg``
 plus keyword overrides and keep their own copy, so speed switches are per instance."""
+
 import dataclasses
 
 import pytest
@@ -11,7 +12,11 @@ from moezoo.layers import MoE, NeuronRoutedFFN
 
 def test_keywords_and_cfg_build_the_same_layer_and_overrides_win():
     a = MoE(16, 24, 6, 3, router="sigmoid", aux_loss_coef=0.0)
-    b = MoE(16, cfg=MoEConfig(hidden_dim=24, num_experts=6, top_k=2, router="sigmoid", aux_loss_coef=0.0), top_k=3)
+    b = MoE(
+        16,
+        cfg=MoEConfig(hidden_dim=24, num_experts=6, top_k=2, router="sigmoid", aux_loss_coef=0.0),
+        top_k=3,
+    )
     assert a.cfg == b.cfg
     assert (b.num_experts, b.top_k, b.hidden_dim) == (6, 3, 24)
     assert b.experts.w1.shape == (6, 24, 16) and hasattr(b, "expert_bias")
@@ -44,8 +49,17 @@ def test_unknown_keyword_raises_type_error_and_missing_hidden_dim_config_error()
     assert e.value.key == "moe.group_align"
 
 
-@pytest.mark.parametrize("switch", [dict(fold_weights=False), dict(fuse_permute=False), dict(group_align=4),
-                                    dict(low_precision_router=False), dict(compile_routing=None)], ids=str)
+@pytest.mark.parametrize(
+    "switch",
+    [
+        dict(fold_weights=False),
+        dict(fuse_permute=False),
+        dict(group_align=4),
+        dict(low_precision_router=False),
+        dict(compile_routing=None),
+    ],
+    ids=str,
+)
 def test_speed_switches_do_not_change_the_reference_path(switch):
     torch.manual_seed(0)
     a = MoE(16, 24, 6, 2, capacity_factor=0.9)
@@ -56,5 +70,7 @@ def test_speed_switches_do_not_change_the_reference_path(switch):
 
 
 def test_neuron_cfg_with_overrides():
-    m = NeuronRoutedFFN(8, 32, cfg=NeuronConfig(num_groups=8, top_k_groups=2, activation="relu2"), top_k_groups=4)
+    m = NeuronRoutedFFN(
+        8, 32, cfg=NeuronConfig(num_groups=8, top_k_groups=2, activation="relu2"), top_k_groups=4
+    )
     assert (m.num_groups, m.top_k_groups, m.activation, m.experts.w3) == (8, 4, "relu2", None)

@@ -1,6 +1,7 @@
 """MoE fast paths on CPU: the compiled routing stage equals the eager one (values, plan, stats, router
 gradients), and the grouped experts path equals the per-expert loop (torch._grouped_mm runs on CPU in float32 and
 bfloat16)."""
+
 import pytest
 import torch
 
@@ -15,21 +16,39 @@ from helpers import grouped_grads_eager_and_compiled
 BACKEND = "aot_eager"
 
 
-SPECS = [dict(router="softmax"), dict(router="softmax", softmax_before_topk=True, capacity=9, row_weights=True),
-         dict(router="sigmoid", align=4, row_weights=True), dict(router="switch", top_k=1, capacity=20),
-         dict(router="softmax", local_balance=False, row_weights=True)]
+SPECS = [
+    dict(router="softmax"),
+    dict(router="softmax", softmax_before_topk=True, capacity=9, row_weights=True),
+    dict(router="sigmoid", align=4, row_weights=True),
+    dict(router="switch", top_k=1, capacity=20),
+    dict(router="softmax", local_balance=False, row_weights=True),
+]
 
 
 @pytest.mark.parametrize("kw", SPECS, ids=str)
 def test_compiled_routing_stage_equals_eager_values_plan_stats_and_gradients(kw):
     torch.manual_seed(0)
-    args = dict(router="softmax", top_k=2, softmax_before_topk=False, norm_topk=True, num_experts=6,
-                aux_loss_coef=0.01, z_loss_coef=0.001, capacity=None, align=1, local_balance=True, plan=True)
+    args = dict(
+        router="softmax",
+        top_k=2,
+        softmax_before_topk=False,
+        norm_topk=True,
+        num_experts=6,
+        aux_loss_coef=0.01,
+        z_loss_coef=0.001,
+        capacity=None,
+        align=1,
+        local_balance=True,
+        plan=True,
+    )
     args.update(kw)
     spec = RoutingSpec(**args)
     logits = torch.randn(40, 6, requires_grad=True)
     bias = torch.randn(6) * 0.1 if spec.router == "sigmoid" else None
-    got, want = compiled_routing_stage(BACKEND, spec)(logits, bias, spec), routing_stage(logits, bias, spec)
+    got, want = (
+        compiled_routing_stage(BACKEND, spec)(logits, bias, spec),
+        routing_stage(logits, bias, spec),
+    )
     torch.testing.assert_close(got.indices, want.indices, rtol=0, atol=0)
     torch.testing.assert_close(got.routed, want.routed, rtol=0, atol=0)
     for a, b in zip(got.plan_tensors, want.plan_tensors):
@@ -41,11 +60,11 @@ def test_compiled_routing_stage_equals_eager_values_plan_stats_and_gradients(kw)
     if spec.row_weights:
         torch.testing.assert_close(got.row_weights, want.row_weights)
         inv = want.plan_tensors[0]
-        for (t, j) in zip(*torch.nonzero(inv >= 0, as_tuple=True)):   # each kept assignment's row
+        for t, j in zip(*torch.nonzero(inv >= 0, as_tuple=True)):  # each kept assignment's row
             assert want.row_weights[inv[t, j]] == want.weights[t, j]
         used = torch.zeros(want.row_weights.shape[0], dtype=torch.bool)
         used[inv[inv >= 0].long()] = True
-        assert torch.all(want.row_weights[~used] == 0)                 # padding / unused rows
+        assert torch.all(want.row_weights[~used] == 0)  # padding / unused rows
     gr = torch.randn(want.row_weights.shape) if spec.row_weights else None
 
     def loss(r):
@@ -54,12 +73,21 @@ def test_compiled_routing_stage_equals_eager_values_plan_stats_and_gradients(kw)
             extra = extra + (r.row_weights * gr).sum()
         return (r.weights * g).sum() + r.aux_loss + extra
 
-    torch.testing.assert_close(torch.autograd.grad(loss(got), logits)[0],
-                               torch.autograd.grad(loss(want), logits)[0])
+    torch.testing.assert_close(
+        torch.autograd.grad(loss(got), logits)[0], torch.autograd.grad(loss(want), logits)[0]
+    )
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(capacity_factor=0.6), dict(router="sigmoid", bias_update_rate=1e-3),
-                                dict(router="noisy_topk")], ids=str)
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(capacity_factor=0.6),
+        dict(router="sigmoid", bias_update_rate=1e-3),
+        dict(router="noisy_topk"),
+    ],
+    ids=str,
+)
 def test_moe_with_compiled_routing_equals_moe_with_eager_routing(kw, monkeypatch):
     torch.manual_seed(0)
     eager = MoE(16, 24, 6, 2, z_loss_coef=1e-3, **kw)
@@ -69,10 +97,15 @@ def test_moe_with_compiled_routing_equals_moe_with_eager_routing(kw, monkeypatch
     g = torch.randn(13, 16)
     outs = []
     for m, compiled in ((eager, False), (fast, True)):
-        monkeypatch.setattr(moe_module, "routing_fn", lambda device, backend, spec, compiled=compiled:
-                            compiled_routing_stage(BACKEND, spec) if compiled else routing_stage)
+        monkeypatch.setattr(
+            moe_module,
+            "routing_fn",
+            lambda device, backend, spec, compiled=compiled: (
+                compiled_routing_stage(BACKEND, spec) if compiled else routing_stage
+            ),
+        )
         xi = x.clone().requires_grad_()
-        torch.manual_seed(1)                       # same gating noise in both
+        torch.manual_seed(1)  # same gating noise in both
         y = m(xi)
         ((y * g).sum() + m.aux_loss).backward()
         outs.append((y, xi.grad, [p.grad for p in m.parameters()], m.stats, m.aux_parts))
@@ -115,14 +148,19 @@ def test_grouped_experts_equal_the_per_expert_loop_in_float32(row_scale):
     got = run_experts(ex, ex._grouped, xs, dy, counts, scale)
     for name, a, b in zip(["y", "dx", "dw1", "dw2", "dw3", "dscale"], got, loop):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
-    assert torch.count_nonzero(ex.w1.grad[1]) == 0 and torch.count_nonzero(ex.w3.grad[1]) == 0  # no rows
+    assert (
+        torch.count_nonzero(ex.w1.grad[1]) == 0 and torch.count_nonzero(ex.w3.grad[1]) == 0
+    )  # no rows
 
 
 def test_grouped_experts_in_bfloat16_are_within_twice_the_bfloat16_loop_error():
     import copy
-    ex32, xs, dy, counts = experts_and_inputs(torch.float32, D=64, H=96, counts=(40, 0, 90, 30, 10, 120))
+
+    ex32, xs, dy, counts = experts_and_inputs(
+        torch.float32, D=64, H=96, counts=(40, 0, 90, 30, 10, 120)
+    )
     ex = copy.deepcopy(ex32).to(torch.bfloat16)
-    ex32.load_state_dict(ex.state_dict())               # the same bf16-representable weights in both
+    ex32.load_state_dict(ex.state_dict())  # the same bf16-representable weights in both
     xs, dy = xs.bfloat16(), dy.bfloat16()
     want = run_experts(ex32, ex32._loop, xs.float(), dy.float(), counts)
     loop = run_experts(ex, ex._loop, xs, dy, counts)
@@ -130,6 +168,7 @@ def test_grouped_experts_in_bfloat16_are_within_twice_the_bfloat16_loop_error():
 
     def rel(a, b):
         return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
     for name, g, p, w in zip(["y", "dx", "dw1", "dw2", "dw3"], grouped, loop, want):
         assert g.dtype == torch.bfloat16
         assert rel(g, w) <= 2 * rel(p, w) + 1e-6, name
@@ -146,7 +185,16 @@ def test_grouped_moe_path_on_cpu_equals_the_reference_path(fold, capacity_factor
     # combine, the permute / unpermute / combine ops (their torch bodies off CUDA).
     torch.manual_seed(0)
     ref = MoE(16, 24, 6, 2, capacity_factor=capacity_factor, z_loss_coef=1e-3, backend="torch")
-    fast = MoE(16, 24, 6, 2, capacity_factor=capacity_factor, z_loss_coef=1e-3, backend="torch", fold_weights=fold)
+    fast = MoE(
+        16,
+        24,
+        6,
+        2,
+        capacity_factor=capacity_factor,
+        z_loss_coef=1e-3,
+        backend="torch",
+        fold_weights=fold,
+    )
     fast.load_state_dict(ref.state_dict())
     fast._backend = "grouped"
     x = torch.randn(21, 16, requires_grad=True)
@@ -165,6 +213,7 @@ def test_grouped_moe_path_on_cpu_equals_the_reference_path(fold, capacity_factor
 def test_swiglu_backward_cpu_fallback_returns_float32_dscale_as_its_fake_says(monkeypatch):
     """The closed-form CPU fallback (no Triton) agrees with the registered fake for any scale dtype."""
     from moezoo.kernels.moe_swiglu import swiglu_backward
+
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     a, b, dh = (torch.randn(5, 24, dtype=torch.bfloat16) for _ in range(3))
     scale = torch.rand(5, dtype=torch.bfloat16)
@@ -172,7 +221,9 @@ def test_swiglu_backward_cpu_fallback_returns_float32_dscale_as_its_fake_says(mo
     torch.library.opcheck(swiglu_backward, (dh, a, b, scale))
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")   # rows past the last group
+@pytest.mark.filterwarnings(
+    "ignore:overflow encountered:RuntimeWarning"
+)  # rows past the last group
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("align", [1, 4])
 def test_compiled_experts_with_the_fused_permute_equal_eager(align):

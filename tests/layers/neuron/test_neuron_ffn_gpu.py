@@ -1,6 +1,7 @@
 """NeuronRoutedFFN's CUDA path as the trainer runs it (float32 parameters under bf16 autocast: the grouped
 experts and the router on the autocast copy through kernels.router_matmul) against the float32 torch
 backend on the same values, sparse and dense mode; skipped without CUDA."""
+
 import pytest
 import torch
 
@@ -29,9 +30,11 @@ def run(m, x, dy, autocast):
 def test_grouped_path_under_bf16_autocast_matches_float32_reference(sparse, activation):
     D, H, G, K, T = 256, 1024, 16, 4, 768
     torch.manual_seed(0)
-    ref = NeuronRoutedFFN(D, H, G, K, backend="torch", activation=activation, low_precision_router=False).cuda()
+    ref = NeuronRoutedFFN(
+        D, H, G, K, backend="torch", activation=activation, low_precision_router=False
+    ).cuda()
     fast = NeuronRoutedFFN(D, H, G, K, backend="grouped", activation=activation).cuda()
-    with torch.no_grad():                      # values bf16 can hold: both models route the same tokens
+    with torch.no_grad():  # values bf16 can hold: both models route the same tokens
         for p in ref.parameters():
             p.normal_(std=0.05).copy_(p.bfloat16().float())
     fast.load_state_dict(ref.state_dict())
@@ -43,11 +46,16 @@ def test_grouped_path_under_bf16_autocast_matches_float32_reference(sparse, acti
     assert yf.dtype == torch.bfloat16
     assert rel(yf, yr) < 2e-2 and rel(dxf, dxr) < 2e-2
     for (name, pr), pf in zip(ref.named_parameters(), fast.parameters()):
-        if name == "router.weight" and sparse:    # the router takes no gradient from a sparse step, only a zero one
+        if (
+            name == "router.weight" and sparse
+        ):  # the router takes no gradient from a sparse step, only a zero one
             assert pf.grad is not None and not pf.grad.any()
         else:
             assert rel(pf.grad, pr.grad) < 3e-2, name
     if sparse:
         torch.testing.assert_close(fast.stats["tokens_per_group"], ref.stats["tokens_per_group"])
     else:
-        assert abs(fast.router_stats["router_loss"].item() - ref.router_stats["router_loss"].item()) < 1e-2
+        assert (
+            abs(fast.router_stats["router_loss"].item() - ref.router_stats["router_loss"].item())
+            < 1e-2
+        )
