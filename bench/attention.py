@@ -68,6 +68,7 @@ from moezoo.configs import exit_code  # noqa: E402
 from moezoo.configs.attention import FLEX_KERNELS  # noqa: E402
 from moezoo.configs.errors import choice_list, int_list  # noqa: E402
 from moezoo.layers import RotaryEmbedding, SparsityPattern, apply_rotary, sparse_attention  # noqa: E402
+from moezoo.layers.attention import flex as sa_mod  # noqa: E402
 from moezoo.layers.attention.compressed import (
     compress_heads,
     compressed_attention,
@@ -77,8 +78,6 @@ from moezoo.layers.attention.module import put_heads, take_heads  # noqa: E402
 from moezoo.layers.attention.pattern import head_patterns  # noqa: E402
 from moezoo.layers.attention.plan import plan_pattern  # noqa: E402
 from moezoo.layers.attention.selection import index_tensor  # noqa: E402
-
-from moezoo.layers.attention import flex as sa_mod  # noqa: E402
 
 H, HK, D, BS = 32, 8, 128, 128
 PATTERNS = {

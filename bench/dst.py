@@ -28,9 +28,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from moezoo.configs import ModelConfig  # noqa: E402
+from moezoo.kernels.semi_sparse_linear import SemiSparseLinear  # noqa: E402
 from moezoo.layers import DynamicSparsity  # noqa: E402
 from moezoo.layers.dst.masks import transposable_nm_select  # noqa: E402
-from moezoo.kernels.semi_sparse_linear import SemiSparseLinear  # noqa: E402
 from moezoo.training.optim import CompactAdamW  # noqa: E402
 from moezoo.zoo import build_model  # noqa: E402
 

@@ -39,10 +39,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from moezoo.configs import exit_code  # noqa: E402
 from moezoo.configs.errors import check, check_choice, choice_list  # noqa: E402
-from moezoo.layers import MoE  # noqa: E402
-from moezoo.layers.moe import experts as moe_experts  # noqa: E402
 from moezoo.kernels import grouped_wgrad  # noqa: E402
 from moezoo.kernels.moe_swiglu import swiglu_reference  # noqa: E402
+from moezoo.layers import MoE  # noqa: E402
+from moezoo.layers.moe import experts as moe_experts  # noqa: E402
 
 SHAPES = {  # T tokens, D model dim, H expert hidden, E experts, K top-k
     "mixtral": dict(T=16384, D=4096, H=14336, E=8, K=2),

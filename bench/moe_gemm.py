@@ -62,7 +62,7 @@ def load_quack():
         try:
             return original(value, seen, *args, **kw)
         except TypeError as e:
-            if "fail-closed semantic key" not in str(e) or "{!r}".format(value) not in str(e):
+            if "fail-closed semantic key" not in str(e) or f"{value!r}" not in str(e):
                 raise  # not about this value (children come through key): a real error
             return (
                 "opaque",

@@ -26,9 +26,10 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from moezoo.layers import MoE  # noqa: E402
 from moe import SHAPES, zero_grads  # noqa: E402  (bench/moe.py)
 from moe import fwd_bwd as moe_fwd_bwd  # noqa: E402
+
+from moezoo.layers import MoE  # noqa: E402
 
 
 def main():

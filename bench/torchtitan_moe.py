@@ -115,6 +115,7 @@ def _torch_211_stand_in():
     multi-GPU wrapping; the one-GPU model here never builds one. On an older torch (the H200 image has
     2.11) a stand-in dataclass lets its model code import; only this bench process sees it."""
     import dataclasses
+
     import torch.distributed.fsdp as fsdp
 
     if not hasattr(fsdp, "DataParallelMeshDims"):
@@ -299,6 +300,7 @@ def train(name, build, s, args, plan) -> dict:
     if after_step is None:  # torchtitan's aux-free bias update, through its optimizer hook
         try:
             import types
+
             from torchtitan.components.optimizer import register_moe_load_balancing_hook
 
             one_gpu = types.SimpleNamespace(

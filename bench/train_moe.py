@@ -70,18 +70,17 @@ import os
 import shutil
 import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.timing import StepTimes  # noqa: E402
 from moezoo.configs import ConfigError, exit_code, load_config  # noqa: E402
 from moezoo.configs.errors import check  # noqa: E402
-from moezoo.training.profile import format_summary  # noqa: E402
-from bench.timing import StepTimes  # noqa: E402
 from moezoo.kernels import grouped_wgrad  # noqa: E402
+from moezoo.training.profile import format_summary  # noqa: E402
 
 BACKBONE = [
     "model.dim=512",
@@ -395,8 +394,8 @@ def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
     most ``steps``, a bound), the LR on TimeSchedule; a step is steady when it takes up to twice ``step_s``,
     the probe's settled step (the clock runs during the run; the run's own median is known at its end).
     """
-    from moezoo.training.loop import Trainer
     from moezoo.layers import NeuronSchedule
+    from moezoo.training.loop import Trainer
 
     dev = args.device
     profile = [f"logging.profile_at={args.profile_at}"] if args.profile_at else []

@@ -7,7 +7,7 @@ layers.SparsityPattern gives them meaning. Semantics are in DESIGN.md.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 from .errors import ConfigError, check, check_choice
 from .ranges import assign_ranges, parse_range
@@ -190,7 +190,7 @@ class AttentionConfig:
     backend: str = "auto"
     # "<layers>:<heads>" -> pattern dict, e.g. {"0-3:*": {type: a_shape, sinks: 64, window: 1024}}.
     # Unlisted layers/heads are dense. A key without ":" means all heads of those layers.
-    patterns: Dict[str, Any] = field(default_factory=dict)
+    patterns: dict[str, Any] = field(default_factory=dict)
     minference_json: Optional[str] = (
         None  # MInference per-head pattern file, applied under `patterns`
     )
@@ -200,7 +200,7 @@ class AttentionConfig:
     # FlexAttention kernel per layer: auto | triton | flash (FA4 through flex, Hopper/Blackwell), and
     # Triton tile options passed to every flex call of these layers (e.g. {BLOCK_M: 128, num_stages: 3}).
     flex_kernel: str = "auto"
-    kernel_options: Dict[str, Any] = field(default_factory=dict)
+    kernel_options: dict[str, Any] = field(default_factory=dict)
     # SSMax (Nakanishi 2025, "Scalable-Softmax"): every query at position p is multiplied by
     # max(0, 1 + s_h * log(p + 1)), s_h learned per head and zero at init (plain softmax until training moves
     # it), meant to keep a head as sharp over 16k keys as over 1k (the 16k runs learned s < 0 instead:

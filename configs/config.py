@@ -33,7 +33,7 @@ class Config:
     def checkpoint_dir(self) -> str:
         return self.checkpoint.dir or f"{self.out_dir}/checkpoints"
 
-    def validate(self) -> "Config":
+    def validate(self) -> Config:
         check(bool(self.name), "name", "must be a non-empty string")
         self.model.validate()
         if (

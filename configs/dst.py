@@ -7,7 +7,7 @@ takes this dataclass plus keyword overrides of its fields, and the YAML ``dst:``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Optional
 
 from .errors import check, check_choice
 
@@ -34,7 +34,7 @@ class DSTConfig:
     stop_fraction: float = 0.75  # no mask updates after this fraction of training
     grad_ema: Optional[float] = None  # a in a*|g| + (1-a)*S_prev; None = plain |g| (RigL)
     granularity: str = "unstructured"  # unstructured | block | nm
-    block: List[int] = field(default_factory=lambda: [1, 1024])  # block shape for granularity=block
+    block: list[int] = field(default_factory=lambda: [1, 1024])  # block shape for granularity=block
     n: int = 2  # N:M
     m: int = 4
     transposable: bool = False  # N:M on W and W^T
@@ -44,8 +44,8 @@ class DSTConfig:
     # every >= 3-D stacked-expert weight except embeddings and the output head (layers.dst.targets); a list:
     # every >= 2-D parameter matching one. Names matching exclude (routers and the compressed-attention branch
     # gates, by default: gates, not features) are never masked.
-    include: Optional[List[str]] = None
-    exclude: List[str] = field(
+    include: Optional[list[str]] = None
+    exclude: list[str] = field(
         default_factory=lambda: [
             "*.gate.weight",
             "*.noise.weight",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
 
 from .errors import check
 
@@ -12,7 +11,7 @@ from .errors import check
 class EvalConfig:
     # Passkey retrieval (needle in a haystack of validation text) at these lengths, at every validation
     # (train.eval_every) and from ``train.py --config X --resume --eval passkey``; empty = off.
-    passkey_lengths: List[int] = field(default_factory=list)
+    passkey_lengths: list[int] = field(default_factory=list)
     passkey_samples: int = 10  # per length; needle depths spread evenly from the start to the end
 
     def validate(self, max_seq_len: int, key: str = "eval") -> None:

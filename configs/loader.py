@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
-from typing import Iterable, Optional
+from collections.abc import Iterable
+from typing import Optional
 
 import yaml
 from omegaconf import OmegaConf

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Optional
 
 from .attention import AttentionConfig
-from .mla import MLAConfig
 from .errors import check, check_choice, check_positive
+from .mla import MLAConfig
 from .moe import MoEConfig
 from .neuron import NeuronConfig
 from .ranges import assign_ranges
@@ -97,7 +97,7 @@ class ModelConfig:
     mla: MLAConfig = field(default_factory=MLAConfig)
     init_std: float = 0.02
     ffn: str = "dense"  # FFN of every layer: dense | moe | neuron
-    ffn_layers: Dict[str, str] = field(
+    ffn_layers: dict[str, str] = field(
         default_factory=dict
     )  # per-layer override, e.g. {"0": dense}
     moe: MoEConfig = field(default_factory=MoEConfig)

@@ -14,7 +14,7 @@ import typing
 from .config import Config
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def valid_keys(schema: type = Config) -> tuple[str, ...]:
     """Dotted paths of every leaf field (nested dataclass sections recursed; dict fields are leaves)."""
     out: list[str] = []

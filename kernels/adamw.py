@@ -37,7 +37,8 @@ parameters given the same float32 gradients).
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 

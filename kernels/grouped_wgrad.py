@@ -36,7 +36,7 @@ MIN_GAIN = 0.9  # split only when the estimate saves at least 10% of the GEMM
 SPLITS: Optional[int] = None  # a fixed S for every call (benchmarks); None: ``wgrad_splits``
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(
         index if index >= 0 else torch.cuda.current_device()

@@ -60,7 +60,7 @@ def use_triton(t: torch.Tensor) -> bool:
     return interpreting() and t.device.type == "cpu"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jit(fn, interpret: bool):
     return triton.jit(fn)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
 from .launch import jit, tl, triton, use_triton
 from .moe_combine import _block_d, combine_rows, moe_combine_reference
 

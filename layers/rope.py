@@ -147,7 +147,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
 
     @classmethod
-    def from_config(cls, head_dim: int, theta: float, rs) -> "RotaryEmbedding":
+    def from_config(cls, head_dim: int, theta: float, rs) -> RotaryEmbedding:
         """From a ``configs.RopeScalingConfig`` ``rs``."""
         yarn = dict(
             beta_fast=rs.beta_fast,

@@ -208,7 +208,7 @@ def find_resumable(ckpt_dir: str, trust: bool = False) -> tuple[str | None, list
     """The newest usable checkpoint and a line for every newer one skipped as damaged or incomplete.
     A file that asks to run code (UnsafeCheckpoint) stops the search: falling back past it would hide it."""
     skipped = []
-    for step, path, problem in reversed(scan_checkpoints(ckpt_dir)):
+    for _step, path, problem in reversed(scan_checkpoints(ckpt_dir)):
         if problem is None:
             try:
                 _validate(path, trust)
@@ -236,6 +236,7 @@ def check_resumable(
     at another world size the global batch (the data stays the same; DCP reshards the tensors).
     Raises ConfigError naming the first key that differs."""
     import yaml
+
     from moezoo.configs import to_dict
 
     with open(os.path.join(path, "config.yaml")) as f:

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 from moezoo.configs import ConfigError, DataConfig
 
-
 # data.source values that name a built-in corpus rather than a path
 BUILTIN_SOURCES = ("stdlib", "python_packages")
 NO_MATCH = "(a file, directory, glob, .jsonl, 'stdlib' or 'python_packages')"

@@ -6,8 +6,9 @@ master copies in the optimizer (``train.param_dtype: bfloat16``)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -331,7 +332,7 @@ class CompactAdamW(torch.optim.AdamW):
             self._inner.state[leaf] = new
             self.state[p] = new
 
-    def _index(self, c: "_Compact") -> None:
+    def _index(self, c: _Compact) -> None:
         """Active indices from the mask buffer (a host sync: only after an update or a load)."""
         packed = c.mask()
         idx = unpack_bits(packed, c.cols).reshape(-1).nonzero().squeeze(1).to(torch.int32)

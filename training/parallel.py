@@ -322,7 +322,7 @@ def init_local_shards(model: nn.Module, seed: int) -> None:
             if isinstance(p, DTensor):
                 swapped.append((mod, name, p))
                 mod._parameters[name] = nn.Parameter(p.to_local(), requires_grad=False)
-        for name, b in mod._buffers.items():
+        for b in mod._buffers.values():
             if b is not None and b.is_floating_point():
                 b.zero_()
     try:

@@ -16,7 +16,8 @@ query i at absolute position ``q_offset + i`` (decode: the last rows of a prefil
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F

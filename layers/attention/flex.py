@@ -61,7 +61,7 @@ def _flex_fn(device: torch.device):
     return _compiled_flex
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def flash_kernel_available() -> bool:
     """flash-attn-4 importable and a Hopper/Blackwell GPU (probed once per process)."""
     from moezoo.configs.attention import fast_path_missing

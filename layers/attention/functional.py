@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from moezoo.configs.attention import ATTN_BACKENDS
 
+from .dense import DENSE_CROSSOVER, dense_causal_attention, flex_fits
 from .flash import flash_attn_window
 from .flex import (
     column_slots,
@@ -46,12 +47,12 @@ from .flex import (
     kernel_options_for,
     pick_flex_kernel,
 )
-from .dense import DENSE_CROSSOVER, dense_causal_attention, flex_fits
 from .masking import masked_causal_attention
-from .pattern import PatternLike, head_patterns, layer_block_size as plan_block_size
+from .pattern import PatternLike, head_patterns
+from .pattern import layer_block_size as plan_block_size
 from .plan import PatternPlan, plan_pattern
 
-_MASK_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
+_MASK_CACHE: OrderedDict[tuple, object] = OrderedDict()
 _MASK_CACHE_SIZE = 32
 
 

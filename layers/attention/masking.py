@@ -60,7 +60,7 @@ class AttnMask:
         attention_mask: Optional[torch.Tensor] = None,
         document_ids: Optional[torch.Tensor] = None,
         device=None,
-    ) -> Optional["AttnMask"]:
+    ) -> Optional[AttnMask]:
         """None when neither mask is given (plain causal attention needs none); ValueError naming a bad one."""
         if attention_mask is None and document_ids is None:
             return None
@@ -133,8 +133,8 @@ def masked_causal_attention(
     """Dense causal attention restricted by ``mask``: q [B, Hq, S, Dh], k [B, Hk, T, Dh], v [B, Hk, T, Dv]
     -> [B, Hq, S, Dv]. FlexAttention for square CUDA calls of at least DENSE_CROSSOVER tokens (head dims
     ``flex_fits``), else SDPA."""
-    from .flex import flex_attention_call
     from .dense import DENSE_CROSSOVER, flex_fits
+    from .flex import flex_attention_call
 
     S, T = q.shape[2], k.shape[2]
     if flex_fits(q, v) and S == T and q_offset == 0 and T >= DENSE_CROSSOVER:

@@ -28,8 +28,8 @@ from torch import nn
 
 from ..norm import RMSNorm
 from ..rope import apply_rotary, yarn_mscale
-from .module import Attention
 from .compressed import compress_heads
+from .module import Attention
 from .pattern import head_patterns, layer_block_size
 
 # HF's DeepseekV3RMSNorm of q_a / kv_a keeps its default eps, not the config's rms_norm_eps
@@ -123,7 +123,7 @@ class MLA(Attention):
         self._q_history: Optional[torch.Tensor] = None
 
     @classmethod
-    def from_config(cls, cfg, **kw) -> "MLA":
+    def from_config(cls, cfg, **kw) -> MLA:
         """From a ``configs.ModelConfig`` with ``attention_type: mla`` (``kw``: pattern, backend, layer_id, ...)."""
         m, rs = cfg.mla, cfg.rope_scaling
         factor = 1.0

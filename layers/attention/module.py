@@ -23,14 +23,14 @@ import torch
 from einops import rearrange
 from torch import nn
 
+from ..norm import RMSNorm
+from ..rope import apply_rotary
 from .compressed import compress_block, compress_heads, compressed_attention, compressed_density
 from .flash import flash_attn_dense
 from .functional import dense_causal_attention, sparse_attention
 from .masking import masked_causal_attention
 from .pattern import head_patterns, layer_block_size
 from .selection import index_tensor
-from ..norm import RMSNorm
-from ..rope import apply_rotary
 
 
 def head_runs(heads: list[int]) -> list[tuple[int, int]]:

@@ -67,8 +67,9 @@ Shapes: B batch, H query heads, S queries, T keys, D head dim, nq/nk query/key b
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Union
 
 from moezoo.configs.attention import (
     COMMON_PARAMS,
@@ -116,7 +117,7 @@ class SparsityPattern:
         validate_pattern(self.to_dict(), "pattern")
 
     @classmethod
-    def from_dict(cls, d: dict, key: str = "pattern") -> "SparsityPattern":
+    def from_dict(cls, d: dict, key: str = "pattern") -> SparsityPattern:
         """``{type: a_shape, sinks: 64, window: 1024}`` -> pattern; bad dicts raise ConfigError naming ``key``."""
         validate_pattern(d, key)
         return cls(**dict(d))

@@ -7,8 +7,9 @@ Shapes: B batch, H query heads, S queries, T keys, D head dim, nq/nk query/key b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 

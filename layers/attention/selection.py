@@ -6,7 +6,7 @@ Semantics in layers.attention.pattern. Shapes: B batch, H query heads, S queries
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -64,6 +64,7 @@ from torch import nn
 
 from moezoo.configs import ConfigError, DSTConfig
 
+from ..sharding import DTensor, full_tensor, local_tensor, shard_like
 from .bits import pack_bits, unpack_bits
 from .masks import (
     block_expand,
@@ -78,7 +79,6 @@ from .masks import (
 )
 from .schedule import DSTSchedule
 from .targets import Target, dst_parameters
-from ..sharding import DTensor, full_tensor, local_tensor, shard_like
 
 
 def resolve_config(cfg: Optional[DSTConfig], overrides: dict) -> DSTConfig:
@@ -152,7 +152,7 @@ class DynamicSparsity:
         optimizer=None,
         total_steps: Optional[int] = None,
         process_group=None,
-    ) -> "DynamicSparsity":
+    ) -> DynamicSparsity:
         return cls(model, optimizer, cfg=cfg, total_steps=total_steps, process_group=process_group)
 
     # ---- setup ----------------------------------------------------------------------------------

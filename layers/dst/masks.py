@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from functools import lru_cache
-from typing import Sequence
+from collections.abc import Sequence
+from functools import cache
 
 import torch
 
@@ -104,7 +104,7 @@ def nm_select(score: torch.Tensor, n: int, m: int) -> torch.Tensor:
     return (beats.sum(-1) < n).view(S, R, C)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _tile_patterns(n: int, m: int) -> torch.Tensor:
     """All ``m x m`` 0/1 tiles with n ones in every row and every column, as ``float[P, m*m]`` (90 for 2:4)."""
     rows = [r for r in itertools.product((0, 1), repeat=m) if sum(r) == n]

@@ -35,7 +35,7 @@ class DSTSchedule:
     dense_finish: bool = False
 
     @classmethod
-    def from_config(cls, cfg: DSTConfig, total_steps: Optional[int]) -> "DSTSchedule":
+    def from_config(cls, cfg: DSTConfig, total_steps: Optional[int]) -> DSTSchedule:
         """The schedule of ``cfg``; ``ConfigError`` when it needs ``total_steps`` and has none."""
         if total_steps is None:
             need = {

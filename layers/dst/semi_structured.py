@@ -92,7 +92,8 @@ def enable_semi_structured(targets, transposable: bool) -> list[str]:
     if skipped:
         warnings.warn(
             f"dst.semi_structured: {len(skipped)} layer(s) stay dense-masked (no CUDA 2:4 kernel for "
-            f"their device/shape/layout): {', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}"
+            f"their device/shape/layout): {', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}",
+            stacklevel=2,
         )
     return done
 

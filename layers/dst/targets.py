@@ -15,9 +15,10 @@ A target ``[out, in]`` is one slice ``[1, out, in]``; ``[E, out, in]`` is E slic
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatch
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import nn
@@ -89,7 +90,7 @@ class Target:
     shape: tuple
 
     @classmethod
-    def of(cls, model: nn.Module, name: str, p: torch.Tensor) -> "Target":
+    def of(cls, model: nn.Module, name: str, p: torch.Tensor) -> Target:
         mod_name, _, attr = name.rpartition(".")
         shape = (1, *p.shape) if p.dim() == 2 else (p.shape[0], p.shape[1], math.prod(p.shape[2:]))
         return cls(name, model.get_submodule(mod_name), attr, shape)

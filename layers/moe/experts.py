@@ -33,15 +33,15 @@ from torch import nn
 
 from moezoo.configs.errors import check, check_choice
 from moezoo.configs.neuron import NEURON_ACTIVATIONS
+from moezoo.kernels.grouped_wgrad import grouped_linear
 from moezoo.kernels.moe_combine import moe_combine, moe_combine_reference
+from moezoo.kernels.moe_fp8 import fp8_grouped_linear
+from moezoo.kernels.moe_gate_up import gate_up
 from moezoo.kernels.moe_permute import moe_permute, moe_permute_reference, moe_unpermute
 from moezoo.kernels.moe_swiglu import swiglu
 
-from moezoo.kernels.grouped_wgrad import grouped_linear
-from moezoo.kernels.moe_fp8 import fp8_grouped_linear
-from moezoo.kernels.moe_gate_up import gate_up
-
-from ..mlp import gate_act as _gate_act, relu2
+from ..mlp import gate_act as _gate_act
+from ..mlp import relu2
 from .router import stable_order, tokens_per_expert
 
 

@@ -105,7 +105,7 @@ def routing_stage(logits: torch.Tensor, bias: Optional[torch.Tensor], spec: Rout
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled_routing_stage(backend: str, spec: RoutingSpec):
     """``routing_stage`` compiled for one spec. Each spec gets its own copy of the code object: dynamo
     counts recompilations per code object (8, then a hard error under fullgraph), and every MoE

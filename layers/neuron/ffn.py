@@ -120,7 +120,7 @@ class NeuronRoutedFFN(ExpertsModule):
     @classmethod
     def from_dense(
         cls, ffn: nn.Module, num_groups: int, top_k_groups: int, **kwargs
-    ) -> "NeuronRoutedFFN":
+    ) -> NeuronRoutedFFN:
         """Cluster a dense FFN (``w1``, ``w2`` and, for SwiGLU, ``w3`` linears, LLaMA naming) into routed groups.
 
         ``activation`` defaults to swiglu when ``ffn`` has ``w3``, else relu2; other keywords as the

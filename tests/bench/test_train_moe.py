@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from moezoo.configs import OptimConfig, load_config
 from helpers import ROOT, subprocess_env
+from moezoo.configs import OptimConfig, load_config
 from moezoo.training.optim import build_scheduler
 
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from moezoo.configs import ConfigError, load_config
 from helpers import ROOT, subprocess_env
+from moezoo.configs import ConfigError, load_config
 
 PRESETS = sorted(glob.glob(os.path.join(ROOT, "zoo", "*.yaml")))
 

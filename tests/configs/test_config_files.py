@@ -3,9 +3,8 @@ or the model is built."""
 
 import pytest
 
-from moezoo.training.cli import main
-
 from helpers import tiny_overrides
+from moezoo.training.cli import main
 
 
 @pytest.fixture

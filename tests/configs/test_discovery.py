@@ -7,10 +7,10 @@ import sys
 import pytest
 import yaml
 
+from helpers import ROOT, subprocess_env
 from moezoo.configs import ConfigError, load_config, to_dict
 from moezoo.configs.presets import resolve_config_path
 from moezoo.configs.suggest import suggest, valid_keys
-from helpers import ROOT, subprocess_env
 from moezoo.training.cli import main
 
 

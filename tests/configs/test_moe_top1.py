@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from moezoo.configs import ConfigError, load_config
 from helpers import HF_BASE, ROOT, assert_same_logits, randomize_, subprocess_env, tiny_hf
+from moezoo.configs import ConfigError, load_config
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ with dense or compact (dst.compact_state: CompactAdamW) optimizer state."""
 import pytest
 import torch
 
-from moezoo.configs import load_config
 from helpers import tiny_overrides
+from moezoo.configs import load_config
 from moezoo.layers import DynamicSparsity
 from moezoo.training.loop import Trainer
 

@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from moezoo.configs import load_config
 from helpers import tiny_overrides
+from moezoo.configs import load_config
 from moezoo.training.loop import Trainer
 
 pytestmark = pytest.mark.gpu

@@ -57,7 +57,7 @@ def test_rowwise_e4m3_round_trip_is_within_e4m3_rounding_and_scales_are_powers_o
     amax = x.float().abs().amax(-1)
     used = amax[amax > 0] / d[amax > 0]  # each row's amax in e4m3 units: (224, 448]
     assert bool((used > FP8_MAX / 2).all() and (used <= FP8_MAX).all())
-    assert float((amax[5] / d[5])) == FP8_MAX  # 448 / 3.5 = 128 exactly: no lost power of two
+    assert float(amax[5] / d[5]) == FP8_MAX  # 448 / 3.5 = 128 exactly: no lost power of two
     assert within_e4m3(q, d[:, None], x)
     assert torch.count_nonzero(q[3].float()) == 0 and torch.isfinite(d[3])
 
@@ -66,7 +66,6 @@ def test_column_and_weight_quantizers_store_each_groups_transpose_with_zero_padd
     x = wide_rows(110, 48)
     offs = torch.tensor(OFFS, dtype=torch.int32)
     pends = padded_group_ends(offs)
-    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
     psizes = torch.diff(pends, prepend=pends.new_zeros(1))
     # sizes 7, 0, 33, 1, 59: each rounded up to a multiple of 16 rows, at least 16 (an empty expert too)
     assert torch.equal(psizes, torch.tensor([16, 16, 48, 16, 64], dtype=torch.int32))

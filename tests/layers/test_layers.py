@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from moezoo.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 from moezoo.configs import load_config
+from moezoo.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 from moezoo.zoo import build_model
 
 

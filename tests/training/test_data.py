@@ -1,13 +1,11 @@
 """Corpus, tokenizer and batch sampling."""
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
-from moezoo.configs import ConfigError, DataConfig, load_config
 from helpers import tiny_overrides
+from moezoo.configs import ConfigError, DataConfig, load_config
 from moezoo.training.corpus import load_documents, split_documents
 from moezoo.training.data import prepare_data, sample_batch
 

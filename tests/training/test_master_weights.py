@@ -5,8 +5,8 @@ and refuse the settings they cannot honour with one line."""
 import pytest
 import torch
 
-from moezoo.configs import ConfigError, load_config
 from helpers import tiny_overrides
+from moezoo.configs import ConfigError, load_config
 from moezoo.training.loop import Trainer
 from moezoo.training.optim import MasterAdamW, autocast_weights
 

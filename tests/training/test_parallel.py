@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moezoo.configs import ConfigError, ParallelConfig
 from helpers import (
     spawn,
     tiny_moe_cfg,
 )  # forked gloo ranks: spawn(fn, world) runs fn(rank, world) on each
+from moezoo.configs import ConfigError, ParallelConfig
 from moezoo.training.parallel import (
     ParallelState,
     build_meshes,

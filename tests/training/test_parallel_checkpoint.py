@@ -12,12 +12,10 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from helpers import spawn, tiny_moe_cfg
 from moezoo.training.checkpoint import load_checkpoint, save_checkpoint
 from moezoo.training.parallel import ParallelState, build_meshes, parallelize
 from moezoo.zoo import build_model
-
-from helpers import spawn
-from helpers import tiny_moe_cfg
 
 
 def _full(t):

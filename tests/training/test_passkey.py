@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from moezoo.configs import ConfigError, load_config
 from helpers import ROOT, tiny_overrides
+from moezoo.configs import ConfigError, load_config
 from moezoo.training.metrics import mfu_metrics
 from moezoo.training.passkey import format_passkey_table, passkey_eval, passkey_sample
 
@@ -79,8 +79,8 @@ def test_needle_recall_is_what_the_block_topk_selection_held(monkeypatch):
     """Recall per layer and length against the token mask of each forward's own q and k (pattern_mask: the
     plan's mask, independent of BlockSelection.covers and the eval's bookkeeping)."""
     from moezoo.configs import AttentionConfig, ModelConfig
-    from moezoo.layers.attention import pattern_mask
     from moezoo.layers.attention import module as attention_module
+    from moezoo.layers.attention import pattern_mask
     from moezoo.zoo.model import build_model
 
     torch.manual_seed(0)
@@ -322,6 +322,7 @@ UNBIASED_DIGESTS = {0: "6214154eb5ba2acc", 1: "ba3e9e35f3ec84bc", 7: "857ba095a2
 @pytest.mark.parametrize("seed", sorted(UNBIASED_DIGESTS))
 def test_passkey_mix_without_distance_bias_writes_the_windows_it_always_did(seed):
     import hashlib
+
     from moezoo.training.passkey import PasskeyMix
 
     draws = [(seed, 3, 0, r) for r in range(16)]

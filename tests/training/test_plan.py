@@ -5,8 +5,8 @@ import resource
 
 import pytest
 
-from moezoo.configs import ConfigError, load_config
 from helpers import ROOT
+from moezoo.configs import ConfigError, load_config
 from moezoo.training.plan import PlanDoesNotFit, check_fits, format_plan, plan
 from moezoo.zoo.flops import flops_per_token, param_counts
 

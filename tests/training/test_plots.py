@@ -5,10 +5,11 @@ import os
 import numpy as np
 import pytest
 
-from moezoo.configs import load_config
 from helpers import tiny_overrides
+from moezoo.configs import load_config
 from moezoo.training import run
-from moezoo.training.plot import expert_load_figure, figure_array, main as plot_main
+from moezoo.training.plot import expert_load_figure, figure_array
+from moezoo.training.plot import main as plot_main
 
 plt = pytest.importorskip("matplotlib.pyplot")
 

@@ -6,11 +6,10 @@ import os
 
 import torch
 
+from helpers import poison_loss, tiny_overrides
 from moezoo.configs import load_config
 from moezoo.training.cli import main
 from moezoo.training.loop import Trainer
-
-from helpers import poison_loss, tiny_overrides
 
 
 def test_rollback_stops_after_max_rollbacks_in_a_row(run_copy, capsys, monkeypatch):
@@ -56,7 +55,10 @@ def test_moe_bias_after_a_skipped_step_equals_a_run_without_that_step(tmp_path, 
     without.scheduler.step()
     skipped.train_step()
     without.train_step()
-    bias = lambda tr: {k: v for k, v in tr.model.state_dict().items() if k.endswith("expert_bias")}
+
+    def bias(tr):
+        return {k: v for k, v in tr.model.state_dict().items() if k.endswith("expert_bias")}
+
     a, b = bias(skipped), bias(without)
     assert a and all(torch.equal(a[k], b[k]) for k in a)
     assert any(a[k].abs().sum() > 0 for k in a), "no bias update happened: the test proves nothing"

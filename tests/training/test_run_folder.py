@@ -8,8 +8,8 @@ import signal
 import pytest
 import torch
 
-from moezoo.configs import load_config
 from helpers import spawn
+from moezoo.configs import load_config
 from moezoo.training.checkpoint import list_checkpoints, save_checkpoint
 from moezoo.training.cli import main, parse_args
 from moezoo.training.loop import Interrupted, Trainer

@@ -8,12 +8,11 @@ import os
 import pytest
 import torch
 
+from helpers import poison_loss, tiny_overrides
 from moezoo.configs import load_config
 from moezoo.training import loop
 from moezoo.training.cli import main
 from moezoo.training.loop import Trainer
-
-from helpers import poison_loss, tiny_overrides
 
 
 def _moe(tmp, corpus, on_device, param_dtype):

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from moezoo.configs import ConfigError, load_config
 from helpers import tiny_overrides
+from moezoo.configs import ConfigError, load_config
 from moezoo.training.loop import Trainer
 from moezoo.training.profile import format_summary, kind_of, summarize
 
@@ -70,6 +70,7 @@ def test_kinds_from_kernel_names():
 def test_gpu_scopes_are_not_counted_as_kernels():
     # a record_function scope on the GPU timeline spans kernels that are listed themselves
     from types import SimpleNamespace as E
+
     from moezoo.training.profile import _device_events
 
     events = [
@@ -101,6 +102,7 @@ def test_gpu_scopes_are_not_counted_as_kernels():
 
 def test_device_gaps_are_the_idle_time_between_device_work_of_overlapping_streams():
     from types import SimpleNamespace as E
+
     from moezoo.training.profile import device_gaps, format_summary, summarize
 
     def ev(key, start, end, dev="DeviceType.CUDA", scope=False):

@@ -6,8 +6,8 @@ import os
 
 import numpy as np
 
-from moezoo.configs import load_config
 from helpers import tiny_overrides
+from moezoo.configs import load_config
 from moezoo.training import run
 from moezoo.training.data import prepare_data
 

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from moezoo.configs import load_config
 from helpers import poison_loss, tiny_overrides
+from moezoo.configs import load_config
 from moezoo.training.checkpoint import latest_checkpoint, list_checkpoints
 from moezoo.training.loop import Trainer
 

@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from moezoo.configs import load_config
 from helpers import tiny_overrides
+from moezoo.configs import load_config
 from moezoo.training import run
 from moezoo.training.export import main as export_main
 from moezoo.training.generate import main as generate_main

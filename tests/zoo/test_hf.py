@@ -9,8 +9,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from moezoo.configs import AttentionConfig, ConfigError, ModelConfig, RopeScalingConfig  # noqa: E402
 from helpers import V, assert_same_logits, randomize_, tokens  # noqa: E402
+from moezoo.configs import AttentionConfig, ConfigError, ModelConfig, RopeScalingConfig  # noqa: E402
 from moezoo.zoo import build_model  # noqa: E402
 from moezoo.zoo.hf import from_hf, to_hf  # noqa: E402
 

@@ -8,8 +8,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from moezoo.configs import ConfigError  # noqa: E402
 from helpers import HF_FAMILIES, TOL, assert_same_logits, tiny_hf, tokens  # noqa: E402
+from moezoo.configs import ConfigError  # noqa: E402
 from moezoo.zoo.hf import from_hf, to_hf  # noqa: E402
 
 

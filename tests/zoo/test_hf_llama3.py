@@ -9,8 +9,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from moezoo.configs import ConfigError, ModelConfig, RopeScalingConfig  # noqa: E402
 from helpers import TOL, V, randomize_, tokens  # noqa: E402
+from moezoo.configs import ConfigError, ModelConfig, RopeScalingConfig  # noqa: E402
 from moezoo.zoo import build_model  # noqa: E402
 from moezoo.zoo.hf import from_hf, to_hf  # noqa: E402
 from moezoo.zoo.hf_config import config_from_hf  # noqa: E402
@@ -117,6 +117,7 @@ def test_to_hf_of_zoo_model_with_llama3_scaling_matches_zoo_logits():
 
 def test_llama3_frequencies_are_bit_identical_to_transformers_at_llama31_size():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     from moezoo.layers import RotaryEmbedding
 
     hc = transformers.LlamaConfig(

@@ -7,8 +7,8 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
-from moezoo.configs import ConfigError, ModelConfig, MoEConfig  # noqa: E402
 from helpers import V, assert_same_logits, randomize_, tokens  # noqa: E402
+from moezoo.configs import ConfigError, ModelConfig, MoEConfig  # noqa: E402
 from moezoo.zoo import build_model  # noqa: E402
 from moezoo.zoo.hf import from_hf, hf_state_dict, to_hf, zoo_state_dict  # noqa: E402
 from moezoo.zoo.hf_config import hf_model_type  # noqa: E402

@@ -12,8 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from moezoo.configs import load_config, save_config  # noqa: E402
 from helpers import tiny_hf, tiny_overrides, tokens  # noqa: E402
+from moezoo.configs import load_config, save_config  # noqa: E402
 from moezoo.training.cli import main as train_main  # noqa: E402
 from moezoo.zoo import build_model  # noqa: E402
 from moezoo.zoo.hf import from_hf  # noqa: E402

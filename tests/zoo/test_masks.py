@@ -5,8 +5,8 @@ for dense, sparse (reference path), MoE and MLA models; bad masks are refused by
 import pytest
 import torch
 
-from moezoo.configs import AttentionConfig, MLAConfig, ModelConfig, MoEConfig
 from helpers import TOL, V, randomize_, tokens
+from moezoo.configs import AttentionConfig, MLAConfig, ModelConfig, MoEConfig
 from moezoo.training.data import pack_documents
 from moezoo.zoo import build_model
 

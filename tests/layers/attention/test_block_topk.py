@@ -4,9 +4,9 @@ vertical-slash picks, per-call density / selection stats, flex kernel choice, an
 import pytest
 import torch
 
+from helpers import make_inputs, run_criterion
 from moezoo.configs import ConfigError
 from moezoo.configs.attention import AttentionConfig, validate_pattern
-from helpers import make_inputs, run_criterion
 from moezoo.layers import SparsityPattern, pattern_mask, sparse_attention
 from moezoo.layers.attention.flex import kernel_options_for, pick_flex_kernel
 from moezoo.layers.attention.plan import plan_pattern

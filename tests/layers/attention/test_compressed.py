@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from moezoo.configs import ConfigError, load_config
 from helpers import BS
+from moezoo.configs import ConfigError, load_config
 from moezoo.layers import Attention, RotaryEmbedding, SparsityPattern
 from moezoo.layers.attention.compressed import compressed_attention
 from moezoo.layers.rope import apply_rotary
@@ -225,15 +225,11 @@ def test_trainer_learns_the_branch_gates_and_resumes_them(tmp_path, corpus_dir):
         '{"0-1:0-1": {type: a_shape, sinks: 2, window: 8, block_size: 8}, "0-1:2-3": {type: block_topk, '
         "top_k: 2, share_group: 1, query_max: 1, compress: 1, block_size: 8}}"
     )
-    ov = lambda sub, **kw: tiny_overrides(
-        tmp_path / sub,
-        corpus_dir,
-        **{
-            "model.attention.patterns": pats,  # noqa: E731
-            "train.steps": 6,
-            **kw,
-        },
-    )
+
+    def ov(sub, **kw):
+        extra = {"model.attention.patterns": pats, "train.steps": 6, **kw}
+        return tiny_overrides(tmp_path / sub, corpus_dir, **extra)
+
     t = Trainer(load_config("zoo/tiny_dense.yaml", ov("a")))
     g0 = t.model.layers[0].attention.branch_gate.weight.detach().clone()
     losses = [float(t.train_step()["loss/total"]) for _ in range(3)]

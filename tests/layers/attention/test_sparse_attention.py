@@ -5,14 +5,6 @@ import dataclasses
 import pytest
 import torch
 
-from moezoo.layers import (
-    Attention,
-    RotaryEmbedding,
-    SparsityPattern,
-    attention_density,
-    pattern_mask,
-    sparse_attention,
-)
 from helpers import (
     BS,
     emulated_counts,
@@ -20,6 +12,14 @@ from helpers import (
     mask_mod_covers_whole_tiles,
     plain_attention,
     run_criterion,
+)
+from moezoo.layers import (
+    Attention,
+    RotaryEmbedding,
+    SparsityPattern,
+    attention_density,
+    pattern_mask,
+    sparse_attention,
 )
 from moezoo.layers.attention.functional import dense_causal_attention
 
@@ -83,8 +83,8 @@ def test_flex_backend_forward_gqa_extremes(group):
 def test_flex_block_lists_reproduce_the_token_mask(name):
     # Eager flex (the CPU path) ignores the block lists and evaluates mask_mod everywhere; the GPU
     # kernel visits only listed blocks: emulated, every allowed pair once and no other.
-    from moezoo.layers.attention.plan import plan_pattern
     from moezoo.layers.attention.flex import flex_block_mask
+    from moezoo.layers.attention.plan import plan_pattern
 
     B, H, T = 2, 8, 75
     q, k, _ = make_inputs(B, H, 2, T)
@@ -104,8 +104,8 @@ def test_flex_block_lists_reproduce_the_token_mask(name):
 def test_flex_tiles_of_several_blocks_reproduce_the_token_mask(name, T, tile):
     # CUDA's flex templates need 128-token tiles; smaller blocks are laid out on tiles of several blocks
     # (flex_tile): a tile listed when any of its blocks is, full only when all are, mask_mod inside.
-    from moezoo.layers.attention.plan import plan_pattern
     from moezoo.layers.attention.flex import flex_block_mask
+    from moezoo.layers.attention.plan import plan_pattern
 
     B, H = 2, 8
     q, k, _ = make_inputs(B, H, 2, T, seed=T + tile)

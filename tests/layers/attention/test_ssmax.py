@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from moezoo.configs import AttentionConfig, ConfigError, MLAConfig, ModelConfig
 from helpers import TOL, V, randomize_, tokens
+from moezoo.configs import AttentionConfig, ConfigError, MLAConfig, ModelConfig
 from moezoo.layers import Attention, SparsityPattern, pattern_mask
 from moezoo.layers.rope import RotaryEmbedding, apply_rotary
 from moezoo.zoo import build_model

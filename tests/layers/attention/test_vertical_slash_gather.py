@@ -4,14 +4,6 @@ pair counted once, GQA, ragged lengths, mixed heads; backward of the gather on C
 import pytest
 import torch
 
-from moezoo.layers import SparsityPattern
-from moezoo.layers.attention.plan import plan_pattern
-from moezoo.layers.attention.flex import (
-    column_slots,
-    flex_attention_call,
-    flex_block_mask,
-    gather_columns,
-)
 from helpers import (
     emulated_counts,
     fa_check,
@@ -20,6 +12,14 @@ from helpers import (
     plain_attention,
     run_criterion,
 )
+from moezoo.layers import SparsityPattern
+from moezoo.layers.attention.flex import (
+    column_slots,
+    flex_attention_call,
+    flex_block_mask,
+    gather_columns,
+)
+from moezoo.layers.attention.plan import plan_pattern
 
 BS = 16
 

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moezoo.layers import DynamicSparsity
 from helpers import spawn  # forked gloo ranks: spawn(fn, world) runs fn(rank, world) on each
+from moezoo.layers import DynamicSparsity
 
 SHAPES = [(16, 32), (32, 16), (8, 32)]  # (out, in); 16 and 32 rows split evenly over 2 ranks, 8 too
 OPTS = dict(
@@ -116,6 +116,7 @@ class Chain(nn.Module):
 def _check_fsdp2_matches_single_process(rank, world, compact=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
     from moezoo.training.optim import CompactAdamW
 
     mesh = init_device_mesh("cpu", (world,))

@@ -12,10 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers import spawn  # forks P gloo ranks
 from moezoo.layers import MoE
 from moezoo.layers.moe.expert_parallel import shard_experts
-
-from helpers import spawn  # forks P gloo ranks
 
 D, H, E = 16, 24, 12  # 12 experts split over 2, 3 and 4 ranks
 TOL = dict(atol=1e-5, rtol=1e-5)

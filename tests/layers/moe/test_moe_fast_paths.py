@@ -5,12 +5,11 @@ bfloat16)."""
 import pytest
 import torch
 
+from helpers import grouped_grads_eager_and_compiled
 from moezoo.layers import MoE
 from moezoo.layers.moe import layer as moe_module
 from moezoo.layers.moe.experts import GroupedExperts
 from moezoo.layers.moe.routing_stage import RoutingSpec, compiled_routing_stage, routing_stage
-
-from helpers import grouped_grads_eager_and_compiled
 
 # aot_eager: dynamo + AOTAutograd tracing (what inductor consumes) without a C++ build on CPU.
 BACKEND = "aot_eager"

@@ -6,12 +6,11 @@ traced by torch.compile (fullgraph)."""
 import pytest
 import torch
 
+from helpers import grouped_grads_eager_and_compiled
 from moezoo.configs import ConfigError, MoEConfig, load_config
 from moezoo.configs.moe import fp8_missing
 from moezoo.layers import MoE
 from moezoo.layers.moe.experts import GroupedExperts, make_plan
-
-from helpers import grouped_grads_eager_and_compiled
 
 FP8_HERE = fp8_missing("cuda") is None
 cpu_only = pytest.mark.skipif(FP8_HERE, reason="this machine runs FP8 grouped GEMMs")

@@ -194,8 +194,8 @@ def test_compiled_fp8_moe_equals_eager():
 
 def test_tiny_fp8_moe_model_trains_with_finite_losses_close_to_bf16(tmp_path, corpus_dir):
     # The trainer in this process (no train.py start-up per precision): 6 steps each, the same data.
-    from moezoo.configs import load_config
     from helpers import tiny_overrides
+    from moezoo.configs import load_config
     from moezoo.training.loop import Trainer
 
     losses = {}

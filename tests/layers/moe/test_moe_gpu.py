@@ -135,9 +135,9 @@ def test_fused_permute_gate_up_matches_the_unfused_path_and_rounds_dx_once(kw):
     # Fused: dx sums a token's 2K rows of g1 = da w1 and g3 = db w3 in float32 and rounds once; unfused,
     # autograd first rounds g1 + g3 to bf16 per row. Forward and weight gradients are the same GEMMs.
     from moezoo.kernels.moe_combine import moe_combine_reference
+    from moezoo.kernels.moe_gate_up import gate_up
     from moezoo.kernels.moe_permute import moe_permute
     from moezoo.layers.moe.experts import make_plan
-    from moezoo.kernels.moe_gate_up import gate_up
 
     torch.manual_seed(0)
     T, K, E, D, H = 1000, 4, 16, 256, 384

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moezoo.configs import ConfigError, load_config
 from helpers import ROOT, subprocess_env
+from moezoo.configs import ConfigError, load_config
 from moezoo.layers import (
     MoE,
     NeuronRoutedFFN,
@@ -407,6 +407,7 @@ def test_schedule_reclusters_once_when_the_warmup_ends():
 
 def _check_recluster_under_fsdp2_matches_one_process(rank, world):
     import copy
+
     from moezoo.training.parallel import ParallelState, build_meshes, parallelize
 
     cfg = load_config("zoo/tiny_neuron.yaml", TINY + ["train.device=cpu", "train.batch_size=2"])
