@@ -1,15 +1,16 @@
-"""The fused AdamW pass of ``train.param_dtype: bfloat16`` (``kernels/adamw.py``) alone, against the copy
-bandwidth of the same GPU and torch's fused AdamW on float32 parameters: which block size and warp count
-stream nearest the bytes.
+"""The fused AdamW pass of ``train.param_dtype: bfloat16`` (``kernels/adamw.py``) alone, against the
+copy bandwidth of the same GPU and torch's fused AdamW on float32 parameters: which block size and
+warp count stream nearest the bytes.
 
     python bench/adamw.py [--tensors 8] [--numel 134217728] [--reps 10] [--out results.json]
 
-The tensors stand for the expert weights of the OLMoE-shaped model of BENCHMARKS.md (64 x 2048 x 1024 =
-134M elements each, 8 of them: 1.07B weights, 17 GB with their state). Per weight the pass reads the bf16
-gradient, the float32 master and both moments and writes the master, the moments and the bf16 copy: 28
-bytes. "vs copy" is that byte count at the rate of ``torch.clone`` of one float32 master (read + write),
-over the measured time (1.0: as fast as a copy moves bytes). ``torch_fused`` is torch.optim.AdamW(fused=True)
-over float32 weights with float32 gradients (torchtitan's optimizer: 16 bytes read, 12 written a weight).
+The tensors stand for the expert weights of the OLMoE-shaped model of BENCHMARKS.md (64 x 2048 x
+1024 = 134M elements each, 8 of them: 1.07B weights, 17 GB with their state). Per weight the pass
+reads the bf16 gradient, the float32 master and both moments and writes the master, the moments and
+the bf16 copy: 28 bytes. "vs copy" is that byte count at the rate of ``torch.clone`` of one float32
+master (read + write), over the measured time (1.0: as fast as a copy moves bytes). ``torch_fused``
+is torch.optim.AdamW(fused=True) over float32 weights with float32 gradients (torchtitan's
+optimizer: 16 bytes read, 12 written a weight).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ CONFIGS = [(2048, 8), (1024, 4), (4096, 8), (2048, 4), (4096, 16), (1024, 8), (8
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tensors", type=int, default=8)
     ap.add_argument("--numel", type=int, default=64 * 2048 * 1024)
     ap.add_argument("--reps", type=int, default=10)
@@ -74,6 +75,7 @@ def main():
         f"{k} x {n} weights: at the copy rate ({rate / 1e9:.2f} TB/s) 28 B a weight take {ideal:.2f} ms",
         flush=True,
     )
+    # decay, beta1, beta2, eps, step size, sqrt(bc2)
     hp = (
         1 - 1e-3 * 0.1,
         0.9,
@@ -81,7 +83,7 @@ def main():
         1e-8,
         1e-3,
         0.3,
-    )  # decay, beta1, beta2, eps, step size, sqrt(bc2)
+    )
     scale = torch.tensor(0.5, device="cuda")
     for block, warps in CONFIGS:
         ms = timeit(

@@ -1,9 +1,11 @@
-"""Sparse attention on one GPU: our layer vs SDPA causal (flash) and plain FlexAttention on the same mask.
+"""Sparse attention on one GPU: our layer vs SDPA causal (flash) and plain FlexAttention on the same
+mask.
 
-    python bench/attention.py --lengths 16384,32768,65536,131072 --out results.jsonl
-    python bench/attention.py --patterns vs --vs-inputs structured,local,iid --modes fwd --no-plain
-    python bench/attention.py --lengths "" --stages 131072 --vs-inputs local --profile DIR   # where vs time goes
-    python bench/attention.py --patterns topk,mix,a_shape --kernels triton,flash --no-plain   # FLASH vs Triton
+    python bench/attention.py --lengths 16384,32768,65536,131072 --out results.jsonl python
+    bench/attention.py --patterns vs --vs-inputs structured,local,iid --modes fwd --no-plain python
+    bench/attention.py --lengths "" --stages 131072 --vs-inputs local --profile DIR   # where vs
+    time goes python bench/attention.py --patterns topk,mix,a_shape --kernels triton,flash
+    --no-plain   # FLASH vs Triton
 
 Shapes: B=1, 32 query heads, 8 KV heads, head dim 128, bf16. Patterns (block 128):
   bigbird  local 1024 + 128 sinks + 4 random blocks (~5% of causal pairs at 64k)
@@ -11,42 +13,47 @@ Shapes: B=1, 32 query heads, 8 KV heads, head dim 128, bf16. Patterns (block 128
   vs       vertical-slash, MInference budgets (1000 columns, 6096 diagonals, last_q 64),
            timed *including* the per-input index estimation, column gather and block-mask build
   topk     block top-k, 16 blocks per query block (own block included), one selection per KV group
-           (``share_group``), timed including the pooled estimation and block-mask build, on iid inputs
-           (a model at init: the picks scatter, every visited block but the diagonal is full)
-  topk_qmax  topk scoring each key block by its query block's best query (``query_max``: per-query scores)
-  topk_nsa   topk_qmax plus NSA's compressed branch (``compress: 1``; layers.attention.compressed), timed as
+           (``share_group``), timed including the pooled estimation and block-mask build, on iid
+           inputs (a model at init: the picks scatter, every visited block but the diagonal is full)
+  topk_qmax  topk scoring each key block by its query block's best query (``query_max``: per-query
+  scores) topk_nsa   topk_qmax plus NSA's compressed branch (``compress: 1``;
+  layers.attention.compressed), timed as
              the layer runs it (the fine branch, then the compressed branch added to its heads; the
-             gates' two elementwise products left out); its pooled-key pairs count in ``block_density``
+             gates' two elementwise products left out); its pooled-key pairs count in
+             ``block_density``
   mix      the long-context presets' layer: heads 0-15 A-shape, 16-31 block top-k (as topk)
-``--kernels triton,flash``: flex's Triton backend and its FLASH backend (flash-attn-4), each row one kernel.
-Modes: fwd, and fwd+bwd (``out.backward(do)``). Each number is the median of CUDA-event timings
-after warm-up (compile excluded). ``block_density`` = visited 128x128 blocks / causal blocks (for vs:
-the gathered-column blocks in front of the keys, ``prefix_density``, plus the rest of the rule's blocks,
-``main_density``, both over the causal blocks of the T x T part); ``limit`` = 1 / block_density
-(= 0.5 / density-of-the-full-square, the issue's definition), the speed-up of a kernel that visits only
-those blocks at SDPA's FLOP rate; ``of_limit`` = speedup / limit.
+``--kernels triton,flash``: flex's Triton backend and its FLASH backend (flash-attn-4), each row one
+kernel. Modes: fwd, and fwd+bwd (``out.backward(do)``). Each number is the median of CUDA-event
+timings after warm-up (compile excluded). ``block_density`` = visited 128x128 blocks / causal blocks
+(for vs: the gathered-column blocks in front of the keys, ``prefix_density``, plus the rest of the
+rule's blocks, ``main_density``, both over the causal blocks of the T x T part); ``limit`` = 1 /
+block_density (= 0.5 / density-of-the-full-square, the issue's definition), the speed-up of a kernel
+that visits only those blocks at SDPA's FLOP rate; ``of_limit`` = speedup / limit.
 
-Vertical-slash picks its columns and diagonals from the input, so its speed depends on what the input
-looks like; ``--vs-inputs`` times it on each of these synthetic families (none is measured from a real
-model; a_shape and bigbird always run on ``iid``):
-  structured  (the default, as in earlier BENCHMARKS.md rows) q and k share one per-head direction and go
-              through RoPE (base 10000), and the first 64 keys carry more of it. Scores fall off with
-              distance only over ~1k tokens; past that RoPE's sum of cosines is a fixed ripple, so the
-              tail of the 6096 diagonals and many columns land anywhere: the layout stays nearly dense.
+Vertical-slash picks its columns and diagonals from the input, so its speed depends on what the
+input looks like; ``--vs-inputs`` times it on each of these synthetic families (none is measured
+from a real model; a_shape and bigbird always run on ``iid``):
+  structured  (the default, as in earlier BENCHMARKS.md rows) q and k share one per-head direction
+  and go
+              through RoPE (base 10000), and the first 64 keys carry more of it. Scores fall off
+              with distance only over ~1k tokens; past that RoPE's sum of cosines is a fixed ripple,
+              so the tail of the 6096 diagonals and many columns land anywhere: the layout stays
+              nearly dense.
   local       attention that decays with distance the way long-context LLMs' does: the shared RoPE'd
-              component sits in the 22 lowest-frequency rotary pairs (base 500000 as in Llama 3, where
-              real models keep long-range positional signal), so scores fall smoothly over thousands of
-              tokens and the top diagonals form one band next to the main diagonal; on top, 4 sinks and
-              20 scattered "heavy hitter" keys that every query scores ~30 (a component added after
-              RoPE, standing for the near-zero-frequency dimensions real models attend through
-              regardless of position) become vertical lines. Each heavy hitter also puts 64 diagonals
-              (one per estimating query) into the slash ranking: a few extra block offsets.
+              component sits in the 22 lowest-frequency rotary pairs (base 500000 as in Llama 3,
+              where real models keep long-range positional signal), so scores fall smoothly over
+              thousands of tokens and the top diagonals form one band next to the main diagonal; on
+              top, 4 sinks and 20 scattered "heavy hitter" keys that every query scores ~30 (a
+              component added after RoPE, standing for the near-zero-frequency dimensions real
+              models attend through regardless of position) become vertical lines. Each heavy hitter
+              also puts 64 diagonals (one per estimating query) into the slash ranking: a few extra
+              block offsets.
   iid         q, k, v i.i.d. normal: no structure, the estimate's picks scatter over every block and
               no block-sparse kernel can skip work (the worst case).
-Block densities of the gathered vs layout (prefix + main, measured on the H200 with 32 query heads, 8 KV
-heads, BENCHMARKS.md run 3): local 70% / 41% / 22% / 10.6% at 16k / 32k / 64k / 128k, structured 57% at
-128k; iid ~100% throughout.
-Writes one JSON object per measurement to ``--out`` as it goes (a timeout keeps what finished).
+Block densities of the gathered vs layout (prefix + main, measured on the H200 with 32 query heads,
+8 KV heads, BENCHMARKS.md run 3): local 70% / 41% / 22% / 10.6% at 16k / 32k / 64k / 128k,
+structured 57% at 128k; iid ~100% throughout. Writes one JSON object per measurement to ``--out`` as
+it goes (a timeout keeps what finished).
 """
 
 from __future__ import annotations
@@ -135,9 +142,8 @@ def make_inputs(S, family="iid", seed=0, device="cuda"):
             noise * torch.randn(1, HK, hh.numel(), D, device=device, generator=g)
             + 30 / D**0.5 * w[None, :, None]
         )
-        q = (
-            q + w.repeat_interleave(H // HK, 0)[None, :, None]
-        )  # q . k_hh / sqrt(D) ~ 30 at any distance
+        # q . k_hh / sqrt(D) ~ 30 at any distance
+        q = q + w.repeat_interleave(H // HK, 0)[None, :, None]
     elif family != "iid":
         raise ValueError(f"unknown input family {family!r}; expected one of {', '.join(VS_INPUTS)}")
     return q.bfloat16(), k.bfloat16(), v
@@ -154,8 +160,8 @@ _plain_compiled = None
 
 
 def plain_flex(q, k, v, plan):
-    """Plain FlexAttention: the documented route, ``create_block_mask`` evaluating the same mask_mod on
-    every block (ours builds the block lists from indices instead). Returns the call to time."""
+    """Plain FlexAttention: the documented route, ``create_block_mask`` evaluating the same mask_mod
+    on every block (ours builds the block lists from indices instead). Returns the call to time."""
     global _plain_compiled
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -168,9 +174,9 @@ def plain_flex(q, k, v, plan):
 
 
 def layout_density(plan):
-    """Visited blocks of the BlockMask ``sparse_attention`` builds for ``plan`` over causal blocks of the T x T
-    part: ``{"block_density"}``, plus ``prefix_density`` / ``main_density`` when vertical-slash columns are
-    gathered in front of the keys (``column_slots``)."""
+    """Visited blocks of the BlockMask ``sparse_attention`` builds for ``plan`` over causal blocks
+    of the T x T part: ``{"block_density"}``, plus ``prefix_density`` / ``main_density`` when
+    vertical-slash columns are gathered in front of the keys (``column_slots``)."""
     slots = sa_mod.column_slots(plan) if plan.cols is not None else None
     bm = sa_mod.flex_block_mask(plan, slots)
     pn, pi, fn = bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks
@@ -198,8 +204,8 @@ def _dynamic(p):
 
 
 def layer_attention(q, k, v, p, kern):
-    """What layers.Attention computes for pattern ``p`` before its gates: the fine (mask) branch, plus the
-    compressed branch on the heads with ``compress: 1``."""
+    """What layers.Attention computes for pattern ``p`` before its gates: the fine (mask) branch,
+    plus the compressed branch on the heads with ``compress: 1``."""
     out = sparse_attention(q, k, v, p, backend="flex", kernel=kern)
     heads = compress_heads(head_patterns(p, H))
     if not heads:
@@ -210,7 +216,8 @@ def layer_attention(q, k, v, p, kern):
 
 
 def compressed_share(p, S):
-    """The compressed branch's pooled-key pairs in units of the layout's causal blocks, mean over heads."""
+    """The compressed branch's pooled-key pairs in units of the layout's causal blocks, mean over
+    heads."""
     n = (S + BS - 1) // BS
     share = compressed_density(head_patterns(p, H), S, BS * BS * n * (n + 1) / 2)
     return sum(share) / len(share)
@@ -284,7 +291,8 @@ def bench_length(S, names, modes, with_plain, out, vs_inputs=("structured",), ke
 
 
 def bench_crossover(lengths, out):
-    """Short lengths: reference (SDPA + materialised mask) vs flex sparse vs SDPA causal, a_shape fwd."""
+    """Short lengths: reference (SDPA + materialised mask) vs flex sparse vs SDPA causal, a_shape
+    fwd."""
     p = SparsityPattern(type="a_shape", sinks=128, window=1024, block_size=BS)
     for S in lengths:
         q, k, v = make_inputs(S)
@@ -357,8 +365,9 @@ def sweep_kernel_options(S, out):
 
 
 def vs_stages(S, family, out, profile_dir=None):
-    """Where a vertical-slash forward's time goes at length S: estimation + plan, column slots + gather,
-    BlockMask build, the flex kernel, and the whole call; plus a kernel table of one call."""
+    """Where a vertical-slash forward's time goes at length S: estimation + plan, column slots +
+    gather, BlockMask build, the flex kernel, and the whole call; plus a kernel table of one
+    call."""
     p = PATTERNS["vs"]
     q, k, v = make_inputs(S, family)
     plan = plan_pattern(p, H, 0, S, S, 0, q, k)

@@ -1,17 +1,17 @@
-"""Dynamic sparse training cost on one GPU: step time, peak memory and optimizer state of a ~1B LLaMA-style
-model with DST (dense or compact state) against dense, the mask-update cost, and the 2:4 FFN path against
-torchao's. Quality of the schedules: bench/train_dst.py.
+"""Dynamic sparse training cost on one GPU: step time, peak memory and optimizer state of a ~1B
+LLaMA-style model with DST (dense or compact state) against dense, the mask-update cost, and the 2:4
+FFN path against torchao's. Quality of the schedules: bench/train_dst.py.
 
     python bench/dst.py --out dst.json [--variants rigl_erk80,rigl_erk80_compact,...] [--skip-semi]
     python bench/dst.py --smoke --out /tmp/dst.json       # CPU, tiny model: checks the script
 
-1B model: TinyLlama-1.1B shape (dim 2048, 22 layers, 32 heads, 4 KV heads, FFN 5632, vocab 32000) built
-with zoo.build_model, fp32 master weights, bf16 autocast, fused AdamW (CompactAdamW for ``*_compact``),
-batch 8 x 2048 tokens. Per variant (bench_1b): ``step_ms`` (fwd + bwd + optimizer step + ``dst.step``
-without an update, median, CUDA events), ``step_peak_gb``, ``optimizer_gb``, ``dst_buffers_gb``; the
-mask update's extra time amortised over ``update_every`` as a share of the step.
-2:4 path (bench_semi): one LLaMA-7B SwiGLU FFN (4096 -> 11008 -> 4096), 16384 tokens, bf16, fwd+bwd:
-dense vs ours (kernels.semi_sparse_linear) vs torchao.sparsity.training (when installed).
+1B model: TinyLlama-1.1B shape (dim 2048, 22 layers, 32 heads, 4 KV heads, FFN 5632, vocab 32000)
+built with zoo.build_model, fp32 master weights, bf16 autocast, fused AdamW (CompactAdamW for
+``*_compact``), batch 8 x 2048 tokens. Per variant (bench_1b): ``step_ms`` (fwd + bwd + optimizer
+step + ``dst.step`` without an update, median, CUDA events), ``step_peak_gb``, ``optimizer_gb``,
+``dst_buffers_gb``; the mask update's extra time amortised over ``update_every`` as a share of the
+step. 2:4 path (bench_semi): one LLaMA-7B SwiGLU FFN (4096 -> 11008 -> 4096), 16384 tokens, bf16,
+fwd+bwd: dense vs ours (kernels.semi_sparse_linear) vs torchao.sparsity.training (when installed).
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def _peak():
 
 
 def optimizer_state_bytes(opt) -> int:
-    """Bytes the optimizer keeps between steps: its state tensors, plus CompactAdamW's active indices."""
+    """Bytes the optimizer keeps between steps: its state tensors, plus CompactAdamW's active
+    indices."""
     n = sum(
         v.untyped_storage().nbytes()
         for st in opt.state.values()
@@ -105,9 +106,10 @@ def optimizer_state_bytes(opt) -> int:
 
 
 def bench_1b(variants, batch, seq, steps, update_every, mcfg=ONE_B, dev="cuda"):
-    """Per variant: ``step_ms`` = fwd + bwd + optimizer step + ``dst.step`` (no update) against dense;
-    ``step_peak_gb`` = peak allocated during one such step; ``optimizer_gb`` = optimizer state (+ indices);
-    ``dst_buffers_gb`` = DST's buffers; the mask update amortised over ``update_every`` steps."""
+    """Per variant: ``step_ms`` = fwd + bwd + optimizer step + ``dst.step`` (no update) against
+    dense; ``step_peak_gb`` = peak allocated during one such step; ``optimizer_gb`` = optimizer
+    state (+ indices); ``dst_buffers_gb`` = DST's buffers; the mask update amortised over
+    ``update_every`` steps."""
     results = []
     x = torch.randint(0, mcfg.vocab_size, (batch, seq + 1), device=dev)
     tokens, targets = x[:, :-1], x[:, 1:]
@@ -163,9 +165,8 @@ def bench_1b(variants, batch, seq, steps, update_every, mcfg=ONE_B, dev="cuda"):
         r["step_peak_gb"] = (_mem() + max(peaks)) / 1e9
         r["optimizer_gb"] = optimizer_state_bytes(opt) / 1e9
         if dst is not None:
-            per = median(
-                [cuda_ms(lambda: dst.step(3)) for _ in range(3)]
-            )  # dst.step alone, no update
+            # dst.step alone, no update
+            per = median([cuda_ms(lambda: dst.step(3)) for _ in range(3)])
             train(model, opt)  # grads present for the update's scores
             t_upd = []
             for j in (1, 2, 3):
@@ -191,7 +192,8 @@ def bench_1b(variants, batch, seq, steps, update_every, mcfg=ONE_B, dev="cuda"):
 
 
 def _torchao_sparsify():
-    """torchao's semi-structured training path (``torchao.sparsity.training``), or None when not installed."""
+    """torchao's semi-structured training path (``torchao.sparsity.training``), or None when not
+    installed."""
     try:
         from torchao.sparsity.training.autograd import semi_structured_sparsify
 
@@ -201,9 +203,10 @@ def _torchao_sparsify():
 
 
 def bench_semi(tokens=16384, dim=4096, hidden=11008):
-    """One LLaMA-7B SwiGLU FFN (w1, w3 [H, D], w2 [D, H], transposable 2:4 weights, bf16), ``tokens`` x D
-    input, fwd + bwd: dense ``F.linear`` vs ours (``SemiSparseLinear``, plain and transposable) vs torchao
-    (``semi_structured_sparsify`` then ``F.linear``, cuSPARSELt and CUTLASS backends)."""
+    """One LLaMA-7B SwiGLU FFN (w1, w3 [H, D], w2 [D, H], transposable 2:4 weights, bf16),
+    ``tokens`` x D input, fwd + bwd: dense ``F.linear`` vs ours (``SemiSparseLinear``, plain and
+    transposable) vs torchao (``semi_structured_sparsify`` then ``F.linear``, cuSPARSELt and CUTLASS
+    backends)."""
     torch.manual_seed(0)
 
     def weight(o, i):
@@ -251,8 +254,9 @@ def bench_semi(tokens=16384, dim=4096, hidden=11008):
 
 
 def bench_apply():
-    """The per-step mask re-application over the 1B model's masked weight shapes (fp32 W, bool mask), done
-    several ways; ``dst.step`` uses ``masked_fill_`` with the mask's negation computed per layer."""
+    """The per-step mask re-application over the 1B model's masked weight shapes (fp32 W, bool
+    mask), done several ways; ``dst.step`` uses ``masked_fill_`` with the mask's negation computed
+    per layer."""
     d, h, kv = ONE_B.dim, ONE_B.hidden_dim, ONE_B.kv_heads * ONE_B.head_dim
     shapes = [(d, d), (kv, d), (kv, d), (d, d), (h, d), (h, d), (d, h)] * ONE_B.n_layers
     ws = [torch.randn(s, device="cuda") for s in shapes]

@@ -1,17 +1,18 @@
-"""Expert-parallel MoE at EP degree 1 on one GPU: the cost of the EP code paths against the plain layer.
+"""Expert-parallel MoE at EP degree 1 on one GPU: the cost of the EP code paths against the plain
+layer.
 
     python bench/ep.py [--shapes fine,mixtral] [--reps 20] [--out results.json]
 
 In one process with a one-rank process group (nccl on CUDA, gloo on CPU), bf16 forward+backward of
 the same MoE weights and tokens through three paths:
 - ``plain``: ``MoE`` without an ep_group (what training runs at ep = 1);
-- ``ep1``: ``MoE(..., ep_group=<1 rank>)``, which ``layers.moe.expert_parallel.ep_dispatch`` sends down the plain
-  path (a one-rank group holds every expert);
-- ``a2a``: the full all-to-all dispatch forced at one rank (count exchange, two all_to_all_single, the
-  split sizes' host sync, regrouping): the fixed overhead EP pays on top of the expert GEMMs before any
-  inter-GPU traffic.
-Reports medians of CUDA-event timings after warm-up, the ratios to ``plain`` and the max abs difference
-of outputs against ``plain``. Timing helpers are bench/moe.py's.
+- ``ep1``: ``MoE(..., ep_group=<1 rank>)``, which ``layers.moe.expert_parallel.ep_dispatch`` sends
+  down the plain path (a one-rank group holds every expert);
+- ``a2a``: the full all-to-all dispatch forced at one rank (count exchange, two all_to_all_single,
+  the split sizes' host sync, regrouping): the fixed overhead EP pays on top of the expert GEMMs
+  before any inter-GPU traffic. Reports medians of CUDA-event timings after warm-up, the ratios to
+  ``plain`` and the max abs difference of outputs against ``plain``. Timing helpers are
+  bench/moe.py's.
 """
 
 from __future__ import annotations

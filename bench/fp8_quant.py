@@ -1,21 +1,22 @@
-"""The FP8 expert quantizers (``kernels/moe_fp8.py``) alone, at the Mixtral layer's operands, against the
-copy bandwidth of the same GPU: which tile shapes of the two passes (amax, then cast) run nearest the bytes.
+"""The FP8 expert quantizers (``kernels/moe_fp8.py``) alone, at the Mixtral layer's operands,
+against the copy bandwidth of the same GPU: which tile shapes of the two passes (amax, then cast)
+run nearest the bytes.
 
     python bench/fp8_quant.py [--reps 20] [--out results.json] [--best FILE]
 
 Operands (bf16, Mixtral shape T 16384, k 2: R = 32768 expert rows, E 8 groups of random sizes):
-``x`` [R, 4096] and ``h`` [R, 14336] by rows and per group column (``quantize_dual_triton``: the forward /
-dgrad operand and the wgrad operand), ``dy_cols`` [R, 4096] per group column only
-(``quantize_groups_t_triton``), and an expert weight [8, 14336, 4096] in bf16 and float32 by output and by
-input channel (``quantize_weight_dual_triton``, the forward and dgrad operands).
+``x`` [R, 4096] and ``h`` [R, 14336] by rows and per group column (``quantize_dual_triton``: the
+forward / dgrad operand and the wgrad operand), ``dy_cols`` [R, 4096] per group column only
+(``quantize_groups_t_triton``), and an expert weight [8, 14336, 4096] in bf16 and float32 by output
+and by input channel (``quantize_weight_dual_triton``, the forward and dgrad operands).
 
-For each operand, every pair of an amax tile and a cast tile from AMAX_TILES x CAST_TILES (rows, columns,
-warps) is checked bit for bit against the default tiles' output and timed (median of CUDA-event timings).
-Bytes: the amax pass reads the operand, the cast pass reads it again and writes 1 byte per element per
-layout; "vs copy" is that byte count at the rate of ``torch.clone`` of the operand (read + write) on this
-GPU, over the measured time (1.0 = the quantizer moves its bytes as fast as a copy does).
-``--best FILE`` writes the pair with the least total time over all operands, as ``--fp8-tiles`` of
-``bench/moe.py`` takes it (``ar,ac,aw;cr,cc,cw``).
+For each operand, every pair of an amax tile and a cast tile from AMAX_TILES x CAST_TILES (rows,
+columns, warps) is checked bit for bit against the default tiles' output and timed (median of
+CUDA-event timings). Bytes: the amax pass reads the operand, the cast pass reads it again and writes
+1 byte per element per layout; "vs copy" is that byte count at the rate of ``torch.clone`` of the
+operand (read + write) on this GPU, over the measured time (1.0 = the quantizer moves its bytes as
+fast as a copy does). ``--best FILE`` writes the pair with the least total time over all operands,
+as ``--fp8-tiles`` of ``bench/moe.py`` takes it (``ar,ac,aw;cr,cc,cw``).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ CAST_TILES = [(128, 64, 16), (128, 64, 8), (64, 64, 4), (32, 128, 4), (64, 128, 
 
 
 def operands(gen: torch.Generator) -> dict:
-    """name -> (launcher: tiles (None: the defaults) -> the quantizer's outputs, the operand, bytes the two
-    passes move per element)."""
+    """name -> (launcher: tiles (None: the defaults) -> the quantizer's outputs, the operand, bytes
+    the two passes move per element)."""
     R, E = 32768, 8
     sizes = torch.distributions.Dirichlet(torch.full((E,), 4.0)).sample() * R
     offs = sizes.cumsum(0).round().int().clamp(max=R)
@@ -92,7 +93,7 @@ def same(a, b) -> bool:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
     ap.add_argument("--best", default=None)

@@ -1,4 +1,5 @@
-"""MoE layer benchmark on one GPU: ours (grouped) vs megablocks dMoE vs the torch reference, bf16 fwd+bwd.
+"""MoE layer benchmark on one GPU: ours (grouped) vs megablocks dMoE vs the torch reference, bf16
+fwd+bwd.
 
     python bench/moe.py [--shapes mixtral,fine] [--reps 20] [--out results.json] [--profile DIR]
     python bench/moe.py --shapes mixtral --only ours,ours_fp8      # bf16 vs FP8 expert GEMMs
@@ -6,19 +7,19 @@
 Per shape, in one process:
 (1) correctness of the grouped path at the real shape against a float32 per-expert loop (relative
     errors of output and gradients, next to the same-dtype plain-torch error: the FlashAttention
-    criterion err(ours) <= 2 err(bf16 torch)), for every variant timed (``ours_fp8``, FP8 expert GEMMs:
-    within FP8 error instead, every relative error below FP8_REL_ERR);
+    criterion err(ours) <= 2 err(bf16 torch)), for every variant timed (``ours_fp8``, FP8 expert
+    GEMMs: within FP8 error instead, every relative error below FP8_REL_ERR);
 (2) medians of CUDA-event timings of forward+backward after warm-up: the torch reference alone, then
     our variants (VARIANTS: the default path and each change on its own), megablocks (when
     importable) and the dense GEMM step round-robin (time_interleaved: the H200 is power-capped at
     these shapes, so every contender must run in the same power state), once with the CPU waiting
-    for each step and once queued (``*_queued``: it never waits, as inside a model, where a sync-free
-    layer's launches run ahead of the GPU);
+    for each step and once queued (``*_queued``: it never waits, as inside a model, where a
+    sync-free layer's launches run ahead of the GPU);
 (3) the dense GEMM rate: ``dense_gemm_step``, the same nine GEMMs as plain torch.mm, timed in that
     rotation ("/dense" = its time over the contender's, same timing mode), and one GEMM after a
     pause (``dense_burst_tflops``, full clocks);
 (4) for "ours", what a step can wait on besides kernels: allocator device allocs/frees per step, SM
-    clock and power.
+clock and power.
 TFLOP/s count the routed-expert GEMMs only: 3 GEMMs x 2*T*K*D*H FLOPs, x3 for forward+backward.
 """
 
@@ -47,20 +48,18 @@ from moezoo.layers.moe import experts as moe_experts  # noqa: E402
 SHAPES = {  # T tokens, D model dim, H expert hidden, E experts, K top-k
     "mixtral": dict(T=16384, D=4096, H=14336, E=8, K=2),
     "fine": dict(T=16384, D=4096, H=1024, E=64, K=8),
-    "small": dict(
-        T=32768, D=512, H=704, E=8, K=2
-    ),  # the dim-512 MoE of bench/train_moe.py (seq 1024 x batch 32)
-    "olmoe": dict(
-        T=16384, D=2048, H=1024, E=64, K=8
-    ),  # bench/torchtitan_moe.py's layer (OLMoE-1B-7B), 16k tokens
+    # the dim-512 MoE of bench/train_moe.py (seq 1024 x batch 32)
+    "small": dict(T=32768, D=512, H=704, E=8, K=2),
+    # bench/torchtitan_moe.py's layer (OLMoE-1B-7B), 16k tokens
+    "olmoe": dict(T=16384, D=2048, H=1024, E=64, K=8),
     "tiny": dict(T=256, D=64, H=96, E=8, K=2),  # smoke test of this script (also on CPU)
 }
 DEV = "cuda"
 
 # Our variants, each a set of overrides on the default path ("ours": compiled routing stage, routing
 # weights folded into SwiGLU): MoEConfig fields set on the benchmarked layer's own cfg, or an
-# (owner, attribute) pair patched for the block (a kernel swapped for its reference). "ours_before" is
-# the path before the first two changes (but with the cheaper unweighted permute backward).
+# (owner, attribute) pair patched for the block (a kernel swapped for its reference). "ours_before"
+# is the path before the first two changes (but with the cheaper unweighted permute backward).
 VARIANTS = {
     "ours": {},
     "ours_before": {"compile_routing": None, "fold_weights": False},
@@ -70,17 +69,18 @@ VARIANTS = {
     "ours_eager_swiglu": {(moe_experts, "swiglu"): swiglu_reference},
     "ours_fp32_router": {"low_precision_router": False},
     "ours_unfused_permute": {"fuse_permute": False},
-    "ours_fp8": {
-        "precision": "fp8"
-    },  # model.moe.precision: rowwise-scaled e4m3 expert GEMMs (kernels.moe_fp8)
-    # the weight gradients' row split (kernels.grouped_wgrad) forced to S parts; "ours" picks S itself
+    # model.moe.precision: rowwise-scaled e4m3 expert GEMMs (kernels.moe_fp8)
+    "ours_fp8": {"precision": "fp8"},
+    # the weight gradients' row split (kernels.grouped_wgrad) forced to S parts; "ours" picks S
+    # itself
     **{f"ours_wgrad_split{s}": {(grouped_wgrad, "SPLITS"): s} for s in (1, 2, 4)},
 }
 
 
 def torchao_fp8_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x [N, in] -> [N, out] = x w[e]^T through torchao's FP8 rowwise MoE training op (its own Triton
-    quantizers, torch._scaled_grouped_mm); needs every group a multiple of 16 rows (group_align 16)."""
+    """x [N, in] -> [N, out] = x w[e]^T through torchao's FP8 rowwise MoE training op (its own
+    Triton quantizers, torch._scaled_grouped_mm); needs every group a multiple of 16 rows
+    (group_align 16)."""
     from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
 
     return _to_fp8_rowwise_then_scaled_grouped_mm(
@@ -89,28 +89,30 @@ def torchao_fp8_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
 
 
 def torchao_gate_up(x, w1, w3, offs, inv=None, num_rows=0, zero_fill=False, fp8=False):
-    """kernels.moe_gate_up.gate_up's contract with torchao's FP8 GEMMs (the peer's path: x quantized once per
-    GEMM, the permute's backward a separate pass)."""
+    """kernels.moe_gate_up.gate_up's contract with torchao's FP8 GEMMs (the peer's path: x quantized
+    once per GEMM, the permute's backward a separate pass)."""
     from moezoo.kernels.moe_permute import moe_permute
 
     xs = x if inv is None else moe_permute(x, inv, num_rows, zero_fill)
     return torchao_fp8_mm(xs, w1, offs), torchao_fp8_mm(xs, w3, offs)
 
 
-# torchao 0.18's prototype MoE FP8 training path (issue 16 item 4 asks for both measured): our layer with
-# groups padded to 16 rows (its requirement) and its expert GEMMs swapped for torchao's op.
+# torchao 0.18's prototype MoE FP8 training path (issue 16 item 4 asks for both measured): our layer
+# with groups padded to 16 rows (its requirement) and its expert GEMMs swapped for torchao's op.
 VARIANTS["torchao_fp8"] = {
     "precision": "fp8",
     "group_align": 16,
     (moe_experts, "gate_up"): torchao_gate_up,
     (moe_experts, "fp8_grouped_linear"): torchao_fp8_mm,
 }
-FP8_REL_ERR = 0.1  # normwise, against float32: e4m3 keeps 3 mantissa bits (~0.066 through the layer's 3 GEMMs)
+# normwise, against float32: e4m3 keeps 3 mantissa bits (~0.066 through the layer's 3 GEMMs)
+FP8_REL_ERR = 0.1
 
 
 @contextlib.contextmanager
 def variant(name: str, moe: MoE):
-    """Apply VARIANTS[name]'s overrides to ``moe`` (its cfg fields) for the duration of the block."""
+    """Apply VARIANTS[name]'s overrides to ``moe`` (its cfg fields) for the duration of the
+    block."""
     targets = {k: (moe.cfg, k) if isinstance(k, str) else k for k in VARIANTS[name]}
     saved = {k: getattr(*t) for k, t in targets.items()}
     try:
@@ -127,8 +129,8 @@ def moe_flops(T, D, H, E, K):
 
 
 def time_ms(step, reps: int, warmup: int = 3, before=None, queued: bool = False) -> float:
-    """Median of CUDA-event timings of ``step()``; ``before()`` runs untimed before each rep (one entry
-    of time_interleaved)."""
+    """Median of CUDA-event timings of ``step()``; ``before()`` runs untimed before each rep (one
+    entry of time_interleaved)."""
     return time_interleaved({"step": (step, before)}, reps, warmup, queued)["step"]
 
 
@@ -136,13 +138,14 @@ def time_interleaved(steps: dict, reps: int, warmup: int = 3, queued: bool = Fal
     """``steps`` {name: (step, before | None)} -> {name: median ms}, the steps timed round-robin
     (rep r of every step before rep r + 1 of any), so every contender runs in the same power state.
 
-    Why round-robin: at these shapes the H200 sits at its 700 W cap within two or three steps and its
-    SM clock drops from 1980 to ~1400-1600 MHz (nvidia-smi: clocks event reason 0x4, SW power cap;
-    BENCHMARKS.md, run 6), so a contender timed right after a pause runs faster than one timed after
-    another's steps. ``before()`` runs untimed before each rep. ``queued=False``: the CPU waits for
-    each rep. ``queued=True``: it never waits (one sync at the end), so each step's launches queue
-    behind the previous step's kernels, as a layer's do inside a model: a sync-free layer shows no
-    launch gaps, one that reads back from the GPU still pays its stall. On CPU: wall-clock per rep.
+    Why round-robin: at these shapes the H200 sits at its 700 W cap within two or three steps and
+    its SM clock drops from 1980 to ~1400-1600 MHz (nvidia-smi: clocks event reason 0x4, SW power
+    cap; BENCHMARKS.md, run 6), so a contender timed right after a pause runs faster than one timed
+    after another's steps. ``before()`` runs untimed before each rep. ``queued=False``: the CPU
+    waits for each rep. ``queued=True``: it never waits (one sync at the end), so each step's
+    launches queue behind the previous step's kernels, as a layer's do inside a model: a sync-free
+    layer shows no launch gaps, one that reads back from the GPU still pays its stall. On CPU:
+    wall-clock per rep.
     """
 
     def run(name):
@@ -197,10 +200,10 @@ def dense_gemm_step(T, D, H, K):
 
 def allocator_and_clocks(step, reps: int = 5, before=None) -> dict:
     """What a timed step may wait on besides its kernels, over ``reps`` back-to-back steps: device
-    allocations / frees by the caching allocator (each cudaFree synchronises the device), and the SM clock
-    (MHz) and power (mW) read through NVML before the steps and after each step's launch, while the device
-    runs the steps queued before it (power-capped clocks drop under load, by how much depends on the
-    kernels: the medians say it per contender)."""
+    allocations / frees by the caching allocator (each cudaFree synchronises the device), and the SM
+    clock (MHz) and power (mW) read through NVML before the steps and after each step's launch,
+    while the device runs the steps queued before it (power-capped clocks drop under load, by how
+    much depends on the kernels: the medians say it per contender)."""
     if DEV != "cuda":
         return {}
 
@@ -303,10 +306,10 @@ def megablocks_peer(moe):
 
 
 def profile_step(step, before, path: str) -> None:
-    """One profiled run of ``step`` (after an untimed one), as the waited timing runs it: its kernel table (by
-    device time) to ``path``, then how long the device sat idle between its first and last kernel (waiting on
-    the host's launches; the profiler's own host overhead makes it an upper bound) and the largest such gaps,
-    with the kernels around them."""
+    """One profiled run of ``step`` (after an untimed one), as the waited timing runs it: its kernel
+    table (by device time) to ``path``, then how long the device sat idle between its first and last
+    kernel (waiting on the host's launches; the profiler's own host overhead makes it an upper
+    bound) and the largest such gaps, with the kernels around them."""
     from torch.profiler import ProfilerActivity, profile
 
     from moezoo.training.profile import device_gaps
@@ -433,8 +436,8 @@ def bench_shape(name, T, D, H, E, K, reps, profile_dir=None, skip=(), only=None)
     contenders["dense_gemm_step"] = (dense_gemm_step(T, D, H, K), None)
     t.update(time_interleaved(contenders, reps))
     t.update({k + "_queued": v for k, v in time_interleaved(contenders, reps, queued=True).items()})
-    # every contender's clocks and power under its own load (the FP8 steps' kernels ran 4.3 ms slower timed
-    # back to back than in one profiled step, bf16's 1.0 ms: BENCHMARKS.md, session 28)
+    # every contender's clocks and power under its own load (the FP8 steps' kernels ran 4.3 ms
+    # slower timed back to back than in one profiled step, bf16's 1.0 ms: BENCHMARKS.md, session 28)
     res["step_waits"] = {
         k: allocator_and_clocks(step, reps=max(5, reps // 2), before=before)
         for k, (step, before) in contenders.items()
@@ -469,7 +472,7 @@ def bench_shape(name, T, D, H, E, K, reps, profile_dir=None, skip=(), only=None)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="mixtral,fine")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
@@ -512,9 +515,8 @@ def main():
     global DEV
     DEV = args.device
     if args.profile:
-        os.makedirs(
-            args.profile, exist_ok=True
-        )  # before the timings: a missing folder lost them once
+        # before the timings: a missing folder lost them once
+        os.makedirs(args.profile, exist_ok=True)
     import triton
 
     env = {
@@ -529,9 +531,8 @@ def main():
         env["megablocks"] = getattr(megablocks, "__version__", "installed")
     except Exception as e:
         env["megablocks"] = f"unavailable ({type(e).__name__})"
-    n = (
-        8192 if DEV == "cuda" else 256
-    )  # the GPU's square-GEMM rate; on CPU (a smoke test) a size that runs in ms
+    # the GPU's square-GEMM rate; on CPU (a smoke test) a size that runs in ms
+    n = 8192 if DEV == "cuda" else 256
     out = {
         "env": env,
         "dense_square_gemm": n,

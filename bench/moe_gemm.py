@@ -1,7 +1,8 @@
 """Grouped-GEMM engines for the MoE experts at bench/moe.py's shapes, one GPU, bf16: can a fused or
 re-tiled grouped GEMM beat what layers.GroupedExperts runs (torch._grouped_mm, CUTLASS)?
 
-    python bench/moe_gemm.py [--shapes mixtral,fine] [--reps 15] [--out results.json] [--roles gate,dgrad]
+    python bench/moe_gemm.py [--shapes mixtral,fine] [--reps 15] [--out results.json] [--roles
+    gate,dgrad]
         [--only gmm_kmajor,mm] [--skew 1.0]
 
 Contenders, per GEMM of the expert layer ("role"), timed round-robin within the role
@@ -12,17 +13,17 @@ Contenders, per GEMM of the expert layer ("role"), timed round-robin within the 
   token index (no permuted copy) in the ``_gather`` variants;
 - ``quack`` / ``quack_gather``: QuACK's CuTe-DSL varlen GEMMs (``quack.gemm_interface``, the engine
   of SonicMoE), default configuration, when ``quack`` imports (carry nvidia-cutlass-dsl and
-  quack-kernels wheels to the device: BENCHMARKS.md, run 9).
-Roles: ``gate`` xs w1^T; ``down`` h w2^T; ``dgrad`` dy w2 (the down projection's input gradient; also with
-the weight read K-major, ``gmm_kmajor``, and that transposed copy made in the call, ``gmm_kmajor_copy``);
-``dgrad_gate`` da w1 (the gate projection's input gradient, the same contenders);
-``wgrad`` dy^T h (its weight gradient); ``wgrad_gather`` da^T xs (the gate's weight gradient, xs
-gathered); and two fused stages: ``gate_up_swiglu`` (ours: permute + two grouped GEMMs + the SwiGLU
-kernel with the routing weight; triton: one two-accumulator kernel; quack: one gated GEMM over
-[w1; w3] concatenated, which the experts do not store, so ``quack_cat`` adds that copy) and
-``down_bwd`` (ours: the dgrad GEMM + the SwiGLU backward kernel; quack: one GEMM with the
-SwiGLU-backward, routing-weight and weight-gradient epilogue, dy gathered from token order).
-Every contender's output is checked against its role's torch._grouped_mm result (relative L2 error).
+  quack-kernels wheels to the device: BENCHMARKS.md, run 9). Roles: ``gate`` xs w1^T; ``down`` h
+  w2^T; ``dgrad`` dy w2 (the down projection's input gradient; also with the weight read K-major,
+  ``gmm_kmajor``, and that transposed copy made in the call, ``gmm_kmajor_copy``); ``dgrad_gate`` da
+  w1 (the gate projection's input gradient, the same contenders); ``wgrad`` dy^T h (its weight
+  gradient); ``wgrad_gather`` da^T xs (the gate's weight gradient, xs gathered); and two fused
+  stages: ``gate_up_swiglu`` (ours: permute + two grouped GEMMs + the SwiGLU kernel with the routing
+  weight; triton: one two-accumulator kernel; quack: one gated GEMM over [w1; w3] concatenated,
+  which the experts do not store, so ``quack_cat`` adds that copy) and ``down_bwd`` (ours: the dgrad
+  GEMM + the SwiGLU backward kernel; quack: one GEMM with the SwiGLU-backward, routing-weight and
+  weight-gradient epilogue, dy gathered from token order). Every contender's output is checked
+  against its role's torch._grouped_mm result (relative L2 error).
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def load_quack():
     """``quack.gemm_interface`` or the reason it is unavailable.
 
     quack-kernels 0.6.5 keys its epilogue cache on everything an epilogue function reaches, and
-    nvidia-cutlass-dsl 4.8.1 added module constants there that the key builder rejects (a ContextVar,
-    ``CodeType.co_positions``, a logger: TypeError on every gated epilogue). They are the DSL's own
-    fixed objects, so their type and name identify them.
+    nvidia-cutlass-dsl 4.8.1 added module constants there that the key builder rejects (a
+    ContextVar, ``CodeType.co_positions``, a logger: TypeError on every gated epilogue). They are
+    the DSL's own fixed objects, so their type and name identify them.
     """
     try:
         import quack.gemm_runtime.identity as ident
@@ -76,8 +77,9 @@ def load_quack():
 
 
 def operands(T, D, H, E, K, skew=0.0):
-    """The role GEMMs' operands at one shape. ``skew``: expert e's routing score gets ``-skew * log(e + 1)``
-    added (Zipf-like popularity: 0 is balanced random routing; a trainer's early steps route unevenly)."""
+    """The role GEMMs' operands at one shape. ``skew``: expert e's routing score gets ``-skew *
+    log(e + 1)`` added (Zipf-like popularity: 0 is balanced random routing; a trainer's early steps
+    route unevenly)."""
     torch.manual_seed(0)
     dev = "cuda"
     r = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16)  # noqa: E731
@@ -135,8 +137,8 @@ def roles(o, q):
             "mm": lambda: torch.mm(h, w2[0].t()),
             "triton": lambda: tg.grouped_mm(h, w2, ends),
         },
-        # gmm_kmajor: the weight operand K-major, as the forward GEMM reads it (a transposed copy held,
-        # w2t [E, H, D]); gmm_kmajor_copy: that copy made in the call
+        # gmm_kmajor: the weight operand K-major, as the forward GEMM reads it (a transposed copy
+        # held, w2t [E, H, D]); gmm_kmajor_copy: that copy made in the call
         "dgrad": {
             "gmm": lambda: gmm(dy, w2, offs=ends),
             "mm": lambda: torch.mm(dy, w2[0]),
@@ -183,9 +185,8 @@ def roles(o, q):
         R["gate_up_swiglu"]["quack_gather_cat"] = lambda: quack_gated(
             q, x, torch.cat([w1, w3], 1), cu, src
         )
-        pre = torch.stack([da, db], -1).reshape(
-            M, -1
-        )  # [gate, up] pairs interleaved, as QuACK keeps them
+        # [gate, up] pairs interleaved, as QuACK keeps them
+        pre = torch.stack([da, db], -1).reshape(M, -1)
         R["down_bwd"]["quack_gather"] = lambda: q.gemm_dact(
             o["dout"],
             w2,
@@ -201,8 +202,8 @@ def roles(o, q):
 
 
 def quack_gated(q, x, w13, cu, src):
-    """h [M, H] = silu(x w1^T) * (x w3^T) from one gated GEMM over [w1; w3] (unscaled: QuACK's forward
-    gated epilogue has no per-row scale; the routing weight would go to the combine)."""
+    """h [M, H] = silu(x w1^T) * (x w3^T) from one gated GEMM over [w1; w3] (unscaled: QuACK's
+    forward gated epilogue has no per-row scale; the routing weight would go to the combine)."""
     return q.gemm_act(
         x,
         w13.mT,
@@ -215,8 +216,9 @@ def quack_gated(q, x, w13, cu, src):
 
 
 def checks(o, R) -> dict:
-    """Relative error of each contender against the role's reference output (gmm, or ours for the fused
-    stages); the fused stages' QuACK variants against the matching unscaled / gathered reference."""
+    """Relative error of each contender against the role's reference output (gmm, or ours for the
+    fused stages); the fused stages' QuACK variants against the matching unscaled / gathered
+    reference."""
     gmm = torch._grouped_mm
     want = {role: next(iter(c.values()))() for role, c in R.items()}
     src, ends = o["src"], o["ends"]
@@ -241,7 +243,7 @@ def checks(o, R) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="mixtral,fine")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=None)

@@ -33,7 +33,7 @@ from moezoo.layers import MoE  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="mixtral", choices=sorted(SHAPES))
     ap.add_argument("--steps", type=int, default=8, help="back-to-back steps traced in (3)")
     a = ap.parse_args()
@@ -88,7 +88,8 @@ def main():
     span = (ev[-1]["ts"] + ev[-1]["dur"] - ev[0]["ts"]) / 1e3
     print(f"kernel span {span:.2f} ms, busy {sum(e['dur'] for e in ev) / 1e3:.2f} ms")
 
-    # (3) back-to-back steps: one CUDA-event pair per step, kernels attributed to the step they start in.
+    # (3) back-to-back steps: one CUDA-event pair per step, kernels attributed to the step they
+    #     start in.
     marks = [
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         for _ in range(a.steps)
@@ -118,7 +119,8 @@ def is_gemm(name: str) -> bool:
 
 
 def kernels(prof) -> list[dict]:
-    """The profiler's GPU kernel events (chrome-trace dicts: name, ts, dur in us), in start order."""
+    """The profiler's GPU kernel events (chrome-trace dicts: name, ts, dur in us), in start
+    order."""
     path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
     return sorted(

@@ -1,10 +1,10 @@
-"""Launch count of MoE's routing stage (logits -> top-k, weights, losses, stats, dispatch plan) and of
-its backward, eager vs torch.compile'd (layers.moe.routing_stage), counted with torch.profiler.
+"""Launch count of MoE's routing stage (logits -> top-k, weights, losses, stats, dispatch plan) and
+of its backward, eager vs torch.compile'd (layers.moe.routing_stage), counted with torch.profiler.
 
     python bench/moe_routing_ops.py [--device cpu|cuda] [--T 4096 --E 64 --K 8]
 
-CPU: counts leaf aten ops that touch data (metadata-only ops such as view / empty are left out), plus
-for the compiled stage the kernels inductor generated. CUDA: counts GPU kernels in the trace.
+CPU: counts leaf aten ops that touch data (metadata-only ops such as view / empty are left out),
+plus for the compiled stage the kernels inductor generated. CUDA: counts GPU kernels in the trace.
 One line per variant: forward, backward, total.
 """
 
@@ -96,7 +96,7 @@ def measure(fn, logits, spec, device):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--T", type=int, default=4096)
     ap.add_argument("--E", type=int, default=64)

@@ -1,6 +1,8 @@
-"""Neuron-routed FFN layer benchmark on one GPU: the selected-groups path vs the dense SwiGLU, bf16 fwd+bwd.
+"""Neuron-routed FFN layer benchmark on one GPU: the selected-groups path vs the dense SwiGLU, bf16
+fwd+bwd.
 
-    python bench/neuron_ffn.py [--shapes d2048,d4096] [--reps 20] [--out results.json] [--device cpu]
+    python bench/neuron_ffn.py [--shapes d2048,d4096] [--reps 20] [--out results.json] [--device
+    cpu]
 
 Per shape (T tokens, D dim, H hidden, G groups, K groups per token), in one process:
 (1) correctness of the sparse grouped path (layers.NeuronRoutedFFN in sparse mode: top-K groups per
@@ -8,12 +10,13 @@ Per shape (T tokens, D dim, H hidden, G groups, K groups per token), in one proc
     per-group loop on the same weights and routing, next to the bf16 loop's error (criterion
     err(ours) <= 2 err(bf16 torch), as bench/moe.py);
 (2) medians of CUDA-event timings of forward+backward, round-robin (bench.moe.time_interleaved: same
-    power state), waited-for and queued: ``dense`` (layers.SwiGLU, three F.linear), ``neuron_sparse``
-    (the sparse step), ``neuron_dense`` (the layer's dense step: whole FFN plus router loss); on CUDA also
-    ``dense_graphed`` / ``neuron_sparse_graphed``: copies of the two with forward and backward captured as
-    CUDA graphs (torch.cuda.make_graphed_callables), the host's launches taken out as the trainer's
-    ``train.compile_mode: reduce-overhead`` does; each is compared with the other (``x dense``).
-TFLOP/s: dense 3 GEMMs x 2*T*D*H x3 (fwd+bwd); sparse the same x K/G (the groups computed).
+    power state), waited-for and queued: ``dense`` (layers.SwiGLU, three F.linear),
+    ``neuron_sparse`` (the sparse step), ``neuron_dense`` (the layer's dense step: whole FFN plus
+    router loss); on CUDA also ``dense_graphed`` / ``neuron_sparse_graphed``: copies of the two with
+    forward and backward captured as CUDA graphs (torch.cuda.make_graphed_callables), the host's
+    launches taken out as the trainer's ``train.compile_mode: reduce-overhead`` does; each is
+    compared with the other (``x dense``). TFLOP/s: dense 3 GEMMs x 2*T*D*H x3 (fwd+bwd); sparse the
+    same x K/G (the groups computed).
 """
 
 from __future__ import annotations
@@ -74,10 +77,11 @@ def grads_of(m, x, dy):
 
 
 def graphed(module, x):
-    """A copy of ``module`` whose forward and backward replay CUDA graphs captured on ``x``'s shape, or None
-    with the reason printed when capture fails (the other contenders still run)."""
+    """A copy of ``module`` whose forward and backward replay CUDA graphs captured on ``x``'s shape,
+    or None with the reason printed when capture fails (the other contenders still run)."""
     try:
-        # allow_unused_input: a sparse step's output does not depend on the router weight (top-k indices)
+        # allow_unused_input: a sparse step's output does not depend on the router weight (top-k
+        # indices)
         return torch.cuda.make_graphed_callables(
             copy.deepcopy(module), (x,), allow_unused_input=True
         )
@@ -162,7 +166,7 @@ def bench_shape(name, T, D, H, G, K, reps, dev) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="d2048,d4096")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)

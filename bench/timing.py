@@ -1,5 +1,5 @@
-"""CUDA-event timing shared by the bench/ scripts: ``timeit`` for one callable at a time, ``StepTimes`` for
-the steps of a training run."""
+"""CUDA-event timing shared by the bench/ scripts: ``timeit`` for one callable at a time,
+``StepTimes`` for the steps of a training run."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 
 
 def timeit(fn, min_reps: int = 3, budget_s: float = 1.5, reps: int = 0) -> float:
-    """Median milliseconds of ``fn()`` over CUDA events, after two warm-up calls: ``reps`` timings if given,
-    else as many as fit ``budget_s`` by one untimed call's length (``min_reps`` to 20)."""
+    """Median milliseconds of ``fn()`` over CUDA events, after two warm-up calls: ``reps`` timings
+    if given, else as many as fit ``budget_s`` by one untimed call's length (``min_reps`` to 20)."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
@@ -33,13 +33,15 @@ def timeit(fn, min_reps: int = 3, budget_s: float = 1.5, reps: int = 0) -> float
 
 
 class StepTimes:
-    """Seconds per training step without making the host wait after each step (as train.py does not): on
-    CUDA an event after each step's launches (``mark()``), each step's time the interval between its event
-    and the previous one on the device's clock (including any wait for the host); on CPU the wall clock.
+    """Seconds per training step without making the host wait after each step (as train.py does
+    not): on CUDA an event after each step's launches (``mark()``), each step's time the interval
+    between its event and the previous one on the device's clock (including any wait for the host);
+    on CPU the wall clock.
 
-    ``ready(keep)``: the times of the steps marked so far but the newest ``keep``, not returned before; with
-    ``keep=1`` it waits only for the previous step's end, which the device has passed once it runs the
-    newest step (so a caller that reads them as it goes, e.g. a clock, stays at most a step ahead)."""
+    ``ready(keep)``: the times of the steps marked so far but the newest ``keep``, not returned
+    before; with ``keep=1`` it waits only for the previous step's end, which the device has passed
+    once it runs the newest step (so a caller that reads them as it goes, e.g. a clock, stays at
+    most a step ahead)."""
 
     def __init__(self, cuda: bool):
         self.cuda, self.marks, self.read = cuda, [], 0

@@ -1,40 +1,43 @@
-"""Our MoE decoder vs torchtitan's on the same fine-grained model, one GPU: tokens/s, MFU, peak memory
-and the loss of both over the same steps.
+"""Our MoE decoder vs torchtitan's on the same fine-grained model, one GPU: tokens/s, MFU, peak
+memory and the loss of both over the same steps.
 
-    python bench/torchtitan_moe.py [--layers 8] [--steps 30] [--batch 4] [--tokens DIR] [--out f.json]
+    python bench/torchtitan_moe.py [--layers 8] [--steps 30] [--batch 4] [--tokens DIR] [--out
+    f.json]
         [--profile-at 10]            # also: where each model's device time goes (3 profiled steps)
-    python bench/torchtitan_moe.py --smoke --device cpu              # this script on CPU, tiny shapes
+    python bench/torchtitan_moe.py --smoke --device cpu              # this script on CPU, tiny
+    shapes
 
 Model (OLMoE-1B-7B's layer shape): D 2048, 16 heads of 128 (no GQA), 64 experts top-8, expert hidden
-1024, vocab 50304, seq 4096, untied embeddings, RMSNorm, RoPE, no qk-norm. Ours: ``zoo.model.build_model``
-with ``model.ffn=moe`` (softmax top-k renormalised, aux-loss-free bias balancing at rate 1e-3, no aux
-loss). torchtitan 0.3.0: its Qwen3 MoE block built from its own config helpers with the same router
-(softmax, ``route_norm``, ``load_balance_coeff`` 1e-3) and qk-norm off; its attention is FlexAttention
-(0.3.0 has no SDPA path for language models), ours SDPA. Init: Normal(0.02), output projections
-0.02 / sqrt(2 L) in ours, torchtitan's Megatron-style residual init in theirs.
+1024, vocab 50304, seq 4096, untied embeddings, RMSNorm, RoPE, no qk-norm. Ours:
+``zoo.model.build_model`` with ``model.ffn=moe`` (softmax top-k renormalised, aux-loss-free bias
+balancing at rate 1e-3, no aux loss). torchtitan 0.3.0: its Qwen3 MoE block built from its own
+config helpers with the same router (softmax, ``route_norm``, ``load_balance_coeff`` 1e-3) and
+qk-norm off; its attention is FlexAttention (0.3.0 has no SDPA path for language models), ours SDPA.
+Init: Normal(0.02), output projections 0.02 / sqrt(2 L) in ours, torchtitan's Megatron-style
+residual init in theirs.
 
-``ours_bf16`` is ours with ``train.param_dtype: bfloat16`` (matmul weights held in bf16, their float32 masters
-in ``training.optim.MasterAdamW``, whose one fused pass applies the clipping factor, updates and writes the
-bf16 copy): the same numbers as ours, the trainer's faster precision layout.
+``ours_bf16`` is ours with ``train.param_dtype: bfloat16`` (matmul weights held in bf16, their
+float32 masters in ``training.optim.MasterAdamW``, whose one fused pass applies the clipping factor,
+updates and writes the bf16 copy): the same numbers as ours, the trainer's faster precision layout.
 
-All run the same loop: fp32 master weights, fused AdamW (lr 3e-4, wd 0.1), bf16 autocast, every block
-``torch.compile``'d and the loss compiled (ours: as train.compile; theirs: likewise per block, and the loss as
-its trainer's compile.components "loss"), the same batches (``--tokens``:
-a bench/train_moe.py --prepare folder, else seeded random ids), so the difference is the model code and
-how each trainer copies a batch to the GPU: ours as train.py does (a pinned copy, queued without waiting:
-kernels.launch.to_device), torchtitan's as its trainer does (``.to(device)``, which waits for the last step);
-``--feed pinned`` / ``--feed blocking`` feed both alike.
-torchtitan's aux-free bias update runs through its optimizer hook (``register_moe_load_balancing_hook``)
-when available; ours after each step (layers.moe_update_bias). MFU counts active FLOPs (zoo.flops:
-6 N_active + attention) against the GPU's dense bf16 peak. Before any work, the plan's memory
-estimate must fit the GPU (one-line error naming ``--layers``/``--batch`` otherwise).
-Needs torchtitan 0.3.0 and what it imports that the H200 image lacks, as wheels (device README recipe):
-torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 shtab==1.13.0
-(checked on CPU, torch 2.13: both models build with the same parameter count, 197,952 at the smoke
-shapes, and start at the same loss; torchtitan's FlexAttention has no CPU backward, so the smoke
-test runs its forward only). On the H200 (torch 2.11, BENCHMARKS.md "Our MoE model vs torchtitan's"):
-8 layers, batch 4, losses compiled: ours 87.4k tokens/s (MFU 37.5%), ours_bf16 95.1k (40.8%), torchtitan
-77.6k (33.3%), losses within 0.5% at step 30.
+All run the same loop: fp32 master weights, fused AdamW (lr 3e-4, wd 0.1), bf16 autocast, every
+block ``torch.compile``'d and the loss compiled (ours: as train.compile; theirs: likewise per block,
+and the loss as its trainer's compile.components "loss"), the same batches (``--tokens``: a
+bench/train_moe.py --prepare folder, else seeded random ids), so the difference is the model code
+and how each trainer copies a batch to the GPU: ours as train.py does (a pinned copy, queued without
+waiting: kernels.launch.to_device), torchtitan's as its trainer does (``.to(device)``, which waits
+for the last step); ``--feed pinned`` / ``--feed blocking`` feed both alike. torchtitan's aux-free
+bias update runs through its optimizer hook (``register_moe_load_balancing_hook``) when available;
+ours after each step (layers.moe_update_bias). MFU counts active FLOPs (zoo.flops: 6 N_active +
+attention) against the GPU's dense bf16 peak. Before any work, the plan's memory estimate must fit
+the GPU (one-line error naming ``--layers``/``--batch`` otherwise). Needs torchtitan 0.3.0 and what
+it imports that the H200 image lacks, as wheels (device README recipe): torchtitan==0.3.0
+spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 shtab==1.13.0 (checked on
+CPU, torch 2.13: both models build with the same parameter count, 197,952 at the smoke shapes, and
+start at the same loss; torchtitan's FlexAttention has no CPU backward, so the smoke test runs its
+forward only). On the H200 (torch 2.11, BENCHMARKS.md "Our MoE model vs torchtitan's"): 8 layers,
+batch 4, losses compiled: ours 87.4k tokens/s (MFU 37.5%), ours_bf16 95.1k (40.8%), torchtitan 77.6k
+(33.3%), losses within 0.5% at step 30.
 """
 
 from __future__ import annotations
@@ -111,9 +114,10 @@ def build_ours(s, n_layers, device, compile_loss=False):
 
 
 def _torch_211_stand_in():
-    """torchtitan 0.3.0 imports FSDP2's ``DataParallelMeshDims`` (torch >= 2.12) at module level for its
-    multi-GPU wrapping; the one-GPU model here never builds one. On an older torch (the H200 image has
-    2.11) a stand-in dataclass lets its model code import; only this bench process sees it."""
+    """torchtitan 0.3.0 imports FSDP2's ``DataParallelMeshDims`` (torch >= 2.12) at module level for
+    its multi-GPU wrapping; the one-GPU model here never builds one. On an older torch (the H200
+    image has 2.11) a stand-in dataclass lets its model code import; only this bench process sees
+    it."""
     import dataclasses
 
     import torch.distributed.fsdp as fsdp
@@ -129,7 +133,8 @@ def _torch_211_stand_in():
 
 
 def _titan_cross_entropy(logits, y):
-    """torchtitan's cross_entropy_loss (its components/loss.py): float32 logits, mean over the tokens."""
+    """torchtitan's cross_entropy_loss (its components/loss.py): float32 logits, mean over the
+    tokens."""
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
@@ -224,7 +229,8 @@ def build_titan(s, n_layers, device, compile_loss=False):
             )
         return ce(model(x, positions=None, attention_masks=masks["m"]), y)
 
-    # torchtitan's trainer compiles its loss when compiling the model (compile.components: model, loss)
+    # torchtitan's trainer compiles its loss when compiling the model (compile.components: model,
+    # loss)
     ce = (
         torch.compile(_titan_cross_entropy, dynamic=False) if compile_loss else _titan_cross_entropy
     )
@@ -283,8 +289,9 @@ def train(name, build, s, args, plan) -> dict:
     model, blocks, loss_fn, after_step = build(s, args.layers, dev, compile_loss=args.compile)
     master = None
     if name == "ours_bf16":
-        # train.param_dtype=bfloat16: the matmul weights in bf16, their float32 masters in the optimizer, the
-        # clipping factor applied inside its fused update (the same AdamW hyper-parameters as the others)
+        # train.param_dtype=bfloat16: the matmul weights in bf16, their float32 masters in the
+        # optimizer, the clipping factor applied inside its fused update (the same AdamW
+        # hyper-parameters as the others)
         from moezoo.training.optim import MasterAdamW, autocast_weights
         from moezoo.training.parallel import ParallelState, clip_coef, clip_grad_norm_
 
@@ -309,22 +316,25 @@ def train(name, build, s, args, plan) -> dict:
             register_moe_load_balancing_hook(opt, [model], one_gpu)
         except Exception as e:  # noqa: BLE001 - report, keep the speed numbers
             print(name, "no load-balancing hook:", type(e).__name__, e, flush=True)
-    # bf16 autocast on CUDA; on CPU (the smoke test) float32, but for bf16 weights, which need autocast
+    # bf16 autocast on CUDA; on CPU (the smoke test) float32, but for bf16 weights, which need
+    # autocast
     amp = torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda" or master is not None)
-    # FlexAttention has no CPU backward: on CPU (the smoke test) torchtitan's model runs forward only
+    # FlexAttention has no CPU backward: on CPU (the smoke test) torchtitan's model runs forward
+    # only
     forward_only = dev == "cpu" and name == "torchtitan"
     from moezoo.training.profile import StepProfiler
 
     prof = StepProfiler(
         args.profile_at, 3, os.path.join(args.profile_dir, name), 0, torch.device(dev)
     )
-    # No host sync a step, as neither trainer has one (torchtitan's reads the loss at its log steps only;
-    # train.py's non-finite check stays on the device): each step's time is the device's, from an event after
-    # it (bench.timing.StepTimes), and the losses are read after the run.
+    # No host sync a step, as neither trainer has one (torchtitan's reads the loss at its log steps
+    # only; train.py's non-finite check stays on the device): each step's time is the device's, from
+    # an event after it (bench.timing.StepTimes), and the losses are read after the run.
     clocked, losses, summary = StepTimes(dev == "cuda"), [], None
-    # Each model is fed as its trainer feeds it: train.py queues a pinned copy (kernels.launch.to_device);
-    # torchtitan's trainer copies the batch with a plain `.to(device)`, which waits for the previous step
-    # (--feed pinned / blocking: both models the same way, to separate the model code from the feeding)
+    # Each model is fed as its trainer feeds it: train.py queues a pinned copy
+    # (kernels.launch.to_device); torchtitan's trainer copies the batch with a plain `.to(device)`,
+    # which waits for the previous step (--feed pinned / blocking: both models the same way, to
+    # separate the model code from the feeding)
     pinned = args.feed == "pinned" or (args.feed == "own" and name.startswith("ours"))
     to_dev = to_device if pinned else torch.Tensor.to
     for step, (x, y) in enumerate(batches(args, s, args.steps), start=1):
@@ -352,14 +362,15 @@ def train(name, build, s, args, plan) -> dict:
     times = clocked.ready()
     losses = torch.stack(losses).tolist()
     warm = min(args.warmup, len(times) - 1)
-    # the profiled steps (with the profiler's overhead) and the step after them (its interval holds the
-    # profiler's export) stay out of tokens/s
+    # the profiled steps (with the profiler's overhead) and the step after them (its interval holds
+    # the profiler's export) stay out of tokens/s
     timed = [
         t
         for i, t in enumerate(times[warm:], start=warm + 1)
         if not (prof.covers(i) or prof.covers(i - 1))
     ]
     tok_s = len(timed) * args.batch * s["seq"] / sum(timed)
+    # on CUDA: pinned, queued / blocking
     out = {
         "tokens_per_s": tok_s,
         "losses": losses,
@@ -368,7 +379,7 @@ def train(name, build, s, args, plan) -> dict:
         "params": sum(p.numel() for p in model.parameters()),
         "forward_only": forward_only,
         "batch_copy": "moezoo.kernels.launch.to_device" if pinned else "Tensor.to",
-    }  # on CUDA: pinned, queued / blocking
+    }
     if summary:
         out["profile"] = summary
     if name.startswith("ours"):  # how unevenly the last step routed: its grouped GEMMs' group sizes
@@ -391,7 +402,7 @@ def train(name, build, s, args, plan) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=30)

@@ -1,32 +1,35 @@
-"""End to end: the same model trained dense and sparse in one process, the trainer itself (train.py's loop).
+"""End to end: the same model trained dense and sparse in one process, the trainer itself
+(train.py's loop).
 
     python bench/train_attention.py --config zoo/sparse_attn_1b_64k.yaml --steps 8 \\
         --variants dense,preset model.vocab_size=8192 --out DIR
 
 Variants (same config, seed, data and steps; only ``model.attention.patterns`` differs):
-  dense    every head dense causal attention (patterns cleared)
-  preset   the config's patterns as written
-  a_shape  every head of every layer A-shape (128 sinks + ``--a-shape-window`` window, the preset's block
+  dense    every head dense causal attention (patterns cleared) preset   the config's patterns as
+  written a_shape  every head of every layer A-shape (128 sinks + ``--a-shape-window`` window, the
+  preset's block
            size): the static baseline, expected to lose retrieval beyond its window
-  query_max  the preset with its block top-k heads scoring key blocks by each query block's best query
+  query_max  the preset with its block top-k heads scoring key blocks by each query block's best
+  query
            (``query_max: 1``: MoBA / NSA's per-query affinity) instead of its mean query
-  nsa      query_max plus NSA's compressed branch on those heads (``compress: 1``: each query's softmax
+  nsa      query_max plus NSA's compressed branch on those heads (``compress: 1``: each query's
+  softmax
            over the mean-pooled blocks, gated with the selected blocks' attention; the gradient path
            that can teach the selection about blocks outside its top-k; ``--compress-block N``: its
            pooling block, e.g. 32 as NSA's, where a 128-token block's mean dilutes a short needle)
-``--score-block N`` (query_max and nsa): those heads' selection pools keys over sub-blocks of N and scores a
-key block by its best sub-block (``score_block``; with ``--compress-block`` N too, the selection ranks the
-compressed branch's own logits, as NSA does). ``--top-k N`` (query_max and nsa): those heads keep N key
-blocks per query block instead of the preset's ``top_k``.
-Per variant: tokens/s (mean over log steps after the first, which holds compilation and warm-up),
-``mfu`` (the attention work done: visited-block density) and ``mfu_model`` (dense-equivalent FLOPs),
-peak memory, the last validation loss, the logged attention density and, with
-``eval.passkey_lengths`` set, passkey accuracy at the end (and, for block top-k heads, needle recall: the
-share of their selections for the question that held the needle's block, training/passkey.py). Checkpoints are not written (a 1B model's
-optimizer state is ~12 GB of disk per save) unless ``--checkpoint-every N``: then each variant saves every
-N steps and on Ctrl-C / SIGINT (``timeout -s INT``), and ``--resume`` continues every variant from its
-latest checkpoint under ``--out``, so a run longer than one GPU call spans two on the same machine.
-Rows go to ``DIR/train_attention.jsonl`` as they finish.
+``--score-block N`` (query_max and nsa): those heads' selection pools keys over sub-blocks of N and
+scores a key block by its best sub-block (``score_block``; with ``--compress-block`` N too, the
+selection ranks the compressed branch's own logits, as NSA does). ``--top-k N`` (query_max and nsa):
+those heads keep N key blocks per query block instead of the preset's ``top_k``. Per variant:
+tokens/s (mean over log steps after the first, which holds compilation and warm-up), ``mfu`` (the
+attention work done: visited-block density) and ``mfu_model`` (dense-equivalent FLOPs), peak memory,
+the last validation loss, the logged attention density and, with ``eval.passkey_lengths`` set,
+passkey accuracy at the end (and, for block top-k heads, needle recall: the share of their
+selections for the question that held the needle's block, training/passkey.py). Checkpoints are not
+written (a 1B model's optimizer state is ~12 GB of disk per save) unless ``--checkpoint-every N``:
+then each variant saves every N steps and on Ctrl-C / SIGINT (``timeout -s INT``), and ``--resume``
+continues every variant from its latest checkpoint under ``--out``, so a run longer than one GPU
+call spans two on the same machine. Rows go to ``DIR/train_attention.jsonl`` as they finish.
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ def variant_config(
             f"logging.log_every={max(steps // 4, 1)}",
         ],
     )
-    # the preset's warm-up unless it is longer than a quarter of the run (a speed run of a few steps)
+    # the preset's warm-up unless it is longer than a quarter of the run (a speed run of a few
+    # steps)
     cfg.optim.warmup_steps = min(cfg.optim.warmup_steps, max(steps // 4, 1))
     att = cfg.model.attention
     if variant == "dense":
@@ -151,7 +155,8 @@ def run_variant(cfg, variant: str, save: bool = False) -> dict:
     pk = [r for r in rows if any(k.startswith("passkey/") for k in r)]
     if pk:
         out["passkey"] = {k.split("/")[1]: v for k, v in pk[-1].items() if k.startswith("passkey/")}
-        # block top-k heads: did the selection hold the needle (per length, mean over layers and heads)
+        # block top-k heads: did the selection hold the needle (per length, mean over layers and
+        # heads)
         recall = {
             k.split("/")[1]: round(v, 3)
             for k, v in pk[-1].items()
@@ -267,8 +272,7 @@ def main():
 if __name__ == "__main__":
     try:
         sys.exit(exit_code(main))
-    except (
-        KeyboardInterrupt
-    ) as e:  # the trainer's Interrupted names the checkpoint it saved (--checkpoint-every)
+    # the trainer's Interrupted names the checkpoint it saved (--checkpoint-every)
+    except KeyboardInterrupt as e:
         print(str(e) or "interrupted", file=sys.stderr)
         sys.exit(130)

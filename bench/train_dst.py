@@ -1,19 +1,23 @@
-"""Quality of the DST schedules at equal tokens: dense vs RigL vs SET vs the seeds' recipe, several seeds.
+"""Quality of the DST schedules at equal tokens: dense vs RigL vs SET vs the seeds' recipe, several
+seeds.
 
-    python bench/train_dst.py --out train_dst.json                        # H200: dim 512, 8 layers, 700 steps
-    python bench/train_dst.py --dim 64 --layers 2 --steps 300 --batch 8 --seq 64 --update-every 25   # CPU
+    python bench/train_dst.py --out train_dst.json                        # H200: dim 512, 8 layers,
+    700 steps python bench/train_dst.py --dim 64 --layers 2 --steps 300 --batch 8 --seq 64
+    --update-every 25   # CPU
 
-Data: the bytes of this interpreter's standard library (vocab 256, no tokenizer), split by file (every
-20th file is validation). Model: zoo.build_model LLaMA-style, heads of 64. Optimizer: AdamW (0.9, 0.95),
-weight decay 0.1, clip 1.0, linear warm-up then cosine to 10%. Runs (``RUNS``):
+Data: the bytes of this interpreter's standard library (vocab 256, no tokenizer), split by file
+(every 20th file is validation). Model: zoo.build_model LLaMA-style, heads of 64. Optimizer: AdamW
+(0.9, 0.95), weight decay 0.1, clip 1.0, linear warm-up then cosine to 10%. Runs (``RUNS``):
 - ``dense``: LR ``--lr``.
-- ``rigl``: RigL (|grad| grow), ERK 80% from the start, update every N, drop 0.3 cosine, stop at 75%.
+- ``rigl``: RigL (|grad| grow), ERK 80% from the start, update every N, drop 0.3 cosine, stop at
+  75%.
 - ``set``: the same with random growth (SET).
-- ``recipe`` (seeds 000/001): grow by the gradient EMA ``0.1 |g| + 0.9 S``, ERK, sparsity ramping 80% -> 50%
-  on a cosine over the first half, the same update cadence, LR 25% lower, warm-up twice as long.
-- ``rigl50``: RigL at the recipe's final density (50% sparse from the start), to separate the recipe's
-  schedule from its density.
-Validation loss: the mean of 40 held-out batches (fixed generator), in nats per byte.
+- ``recipe`` (seeds 000/001): grow by the gradient EMA ``0.1 |g| + 0.9 S``, ERK, sparsity ramping
+  80% -> 50% on a cosine over the first half, the same update cadence, LR 25% lower, warm-up twice
+  as long.
+- ``rigl50``: RigL at the recipe's final density (50% sparse from the start), to separate the
+  recipe's schedule from its density. Validation loss: the mean of 40 held-out batches (fixed
+  generator), in nats per byte.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ RUNS = {
 
 
 def stdlib_bytes():
-    """Train/val byte streams: the standard library's .py files, split by file name (every 20th is val)."""
+    """Train/val byte streams: the standard library's .py files, split by file name (every 20th is
+    val)."""
     files = sorted(
         glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True)
     )

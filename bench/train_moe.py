@@ -1,64 +1,68 @@
-"""The trainer end to end, MoE and neuron-routed FFN against the dense FFN on one backbone: equal-time
-quality and tokens/s, on one GPU.
+"""The trainer end to end, MoE and neuron-routed FFN against the dense FFN on one backbone:
+equal-time quality and tokens/s, on one GPU.
 
-    python bench/train_moe.py --prepare DIR [--max-files N] [--cache-dir C]   # tokens, on any machine (CPU)
-    python bench/train_moe.py --tokens DIR [--suite equal_time,speed_2k] [--seconds 15] [--seeds 0,1] [--fixed-steps]
-    python bench/train_moe.py --tokens DIR --suite speed_fp8 --speed-steps 300   # bf16 vs FP8 experts
+    python bench/train_moe.py --prepare DIR [--max-files N] [--cache-dir C]   # tokens, on any
+    machine (CPU) python bench/train_moe.py --tokens DIR [--suite equal_time,speed_2k] [--seconds
+    15] [--seeds 0,1] [--fixed-steps] python bench/train_moe.py --tokens DIR --suite speed_fp8
+    --speed-steps 300   # bf16 vs FP8 experts
 
 ``--prepare`` builds the corpus (``data.source=python_packages`` by default: this interpreter's
-installed packages, one document per package, validation packages held out), trains the tokenizer and
-writes ``tokens_{train,val}.bin`` and ``tokenizer.model`` into DIR, so every run of a suite, and the
-GPU machine, trains on exactly the same tokens (the GPU machine has other packages installed).
+installed packages, one document per package, validation packages held out), trains the tokenizer
+and writes ``tokens_{train,val}.bin`` and ``tokenizer.model`` into DIR, so every run of a suite, and
+the GPU machine, trains on exactly the same tokens (the GPU machine has other packages installed).
 
 Suites (each run is ``training.loop.Trainer`` from a ``load_config`` of a preset plus overrides,
 bf16 autocast, fused AdamW, compiled with ``--compile`` (eager by default: a compile per run costs
 more device time than a short equal-time run trains); the script drives ``train_step`` itself and
 times each step):
-- ``equal_time``: dense, MoE (8 experts top-2, expert hidden FFN/2: the dense FFN's active FLOPs) and
-  neuron-routed (tiny_neuron's schedule: dense warm-up, 3 sparse : 1 dense, dense finish) versions
-  of one backbone (D 512, 8 layers, FFN 1408, seq 1024, batch 32), every model the same GPU seconds.
-  A probe run per model (``--probe-steps``, seed 0) measures its settled step time. Each seed then
-  trains until its steady training seconds reach ``--seconds``, the LR on ``TimeSchedule``: warm-up
-  over ``optim.warmup_steps`` steps as the trainer's, then the cosine as a function of the steady
-  seconds, at its floor when the budget is spent; ``train.steps`` is only a bound (3x the probe's
-  estimate). The neuron-routed model keeps a step count (``--seconds`` / the probe's step time): its
-  schedule's phases (dense warm-up and finish, re-grouping) are fractions of a step total, as are
-  DST's. ``--fixed-steps``: every model that way (the old sizing: the probe under-rated the
-  CUDA-graphed MoE runs by 7-11%, so they trained 39-42 s of a 45 s budget where dense trained
-  45.6 s). Printed: val loss, steps taken, tokens seen, epochs of the token folder's
-  training tokens (a note past 1: val loss then pays for repetition), steady training seconds, tokens/s. Every suite
-  not named ``speed_*`` runs this way.
+- ``equal_time``: dense, MoE (8 experts top-2, expert hidden FFN/2: the dense FFN's active FLOPs)
+  and neuron-routed (tiny_neuron's schedule: dense warm-up, 3 sparse : 1 dense, dense finish)
+  versions of one backbone (D 512, 8 layers, FFN 1408, seq 1024, batch 32), every model the same GPU
+  seconds. A probe run per model (``--probe-steps``, seed 0) measures its settled step time. Each
+  seed then trains until its steady training seconds reach ``--seconds``, the LR on
+  ``TimeSchedule``: warm-up over ``optim.warmup_steps`` steps as the trainer's, then the cosine as a
+  function of the steady seconds, at its floor when the budget is spent; ``train.steps`` is only a
+  bound (3x the probe's estimate). The neuron-routed model keeps a step count (``--seconds`` / the
+  probe's step time): its schedule's phases (dense warm-up and finish, re-grouping) are fractions of
+  a step total, as are DST's. ``--fixed-steps``: every model that way (the old sizing: the probe
+  under-rated the CUDA-graphed MoE runs by 7-11%, so they trained 39-42 s of a 45 s budget where
+  dense trained 45.6 s). Printed: val loss, steps taken, tokens seen, epochs of the token folder's
+  training tokens (a note past 1: val loss then pays for repetition), steady training seconds,
+  tokens/s. Every suite not named ``speed_*`` runs this way.
 - ``speed_2k``: tokens/s of a D 2048 backbone (4 layers, FFN 5632, 16k tokens a step) with the dense
   FFN and with the neuron-routed FFN at 4 of 16 groups in every step (sparse steps only: the
   schedule's dense steps run the dense FFN plus the router, timed by bench/neuron_ffn.py).
 - ``speed_4k``: the same at LLaMA-7B's width (D 4096, FFN 11008, 32 heads / 8 KV; 4 layers, 16k
   tokens a step).
-- ``speed_512``: equal_time's dense and MoE models, ``--speed-steps`` steps each: the MoE step against
-  the dense step (issue 16's small-model overhead); with ``--profile-at N`` each run also profiles
-  three steps (``logging.profile_at``) and prints where the device time went.
+- ``speed_512``: equal_time's dense and MoE models, ``--speed-steps`` steps each: the MoE step
+  against the dense step (issue 16's small-model overhead); with ``--profile-at N`` each run also
+  profiles three steps (``logging.profile_at``) and prints where the device time went.
 - ``speed_512_graphs``: ``speed_512`` with the compiled blocks captured as CUDA graphs
   (``train.compile_mode=reduce-overhead``; with ``--compile``): the host's launch cost taken out.
-- ``speed_2k_graphs``: ``speed_2k`` with the compiled blocks captured as CUDA graphs (with ``--compile``): the
-  neuron-routed sparse step is launch-bound at D 2048 when eager (bench/neuron_ffn.py: waited 4.7 ms a layer,
-  queued 3.0).
-- ``speed_2k_fp32router``: ``speed_2k``'s neuron-routed FFN with ``model.neuron.low_precision_router=false``
-  (its router reading the float32 residual, as before session 29), to run beside ``speed_2k``.
-- ``speed_512_graphs_fp32router``: ``speed_512_graphs``' MoE with ``model.moe.low_precision_router=false``
-  (the router reading the float32 residual, as before session 29), to run beside ``speed_512_graphs``.
+- ``speed_2k_graphs``: ``speed_2k`` with the compiled blocks captured as CUDA graphs (with
+  ``--compile``): the neuron-routed sparse step is launch-bound at D 2048 when eager
+  (bench/neuron_ffn.py: waited 4.7 ms a layer, queued 3.0).
+- ``speed_2k_fp32router``: ``speed_2k``'s neuron-routed FFN with
+  ``model.neuron.low_precision_router=false`` (its router reading the float32 residual, as before
+  session 29), to run beside ``speed_2k``.
+- ``speed_512_graphs_fp32router``: ``speed_512_graphs``' MoE with
+  ``model.moe.low_precision_router=false`` (the router reading the float32 residual, as before
+  session 29), to run beside ``speed_512_graphs``.
 - ``equal_time_graphs``: ``equal_time``'s dense and MoE runs the same way (with ``--compile``).
-- ``equal_time_moe_shapes``: dense and three other MoE layouts of the same active FFN FLOPs at equal time,
-  as CUDA graphs (with ``--compile``): 1 shared expert + top-1 of 8 (hidden 704 each), top-1 of 8 at 1408
-  (both top-1 layouts with the Switch router), top-4 of 16 at 352.
-- ``equal_time_moe_experts``: dense against top-2 of 16 and of 32 experts at 704 (the same active FLOPs as
-  top-2 of 8), as CUDA graphs (with ``--compile``).
-- ``equal_time_moe_interleaved``: dense against MoE in every other layer (layers 1, 3, 5, 7; dense FFNs
-  in 0, 2, 4, 6, GShard / Switch's layout), top-2 of 8 and of 16 at 704, as CUDA graphs (with ``--compile``).
-- ``speed_fp8``: equal_time's MoE with bf16 and with FP8 expert GEMMs (``model.moe.precision=fp8``), the
-  same seed and ``--speed-steps`` steps each: val loss (the FP8 run should land within 0.5% of bf16's),
-  last training loss, tokens/s.
-Steady seconds leave out steps over twice the median step (the first compile, CUDA-graph capture,
-recompiles at phase changes, the re-clustering step, profiled steps): the run's own median, or in a
-time-budgeted run the probe's settled step, since that run's clock must count as it goes.
+- ``equal_time_moe_shapes``: dense and three other MoE layouts of the same active FFN FLOPs at equal
+  time, as CUDA graphs (with ``--compile``): 1 shared expert + top-1 of 8 (hidden 704 each), top-1
+  of 8 at 1408 (both top-1 layouts with the Switch router), top-4 of 16 at 352.
+- ``equal_time_moe_experts``: dense against top-2 of 16 and of 32 experts at 704 (the same active
+  FLOPs as top-2 of 8), as CUDA graphs (with ``--compile``).
+- ``equal_time_moe_interleaved``: dense against MoE in every other layer (layers 1, 3, 5, 7; dense
+  FFNs in 0, 2, 4, 6, GShard / Switch's layout), top-2 of 8 and of 16 at 704, as CUDA graphs (with
+  ``--compile``).
+- ``speed_fp8``: equal_time's MoE with bf16 and with FP8 expert GEMMs (``model.moe.precision=fp8``),
+  the same seed and ``--speed-steps`` steps each: val loss (the FP8 run should land within 0.5% of
+  bf16's), last training loss, tokens/s. Steady seconds leave out steps over twice the median step
+  (the first compile, CUDA-graph capture, recompiles at phase changes, the re-clustering step,
+  profiled steps): the run's own median, or in a time-budgeted run the probe's settled step, since
+  that run's clock must count as it goes.
 """
 
 from __future__ import annotations
@@ -114,7 +118,8 @@ BACKBONE_4K = [
     "train.seq_len=2048",
     "train.batch_size=8",
 ]
-# the neuron-routed FFN at 4 of 16 groups in every step (no dense warm-up, finish or re-grouping steps)
+# the neuron-routed FFN at 4 of 16 groups in every step (no dense warm-up, finish or re-grouping
+# steps)
 NEURON_SPARSE = [
     "model.neuron.num_groups=16",
     "model.neuron.top_k_groups=4",
@@ -135,11 +140,13 @@ SUITES = {  # name -> {run: (preset, overrides)}
         "dense_2k": ("zoo/tiny_dense.yaml", BACKBONE_2K),
         "neuron_2k": ("zoo/tiny_neuron.yaml", BACKBONE_2K + NEURON_SPARSE),
     },
-    "speed_4k": {  # a 7B-wide layer (LLaMA-7B's D and FFN), 4 of them: where the layer measured 2.37x
+    # a 7B-wide layer (LLaMA-7B's D and FFN), 4 of them: where the layer measured 2.37x
+    "speed_4k": {
         "dense_4k": ("zoo/tiny_dense.yaml", BACKBONE_4K),
         "neuron_4k": ("zoo/tiny_neuron.yaml", BACKBONE_4K + NEURON_SPARSE),
     },
-    "speed_512": {  # issue 16's small-model overhead: the MoE step against the dense step, same backbone
+    # issue 16's small-model overhead: the MoE step against the dense step, same backbone
+    "speed_512": {
         "dense": ("zoo/tiny_dense.yaml", BACKBONE),
         "moe": ("zoo/tiny_moe.yaml", BACKBONE + ["model.moe.hidden_dim=704"]),
     },
@@ -169,16 +176,19 @@ def with_overrides(suite: str, suffix: str, extra: list, runs=None) -> dict:
 
 
 def with_graphs(suite: str, runs=None) -> dict:
-    """``suite``'s runs with --compile's blocks replayed as CUDA graphs (train.compile_mode=reduce-overhead)."""
+    """``suite``'s runs with --compile's blocks replayed as CUDA graphs
+    (train.compile_mode=reduce-overhead)."""
     return with_overrides(suite, "graphs", ["train.compile_mode=reduce-overhead"], runs)
 
 
 SUITES["speed_512_graphs"] = with_graphs("speed_512")
-# the same with train.param_dtype=bfloat16 (bf16 matmul weights, float32 masters in training.optim.MasterAdamW)
+# the same with train.param_dtype=bfloat16 (bf16 matmul weights, float32 masters in
+# training.optim.MasterAdamW)
 SUITES["speed_512_graphs_bf16w"] = with_overrides(
     "speed_512_graphs", "bf16w", ["train.param_dtype=bfloat16"]
 )
-# the MoE with its router reading the float32 residual (before session 29's default: a float32 FFMA GEMM)
+# the MoE with its router reading the float32 residual (before session 29's default: a float32 FFMA
+# GEMM)
 SUITES["speed_512_graphs_fp32router"] = with_overrides(
     "speed_512_graphs", "fp32router", ["model.moe.low_precision_router=false"], ("moe_graphs",)
 )
@@ -187,18 +197,20 @@ SUITES["speed_2k_graphs"] = with_graphs("speed_2k")
 SUITES["speed_2k_fp32router"] = with_overrides(
     "speed_2k", "fp32router", ["model.neuron.low_precision_router=false"], ("neuron_2k",)
 )
-# dense against MoE at equal time, each at its fastest step (graphs took 30% off the MoE step, 1% off dense's)
+# dense against MoE at equal time, each at its fastest step (graphs took 30% off the MoE step, 1%
+# off dense's)
 SUITES["equal_time_graphs"] = with_graphs("equal_time", ("dense", "moe"))
-# MoE layouts of the same active FFN FLOPs (hidden 1408 a token) against dense, CUDA graphs: top-2 of 8 at
-# 704 is 0.79x dense's tokens/s and +3.7% val loss at 45 s (BENCHMARKS.md); a shared expert carries half the
-# FLOPs in one dense GEMM (DeepSeekMoE, Qwen-MoE) with top-1 of 8 routed, top-1 of 8 at 1408 routes each row
-# once (Switch), top-4 of 16 at 352 is DeepSeekMoE's finer segmentation. The top-1 layouts use the Switch
-# router: a renormalised top-1 weight is always 1.0, so softmax's router learned from the balance loss only
-# (and the config now refuses it). 45 s, probe-sized runs (2026-12-04, BENCHMARKS.md): dense 1.875 / 1.908;
-# shared + top-1 softmax 1.925 / 1.947 (+2.3%), switch 1.902 (seed 0); top-1 at 1408 softmax 2.098 / 2.098
-# (+10.9%), switch 2.035 (seed 0); top-4 of 16 1.994 / 2.003 (+5.6%). Trained to the clock (session 17):
-# dense 1.892, shared + top-1 switch +2.2%, top-1 at 1408 switch +7.7%, top-4 of 16 +3.3%, all at ~2 epochs
-# of .tok25 (the device's own package corpus since: bench/moe_gpu.sh)
+# MoE layouts of the same active FFN FLOPs (hidden 1408 a token) against dense, CUDA graphs: top-2
+# of 8 at 704 is 0.79x dense's tokens/s and +3.7% val loss at 45 s (BENCHMARKS.md); a shared expert
+# carries half the FLOPs in one dense GEMM (DeepSeekMoE, Qwen-MoE) with top-1 of 8 routed, top-1 of
+# 8 at 1408 routes each row once (Switch), top-4 of 16 at 352 is DeepSeekMoE's finer segmentation.
+# The top-1 layouts use the Switch router: a renormalised top-1 weight is always 1.0, so softmax's
+# router learned from the balance loss only (and the config now refuses it). 45 s, probe-sized runs
+# (2026-12-04, BENCHMARKS.md): dense 1.875 / 1.908; shared + top-1 softmax 1.925 / 1.947 (+2.3%),
+# switch 1.902 (seed 0); top-1 at 1408 softmax 2.098 / 2.098 (+10.9%), switch 2.035 (seed 0); top-4
+# of 16 1.994 / 2.003 (+5.6%). Trained to the clock (session 17): dense 1.892, shared + top-1 switch
+# +2.2%, top-1 at 1408 switch +7.7%, top-4 of 16 +3.3%, all at ~2 epochs of .tok25 (the device's own
+# package corpus since: bench/moe_gpu.sh)
 _TOP1 = ["model.moe.top_k=1", "model.moe.router=switch"]
 _MOE_SHAPES = {
     "moe_shared": ["model.moe.shared_experts=1", *_TOP1, "model.moe.hidden_dim=704"],
@@ -210,9 +222,10 @@ SUITES["moe_shapes"] = {
     **{n: ("zoo/tiny_moe.yaml", BACKBONE + ov) for n, ov in _MOE_SHAPES.items()},
 }
 SUITES["equal_time_moe_shapes"] = with_graphs("moe_shapes")
-# More experts at the same active FLOPs (top-2 at 704): expert parameters 2x and 4x the 8-expert MoE's, the
-# per-token gain of routing growing with the expert count (Switch, DeepSeekMoE), against smaller groups per
-# GEMM and a larger optimizer step. Top-2 of 8 at 90 s on the package corpus: +2.9% over dense (BENCHMARKS.md).
+# More experts at the same active FLOPs (top-2 at 704): expert parameters 2x and 4x the 8-expert
+# MoE's, the per-token gain of routing growing with the expert count (Switch, DeepSeekMoE), against
+# smaller groups per GEMM and a larger optimizer step. Top-2 of 8 at 90 s on the package corpus:
+# +2.9% over dense (BENCHMARKS.md).
 SUITES["moe_experts"] = {
     "dense": SUITES["equal_time"]["dense"],
     **{
@@ -224,10 +237,10 @@ SUITES["moe_experts"] = {
     },
 }
 SUITES["equal_time_moe_experts"] = with_graphs("moe_experts")
-# MoE in every other layer (GShard, Switch): half the layers pay the routing overhead, half keep the dense
-# FFN's step. At 90 s, MoE in all 8 layers costs 1.25x the dense step (top-2 of 8) to 1.38x (of 32) and
-# ends 2.3-3.0% above dense's val loss (BENCHMARKS.md): this asks whether half the overhead buys more
-# than half the per-token gain.
+# MoE in every other layer (GShard, Switch): half the layers pay the routing overhead, half keep the
+# dense FFN's step. At 90 s, MoE in all 8 layers costs 1.25x the dense step (top-2 of 8) to 1.38x
+# (of 32) and ends 2.3-3.0% above dense's val loss (BENCHMARKS.md): this asks whether half the
+# overhead buys more than half the per-token gain.
 _INTERLEAVED = ['model.ffn_layers={"0,2,4,6": dense}', "model.moe.hidden_dim=704"]
 SUITES["moe_interleaved"] = {
     "dense": SUITES["equal_time"]["dense"],
@@ -242,28 +255,31 @@ SUITES["moe_interleaved"] = {
 SUITES["equal_time_moe_interleaved"] = with_graphs("moe_interleaved")
 
 
-# A time-budgeted run's train.steps: this times the probe's estimate, a bound meant never to be reached (the
-# clock ends the run). 1.5 was too tight: a probe slowed by process start-up or by neighbours (CPU tests under
-# xdist) estimated steps >1.5x slower than the run then took, and the run stopped short of its budget.
+# A time-budgeted run's train.steps: this times the probe's estimate, a bound meant never to be
+# reached (the clock ends the run). 1.5 was too tight: a probe slowed by process start-up or by
+# neighbours (CPU tests under xdist) estimated steps >1.5x slower than the run then took, and the
+# run stopped short of its budget.
 STEP_BOUND = 3.0
 
 
 class TimeSchedule:
-    """training.optim.build_scheduler's LR shape on a clock instead of a step count: the linear warm-up over
-    ``optim.warmup_steps`` steps (from lr / warmup_steps), then the cosine from lr to ``lr * min_lr_ratio``
-    over the steady seconds from the warm-up's end to ``seconds``; at the floor once ``seconds`` are spent.
+    """training.optim.build_scheduler's LR shape on a clock instead of a step count: the linear
+    warm-up over ``optim.warmup_steps`` steps (from lr / warmup_steps), then the cosine from lr to
+    ``lr * min_lr_ratio`` over the steady seconds from the warm-up's end to ``seconds``; at the
+    floor once ``seconds`` are spent.
 
-    Stands in for a Trainer's ``scheduler`` (the trainer is unchanged): its ``step()``, which train_step
-    calls after the optimizer step, counts the step; ``advance(steady_s)``, which the bench calls once it
-    has timed a step (in order; train_run: a step late, so the host need not wait for each step), adds the
-    step's steady seconds (0 for a step left out) and sets the next step's LR in every param group: the
-    warm-up's by the step count, the cosine's by the seconds timed so far. Not checkpointable: the bench
-    saves no checkpoints."""
+    Stands in for a Trainer's ``scheduler`` (the trainer is unchanged): its ``step()``, which
+    train_step calls after the optimizer step, counts the step; ``advance(steady_s)``, which the
+    bench calls once it has timed a step (in order; train_run: a step late, so the host need not
+    wait for each step), adds the step's steady seconds (0 for a step left out) and sets the next
+    step's LR in every param group: the warm-up's by the step count, the cosine's by the seconds
+    timed so far. Not checkpointable: the bench saves no checkpoints."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, cfg, seconds: float):
         self.optimizer, self.seconds = optimizer, seconds
         self.warmup, self.floor = cfg.warmup_steps, cfg.min_lr_ratio
-        # each group's base LR, stored by the schedulers build_scheduler made before they changed "lr"
+        # each group's base LR, stored by the schedulers build_scheduler made before they changed
+        # "lr"
         self.base = [g["initial_lr"] for g in optimizer.param_groups]
         self.steps, self.timed, self.elapsed, self.warm_s = 0, 0, 0.0, 0.0
         self._set_lr()
@@ -283,9 +299,8 @@ class TimeSchedule:
     def advance(self, steady_s: float) -> None:
         self.elapsed += steady_s
         self.timed += 1
-        if (
-            self.timed <= self.warmup
-        ):  # the cosine starts where the warm-up ends, as build_scheduler's
+        # the cosine starts where the warm-up ends, as build_scheduler's
+        if self.timed <= self.warmup:
             self.warm_s = self.elapsed
         self._set_lr()
 
@@ -296,8 +311,9 @@ class TimeSchedule:
 
 
 def step_scheduled(cfg) -> bool:
-    """Whether a sparsity method of ``cfg``'s trainer is scheduled on ``train.steps``: the neuron-routed FFN
-    (dense warm-up and finish phases, re-grouping) and DST (its update period and end)."""
+    """Whether a sparsity method of ``cfg``'s trainer is scheduled on ``train.steps``: the
+    neuron-routed FFN (dense warm-up and finish phases, re-grouping) and DST (its update period and
+    end)."""
     return "neuron" in cfg.model.layer_ffn_types() or cfg.dst.enabled
 
 
@@ -319,8 +335,9 @@ def make_config(preset, overrides, seed, steps, device, tokens_dir, out_dir, com
 
 
 def use_tokens(tokens_dir) -> int:
-    """Make the trainer read DIR's token files instead of building the corpus (same tokens everywhere).
-    Returns the number of training tokens (an equal-time run's epochs are its tokens seen over this)."""
+    """Make the trainer read DIR's token files instead of building the corpus (same tokens
+    everywhere). Returns the number of training tokens (an equal-time run's epochs are its tokens
+    seen over this)."""
     import moezoo.training.loop
     from moezoo.training.data import TokenData
     from moezoo.training.tokenizer import Tokenizer
@@ -339,9 +356,9 @@ def use_tokens(tokens_dir) -> int:
 
 
 def prepare(out, source, max_files, vocab, max_tokens=0, cache_dir=None):
-    """Corpus -> tokenizer + token files in ``out`` (training.data's own code and cache: ``cache_dir``, else
-    data.cache_dir's default). ``max_tokens``: keep only the first N tokens of each split (a folder that fits
-    one device transfer of 64 MiB)."""
+    """Corpus -> tokenizer + token files in ``out`` (training.data's own code and cache:
+    ``cache_dir``, else data.cache_dir's default). ``max_tokens``: keep only the first N tokens of
+    each split (a folder that fits one device transfer of 64 MiB)."""
     from moezoo.training.data import prepare_data
 
     cache = [f"data.cache_dir={cache_dir}"] if cache_dir else []
@@ -385,14 +402,16 @@ def prepare(out, source, max_files, vocab, max_tokens=0, cache_dir=None):
 
 
 def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
-    """One Trainer run, each step timed (bench.timing.StepTimes: on CUDA an event after each step, so nothing
-    makes the host wait a step, as in train.py, and a step's time is the device's, including any wait for
-    the host); val loss at the end. With a budget, on CUDA, the clock learns each step's time a step late.
+    """One Trainer run, each step timed (bench.timing.StepTimes: on CUDA an event after each step,
+    so nothing makes the host wait a step, as in train.py, and a step's time is the device's,
+    including any wait for the host); val loss at the end. With a budget, on CUDA, the clock learns
+    each step's time a step late.
 
-    ``budget=None``: ``steps`` steps on the trainer's LR schedule; steady steps are those up to twice the
-    run's median step. ``budget=(seconds, step_s)``: steps until the steady seconds reach ``seconds`` (at
-    most ``steps``, a bound), the LR on TimeSchedule; a step is steady when it takes up to twice ``step_s``,
-    the probe's settled step (the clock runs during the run; the run's own median is known at its end).
+    ``budget=None``: ``steps`` steps on the trainer's LR schedule; steady steps are those up to
+    twice the run's median step. ``budget=(seconds, step_s)``: steps until the steady seconds reach
+    ``seconds`` (at most ``steps``, a bound), the LR on TimeSchedule; a step is steady when it takes
+    up to twice ``step_s``, the probe's settled step (the clock runs during the run; the run's own
+    median is known at its end).
     """
     from moezoo.layers import NeuronSchedule
     from moezoo.training.loop import Trainer
@@ -409,8 +428,9 @@ def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
         os.path.join(args.runs, tag),
         args.compile,
     )
-    # what earlier runs in this process still hold (their CUDA-graph pools live as long as the compiled
-    # code that replays them): left out of this run's peak, so seed 1's peak is not seed 0's plus its own
+    # what earlier runs in this process still hold (their CUDA-graph pools live as long as the
+    # compiled code that replays them): left out of this run's peak, so seed 1's peak is not seed
+    # 0's plus its own
     held = torch.cuda.memory_allocated() if dev == "cuda" else 0
     tr = Trainer(cfg)
     clock = None
@@ -420,8 +440,8 @@ def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
     times, covered, phases, losses, prof, wall = [], [], [], [], None, 0.0
     clocked = StepTimes(dev == "cuda")
 
-    # the profiled steps carry the profiler's overhead, and the step after them its trace export (it lands in
-    # that step's interval, as bench/torchtitan_moe.py leaves out too): inf, never "steady"
+    # the profiled steps carry the profiler's overhead, and the step after them its trace export (it
+    # lands in that step's interval, as bench/torchtitan_moe.py leaves out too): inf, never "steady"
     def take(ts):
         nonlocal wall
         for t in ts:
@@ -435,8 +455,8 @@ def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
         m = tr.train_step()
         clocked.mark()
         covered.append(tr.profiler.covers(tr.step) or tr.profiler.covers(tr.step - 1))
-        # on CUDA the clock learns each step's time a step late (the LR it sets too; one step more may run past
-        # the budget); on CPU a step has ended when train_step returns
+        # on CUDA the clock learns each step's time a step late (the LR it sets too; one step more
+        # may run past the budget); on CPU a step has ended when train_step returns
         take(clocked.ready(keep=1 if dev == "cuda" else 0))
         prof = tr.profiler.after(tr.step) or prof
         phases.append(neuron.phase if neuron else "dense")
@@ -445,9 +465,8 @@ def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
     losses = torch.stack(losses).tolist()
     tr.settle()  # the last step's skip flag (training.loop.skips_on_device)
     med = statistics.median([t for t in times if t < float("inf")] or [0.0])
-    limit = 2 * (
-        budget[1] if budget else med
-    )  # the longest steady step; with a budget the clock's own rule
+    # the longest steady step; with a budget the clock's own rule
+    limit = 2 * (budget[1] if budget else med)
     steady = [t for t in times if t <= limit] or [float("inf")]
     out = {
         "steps": len(times),
@@ -469,9 +488,8 @@ def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
         "held_before_gb": held / 1e9,
         "mfu_flops_per_token": tr.flops_per_token,
     }
-    if (
-        budget
-    ):  # short of the budget only when the bound stopped it (steps far slower than the probe's)
+    # short of the budget only when the bound stopped it (steps far slower than the probe's)
+    if budget:
         out.update(
             budget_s=budget[0], steps_bound=steps, budget_reached=clock.elapsed >= clock.seconds
         )
@@ -482,9 +500,8 @@ def train_run(preset, overrides, seed, steps, args, tag, budget=None) -> dict:
     if tr.peak_flops:
         out["mfu"] = out["tokens_per_s"] * tr.flops_per_token / tr.peak_flops
     if prof:
-        out["profile"] = (
-            prof  # training.profile's summary; trace + op table under --runs/<tag>/profile
-        )
+        # training.profile's summary; trace + op table under --runs/<tag>/profile
+        out["profile"] = prof
     del tr
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -496,10 +513,11 @@ def equal_time(suite, args) -> dict:
     res = {}
     for name, (preset, ov) in SUITES[suite].items():
         probe = train_run(preset, ov, 0, args.probe_steps, args, f"{name}_probe")
-        # the probe's settled step time (the median of its second half: past compilation, graph capture and
-        # warm-up) still under-rated the CUDA-graphed MoE runs by 7-11% (moe_shared_switch: 1.097M tok/s
-        # against the run's 1.218M), too far off to size a run by: it bounds the steps of a run that trains
-        # to the budget on its own clock, and sizes only the step-scheduled runs (and --fixed-steps)
+        # the probe's settled step time (the median of its second half: past compilation, graph
+        # capture and warm-up) still under-rated the CUDA-graphed MoE runs by 7-11%
+        # (moe_shared_switch: 1.097M tok/s against the run's 1.218M), too far off to size a run by:
+        # it bounds the steps of a run that trains to the budget on its own clock, and sizes only
+        # the step-scheduled runs (and --fixed-steps)
         step_s = probe["tail_median_s"]
         steps = max(args.probe_steps, int(args.seconds / step_s))
         timed = not args.fixed_steps and not step_scheduled(load_config(preset, ov))
@@ -543,7 +561,7 @@ def speed(suite, args) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prepare", default=None, help="write the tokens to this folder and exit")
     ap.add_argument("--source", default="python_packages")
     ap.add_argument("--max-files", type=int, default=0)
@@ -611,7 +629,8 @@ def main():
             )
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.train_tokens = use_tokens(args.tokens)
-    # a neuron block has a sparse and a dense training graph besides evaluation's: room for all of them
+    # a neuron block has a sparse and a dense training graph besides evaluation's: room for all of
+    # them
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     out = {
         "env": {
@@ -658,9 +677,9 @@ def report(out):
                 )
         most = max(s["epochs"] for r in res.values() for s in r["seeds"].values())
         if most > 1:
-            # a faster model repeats more of a small corpus: its val loss then pays for memorising, so the
-            # comparison favours the slower one (on the H200, .tok25's 26M tokens: dense val 1.89 after 45 s,
-            # 1.93 after 100 s)
+            # a faster model repeats more of a small corpus: its val loss then pays for memorising,
+            # so the comparison favours the slower one (on the H200, .tok25's 26M tokens: dense val
+            # 1.89 after 45 s, 1.93 after 100 s)
             print(
                 f"note: up to {most:.1f} epochs of the training tokens; val loss measures repetition as well "
                 f"(prepare a larger folder: bench/moe_gpu.sh's equal part tokenises on the device)"

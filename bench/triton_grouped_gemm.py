@@ -1,26 +1,27 @@
-"""A Triton grouped GEMM over expert-sorted rows, with the token gather fused into the row loads and a
-two-accumulator SwiGLU epilogue: the fused-kernel contender of bench/moe_gemm.py (issue 3's "fuse the
-permute/gather into the GEMM inputs, pick grouped-GEMM tiles for small experts").
+"""A Triton grouped GEMM over expert-sorted rows, with the token gather fused into the row loads and
+a two-accumulator SwiGLU epilogue: the fused-kernel contender of bench/moe_gemm.py (issue 3's "fuse
+the permute/gather into the GEMM inputs, pick grouped-GEMM tiles for small experts").
 
 Not a product path: measured on the H200 it runs at or below torch._grouped_mm's CUTLASS kernels
-(BENCHMARKS.md, MoE layer, run 9), so layers.GroupedExperts keeps torch._grouped_mm. It stays here so
-that the measurement can be repeated.
+(BENCHMARKS.md, MoE layer, run 9), so layers.GroupedExperts keeps torch._grouped_mm. It stays here
+so that the measurement can be repeated.
 
 Rows of group e are ``ends[e-1] .. ends[e]`` (``ends`` [E] int32: torch._grouped_mm's ``offs``).
-- ``grouped_mm(a[M, k], b, ends, src=None, b_kmajor=True) -> c[M, n]``: ``c[r] = a_r @ b[e]^T`` for b
-  [E, n, k] (``b_kmajor``, the layout of w1/w3/w2 in the forward) or ``a_r @ b[e]`` for b [E, k, n] (the
-  input gradients); ``a_r = a[src[r]]`` with ``src`` [M] int32 (gathered rows, no permuted copy of a),
-  else ``a[r]``.
-- ``grouped_swiglu(a, b1, b3, ends, src=None, scale=None) -> (g, u, h)`` [M, n]: both projections from
-  one pass over the A tiles, ``h = silu(g) * u * scale[r]`` in the epilogue.
-- ``grouped_mm_t(a[M, p], b[M, q], ends, src_b=None) -> w[E, p, q]``: ``w[e] = a[rows_e]^T b[rows_e]``
-  (weight gradients; ``src_b`` gathers b's rows).
-Rows past ``ends[-1]`` are not written. k must be a multiple of 64 (BK) on the row kernels.
+- ``grouped_mm(a[M, k], b, ends, src=None, b_kmajor=True) -> c[M, n]``: ``c[r] = a_r @ b[e]^T`` for
+  b [E, n, k] (``b_kmajor``, the layout of w1/w3/w2 in the forward) or ``a_r @ b[e]`` for b [E, k,
+  n] (the input gradients); ``a_r = a[src[r]]`` with ``src`` [M] int32 (gathered rows, no permuted
+  copy of a), else ``a[r]``.
+- ``grouped_swiglu(a, b1, b3, ends, src=None, scale=None) -> (g, u, h)`` [M, n]: both projections
+  from one pass over the A tiles, ``h = silu(g) * u * scale[r]`` in the epilogue.
+- ``grouped_mm_t(a[M, p], b[M, q], ends, src_b=None) -> w[E, p, q]``: ``w[e] = a[rows_e]^T
+  b[rows_e]`` (weight gradients; ``src_b`` gathers b's rows). Rows past ``ends[-1]`` are not
+  written. k must be a multiple of 64 (BK) on the row kernels.
 
-Tiles: one program per (BM-row tile of a group, BN-column tile), the groups' row tiles laid end to end;
-each program finds its group from the per-group tile counts it computes itself (no host sync, no tile
-table), so the grid is the static bound ``cdiv(M, BM) + E`` row tiles. ``config`` (a dict of the meta
-parameters) launches one configuration (tests, interpreter); without it ``triton.autotune`` picks.
+Tiles: one program per (BM-row tile of a group, BN-column tile), the groups' row tiles laid end to
+end; each program finds its group from the per-group tile counts it computes itself (no host sync,
+no tile table), so the grid is the static bound ``cdiv(M, BM) + E`` row tiles. ``config`` (a dict of
+the meta parameters) launches one configuration (tests, interpreter); without it ``triton.autotune``
+picks.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import triton
 import triton.language as tl
 
 
-# -- references -----------------------------------------------------------------------------------------
+# -- references ------------------------------------------------------------------------------------
 def grouped_mm_reference(a, b, ends, src=None, b_kmajor=True):
     rows = a if src is None else a[src.long()]
     out = rows.new_zeros(rows.shape[0], b.shape[1] if b_kmajor else b.shape[2])
@@ -62,7 +63,7 @@ def grouped_mm_t_reference(a, b, ends, src_b=None):
     return out
 
 
-# -- kernels ----------------------------------------------------------------------------------------------
+# -- kernels ---------------------------------------------------------------------------------------
 @triton.jit
 def _add(a, b):
     return a + b
@@ -73,9 +74,10 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
-# The kernels use only language builtins and helpers of this module, not triton.language.standard's jitted
-# helpers (cumsum, sum, cdiv, zeros): under TRITON_INTERPRET=1 those are callable from an interpreted kernel
-# only if Triton itself was first imported in interpreter mode, which a test run does not guarantee.
+# The kernels use only language builtins and helpers of this module, not triton.language.standard's
+# jitted helpers (cumsum, sum, cdiv, zeros): under TRITON_INTERPRET=1 those are callable from an
+# interpreted kernel only if Triton itself was first imported in interpreter mode, which a test run
+# does not guarantee.
 @triton.jit
 def _tile(
     ends_ptr, E, n, BM: tl.constexpr, BN: tl.constexpr, E_PAD: tl.constexpr, GROUP_M: tl.constexpr
@@ -107,9 +109,10 @@ def _tile(
 
 @triton.jit
 def _span(start, size, BLOCK: tl.constexpr, EVEN: tl.constexpr):
-    """Indices start .. start + BLOCK of a dim of ``size``: clamped into range (the extra lanes are masked
-    at the store), or, when ``EVEN`` (size % BLOCK == 0), left unclamped with the contiguity hint the
-    compiler needs for vector loads (a clamp hides it: 30 TFLOP/s instead of 600 on the H200)."""
+    """Indices start .. start + BLOCK of a dim of ``size``: clamped into range (the extra lanes are
+    masked at the store), or, when ``EVEN`` (size % BLOCK == 0), left unclamped with the contiguity
+    hint the compiler needs for vector loads (a clamp hides it: 30 TFLOP/s instead of 600 on the
+    H200)."""
     idx = start + tl.arange(0, BLOCK)
     if EVEN:
         idx = tl.max_contiguous(tl.multiple_of(idx, BLOCK), BLOCK)
@@ -186,7 +189,8 @@ def _gmm_kernel(
         else:
             src = rows_c.to(tl.int64)
         a_ptrs = a_ptr + src[:, None] * k + tl.arange(0, BK)[None, :]
-        # TMA descriptors for the dense operands (Hopper has no TMA gather: gathered rows use pointers)
+        # TMA descriptors for the dense operands (Hopper has no TMA gather: gathered rows use
+        # pointers)
         b_desc = None
         b2_desc = None
         a_desc = None
@@ -255,7 +259,8 @@ def _gmm_t_kernel(
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # grid (E * cdiv(p, BM) * cdiv(q, BN)): tile (pid_m, pid_n) of w[e], summed over the group's rows
+    # grid (E * cdiv(p, BM) * cdiv(q, BN)): tile (pid_m, pid_n) of w[e], summed over the group's
+    # rows
     pid = tl.program_id(0)
     num_m, num_n = _cdiv(p, BM), _cdiv(q, BN)
     per_e = num_m * num_n
@@ -293,7 +298,7 @@ def _gmm_t_kernel(
     )
 
 
-# -- launchers --------------------------------------------------------------------------------------------
+# -- launchers -------------------------------------------------------------------------------------
 def _row_configs(dual: bool):
     out = []
     for bm, bn, warps, stages in (

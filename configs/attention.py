@@ -16,9 +16,9 @@ from .ranges import assign_ranges, parse_range
 # static patterns at the density limit forward on the H200; BENCHMARKS.md "Sparse attention").
 ATTN_BACKENDS = ("auto", "reference", "flex", "flash_attn")
 
-# type -> (required params, optional params). Every pattern also takes the COMMON_PARAMS: block_size,
-# seed and dense_below (over T keys a head with T < dense_below is dense causal attention: MInference
-# applies its estimated patterns to long inputs only; 0 = never).
+# type -> (required params, optional params). Every pattern also takes the COMMON_PARAMS:
+# block_size, seed and dense_below (over T keys a head with T < dense_below is dense causal
+# attention: MInference applies its estimated patterns to long inputs only; 0 = never).
 PATTERN_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "dense": ((), ()),
     "local": (("window",), ("sinks",)),
@@ -51,10 +51,11 @@ NONNEG_PARAMS = (
     "score_block",
 )
 FLAG_PARAMS = ("share_group", "query_max", "compress")  # 0 or 1
-# MInference's per-head JSON names its three kernels; what each entry computes in MInference's runtime
-# (minference/modules/minference_forward.py), in our params:
-# - vertical_and_slash: budgets raised to at least 30 columns / 50 diagonals, the first 30 key columns and
-#   the 100 diagonals nearest the main one forced into the top-k (scores set to +inf before it), last_q 64;
+# MInference's per-head JSON names its three kernels; what each entry computes in MInference's
+# runtime (minference/modules/minference_forward.py), in our params:
+# - vertical_and_slash: budgets raised to at least 30 columns / 50 diagonals, the first 30 key
+#   columns and the 100 diagonals nearest the main one forced into the top-k (scores set to +inf
+#   before it), last_q 64;
 # - stream_llm: streaming_forward(n_init, n_local);
 # - block_sparse: its kernel runs top-100 blocks of 64x64 per head whatever v_size / s_size say.
 MINFERENCE_TYPES = {
@@ -74,9 +75,8 @@ MINFERENCE_TYPES = {
 # layers/attention/flex.py says it is faster and flash-attn-4 runs here, else Triton.
 FLEX_KERNELS = ("auto", "triton", "flash")
 MIN_FLEX_BLOCK = 16  # Triton's smallest tensor-core tile; smaller blocks run only on the reference
-FLASH_BLOCK = (
-    128  # FA4's Hopper/Blackwell tile: the FLASH kernel was checked with 128-token blocks only
-)
+# FA4's Hopper/Blackwell tile: the FLASH kernel was checked with 128-token blocks only
+FLASH_BLOCK = 128
 
 
 def validate_pattern(pat: dict, key: str) -> None:
@@ -129,8 +129,8 @@ def minference_patterns(
 ) -> dict:
     """MInference's per-head config -> our ``{"<layer>:<head>": pattern dict}``.
 
-    ``data`` is the parsed JSON (or a path to it): a list with one ``{head: [type, v_size, s_size, score]}``
-    dict per layer (MInference ``minference/configs/*.json``). Checked like YAML patterns.
+    ``data`` is the parsed JSON (or a path to it): a list with one ``{head: [type, v_size, s_size,
+    score]}`` dict per layer (MInference ``minference/configs/*.json``). Checked like YAML patterns.
     """
     if isinstance(data, str):
         import json
@@ -191,26 +191,27 @@ class AttentionConfig:
     # "<layers>:<heads>" -> pattern dict, e.g. {"0-3:*": {type: a_shape, sinks: 64, window: 1024}}.
     # Unlisted layers/heads are dense. A key without ":" means all heads of those layers.
     patterns: dict[str, Any] = field(default_factory=dict)
-    minference_json: Optional[str] = (
-        None  # MInference per-head pattern file, applied under `patterns`
-    )
+    # MInference per-head pattern file, applied under `patterns`
+    minference_json: Optional[str] = None
     # backend "auto" runs the reference (same masked result) below this many keys; -1 = the measured
     # DENSE_CROSSOVER. Unlike the per-pattern ``dense_below``, which makes a head dense attention.
     reference_below: int = -1
-    # FlexAttention kernel per layer: auto | triton | flash (FA4 through flex, Hopper/Blackwell), and
-    # Triton tile options passed to every flex call of these layers (e.g. {BLOCK_M: 128, num_stages: 3}).
+    # FlexAttention kernel per layer: auto | triton | flash (FA4 through flex, Hopper/Blackwell),
+    # and Triton tile options passed to every flex call of these layers (e.g. {BLOCK_M: 128,
+    # num_stages: 3}).
     flex_kernel: str = "auto"
     kernel_options: dict[str, Any] = field(default_factory=dict)
-    # SSMax (Nakanishi 2025, "Scalable-Softmax"): every query at position p is multiplied by
-    # max(0, 1 + s_h * log(p + 1)), s_h learned per head and zero at init (plain softmax until training moves
-    # it), meant to keep a head as sharp over 16k keys as over 1k (the 16k runs learned s < 0 instead:
-    # BENCHMARKS.md Q12 / Q13). Every layer and head; not MLA.
+    # SSMax (Nakanishi 2025, "Scalable-Softmax"): every query at position p is multiplied by max(0,
+    # 1 + s_h * log(p + 1)), s_h learned per head and zero at init (plain softmax until training
+    # moves it), meant to keep a head as sharp over 16k keys as over 1k (the 16k runs learned s < 0
+    # instead: BENCHMARKS.md Q12 / Q13). Every layer and head; not MLA.
     ssmax: bool = False
 
     def layer_head_patterns(
         self, n_layers: int, n_heads: int, key: str = "model.attention.patterns"
     ) -> list[list]:
-        """``[layer][head] -> pattern dict or None`` (None = dense). Overlapping head ranges are errors."""
+        """``[layer][head] -> pattern dict or None`` (None = dense). Overlapping head ranges are
+        errors."""
         grid: list[list] = [[None] * n_heads for _ in range(n_layers)]
         if self.minference_json:
             for spec, pat in minference_patterns(self.minference_json, n_layers, n_heads).items():
@@ -286,7 +287,8 @@ class AttentionConfig:
 
 
 def fast_path_missing(device_type: str) -> Optional[str]:
-    """None when flash-attn-4 (``flash_attn.cute``) imports and the GPU is sm90/sm100; else why not."""
+    """None when flash-attn-4 (``flash_attn.cute``) imports and the GPU is sm90/sm100; else why
+    not."""
     import importlib.util
 
     if device_type != "cuda":

@@ -36,9 +36,8 @@ class Config:
     def validate(self) -> Config:
         check(bool(self.name), "name", "must be a non-empty string")
         self.model.validate()
-        if (
-            "moe" in self.model.layer_ffn_types()
-        ):  # here, not in ModelConfig: a run trains its router
+        # here, not in ModelConfig: a run trains its router
+        if "moe" in self.model.layer_ffn_types():
             self.model.moe.check_trainable("model.moe")
         self.data.validate()
         self.train.validate()

@@ -1,7 +1,8 @@
 """``dst``: weight-level dynamic sparse training (layers.DynamicSparsity).
 
-The one place each option and its default is declared: ``DynamicSparsity(model, opt, cfg=..., **overrides)``
-takes this dataclass plus keyword overrides of its fields, and the YAML ``dst:`` section fills it.
+The one place each option and its default is declared: ``DynamicSparsity(model, opt, cfg=...,
+**overrides)`` takes this dataclass plus keyword overrides of its fields, and the YAML ``dst:``
+section fills it.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ DST_SCHEDULES = ("constant", "cosine")
 class DSTConfig:
     enabled: bool = False
     sparsity: float = 0.8  # target fraction of zeros (global, over masked weights)
-    initial_sparsity: Optional[float] = (
-        None  # ramp start (cosine schedule); None = constant at `sparsity`
-    )
+    # ramp start (cosine schedule); None = constant at `sparsity`
+    initial_sparsity: Optional[float] = None
     sparsity_schedule: str = "constant"  # constant | cosine (initial_sparsity -> sparsity)
     ramp_fraction: float = 0.5  # fraction of training over which the sparsity ramps
     method: str = "rigl"  # rigl | set | magnitude
@@ -40,10 +40,11 @@ class DSTConfig:
     transposable: bool = False  # N:M on W and W^T
     dense_finish: bool = False  # drop masks for the last steps after stop_fraction
     erk_power: float = 1.0  # ERK raw density ((n_in + n_out) / (n_in * n_out)) ** erk_power
-    # fnmatch patterns on parameter names. include=None (default, any model): every 2-D nn.Linear weight and
-    # every >= 3-D stacked-expert weight except embeddings and the output head (layers.dst.targets); a list:
-    # every >= 2-D parameter matching one. Names matching exclude (routers and the compressed-attention branch
-    # gates, by default: gates, not features) are never masked.
+    # fnmatch patterns on parameter names. include=None (default, any model): every 2-D nn.Linear
+    # weight and every >= 3-D stacked-expert weight except embeddings and the output head
+    # (layers.dst.targets); a list: every >= 2-D parameter matching one. Names matching exclude
+    # (routers and the compressed-attention branch gates, by default: gates, not features) are never
+    # masked.
     include: Optional[list[str]] = None
     exclude: list[str] = field(
         default_factory=lambda: [
@@ -54,11 +55,11 @@ class DSTConfig:
         ]
     )
     seed: int = 0  # SET random growth: drawn from (seed, step, layer), same on every rank
-    semi_structured: bool = (
-        False  # 2:4 layers run through torch.sparse semi-structured kernels (CUDA)
-    )
-    # Optimizer and DST state for active weights only (layers.dst.compact): bit-packed masks, a bf16 EMA score
-    # and AdamW moments held for the active entries (training.optim.CompactAdamW). Needs that optimizer.
+    # 2:4 layers run through torch.sparse semi-structured kernels (CUDA)
+    semi_structured: bool = False
+    # Optimizer and DST state for active weights only (layers.dst.compact): bit-packed masks, a bf16
+    # EMA score and AdamW moments held for the active entries (training.optim.CompactAdamW). Needs
+    # that optimizer.
     compact_state: bool = False
 
     def validate(self, key: str = "dst") -> None:

@@ -26,8 +26,8 @@ def check_choice(value, choices, key: str) -> None:
 
 
 def choice_list(text: str, choices, key: str) -> list[str]:
-    """A command-line comma list whose every item is one of ``choices`` (``"fwd,fwdbwd"`` -> ``["fwd",
-    "fwdbwd"]``); ConfigError naming ``key`` for an unknown item or an empty list."""
+    """A command-line comma list whose every item is one of ``choices`` (``"fwd,fwdbwd"`` ->
+    ``["fwd", "fwdbwd"]``); ConfigError naming ``key`` for an unknown item or an empty list."""
     items = [x for x in text.split(",") if x]
     check(bool(items), key, f"empty; expected some of {', '.join(map(str, choices))}")
     for x in items:
@@ -36,7 +36,8 @@ def choice_list(text: str, choices, key: str) -> list[str]:
 
 
 def int_list(text: str, key: str, allow_empty: bool = False) -> list[int]:
-    """A command-line comma list of positive integers (``"1024,2048"``); ConfigError naming ``key`` otherwise."""
+    """A command-line comma list of positive integers (``"1024,2048"``); ConfigError naming ``key``
+    otherwise."""
     items = [x for x in text.split(",") if x]
     check(allow_empty or bool(items), key, "empty; expected positive integers, e.g. 16384,65536")
     for x in items:
@@ -53,8 +54,8 @@ def check_positive(obj, key_prefix: str, *names: str) -> None:
 
 
 def exit_code(main, *args, **kwargs) -> int:
-    """Run a command-line entry point: its return code, or 2 after printing a ConfigError as one line
-    ``error: <key.path>: <reason>`` on stderr (the user's mistake, not a traceback)."""
+    """Run a command-line entry point: its return code, or 2 after printing a ConfigError as one
+    line ``error: <key.path>: <reason>`` on stderr (the user's mistake, not a traceback)."""
     try:
         return main(*args, **kwargs) or 0
     except ConfigError as e:

@@ -9,8 +9,9 @@ from .errors import check
 
 @dataclass
 class EvalConfig:
-    # Passkey retrieval (needle in a haystack of validation text) at these lengths, at every validation
-    # (train.eval_every) and from ``train.py --config X --resume --eval passkey``; empty = off.
+    # Passkey retrieval (needle in a haystack of validation text) at these lengths, at every
+    # validation (train.eval_every) and from ``train.py --config X --resume --eval passkey``; empty
+    # = off.
     passkey_lengths: list[int] = field(default_factory=list)
     passkey_samples: int = 10  # per length; needle depths spread evenly from the start to the end
 

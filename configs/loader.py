@@ -1,9 +1,11 @@
-"""YAML -> typed Config, with includes and dotted command-line overrides (OmegaConf structured configs).
+"""YAML -> typed Config, with includes and dotted command-line overrides (OmegaConf structured
+configs).
 
     cfg = load_config("zoo/tiny_dense.yaml", overrides=["model.n_layers=2", "train.steps=50"])
 
-A YAML file may start with ``include: [other.yaml, ...]`` (paths relative to the file); included files
-merge first, the file itself next, overrides last. Any failure raises ConfigError naming the key.
+A YAML file may start with ``include: [other.yaml, ...]`` (paths relative to the file); included
+files merge first, the file itself next, overrides last. Any failure raises ConfigError naming the
+key.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from .errors import ConfigError
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last one silently, so
-    two ``train:`` sections would merge into one without a word)."""
+    """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last one silently,
+    so two ``train:`` sections would merge into one without a word)."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -75,8 +77,8 @@ def _read_yaml(path: str, seen: tuple = ()) -> list:
 
 
 def _check_sections(data: dict, cls, prefix: str) -> None:
-    """A key naming a section (a nested config dataclass) must hold a mapping: ``model: 5`` otherwise
-    reaches OmegaConf as "int is not a subclass of ModelConfig", without the key."""
+    """A key naming a section (a nested config dataclass) must hold a mapping: ``model: 5``
+    otherwise reaches OmegaConf as "int is not a subclass of ModelConfig", without the key."""
     hints = typing.get_type_hints(cls)
     for key, value in data.items():
         sub = hints.get(key)

@@ -11,16 +11,14 @@ from .errors import check_positive
 
 @dataclass
 class MLAConfig:
-    q_lora_rank: Optional[int] = (
-        1536  # rank of the low-rank query path; None = one full q projection (V2-Lite)
-    )
+    # rank of the low-rank query path; None = one full q projection (V2-Lite)
+    q_lora_rank: Optional[int] = 1536
     kv_lora_rank: int = 512  # the compressed kv latent (what the decode cache holds)
     qk_nope_head_dim: int = 128  # per-head q/k dims without RoPE (from the latent)
     qk_rope_head_dim: int = 64  # per-head q dims with RoPE; k's are one head shared by all
     v_head_dim: int = 128
-    rope_interleave: bool = (
-        True  # rope dims come in (even, odd) pairs (DeepSeek) not halves (HF rotate-half)
-    )
+    # rope dims come in (even, odd) pairs (DeepSeek) not halves (HF rotate-half)
+    rope_interleave: bool = True
 
     def validate(self, key: str = "model.mla") -> None:
         check_positive(

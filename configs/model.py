@@ -15,12 +15,13 @@ from .ranges import assign_ranges
 FFN_TYPES = ("dense", "moe", "neuron")
 ROPE_SCALINGS = ("none", "linear", "ntk", "llama3", "yarn", "dynamic")
 QK_NORMS = ("none", "head", "full")
+# gate activation of the gated FFN (SwiGLU, GeGLU, ...)
 FFN_ACTS = (
     "silu",
     "gelu",
     "gelu_tanh",
     "relu2",
-)  # gate activation of the gated FFN (SwiGLU, GeGLU, ...)
+)
 ATTENTION_TYPES = ("mha", "mla")
 
 
@@ -29,24 +30,19 @@ class RopeScalingConfig:
     type: str = "none"  # none | linear (position interpolation) | ntk (NTK-aware theta) | llama3
     # | yarn (Peng et al. 2023) | dynamic (HF dynamic NTK: theta grows with length)
     factor: float = 1.0  # context extension factor
-    original_max_seq_len: int = (
-        2048  # length the base model was trained at (llama3: where its bands are set)
-    )
-    low_freq_factor: float = (
-        1.0  # llama3: wavelengths > original_max_seq_len / this are divided by factor
-    )
-    high_freq_factor: float = (
-        4.0  # llama3: wavelengths < original_max_seq_len / this are kept; blended between
-    )
+    # length the base model was trained at (llama3: where its bands are set)
+    original_max_seq_len: int = 2048
+    # llama3: wavelengths > original_max_seq_len / this are divided by factor
+    low_freq_factor: float = 1.0
+    # llama3: wavelengths < original_max_seq_len / this are kept; blended between
+    high_freq_factor: float = 4.0
     beta_fast: float = 32.0  # yarn: rotations per original length above which a dim is kept
     beta_slow: float = 1.0  # yarn: ... below which it is interpolated (divided by factor)
     mscale: float = 1.0  # yarn: cos/sin scale 0.1*mscale*ln(factor)+1, over that of mscale_all_dim
-    mscale_all_dim: float = (
-        0.0  # yarn (DeepSeek): also multiplies the MLA softmax scale by its mscale^2
-    )
-    attention_factor: Optional[float] = (
-        None  # yarn: explicit cos/sin scale (None: from mscale / mscale_all_dim)
-    )
+    # yarn (DeepSeek): also multiplies the MLA softmax scale by its mscale^2
+    mscale_all_dim: float = 0.0
+    # yarn: explicit cos/sin scale (None: from mscale / mscale_all_dim)
+    attention_factor: Optional[float] = None
     truncate: bool = True  # yarn: round the correction range to whole dims (HF default)
 
     def validate(self, key: str = "model.rope_scaling") -> None:
@@ -72,9 +68,8 @@ class ModelConfig:
     n_layers: int = 32
     n_heads: int = 32
     n_kv_heads: Optional[int] = None  # None = n_heads (MHA); fewer = GQA
-    ffn_hidden: Optional[int] = (
-        None  # None = LLaMA rule: 8/3*dim * ffn_dim_multiplier, rounded up to multiple_of
-    )
+    # None = LLaMA rule: 8/3*dim * ffn_dim_multiplier, rounded up to multiple_of
+    ffn_hidden: Optional[int] = None
     multiple_of: int = 256
     ffn_dim_multiplier: Optional[float] = None
     norm_eps: float = 1e-5
@@ -83,23 +78,19 @@ class ModelConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     attn_bias: bool = False  # q/k/v projection biases (Qwen2 family); LLaMA has none
-    attn_head_dim: Optional[int] = (
-        None  # per-head q/k/v size; None = dim // n_heads (Qwen3 sets it apart)
-    )
+    # per-head q/k/v size; None = dim // n_heads (Qwen3 sets it apart)
+    attn_head_dim: Optional[int] = None
     qk_norm: str = "none"  # RMSNorm on q and k before RoPE: none | head (Qwen3: over each head)
     # | full (OLMoE: over the whole q / k projection)
-    ffn_act: str = (
-        "silu"  # gate activation of dense and expert FFNs: silu | gelu | gelu_tanh | relu2
-    )
-    attention_type: str = (
-        "mha"  # mha (GQA, Attention) | mla (DeepSeek-V2/V3 latent attention, see mla)
-    )
+    # gate activation of dense and expert FFNs: silu | gelu | gelu_tanh | relu2
+    ffn_act: str = "silu"
+    # mha (GQA, Attention) | mla (DeepSeek-V2/V3 latent attention, see mla)
+    attention_type: str = "mha"
     mla: MLAConfig = field(default_factory=MLAConfig)
     init_std: float = 0.02
     ffn: str = "dense"  # FFN of every layer: dense | moe | neuron
-    ffn_layers: dict[str, str] = field(
-        default_factory=dict
-    )  # per-layer override, e.g. {"0": dense}
+    # per-layer override, e.g. {"0": dense}
+    ffn_layers: dict[str, str] = field(default_factory=dict)
     moe: MoEConfig = field(default_factory=MoEConfig)
     neuron: NeuronConfig = field(default_factory=NeuronConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
@@ -139,7 +130,8 @@ class ModelConfig:
 
     @property
     def shared_expert_hidden_dim(self) -> int:
-        """Hidden size of the MoE shared-expert SwiGLU block (all shared experts as one); 0 without any."""
+        """Hidden size of the MoE shared-expert SwiGLU block (all shared experts as one); 0 without
+        any."""
         if not self.moe.shared_experts:
             return 0
         return self.moe.shared_hidden_dim or self.expert_hidden_dim * self.moe.shared_experts

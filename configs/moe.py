@@ -8,13 +8,12 @@ from typing import Optional
 from .errors import check, check_choice, check_positive
 
 ROUTERS = ("softmax", "noisy_topk", "sigmoid", "switch")
-# One vocabulary with model.attention.backend: auto | reference | <fast paths>. "torch" is the old name
-# of "reference", still accepted.
+# One vocabulary with model.attention.backend: auto | reference | <fast paths>. "torch" is the old
+# name of "reference", still accepted.
 MOE_BACKENDS = ("auto", "reference", "grouped", "megablocks", "torch")
 MOE_PRECISIONS = ("bf16", "fp8")
-FP8_DIM_MULTIPLE = (
-    16  # torch._scaled_grouped_mm: every GEMM's inner and outer dims (16-byte fp8 rows)
-)
+# torch._scaled_grouped_mm: every GEMM's inner and outer dims (16-byte fp8 rows)
+FP8_DIM_MULTIPLE = 16
 
 
 @dataclass
@@ -22,19 +21,18 @@ class MoEConfig:
     num_experts: int = 8
     top_k: int = 2
     hidden_dim: Optional[int] = None  # expert hidden size; None = the model's dense FFN hidden size
-    router: str = "softmax"  # softmax (Mixtral) | noisy_topk (Shazeer) | sigmoid (DeepSeek-V3) | switch (top-1)
-    softmax_before_topk: bool = (
-        False  # softmax over all experts, then top-k (renormalised if norm_topk)
-    )
+    # softmax (Mixtral) | noisy_topk (Shazeer) | sigmoid (DeepSeek-V3) | switch (top-1)
+    router: str = "softmax"
+    # softmax over all experts, then top-k (renormalised if norm_topk)
+    softmax_before_topk: bool = False
     norm_topk: bool = True  # renormalise the chosen k weights to sum to one
     aux_loss_coef: float = 0.01  # Switch balance loss E * sum_e f_e * P_e
     z_loss_coef: float = 0.0  # router z-loss mean(logsumexp(logits)^2)
     bias_update_rate: float = 0.0  # DeepSeek-V3 aux-loss-free balancing; 0 disables
     capacity_factor: Optional[float] = None  # None = dropless
     shared_experts: int = 0  # always-on experts (DeepSeekMoE / Qwen2-MoE)
-    shared_hidden_dim: Optional[int] = (
-        None  # hidden size of the shared expert block; None = hidden_dim * shared_experts
-    )
+    # hidden size of the shared expert block; None = hidden_dim * shared_experts
+    shared_hidden_dim: Optional[int] = None
     shared_gate: bool = False  # Qwen2-MoE: sigmoid gate on the shared expert output
     global_balance: bool = True  # balance loss on the global data-parallel batch (= one process);
     # false: each rank's own tokens (megablocks / torchtitan)
@@ -42,21 +40,20 @@ class MoEConfig:
     n_group: int = 1  # DeepSeek-V2/V3 group-limited routing: experts in n_group groups,
     topk_group: int = 1  # ... each token picks its top-k inside its topk_group best groups
     routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights (DeepSeek-V3: 2.5)
-    # Speed switches of the grouped CUDA path, read per layer (bench/moe.py's A/B variants flip them on
-    # one instance). None of them changes the math beyond bf16 rounding.
-    compile_routing: Optional[str] = (
-        "inductor"  # torch.compile backend of the routing stage; None = eager
-    )
+    # Speed switches of the grouped CUDA path, read per layer (bench/moe.py's A/B variants flip them
+    # on one instance). None of them changes the math beyond bf16 rounding.
+    # torch.compile backend of the routing stage; None = eager
+    compile_routing: Optional[str] = "inductor"
     fold_weights: bool = True  # routing weights folded into the SwiGLU epilogue (no EP)
     group_align: int = 1  # grouped-GEMM group alignment (rows); 1 = unpadded groups
-    low_precision_router: bool = (
-        True  # router GEMM on bf16 inputs (autocast's copy), fp32 accumulation/logits
-    )
+    # router GEMM on bf16 inputs (autocast's copy), fp32 accumulation/logits
+    low_precision_router: bool = True
     fuse_permute: bool = True  # permute fused into the gate/up grouped GEMMs' backward
-    # Expert GEMMs' operand precision on the grouped CUDA path. bf16: torch._grouped_mm. fp8: rowwise-scaled
-    # float8_e4m3fn forward, dgrad and wgrad (kernels.moe_fp8; torchao's MoE fp8 rowwise recipe), bf16 out and
-    # bf16 / float32 master weights untouched; needs a Hopper or Blackwell GPU and dims that are multiples
-    # of 16 (ConfigError naming model.moe.precision otherwise). Changes the math by FP8 rounding.
+    # Expert GEMMs' operand precision on the grouped CUDA path. bf16: torch._grouped_mm. fp8:
+    # rowwise-scaled float8_e4m3fn forward, dgrad and wgrad (kernels.moe_fp8; torchao's MoE fp8
+    # rowwise recipe), bf16 out and bf16 / float32 master weights untouched; needs a Hopper or
+    # Blackwell GPU and dims that are multiples of 16 (ConfigError naming model.moe.precision
+    # otherwise). Changes the math by FP8 rounding.
     precision: str = "bf16"
 
     def validate(self, key: str = "model.moe") -> None:
@@ -129,15 +126,16 @@ class MoEConfig:
             )
 
     def check_trainable(self, key: str = "model.moe") -> None:
-        """The router learns from the task loss: ConfigError naming ``<key>.top_k`` for top-1 with a renormalising
-        router (softmax, noisy_topk or sigmoid with ``norm_topk``), whose one weight is w / w = 1.0 for every
-        token, so the LM loss has no gradient to the router (only the balance and z losses train it).
+        """The router learns from the task loss: ConfigError naming ``<key>.top_k`` for top-1 with a
+        renormalising router (softmax, noisy_topk or sigmoid with ``norm_topk``), whose one weight
+        is w / w = 1.0 for every token, so the LM loss has no gradient to the router (only the
+        balance and z losses train it).
 
-        Not part of ``validate``: that checks a function (ModelConfig, the MoE layer, zoo.hf imports), and
-        HF's Mixtral / Qwen-MoE / OLMoE with num_experts_per_tok=1 and norm_topk_prob compute that same
-        constant 1.0, so they must import with exact logits. Config.validate (a run: train.py, the benches)
-        calls this; a run that starts from such an HF model (model.init_from) is refused too, since it
-        would train the router no better."""
+        Not part of ``validate``: that checks a function (ModelConfig, the MoE layer, zoo.hf
+        imports), and HF's Mixtral / Qwen-MoE / OLMoE with num_experts_per_tok=1 and norm_topk_prob
+        compute that same constant 1.0, so they must import with exact logits. Config.validate (a
+        run: train.py, the benches) calls this; a run that starts from such an HF model
+        (model.init_from) is refused too, since it would train the router no better."""
         check(
             not (self.top_k == 1 and self.norm_topk and self.router != "switch"),
             f"{key}.top_k",
@@ -148,8 +146,9 @@ class MoEConfig:
     def check_precision_shapes(
         self, dim: int, hidden_dim: int, act: str, key: str = "model.moe"
     ) -> None:
-        """fp8: the model dim and the expert hidden size are multiples of 16 (torch._scaled_grouped_mm), and the
-        experts are the grouped path's SwiGLU (silu gate). ConfigError naming ``<key>.precision`` otherwise."""
+        """fp8: the model dim and the expert hidden size are multiples of 16
+        (torch._scaled_grouped_mm), and the experts are the grouped path's SwiGLU (silu gate).
+        ConfigError naming ``<key>.precision`` otherwise."""
         if self.precision != "fp8":
             return
         bad = [
@@ -170,7 +169,8 @@ class MoEConfig:
         )
 
     def check_runtime(self, device, key: str = "model.moe") -> None:
-        """Before any work: fp8, when asked for, can run on ``device`` (ConfigError naming ``<key>.precision``)."""
+        """Before any work: fp8, when asked for, can run on ``device`` (ConfigError naming
+        ``<key>.precision``)."""
         if self.precision == "fp8":
             why = fp8_missing(device)
             check(
@@ -181,10 +181,11 @@ class MoEConfig:
 
 
 def fp8_missing(device="cuda") -> Optional[str]:
-    """None when FP8 grouped GEMMs run on ``device`` (a torch.device or its name); else why not, in words.
+    """None when FP8 grouped GEMMs run on ``device`` (a torch.device or its name); else why not, in
+    words.
 
-    torch._scaled_grouped_mm's rowwise kernels are built for compute capability 9.x (Hopper) and 10.x
-    (Blackwell) only: it refuses 8.9 (Ada) and 12.x although those have FP8 tensor cores."""
+    torch._scaled_grouped_mm's rowwise kernels are built for compute capability 9.x (Hopper) and
+    10.x (Blackwell) only: it refuses 8.9 (Ada) and 12.x although those have FP8 tensor cores."""
     import torch
 
     device = torch.device(device)

@@ -1,10 +1,12 @@
-"""``model.neuron``: neuron-level expert routing of the FFN (layers.NeuronRoutedFFN). Semantics in DESIGN.md.
+"""``model.neuron``: neuron-level expert routing of the FFN (layers.NeuronRoutedFFN). Semantics in
+DESIGN.md.
 
-The FFN's hidden units are split into ``num_groups`` equal groups; a router predicts each group's share
-of the activation mass and, in sparse steps, every token computes only its ``top_k_groups`` groups.
-Training schedule over ``train.steps``: dense warm-up (``warmup_fraction``), then sparse and dense steps
-alternating with ``sparse_ratio`` of them sparse, then a dense finish (``finish_fraction``). With
-``recluster`` the groups are re-formed from the warmed-up weights when the warm-up ends.
+The FFN's hidden units are split into ``num_groups`` equal groups; a router predicts each group's
+share of the activation mass and, in sparse steps, every token computes only its ``top_k_groups``
+groups. Training schedule over ``train.steps``: dense warm-up (``warmup_fraction``), then sparse and
+dense steps alternating with ``sparse_ratio`` of them sparse, then a dense finish
+(``finish_fraction``). With ``recluster`` the groups are re-formed from the warmed-up weights when
+the warm-up ends.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from .errors import check, check_choice
 
 NEURON_ACTIVATIONS = ("swiglu", "relu2")
 NEURON_ROUTER_LOSSES = ("ce", "mse")
+# as model.moe.backend ("torch" = "reference")
 NEURON_BACKENDS = (
     "auto",
     "reference",
     "grouped",
     "torch",
-)  # as model.moe.backend ("torch" = "reference")
+)
 
 
 @dataclass
@@ -29,30 +32,25 @@ class NeuronConfig:
     num_groups: int = 16
     top_k_groups: int = 4
     activation: str = "swiglu"  # swiglu (w2(silu(w1 x) * w3 x)) | relu2 (w2(relu(w1 x)^2), no w3)
-    router_loss: str = (
-        "ce"  # ce: soft-target cross-entropy (reported as KL) | mse: on the group shares
-    )
-    router_loss_coef: float = (
-        0.1  # weight of the router loss in the total loss (router-only gradient)
-    )
+    # ce: soft-target cross-entropy (reported as KL) | mse: on the group shares
+    router_loss: str = "ce"
+    # weight of the router loss in the total loss (router-only gradient)
+    router_loss_coef: float = 0.1
     warmup_fraction: float = 0.1  # dense steps at the start, as a fraction of train.steps
-    sparse_ratio: float = (
-        0.75  # share of sparse steps between warm-up and finish (0.75 = 3 sparse : 1 dense)
-    )
+    # share of sparse steps between warm-up and finish (0.75 = 3 sparse : 1 dense)
+    sparse_ratio: float = 0.75
     finish_fraction: float = 0.1  # dense steps at the end, as a fraction of train.steps
-    kmeans_iters: int = (
-        20  # balanced k-means iterations when clustering W1 rows (from_dense, recluster)
-    )
-    recluster: bool = (
-        False  # re-group the units by k-means on the trained W1 rows when warm-up ends
-    )
+    # balanced k-means iterations when clustering W1 rows (from_dense, recluster)
+    kmeans_iters: int = 20
+    # re-group the units by k-means on the trained W1 rows when warm-up ends
+    recluster: bool = False
     backend: str = "auto"  # auto | reference | grouped (as model.moe.backend)
-    low_precision_router: bool = (
-        True  # router GEMM on bf16 inputs (autocast's copy), fp32 accumulation/logits
-    )
+    # router GEMM on bf16 inputs (autocast's copy), fp32 accumulation/logits
+    low_precision_router: bool = True
 
     def validate(self, key: str = "model.neuron", hidden_dim: Optional[int] = None) -> None:
-        """Raise ConfigError naming the key; ``hidden_dim`` (the FFN's) checks that the groups divide it."""
+        """Raise ConfigError naming the key; ``hidden_dim`` (the FFN's) checks that the groups
+        divide it."""
         for n in ("num_groups", "top_k_groups", "kmeans_iters"):
             v = getattr(self, n)
             check(

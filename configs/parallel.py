@@ -1,10 +1,10 @@
 """``parallel``: data / expert parallel layout over a DeviceMesh (training.parallel).
 
 The world is ``dp_replicate x dp_shard`` ranks, every one a data-parallel rank (each reads its own
-batch). Dense weights are FSDP-sharded over ``dp_shard`` (and replicated over ``dp_replicate``: HSDP).
-Expert parallelism borrows from ``dp_shard``: ``ep`` consecutive ranks split the experts (each holds
-``num_experts / ep``) and exchange tokens by all-to-all; expert weights are FSDP-sharded over the
-remaining ``dp_shard / ep`` ranks (torchtitan's "efsdp").
+batch). Dense weights are FSDP-sharded over ``dp_shard`` (and replicated over ``dp_replicate``:
+HSDP). Expert parallelism borrows from ``dp_shard``: ``ep`` consecutive ranks split the experts
+(each holds ``num_experts / ep``) and exchange tokens by all-to-all; expert weights are FSDP-sharded
+over the remaining ``dp_shard / ep`` ranks (torchtitan's "efsdp").
 """
 
 from __future__ import annotations
@@ -20,12 +20,10 @@ class ParallelConfig:
     dp_replicate: int = 1  # HSDP replicas (1 = plain FSDP)
     dp_shard: int = -1  # FSDP shard degree; -1 = world_size / dp_replicate (fill)
     ep: int = 1  # expert-parallel degree (divides num_experts and dp_shard)
-    fsdp: bool = (
-        True  # shard with FSDP2 when world > 1; False = replicate (DDP semantics; ep must be 1)
-    )
-    activation_checkpointing: bool = (
-        False  # recompute each transformer block in backward (saves its input only)
-    )
+    # shard with FSDP2 when world > 1; False = replicate (DDP semantics; ep must be 1)
+    fsdp: bool = True
+    # recompute each transformer block in backward (saves its input only)
+    activation_checkpointing: bool = False
     backend: str = "auto"  # process-group backend: auto (nccl on CUDA, gloo on CPU) | nccl | gloo
 
     def validate(self, key: str = "parallel") -> None:
@@ -48,7 +46,8 @@ class ParallelConfig:
     def resolve(
         self, world_size: int, num_experts: Optional[int] = None, key: str = "parallel"
     ) -> tuple[int, int, int]:
-        """``(dp_replicate, dp_shard, ep)`` for ``world_size`` ranks, or ConfigError naming the bad degree.
+        """``(dp_replicate, dp_shard, ep)`` for ``world_size`` ranks, or ConfigError naming the bad
+        degree.
 
         ``num_experts`` is the routed expert count of the model's MoE layers (None: no MoE layer).
         """

@@ -1,8 +1,9 @@
-"""Presets by name: ``--config tiny_dense`` finds ``zoo/tiny_dense.yaml`` wherever moezoo is installed.
+"""Presets by name: ``--config tiny_dense`` finds ``zoo/tiny_dense.yaml`` wherever moezoo is
+installed.
 
-The preset folder is the zoo folder beside this package's own (``zoo/`` in a checkout, ``moezoo/zoo/`` in
-an installed wheel), found by path: configs imports no other moezoo package, and importing zoo would
-import torch.
+The preset folder is the zoo folder beside this package's own (``zoo/`` in a checkout,
+``moezoo/zoo/`` in an installed wheel), found by path: configs imports no other moezoo package, and
+importing zoo would import torch.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ from .errors import ConfigError
 
 
 def parse_range(spec: str | int, n: int, key: str) -> list[int]:
-    """Indices in ``[0, n)`` named by ``spec``; raises ConfigError naming ``key`` if out of range."""
+    """Indices in ``[0, n)`` named by ``spec``; raises ConfigError naming ``key`` if out of
+    range."""
     spec = str(spec).strip()
     if spec in ("*", "all"):
         return list(range(n))

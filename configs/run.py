@@ -14,30 +14,31 @@ class DataConfig:
     # "stdlib" = this interpreter's standard-library .py files (always present, no download);
     # else a text file, a directory, a glob, or a .jsonl file (field `jsonl_field`).
     source: str = "stdlib"
-    tokenizer: Optional[str] = (
-        None  # a sentencepiece .model; None = train one on the corpus (cached)
-    )
+    # a sentencepiece .model; None = train one on the corpus (cached)
+    tokenizer: Optional[str] = None
     jsonl_field: str = "text"
-    val_fraction: float = (
-        0.05  # share of files (or jsonl records) held out, chosen by a hash of the name;
-    )
+    # share of files (or jsonl records) held out, chosen by a hash of the name;
+    val_fraction: float = 0.05
     # a single document: the last val_fraction of its tokens
     cache_dir: str = ".cache/moezoo"  # tokenizer and token memmaps, keyed by corpus + vocab
     max_files: int = 0  # 0 = all documents; else the first N in name-hash order (a varied subset)
-    # Retrieval practice (training.passkey.PasskeyMix): this share of training windows carries passkeys, in
-    # 1, 2, 4, .. up to `passkey_questions` segments of a needle + one question; validation text never does.
+    # Retrieval practice (training.passkey.PasskeyMix): this share of training windows carries
+    # passkeys, in 1, 2, 4, .. up to `passkey_questions` segments of a needle + one question;
+    # validation text never does.
     passkey_mix: float = 0.0
     passkey_questions: int = 4
-    # How the segment count m is drawn: P(m) ~ m ** -bias. 0 = uniform over the levels (nearly all episodes
-    # short-range); 1 = the same expected episodes at every level, so more long-distance ones, fewer in all
-    # (PasskeyMix's docstring has the numbers).
+    # How the segment count m is drawn: P(m) ~ m ** -bias. 0 = uniform over the levels (nearly all
+    # episodes short-range); 1 = the same expected episodes at every level, so more long-distance
+    # ones, fewer in all (PasskeyMix's docstring has the numbers).
     passkey_distance_bias: float = 0.0
-    # The bias applies to the windows of steps >= this one; earlier steps draw the unbiased mix. A curriculum:
-    # the copy is learned at short range first (BENCHMARKS.md Q6 / Q9), the long range after it.
+    # The bias applies to the windows of steps >= this one; earlier steps draw the unbiased mix. A
+    # curriculum: the copy is learned at short range first (BENCHMARKS.md Q6 / Q9), the long range
+    # after it.
     passkey_bias_from_step: int = 0
-    # The asked keys' tokens weigh this much in the training loss (1 = plain LM loss). A small model sees
-    # the task in ~2% of its tokens at most; weighting them (20: BENCHMARKS.md) makes it learn the copy in
-    # minutes, at some cost in val loss. The logged training loss and the validation loss stay the plain mean CE.
+    # The asked keys' tokens weigh this much in the training loss (1 = plain LM loss). A small model
+    # sees the task in ~2% of its tokens at most; weighting them (20: BENCHMARKS.md) makes it learn
+    # the copy in minutes, at some cost in val loss. The logged training loss and the validation
+    # loss stay the plain mean CE.
     passkey_answer_weight: float = 1.0
 
     def validate(self, key: str = "data") -> None:
@@ -88,24 +89,22 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16
-    # float32: parameters in float32, autocast casts the matmul weights at every use | bfloat16: the matmul
-    # weights held in bfloat16, their float32 masters in the optimizer (training.optim.MasterAdamW; needs bf16
-    # autocast, one process, no DST)
+    # float32: parameters in float32, autocast casts the matmul weights at every use | bfloat16: the
+    # matmul weights held in bfloat16, their float32 masters in the optimizer
+    # (training.optim.MasterAdamW; needs bf16 autocast, one process, no DST)
     param_dtype: str = "float32"
     compile: bool = False  # torch.compile every transformer block (in place; names unchanged)
-    # torch.compile's mode for those blocks: default | reduce-overhead (CUDA graphs: for small models whose
-    # step is bound by kernel launches) | max-autotune-no-cudagraphs
+    # torch.compile's mode for those blocks: default | reduce-overhead (CUDA graphs: for small
+    # models whose step is bound by kernel launches) | max-autotune-no-cudagraphs
     compile_mode: str = "default"
     eval_every: int = 100
     eval_batches: int = 8
-    max_bad_steps: int = (
-        3  # consecutive non-finite steps before rolling back to the last checkpoint
-    )
+    # consecutive non-finite steps before rolling back to the last checkpoint
+    max_bad_steps: int = 3
     max_rollbacks: int = 3  # rollbacks without a new checkpoint in between before the run stops
     out_dir: Optional[str] = None  # default runs/<name>
-    overwrite: bool = (
-        False  # start fresh in a folder holding another run's checkpoints, deleting them
-    )
+    # start fresh in a folder holding another run's checkpoints, deleting them
+    overwrite: bool = False
     threads: int = 0  # torch CPU threads; 0 = torch default
 
     def validate(self, key: str = "train") -> None:
@@ -148,9 +147,9 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 = off
-    # torch's AdamW kernel, as torchtitan's optimizer.implementation: auto (fused on CUDA, where it is one
-    # launch for all parameters; foreach on CPU, where it is the faster one) | fused | foreach.
-    # train.param_dtype bfloat16 runs its own kernel (MasterAdamW) whatever this says.
+    # torch's AdamW kernel, as torchtitan's optimizer.implementation: auto (fused on CUDA, where it
+    # is one launch for all parameters; foreach on CPU, where it is the faster one) | fused |
+    # foreach. train.param_dtype bfloat16 runs its own kernel (MasterAdamW) whatever this says.
     implementation: str = "auto"
 
     def validate(self, key: str = "optim") -> None:
@@ -215,8 +214,8 @@ class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0 = only at the end
     keep_last: int = 3
     resume: bool = False  # continue from the latest complete checkpoint (train.py --resume)
-    # Lift the allowlists that keep checkpoint files from running code (train.py --trust-checkpoint):
-    # only for a checkpoint whose author you trust.
+    # Lift the allowlists that keep checkpoint files from running code (train.py
+    # --trust-checkpoint): only for a checkpoint whose author you trust.
     trust: bool = False
 
     def validate(self, key: str = "checkpoint") -> None:

@@ -16,7 +16,8 @@ from .config import Config
 
 @functools.cache
 def valid_keys(schema: type = Config) -> tuple[str, ...]:
-    """Dotted paths of every leaf field (nested dataclass sections recursed; dict fields are leaves)."""
+    """Dotted paths of every leaf field (nested dataclass sections recursed; dict fields are
+    leaves)."""
     out: list[str] = []
     hints = typing.get_type_hints(schema)
     for f in dataclasses.fields(schema):
@@ -29,7 +30,8 @@ def valid_keys(schema: type = Config) -> tuple[str, ...]:
 
 def suggest(key: str) -> str | None:
     """The valid key closest to ``key``: first among keys with the same last name (a misplaced key:
-    ``lr`` -> ``optim.lr``), else by spelling over the whole path (``trian.steps`` -> ``train.steps``)."""
+    ``lr`` -> ``optim.lr``), else by spelling over the whole path (``trian.steps`` ->
+    ``train.steps``)."""
     keys = valid_keys()
     last = key.rsplit(".", 1)[-1]
     same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == last]

@@ -1,37 +1,37 @@
-"""AdamW over float32 weights whose model copies are bfloat16: the update and the copy in one pass, every
-tensor of a parameter group in one launch.
+"""AdamW over float32 weights whose model copies are bfloat16: the update and the copy in one pass,
+every tensor of a parameter group in one launch.
 
-``adamw_(weights, grads, exp_avgs, exp_avg_sqs, params=None, *, lr, beta1, beta2, eps, weight_decay, step,
-grad_scale=None, found_inf=None)``, per element, in float32 (torch.optim.AdamW's order of operations)::
+``adamw_(weights, grads, exp_avgs, exp_avg_sqs, params=None, *, lr, beta1, beta2, eps, weight_decay,
+step, grad_scale=None, found_inf=None)``, per element, in float32 (torch.optim.AdamW's order of
+operations)::
 
-    g = grad * grad_scale                      # grad of any float dtype; grad_scale: the clipping factor
-    w = w * (1 - lr * weight_decay)
-    m = m + (1 - beta1) * (g - m)
-    v = v * beta2 + (1 - beta2) * g * g
-    w = w - lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
-    param = w rounded to param's dtype         # when ``params`` is given (the model's bfloat16 copies)
+    g = grad * grad_scale                      # grad of any float dtype; grad_scale: the clipping
+    factor w = w * (1 - lr * weight_decay) m = m + (1 - beta1) * (g - m) v = v * beta2 + (1 - beta2)
+    * g * g w = w - lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps) param = w
+    rounded to param's dtype         # when ``params`` is given (the model's bfloat16 copies)
 
-``weights``, ``exp_avgs``, ``exp_avg_sqs``: float32 tensors, updated in place; ``grads`` and ``params``
-match them in shape. ``step``: the step count after this update (>= 1), the same for every tensor.
-``grad_scale``: a float32 scalar tensor on the weights' device (read by the kernel: no host sync).
-``found_inf``: a scalar tensor there too; where it is nonzero nothing is written (torch.amp.GradScaler's
-flag for torch's fused AdamW: a non-finite step skipped without the host reading the flag; the torch path
-reads it on the host).
+``weights``, ``exp_avgs``, ``exp_avg_sqs``: float32 tensors, updated in place; ``grads`` and
+``params`` match them in shape. ``step``: the step count after this update (>= 1), the same for
+every tensor. ``grad_scale``: a float32 scalar tensor on the weights' device (read by the kernel: no
+host sync). ``found_inf``: a scalar tensor there too; where it is nonzero nothing is written
+(torch.amp.GradScaler's flag for torch's fused AdamW: a non-finite step skipped without the host
+reading the flag; the torch path reads it on the host).
 
-Why: with bf16 autocast and float32 parameters, every step casts each matmul weight to bf16 (forward),
-casts each bf16 weight gradient to float32 (autograd), and then reads those float32 gradients twice
-for clipping and once more in torch's fused AdamW: on the OLMoE-shaped model of BENCHMARKS.md, ~41 ms of
-a 200 ms step went to AdamW and clipping and ~7.5 ms to the weight casts. Holding the matmul weights in
-bf16 (``training.optim.MasterAdamW``) leaves their gradients in bf16 and needs the bf16 copy written
-after each update; this kernel reads the bf16 gradient once, applies the clipping factor on the fly, and
-writes the bf16 copy in the same pass (30 bytes a weight with the norm's read, against ~52 before). The
-numbers are autocast's: the same bf16 weights and gradients reach the GEMMs and the update.
+Why: with bf16 autocast and float32 parameters, every step casts each matmul weight to bf16
+(forward), casts each bf16 weight gradient to float32 (autograd), and then reads those float32
+gradients twice for clipping and once more in torch's fused AdamW: on the OLMoE-shaped model of
+BENCHMARKS.md, ~41 ms of a 200 ms step went to AdamW and clipping and ~7.5 ms to the weight casts.
+Holding the matmul weights in bf16 (``training.optim.MasterAdamW``) leaves their gradients in bf16
+and needs the bf16 copy written after each update; this kernel reads the bf16 gradient once, applies
+the clipping factor on the fly, and writes the bf16 copy in the same pass (30 bytes a weight with
+the norm's read, against ~52 before). The numbers are autocast's: the same bf16 weights and
+gradients reach the GEMMs and the update.
 
-On CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``): one Triton launch per (group, dtypes), over a
-pointer table [tensors, 7] (weight, grad, exp_avg, exp_avg_sq, param, numel, first block) and a block ->
-tensor map, so the launch count does not grow with the tensor count. Elsewhere ``adamw_reference_``:
-torch's foreach ops in AdamW's order (on CPU the same numbers as ``torch.optim.AdamW`` on float32
-parameters given the same float32 gradients).
+On CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``): one Triton launch per (group, dtypes),
+over a pointer table [tensors, 7] (weight, grad, exp_avg, exp_avg_sq, param, numel, first block) and
+a block -> tensor map, so the launch count does not grow with the tensor count. Elsewhere
+``adamw_reference_``: torch's foreach ops in AdamW's order (on CPU the same numbers as
+``torch.optim.AdamW`` on float32 parameters given the same float32 gradients).
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ import torch
 
 from .launch import jit, tl, to_device, triton, use_triton
 
-# elements a program updates and its warps: 8 per thread and stream. bench/adamw.py on an H100 (session 26,
-# 8 x 134M weights): 10.45 ms, 1.01x the copy rate, against 11.55 at 2048 on 8 warps (the previous choice)
-# and 11.90 for torch's fused AdamW on float32; 4096 with 4 warps took 218 registers for sm_90
+# elements a program updates and its warps: 8 per thread and stream. bench/adamw.py on an H100
+# (session 26, 8 x 134M weights): 10.45 ms, 1.01x the copy rate, against 11.55 at 2048 on 8 warps
+# (the previous choice) and 11.90 for torch's fused AdamW on float32; 4096 with 4 warps took 218
+# registers for sm_90
 BLOCK, NUM_WARPS = 1024, 4
 _blocks_cache: dict = {}  # (device, numels, block) -> int32 [blocks] tensor index of each block
 
@@ -70,9 +71,9 @@ def _adamw_kernel(
     HAS_SKIP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # grid (blocks,): BLOCK elements of one tensor per program. The launcher checks every pointer is 16-byte
-    # aligned: said here (a pointer read from memory has no known alignment), it lets a full block use vector
-    # loads; the masked tail block of each tensor stays scalar.
+    # grid (blocks,): BLOCK elements of one tensor per program. The launcher checks every pointer is
+    # 16-byte aligned: said here (a pointer read from memory has no known alignment), it lets a full
+    # block use vector loads; the masked tail block of each tensor stays scalar.
     pid = tl.program_id(0)
     t = tl.load(block_tensor_ptr + pid).to(tl.int64)
     row = table_ptr + t * 7
@@ -85,7 +86,8 @@ def _adamw_kernel(
     v_ptr = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(tl.float32)), 16)
     p_ptr = tl.multiple_of(tl.load(row + 4).to(tl.pointer_type(P_DTYPE)), 16)
     if HAS_SKIP:
-        # a skipped step sees every tensor as empty: the masked path with nothing in its mask (no reads, no writes)
+        # a skipped step sees every tensor as empty: the masked path with nothing in its mask (no
+        # reads, no writes)
         numel = tl.where(tl.load(skip_ptr) == 0, numel, 0)
     full = start + BLOCK <= numel
     mask = offs < numel
@@ -129,8 +131,8 @@ def _triton_dtype(dtype: torch.dtype):
 def _block_map(
     device: torch.device, numels: tuple[int, ...], block: int
 ) -> tuple[torch.Tensor, list[int]]:
-    """int32 [blocks]: the tensor each program updates (cached: it depends on the sizes only), and each
-    tensor's first block."""
+    """int32 [blocks]: the tensor each program updates (cached: it depends on the sizes only), and
+    each tensor's first block."""
     firsts, total = [], 0
     for n in numels:
         firsts.append(total)
@@ -161,13 +163,14 @@ def _adamw_triton(
     block: int = 0,
     num_warps: int = 0,
 ) -> None:
-    """The launcher; ``block`` / ``num_warps``: BLOCK / NUM_WARPS unless given (bench/adamw.py times others)."""
+    """The launcher; ``block`` / ``num_warps``: BLOCK / NUM_WARPS unless given (bench/adamw.py times
+    others)."""
     block, num_warps = block or BLOCK, num_warps or NUM_WARPS
     device = weights[0].device
     numels = tuple(w.numel() for w in weights)
     blocks, firsts = _block_map(device, numels, block)
-    # the table's 7 columns (the kernel's row stride): weight, grad, exp_avg, exp_avg_sq, param (0: none), numel,
-    # first block
+    # the table's 7 columns (the kernel's row stride): weight, grad, exp_avg, exp_avg_sq, param (0:
+    # none), numel, first block
     rows = [
         [
             w.data_ptr(),
@@ -182,9 +185,8 @@ def _adamw_triton(
             weights, grads, exp_avgs, exp_avg_sqs, params or weights, numels, firsts
         )
     ]
-    table = to_device(
-        torch.tensor(rows, dtype=torch.int64), device
-    )  # queued behind the backward, no wait
+    # queued behind the backward, no wait
+    table = to_device(torch.tensor(rows, dtype=torch.int64), device)
     p_dtype = params[0].dtype if params else torch.float32
     scale = grad_scale if grad_scale is not None else weights[0]  # unread without HAS_SCALE
     skip = found_inf if found_inf is not None else weights[0]  # unread without HAS_SKIP
@@ -225,8 +227,8 @@ def adamw_reference_(
     grad_scale,
     found_inf=None,
 ) -> None:
-    """torch.optim.AdamW's foreach update (non-capturable), on float32 copies of the gradients; nothing where
-    ``found_inf`` is nonzero (read on the host)."""
+    """torch.optim.AdamW's foreach update (non-capturable), on float32 copies of the gradients;
+    nothing where ``found_inf`` is nonzero (read on the host)."""
     if found_inf is not None and bool(found_inf):
         return
     g = [x.float() for x in grads]
@@ -279,7 +281,8 @@ def adamw_(
         found_inf,
     )
     tensors = [t for ts in (weights, grads, exp_avgs, exp_avg_sqs, params or ()) for t in ts]
-    # the kernel takes every tensor as contiguous and 16-byte aligned (vector loads): fresh storages are
+    # the kernel takes every tensor as contiguous and 16-byte aligned (vector loads): fresh storages
+    # are
     if use_triton(weights[0]) and all(
         t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors
     ):

@@ -1,21 +1,21 @@
-"""Expert weight gradients (grouped GEMMs over the token dimension) split along that dimension when the
-experts are small, and the bf16 grouped linear that uses them.
+"""Expert weight gradients (grouped GEMMs over the token dimension) split along that dimension when
+the experts are small, and the bf16 grouped linear that uses them.
 
-``grouped_wgrad(a_t[M, R], b[R, N], offs[E]) -> [E, M, N]``: ``a_t[:, g_e] @ b[g_e]`` over each expert's rows
-g_e = ``offs[e-1] .. offs[e]`` (int32 group ends, as torch._grouped_mm takes them), bf16 out.
-``grouped_linear(x[R, I], w[E, O, I], offs) -> [R, O]``: ``x w[e]^T`` per group, whose backward computes
-dw with ``grouped_wgrad``.
+``grouped_wgrad(a_t[M, R], b[R, N], offs[E]) -> [E, M, N]``: ``a_t[:, g_e] @ b[g_e]`` over each
+expert's rows g_e = ``offs[e-1] .. offs[e]`` (int32 group ends, as torch._grouped_mm takes them),
+bf16 out. ``grouped_linear(x[R, I], w[E, O, I], offs) -> [R, O]``: ``x w[e]^T`` per group, whose
+backward computes dw with ``grouped_wgrad``.
 
-Why: a weight gradient contracts over the rows, so its output is only E * M * N: with small experts (the
-dim-512 MoE of BENCHMARKS.md: 8 experts of 704 x 512) the grouped GEMM has fewer output tiles than the GPU
-has SMs, and each tile walks thousands of rows alone. On the H100 those three weight-gradient GEMMs took
-187 us each against 96-100 us for the forward and dgrad GEMMs of the same FLOPs (the same profile).
-Splitting every group's rows into S consecutive parts makes S times the tiles, each 1/S of the work; the S
-partial products (bf16, as torch._grouped_mm writes them) are summed in float32. ``wgrad_splits`` picks S
-from the tile count (that dim-512 MoE: S = 4); experts of the Mixtral / OLMoE / DeepSeek shapes have tiles
-to spare and keep S = 1 (one GEMM, as before). The split points are device arithmetic on ``offs``: no host
-sync, CUDA-graph safe. Not yet measured on a GPU: bench/moe.py's ``small`` shape times S = 1, 2, 4 and the
-automatic choice side by side.
+Why: a weight gradient contracts over the rows, so its output is only E * M * N: with small experts
+(the dim-512 MoE of BENCHMARKS.md: 8 experts of 704 x 512) the grouped GEMM has fewer output tiles
+than the GPU has SMs, and each tile walks thousands of rows alone. On the H100 those three
+weight-gradient GEMMs took 187 us each against 96-100 us for the forward and dgrad GEMMs of the same
+FLOPs (the same profile). Splitting every group's rows into S consecutive parts makes S times the
+tiles, each 1/S of the work; the S partial products (bf16, as torch._grouped_mm writes them) are
+summed in float32. ``wgrad_splits`` picks S from the tile count (that dim-512 MoE: S = 4); experts
+of the Mixtral / OLMoE / DeepSeek shapes have tiles to spare and keep S = 1 (one GEMM, as before).
+The split points are device arithmetic on ``offs``: no host sync, CUDA-graph safe. Not yet measured
+on a GPU: bench/moe.py's ``small`` shape times S = 1, 2, 4 and the automatic choice side by side.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ import torch
 
 MAX_SPLITS = 4  # more parts add partial outputs to sum for little more parallelism
 MIN_ROWS_PER_SPLIT = 1024  # average rows of a part: below this a part's tile is mostly prologue
+# the output tile the occupancy estimate assumes (CUTLASS's sm90 grouped kernels)
 TILE_M, TILE_N = (
     128,
     256,
-)  # the output tile the occupancy estimate assumes (CUTLASS's sm90 grouped kernels)
+)
 MIN_GAIN = 0.9  # split only when the estimate saves at least 10% of the GEMM
 SPLITS: Optional[int] = None  # a fixed S for every call (benchmarks); None: ``wgrad_splits``
 
@@ -43,17 +44,18 @@ def _sm_count(index: int) -> int:
     ).multi_processor_count
 
 
-@torch.compiler.assume_constant_result  # read while tracing a compiled backward, a constant in its graph
+# read while tracing a compiled backward, a constant in its graph
+@torch.compiler.assume_constant_result
 def _num_sms(index: int) -> int:
     return _sm_count(index)
 
 
 def wgrad_splits(rows: int, groups: int, m: int, n: int, device: torch.device) -> int:
-    """S for a weight gradient of ``groups`` [m, n] outputs over ``rows`` rows: the S in 1..MAX_SPLITS (each
-    part at least MIN_ROWS_PER_SPLIT rows on average) that keeps the SMs busiest. A persistent grouped GEMM
-    gives each SM ceil(S * tiles / SMs) tiles of 1/S the work, so the time goes as that over S: 96 tiles on
-    132 SMs take the same time split in 2 or 3 (2 or 3 tiles on some SMs) and 3/4 of it split in 4. S = 1
-    unless the best saves at least 10%."""
+    """S for a weight gradient of ``groups`` [m, n] outputs over ``rows`` rows: the S in
+    1..MAX_SPLITS (each part at least MIN_ROWS_PER_SPLIT rows on average) that keeps the SMs
+    busiest. A persistent grouped GEMM gives each SM ceil(S * tiles / SMs) tiles of 1/S the work, so
+    the time goes as that over S: 96 tiles on 132 SMs take the same time split in 2 or 3 (2 or 3
+    tiles on some SMs) and 3/4 of it split in 4. S = 1 unless the best saves at least 10%."""
     if SPLITS is not None:
         return SPLITS
     if device.type != "cuda" or not groups:
@@ -68,15 +70,16 @@ def wgrad_splits(rows: int, groups: int, m: int, n: int, device: torch.device) -
 
 
 def split_group_ends(offs: torch.Tensor, splits: int) -> torch.Tensor:
-    """offs [E] int32 group ends -> [E * S] int32 ends of each group's S consecutive parts (sizes differ by
-    at most one row; an empty group gives S empty parts)."""
+    """offs [E] int32 group ends -> [E * S] int32 ends of each group's S consecutive parts (sizes
+    differ by at most one row; an empty group gives S empty parts)."""
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
     parts = torch.arange(1, splits + 1, device=offs.device, dtype=torch.int32)
     return ((offs - sizes)[:, None] + sizes[:, None] * parts // splits).reshape(-1).to(torch.int32)
 
 
 def grouped_wgrad(a_t: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """a_t [M, R] (a transposed view is fine), b [R, N], offs [E] -> [E, M, N] = a_t[:, g_e] b[g_e]."""
+    """a_t [M, R] (a transposed view is fine), b [R, N], offs [E] -> [E, M, N] = a_t[:, g_e]
+    b[g_e]."""
     E, (M, R), N = offs.numel(), a_t.shape, b.shape[1]
     S = wgrad_splits(R, E, M, N, a_t.device)
     if S == 1:
@@ -101,5 +104,6 @@ class _GroupedLinear(torch.autograd.Function):
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """y [R, O] = x [R, I] w[e]^T on each group's rows (w [E, O, I] in x's dtype); differentiable."""
+    """y [R, O] = x [R, I] w[e]^T on each group's rows (w [E, O, I] in x's dtype);
+    differentiable."""
     return _GroupedLinear.apply(x, w, offs)

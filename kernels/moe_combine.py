@@ -1,18 +1,19 @@
 """MoE combine (unpermute + weighted sum): ``out[t] = sum_j w[t, j] * ys[inv[t, j]]``.
 
-Shapes: ys [N, D] expert outputs in expert-sorted order, inv [T, K] int32 (sorted row of token t's j-th
-assignment, -1 when the assignment was dropped by capacity), w [T, K] routing weights (float32) ->
-out [T, D] in ys's dtype, accumulated in float32. An optional second source ys2 [N, D] (unit weights
-only: ``moe_unpermute``) adds its rows too, ``out[t] = sum_j ys[inv[t, j]] + ys2[inv[t, j]]``: the
-backward of a permute whose rows fed two GEMMs (SwiGLU gate and up, kernels.moe_gate_up) sums both
-input gradients in this one pass instead of adding them as [N, D] tensors first.
+Shapes: ys [N, D] expert outputs in expert-sorted order, inv [T, K] int32 (sorted row of token t's
+j-th assignment, -1 when the assignment was dropped by capacity), w [T, K] routing weights (float32)
+-> out [T, D] in ys's dtype, accumulated in float32. An optional second source ys2 [N, D] (unit
+weights only: ``moe_unpermute``) adds its rows too, ``out[t] = sum_j ys[inv[t, j]] + ys2[inv[t,
+j]]``: the backward of a permute whose rows fed two GEMMs (SwiGLU gate and up, kernels.moe_gate_up)
+sums both input gradients in this one pass instead of adding them as [N, D] tensors first.
 
-Backward: ``dys[inv[t, j]] = w[t, j] * dout[t]`` (rows no assignment maps to are zero) and
-``dw[t, j] = <dout[t], ys[inv[t, j]]>``; both come from one kernel that reads each ``dout`` row once per
+Backward: ``dys[inv[t, j]] = w[t, j] * dout[t]`` (rows no assignment maps to are zero) and ``dw[t,
+j] = <dout[t], ys[inv[t, j]]>``; both come from one kernel that reads each ``dout`` row once per
 assignment. ``inv`` is a permutation onto its valid rows, so every store has one writer: no atomics.
 
 Layers: ``@triton.jit`` kernels + launchers -> ``torch.library.custom_op`` ``moezoo::moe_combine``
-and ``moezoo::moe_combine_backward`` (each with ``register_fake``; autograd on the first); ``moe_combine_reference`` is the pure-torch oracle.
+and ``moezoo::moe_combine_backward`` (each with ``register_fake``; autograd on the first);
+``moe_combine_reference`` is the pure-torch oracle.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from .launch import jit, tl, triton, use_triton
 
 # Kernels here use only triton.language builtins (tl.full, tl.reduce, tl.exp), not its @jit standard
 # library (tl.zeros, tl.sum, tl.sigmoid): those are jitted when triton is first imported, so under a
-# TRITON_INTERPRET=1 set later (a test) they would be compiled functions inside an interpreted kernel.
+# TRITON_INTERPRET=1 set later (a test) they would be compiled functions inside an interpreted
+# kernel.
 
 
 def moe_combine_reference(
@@ -34,8 +36,8 @@ def moe_combine_reference(
     w: Optional[torch.Tensor],
     ys2: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Pure torch, differentiable: ``out[t] = sum_j w[t, j] * (ys + ys2)[inv[t, j]]`` over valid (>= 0)
-    ``inv`` (``ys2=None``: ys alone), the sum in float32."""
+    """Pure torch, differentiable: ``out[t] = sum_j w[t, j] * (ys + ys2)[inv[t, j]]`` over valid (>=
+    0) ``inv`` (``ys2=None``: ys alone), the sum in float32."""
     valid = inv >= 0
     idx = inv.clamp(min=0).long()
     rows = ys[idx].float()  # [T, K, D]
@@ -57,16 +59,18 @@ def _combine_kernel(
     HAS_Y2: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # grid (T, cdiv(D, BLOCK_D)): each program owns one token's slice of D, so the K rows it sums are
-    # read once and the output row is written once (memory-bound: 2*K*D + 2*D bytes per token slice).
+    # grid (T, cdiv(D, BLOCK_D)): each program owns one token's slice of D, so the K rows it sums
+    # are read once and the output row is written once (memory-bound: 2*K*D + 2*D bytes per token
+    # slice).
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = offs < D
     acc = tl.full([BLOCK_D], 0.0, tl.float32)
     for j in tl.static_range(K):
         src = tl.load(inv_ptr + t * K + j).to(tl.int64)
-        # Dropped assignments (-1) are masked loads (no traffic) rather than branches; (offs * 0 + src)
-        # broadcasts the scalar test to a vector mask (the interpreter rejects scalar & vector).
+        # Dropped assignments (-1) are masked loads (no traffic) rather than branches; (offs * 0 +
+        # src) broadcasts the scalar test to a vector mask (the interpreter rejects scalar &
+        # vector).
         valid = (offs * 0 + src) >= 0
         y = tl.load(ys_ptr + tl.maximum(src, 0) * D + offs, mask=m & valid, other=0.0).to(
             tl.float32
@@ -92,10 +96,11 @@ def _combine_bwd_kernel(
     K: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # grid (T,): dw[t, j] is a reduction over all of D, so one program walks the whole row instead of
-    # splitting D across programs and needing atomics; dout[t] re-reads for j > 0 hit L1/L2.
-    # D is constexpr (one compile per model width): the loop then has a static trip count, which also
-    # keeps Triton 3.6's interpreter working (its range() over a runtime int fails with numpy >= 2.4).
+    # grid (T,): dw[t, j] is a reduction over all of D, so one program walks the whole row instead
+    # of splitting D across programs and needing atomics; dout[t] re-reads for j > 0 hit L1/L2. D is
+    # constexpr (one compile per model width): the loop then has a static trip count, which also
+    # keeps Triton 3.6's interpreter working (its range() over a runtime int fails with numpy >=
+    # 2.4).
     t = tl.program_id(0).to(tl.int64)
     for j in tl.static_range(K):
         dst = tl.load(inv_ptr + t * K + j).to(tl.int64)
@@ -125,8 +130,8 @@ def combine_rows(
     w: Optional[torch.Tensor],
     ys2: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Launcher for the forward kernel (no autograd). ``w=None`` means unit weights; ``ys2`` [N, D]: a
-    second source summed with ys row by row."""
+    """Launcher for the forward kernel (no autograd). ``w=None`` means unit weights; ``ys2`` [N, D]:
+    a second source summed with ys row by row."""
     ys, inv = ys.contiguous(), inv.contiguous()
     has_y2 = ys2 is not None
     ys2 = ys2.contiguous() if has_y2 else ys  # dummy pointer when HAS_Y2 is False
@@ -179,7 +184,8 @@ def combine_rows_backward(
 def moe_combine(
     ys: torch.Tensor, inv: torch.Tensor, w: torch.Tensor, zero_fill: bool
 ) -> torch.Tensor:
-    """``out[t] = sum_j w[t, j] * ys[inv[t, j]]`` (Triton on CUDA / under TRITON_INTERPRET, else reference).
+    """``out[t] = sum_j w[t, j] * ys[inv[t, j]]`` (Triton on CUDA / under TRITON_INTERPRET, else
+    reference).
 
     ``zero_fill``: see ``combine_rows_backward``; it only affects the backward pass.
     """

@@ -1,18 +1,20 @@
-"""FP8 grouped GEMMs for the expert projections (``model.moe.precision: fp8``), forward and backward.
+"""FP8 grouped GEMMs for the expert projections (``model.moe.precision: fp8``), forward and
+backward.
 
-Legend: R rows of the expert-sorted buffer, I / O a projection's in / out features, E experts (= groups),
-P rows of the padded wgrad layout. ``offs [E]`` int32 are cumulative group ends, as torch._grouped_mm
-takes them; rows past ``offs[-1]`` are not computed (their output is unspecified, as in torch._grouped_mm).
+Legend: R rows of the expert-sorted buffer, I / O a projection's in / out features, E experts (=
+groups), P rows of the padded wgrad layout. ``offs [E]`` int32 are cumulative group ends, as
+torch._grouped_mm takes them; rows past ``offs[-1]`` are not computed (their output is unspecified,
+as in torch._grouped_mm).
 
-``fp8_grouped_linear(x[R, I], w[E, O, I], offs) -> y[R, O]`` bf16, ``y[r] = x[r] w[e]^T`` for the rows
-of expert e; differentiable in x and w (w of any float dtype: bf16 or float32 master weights are read as
-they are and get a gradient of their own dtype). ``kernels.moe_gate_up`` runs the gate/up pair with the
-same pieces (one quantization of x shared by both GEMMs).
+``fp8_grouped_linear(x[R, I], w[E, O, I], offs) -> y[R, O]`` bf16, ``y[r] = x[r] w[e]^T`` for the
+rows of expert e; differentiable in x and w (w of any float dtype: bf16 or float32 master weights
+are read as they are and get a gradient of their own dtype). ``kernels.moe_gate_up`` runs the
+gate/up pair with the same pieces (one quantization of x shared by both GEMMs).
 
-Recipe (torchao.prototype.moe_training's FP8 rowwise, which torchtitan trains MoE with): every operand is
-cast on the fly, each step, to float8_e4m3fn with a float32 scale per row or column of the contraction,
-computed from its amax ("dynamic" scaling, no history), and every GEMM is one ``torch._scaled_grouped_mm``
-(CUTLASS, sm90 / sm100) with bf16 output and FP8 fast accumulation:
+Recipe (torchao.prototype.moe_training's FP8 rowwise, which torchtitan trains MoE with): every
+operand is cast on the fly, each step, to float8_e4m3fn with a float32 scale per row or column of
+the contraction, computed from its amax ("dynamic" scaling, no history), and every GEMM is one
+``torch._scaled_grouped_mm`` (CUTLASS, sm90 / sm100) with bf16 output and FP8 fast accumulation:
 
 | GEMM | mat_a (row-major) | mat_b (column-major) |
 | --- | --- | --- |
@@ -20,40 +22,42 @@ computed from its amax ("dynamic" scaling, no history), and every GEMM is one ``
 | dgrad ``dx = dy w`` | dy, a scale per row (over O) | w, a scale per input channel (over O), stored transposed |
 | wgrad ``dw = dy^T x`` | dy^T, a scale per expert and column | x, a scale per expert and column |
 
-The wgrad operands are 2-D with the experts along the contraction: CUTLASS needs each group's start 16-byte
-aligned there, so ``quantize_groups_t`` writes them column-major with every group padded to a multiple of
-16 rows, zero pad rows (at least 16: an empty expert is a block of zeros, as CUTLASS's Blackwell grouped
-kernels reject empty contraction groups). Forward and dgrad group along the rows of a row-major operand
-and take any group sizes. So the dispatch needs no ``group_align``, and expert parallelism's uneven counts
-run as they are.
+The wgrad operands are 2-D with the experts along the contraction: CUTLASS needs each group's start
+16-byte aligned there, so ``quantize_groups_t`` writes them column-major with every group padded to
+a multiple of 16 rows, zero pad rows (at least 16: an empty expert is a block of zeros, as CUTLASS's
+Blackwell grouped kernels reject empty contraction groups). Forward and dgrad group along the rows
+of a row-major operand and take any group sizes. So the dispatch needs no ``group_align``, and
+expert parallelism's uneven counts run as they are.
 
-Scales are powers of two, ``s = 2^floor(log2(448 / amax))`` (the exponent bits of the correctly rounded
-quotient): scaling is exact, amax lands in (224, 448], and the dequantization scale ``1 / s`` handed to the
-GEMM is exact too. e4m3 everywhere, gradients included (torchao's choice for this recipe; e5m2 gradients
-are the per-tensor recipes' answer to their coarser scales).
+Scales are powers of two, ``s = 2^floor(log2(448 / amax))`` (the exponent bits of the correctly
+rounded quotient): scaling is exact, amax lands in (224, 448], and the dequantization scale ``1 /
+s`` handed to the GEMM is exact too. e4m3 everywhere, gradients included (torchao's choice for this
+recipe; e5m2 gradients are the per-tensor recipes' answer to their coarser scales).
 
-Every operand that needs two layouts gets both from one "dual" pass: an activation (x in the forward, dy in
-the backward) by rows for its forward / dgrad GEMM and per expert column for its wgrad GEMM, a weight by
-output channel for the forward and by input channel for the dgrad (the forward keeps that copy for the
-backward). A column scale needs its whole group's column read first, so a dual pass reads its input twice:
-an amax kernel takes every row's and every group column's amax over tiles (atomic max), a cast kernel
-writes both layouts (and makes the scales from the amax and writes the dequantization scales itself, so a
-dual pass is a memset and two launches, with no small torch ops between them). The cast kernel's tiles
-walk the rows of the transposed output (the padded wgrad rows, or one weight's rows), so that store is
-16-byte vectors along contiguous, aligned columns of qt, and the pads are written as zeros in the same pass;
-the source rows are gathered (row-major, contiguous along the features either way). The first dual pass
-(349a889) tiled the source rows instead: its transposed store was one byte per lane, a separate kernel
-zeroed the pads, and its cast pass needed 90 registers a thread on 16 warps (one block per SM): 14.3 ms of
-the fp8 layer's 43.9 on the H200, against ~4.4 by the bytes (BENCHMARKS.md).
-The row and column quantizers apart read the input three times (H100, Mixtral shape: 9.7 of the fp8
-layer's 42.4 ms were quantizers).
+Every operand that needs two layouts gets both from one "dual" pass: an activation (x in the
+forward, dy in the backward) by rows for its forward / dgrad GEMM and per expert column for its
+wgrad GEMM, a weight by output channel for the forward and by input channel for the dgrad (the
+forward keeps that copy for the backward). A column scale needs its whole group's column read first,
+so a dual pass reads its input twice: an amax kernel takes every row's and every group column's amax
+over tiles (atomic max), a cast kernel writes both layouts (and makes the scales from the amax and
+writes the dequantization scales itself, so a dual pass is a memset and two launches, with no small
+torch ops between them). The cast kernel's tiles walk the rows of the transposed output (the padded
+wgrad rows, or one weight's rows), so that store is 16-byte vectors along contiguous, aligned
+columns of qt, and the pads are written as zeros in the same pass; the source rows are gathered
+(row-major, contiguous along the features either way). The first dual pass (349a889) tiled the
+source rows instead: its transposed store was one byte per lane, a separate kernel zeroed the pads,
+and its cast pass needed 90 registers a thread on 16 warps (one block per SM): 14.3 ms of the fp8
+layer's 43.9 on the H200, against ~4.4 by the bytes (BENCHMARKS.md). The row and column quantizers
+apart read the input three times (H100, Mixtral shape: 9.7 of the fp8 layer's 42.4 ms were
+quantizers).
 
 Layers: ``@triton.jit`` kernels (a row quantizer, one row per program; the amax and cast passes) +
 launchers -> custom ops ``moezoo::fp8_quantize_rows`` / ``fp8_quantize_groups_t`` /
-``fp8_quantize_dual`` / ``fp8_quantize_weight_dual`` (``register_fake``, so torch.compile traces through)
--> the autograd.Function. AMAX_TILE / CAST_TILE: the passes' tiles (``bench/fp8_quant.py`` times others).
-``*_reference`` are the pure-torch oracles (and the path without triton); ``scaled_grouped_mm_reference``
-emulates torch._scaled_grouped_mm in float32 (CPU tests; the op itself is CUDA-only).
+``fp8_quantize_dual`` / ``fp8_quantize_weight_dual`` (``register_fake``, so torch.compile traces
+through) -> the autograd.Function. AMAX_TILE / CAST_TILE: the passes' tiles (``bench/fp8_quant.py``
+times others). ``*_reference`` are the pure-torch oracles (and the path without triton);
+``scaled_grouped_mm_reference`` emulates torch._scaled_grouped_mm in float32 (CPU tests; the op
+itself is CUDA-only).
 """
 
 from __future__ import annotations
@@ -68,28 +72,30 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 AMAX_EPS = 1e-12  # an all-zero row or column gets a finite scale (2^48) and quantizes to zeros
 WGRAD_ALIGN = 16  # rows per wgrad group: 16 bytes of fp8 (TMA alignment of group starts)
-FAST_ACCUM = (
-    True  # FP8 tensor-core accumulation without periodic float32 promotion (torchao: all three)
-)
+# FP8 tensor-core accumulation without periodic float32 promotion (torchao: all three)
+FAST_ACCUM = True
 ROWS_BLOCK = 4096  # columns per step of the row quantizer: 8 KB of bf16 in flight per program
-# The passes' tiles, (rows, columns, warps): the fastest of bench/fp8_quant.py's 20 pairs on an H100 (session
-# 26), 5.21 ms over the Mixtral layer's five operand kinds against 7.32 at 128 x 64 on 16 warps for both (the
-# amax pass on 16 warps was the slow part). Every global store of the cast pass is a 16-byte vector (ptxas
-# for sm_90, as tests/kernels/test_compile_sm90.py compiles on the CPU machine).
+# The passes' tiles, (rows, columns, warps): the fastest of bench/fp8_quant.py's 20 pairs on an H100
+# (session 26), 5.21 ms over the Mixtral layer's five operand kinds against 7.32 at 128 x 64 on 16
+# warps for both (the amax pass on 16 warps was the slow part). Every global store of the cast pass
+# is a 16-byte vector (ptxas for sm_90, as tests/kernels/test_compile_sm90.py compiles on the CPU
+# machine).
 AMAX_TILE = (128, 64, 8)
 CAST_TILE = (32, 128, 4)
 
 
-# -- pure torch: the math, once -------------------------------------------------------------------------
+# -- pure torch: the math, once --------------------------------------------------------------------
 def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
-    """float32 ``2^floor(log2(448 / amax))``: the exponent bits of the correctly rounded quotient."""
+    """float32 ``2^floor(log2(448 / amax))``: the exponent bits of the correctly rounded
+    quotient."""
     s = FP8_MAX / amax.float().clamp(min=AMAX_EPS)
     return (s.view(torch.int32) & 0x7F800000).view(torch.float32)
 
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., C] -> (q [..., C] float8_e4m3fn contiguous, d [...] float32) with ``x ~= q * d[..., None]``:
-    ``q = clamp(x * s, +-448)`` rounded to nearest even, ``d = 1 / s``, one power-of-two s per row."""
+    """x [..., C] -> (q [..., C] float8_e4m3fn contiguous, d [...] float32) with ``x ~= q * d[...,
+    None]``: ``q = clamp(x * s, +-448)`` rounded to nearest even, ``d = 1 / s``, one power-of-two s
+    per row."""
     xf = x.float()
     amax = xf.abs().amax(-1) if xf.shape[-1] else xf.new_zeros(xf.shape[:-1])
     s = pow2_scale(amax)
@@ -98,26 +104,26 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def padded_group_ends(offs: torch.Tensor) -> torch.Tensor:
-    """offs [E] int32 group ends -> the ends [E] int32 of the wgrad layout, every group rounded up to a
-    multiple of 16 rows and at least 16 (device ops, no host sync)."""
+    """offs [E] int32 group ends -> the ends [E] int32 of the wgrad layout, every group rounded up
+    to a multiple of 16 rows and at least 16 (device ops, no host sync)."""
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
     padded = ((sizes + WGRAD_ALIGN - 1) // WGRAD_ALIGN * WGRAD_ALIGN).clamp(min=WGRAD_ALIGN)
     return torch.cumsum(padded, 0, dtype=torch.int32)
 
 
 def padded_rows(num_rows: int, num_groups: int) -> int:
-    """P, static: room for every padded layout of ``num_rows`` rows in ``num_groups`` groups, a multiple of 16
-    (torch._scaled_grouped_mm's contraction dim)."""
+    """P, static: room for every padded layout of ``num_rows`` rows in ``num_groups`` groups, a
+    multiple of 16 (torch._scaled_grouped_mm's contraction dim)."""
     return -(-num_rows // WGRAD_ALIGN) * WGRAD_ALIGN + WGRAD_ALIGN * num_groups
 
 
 def quantize_groups_t_reference(
     x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor, num_padded: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C], offs / pends [E] int32 -> (qt [C, P] float8_e4m3fn, d [E, C] float32): expert e's rows
-    ``offs[e-1] .. offs[e]`` quantized per column (``quantize_rows_reference`` of their transpose) and stored
-    at columns ``pends[e-1] ..`` of qt, the rest of its padded block zero. Columns past ``pends[-1]`` are zero
-    here and unspecified in the kernel."""
+    """x [R, C], offs / pends [E] int32 -> (qt [C, P] float8_e4m3fn, d [E, C] float32): expert e's
+    rows ``offs[e-1] .. offs[e]`` quantized per column (``quantize_rows_reference`` of their
+    transpose) and stored at columns ``pends[e-1] ..`` of qt, the rest of its padded block zero.
+    Columns past ``pends[-1]`` are zero here and unspecified in the kernel."""
     C = x.shape[1]
     qt = torch.zeros(C, num_padded, dtype=FP8, device=x.device)
     d = torch.empty(offs.numel(), C, dtype=torch.float32, device=x.device)
@@ -130,8 +136,8 @@ def quantize_groups_t_reference(
 
 
 def quantize_weight_t_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [E, O, I] -> (qt [E, I, O] float8_e4m3fn contiguous, d [E, I] float32): a scale per input channel
-    (amax over O), stored transposed (the dgrad operand)."""
+    """w [E, O, I] -> (qt [E, I, O] float8_e4m3fn contiguous, d [E, I] float32): a scale per input
+    channel (amax over O), stored transposed (the dgrad operand)."""
     return quantize_rows_reference(w.transpose(-2, -1))
 
 
@@ -139,13 +145,14 @@ def quantize_dual_reference(
     x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor, num_padded: int
 ):
     """x [R, C] -> (q [R, C], d [R], qt [C, P], dt [E, C]): ``quantize_rows_reference`` and
-    ``quantize_groups_t_reference`` of the same x (the forward / dgrad operand and the wgrad operand)."""
+    ``quantize_groups_t_reference`` of the same x (the forward / dgrad operand and the wgrad
+    operand)."""
     return (*quantize_rows_reference(x), *quantize_groups_t_reference(x, offs, pends, num_padded))
 
 
 def quantize_weight_dual_reference(w: torch.Tensor):
-    """w [E, O, I] -> (q [E, O, I], d [E, O], qt [E, I, O], dt [E, I]): the forward operand (a scale per output
-    channel) and the dgrad operand (``quantize_weight_t_reference``)."""
+    """w [E, O, I] -> (q [E, O, I], d [E, O], qt [E, I, O], dt [E, I]): the forward operand (a scale
+    per output channel) and the dgrad operand (``quantize_weight_t_reference``)."""
     return (*quantize_rows_reference(w), *quantize_weight_t_reference(w))
 
 
@@ -154,10 +161,10 @@ def scaled_grouped_mm_reference(
 ) -> torch.Tensor:
     """torch._scaled_grouped_mm's rowwise math in float32, bf16 out; the two layouts moezoo uses:
 
-    - a [R, K], b [E, K, N], da [R], db [E, N]: ``out[r] = (a[r] da[r]) (b[e] db[e])`` for the rows of
-      group e (rows past ``offs[-1]`` zero);
-    - a [M, P], b [P, N], da [E * M], db [E * N]: ``out[e] = (a[:, g_e] da[e]) (b[g_e] db[e])`` over the
-      contraction slice g_e of group e -> [E, M, N].
+    - a [R, K], b [E, K, N], da [R], db [E, N]: ``out[r] = (a[r] da[r]) (b[e] db[e])`` for the rows
+      of group e (rows past ``offs[-1]`` zero);
+    - a [M, P], b [P, N], da [E * M], db [E * N]: ``out[e] = (a[:, g_e] da[e]) (b[g_e] db[e])`` over
+      the contraction slice g_e of group e -> [E, M, N].
     """
     af, bf = a.float(), b.float()
     ends = offs.tolist()
@@ -175,18 +182,19 @@ def scaled_grouped_mm_reference(
     return out.to(torch.bfloat16)
 
 
-# -- Triton quantizers ----------------------------------------------------------------------------------
-# Builtins only (tl.full, tl.reduce, tl.div_rn), as in kernels/moe_combine.py. Scales use tl.div_rn (the
-# default fp32 division is approximate: a quotient that is exactly a power of two could lose its exponent)
-# and the exponent mask, so they equal the torch reference bit for bit; the e4m3 cast rounds to nearest
-# even after the clamp, as torch's does. Under TRITON_INTERPRET the tests read float32 outputs (the
-# interpreter's own fp8 cast is not IEEE) and cast them with torch.
+# -- Triton quantizers -----------------------------------------------------------------------------
+# Builtins only (tl.full, tl.reduce, tl.div_rn), as in kernels/moe_combine.py. Scales use tl.div_rn
+# (the default fp32 division is approximate: a quotient that is exactly a power of two could lose
+# its exponent) and the exponent mask, so they equal the torch reference bit for bit; the e4m3 cast
+# rounds to nearest even after the clamp, as torch's does. Under TRITON_INTERPRET the tests read
+# float32 outputs (the interpreter's own fp8 cast is not IEEE) and cast them with torch.
 
 
 def _quantize_rows_kernel(
     x_ptr, q_ptr, d_ptr, C, MAX: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr
 ):
-    # grid (R,): a row per program, two passes over it (amax, then scale and cast; the second reads hit L2).
+    # grid (R,): a row per program, two passes over it (amax, then scale and cast; the second reads
+    # hit L2).
     r = tl.program_id(0).to(tl.int64)
     amax = tl.full([BLOCK], 0.0, tl.float32)
     for c0 in range(0, C, BLOCK):
@@ -218,11 +226,11 @@ def _amax_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    # Pass 1. grid (cdiv(R, BLOCK_R), cdiv(C, BLOCK_C)) over x [R, C] row-major. Groups: rows ends[e-1] ..
-    # ends[e] (PADDED; rows past the last end belong to none) or blocks of L rows. The tile's partial row amax
-    # (ROWS) and, per group present in the tile, its columns' partial amax go to float32 buffers
-    # (zero-initialised) by atomic max on their int32 bits (amax >= 0 orders like its bits); relaxed: only
-    # the next launch reads them (the kernel boundary orders them).
+    # Pass 1. grid (cdiv(R, BLOCK_R), cdiv(C, BLOCK_C)) over x [R, C] row-major. Groups: rows
+    # ends[e-1] .. ends[e] (PADDED; rows past the last end belong to none) or blocks of L rows. The
+    # tile's partial row amax (ROWS) and, per group present in the tile, its columns' partial amax
+    # go to float32 buffers (zero-initialised) by atomic max on their int32 bits (amax >= 0 orders
+    # like its bits); relaxed: only the next launch reads them (the kernel boundary orders them).
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     rm, cm = rows < R, cols < C
@@ -279,17 +287,20 @@ def _cast_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    # Pass 2, from pass 1's amax: ramax [R], camax [E, C]. The scales s = 2^floor(log2(MAX / amax)) are made
-    # here (the exponent bits of tl.div_rn's quotient, as pow2_scale), and the tiles that hold a group's first
-    # row (a source row, in the first column tile) write its dequantization scales dt[g, cols] (d[r]) = 1 / s,
-    # so a dual pass is two launches after its memset, not a dozen small torch ops. Tiles walk the rows of the
-    # transposed output, so its store is BLOCK_R contiguous bytes per column, aligned (16-byte vectors), whatever the
-    # group sizes; the source rows are gathered (row-major: contiguous along the columns either way).
-    # PADDED: grid (cdiv(P, BLOCK_R), cdiv(C, BLOCK_C)); tile rows p are columns of qt [C, P]. Padded row p
-    #   of group g = #{pends <= p} is source row ends[g-1] + p - pends[g-1] if that is < ends[g], else a pad
-    #   (written as zero). Past pends[-1], "group E" continues to row R, so the row-scaled q [R, C] gets every
-    #   row (its qt columns there are zero: unspecified for the GEMM).
-    # else: grid (E * cdiv(L, BLOCK_R), cdiv(C, BLOCK_C)); tile rows are rows of one group g of L rows, at
+    # Pass 2, from pass 1's amax: ramax [R], camax [E, C]. The scales s = 2^floor(log2(MAX / amax))
+    # are made here (the exponent bits of tl.div_rn's quotient, as pow2_scale), and the tiles that
+    # hold a group's first row (a source row, in the first column tile) write its dequantization
+    # scales dt[g, cols] (d[r]) = 1 / s, so a dual pass is two launches after its memset, not a
+    # dozen small torch ops. Tiles walk the rows of the transposed output, so its store is BLOCK_R
+    # contiguous bytes per column, aligned (16-byte vectors), whatever the group sizes; the source
+    # rows are gathered (row-major: contiguous along the columns either way). PADDED: grid (cdiv(P,
+    # BLOCK_R), cdiv(C, BLOCK_C)); tile rows p are columns of qt [C, P]. Padded row p
+    #   of group g = #{pends <= p} is source row ends[g-1] + p - pends[g-1] if that is < ends[g],
+    #   else a pad (written as zero). Past pends[-1], "group E" continues to row R, so the
+    #   row-scaled q [R, C] gets every row (its qt columns there are zero: unspecified for the
+    #   GEMM).
+    # else: grid (E * cdiv(L, BLOCK_R), cdiv(C, BLOCK_C)); tile rows are rows of one group g of L
+    # rows, at
     #   qt[g, :, row - g L] (qt [E, C, L]).
     # ROWS: also q[r, c] = x * rs[r].
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -341,8 +352,9 @@ def _cast_kernel(
         )
         tl.store(d_ptr + src, tl.div_rn(1.0, row_s), mask=real & (j * 0 + tl.program_id(1) == 0))
     if g_lo == g_hi:
-        # one group (all but the tiles on a group boundary): one row of scales for the tile; none past the
-        # last group (g_lo == E; the bound as a vector: the interpreter refuses a scalar term in a mask)
+        # one group (all but the tiles on a group boundary): one row of scales for the tile; none
+        # past the last group (g_lo == E; the bound as a vector: the interpreter refuses a scalar
+        # term in a mask)
         in_g = cm & (cols * 0 + g_lo < E)
         col_a = tl.maximum(tl.load(camax_ptr + g_lo * C + cols, mask=in_g, other=1.0), EPS)
         col_s = (tl.div_rn(MAX, col_a).to(tl.int32, bitcast=True) & 0x7F800000).to(
@@ -363,8 +375,8 @@ def _cast_kernel(
         )
         qv = x * tl.where(tile_m, tile_s, 0.0)
     tl.store(qt_base + dst, tl.clamp(qv, -MAX, MAX).to(qt_ptr.dtype.element_ty), mask=dst_m)
-    # dt[g, cols] from the tile rows that start a group (every group has one: at least 16 padded rows); only
-    # the few tiles holding such a row do the tile's divisions
+    # dt[g, cols] from the tile rows that start a group (every group has one: at least 16 padded
+    # rows); only the few tiles holding such a row do the tile's divisions
     if tl.reduce(first.to(tl.int32), 0, tl.standard._elementwise_max) > 0:
         dt_a = tl.maximum(
             tl.load(
@@ -387,7 +399,8 @@ def _cast_kernel(
 def quantize_rows_triton(
     x: torch.Tensor, out_dtype: torch.dtype = FP8
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launcher (no autograd): x [R, C] -> (q [R, C], d [R]); ``out_dtype`` float32 for interpreter tests."""
+    """Launcher (no autograd): x [R, C] -> (q [R, C], d [R]); ``out_dtype`` float32 for interpreter
+    tests."""
     x = x.contiguous()
     R, C = x.shape
     q = torch.empty(R, C, dtype=out_dtype, device=x.device)
@@ -417,24 +430,25 @@ def _quantize_tiles(
     out_dtype: torch.dtype,
     tiles: Optional[tuple] = None,
 ):
-    """x [R, C] -> (q [R, C] | None, d [R] | None, qt, dt [E, C]): the two passes over x (amax, then cast) for
-    the row and the per-group column quantization at once. Groups: ``ends`` [E] (PADDED, qt [C, P] with zero
-    pads) or, with ``ends`` None, consecutive blocks of L rows (qt [E, C, L]). ``tiles``: ((rows, cols, warps)
-    of the amax pass, (rows, cols, warps) of the cast pass), AMAX_TILE / CAST_TILE by default (bench/)."""
+    """x [R, C] -> (q [R, C] | None, d [R] | None, qt, dt [E, C]): the two passes over x (amax, then
+    cast) for the row and the per-group column quantization at once. Groups: ``ends`` [E] (PADDED,
+    qt [C, P] with zero pads) or, with ``ends`` None, consecutive blocks of L rows (qt [E, C, L]).
+    ``tiles``: ((rows, cols, warps) of the amax pass, (rows, cols, warps) of the cast pass),
+    AMAX_TILE / CAST_TILE by default (bench/)."""
     (ar, ac, aw), (cr, cc, cw) = tiles or (AMAX_TILE, CAST_TILE)
     R, C = x.shape
     padded = ends is not None
     E = ends.numel() if padded else (R // L if L else 0)
     dev = x.device
     nr = R if rows else 0
-    na = (
-        -(-nr // 4) * 4
-    )  # the column part starts 16-byte aligned (as the kernels' pointers specialise)
+    # the column part starts 16-byte aligned (as the kernels' pointers specialise)
+    na = -(-nr // 4) * 4
     # one memset for both amax buffers (views of one)
     amax = torch.zeros(max(na + E * C, 1), dtype=torch.float32, device=dev)
     ramax, camax = amax[:nr], amax[na : na + E * C]
-    # the scale outputs apart: a custom op's outputs may not alias one another (views of one buffer failed
-    # torch's aliasing check on the GPU; the opcheck test of the Triton path checks it on the CPU)
+    # the scale outputs apart: a custom op's outputs may not alias one another (views of one buffer
+    # failed torch's aliasing check on the GPU; the opcheck test of the Triton path checks it on the
+    # CPU)
     d, dt = (
         torch.empty(nr, dtype=torch.float32, device=dev),
         torch.empty(E, C, dtype=torch.float32, device=dev),
@@ -521,7 +535,8 @@ def quantize_dual_triton(
     num_padded: int,
     out_dtype: torch.dtype = FP8,
 ):
-    """Launcher: as ``quantize_dual_reference``, x read twice in all (not three times, as the two apart)."""
+    """Launcher: as ``quantize_dual_reference``, x read twice in all (not three times, as the two
+    apart)."""
     return _quantize_tiles(
         x.contiguous(), offs.contiguous(), pends.contiguous(), 0, num_padded, True, out_dtype
     )
@@ -534,7 +549,7 @@ def quantize_weight_dual_triton(w: torch.Tensor, out_dtype: torch.dtype = FP8):
     return q.view(E, O, I), d.view(E, O), qt.view(E, I, O), dt
 
 
-# -- custom ops (Triton on CUDA / under TRITON_INTERPRET, else the references) --------------------------
+# -- custom ops (Triton on CUDA / under TRITON_INTERPRET, else the references) ---------------------
 @torch.library.custom_op("moezoo::fp8_quantize_rows", mutates_args=())
 def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, C] -> (q [R, C] e4m3, d [R] float32): a scale per row."""
@@ -552,7 +567,8 @@ def _(x):
 def fp8_quantize_groups_t(
     x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor, num_padded: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C] -> (qt [C, P] e4m3, d [E, C] float32): per expert and column, transposed, groups padded."""
+    """x [R, C] -> (qt [C, P] e4m3, d [E, C] float32): per expert and column, transposed, groups
+    padded."""
     if use_triton(x):
         return quantize_groups_t_triton(x, offs, pends, num_padded)
     return quantize_groups_t_reference(x, offs, pends, num_padded)
@@ -570,7 +586,8 @@ def _(x, offs, pends, num_padded):
 def fp8_quantize_dual(
     x: torch.Tensor, offs: torch.Tensor, pends: torch.Tensor, num_padded: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [R, C] -> ``fp8_quantize_rows(x)`` and ``fp8_quantize_groups_t(x, ...)`` from two reads of x."""
+    """x [R, C] -> ``fp8_quantize_rows(x)`` and ``fp8_quantize_groups_t(x, ...)`` from two reads of
+    x."""
     if use_triton(x):
         return quantize_dual_triton(x, offs, pends, num_padded)
     return quantize_dual_reference(x, offs, pends, num_padded)
@@ -590,7 +607,8 @@ def _(x, offs, pends, num_padded):
 def fp8_quantize_weight_dual(
     w: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [E, O, I] -> (q [E, O, I], d [E, O], qt [E, I, O], dt [E, I]): forward and dgrad operands at once."""
+    """w [E, O, I] -> (q [E, O, I], d [E, O], qt [E, I, O], dt [E, I]): forward and dgrad operands
+    at once."""
     if use_triton(w):
         return quantize_weight_dual_triton(w)
     return quantize_weight_dual_reference(w)
@@ -611,7 +629,8 @@ def _(w):
 def scaled_grouped_mm_emulated(
     a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tensor, offs: torch.Tensor
 ) -> torch.Tensor:
-    """``scaled_grouped_mm_reference`` as an op (its host loop over groups stays out of a traced graph)."""
+    """``scaled_grouped_mm_reference`` as an op (its host loop over groups stays out of a traced
+    graph)."""
     return scaled_grouped_mm_reference(a, b, da, db, offs)
 
 
@@ -622,9 +641,10 @@ def _(a, b, da, db, offs):
     return a.new_empty(offs.shape[0], a.shape[0], b.shape[1], dtype=torch.bfloat16)
 
 
-# -- the three GEMMs ------------------------------------------------------------------------------------
+# -- the three GEMMs -------------------------------------------------------------------------------
 def scaled_grouped_mm(a, b, da, db, offs) -> torch.Tensor:
-    """torch._scaled_grouped_mm (bf16 out) on CUDA (and meta / fake tensors); its float32 emulation on CPU."""
+    """torch._scaled_grouped_mm (bf16 out) on CUDA (and meta / fake tensors); its float32 emulation
+    on CPU."""
     if a.device.type == "cpu":
         return scaled_grouped_mm_emulated(a, b, da, db, offs)
     return torch._scaled_grouped_mm(
@@ -633,9 +653,10 @@ def scaled_grouped_mm(a, b, da, db, offs) -> torch.Tensor:
 
 
 def fp8_weight(w: torch.Tensor, dgrad: bool = True):
-    """w [E, O, I] -> (wq, wd, wtq | None, wtd | None): the forward operand and, with ``dgrad``, the dgrad
-    operand from the same two reads of w. The forward keeps the dgrad operand for the backward (1 byte a
-    weight, less than the bf16 copy autocast keeps on the bf16 path) instead of reading w twice more there."""
+    """w [E, O, I] -> (wq, wd, wtq | None, wtd | None): the forward operand and, with ``dgrad``, the
+    dgrad operand from the same two reads of w. The forward keeps the dgrad operand for the backward
+    (1 byte a weight, less than the bf16 copy autocast keeps on the bf16 path) instead of reading w
+    twice more there."""
     if dgrad:
         return fp8_quantize_weight_dual(w)
     E, O, I = w.shape
@@ -650,9 +671,10 @@ def fp8_operands(
     cols: bool,
     pends: Optional[torch.Tensor] = None,
 ) -> tuple:
-    """x [R, C] -> (xq, xd, (qt, dt, pends)): the row-scaled operand (forward or dgrad) if ``rows``, the
-    per-expert column-scaled wgrad operand if ``cols`` (each None when not asked for); both from one
-    ``fp8_quantize_dual`` when both are. ``pends``: the padded group ends, when already computed for offs."""
+    """x [R, C] -> (xq, xd, (qt, dt, pends)): the row-scaled operand (forward or dgrad) if ``rows``,
+    the per-expert column-scaled wgrad operand if ``cols`` (each None when not asked for); both from
+    one ``fp8_quantize_dual`` when both are. ``pends``: the padded group ends, when already computed
+    for offs."""
     x = x.contiguous()
     if not cols:
         return (
@@ -679,8 +701,8 @@ def fp8_dgrad(dyq, dyd, wtq, wtd, offs) -> torch.Tensor:
 
 
 def fp8_wgrad(dyt: tuple, xt: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """The column-scaled operands of dy [R, O] and x [R, I] (``fp8_operands(..., cols=True)``, same pends)
-    -> dw [E, O, I] = dy_e^T x_e in ``dtype`` (an expert with no rows gets zeros)."""
+    """The column-scaled operands of dy [R, O] and x [R, I] (``fp8_operands(..., cols=True)``, same
+    pends) -> dw [E, O, I] = dy_e^T x_e in ``dtype`` (an expert with no rows gets zeros)."""
     (dytq, dytd, pends), (xtq, xtd, _) = dyt, xt
     return scaled_grouped_mm(dytq, xtq.t(), dytd.reshape(-1), xtd.reshape(-1), pends).to(dtype)
 
@@ -706,15 +728,16 @@ class _FP8GroupedLinear(torch.autograd.Function):
 
 
 def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """y [R, O] bf16 = x [R, I] w[e]^T per expert group (w [E, O, I], offs [E] int32 ends); differentiable."""
+    """y [R, O] bf16 = x [R, I] w[e]^T per expert group (w [E, O, I], offs [E] int32 ends);
+    differentiable."""
     return _FP8GroupedLinear.apply(x, w, offs)
 
 
 def fp8_grouped_linear_reference(
     x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, dy: Optional[torch.Tensor] = None
 ):
-    """The op's intended math in torch (no autograd), from the reference quantizers and the emulated GEMM:
-    y, and with ``dy`` also (dx, dw). The oracle of the CPU tests."""
+    """The op's intended math in torch (no autograd), from the reference quantizers and the emulated
+    GEMM: y, and with ``dy`` also (dx, dw). The oracle of the CPU tests."""
     xq, xd = quantize_rows_reference(x)
     E = w.shape[0]
     wq, wd = quantize_rows_reference(w)

@@ -1,27 +1,29 @@
-"""SwiGLU gate and up projections of GroupedExperts with the token permute fused into their backward.
+"""SwiGLU gate and up projections of GroupedExperts with the token permute fused into their
+backward.
 
-``gate_up(x, w1, w3, offs, inv=None, num_rows=0, zero_fill=False, fp8=False) -> (a [N, H], b [N, H])``:
-``xs = moe_permute(x[T, D], inv[T, K], num_rows, zero_fill)`` (``inv=None``: x is already the sorted
-rows xs [N, D]), then ``a = xs w1[e]^T`` and ``b = xs w3[e]^T`` on each expert's rows (w1, w3 [E, H, D];
-``offs`` [E] int32 group ends, as torch._grouped_mm takes them).
+``gate_up(x, w1, w3, offs, inv=None, num_rows=0, zero_fill=False, fp8=False) -> (a [N, H], b [N,
+H])``: ``xs = moe_permute(x[T, D], inv[T, K], num_rows, zero_fill)`` (``inv=None``: x is already the
+sorted rows xs [N, D]), then ``a = xs w1[e]^T`` and ``b = xs w3[e]^T`` on each expert's rows (w1, w3
+[E, H, D]; ``offs`` [E] int32 group ends, as torch._grouped_mm takes them).
 
-Why: autograd over a separate permute and two GEMMs computes dxs as ``xs``'s two gradients added in an
-[N, D] elementwise pass, which the permute's backward (an unweighted combine) then reads again. Here the
-backward hands both GEMM outputs g1 = da w1, g3 = db w3 to ``moe_unpermute(g1, inv, zero_fill, g3)``,
-which sums the 2K rows of each token in one float32 pass (one bf16 rounding instead of two). H200,
-fine-grained shape (N = 131072, D = 4096): the add's 0.73 ms goes, the combine costs 0.25 ms more; the
-fwd+bwd step 19.49 -> 19.16 ms in one bench/moe.py run (``ours_unfused_permute`` vs ``ours``).
+Why: autograd over a separate permute and two GEMMs computes dxs as ``xs``'s two gradients added in
+an [N, D] elementwise pass, which the permute's backward (an unweighted combine) then reads again.
+Here the backward hands both GEMM outputs g1 = da w1, g3 = db w3 to ``moe_unpermute(g1, inv,
+zero_fill, g3)``, which sums the 2K rows of each token in one float32 pass (one bf16 rounding
+instead of two). H200, fine-grained shape (N = 131072, D = 4096): the add's 0.73 ms goes, the
+combine costs 0.25 ms more; the fwd+bwd step 19.49 -> 19.16 ms in one bench/moe.py run
+(``ours_unfused_permute`` vs ``ours``).
 
-Weight gradients are grouped GEMMs over the transposed view ``da^T xs`` (no copy), in the parameters'
-[E, H, D] layout (kernels.grouped_wgrad: split along the rows for small experts). Rows past the last group
-are unspecified in a and b, as in torch._grouped_mm; no assignment maps to them, so nothing reads their
-gradients.
+Weight gradients are grouped GEMMs over the transposed view ``da^T xs`` (no copy), in the
+parameters' [E, H, D] layout (kernels.grouped_wgrad: split along the rows for small experts). Rows
+past the last group are unspecified in a and b, as in torch._grouped_mm; no assignment maps to them,
+so nothing reads their gradients.
 
 ``fp8=True`` (``model.moe.precision: fp8``): the six GEMMs are kernels.moe_fp8's rowwise-scaled e4m3
-ones; xs is quantized by rows for both forward GEMMs and per expert column for both weight gradients in
-one ``fp8_quantize_dual`` (that copy, 1 byte per element, is what the forward saves instead of xs), each
-weight for its forward and its dgrad GEMM in one ``fp8_quantize_weight_dual`` (the dgrad operand kept for
-the backward), and da / db each for their dgrad and wgrad GEMMs in one dual pass.
+ones; xs is quantized by rows for both forward GEMMs and per expert column for both weight gradients
+in one ``fp8_quantize_dual`` (that copy, 1 byte per element, is what the forward saves instead of
+xs), each weight for its forward and its dgrad GEMM in one ``fp8_quantize_weight_dual`` (the dgrad
+operand kept for the backward), and da / db each for their dgrad and wgrad GEMMs in one dual pass.
 """
 
 from __future__ import annotations
@@ -88,5 +90,6 @@ def gate_up(
     zero_fill: bool = False,
     fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(a, b) [N, H] of the (permuted) rows; differentiable in x, w1, w3. See the module docstring."""
+    """(a, b) [N, H] of the (permuted) rows; differentiable in x, w1, w3. See the module
+    docstring."""
     return _PermuteGateUp.apply(x, w1, w3, offs, inv, num_rows, zero_fill, fp8)

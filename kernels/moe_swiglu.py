@@ -1,15 +1,15 @@
-"""Fused SwiGLU activation for expert hidden states: ``h = silu(a) * b`` (a = x W1^T gate, b = x W3^T up),
-optionally times a per-row scale: ``h[r] = scale[r] * silu(a[r]) * b[r]``.
+"""Fused SwiGLU activation for expert hidden states: ``h = silu(a) * b`` (a = x W1^T gate, b = x
+W3^T up), optionally times a per-row scale: ``h[r] = scale[r] * silu(a[r]) * b[r]``.
 
 Shapes: a, b [N, H] (any matching shapes; the last dim is H) -> h [N, H] in a's dtype, computed in
-float32; scale [N] float32 (the MoE routing weight of each expert-sorted row: folding it here makes the
-combine an unweighted sum whose backward never reads the expert outputs, layers.moe.experts.run_plan).
-Backward: with g = dh * scale and s = sigmoid(a): ``da = g * b * s * (1 + a * (1 - s))``,
-``db = g * a * s``, ``dscale[r] = sum_h dh * silu(a) * b``.
+float32; scale [N] float32 (the MoE routing weight of each expert-sorted row: folding it here makes
+the combine an unweighted sum whose backward never reads the expert outputs,
+layers.moe.experts.run_plan). Backward: with g = dh * scale and s = sigmoid(a): ``da = g * b * s *
+(1 + a * (1 - s))``, ``db = g * a * s``, ``dscale[r] = sum_h dh * silu(a) * b``.
 
-Why a kernel: eager ``F.silu(a) * b`` makes 2 passes forward and ~4 backward over [N, H] tensors that
-are the largest activations of an MoE layer (Mixtral shape: 32768 x 14336 bf16 = 0.94 GB each); fused it
-is one pass each way (3 and 5 tensor touches instead of 5 and 9), and only a, b are saved.
+Why a kernel: eager ``F.silu(a) * b`` makes 2 passes forward and ~4 backward over [N, H] tensors
+that are the largest activations of an MoE layer (Mixtral shape: 32768 x 14336 bf16 = 0.94 GB each);
+fused it is one pass each way (3 and 5 tensor touches instead of 5 and 9), and only a, b are saved.
 
 Layers: ``@triton.jit`` kernels over rows (one program per row and column block; the backward with a
 scale walks a whole row to reduce dscale) + launchers -> custom op ``moezoo::swiglu`` (autograd) and
@@ -39,9 +39,9 @@ def swiglu_reference(
 def swiglu_backward_reference(
     dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Tensor] = None
 ):
-    """Closed-form (da, db, dscale) in float32; da, db cast to a's and b's dtypes, dscale [N] float32 as
-    the kernel's (empty without a scale). Not autograd: custom-op bodies run below the autograd dispatch
-    key, where no graph is recorded."""
+    """Closed-form (da, db, dscale) in float32; da, db cast to a's and b's dtypes, dscale [N]
+    float32 as the kernel's (empty without a scale). Not autograd: custom-op bodies run below the
+    autograd dispatch key, where no graph is recorded."""
     dh, af, bf = dh.float(), a.float(), b.float()
     s = torch.sigmoid(af)
     g = dh if scale is None else dh * scale.float().unsqueeze(-1)
@@ -52,7 +52,8 @@ def swiglu_backward_reference(
 
 
 def _swiglu_fwd_kernel(a_ptr, b_ptr, s_ptr, h_ptr, H, HAS_S: tl.constexpr, BLOCK: tl.constexpr):
-    # grid (N, cdiv(H, BLOCK)): a, b, h contiguous [N, H]; rows, so the scale is one load per program.
+    # grid (N, cdiv(H, BLOCK)): a, b, h contiguous [N, H]; rows, so the scale is one load per
+    # program.
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < H
@@ -79,8 +80,8 @@ def _swiglu_bwd_kernel(
 ):
     # dh, a, b, da, db contiguous [N, H]. Without a scale: grid (N, cdiv(H, BLOCK)), one block per
     # program. With one: grid (N,), the program walks the whole row, because dscale[r] reduces over
-    # all of H (no atomics: deterministic, one writer per row). N_BLOCKS (blocks a program walks) is a
-    # constexpr: Triton 3.6's interpreter fails on range() over a runtime value with numpy >= 2.4.
+    # all of H (no atomics: deterministic, one writer per row). N_BLOCKS (blocks a program walks) is
+    # a constexpr: Triton 3.6's interpreter fails on range() over a runtime value with numpy >= 2.4.
     r = tl.program_id(0).to(tl.int64)
     if HAS_S:
         lo = 0

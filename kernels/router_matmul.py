@@ -1,4 +1,5 @@
-"""Router logits ``x[T, D] @ w[E, D]^T`` in float32 from bf16/fp16 CUDA inputs, without an fp32 copy of x.
+"""Router logits ``x[T, D] @ w[E, D]^T`` in float32 from bf16/fp16 CUDA inputs, without an fp32 copy
+of x.
 
 ``router_matmul(x, w, low_precision=True) -> [T, E] float32``. The low-precision path is an autograd
 Function over ``torch.mm(..., out_dtype=torch.float32)``; its reference (CPU, float32 inputs, or
@@ -14,9 +15,10 @@ import torch.nn.functional as F
 class _LowPrecisionRouterMM(torch.autograd.Function):
     """``x[T, D] @ w[E, D]^T`` for bf16/fp16 CUDA inputs with float32 output and accumulation.
 
-    Products of bf16 values are exact in fp32, so the logits equal the fp32 GEMM of the same values up
-    to summation order, without the fp32 copy of x and the fp32 GEMMs (1.5 ms of 21 at E=64, T=16K,
-    D=4K on an H200). Gradients are computed from the bf16-rounded dlogits, like every other bf16 grad.
+    Products of bf16 values are exact in fp32, so the logits equal the fp32 GEMM of the same values
+    up to summation order, without the fp32 copy of x and the fp32 GEMMs (1.5 ms of 21 at E=64,
+    T=16K, D=4K on an H200). Gradients are computed from the bf16-rounded dlogits, like every other
+    bf16 grad.
     """
 
     @staticmethod
@@ -28,9 +30,8 @@ class _LowPrecisionRouterMM(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         g = g.to(x.dtype)
-        dx = (
-            g @ w if ctx.needs_input_grad[0] else None
-        )  # none for a detached input (NeuronRoutedFFN)
+        # none for a detached input (NeuronRoutedFFN)
+        dx = g @ w if ctx.needs_input_grad[0] else None
         dw = (
             torch.mm(g.t(), x, out_dtype=torch.float32).to(w.dtype)
             if ctx.needs_input_grad[1]

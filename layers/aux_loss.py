@@ -1,8 +1,8 @@
 """One sum for every layer's auxiliary loss (MoE balance and z-losses, neuron-router losses, ...).
 
-Convention shared by the layers: a module with auxiliary objectives stores their weighted sum from its
-last forward in ``module.aux_loss`` (a scalar tensor with grad, reset each forward). Such layers derive
-from ``AuxLossModule``, so a copy of a model that has run forward works.
+Convention shared by the layers: a module with auxiliary objectives stores their weighted sum from
+its last forward in ``module.aux_loss`` (a scalar tensor with grad, reset each forward). Such layers
+derive from ``AuxLossModule``, so a copy of a model that has run forward works.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from torch import nn
 
 
 class AuxLossModule(nn.Module):
-    """Base of the layers that keep ``aux_loss``: a copy of one (``copy.deepcopy``, pickling, ``torch.save``
-    of the whole module) carries that loss detached. The live attribute hangs from the last forward's
-    autograd graph, and deepcopy refuses a non-leaf tensor: an EMA copy of the model taken after a
-    training step (timm's ``ModelEmaV2``, a ``copy.deepcopy(model)`` in a user's loop) would fail."""
+    """Base of the layers that keep ``aux_loss``: a copy of one (``copy.deepcopy``, pickling,
+    ``torch.save`` of the whole module) carries that loss detached. The live attribute hangs from
+    the last forward's autograd graph, and deepcopy refuses a non-leaf tensor: an EMA copy of the
+    model taken after a training step (timm's ``ModelEmaV2``, a ``copy.deepcopy(model)`` in a user's
+    loop) would fail."""
 
     def __getstate__(self):
-        state = (
-            super().__getstate__()
-        )  # already a copy of __dict__: the live module keeps its graph
+        # already a copy of __dict__: the live module keeps its graph
+        state = super().__getstate__()
         if isinstance(state.get("aux_loss"), torch.Tensor):
             state["aux_loss"] = state["aux_loss"].detach()
         return state

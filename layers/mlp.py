@@ -1,7 +1,9 @@
-"""Gated feed-forward (Shazeer 2020), LLaMA naming: ``w2(act(w1 x) * w3 x)``; SwiGLU with the default silu.
+"""Gated feed-forward (Shazeer 2020), LLaMA naming: ``w2(act(w1 x) * w3 x)``; SwiGLU with the
+default silu.
 
-``act`` is the gate activation HF configs name in ``hidden_act``: ``silu`` (SwiGLU), ``gelu`` (GeGLU, exact
-erf), ``gelu_tanh`` (GeGLU with the tanh approximation, HF ``gelu_pytorch_tanh``), ``relu2`` (squared ReLU).
+``act`` is the gate activation HF configs name in ``hidden_act``: ``silu`` (SwiGLU), ``gelu``
+(GeGLU, exact erf), ``gelu_tanh`` (GeGLU with the tanh approximation, HF ``gelu_pytorch_tanh``),
+``relu2`` (squared ReLU).
 """
 
 import torch
@@ -10,8 +12,9 @@ from torch import nn
 
 
 def relu2(a: torch.Tensor) -> torch.Tensor:
-    """Squared ReLU in a's dtype. A product, not ``square`` / ``** 2``: CUDA autocast runs ``pow`` in float32,
-    which made a bf16 layer's hidden state float32 (and its down projection a float32 GEMM)."""
+    """Squared ReLU in a's dtype. A product, not ``square`` / ``** 2``: CUDA autocast runs ``pow``
+    in float32, which made a bf16 layer's hidden state float32 (and its down projection a float32
+    GEMM)."""
     r = F.relu(a)
     return r * r
 

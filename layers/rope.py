@@ -4,14 +4,16 @@ Uses the "rotate half" layout of HF transformers (pairs are (i, i + D/2)), so HF
 load without permutation. Linear scaling divides positions by ``factor`` (Chen et al. 2023, position
 interpolation); NTK-aware scaling raises theta to ``theta * factor ** (D / (D - 2))`` (bloc97 2023);
 Llama 3 scaling (Meta's Llama 3.1 reference, ``apply_scaling``) divides only the low frequencies by
-``factor`` and blends smoothly in between (see ``llama3_inv_freq``). YaRN (Peng et al. 2023, ``yarn_inv_freq``)
-interpolates low frequencies, keeps high ones, ramps between and scales cos/sin by its attention factor;
-``dynamic`` is HF's dynamic NTK: theta grows with the longest position of the call once past
-``original_max_seq_len`` (stateless here: a fresh HF forward over the same positions computes the same).
-Every formula follows transformers' ``modeling_rope_utils`` operation for operation.
+``factor`` and blends smoothly in between (see ``llama3_inv_freq``). YaRN (Peng et al. 2023,
+``yarn_inv_freq``) interpolates low frequencies, keeps high ones, ramps between and scales cos/sin
+by its attention factor; ``dynamic`` is HF's dynamic NTK: theta grows with the longest position of
+the call once past ``original_max_seq_len`` (stateless here: a fresh HF forward over the same
+positions computes the same). Every formula follows transformers' ``modeling_rope_utils`` operation
+for operation.
 
-Positions are ``[S]`` (one row for the batch) or ``[B, S]`` (HF ``position_ids``: padding, packed documents);
-cos/sin come out ``[S, D]`` or ``[B, S, D]`` and ``apply_rotary`` broadcasts either over heads.
+Positions are ``[S]`` (one row for the batch) or ``[B, S]`` (HF ``position_ids``: padding, packed
+documents); cos/sin come out ``[S, D]`` or ``[B, S, D]`` and ``apply_rotary`` broadcasts either over
+heads.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def yarn_attention_factor(
     mscale_all_dim: float = 0.0,
     attention_factor: float | None = None,
 ) -> float:
-    """The cos/sin scale of YaRN as HF infers it (DeepSeek's mscale / mscale_all_dim ratio when both set)."""
+    """The cos/sin scale of YaRN as HF infers it (DeepSeek's mscale / mscale_all_dim ratio when both
+    set)."""
     if attention_factor is not None:
         return attention_factor
     if mscale and mscale_all_dim:
@@ -52,8 +55,9 @@ def yarn_inv_freq(
     beta_slow: float = 1.0,
     truncate: bool = True,
 ) -> torch.Tensor:
-    """YaRN ``inv_freq[dim/2]``: dims rotating fewer than ``beta_slow`` times over the original length are
-    divided by ``factor``, more than ``beta_fast`` kept, linear ramp between (HF ``_compute_yarn_parameters``)."""
+    """YaRN ``inv_freq[dim/2]``: dims rotating fewer than ``beta_slow`` times over the original
+    length are divided by ``factor``, more than ``beta_fast`` kept, linear ramp between (HF
+    ``_compute_yarn_parameters``)."""
 
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(original_max_seq_len / (rotations * 2 * math.pi))) / (
@@ -81,12 +85,12 @@ def llama3_inv_freq(
 ) -> torch.Tensor:
     """Llama 3.1 rescaling of ``inv_freq[D/2]`` (float32 in, float32 out).
 
-    A frequency whose wavelength ``2*pi/f`` is shorter than ``original_max_seq_len / high_freq_factor``
-    is kept, one longer than ``original_max_seq_len / low_freq_factor`` is divided by ``factor``, and
-    in between ``f`` is blended as ``(1 - s) * f / factor + s * f`` with
-    ``s = (original_max_seq_len / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)``.
-    The operations and their order follow transformers' ``_compute_llama3_parameters`` so the result is
-    bit-identical to HF's buffer.
+    A frequency whose wavelength ``2*pi/f`` is shorter than ``original_max_seq_len /
+    high_freq_factor`` is kept, one longer than ``original_max_seq_len / low_freq_factor`` is
+    divided by ``factor``, and in between ``f`` is blended as ``(1 - s) * f / factor + s * f`` with
+    ``s = (original_max_seq_len / wavelength - low_freq_factor) / (high_freq_factor -
+    low_freq_factor)``. The operations and their order follow transformers'
+    ``_compute_llama3_parameters`` so the result is bit-identical to HF's buffer.
     """
     low_freq_wavelen = original_max_seq_len / low_freq_factor
     high_freq_wavelen = original_max_seq_len / high_freq_factor
@@ -101,7 +105,8 @@ def llama3_inv_freq(
 
 
 class RotaryEmbedding(nn.Module):
-    """``forward(positions[S]) -> (cos[S, D], sin[S, D])``; ``apply_rotary(x[B, H, S, D], cos, sin)``.
+    """``forward(positions[S]) -> (cos[S, D], sin[S, D])``; ``apply_rotary(x[B, H, S, D], cos,
+    sin)``.
 
     ``low_freq_factor``, ``high_freq_factor`` and ``original_max_seq_len`` are read only by the
     ``llama3`` scaling (defaults: Llama 3.1's 1, 4, 8192).
@@ -129,7 +134,8 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.scaling, self.factor = head_dim, scaling, factor
         self.low_freq_factor, self.high_freq_factor = low_freq_factor, high_freq_factor
         self.original_max_seq_len = original_max_seq_len
-        # yarn: beta_fast, beta_slow, truncate, mscale, mscale_all_dim, attention_factor (RopeScalingConfig's fields)
+        # yarn: beta_fast, beta_slow, truncate, mscale, mscale_all_dim, attention_factor
+        # (RopeScalingConfig's fields)
         self.yarn = dict(yarn or {})
         y = self.yarn
         self.attention_scaling = (
@@ -143,7 +149,8 @@ class RotaryEmbedding(nn.Module):
             else 1.0
         )
         self.theta = theta * factor ** (head_dim / (head_dim - 2)) if scaling == "ntk" else theta
-        # Not a persistent buffer: it is derived from the config, and meta-device builds recompute it.
+        # Not a persistent buffer: it is derived from the config, and meta-device builds recompute
+        # it.
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
 
     @classmethod
@@ -233,10 +240,10 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Rotate ``x[B, H, S, D]`` by the angles of ``cos/sin[S, D]`` (or per row ``[B, S, D]``); float32 math,
-    x's dtype out. ``scale`` (float32, broadcastable to ``[B, H, S, 1]``) multiplies the rotated rows inside
-    the same float32 pass (SSMax's per-position query scale: one rounding to x's dtype, and no second
-    read and write of q in eager mode)."""
+    """Rotate ``x[B, H, S, D]`` by the angles of ``cos/sin[S, D]`` (or per row ``[B, S, D]``);
+    float32 math, x's dtype out. ``scale`` (float32, broadcastable to ``[B, H, S, 1]``) multiplies
+    the rotated rows inside the same float32 pass (SSMax's per-position query scale: one rounding to
+    x's dtype, and no second read and write of q in eager mode)."""
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
     xf = x.float()

@@ -1,5 +1,5 @@
-"""Whole and local views of tensors that may be FSDP2-sharded DTensors, for layers that must see a whole
-weight now and then (DST mask updates, neuron re-clustering) and write back each rank's shard.
+"""Whole and local views of tensors that may be FSDP2-sharded DTensors, for layers that must see a
+whole weight now and then (DST mask updates, neuron re-clustering) and write back each rank's shard.
 
 All three are the identity on plain tensors.
 """
@@ -25,8 +25,9 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def shard_like(full: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """``full`` laid out like ``ref``: a DTensor with ref's mesh and placements, each rank slicing its own
-    shard without communication (every rank must hold the same ``full``); ``full`` itself otherwise."""
+    """``full`` laid out like ``ref``: a DTensor with ref's mesh and placements, each rank slicing
+    its own shard without communication (every rank must hold the same ``full``); ``full`` itself
+    otherwise."""
     if isinstance(ref, DTensor):
         return distribute_tensor(full, ref.device_mesh, ref.placements, src_data_rank=None)
     return full

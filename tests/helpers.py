@@ -1,9 +1,11 @@
 """Helpers shared by the tests (the one place they live; tests import them, never each other).
 
-- the repository root ``ROOT``; training runs: ``tiny_overrides``, ``train_cli``, ``tiny_moe_cfg``; multi-process: ``spawn`` (forked gloo ranks);
-- HF parity: ``TOL``, ``V``, ``randomize_``, ``tokens``, ``assert_same_logits``, ``HF_FAMILIES``, ``tiny_hf``;
-- attention: ``BS``, ``plain_attention``, ``make_inputs``, ``fa_check``, ``run_criterion``, ``emulated_counts``,
-  ``mask_mod_covers_whole_tiles``.
+- the repository root ``ROOT``; training runs: ``tiny_overrides``, ``train_cli``, ``tiny_moe_cfg``;
+  multi-process: ``spawn`` (forked gloo ranks);
+- HF parity: ``TOL``, ``V``, ``randomize_``, ``tokens``, ``assert_same_logits``, ``HF_FAMILIES``,
+  ``tiny_hf``;
+- attention: ``BS``, ``plain_attention``, ``make_inputs``, ``fa_check``, ``run_criterion``,
+  ``emulated_counts``, ``mask_mod_covers_whole_tiles``.
 """
 
 import json
@@ -20,14 +22,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 
 
 def subprocess_env(**extra) -> dict:
-    """The environment for a child Python: this one's, with the checkout first on PYTHONPATH (kept, not
-    replaced: dependencies installed with ``pip --target`` on a GPU box live there)."""
+    """The environment for a child Python: this one's, with the checkout first on PYTHONPATH (kept,
+    not replaced: dependencies installed with ``pip --target`` on a GPU box live there)."""
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def tiny_overrides(tmp, corpus, **extra) -> list[str]:
-    """Overrides that make any preset a ~30k-parameter model training on ``corpus`` under ``tmp``."""
+    """Overrides that make any preset a ~30k-parameter model training on ``corpus`` under
+    ``tmp``."""
     ov = {
         "model.vocab_size": 512,
         "model.dim": 32,
@@ -52,8 +55,8 @@ def tiny_overrides(tmp, corpus, **extra) -> list[str]:
         "optim.warmup_steps": 2,
         "optim.lr": 3e-3,
         "checkpoint.every": 10,
-        # CPU tests stay CPU tests on a GPU machine (losses, tolerances and torchrun ranks as written);
-        # the GPU tests set train.device=cuda themselves.
+        # CPU tests stay CPU tests on a GPU machine (losses, tolerances and torchrun ranks as
+        # written); the GPU tests set train.device=cuda themselves.
         "train.device": "cpu",
     }
     ov.update(extra)
@@ -72,7 +75,8 @@ def poison_loss(tr, bad) -> None:
 
 
 def train_cli(tmp, corpus, nproc, *extra, preset="zoo/tiny_dense.yaml", batch=4):
-    """Run train.py (``nproc`` > 1: under torchrun) on a tiny model for 6 steps; the per-step total losses."""
+    """Run train.py (``nproc`` > 1: under torchrun) on a tiny model for 6 steps; the per-step total
+    losses."""
     ov = tiny_overrides(
         tmp,
         corpus,
@@ -136,16 +140,18 @@ def tiny_moe_cfg(*overrides):
 
 
 def spawn(fn, world: int, *args) -> None:
-    """Start ``world`` CPU ranks joined in a gloo process group; each runs ``fn(rank, world, *args)``.
-    The one process-spawn helper of the multi-process tests.
+    """Start ``world`` CPU ranks joined in a gloo process group; each runs ``fn(rank, world,
+    *args)``. The one process-spawn helper of the multi-process tests.
 
-    Forked (fast: no re-import of torch) on a machine without CUDA; spawned fresh where CUDA is available.
-    There the parent has touched the driver whatever it ran (``torch.cuda.is_available()``, which every GPU
-    test module's skip check calls at collection, initialises it), and a forked child cannot use CUDA:
-    ``torch.optim.Adam.step`` asks whether the stream is capturing, and the child died with "CUDA error:
-    initialization error" (test_recluster_of_fsdp2_sharded_weights_matches_one_process, on an H100, whenever
-    its worker had run no GPU test before it). A CUDA backward in the parent also breaks a forked child's
-    backward ("Unable to handle autograd's threading in combination with fork-based multiprocessing")."""
+    Forked (fast: no re-import of torch) on a machine without CUDA; spawned fresh where CUDA is
+    available. There the parent has touched the driver whatever it ran
+    (``torch.cuda.is_available()``, which every GPU test module's skip check calls at collection,
+    initialises it), and a forked child cannot use CUDA: ``torch.optim.Adam.step`` asks whether the
+    stream is capturing, and the child died with "CUDA error: initialization error"
+    (test_recluster_of_fsdp2_sharded_weights_matches_one_process, on an H100, whenever its worker
+    had run no GPU test before it). A CUDA backward in the parent also breaks a forked child's
+    backward ("Unable to handle autograd's threading in combination with fork-based
+    multiprocessing")."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -176,9 +182,9 @@ def _spawn_entry(rank, fn, world, store, args):
 def grouped_grads_eager_and_compiled(
     ex, tokens: int, top_k: int, align: int = 1, backend: str = "aot_eager"
 ):
-    """GroupedExperts ``ex`` (bfloat16, ``ex.w1 [E, H, D]``) on its grouped path over a random top-k dispatch
-    plan of ``tokens`` rows, eager and ``torch.compile(fullgraph=True)``: two lists [dx, dw1, dw2, dw3] of the
-    same weighted-sum loss (rows past the last group left out)."""
+    """GroupedExperts ``ex`` (bfloat16, ``ex.w1 [E, H, D]``) on its grouped path over a random top-k
+    dispatch plan of ``tokens`` rows, eager and ``torch.compile(fullgraph=True)``: two lists [dx,
+    dw1, dw2, dw3] of the same weighted-sum loss (rows past the last group left out)."""
     from moezoo.layers.moe.experts import make_plan
 
     E, _, D = ex.w1.shape
@@ -232,7 +238,8 @@ def assert_same_logits(hf_model, model, seed: int = 0) -> None:
     assert (out - ref).abs().max().item() < TOL
 
 
-# tiny configs of the HF families beyond Llama / Mixtral / Qwen2-MoE (zoo.hf): class prefix, extra fields
+# tiny configs of the HF families beyond Llama / Mixtral / Qwen2-MoE (zoo.hf): class prefix, extra
+# fields
 HF_BASE = dict(
     vocab_size=V,
     hidden_size=32,
@@ -303,7 +310,8 @@ HF_FAMILIES = {
 
 
 def tiny_hf(family: str, seed: int = 0, **kw):
-    """A tiny random ``<family>ForCausalLM`` in eval mode, weights (and DeepSeek's selection bias) re-drawn."""
+    """A tiny random ``<family>ForCausalLM`` in eval mode, weights (and DeepSeek's selection bias)
+    re-drawn."""
     import transformers
 
     name, extra = HF_FAMILIES[family]
@@ -311,9 +319,8 @@ def tiny_hf(family: str, seed: int = 0, **kw):
     cfg = getattr(transformers, f"{name}Config")(**{**HF_BASE, **extra, **kw})
     m = getattr(transformers, f"{name}ForCausalLM")(cfg).eval()
     randomize_(m, seed)
-    with (
-        torch.no_grad()
-    ):  # the selection bias is a buffer: draw it too, large enough to change choices
+    # the selection bias is a buffer: draw it too, large enough to change choices
+    with torch.no_grad():
         for mod in m.modules():
             if hasattr(mod, "e_score_correction_bias"):
                 mod.e_score_correction_bias.normal_(
@@ -371,9 +378,10 @@ def run_criterion(pattern, backend, B, H, Hk, T, grads=True, D=16, device="cpu")
 
 
 def emulated_counts(bm, T, slots=None):
-    """How often each (q, key) pair is attended when a kernel visits only the listed blocks (full: every
-    element, partial: through mask_mod), per batch element: ``[B, H, T, T]``. ``slots [B or 1, H, NVp]``: the
-    keys are ``cat(K[slots], K)`` (layers.sparse_attention.gather_columns); slots map back to their positions."""
+    """How often each (q, key) pair is attended when a kernel visits only the listed blocks (full:
+    every element, partial: through mask_mod), per batch element: ``[B, H, T, T]``. ``slots [B or 1,
+    H, NVp]``: the keys are ``cat(K[slots], K)`` (layers.sparse_attention.gather_columns); slots map
+    back to their positions."""
     pn, pi, fn, fi = bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
     QB, KB = bm.BLOCK_SIZE
     if slots is None:
@@ -402,8 +410,8 @@ def emulated_counts(bm, T, slots=None):
 
 
 def mask_mod_covers_whole_tiles(bm, T, kv_len=None):
-    """Kernels evaluate mask_mod over whole tiles, past the sequence end: every table read stays in bounds
-    (eager indexing raises where a GPU kernel would read out of bounds)."""
+    """Kernels evaluate mask_mod over whole tiles, past the sequence end: every table read stays in
+    bounds (eager indexing raises where a GPU kernel would read out of bounds)."""
     QB, KB = bm.BLOCK_SIZE
     qi = torch.arange(-(-T // QB) * QB)[:, None]
     ki = torch.arange(-(-(kv_len or T) // KB) * KB)[None, :]

@@ -1,23 +1,24 @@
-"""Checkpoints through torch.distributed.checkpoint (DCP): sharded under FSDP2/EP, plain on one process.
+"""Checkpoints through torch.distributed.checkpoint (DCP): sharded under FSDP2/EP, plain on one
+process.
 
 Layout of ``<dir>/step_00000100/``:
 
-    __<r>_0.distcp, .metadata   DCP shards of {model, optimizer state}: tensors only (DST masks are model buffers)
-    optim_groups.json           the optimizer's param-group hyper-parameters (lr, betas, ...)
-    rng_rank<r>.pt              python, numpy, torch, cuda RNG of rank r as tensors and plain numbers
-    train_state.json            step, epoch, scheduler, counters, run id, world size, tokenizer digest
-    config.yaml                 the resolved config
-    manifest.json               written last: every file above with its size
+    __<r>_0.distcp, .metadata   DCP shards of {model, optimizer state}: tensors only (DST masks are
+    model buffers) optim_groups.json           the optimizer's param-group hyper-parameters (lr,
+    betas, ...) rng_rank<r>.pt              python, numpy, torch, cuda RNG of rank r as tensors and
+    plain numbers train_state.json            step, epoch, scheduler, counters, run id, world size,
+    tokenizer digest config.yaml                 the resolved config manifest.json
+    written last: every file above with its size
 
-Nothing in it is a pickled Python object, and every read goes through ``safe_load`` (allowlists), so a
-checkpoint from someone else cannot run code on ``--resume``.
+Nothing in it is a pickled Python object, and every read goes through ``safe_load`` (allowlists), so
+a checkpoint from someone else cannot run code on ``--resume``.
 
-Complete = ``manifest.json`` present and every file it lists present at its size. Everything is written
-into ``<dir>/.tmp_step_...`` and renamed once complete, and rotation renames a checkpoint to
-``.trash_step_...`` before deleting it, so a kill at any point leaves nothing that looks complete but is
-not. Expert-parallel tensors are stored as global ``[E, ...]`` views (``checkpoint_views``), so a
-checkpoint saved at one ``ep`` loads at another. Resuming needs the same world size (``check_resumable``
-says so before anything is built): the per-rank RNG streams are saved per rank.
+Complete = ``manifest.json`` present and every file it lists present at its size. Everything is
+written into ``<dir>/.tmp_step_...`` and renamed once complete, and rotation renames a checkpoint to
+``.trash_step_...`` before deleting it, so a kill at any point leaves nothing that looks complete
+but is not. Expert-parallel tensors are stored as global ``[E, ...]`` views (``checkpoint_views``),
+so a checkpoint saved at one ``ep`` loads at another. Resuming needs the same world size
+(``check_resumable`` says so before anything is built): the per-rank RNG streams are saved per rank.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ from .safe_load import (
 FORMAT = 2
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-# One process without a process group is a supported DCP mode, not a problem worth a warning per save.
+# One process without a process group is a supported DCP mode, not a problem worth a warning per
+# save.
 warnings.filterwarnings(
     "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
 )
@@ -81,7 +83,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-# ---- RNG: tensors and plain numbers, so it loads with weights_only=True ----------------------------
+# ---- RNG: tensors and plain numbers, so it loads with weights_only=True --------------------------
 def _rng_state() -> dict:
     version, keys, gauss = random.getstate()
     name, mt, pos, has_gauss, cached = np.random.get_state()
@@ -111,7 +113,7 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# ---- small files -----------------------------------------------------------------------------------
+# ---- small files ---------------------------------------------------------------------------------
 def _write_json(path: str, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f)
@@ -140,7 +142,8 @@ def read_train_state(path: str) -> dict:
 
 
 def _manifest_problem(path: str) -> str | None:
-    """Why ``path`` is not a complete checkpoint, or None. Cheap: reads only manifest.json and sizes."""
+    """Why ``path`` is not a complete checkpoint, or None. Cheap: reads only manifest.json and
+    sizes."""
     f = os.path.join(path, MANIFEST)
     if not os.path.isfile(f):
         return f"no {MANIFEST} (an interrupted save, or written by an older moezoo)"
@@ -166,7 +169,8 @@ def _manifest(path: str) -> dict:
 
 
 def scan_checkpoints(ckpt_dir: str) -> list[tuple[int, str, str | None]]:
-    """Every ``step_*`` directory as (step, path, problem), oldest first; problem None = complete."""
+    """Every ``step_*`` directory as (step, path, problem), oldest first; problem None =
+    complete."""
     out = []
     for path in glob.glob(os.path.join(ckpt_dir, "step_*")):
         m = _STEP_DIR.match(os.path.basename(path))
@@ -206,7 +210,8 @@ def _validate(path: str, trust: bool) -> None:
 
 def find_resumable(ckpt_dir: str, trust: bool = False) -> tuple[str | None, list[str]]:
     """The newest usable checkpoint and a line for every newer one skipped as damaged or incomplete.
-    A file that asks to run code (UnsafeCheckpoint) stops the search: falling back past it would hide it."""
+    A file that asks to run code (UnsafeCheckpoint) stops the search: falling back past it would
+    hide it."""
     skipped = []
     for _step, path, problem in reversed(scan_checkpoints(ckpt_dir)):
         if problem is None:
@@ -232,8 +237,8 @@ def _flatten(d: dict, prefix: str) -> dict:
 def check_resumable(
     path: str, cfg: Config, world_size: int, tokenizer_digest: str | None = None
 ) -> None:
-    """Before anything is built: the checkpoint's model config and tokenizer must match this run's, and
-    at another world size the global batch (the data stays the same; DCP reshards the tensors).
+    """Before anything is built: the checkpoint's model config and tokenizer must match this run's,
+    and at another world size the global batch (the data stays the same; DCP reshards the tensors).
     Raises ConfigError naming the first key that differs."""
     import yaml
 
@@ -247,7 +252,8 @@ def check_resumable(
             raise ConfigError(
                 key, f"is {new.get(key)!r} but checkpoint {path} was trained with {old.get(key)!r}"
             )
-    # bf16 weights keep their float32 masters in the optimizer state, float32 ones in the model entries
+    # bf16 weights keep their float32 masters in the optimizer state, float32 ones in the model
+    # entries
     was = saved.get("train", {}).get("param_dtype", "float32")
     if was != cfg.train.param_dtype:
         raise ConfigError(
@@ -260,9 +266,10 @@ def check_resumable(
     state = read_train_state(path)
     saved_world = state.get("world_size", 1)
     if saved_world != world_size:
-        # Another world size reshards (DCP holds global tensors, experts included) and sees the same data
-        # if the global batch is the same: each step's windows are split into (micro-batch, rank) slices
-        # of one seeded draw (training.data.sample_batch), however many ranks take them.
+        # Another world size reshards (DCP holds global tensors, experts included) and sees the same
+        # data if the global batch is the same: each step's windows are split into (micro-batch,
+        # rank) slices of one seeded draw (training.data.sample_batch), however many ranks take
+        # them.
         t = cfg.train
         was, now = state.get("global_batch"), t.batch_size * t.grad_accum * world_size
         if cfg.dst.enabled and cfg.dst.compact_state:
@@ -302,9 +309,10 @@ def check_resumable(
         )
 
 
-# ---- save / load -----------------------------------------------------------------------------------
+# ---- save / load ---------------------------------------------------------------------------------
 def remove_checkpoint(path: str) -> None:
-    """Rename first, then delete: a kill mid-delete leaves a ``.trash_*`` dir, never a partial ``step_*``."""
+    """Rename first, then delete: a kill mid-delete leaves a ``.trash_*`` dir, never a partial
+    ``step_*``."""
     trash = os.path.join(os.path.dirname(path), ".trash_" + os.path.basename(path))
     shutil.rmtree(trash, ignore_errors=True)
     os.replace(path, trash)
@@ -332,7 +340,8 @@ def save_checkpoint(
     ckpt_dir: str, step: int, model, optimizer, train_state: dict, cfg: Config, keep_last: int = 3
 ) -> str:
     """Collective: every rank calls it. Returns the final checkpoint path. Rotation keeps the newest
-    ``keep_last`` checkpoints of this run (``train_state["run_id"]``) and never touches another run's."""
+    ``keep_last`` checkpoints of this run (``train_state["run_id"]``) and never touches another
+    run's."""
     rank = _rank()
     final = os.path.join(ckpt_dir, f"step_{step:08d}")
     tmp = os.path.join(ckpt_dir, f".tmp_step_{step:08d}")
@@ -371,8 +380,8 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: str, model, optimizer, trust: bool = False) -> dict:
-    """Collective: restore model, optimizer and this rank's RNG in place; return the train_state dict.
-    A damaged or crafted file raises CheckpointError (one line naming it)."""
+    """Collective: restore model, optimizer and this rank's RNG in place; return the train_state
+    dict. A damaged or crafted file raises CheckpointError (one line naming it)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     optim_tensors, _ = _split_optim(optim_sd)
     state = {"model": model_sd, "optim": optim_tensors}
@@ -386,11 +395,13 @@ def load_checkpoint(path: str, model, optimizer, trust: bool = False) -> dict:
         )
     except CheckpointError:
         raise
+    # a shard that is short, garbled or of another shape
     except (
         Exception,
         CheckpointException,
-    ) as e:  # a shard that is short, garbled or of another shape
-        # DCP wraps each rank's exception (ours among them) into one CheckpointException (a BaseException).
+    ) as e:
+        # DCP wraps each rank's exception (ours among them) into one CheckpointException (a
+        # BaseException).
         for failure in getattr(e, "failures", {}).values():
             inner = failure[0] if isinstance(failure, tuple) else failure
             if isinstance(inner, CheckpointError):

@@ -1,13 +1,13 @@
-"""Command line: ``python train.py --config tiny_dense [key=value ...] [--resume [--trust-checkpoint]]
-[--plan [--gpus N]] [--print-config]``.
+"""Command line: ``python train.py --config tiny_dense [key=value ...] [--resume
+[--trust-checkpoint]] [--plan [--gpus N]] [--print-config]``.
 
 ``--config`` takes a YAML path or a shipped preset's name (``tiny_dense``, zoo/*.yaml). Bad input
 (unknown key, wrong type, missing file, inconsistent sizes, a run that cannot fit) prints one line
 naming the key or file and exits with code 2, before any training starts.
 
 Only training imports torch.distributed, the layers and the kernels (seconds of imports), so
-``--help``, ``--print-config`` and config errors answer without torch, and ``--plan`` with torch alone
-plus the model's layers on the meta device.
+``--help``, ``--print-config`` and config errors answer without torch, and ``--plan`` with torch
+alone plus the model's layers on the meta device.
 """
 
 from __future__ import annotations
@@ -72,9 +72,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         return exit_code(_main, args)
-    except (
-        KeyboardInterrupt
-    ) as e:  # Interrupted says which checkpoint it saved; a second Ctrl-C says nothing
+    # Interrupted says which checkpoint it saved; a second Ctrl-C says nothing
+    except KeyboardInterrupt as e:
         print(
             str(e) or "\ninterrupted; the last complete checkpoint is intact (use --resume)",
             file=sys.stderr,
@@ -106,10 +105,11 @@ def _main(args: argparse.Namespace) -> int:
 
         run_passkey(cfg)
         return 0
+    # torch.distributed, layers, kernels: only to train
     from moezoo.training.loop import (
         TrainingDiverged,
         run,
-    )  # torch.distributed, layers, kernels: only to train
+    )
 
     try:
         summary = run(cfg)

@@ -8,11 +8,11 @@
 - a ``.jsonl`` file (one JSON object a line, text in ``data.jsonl_field``);
 - a text file, a directory (its files, recursively) or a glob.
 
-Documents are split into train/val by a hash of their name, so the split is deterministic and does not
-move when files are added. A file's name is its path relative to the source's root (the directory, the
-glob's fixed prefix, the standard library), so the split does not move with the corpus either: a corpus
-copied to another place (a fresh clone, a test's temporary directory) splits the same way. A corpus of
-one document is split by tokens instead (training.data).
+Documents are split into train/val by a hash of their name, so the split is deterministic and does
+not move when files are added. A file's name is its path relative to the source's root (the
+directory, the glob's fixed prefix, the standard library), so the split does not move with the
+corpus either: a corpus copied to another place (a fresh clone, a test's temporary directory) splits
+the same way. A corpus of one document is split by tokens instead (training.data).
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def _source_files(source: str) -> list[str]:
 
 
 def _name_root(source: str) -> str:
-    """The directory that document names are relative to: the stdlib, the directory, or a glob's fixed prefix."""
+    """The directory that document names are relative to: the stdlib, the directory, or a glob's
+    fixed prefix."""
     if source == "stdlib":
         return sysconfig.get_paths()["stdlib"]
     if os.path.isdir(source):
@@ -80,7 +81,8 @@ def _hash01(name: str) -> float:
 
 
 def load_documents(cfg: DataConfig) -> list[Document]:
-    """All documents of the corpus, in a fixed order (sorted by name hash, then capped by max_files)."""
+    """All documents of the corpus, in a fixed order (sorted by name hash, then capped by
+    max_files)."""
     docs: list[Document] = []
     if cfg.source == "python_packages":
         from .corpus_packages import package_texts
@@ -112,7 +114,8 @@ def load_documents(cfg: DataConfig) -> list[Document]:
             except OSError as e:
                 raise ConfigError("data.source", f"cannot read {path}: {e.strerror}") from None
     docs = [d for d in docs if d.text.strip()]
-    # Hash order mixes packages, so max_files picks a varied subset rather than the alphabetically first.
+    # Hash order mixes packages, so max_files picks a varied subset rather than the alphabetically
+    # first.
     docs.sort(key=lambda d: _hash01(d.name))
     if cfg.max_files:
         docs = docs[: cfg.max_files]

@@ -1,12 +1,13 @@
-"""``data.source: python_packages``: the ``.py`` files of every installed Python package, no download.
+"""``data.source: python_packages``: the ``.py`` files of every installed Python package, no
+download.
 
 One document per package (a top-level import name in a site-packages directory of the running
-interpreter, or a ``site-packages`` / ``dist-packages`` entry of ``sys.path``): its ``.py`` files in path
-order, each preceded by a ``# file: <path>`` line. Every file counts once in the whole corpus: files are
-deduplicated by a hash of their content (vendored copies, identical ``__init__.py`` stubs), the first
-package in name order keeping it. A package found in two directories is read from the first (import
-order). Documents are named by the package, so training.corpus's name-hash split puts each package
-wholly in train or in validation, never in both.
+interpreter, or a ``site-packages`` / ``dist-packages`` entry of ``sys.path``): its ``.py`` files in
+path order, each preceded by a ``# file: <path>`` line. Every file counts once in the whole corpus:
+files are deduplicated by a hash of their content (vendored copies, identical ``__init__.py``
+stubs), the first package in name order keeping it. A package found in two directories is read from
+the first (import order). Documents are named by the package, so training.corpus's name-hash split
+puts each package wholly in train or in validation, never in both.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def site_dirs() -> list[str]:
 
 
 def _package_files(site_dir: str) -> dict[str, list[str]]:
-    """{package name: its .py files, sorted} for the top-level packages and modules of one directory."""
+    """{package name: its .py files, sorted} for the top-level packages and modules of one
+    directory."""
     out: dict[str, list[str]] = {}
     for entry in sorted(os.listdir(site_dir)):
         path = os.path.join(site_dir, entry)
@@ -57,7 +59,8 @@ def _package_files(site_dir: str) -> dict[str, list[str]]:
 
 
 def package_texts(dirs: list[str] | None = None) -> list[tuple[str, str]]:
-    """[(package name, text)] over ``dirs`` (default ``site_dirs()``), sorted by name, files deduplicated."""
+    """[(package name, text)] over ``dirs`` (default ``site_dirs()``), sorted by name, files
+    deduplicated."""
     packages: dict[str, tuple[str, list[str]]] = {}
     for d in dirs if dirs is not None else site_dirs():
         for name, files in _package_files(d).items():

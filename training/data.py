@@ -1,12 +1,14 @@
-"""Token streams as memmaps, and a stateless batch sampler (the batch of step s is a pure function of
-(seed, s, epoch, dp_rank, dp_size)), so resuming at step s replays exactly the same data with no loader state.
+"""Token streams as memmaps, and a stateless batch sampler (the batch of step s is a pure function
+of (seed, s, epoch, dp_rank, dp_size)), so resuming at step s replays exactly the same data with no
+loader state.
 
-Layout in ``data.cache_dir``: ``tokens_<key>_{train,val}.bin`` (uint16 when the vocab fits, else uint32),
-documents joined with EOS. ``<key>`` hashes the corpus names/sizes and the tokenizer.
+Layout in ``data.cache_dir``: ``tokens_<key>_{train,val}.bin`` (uint16 when the vocab fits, else
+uint32), documents joined with EOS. ``<key>`` hashes the corpus names/sizes and the tokenizer.
 
 A corpus of several documents is split by document (``corpus.split_documents``). A corpus of one
 document (one text file, one jsonl record) is split by tokens as nanoGPT does: the last
-``data.val_fraction`` of its tokens is the validation split, and the tokenizer is trained on the rest.
+``data.val_fraction`` of its tokens is the validation split, and the tokenizer is trained on the
+rest.
 """
 
 from __future__ import annotations
@@ -47,19 +49,19 @@ class TokenData:
 
 
 def prepare_data(cfg: Config, is_main: bool = True, barrier=lambda: None) -> TokenData:
-    """Load the corpus, get the tokenizer, and memmap the token files (rank 0 writes, others wait)."""
+    """Load the corpus, get the tokenizer, and memmap the token files (rank 0 writes, others
+    wait)."""
     docs = load_documents(cfg.data)
     val_fraction = cfg.data.val_fraction
-    one_doc = (
-        len(docs) == 1
-    )  # split by tokens below, since a split by document would leave one side empty
+    # split by tokens below, since a split by document would leave one side empty
+    one_doc = len(docs) == 1
     if one_doc:
         train_texts = [docs[0].text[: int(len(docs[0].text) * (1 - val_fraction))]]
     else:
         train_docs, val_docs = split_documents(docs, val_fraction)
         train_texts = [d.text for d in train_docs]
-    # Names are relative to the source, so a path source itself keys the cache too (two directories with
-    # the same file names and sizes must not share token files).
+    # Names are relative to the source, so a path source itself keys the cache too (two directories
+    # with the same file names and sizes must not share token files).
     where = [] if cfg.data.source in BUILTIN_SOURCES else [os.path.abspath(cfg.data.source)]
     listing = "\n".join(where + [f"{d.name}:{len(d.text)}" for d in docs])
     corpus_key = hashlib.sha1(listing.encode()).hexdigest()[:12]
@@ -111,12 +113,13 @@ def sample_batch(
     epoch: int = 0,
     passkey=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Rank ``rank``'s share ``(x[B, S], y[B, S], w)`` (int64, y = x shifted by one) of the global batch of
-    ``B * world`` random windows drawn for ``(seed, step, epoch)``. So a run's data depends only on the
-    global batch, not on how many ranks split it: 2 ranks x B equals 1 rank x 2B. ``passkey``: a
-    training.passkey.PasskeyMix that writes needles into some windows (drawn per global window too);
-    ``w`` float32 [B, S] is the loss weight of each target (the mix's ``answer_weight`` on the asked
-    keys' tokens, 1 elsewhere), None when every target weighs the same."""
+    """Rank ``rank``'s share ``(x[B, S], y[B, S], w)`` (int64, y = x shifted by one) of the global
+    batch of ``B * world`` random windows drawn for ``(seed, step, epoch)``. So a run's data depends
+    only on the global batch, not on how many ranks split it: 2 ranks x B equals 1 rank x 2B.
+    ``passkey``: a training.passkey.PasskeyMix that writes needles into some windows (drawn per
+    global window too); ``w`` float32 [B, S] is the loss weight of each target (the mix's
+    ``answer_weight`` on the asked keys' tokens, 1 elsewhere), None when every target weighs the
+    same."""
     g = torch.Generator().manual_seed(hash((seed, step, epoch)) & 0x7FFFFFFFFFFF)
     starts = torch.randint(0, len(tokens) - seq_len - 1, (batch * world,), generator=g)[
         rank * batch : (rank + 1) * batch
@@ -141,10 +144,10 @@ def sample_batch(
 class PackedBatch:
     """Documents packed into rows: ``tokens, targets, document_ids [N, S]`` int64.
 
-    ``targets`` is the next token of the same document, -100 (no loss) on each document's last token and
-    on padding; ``document_ids`` numbers the documents of a row 0, 1, ... (padding: -1, its own document).
-    Feed ``model(tokens, targets, document_ids=document_ids)``: attention stays inside a document and RoPE
-    positions restart at each (zoo.Transformer.forward).
+    ``targets`` is the next token of the same document, -100 (no loss) on each document's last token
+    and on padding; ``document_ids`` numbers the documents of a row 0, 1, ... (padding: -1, its own
+    document). Feed ``model(tokens, targets, document_ids=document_ids)``: attention stays inside a
+    document and RoPE positions restart at each (zoo.Transformer.forward).
     """
 
     tokens: torch.Tensor
@@ -153,9 +156,10 @@ class PackedBatch:
 
 
 def pack_documents(docs, seq_len: int, pad_id: int = 0) -> PackedBatch:
-    """Greedy first-fit in order: each token list of ``docs`` goes into the current row if it fits, else
-    starts a new row; a document longer than ``seq_len`` is cut into ``seq_len`` pieces (each its own
-    document: the later pieces lose the context before the cut). Rows are padded with ``pad_id``."""
+    """Greedy first-fit in order: each token list of ``docs`` goes into the current row if it fits,
+    else starts a new row; a document longer than ``seq_len`` is cut into ``seq_len`` pieces (each
+    its own document: the later pieces lose the context before the cut). Rows are padded with
+    ``pad_id``."""
     if seq_len <= 0:
         raise ValueError(f"seq_len: must be > 0, got {seq_len}")
     pieces = [

@@ -1,5 +1,6 @@
-"""Evaluation without training (``train.py --config X --resume --eval passkey``): a Trainer restores the
-latest checkpoint, the evaluation runs on its model and data, the result is printed and logged."""
+"""Evaluation without training (``train.py --config X --resume --eval passkey``): a Trainer restores
+the latest checkpoint, the evaluation runs on its model and data, the result is printed and
+logged."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from .passkey import PasskeyResult, format_passkey_table, passkey_eval, passkey_
 
 
 def run_passkey(cfg) -> PasskeyResult:
-    """``train.py --config X --resume --eval passkey``: restore the latest checkpoint (no training step),
-    score ``eval.passkey_lengths`` (default: train.seq_len), print the table, log it at the checkpoint's step."""
+    """``train.py --config X --resume --eval passkey``: restore the latest checkpoint (no training
+    step), score ``eval.passkey_lengths`` (default: train.seq_len), print the table, log it at the
+    checkpoint's step."""
     if not cfg.eval.passkey_lengths:
         cfg.eval.passkey_lengths = [cfg.train.seq_len]
     t = Trainer(cfg)

@@ -1,10 +1,12 @@
-"""Export a trained run: ``python -m moezoo.training.export --run runs/X --hf out_dir`` and/or ``--file model.safetensors``.
+"""Export a trained run: ``python -m moezoo.training.export --run runs/X --hf out_dir`` and/or
+``--file model.safetensors``.
 
 - ``--hf DIR``: a transformers ``save_pretrained`` folder (config.json + model.safetensors, through
-  ``zoo.hf.to_hf``) plus the run's ``tokenizer.model``; ``AutoModelForCausalLM.from_pretrained(DIR)``
-  loads it, and ``model.init_from: DIR`` starts a new run from it.
-- ``--file PATH``: one consolidated file of the zoo state dict (zoo parameter names): ``.safetensors``
-  (resolved config as YAML in the metadata) or anything else as a ``torch.save`` of
+  ``zoo.hf.to_hf``) plus the run's ``tokenizer.model``;
+  ``AutoModelForCausalLM.from_pretrained(DIR)`` loads it, and ``model.init_from: DIR`` starts a new
+  run from it.
+- ``--file PATH``: one consolidated file of the zoo state dict (zoo parameter names):
+  ``.safetensors`` (resolved config as YAML in the metadata) or anything else as a ``torch.save`` of
   ``{"model": state_dict, "config": dict}``.
 """
 
@@ -32,7 +34,8 @@ def export_file(model, cfg: Config, path: str) -> None:
     if path.endswith(".safetensors"):
         from safetensors.torch import save_model
 
-        # save_model, not save_file: it drops the tied output weight that shares the embedding's storage.
+        # save_model, not save_file: it drops the tied output weight that shares the embedding's
+        # storage.
         save_model(model, path, metadata={"config": yaml.safe_dump(to_dict(cfg), sort_keys=False)})
     else:
         import torch
@@ -42,7 +45,7 @@ def export_file(model, cfg: Config, path: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m moezoo.training.export", description=__doc__.splitlines()[0]
+        prog="python -m moezoo.training.export", description=__doc__.split("\n\n")[0]
     )
     p.add_argument(
         "--run", required=True, help="run folder (runs/<name>), checkpoint dir or step_* checkpoint"

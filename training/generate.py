@@ -1,4 +1,5 @@
-"""Sample text from a trained run: ``python -m moezoo.training.generate --run runs/tiny_dense --prompt "def "``.
+"""Sample text from a trained run: ``python -m moezoo.training.generate --run runs/tiny_dense
+--prompt "def "``.
 
 Loads the run's latest checkpoint and its tokenizer (training.trained) and samples through the KV
 cache (zoo.sampling) with temperature / top-k / top-p. Prints each sample, prompt included.
@@ -14,7 +15,7 @@ from moezoo.configs import ConfigError
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m moezoo.training.generate", description=__doc__.splitlines()[0]
+        prog="python -m moezoo.training.generate", description=__doc__.split("\n\n")[0]
     )
     p.add_argument(
         "--run", required=True, help="run folder (runs/<name>), checkpoint dir or step_* checkpoint"

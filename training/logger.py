@@ -68,8 +68,9 @@ class WandbLogger(NullLogger):
         ylabel: str = "",
         vmax: float | None = None,
     ) -> None:
-        """A [rows, cols] array (e.g. expert load: layers x experts) as a picture with axes and a colour bar;
-        ``vmax`` fixes the scale at 0 .. vmax so the pictures of different steps compare."""
+        """A [rows, cols] array (e.g. expert load: layers x experts) as a picture with axes and a
+        colour bar; ``vmax`` fixes the scale at 0 .. vmax so the pictures of different steps
+        compare."""
         from .plot import figure_array, heatmap_figure
 
         fig = heatmap_figure(matrix, xlabel, ylabel, f"{name}, step {step}", vmax)
@@ -80,8 +81,8 @@ class WandbLogger(NullLogger):
 
 
 def to_python(metrics: dict) -> dict:
-    """Scalar tensors -> Python numbers (bool tensors -> bools) with one device-to-host copy (one sync), others
-    unchanged."""
+    """Scalar tensors -> Python numbers (bool tensors -> bools) with one device-to-host copy (one
+    sync), others unchanged."""
     keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1]
     out = dict(metrics)
     if keys:
@@ -96,7 +97,8 @@ def to_python(metrics: dict) -> dict:
 
 
 def append_metrics(path: str, metrics: dict, step: int) -> None:
-    """One JSON line of scalar metrics per logging step (``<out_dir>/metrics.jsonl``, rank 0), for scripts."""
+    """One JSON line of scalar metrics per logging step (``<out_dir>/metrics.jsonl``, rank 0), for
+    scripts."""
     row = {
         "step": step,
         **{k: v for k, v in to_python(metrics).items() if isinstance(v, (int, float, bool))},

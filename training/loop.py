@@ -1,10 +1,12 @@
-"""The training loop: ``run(cfg)`` = seed, mesh, data, model, optimizer, DST, resume, steps, eval, logging.
+"""The training loop: ``run(cfg)`` = seed, mesh, data, model, optimizer, DST, resume, steps, eval,
+logging.
 
 Each step is a pure function of (checkpointed state, step index): batches come from
-``data.sample_batch(seed, step, dp_rank, epoch)``, so ``--resume`` continues bit-exactly. A step whose
-loss or gradient norm is not finite is skipped and counted; ``train.max_bad_steps`` of them in a row
-roll the run back to the last checkpoint and move the data stream to a new epoch; ``train.max_rollbacks``
-rollbacks without a new checkpoint in between stop the run. Ctrl-C saves a checkpoint and stops.
+``data.sample_batch(seed, step, dp_rank, epoch)``, so ``--resume`` continues bit-exactly. A step
+whose loss or gradient norm is not finite is skipped and counted; ``train.max_bad_steps`` of them in
+a row roll the run back to the last checkpoint and move the data stream to a new epoch;
+``train.max_rollbacks`` rollbacks without a new checkpoint in between stop the run. Ctrl-C saves a
+checkpoint and stops.
 """
 
 from __future__ import annotations
@@ -68,11 +70,11 @@ def seed_everything(seed: int) -> None:
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer, methods: list) -> bool:
-    """Whether a step with a non-finite loss or gradient norm can be skipped without the host knowing: an
-    optimizer that takes ``found_inf`` (torch's fused AdamW, as torch.amp.GradScaler uses it, FSDP2's sharded
-    parameters included; MasterAdamW) and every sparsity method ``skips_on_device`` (layers.sparsity_method).
-    Else the trainer reads the check each step (one host sync). Under torchrun every rank decides alike: the
-    flags are all-reduced values."""
+    """Whether a step with a non-finite loss or gradient norm can be skipped without the host
+    knowing: an optimizer that takes ``found_inf`` (torch's fused AdamW, as torch.amp.GradScaler
+    uses it, FSDP2's sharded parameters included; MasterAdamW) and every sparsity method
+    ``skips_on_device`` (layers.sparsity_method). Else the trainer reads the check each step (one
+    host sync). Under torchrun every rank decides alike: the flags are all-reduced values."""
     fused_adamw = type(optimizer) is torch.optim.AdamW and bool(optimizer.defaults.get("fused"))
     return (fused_adamw or getattr(optimizer, "skips_on_device", False)) and all(
         getattr(m, "skips_on_device", False) for m in methods
@@ -93,14 +95,14 @@ class Trainer:
         check_paths(cfg)
         self.par = setup_parallel(cfg)
         self.device = self.par.device
-        check_runtime(
-            cfg, self.device, self.par.world_size
-        )  # e.g. flash-attn-4 or FP8 asked for, unavailable
+        # e.g. flash-attn-4 or FP8 asked for, unavailable
+        check_runtime(cfg, self.device, self.par.world_size)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         from .plan import check_fits
 
-        # One meta-device model (no memory) for the plan, the FLOPs per token for MFU and the shape checks.
+        # One meta-device model (no memory) for the plan, the FLOPs per token for MFU and the shape
+        # checks.
         meta_model = build_model(cfg.model, "meta")
         self.flops_per_token = check_fits(
             cfg, self.par.world_size, self.device, meta_model
@@ -108,31 +110,27 @@ class Trainer:
         check_model(cfg, meta_model)
         from moezoo.zoo.flops import attention_flops_per_token
 
-        self.dense_attn_flops = attention_flops_per_token(
-            cfg.model, cfg.train.seq_len
-        )  # mfu: the work done
+        # mfu: the work done
+        self.dense_attn_flops = attention_flops_per_token(cfg.model, cfg.train.seq_len)
         del meta_model
         self.resume_path, replaced = None, []
         if cfg.checkpoint.resume:
             self.resume_path = self._find_resume()
         else:
             replaced = check_fresh_start(cfg)
-        init_from = (
-            cfg.model.init_from and not self.resume_path
-        )  # a resumed run has its own weights
+        # a resumed run has its own weights
+        init_from = cfg.model.init_from and not self.resume_path
         if init_from:
             from moezoo.zoo.pretrained import check_init_from
 
-            check_init_from(
-                cfg.model
-            )  # reads the HF config only: a mismatch fails before the data work
+            # reads the HF config only: a mismatch fails before the data work
+            check_init_from(cfg.model)
         # Same seed on every rank: identical initial weights before sharding.
         seed_everything(cfg.train.seed)
         self.data = prepare_data(cfg, self.par.is_main, self.barrier)
         self.passkey_mix = None
-        if (
-            cfg.data.passkey_mix > 0
-        ):  # retrieval practice in the training windows (training/passkey.py)
+        # retrieval practice in the training windows (training/passkey.py)
+        if cfg.data.passkey_mix > 0:
             from .passkey import PasskeyMix
 
             self.passkey_mix = PasskeyMix(
@@ -146,9 +144,8 @@ class Trainer:
             )
         if self.resume_path:
             check_resumable(self.resume_path, cfg, self.par.world_size, self.data.tokenizer.digest)
-        model = build_model(
-            cfg.model, model_init_device(cfg, self.par)
-        )  # "meta" when too big to build whole
+        # "meta" when too big to build whole
+        model = build_model(cfg.model, model_init_device(cfg, self.par))
         if init_from:
             if next(model.parameters()).is_meta:
                 raise ConfigError(
@@ -159,23 +156,24 @@ class Trainer:
             from moezoo.zoo.pretrained import load_init_from
 
             load_init_from(model, cfg.model)
-        self.model = parallelize(
-            model, cfg, self.par
-        )  # in place (FSDP2 / EP): still the Transformer
+        # in place (FSDP2 / EP): still the Transformer
+        self.model = parallelize(model, cfg, self.par)
         if cfg.train.compile:
-            # Per block and in place, as torchtitan does: parameter names, FSDP2 units and checkpoints unchanged.
-            # Static shapes (a run's batch and length are fixed): automatic dynamic shapes would turn the
-            # per-layer ints (layer id, pattern sizes) into symbols once a second block recompiles, which
-            # compiles slower and runs slower. Two graphs per distinct block (training; evaluation, whose
-            # no_grad and eval mode are guards), so the cache must hold them all: past the limit a block runs
-            # eagerly, and validation at step 0 fills the cache before the first training step. The blocks of
-            # every model in the process share one cache (their class's forward code), so each trainer adds
-            # room for its own graphs to what earlier ones (a notebook, a bench suite) already hold.
+            # Per block and in place, as torchtitan does: parameter names, FSDP2 units and
+            # checkpoints unchanged. Static shapes (a run's batch and length are fixed): automatic
+            # dynamic shapes would turn the per-layer ints (layer id, pattern sizes) into symbols
+            # once a second block recompiles, which compiles slower and runs slower. Two graphs per
+            # distinct block (training; evaluation, whose no_grad and eval mode are guards), so the
+            # cache must hold them all: past the limit a block runs eagerly, and validation at step
+            # 0 fills the cache before the first training step. The blocks of every model in the
+            # process share one cache (their class's forward code), so each trainer adds room for
+            # its own graphs to what earlier ones (a notebook, a bench suite) already hold.
             torch._dynamo.config.cache_size_limit += 2 * len(model.layers) + 8
             for block in model.layers:
                 block.compile(dynamic=False, mode=cfg.train.compile_mode)
-            # The loss too (as torchtitan's compile.components "loss"): the logits' upcast fuses into it. Default
-            # mode whatever compile_mode says: a graph of a few large kernels, no launches for CUDA graphs to save.
+            # The loss too (as torchtitan's compile.components "loss"): the logits' upcast fuses
+            # into it. Default mode whatever compile_mode says: a graph of a few large kernels, no
+            # launches for CUDA graphs to save.
             model.cross_entropy = torch.compile(mean_cross_entropy, dynamic=False)
         self.optimizer = build_optimizer(
             self.model,
@@ -187,12 +185,11 @@ class Trainer:
         )
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.sparsity = self._sparsity_methods()
-        # Skip non-finite steps on the device (no host sync a step) where the optimizer and every method can;
-        # the host then learns of a skipped step one step later (train_step, settle).
+        # Skip non-finite steps on the device (no host sync a step) where the optimizer and every
+        # method can; the host then learns of a skipped step one step later (train_step, settle).
         self.skip_on_device = skips_on_device(self.optimizer, self.sparsity)
-        self.unread = (
-            None  # (host flags [finite, stop], event) of the last step, until the host reads it
-        )
+        # (host flags [finite, stop], event) of the last step, until the host reads it
+        self.unread = None
         self.autocast = self._autocast()
         self.step, self.epoch, self.bad_total, self.bad_in_row, self.rollbacks_in_row = (
             0,
@@ -205,13 +202,13 @@ class Trainer:
         self.val_history: list[tuple[int, float]] = []
         self.saved_step, self.stop_requested, self.stop_agreed = -1, False, False
         self.metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-        # Different per-rank stream for anything stochastic in the model (router noise on different tokens).
+        # Different per-rank stream for anything stochastic in the model (router noise on different
+        # tokens).
         seed_everything(cfg.train.seed + 1000 * self.par.rank)
         if self.par.is_main:
             if self.resume_path is None:
-                clear_previous_run(
-                    cfg, replaced
-                )  # metrics.jsonl rows of an earlier attempt would mix in
+                # metrics.jsonl rows of an earlier attempt would mix in
+                clear_previous_run(cfg, replaced)
             os.makedirs(cfg.out_dir, exist_ok=True)
         if cfg.checkpoint.resume and self.resume_path is None:
             self.warn(f"no checkpoint in {cfg.checkpoint_dir}; starting from step 0")
@@ -242,7 +239,8 @@ class Trainer:
             self.device,
         )
         if self.par.is_main:
-            # The run folder keeps its tokenizer, so generate/export find it there (training.trained).
+            # The run folder keeps its tokenizer, so generate/export find it there
+            # (training.trained).
             shutil.copyfile(self.data.tokenizer.path, os.path.join(cfg.out_dir, TOKENIZER_FILE))
 
     # ---- setup helpers -------------------------------------------------------------------------
@@ -253,8 +251,8 @@ class Trainer:
         return nullcontext
 
     def _sparsity_methods(self) -> list:
-        """What acts between steps (layers.sparsity_method): MoE bias balancing and load stats, the neuron
-        FFN schedule, DST. The trainer calls each the same way and knows none of them."""
+        """What acts between steps (layers.sparsity_method): MoE bias balancing and load stats, the
+        neuron FFN schedule, DST. The trainer calls each the same way and knows none of them."""
         c, out = self.cfg, []
         ffn_types = c.model.layer_ffn_types()
         if "moe" in ffn_types:
@@ -263,9 +261,8 @@ class Trainer:
                 ExpertBalancing(self.model, dist.group.WORLD if self.par.distributed else None)
             )
         if any(layer.attention.pattern is not None for layer in self.model.layers):
-            out.append(
-                AttentionStats(self.model, c.train.seq_len)
-            )  # density (for mfu) and selection stats
+            # density (for mfu) and selection stats
+            out.append(AttentionStats(self.model, c.train.seq_len))
         if "neuron" in ffn_types:
             out.append(NeuronSchedule(self.model, c.train.steps, self.optimizer))
         if c.dst.enabled:
@@ -285,7 +282,8 @@ class Trainer:
             tqdm.write(f"warning: {msg}", file=sys.stderr)
 
     def _find_resume(self) -> str | None:
-        """The newest usable checkpoint (before anything is built); damaged newer ones are named and skipped."""
+        """The newest usable checkpoint (before anything is built); damaged newer ones are named and
+        skipped."""
         c = self.cfg
         path, skipped = find_resumable(c.checkpoint_dir, c.checkpoint.trust)
         if path is None and skipped:
@@ -327,9 +325,8 @@ class Trainer:
         self.val_history = [tuple(v) for v in state["val_history"]]
         self.wandb_id, self.run_id = state.get("wandb_id"), state.get("run_id", self.run_id)
         self.bad_in_row = 0
-        for method in (
-            self.sparsity
-        ):  # e.g. the MoE load routed since the last bias update belongs to dropped steps
+        # e.g. the MoE load routed since the last bias update belongs to dropped steps
+        for method in self.sparsity:
             method.skipped_step()
         old_steps = state.get("total_steps", self.cfg.train.steps)
         if old_steps == self.cfg.train.steps:
@@ -343,14 +340,14 @@ class Trainer:
                 )
 
     def _rebuild_schedule(self) -> None:
-        """The schedule a run of the new ``train.steps`` would be at now: built fresh and stepped ``step``
-        times (the saved one would keep the old length, or restart its cosine upward when extended)."""
+        """The schedule a run of the new ``train.steps`` would be at now: built fresh and stepped
+        ``step`` times (the saved one would keep the old length, or restart its cosine upward when
+        extended)."""
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"]
         self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.cfg.train.steps)
-        with (
-            warnings.catch_warnings()
-        ):  # "lr_scheduler.step() before optimizer.step()": replaying, on purpose
+        # "lr_scheduler.step() before optimizer.step()": replaying, on purpose
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for _ in range(self.step):
                 self.scheduler.step()
@@ -373,8 +370,8 @@ class Trainer:
     def batch(self, step: int, micro: int, split: str = "train"):
         c = self.cfg.train
         tokens = self.data.train if split == "train" else self.data.val
-        # The step's global batch (batch_size x grad_accum x dp_size windows) is split into (micro, rank)
-        # slices, so how it is split between accumulation and ranks does not change the data.
+        # The step's global batch (batch_size x grad_accum x dp_size windows) is split into (micro,
+        # rank) slices, so how it is split between accumulation and ranks does not change the data.
         accum = c.grad_accum if split == "train" else 1
         x, y, w = sample_batch(
             tokens,
@@ -387,8 +384,9 @@ class Trainer:
             self.epoch if split == "train" else -1,
             self.passkey_mix if split == "train" else None,
         )
-        # pinned copies, queued: a pageable one would make the host wait for the previous step to finish
-        # and leave the GPU idle while it launches this one's first kernels (kernels.launch.to_device)
+        # pinned copies, queued: a pageable one would make the host wait for the previous step to
+        # finish and leave the GPU idle while it launches this one's first kernels
+        # (kernels.launch.to_device)
         return (
             to_device(x, self.device),
             to_device(y, self.device),
@@ -398,8 +396,8 @@ class Trainer:
     def compute_loss(
         self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, dict]:
-        # a new step for CUDA graphs (train.compile_mode=reduce-overhead): the last replay's outputs are done
-        # with, so the next replay may reuse their memory (a no-op without CUDA graphs)
+        # a new step for CUDA graphs (train.compile_mode=reduce-overhead): the last replay's outputs
+        # are done with, so the next replay may reuse their memory (a no-op without CUDA graphs)
         torch.compiler.cudagraph_mark_step_begin()
         with self.autocast():
             return self.model(x, y, loss_weights=w)
@@ -417,19 +415,22 @@ class Trainer:
             (loss / c.train.grad_accum).backward()
             for k, v in parts.items():
                 parts_sum[k] = parts_sum.get(k, 0.0) + v / c.train.grad_accum
-        # A plain tensor, the same on every rank: the norm spans the dense and expert meshes' shards. An
-        # optimizer that scales gradients itself (MasterAdamW) takes the clipping factor instead of a pass.
+        # A plain tensor, the same on every rank: the norm spans the dense and expert meshes'
+        # shards. An optimizer that scales gradients itself (MasterAdamW) takes the clipping factor
+        # instead of a pass.
         fused_scale = getattr(self.optimizer, "scales_gradients", False)
+        # where the step finds them (MasterAdamW's float32 sums), in model order
         grads = (
             [g for p in self.model.parameters() if (g := self.optimizer.gradient(p)) is not None]
             if fused_scale
             else None
-        )  # where the step finds them (MasterAdamW's float32 sums), in model order
+        )
         grad_norm = clip_grad_norm_(
             self.model.parameters(), c.optim.grad_clip, self.par, apply=not fused_scale, grads=grads
         )
-        # One all-reduce for every loss part (the total is their sum) and, last, the Ctrl-C flag: its mean
-        # is > 0 when any rank asked to stop, so the ranks agree on the step without a collective of its own.
+        # One all-reduce for every loss part (the total is their sum) and, last, the Ctrl-C flag:
+        # its mean is > 0 when any rank asked to stop, so the ranks agree on the step without a
+        # collective of its own.
         detached = [v.detach().float() for v in parts_sum.values()]
         # a fill kernel, not torch.tensor(..., device=): no host-to-device copy on the step's path
         stop = torch.full(
@@ -456,18 +457,20 @@ class Trainer:
 
         # the previous step's flag, if it was left on the device (see below)
         self.settle()
-        # A method may need to know this step's outcome on the host now (DST's mask updates): a sync this step.
+        # A method may need to know this step's outcome on the host now (DST's mask updates): a sync
+        # this step.
         deferred = self.skip_on_device and not any(
             m.decides_on_host(self.step) for m in self.sparsity if hasattr(m, "decides_on_host")
         )
         if deferred:
-            # No host sync: the optimizer leaves weights, moments and step counts alone where found_inf is 1,
-            # the methods take the same flag, and the host reads it a step later (settle), while the device
-            # runs this step's update and the next step is queued behind it. The previous step's flag was read
-            # above: it is ready once the device has begun this step's forward, and if the device is not there
-            # yet the host waits with this step's forward and backward queued (the device never idles; the
-            # host stays at most a step ahead). An optimizer with host-side step counts (MasterAdamW) has taken
-            # them back for a skipped step before it counts this one.
+            # No host sync: the optimizer leaves weights, moments and step counts alone where
+            # found_inf is 1, the methods take the same flag, and the host reads it a step later
+            # (settle), while the device runs this step's update and the next step is queued behind
+            # it. The previous step's flag was read above: it is ready once the device has begun
+            # this step's forward, and if the device is not there yet the host waits with this
+            # step's forward and backward queued (the device never idles; the host stays at most a
+            # step ahead). An optimizer with host-side step counts (MasterAdamW) has taken them back
+            # for a skipped step before it counts this one.
             self.optimizer.found_inf = (~ok).float()
             optimizer_step()
             applied = ok.float()
@@ -507,9 +510,9 @@ class Trainer:
             self.bad_in_row += 1
 
     def settle(self) -> None:
-        """Read the outcome of the last step if its non-finite check stayed on the device (``skip_on_device``):
-        ``bad_total``, ``bad_in_row`` and the Ctrl-C agreement are then up to date (the next step, log steps,
-        checkpoints and rollbacks call it; a no-op otherwise)."""
+        """Read the outcome of the last step if its non-finite check stayed on the device
+        (``skip_on_device``): ``bad_total``, ``bad_in_row`` and the Ctrl-C agreement are then up to
+        date (the next step, log steps, checkpoints and rollbacks call it; a no-op otherwise)."""
         if self.unread is None:
             return
         (host, event), self.unread = self.unread, None
@@ -581,7 +584,8 @@ class Trainer:
         return v
 
     def write_plots(self, expert_load) -> None:
-        """``<out_dir>/plots/``: metrics.png and this step's expert load (rank 0, ``logging.plots``)."""
+        """``<out_dir>/plots/``: metrics.png and this step's expert load (rank 0,
+        ``logging.plots``)."""
         if not (self.par.is_main and self.cfg.logging.plots):
             return
         from . import plot
@@ -595,9 +599,8 @@ class Trainer:
                         self.cfg.out_dir, plot.PLOTS_DIR, f"expert_load_step_{self.step:08d}.png"
                     ),
                 )
-        except (
-            ImportError
-        ) as e:  # pictures are a convenience: a run without matplotlib still trains
+        # pictures are a convenience: a run without matplotlib still trains
+        except ImportError as e:
             self.print(f"no plots: {e}")
             self.cfg.logging.plots = False
 
@@ -608,12 +611,12 @@ class Trainer:
 
         def on_sigint(signum, frame):
             self.stop_requested = True
-            signal.signal(
-                signal.SIGINT, previous
-            )  # the next Ctrl-C raises KeyboardInterrupt right away
+            # the next Ctrl-C raises KeyboardInterrupt right away
+            signal.signal(signal.SIGINT, previous)
 
         previous = signal.getsignal(signal.SIGINT)
-        # Only the main thread may set handlers (a Trainer driven from another thread keeps Ctrl-C as it is).
+        # Only the main thread may set handlers (a Trainer driven from another thread keeps Ctrl-C
+        # as it is).
         handle = (
             previous is signal.default_int_handler
             and threading.current_thread() is threading.main_thread()
@@ -621,7 +624,8 @@ class Trainer:
         if handle:
             signal.signal(signal.SIGINT, on_sigint)
         progress = self.par.is_main and self.cfg.logging.progress
-        # A bar on a terminal; in a log file (not a TTY) its redraws are noise, so plain lines instead.
+        # A bar on a terminal; in a log file (not a TTY) its redraws are noise, so plain lines
+        # instead.
         self.log_lines = progress and not sys.stdout.isatty()
         bar = tqdm(
             total=self.cfg.train.steps,
@@ -646,9 +650,9 @@ class Trainer:
         }
 
     def _stop_requested(self) -> bool:
-        """Ctrl-C on any rank (all ranks must agree on the step they stop and save at): alone, the flag
-        itself; under torchrun, what the last step's all-reduce carried (a Ctrl-C after it counts a step
-        later)."""
+        """Ctrl-C on any rank (all ranks must agree on the step they stop and save at): alone, the
+        flag itself; under torchrun, what the last step's all-reduce carried (a Ctrl-C after it
+        counts a step later)."""
         return self.stop_agreed if self.par.distributed else self.stop_requested
 
     def _fit(self, bar) -> None:
@@ -679,9 +683,11 @@ class Trainer:
             tokens_since += self.tokens_per_step
             bar.update(1)
             if self.unread is not None and self.bad_in_row + 1 >= c.train.max_bad_steps:
-                self.settle()  # this step could start a rollback: read it now, so the rollback comes at this step
+                # this step could start a rollback: read it now, so the rollback comes at this step
+                self.settle()
             if self.bad_in_row >= c.train.max_bad_steps:
-                # The step that triggers the rollback is logged: the rows after it restart at the checkpoint.
+                # The step that triggers the rollback is logged: the rows after it restart at the
+                # checkpoint.
                 m["bad_steps"] = self.bad_total
                 if self.par.is_main:
                     append_metrics(self.metrics_path, {**to_python(m), "rollback": True}, self.step)
@@ -726,7 +732,8 @@ class Trainer:
                     (s.expert_load() for s in self.sparsity if isinstance(s, ExpertBalancing)), None
                 )
                 if load is not None:
-                    # A fixed scale, 0 .. twice the uniform share, so the pictures of different steps compare.
+                    # A fixed scale, 0 .. twice the uniform share, so the pictures of different
+                    # steps compare.
                     self.logger.log_heatmap(
                         "moe/expert_load",
                         load.numpy(),

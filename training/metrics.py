@@ -1,4 +1,5 @@
-"""Device peak FLOPs for MFU (the sparsity methods report their own statistics: layers.sparsity_method)."""
+"""Device peak FLOPs for MFU (the sparsity methods report their own statistics:
+layers.sparsity_method)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ def device_peak_flops(device: torch.device) -> float | None:
 def mfu_metrics(
     tokens_per_s: float, model_flops: float, dense_attn_flops: float, attn_density, peak: float
 ) -> dict:
-    """``mfu`` on the work done (hardware FLOPs: attention at ``attn_density``, zoo.flops) and ``mfu_model``
-    on the dense-equivalent model FLOPs per token. ``dense_attn_flops``: the attention part of ``model_flops``
-    at density 1. The same for a dense model; for a sparse one ``mfu`` cannot exceed what the GPU did."""
+    """``mfu`` on the work done (hardware FLOPs: attention at ``attn_density``, zoo.flops) and
+    ``mfu_model`` on the dense-equivalent model FLOPs per token. ``dense_attn_flops``: the attention
+    part of ``model_flops`` at density 1. The same for a dense model; for a sparse one ``mfu``
+    cannot exceed what the GPU did."""
     d = 1.0 if attn_density is None else float(attn_density)
     hw = model_flops - dense_attn_flops * (1.0 - d)
     return {"mfu": tokens_per_s * hw / peak, "mfu_model": tokens_per_s * model_flops / peak}

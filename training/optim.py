@@ -1,7 +1,7 @@
-"""AdamW with decoupled weight decay on matrices only, and linear warm-up + cosine decay (torch schedulers);
-``CompactAdamW``: the same AdamW keeping DST-masked weights' moments for their active entries only;
-``MasterAdamW``: the same AdamW for a model whose matmul weights are held in bfloat16, with their float32
-master copies in the optimizer (``train.param_dtype: bfloat16``)."""
+"""AdamW with decoupled weight decay on matrices only, and linear warm-up + cosine decay (torch
+schedulers); ``CompactAdamW``: the same AdamW keeping DST-masked weights' moments for their active
+entries only; ``MasterAdamW``: the same AdamW for a model whose matmul weights are held in bfloat16,
+with their float32 master copies in the optimizer (``train.param_dtype: bfloat16``)."""
 
 from __future__ import annotations
 
@@ -29,12 +29,12 @@ def build_optimizer(
     param_dtype: str = "float32",
     grad_accum: int = 1,
 ) -> torch.optim.Optimizer:
-    """Weight decay on >= 2-D parameters (linears, embeddings, stacked experts); none on norms and biases.
-    ``compact``: a ``CompactAdamW`` (for ``dst.compact_state``). ``param_dtype="bfloat16"``: a ``MasterAdamW``,
-    which turns the model's ``autocast_weights`` into bfloat16 (in place) and keeps their float32 masters
-    (and sums their gradients in float32 when ``grad_accum > 1``). Else torch's AdamW, fused or foreach as
-    ``cfg.implementation`` says (auto: fused on CUDA, where it is one launch for all parameters; foreach on
-    CPU, the faster one there)."""
+    """Weight decay on >= 2-D parameters (linears, embeddings, stacked experts); none on norms and
+    biases. ``compact``: a ``CompactAdamW`` (for ``dst.compact_state``). ``param_dtype="bfloat16"``:
+    a ``MasterAdamW``, which turns the model's ``autocast_weights`` into bfloat16 (in place) and
+    keeps their float32 masters (and sums their gradients in float32 when ``grad_accum > 1``). Else
+    torch's AdamW, fused or foreach as ``cfg.implementation`` says (auto: fused on CUDA, where it is
+    one launch for all parameters; foreach on CPU, the faster one there)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
@@ -58,7 +58,8 @@ def build_optimizer(
 
 
 def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
-    """Linear warm-up from lr/warmup to lr over ``warmup_steps``, then cosine to ``lr * min_lr_ratio``."""
+    """Linear warm-up from lr/warmup to lr over ``warmup_steps``, then cosine to ``lr *
+    min_lr_ratio``."""
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
     cosine = CosineAnnealingLR(
         opt, T_max=max(total_steps - warmup, 1), eta_min=cfg.lr * cfg.min_lr_ratio
@@ -70,10 +71,11 @@ def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: i
 
 
 def autocast_weights(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters bf16 autocast casts at every use: the weights (and biases) of ``nn.Linear`` modules and
-    the grouped experts' weights. Not the embedding (a lookup: autocast leaves it, and the residual stream,
-    in float32), nor the norms, nor a layer's ``float32_children`` (children it reads with autocast off: the
-    MoE router and its noise, the neuron router), nor a weight tied to any of those."""
+    """The parameters bf16 autocast casts at every use: the weights (and biases) of ``nn.Linear``
+    modules and the grouped experts' weights. Not the embedding (a lookup: autocast leaves it, and
+    the residual stream, in float32), nor the norms, nor a layer's ``float32_children`` (children it
+    reads with autocast off: the MoE router and its noise, the neuron router), nor a weight tied to
+    any of those."""
     keep: set[int] = set()
     for m in model.modules():
         if isinstance(m, nn.Embedding):
@@ -93,35 +95,40 @@ def autocast_weights(model: nn.Module) -> list[nn.Parameter]:
 
 
 class MasterAdamW(torch.optim.Optimizer):
-    """AdamW (torch.optim.AdamW's update and state) for a model whose ``low_precision`` parameters are held in
-    bfloat16, with their float32 master weights in the optimizer state, as Megatron-LM and FSDP2's mixed
-    precision keep them (``train.param_dtype: bfloat16`` on one process).
+    """AdamW (torch.optim.AdamW's update and state) for a model whose ``low_precision`` parameters
+    are held in bfloat16, with their float32 master weights in the optimizer state, as Megatron-LM
+    and FSDP2's mixed precision keep them (``train.param_dtype: bfloat16`` on one process).
 
-    Construction turns each ``low_precision`` parameter (float32) into bfloat16 in place: its float32 data
-    becomes ``state[p]["master"]`` and ``p.data`` its rounded copy. Then forward and backward run on the
-    bf16 weights and leave bf16 gradients, where bf16 autocast on float32 parameters would cast each weight
-    to bf16 at every use and each bf16 weight gradient back to float32: the same numbers reach the GEMMs
-    and the update (over micro-batches too, with ``accumulate_float32``), without those casts. ``step()``
-    updates the masters (float32 moments, as torch's AdamW) and writes the bf16 copies in the same pass
-    (``kernels.adamw``); ``step(grad_scale=c)`` multiplies every gradient by ``c`` on the fly (gradient
-    clipping without a pass of its own). Other parameters (embedding, norms, routers) stay float32 and take the same update.
+    Construction turns each ``low_precision`` parameter (float32) into bfloat16 in place: its
+    float32 data becomes ``state[p]["master"]`` and ``p.data`` its rounded copy. Then forward and
+    backward run on the bf16 weights and leave bf16 gradients, where bf16 autocast on float32
+    parameters would cast each weight to bf16 at every use and each bf16 weight gradient back to
+    float32: the same numbers reach the GEMMs and the update (over micro-batches too, with
+    ``accumulate_float32``), without those casts. ``step()`` updates the masters (float32 moments,
+    as torch's AdamW) and writes the bf16 copies in the same pass (``kernels.adamw``);
+    ``step(grad_scale=c)`` multiplies every gradient by ``c`` on the fly (gradient clipping without
+    a pass of its own). Other parameters (embedding, norms, routers) stay float32 and take the same
+    update.
 
     State per parameter: ``step`` (a CPU float32 scalar), ``exp_avg``, ``exp_avg_sq`` and, for bf16
-    parameters, ``master`` (all float32, made at construction so that DCP loads a checkpoint's state into
-    them). Every state tensor of a parameter's shape is elementwise, so code that permutes or zeroes a
-    weight's optimizer state with the weight (``layers.neuron`` re-clustering) keeps the master in step.
-    A checkpoint's model entries hold the bf16 weights; its optimizer entries the float32 masters.
+    parameters, ``master`` (all float32, made at construction so that DCP loads a checkpoint's state
+    into them). Every state tensor of a parameter's shape is elementwise, so code that permutes or
+    zeroes a weight's optimizer state with the weight (``layers.neuron`` re-clustering) keeps the
+    master in step. A checkpoint's model entries hold the bf16 weights; its optimizer entries the
+    float32 masters.
 
-    ``accumulate_float32``: for several backward passes a step (gradient accumulation), each bf16 gradient
-    is added into a float32 sum as soon as autograd has written it (a post-accumulate-grad hook), and
-    ``p.grad`` is left None: the sum autocast over float32 parameters would have made. ``gradient(p)`` is
-    the gradient the step will use (that sum, else ``.grad``), for the norm; ``zero_grad()`` drops the sums.
+    ``accumulate_float32``: for several backward passes a step (gradient accumulation), each bf16
+    gradient is added into a float32 sum as soon as autograd has written it (a post-accumulate-grad
+    hook), and ``p.grad`` is left None: the sum autocast over float32 parameters would have made.
+    ``gradient(p)`` is the gradient the step will use (that sum, else ``.grad``), for the norm;
+    ``zero_grad()`` drops the sums.
     """
 
     scales_gradients = True  # step(grad_scale=) takes the clipping factor
-    # A step skipped without the host reading its flag: ``found_inf`` (a scalar tensor, as torch.amp.GradScaler
-    # sets it on torch's fused AdamW) makes the kernel write nothing; the step counts, on the host, go back when
-    # the trainer reads the flag (``uncount_last_step``) before the next step (training.loop.skips_on_device).
+    # A step skipped without the host reading its flag: ``found_inf`` (a scalar tensor, as
+    # torch.amp.GradScaler sets it on torch's fused AdamW) makes the kernel write nothing; the step
+    # counts, on the host, go back when the trainer reads the flag (``uncount_last_step``) before
+    # the next step (training.loop.skips_on_device).
     skips_on_device = True
     found_inf: Optional[torch.Tensor] = None
 
@@ -139,8 +146,10 @@ class MasterAdamW(torch.optim.Optimizer):
         self._low_ids = {id(p) for p in low_precision}
         self._dtype = dtype
         self._accumulate = accumulate_float32
-        self._sums: dict = {}  # bf16 parameter -> float32 gradient summed over this step's backwards
-        self._counted: list = []  # the states whose step counts the last step() with found_inf advanced
+        # bf16 parameter -> float32 gradient summed over this step's backwards
+        self._sums: dict = {}
+        # the states whose step counts the last step() with found_inf advanced
+        self._counted: list = []
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     def add_param_group(self, param_group: dict) -> None:
@@ -172,8 +181,8 @@ class MasterAdamW(torch.optim.Optimizer):
         self._sums.clear()
 
     def _init_state(self, p: torch.Tensor) -> None:
-        """Fresh moments (at construction, or after a caller dropped ``state[p]``, as the neuron layers do
-        for their router: a bf16 parameter's master then restarts from its bf16 value)."""
+        """Fresh moments (at construction, or after a caller dropped ``state[p]``, as the neuron
+        layers do for their router: a bf16 parameter's master then restarts from its bf16 value)."""
         state = self.state[p]
         if id(p) in self._low_ids and "master" not in state:
             state["master"] = p.detach().float()
@@ -183,8 +192,8 @@ class MasterAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: Optional[torch.Tensor] = None):
-        """One AdamW step for every parameter with a gradient; ``grad_scale``: a float32 scalar tensor
-        multiplying every gradient (the clipping factor)."""
+        """One AdamW step for every parameter with a gradient; ``grad_scale``: a float32 scalar
+        tensor multiplying every gradient (the clipping factor)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -225,22 +234,24 @@ class MasterAdamW(torch.optim.Optimizer):
         return loss
 
     def uncount_last_step(self) -> None:
-        """The last ``step()`` ran with a nonzero ``found_inf``: it wrote nothing, and its step counts go back."""
+        """The last ``step()`` ran with a nonzero ``found_inf``: it wrote nothing, and its step
+        counts go back."""
         for state in self._counted:
             state["step"] -= 1
         self._counted = []
 
     @torch.no_grad()
     def masters_to_model(self) -> None:
-        """Make every bf16 parameter float32 again, with its master's values (for inference or export of a
-        trained model; the optimizer is not usable for training afterwards)."""
+        """Make every bf16 parameter float32 again, with its master's values (for inference or
+        export of a trained model; the optimizer is not usable for training afterwards)."""
         for p in self.state:
             if "master" in self.state[p]:
                 p.data = self.state[p]["master"]
 
     def load_state_dict(self, state_dict) -> None:
-        # torch casts loaded state to each parameter's dtype: with the masters standing in for the bf16
-        # parameters, everything loads as float32. Then the bf16 copies are rounded from the loaded masters.
+        # torch casts loaded state to each parameter's dtype: with the masters standing in for the
+        # bf16 parameters, everything loads as float32. Then the bf16 copies are rounded from the
+        # loaded masters.
         low = [(p, p.data) for p in self.state if "master" in self.state[p]]
         for p, _ in low:
             p.data = self.state[p]["master"]
@@ -257,31 +268,34 @@ class MasterAdamW(torch.optim.Optimizer):
 class CompactAdamW(torch.optim.AdamW):
     """AdamW whose moments for DST-masked weights are held for the active entries only.
 
-        ``layers.dst.DynamicSparsity(..., compact_state=True)`` registers each masked weight ``p`` with
-        ``set_compact(p, mask, capacity)``: ``mask()`` returns this rank's bit-packed mask (``layers.dst.bits``)
-        and ``capacity`` the most entries ``p`` (this rank's shard) can have active. Then per step, for ``p``:
+        ``layers.dst.DynamicSparsity(..., compact_state=True)`` registers each masked weight ``p``
+        with ``set_compact(p, mask, capacity)``: ``mask()`` returns this rank's bit-packed mask
+        (``layers.dst.bits``) and ``capacity`` the most entries ``p`` (this rank's shard) can have
+        active. Then per step, for ``p``:
 
-            idx  = flat indices of the active entries (int32, rebuilt only when the mask buffer changes)
-            w_A  = p[idx]; g_A = grad[idx]          # gathered into [capacity] leaves
-            AdamW on (w_A, g_A) with compact exp_avg / exp_avg_sq [capacity]   (the same fused/foreach kernel)
-            p[idx] = w_A
+            idx  = flat indices of the active entries (int32, rebuilt only when the mask buffer
+            changes) w_A  = p[idx]; g_A = grad[idx]          # gathered into [capacity] leaves AdamW
+            on (w_A, g_A) with compact exp_avg / exp_avg_sq [capacity]   (the same fused/foreach
+            kernel) p[idx] = w_A
 
-    Persistent per active entry: the two fp32 moments and the int32 index (12 B). The leaves ``w_A``, ``g_A``
-    (8 B per active entry) exist only inside ``step()``: their storage is freed after it (as FSDP2 frees
-    unsharded parameters), when the step's activations are gone already.
+    Persistent per active entry: the two fp32 moments and the int32 index (12 B). The leaves
+    ``w_A``, ``g_A`` (8 B per active entry) exist only inside ``step()``: their storage is freed
+    after it (as FSDP2 frees unsharded parameters), when the step's activations are gone already.
 
-        Inactive weights are never touched, so they stay exactly zero and DST need not re-mask each step;
-        ``p.grad`` stays dense (RigL grows by it, clipping sees it). Unmasked parameters take the plain AdamW
-        path, bit for bit. At a mask update DST calls ``compact_remap(p)``: kept entries keep their moments,
-        grown ones start at zero, pruned ones are dropped. State is plain tensors (DTensors ``[ranks x
-        capacity]`` under FSDP2, one ``[capacity]`` block per rank) + the AdamW step, with fixed shapes, so DCP
-        saves and restores it bit-exactly at the same world size.
+        Inactive weights are never touched, so they stay exactly zero and DST need not re-mask each
+        step; ``p.grad`` stays dense (RigL grows by it, clipping sees it). Unmasked parameters take
+        the plain AdamW path, bit for bit. At a mask update DST calls ``compact_remap(p)``: kept
+        entries keep their moments, grown ones start at zero, pruned ones are dropped. State is
+        plain tensors (DTensors ``[ranks x capacity]`` under FSDP2, one ``[capacity]`` block per
+        rank) + the AdamW step, with fixed shapes, so DCP saves and restores it bit-exactly at the
+        same world size.
     """
 
     @property
     def skips_on_device(self) -> bool:
-        """Fused: ``found_inf`` (a scalar tensor) skips the step on the device for the dense and the compact
-        parameters alike (training.loop.skips_on_device); the compact weights are written back unchanged."""
+        """Fused: ``found_inf`` (a scalar tensor) skips the step on the device for the dense and the
+        compact parameters alike (training.loop.skips_on_device); the compact weights are written
+        back unchanged."""
         return bool(self.defaults.get("fused"))
 
     def __init__(self, params, **kw):
@@ -311,7 +325,8 @@ class CompactAdamW(torch.optim.AdamW):
         c = _Compact(leaf, mask, p.shape[-1])
         self._compact[p] = c
         if self._inner is None:
-            # hyperparameters are copied from the outer groups at every step (schedulers change lr there)
+            # hyperparameters are copied from the outer groups at every step (schedulers change lr
+            # there)
             self._inner = torch.optim.AdamW(
                 [leaf], fused=self.defaults.get("fused"), foreach=self.defaults.get("foreach")
             )
@@ -398,9 +413,8 @@ class CompactAdamW(torch.optim.AdamW):
                 local_tensor(p).view(-1).index_put_((c.idx,), local_tensor(c.leaf)[: c.k])
                 _free(c.leaf), _free(c.leaf.grad)
                 if self.state.get(p) is not self._inner.state.get(c.leaf):
-                    self.state[p] = self._inner.state[
-                        c.leaf
-                    ]  # one dict: saved with the outer state
+                    # one dict: saved with the outer state
+                    self.state[p] = self._inner.state[c.leaf]
             elif c.leaf_grad is not None:
                 c.leaf.grad, c.leaf_grad = c.leaf_grad, None
         return loss
@@ -415,9 +429,8 @@ class CompactAdamW(torch.optim.AdamW):
 
 @dataclass
 class _Compact:
-    leaf: (
-        torch.Tensor
-    )  # [capacity] gathered active weights (a DTensor [ranks x capacity] under FSDP2)
+    # [capacity] gathered active weights (a DTensor [ranks x capacity] under FSDP2)
+    leaf: torch.Tensor
     mask: Callable  # -> this rank's packed mask buffer
     cols: int  # the weight's last dim (packed along it)
     idx: Optional[torch.Tensor] = None
@@ -440,8 +453,8 @@ def _free(t: torch.Tensor) -> None:
 
 
 def _like_shards(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """A 1-D per-rank block as a DTensor sharded over the mesh dims ``p`` is sharded on (one block per rank,
-    so DCP keeps every rank's), or ``local`` itself for a plain ``p``."""
+    """A 1-D per-rank block as a DTensor sharded over the mesh dims ``p`` is sharded on (one block
+    per rank, so DCP keeps every rank's), or ``local`` itself for a plain ``p``."""
     if not isinstance(p, DTensor):
         return local
     from torch.distributed.tensor import Replicate, Shard

@@ -1,21 +1,23 @@
-"""Multi-process layout: torchrun environment -> DeviceMesh -> FSDP2 (+ HSDP) and expert parallelism.
+"""Multi-process layout: torchrun environment -> DeviceMesh -> FSDP2 (+ HSDP) and expert
+parallelism.
 
     state = setup_parallel(cfg)            # validates degrees, then init_process_group + meshes
-    model = build_model(cfg.model, model_init_device(cfg, state))   # same seed on every rank, or "meta"
-    model = parallelize(model, cfg, state)
-    ... model.loss(x, y).backward(); clip_grad_norm_(model.parameters(), max_norm, state); opt.step()
-    dist.destroy_process_group()       # training.run does this when the run ends
+    model = build_model(cfg.model, model_init_device(cfg, state))   # same seed on every rank, or
+    "meta" model = parallelize(model, cfg, state) ... model.loss(x, y).backward();
+    clip_grad_norm_(model.parameters(), max_norm, state); opt.step() dist.destroy_process_group()
+    # training.run does this when the run ends
 
-Layout (configs/parallel.py): ranks are numbered ``r = (replica * efsdp + i) * ep + j``, so the ``ep``
-ranks of an expert group are consecutive (one node when ep <= GPUs per node). Meshes:
-- ``dense_mesh``  ("dp_replicate", "dp_shard"): FSDP2 (HSDP when dp_replicate > 1) for everything but
-  routed experts: each transformer block is one FSDP unit, the root holds embeddings, norm and output.
-- ``mesh``        ("dp_replicate", "efsdp", "ep"): ``ep`` splits the experts of every MoE layer (each
-  rank keeps ``E / ep``) and carries the token all-to-all; the experts are FSDP-sharded over
-  ("dp_replicate", "efsdp"), i.e. the ``dp_shard / ep`` ranks holding the same experts.
-Every rank is a data-parallel rank: it reads its own batch and the loss is averaged over all ranks.
-Expert gradients arrive summed over the ``ep`` ranks whose tokens used them (the all-to-all backward),
-so their FSDP reduction divides by the whole world size, like the dense gradients' does.
+Layout (configs/parallel.py): ranks are numbered ``r = (replica * efsdp + i) * ep + j``, so the
+``ep`` ranks of an expert group are consecutive (one node when ep <= GPUs per node). Meshes:
+- ``dense_mesh``  ("dp_replicate", "dp_shard"): FSDP2 (HSDP when dp_replicate > 1) for everything
+  but routed experts: each transformer block is one FSDP unit, the root holds embeddings, norm and
+  output.
+- ``mesh``        ("dp_replicate", "efsdp", "ep"): ``ep`` splits the experts of every MoE layer
+  (each rank keeps ``E / ep``) and carries the token all-to-all; the experts are FSDP-sharded over
+  ("dp_replicate", "efsdp"), i.e. the ``dp_shard / ep`` ranks holding the same experts. Every rank
+  is a data-parallel rank: it reads its own batch and the loss is averaged over all ranks. Expert
+  gradients arrive summed over the ``ep`` ranks whose tokens used them (the all-to-all backward), so
+  their FSDP reduction divides by the whole world size, like the dense gradients' does.
 
 Mixed precision on CUDA in bf16: fp32 sharded master weights, bf16 all-gathered compute weights,
 fp32 gradient reduction. ``parallel.fsdp: false`` is DDP semantics (every rank holds every weight,
@@ -50,9 +52,8 @@ class ParallelState:
     dp_replicate: int
     dp_shard: int
     ep: int
-    mesh: Optional[object] = (
-        None  # DeviceMesh ("dp_replicate", "efsdp", "ep"); None when world == 1
-    )
+    # DeviceMesh ("dp_replicate", "efsdp", "ep"); None when world == 1
+    mesh: Optional[object] = None
     dense_mesh: Optional[object] = None  # DeviceMesh ("dp_replicate", "dp_shard")
 
     @property
@@ -92,7 +93,8 @@ def resolve_device(cfg: Config, local_rank: int = 0) -> torch.device:
         raise ConfigError("train.device", "cuda requested but no CUDA device is available")
     if want == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    # One GPU per local rank: two ranks sharing a GPU fail later inside NCCL ("Duplicate GPU detected").
+    # One GPU per local rank: two ranks sharing a GPU fail later inside NCCL ("Duplicate GPU
+    # detected").
     local_world, gpus = _env_int("LOCAL_WORLD_SIZE", 1), torch.cuda.device_count()
     if local_world > gpus:
         raise ConfigError(
@@ -139,7 +141,8 @@ def setup_parallel(cfg: Config) -> ParallelState:
 
 
 def build_meshes(device_type: str, rep: int, shard: int, ep: int):
-    """The ("dp_replicate", "efsdp", "ep") and ("dp_replicate", "dp_shard") meshes over the same ranks."""
+    """The ("dp_replicate", "efsdp", "ep") and ("dp_replicate", "dp_shard") meshes over the same
+    ranks."""
     from torch.distributed.device_mesh import DeviceMesh
 
     ranks = torch.arange(rep * shard)
@@ -177,7 +180,8 @@ def _checkpointed(forward, *args, **kwargs):
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute every transformer block in backward; parameter names are unchanged (no wrapper module)."""
+    """Recompute every transformer block in backward; parameter names are unchanged (no wrapper
+    module)."""
     for block in model.layers:
         block.forward = functools.partial(_checkpointed, block.forward)
 
@@ -220,21 +224,23 @@ def _fully_shard(model: nn.Module, cfg: Config, state: ParallelState) -> None:
     dense = _fsdp_mesh(state.dense_mesh, state.dp_replicate, "dp_shard")
     expert_mesh = _fsdp_mesh(state.mesh, state.dp_replicate, "efsdp")
     efsdp = state.dp_shard // state.ep
-    # Fewer local experts than shard ranks would leave ranks with empty shards: shard the hidden dim then.
+    # Fewer local experts than shard ranks would leave ranks with empty shards: shard the hidden dim
+    # then.
     expert_placement = lambda p: Shard(0) if p.shape[0] % efsdp == 0 else Shard(1)  # noqa: E731
     moes = set(moe_modules(model))
     for block in model.layers:
         for m in block.modules():
             if m in moes:
-                # Own FSDP unit so the block's unit (dense mesh) does not take the experts, which differ
-                # across ep ranks. Divide by the world: the all-to-all backward already summed over ep.
+                # Own FSDP unit so the block's unit (dense mesh) does not take the experts, which
+                # differ across ep ranks. Divide by the world: the all-to-all backward already
+                # summed over ep.
                 fully_shard(
                     m.experts, mesh=expert_mesh, mp_policy=mp, shard_placement_fn=expert_placement
                 )
                 m.experts.set_gradient_divide_factor(float(state.world_size))
                 if dist.get_backend() == "gloo" and efsdp > 1:
-                    # gloo has no PREMUL_SUM: reduce with SUM and scale after. (Not with one shard rank:
-                    # torch then divides both in its no-communication copy and after it.)
+                    # gloo has no PREMUL_SUM: reduce with SUM and scale after. (Not with one shard
+                    # rank: torch then divides both in its no-communication copy and after it.)
                     m.experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=dense, mp_policy=mp)
     fully_shard(model, mesh=dense, mp_policy=mp)
@@ -251,13 +257,13 @@ def _expert_checkpoint_mesh(state: ParallelState):
 
 
 def checkpoint_views(sd: dict, model: nn.Module) -> dict:
-    """``{"model": model_sd, "optim": optim_sd}`` (from ``get_state_dict``) with every expert-parallel
-    tensor replaced by a view of the *global* ``[E, ...]`` tensor it is a shard of.
+    """``{"model": model_sd, "optim": optim_sd}`` (from ``get_state_dict``) with every
+    expert-parallel tensor replaced by a view of the *global* ``[E, ...]`` tensor it is a shard of.
 
-    Under EP the FSDP DTensor of ``experts.w1`` on each ep rank is ``[E/ep, ...]`` under one name, so DCP
-    would see ep different tensors as one (and keep one rank's). The views share storage with ``sd``:
-    ``dcp.save`` writes, and ``dcp.load`` fills, the same memory; checkpoints then hold ``[E, ...]``
-    tensors that load at any ep degree or on one process. Identity without EP.
+    Under EP the FSDP DTensor of ``experts.w1`` on each ep rank is ``[E/ep, ...]`` under one name,
+    so DCP would see ep different tensors as one (and keep one rank's). The views share storage with
+    ``sd``: ``dcp.save`` writes, and ``dcp.load`` fills, the same memory; checkpoints then hold
+    ``[E, ...]`` tensors that load at any ep degree or on one process. Identity without EP.
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -309,10 +315,10 @@ def init_local_shards(model: nn.Module, seed: int) -> None:
 
     The seed is keyed on the rank's ``dp_shard`` coordinate, so shards of one tensor (and experts on
     different ep ranks, which share their FSDP shard position) differ while HSDP replicas agree. The
-    local tensors are swapped in for the DTensor parameters during the call (same storage), so this does
-    not depend on DTensor's RNG tracker; it needs an elementwise init (normal/zeros/ones), which is what
-    the zoo's ``init_weights`` methods do. Buffers left garbage by ``to_empty`` are zeroed first (the
-    derived ones, like RoPE frequencies, are recomputed by ``init_weights``).
+    local tensors are swapped in for the DTensor parameters during the call (same storage), so this
+    does not depend on DTensor's RNG tracker; it needs an elementwise init (normal/zeros/ones),
+    which is what the zoo's ``init_weights`` methods do. Buffers left garbage by ``to_empty`` are
+    zeroed first (the derived ones, like RoPE frequencies, are recomputed by ``init_weights``).
     """
     from torch.distributed.tensor import DTensor
 
@@ -338,9 +344,9 @@ def init_local_shards(model: nn.Module, seed: int) -> None:
 
 def model_init_device(cfg: Config, state: ParallelState, max_fraction: float = 0.25):
     """Where to build the model before ``parallelize``: ``state.device`` (every rank builds the full
-    model from the same seed, so a run on N ranks starts from the weights of a 1-rank run), or "meta"
-    when the unsharded fp32 weights would take more than ``max_fraction`` of one device's memory (then
-    each rank initialises only its shards, see ``init_local_shards``)."""
+    model from the same seed, so a run on N ranks starts from the weights of a 1-rank run), or
+    "meta" when the unsharded fp32 weights would take more than ``max_fraction`` of one device's
+    memory (then each rank initialises only its shards, see ``init_local_shards``)."""
     if not state.distributed:
         return state.device
     from moezoo.zoo.flops import param_counts
@@ -350,7 +356,8 @@ def model_init_device(cfg: Config, state: ParallelState, max_fraction: float = 0
 
 
 def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """The factor clipping multiplies the gradients by: ``min(1, max_norm / (norm + 1e-6))`` (float32)."""
+    """The factor clipping multiplies the gradients by: ``min(1, max_norm / (norm + 1e-6))``
+    (float32)."""
     return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
@@ -364,7 +371,8 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Total gradient norm over the whole (sharded) model, same on every rank; scales the gradients
     down to ``max_norm`` when it is exceeded (``max_norm <= 0`` or ``apply=False``: measure only).
-    ``grads``: the gradients, where an optimizer keeps them outside ``.grad`` (``MasterAdamW.gradient(p)``).
+    ``grads``: the gradients, where an optimizer keeps them outside ``.grad``
+    (``MasterAdamW.gradient(p)``).
 
     ``torch.nn.utils.clip_grad_norm_`` cannot mix the dense and the expert meshes' DTensors, so this
     sums squares of the local shards and all-reduces once: every parameter element lives on exactly
@@ -376,8 +384,9 @@ def clip_grad_norm_(
         grads = [p.grad for p in parameters if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     device = local[0].device if local else state.device
-    # Float32 norms of bf16 gradients too (a bf16 norm would round the clipping factor), one foreach launch
-    # per dtype (bf16 weights; float32 embeddings and norms), summed in parameter order whatever the dtypes.
+    # Float32 norms of bf16 gradients too (a bf16 norm would round the clipping factor), one foreach
+    # launch per dtype (bf16 weights; float32 embeddings and norms), summed in parameter order
+    # whatever the dtypes.
     by_dtype: dict = {}
     for i, g in enumerate(local):
         by_dtype.setdefault(g.dtype, []).append(i)

@@ -8,25 +8,25 @@ answer would produce). Tokens: ``haystack[:i] + needle + haystack[i:] + question
     needle   = " The pass key is" KEY ". Remember it." KEY " is the pass key."
     question = " What is the pass key? The pass key is" KEY
 
-``KEY`` = the tokens of a random 5-digit number (encoded once, the same ids everywhere). Samples are a
-pure function of (seed, length, index): the same haystack offsets, depths and keys in every run, so
-dense and sparse models are scored on identical inputs. Depths go evenly from 0 to 1 over a length's
-samples. A model trained on text without such tasks retrieves by induction (copying what followed
-"The pass key is" before), which is what this probes: attention that cannot reach the needle fails.
+``KEY`` = the tokens of a random 5-digit number (encoded once, the same ids everywhere). Samples are
+a pure function of (seed, length, index): the same haystack offsets, depths and keys in every run,
+so dense and sparse models are scored on identical inputs. Depths go evenly from 0 to 1 over a
+length's samples. A model trained on text without such tasks retrieves by induction (copying what
+followed "The pass key is" before), which is what this probes: attention that cannot reach the
+needle fails.
 
 A model trained from scratch for minutes has no reason to have learned that copy. ``PasskeyMix``
 (``data.passkey_mix``) puts the task into training: a share of the training windows carries needles
 with fresh keys, each asked once at distances up to the window, so what the eval then measures is
-whether the attention pattern can *learn* to reach back to the needle (a static window cannot, beyond
-its span).
-The eval's haystacks are validation text, which never carries a training needle.
+whether the attention pattern can *learn* to reach back to the needle (a static window cannot,
+beyond its span). The eval's haystacks are validation text, which never carries a training needle.
 
-For models with block top-k heads the eval also says whether the *selection* found the needle (needle
-recall): for each sample whose needle lies in a key block before the question's query block, the share
-of (layer, block top-k head) selections for the query that predicts the first answer token that hold a
-block of the needle's key. Accuracy without recall means the heads never chose the needle's block; recall
-without accuracy means they chose it and the model did not copy from it. Recorded in eager forwards only
-(compiled blocks keep no stats).
+For models with block top-k heads the eval also says whether the *selection* found the needle
+(needle recall): for each sample whose needle lies in a key block before the question's query block,
+the share of (layer, block top-k head) selections for the query that predicts the first answer token
+that hold a block of the needle's key. Accuracy without recall means the heads never chose the
+needle's block; recall without accuracy means they chose it and the model did not copy from it.
+Recorded in eager forwards only (compiled blocks keep no stats).
 
 ``passkey_eval(model, tokenizer, val_tokens, lengths, samples)`` -> ``PasskeyResult`` (accuracy and
 recall per length); ``format_passkey_table`` prints it, ``passkey_metrics`` names it for the logs;
@@ -63,8 +63,8 @@ def _needle_and_ask(parts, question: list[int], key: list[int]) -> tuple[list[in
 def passkey_sample(
     tokenizer, haystack: np.ndarray, length: int, depth: float, seed: int
 ) -> tuple[list[int], int, list[int]]:
-    """``(tokens[length], n_answer, key_pos)``: one sample; its last ``n_answer`` tokens are the key, and
-    ``key_pos`` are the positions of the needle's two copies of it."""
+    """``(tokens[length], n_answer, key_pos)``: one sample; its last ``n_answer`` tokens are the
+    key, and ``key_pos`` are the positions of the needle's two copies of it."""
     rng = np.random.default_rng(seed)
     key = _random_key(tokenizer, rng)
     parts, question = _encoded_parts(tokenizer)
@@ -87,29 +87,31 @@ def passkey_sample(
 class PasskeyMix:
     """Passkeys written into training windows (``data.passkey_mix``, ``data.passkey_questions``).
 
-    ``apply_(windows, draws) -> answers bool [N, S+1]``: ``windows int64 [N, S+1]`` (token windows before
-    the input/target shift), changed in place; ``answers`` marks the asked keys' tokens (the positions
-    ``answer_weight`` weighs in the training loss, ``training.data.sample_batch``). Row ``i`` is drawn
-    from ``draws[i]`` alone (training.data.sample_batch passes
-    ``(seed, step, epoch, index in the global batch)``), so which windows carry keys, and where, does
-    not depend on how ranks or accumulation split the batch, and a resumed run sees the same data.
+    ``apply_(windows, draws) -> answers bool [N, S+1]``: ``windows int64 [N, S+1]`` (token windows
+    before the input/target shift), changed in place; ``answers`` marks the asked keys' tokens (the
+    positions ``answer_weight`` weighs in the training loss, ``training.data.sample_batch``). Row
+    ``i`` is drawn from ``draws[i]`` alone (training.data.sample_batch passes ``(seed, step, epoch,
+    index in the global batch)``), so which windows carry keys, and where, does not depend on how
+    ranks or accumulation split the batch, and a resumed run sees the same data.
 
     A chosen window is cut into ``m`` equal segments, ``m`` drawn from the powers of two up to
-    ``questions`` (1, 2, 4, .. 64 for 64); each segment gets, over its own text, a needle with its own
-    fresh key at a uniform position and one ``question + key`` at the segment's end. So the distance from
-    question to needle spans every scale up to the whole window (the eval's depths do too), and the most
-    recent "The pass key is" before a question is always its own needle: an answer can only be copied
-    from the needle, never from an earlier question (which, with several questions about one key, lets a
-    model learn a short copy that does not reach back: a 31M model trained that way at 16k scored 0%).
+    ``questions`` (1, 2, 4, .. 64 for 64); each segment gets, over its own text, a needle with its
+    own fresh key at a uniform position and one ``question + key`` at the segment's end. So the
+    distance from question to needle spans every scale up to the whole window (the eval's depths do
+    too), and the most recent "The pass key is" before a question is always its own needle: an
+    answer can only be copied from the needle, never from an earlier question (which, with several
+    questions about one key, lets a model learn a short copy that does not reach back: a 31M model
+    trained that way at 16k scored 0%).
 
-    ``distance_bias`` (``data.passkey_distance_bias``) weighs how ``m`` is drawn: ``P(m) ~ m ** -bias``.
-    A segment's distances are uniform up to its length ``window / m``, so long distances come only from
-    windows with few segments, and a window holds at most one episode farther back than half of it: more
-    long episodes cost short ones. 0 (the default) draws ``m`` uniformly over the levels, which puts
-    nearly all episodes at short range; 1 gives every level (segment lengths an octave apart) the same
-    expected number of episodes. Expected per window at ``questions`` 256 and 16k tokens
-    (zoo/sparse_attn_small_16k.yaml; "far" = farther back than a quarter of the window, 4k, where its
-    dense model stops retrieving; the last column with its 6-token keys and ``answer_weight`` 20):
+    ``distance_bias`` (``data.passkey_distance_bias``) weighs how ``m`` is drawn: ``P(m) ~ m **
+    -bias``. A segment's distances are uniform up to its length ``window / m``, so long distances
+    come only from windows with few segments, and a window holds at most one episode farther back
+    than half of it: more long episodes cost short ones. 0 (the default) draws ``m`` uniformly over
+    the levels, which puts nearly all episodes at short range; 1 gives every level (segment lengths
+    an octave apart) the same expected number of episodes. Expected per window at ``questions`` 256
+    and 16k tokens (zoo/sparse_attn_small_16k.yaml; "far" = farther back than a quarter of the
+    window, 4k, where its dense model stops retrieving; the last column with its 6-token keys and
+    ``answer_weight`` 20):
 
         bias   P(m=1)   episodes   far episodes   far share   answers' share of the loss weight
         0      0.111    56.8       0.194          0.3%        30%
@@ -117,13 +119,14 @@ class PasskeyMix:
         1      0.501    4.51       0.626          13.9%       3.2%
         2      0.750    1.50       0.750          50%         1.1%
 
-    (2400 steps x 2 windows: 930 far episodes against 272k short ones at 0, 3000 against 19k at 1). No
-    bias gets more than 0.75 far episodes a window (every window one segment); what it trades is the
-    short-range practice and the answers' weight in the loss, which ``answer_weight`` may then make up.
-    On the H200 (BENCHMARKS.md Q9) the bias-1 mix from step 0 (answer weight 100) taught a 31M dense model
-    at 16k nothing in 2400 steps (0% / 0%) where the unbiased one (weight 20) taught it 75% / 25%: the copy
-    is learned at short range first. ``bias_from_step`` (``data.passkey_bias_from_step``) draws the
-    unbiased mix for the windows of earlier steps (``draws[i][1]``) and the biased one from that step on.
+    (2400 steps x 2 windows: 930 far episodes against 272k short ones at 0, 3000 against 19k at 1).
+    No bias gets more than 0.75 far episodes a window (every window one segment); what it trades is
+    the short-range practice and the answers' weight in the loss, which ``answer_weight`` may then
+    make up. On the H200 (BENCHMARKS.md Q9) the bias-1 mix from step 0 (answer weight 100) taught a
+    31M dense model at 16k nothing in 2400 steps (0% / 0%) where the unbiased one (weight 20) taught
+    it 75% / 25%: the copy is learned at short range first. ``bias_from_step``
+    (``data.passkey_bias_from_step``) draws the unbiased mix for the windows of earlier steps
+    (``draws[i][1]``) and the biased one from that step on.
     """
 
     def __init__(
@@ -138,12 +141,12 @@ class PasskeyMix:
     ):
         self.tokenizer, self.share, self.answer_weight = tokenizer, share, answer_weight
         self.bias_from_step = bias_from_step
-        self.counts = [
-            1 << i for i in range(questions.bit_length())
-        ]  # segments a window: 1, 2, 4, ..
-        # Unbiased, m stays the one rng.integers call earlier runs drew it with, so their windows (and their
-        # resumes) are unchanged. Biased: one rng.random() against the cumulative P(m) ~ m ** -bias; the
-        # bounds stop before the last level, so a sum that rounds below 1 still ends on it.
+        # segments a window: 1, 2, 4, ..
+        self.counts = [1 << i for i in range(questions.bit_length())]
+        # Unbiased, m stays the one rng.integers call earlier runs drew it with, so their windows
+        # (and their resumes) are unchanged. Biased: one rng.random() against the cumulative P(m) ~
+        # m ** -bias; the bounds stop before the last level, so a sum that rounds below 1 still ends
+        # on it.
         self.count_bounds = None
         if distance_bias:
             weights = np.array(self.counts, dtype=np.float64) ** -distance_bias
@@ -181,9 +184,8 @@ class PasskeyMix:
                 key = _random_key(self.tokenizer, rng)
                 needle, ask = _needle_and_ask(self.parts, self.question, key)
                 free = seg - len(needle) - len(ask)
-                if (
-                    free < 0
-                ):  # a key that tokenizes longer than the init check's: leave this segment's text
+                # a key that tokenizes longer than the init check's: leave this segment's text
+                if free < 0:
                     continue
                 at = s * seg + int(rng.integers(0, free + 1))
                 w[at : at + len(needle)] = needle
@@ -195,10 +197,11 @@ class PasskeyMix:
 
 @dataclass
 class PasskeyResult:
-    """``accuracy``: per length, the share of samples whose answer the model gives. ``recall``: per length,
-    the needle recall of the block top-k heads (module docstring), over the samples whose needle is in an
-    earlier key block than the question; ``recall_layers``: the same per layer (``layer_id``). Lengths with
-    no such sample, and models without block top-k heads, have no recall entry."""
+    """``accuracy``: per length, the share of samples whose answer the model gives. ``recall``: per
+    length, the needle recall of the block top-k heads (module docstring), over the samples whose
+    needle is in an earlier key block than the question; ``recall_layers``: the same per layer
+    (``layer_id``). Lengths with no such sample, and models without block top-k heads, have no
+    recall entry."""
 
     accuracy: dict[int, float]
     recall: dict[int, float] = field(default_factory=dict)
@@ -226,9 +229,8 @@ def _recording_selection(model):
     finally:
         for m, b in zip(layers, before):
             m.record_selection = b
-            m.attn_stats = {
-                k: v for k, v in m.attn_stats.items() if k != "selection"
-            }  # drop the blocks
+            # drop the blocks
+            m.attn_stats = {k: v for k, v in m.attn_stats.items() if k != "selection"}
 
 
 @torch.no_grad()
@@ -242,8 +244,8 @@ def passkey_eval(
     device=None,
     autocast=None,
 ) -> PasskeyResult:
-    """Accuracy (and needle recall) per length over ``samples`` needles at depths ``0, 1/(n-1), .., 1``
-    (one forward each)."""
+    """Accuracy (and needle recall) per length over ``samples`` needles at depths ``0, 1/(n-1), ..,
+    1`` (one forward each)."""
     device = device or next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -258,7 +260,8 @@ def passkey_eval(
                     tokenizer, val_tokens, L, depth, seed * 1_000_003 + L * 1009 + i
                 )
                 x = torch.tensor(toks, device=device)[None]
-                torch.compiler.cudagraph_mark_step_begin()  # as Trainer.compute_loss (CUDA-graphed blocks)
+                # as Trainer.compute_loss (CUDA-graphed blocks)
+                torch.compiler.cudagraph_mark_step_begin()
                 with autocast() if autocast else torch.autocast(device.type, enabled=False):
                     logits = model(x)
                 pred = logits[0, -n - 1 : -1].argmax(-1)
@@ -289,9 +292,8 @@ def format_passkey_table(results: PasskeyResult, title: str = "passkey") -> str:
         f"{title:>10} | " + " | ".join(f"{L:>7}" for L in results.accuracy),
         f"{'accuracy':>10} | " + " | ".join(f"{a:>7.0%}" for a in results.accuracy.values()),
     ]
-    if (
-        results.recall
-    ):  # block top-k heads: did the selection hold the needle (blank: no far needle)
+    # block top-k heads: did the selection hold the needle (blank: no far needle)
+    if results.recall:
         rows.append(
             f"{'recall':>10} | "
             + " | ".join(
@@ -303,8 +305,8 @@ def format_passkey_table(results: PasskeyResult, title: str = "passkey") -> str:
 
 
 def passkey_metrics(results: PasskeyResult) -> dict:
-    """wandb / metrics.jsonl keys: ``passkey/<length>`` and their mean ``passkey/mean``; with block top-k
-    heads ``passkey_recall/<length>`` and ``passkey_recall/<length>/layer<i>``."""
+    """wandb / metrics.jsonl keys: ``passkey/<length>`` and their mean ``passkey/mean``; with block
+    top-k heads ``passkey_recall/<length>`` and ``passkey_recall/<length>/layer<i>``."""
     out = {f"passkey/{L}": a for L, a in results.accuracy.items()}
     if results.accuracy:
         out["passkey/mean"] = sum(results.accuracy.values()) / len(results.accuracy)

@@ -1,4 +1,5 @@
-"""``--plan``: params, FLOPs per token, memory per GPU and a dp/ep layout, without allocating weights.
+"""``--plan``: params, FLOPs per token, memory per GPU and a dp/ep layout, without allocating
+weights.
 
     p = plan(load_config("zoo/moe_65b.yaml"), n_gpus=256)
     print(format_plan(p))
@@ -7,16 +8,15 @@
 The model is built on the meta device, so a 1.4T-parameter preset plans in seconds on a laptop.
 
 Memory model per GPU (bytes), for FSDP2 with mixed precision as training.parallel sets it up:
-- weights: fp32 master copy, sharded: dense over ``dp_shard``, experts over ``ep x dp_shard/ep`` (also
-  ``dp_shard``). Without FSDP (DDP) everything is replicated.
+- weights: fp32 master copy, sharded: dense over ``dp_shard``, experts over ``ep x dp_shard/ep``
+  (also ``dp_shard``). Without FSDP (DDP) everything is replicated.
 - grads: fp32, sharded like the weights. optimizer: AdamW exp_avg + exp_avg_sq, fp32, sharded.
 - fsdp buffers: the unsharded compute-dtype weights of two blocks (current + prefetched) and one
   block's unsharded grads before reduce-scatter; an EP rank gathers only its ``E/ep`` experts.
 - activations: tensors autograd keeps per token (see ``activation_bytes_per_token``) times the
-  micro-batch tokens ``batch_size x seq_len``; with activation checkpointing only each block's input is
-  kept plus one block recomputed at a time.
-A run "fits" when the total is at most ``HEADROOM`` of the device memory (CUDA context, allocator
-fragmentation and NCCL buffers take the rest).
+  micro-batch tokens ``batch_size x seq_len``; with activation checkpointing only each block's input
+  is kept plus one block recomputed at a time. A run "fits" when the total is at most ``HEADROOM``
+  of the device memory (CUDA context, allocator fragmentation and NCCL buffers take the rest).
 """
 
 from __future__ import annotations
@@ -63,13 +63,13 @@ class Memory:
     fsdp_buffers: float
     activations: float
     dst_masks: float = 0.0  # DST mask / ever-active / EMA-score buffers, sharded like the weights
-    dst_step: float = (
-        0.0  # compact DST state: gathered active weights + grads inside optimizer.step()
-    )
+    # compact DST state: gathered active weights + grads inside optimizer.step()
+    dst_step: float = 0.0
 
     @property
     def total(self) -> float:
-        # the compact store's gather lives only inside the optimizer step, after backward freed the activations
+        # the compact store's gather lives only inside the optimizer step, after backward freed the
+        # activations
         return (
             self.weights
             + self.grads
@@ -150,11 +150,11 @@ def _shape(model, cfg: Optional[Config] = None) -> _Shape:
 def activation_bytes_per_token(cfg: Config, compute_bytes: int, checkpointing: bool) -> float:
     """Bytes autograd holds per token for one forward (all layers + logits).
 
-    Per block, in units of compute-dtype elements: attention keeps its input, the normed input,
-    q, k, v and the attention output (4D + 2 Dkv); a dense SwiGLU keeps its input, the normed input and
-    w1x, w3x, silu(w1x), their product (2D + 4H); a routed MoE keeps its input, the normed input, fp32
-    router logits (2E units), and per chosen expert the dispatched token, its output and 4 H_e hidden
-    tensors; shared experts add 4 H_s. The head keeps compute-dtype and fp32 logits and the
+    Per block, in units of compute-dtype elements: attention keeps its input, the normed input, q,
+    k, v and the attention output (4D + 2 Dkv); a dense SwiGLU keeps its input, the normed input and
+    w1x, w3x, silu(w1x), their product (2D + 4H); a routed MoE keeps its input, the normed input,
+    fp32 router logits (2E units), and per chosen expert the dispatched token, its output and 4 H_e
+    hidden tensors; shared experts add 4 H_s. The head keeps compute-dtype and fp32 logits and the
     cross-entropy grad (2 + 4 + 4 bytes per vocab entry).
     """
     m = cfg.model
@@ -182,9 +182,8 @@ def activation_bytes_per_token(cfg: Config, compute_bytes: int, checkpointing: b
 
 def memory_per_gpu(cfg: Config, shape: _Shape, layout: Layout, compute_bytes: int) -> Memory:
     shard = layout.dp_shard if layout.fsdp else 1
-    expert_shard = layout.ep * (
-        shard // layout.ep if layout.fsdp else 1
-    )  # ranks one expert weight spans
+    # ranks one expert weight spans
+    expert_shard = layout.ep * (shard // layout.ep if layout.fsdp else 1)
     held = shape.dense_params / shard + shape.expert_params / expert_shard
     gathered_block = shape.max_block_dense + shape.max_block_expert / layout.ep
     buffers = (
@@ -197,9 +196,8 @@ def memory_per_gpu(cfg: Config, shape: _Shape, layout: Layout, compute_bytes: in
     dst_held = shape.dst_dense / shard + shape.dst_expert / expert_shard
     cost = dst_cost(cfg, layout)
     weight_b, grad_b = FP32, FP32
-    if (
-        cfg.train.param_dtype == "bfloat16"
-    ):  # bf16 weights + float32 masters; bf16 grads (+ float32 sums)
+    # bf16 weights + float32 masters; bf16 grads (+ float32 sums)
+    if cfg.train.param_dtype == "bfloat16":
         weight_b, grad_b = 2 + FP32, 2 + (FP32 if cfg.train.grad_accum > 1 else 0)
     return Memory(
         weights=held * weight_b,
@@ -213,8 +211,8 @@ def memory_per_gpu(cfg: Config, shape: _Shape, layout: Layout, compute_bytes: in
 
 
 def dst_cost(cfg: Config, layout: Layout):
-    """Bytes per masked weight of the DST options (layers.dst.costs); the compact store keeps a 10% margin
-    for weights sharded over ranks."""
+    """Bytes per masked weight of the DST options (layers.dst.costs); the compact store keeps a 10%
+    margin for weights sharded over ranks."""
     from moezoo.layers.dst.costs import dst_state_bytes
 
     return dst_state_bytes(cfg.dst, margin=1.1 if layout.fsdp and layout.dp_shard > 1 else 1.0)
@@ -228,8 +226,8 @@ def recommend_layout(
     cfg: Config, shape: _Shape, n_gpus: int, compute_bytes: int, device_bytes: float
 ) -> Layout:
     """FSDP over every GPU; EP as wide as divides both the experts and the GPUs (expert weights then
-    stay put and only tokens move, which is far less data per step than gathering experts); activation
-    checkpointing only when the plan would not fit without it."""
+    stay put and only tokens move, which is far less data per step than gathering experts);
+    activation checkpointing only when the plan would not fit without it."""
     ep = (
         max(d for d in _divisors(n_gpus) if shape.num_experts and shape.num_experts % d == 0)
         if shape.num_experts
@@ -273,8 +271,8 @@ def plan(
 
     ``n_gpus=None``: the smallest power of two (up to 2^16) that fits with the recommended layout.
     The layout is the config's ``parallel`` section when its degrees resolve for ``n_gpus`` and were
-    set explicitly (``ep > 1`` or ``dp_shard != -1``), else the recommended one. ``model``: an already
-    built model to count instead of building one on the meta device.
+    set explicitly (``ep > 1`` or ``dp_shard != -1``), else the recommended one. ``model``: an
+    already built model to count instead of building one on the meta device.
     """
     if model is None:
         from moezoo.zoo import build_model
@@ -419,12 +417,14 @@ class PlanDoesNotFit(ConfigError):
 
 
 def moe_num_experts(cfg: Config) -> Optional[int]:
-    """Routed experts per MoE layer (what ``parallel.ep`` must divide), None for a model without MoE."""
+    """Routed experts per MoE layer (what ``parallel.ep`` must divide), None for a model without
+    MoE."""
     return cfg.model.moe.num_experts if "moe" in cfg.model.layer_ffn_types() else None
 
 
 def device_memory_bytes(device) -> float:
-    """Total memory of one device: the GPU's, or this host's RAM split over its local ranks on CPU."""
+    """Total memory of one device: the GPU's, or this host's RAM split over its local ranks on
+    CPU."""
     import torch
 
     device = torch.device(device)

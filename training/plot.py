@@ -5,8 +5,9 @@
 - ``expert_load_step_<step>.png`` (MoE): the token share of every expert of every layer, on a fixed
   scale 0 .. 2/E centred on the uniform share 1/E, so pictures of different steps compare.
 
-The trainer writes them at every evaluation (``logging.plots``); ``python -m moezoo.training.plot runs/X``
-redraws ``metrics.png`` of any run. matplotlib is imported when a picture is drawn (Agg: no display).
+The trainer writes them at every evaluation (``logging.plots``); ``python -m moezoo.training.plot
+runs/X`` redraws ``metrics.png`` of any run. matplotlib is imported when a picture is drawn (Agg: no
+display).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ PLOTS_DIR = "plots"
 def heatmap_figure(
     matrix, xlabel: str, ylabel: str, title: str, vmax: float | None = None, cbar_label: str = ""
 ):
-    """``matrix [rows, cols]`` with axes and a colour bar; with ``vmax`` the scale is fixed at 0 .. vmax,
-    diverging around vmax / 2 (white), else it spans the matrix."""
+    """``matrix [rows, cols]`` with axes and a colour bar; with ``vmax`` the scale is fixed at 0 ..
+    vmax, diverging around vmax / 2 (white), else it spans the matrix."""
     plt = pyplot()
     m = np.asarray(matrix, dtype=np.float64)
     rows, cols = m.shape
@@ -50,7 +51,8 @@ def heatmap_figure(
 
 
 def expert_load_figure(load, step: int):
-    """Expert load ``[layers, experts]`` (token shares, rows sum to 1) on the fixed scale 0 .. 2/E."""
+    """Expert load ``[layers, experts]`` (token shares, rows sum to 1) on the fixed scale 0 ..
+    2/E."""
     E = np.asarray(load).shape[1]
     return heatmap_figure(
         load,
@@ -78,7 +80,8 @@ def figure_array(fig):
 
 
 def read_metrics(path: str) -> dict[str, tuple[list[int], list[float]]]:
-    """``{key: (steps, values)}`` from a metrics.jsonl; a step logged twice (resume, rollback) keeps its last value."""
+    """``{key: (steps, values)}`` from a metrics.jsonl; a step logged twice (resume, rollback) keeps
+    its last value."""
     by_step: dict[str, dict[int, float]] = {}
     with open(path) as f:
         for line in f:
@@ -123,7 +126,8 @@ def metrics_figure(metrics: dict, title: str):
 
 
 def write_metrics_plot(out_dir: str, title: str | None = None) -> str | None:
-    """``<out_dir>/plots/metrics.png`` from ``<out_dir>/metrics.jsonl``; None when there is nothing to draw."""
+    """``<out_dir>/plots/metrics.png`` from ``<out_dir>/metrics.jsonl``; None when there is nothing
+    to draw."""
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         return None

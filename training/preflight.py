@@ -1,4 +1,5 @@
-"""Checks a run makes from its config before any expensive work (reading the corpus, building the model).
+"""Checks a run makes from its config before any expensive work (reading the corpus, building the
+model).
 
 Each failure is a ConfigError naming the key: one line, exit 2 from train.py.
 """
@@ -44,9 +45,8 @@ def check_paths(cfg: Config) -> None:
     if cfg.data.tokenizer:
         if not os.path.isfile(cfg.data.tokenizer):
             raise ConfigError("data.tokenizer", f"file not found: {cfg.data.tokenizer}")
-        tok = Tokenizer(
-            cfg.data.tokenizer
-        )  # a small file: loading it is the check that it is a model
+        # a small file: loading it is the check that it is a model
+        tok = Tokenizer(cfg.data.tokenizer)
         if tok.vocab_size != cfg.model.vocab_size:
             raise ConfigError(
                 "model.vocab_size",
@@ -61,8 +61,9 @@ def check_paths(cfg: Config) -> None:
 
 
 def check_runtime(cfg: Config, device, world_size: int = 1) -> None:
-    """The fast paths the config asks for explicitly run on ``device`` (a torch.device): flash-attn-4 for
-    attention, FP8 expert GEMMs (``model.moe.precision: fp8``), bf16 weights (``train.param_dtype``)."""
+    """The fast paths the config asks for explicitly run on ``device`` (a torch.device):
+    flash-attn-4 for attention, FP8 expert GEMMs (``model.moe.precision: fp8``), bf16 weights
+    (``train.param_dtype``)."""
     cfg.model.attention.check_runtime(device.type)
     if cfg.train.param_dtype == "bfloat16" and world_size > 1:
         raise ConfigError(
@@ -83,12 +84,14 @@ def check_runtime(cfg: Config, device, world_size: int = 1) -> None:
 
 
 def check_model(cfg: Config, meta_model) -> None:
-    """Checks that need the model's shapes, on a meta-device build (no memory): DST targets and blocks."""
+    """Checks that need the model's shapes, on a meta-device build (no memory): DST targets and
+    blocks."""
     if cfg.dst.enabled:
         from moezoo.layers import DynamicSparsity
 
-        # The real constructor on the throwaway meta model: the same checks, run before anything is allocated.
-        # No optimizer exists yet, so the compact optimizer state (checked when the trainer builds it) is off.
+        # The real constructor on the throwaway meta model: the same checks, run before anything is
+        # allocated. No optimizer exists yet, so the compact optimizer state (checked when the
+        # trainer builds it) is off.
         DynamicSparsity(
             meta_model, None, cfg=cfg.dst, total_steps=cfg.train.steps, compact_state=False
         )

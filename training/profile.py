@@ -1,17 +1,17 @@
-"""Step profiles (``logging.profile_at``, ``logging.profile_steps``): torch.profiler over a few training
-steps of a real run, written to the run folder, with where the device time went by kind.
+"""Step profiles (``logging.profile_at``, ``logging.profile_steps``): torch.profiler over a few
+training steps of a real run, written to the run folder, with where the device time went by kind.
 
     python train.py --config zoo/tiny_moe.yaml logging.profile_at=20 logging.profile_steps=3
 
 writes, per rank, ``<out_dir>/profile/trace_rank<r>.json`` (open in https://ui.perfetto.dev or
-chrome://tracing) and ``ops_rank<r>.txt`` (the ops by self time, torch's ``key_averages`` table), and
-logs ``profile/<kind>_share`` (matmul, attention, communication, optimizer, other: shares of the
+chrome://tracing) and ``ops_rank<r>.txt`` (the ops by self time, torch's ``key_averages`` table),
+and logs ``profile/<kind>_share`` (matmul, attention, communication, optimizer, other: shares of the
 profiled device time, CPU op time on a CPU run), ``profile/step_ms``, ``profile/kernels_per_step``
-(kernel launches; a small model's step is bound by them when the count is high and the step short) and,
-on a GPU, ``profile/idle_ms`` (a step's time with no device work between the first and last kernel: the
-device waiting on the host).
-The kinds are read off kernel names, as torchtitan's and Megatron's profile summaries do: a rough
-split, the trace holds the truth. Profiling adds host overhead to the profiled steps only.
+(kernel launches; a small model's step is bound by them when the count is high and the step short)
+and, on a GPU, ``profile/idle_ms`` (a step's time with no device work between the first and last
+kernel: the device waiting on the host). The kinds are read off kernel names, as torchtitan's and
+Megatron's profile summaries do: a rough split, the trace holds the truth. Profiling adds host
+overhead to the profiled steps only.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Optional
 
 import torch
 
-# (kind, name fragments), first match wins: collectives before everything (an NCCL kernel name can hold
-# "gemm"-like words), attention before matmul (flash / flex kernels run matmuls inside).
+# (kind, name fragments), first match wins: collectives before everything (an NCCL kernel name can
+# hold "gemm"-like words), attention before matmul (flash / flex kernels run matmuls inside).
 KINDS = (
     (
         "communication",
@@ -74,29 +74,28 @@ def _device_events(prof, on_gpu: bool):
         if on_gpu:
             t = getattr(e, "self_device_time_total", 0) or 0
             is_kernel = str(getattr(e, "device_type", "")).endswith("CUDA")
-            if (
-                t > 0 and is_kernel and not _is_scope(e)
-            ):  # counted, scopes doubled the optimizer's share
+            # counted, scopes doubled the optimizer's share
+            if t > 0 and is_kernel and not _is_scope(e):
                 rows.append((e.key, t, e.count))
-        elif e.self_cpu_time_total > 0 and e.key.startswith(
-            ("aten::", "c10d::")
-        ):  # ops, not their scopes
+        # ops, not their scopes
+        elif e.self_cpu_time_total > 0 and e.key.startswith(("aten::", "c10d::")):
             rows.append((e.key, e.self_cpu_time_total, e.count))
     return rows
 
 
 def _is_scope(e) -> bool:
-    # record_function scopes also appear on the GPU timeline ("Optimizer.step#AdamW.step", its span of the
-    # optimizer's kernels): not device work of their own
+    # record_function scopes also appear on the GPU timeline ("Optimizer.step#AdamW.step", its span
+    # of the optimizer's kernels): not device work of their own
     return getattr(e, "is_user_annotation", False) or "#" in e.key
 
 
 def device_gaps(events, top: int = 3) -> tuple[float, float, list]:
-    """The profiled device work (kernels, memsets, copies: events on the CUDA timeline; ``prof.events()``)
-    -> (span, idle, largest gaps): microseconds from the first one's start to the last one's end, how many
-    of them no device work ran (the union of the intervals: streams may overlap), and the ``top`` gaps as
-    (us, work before, work after). Idle inside the span is the device waiting on the host: launches slower
-    than the kernels, or a sync (an upper bound: the profiler adds host time to every op)."""
+    """The profiled device work (kernels, memsets, copies: events on the CUDA timeline;
+    ``prof.events()``) -> (span, idle, largest gaps): microseconds from the first one's start to the
+    last one's end, how many of them no device work ran (the union of the intervals: streams may
+    overlap), and the ``top`` gaps as (us, work before, work after). Idle inside the span is the
+    device waiting on the host: launches slower than the kernels, or a sync (an upper bound: the
+    profiler adds host time to every op)."""
     iv = sorted(
         (e.time_range.start, e.time_range.end, e.key)
         for e in events

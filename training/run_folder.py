@@ -1,10 +1,10 @@
 """A run folder (``train.out_dir``, default ``runs/<name>``) belongs to one run.
 
-Overrides keep the preset's name, so ``--config zoo/tiny_dense.yaml model.n_layers=2`` would land in the
-preset's folder: a fresh run there would mix metrics.jsonl rows of two runs and rotate away the other
-run's checkpoints. So a fresh run refuses a folder holding checkpoints, unless ``--resume`` (continue
-that run) or ``train.overwrite=true`` (delete it and start over). Each run gets a random ``run_id``,
-saved in its checkpoints; rotation deletes only checkpoints of the same id.
+Overrides keep the preset's name, so ``--config zoo/tiny_dense.yaml model.n_layers=2`` would land in
+the preset's folder: a fresh run there would mix metrics.jsonl rows of two runs and rotate away the
+other run's checkpoints. So a fresh run refuses a folder holding checkpoints, unless ``--resume``
+(continue that run) or ``train.overwrite=true`` (delete it and start over). Each run gets a random
+``run_id``, saved in its checkpoints; rotation deletes only checkpoints of the same id.
 """
 
 from __future__ import annotations

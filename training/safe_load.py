@@ -1,16 +1,19 @@
 """Reading checkpoint files without running code from them.
 
-A checkpoint directory may come from someone else, and ``pickle`` executes whatever a file asks for. So:
+A checkpoint directory may come from someone else, and ``pickle`` executes whatever a file asks for.
+So:
 
 - small files are JSON, or ``torch.save`` of tensors and plain numbers read back with
   ``torch.load(weights_only=True)`` (``load_tensors``);
-- DCP's ``.metadata`` is a pickle of its own dataclasses: ``SafeReader`` unpickles it with an allowlist of
-  exactly those classes (plus ``torch.Size``, dtypes, paths), refusing any other global;
-- DCP would ``torch.load(weights_only=False)`` every non-tensor entry: our DCP state holds only tensors,
-  so ``SafeLoadPlanner`` refuses such an entry outright.
+- DCP's ``.metadata`` is a pickle of its own dataclasses: ``SafeReader`` unpickles it with an
+  allowlist of exactly those classes (plus ``torch.Size``, dtypes, paths), refusing any other
+  global;
+- DCP would ``torch.load(weights_only=False)`` every non-tensor entry: our DCP state holds only
+  tensors, so ``SafeLoadPlanner`` refuses such an entry outright.
 
-Every refusal is an ``UnsafeCheckpoint`` (a ConfigError: one line, exit 2) naming the file and what it
-asked for. ``trust=True`` (``--trust-checkpoint``) lifts the allowlists, for files the user vouches for.
+Every refusal is an ``UnsafeCheckpoint`` (a ConfigError: one line, exit 2) naming the file and what
+it asked for. ``trust=True`` (``--trust-checkpoint``) lifts the allowlists, for files the user
+vouches for.
 """
 
 from __future__ import annotations
@@ -117,9 +120,8 @@ class SafeReader(FileSystemReader):
         self.trust = trust
 
     def read_metadata(self, *args, **kwargs):
-        rank = kwargs.get(
-            "rank"
-        )  # per-rank metadata files exist only in newer torch; ours is the global one
+        # per-rank metadata files exist only in newer torch; ours is the global one
+        rank = kwargs.get("rank")
         name = ".metadata" if rank is None else f"__{rank}.metadata"
         md = load_dcp_metadata(os.path.join(str(self.path), name), self.trust)
         if getattr(md, "storage_meta", None) is None:
@@ -146,7 +148,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def load_tensors(path: str, trust: bool = False):
-    """``torch.load`` of a file of tensors and plain containers/numbers (``weights_only`` unless ``trust``)."""
+    """``torch.load`` of a file of tensors and plain containers/numbers (``weights_only`` unless
+    ``trust``)."""
     try:
         return torch.load(path, map_location="cpu", weights_only=not trust)
     except pickle.UnpicklingError as e:

@@ -1,4 +1,5 @@
-"""SentencePiece tokenizer: a given ``.model``, or one trained on the training split once and cached.
+"""SentencePiece tokenizer: a given ``.model``, or one trained on the training split once and
+cached.
 
 Trained as byte-fallback BPE with whitespace kept verbatim (code corpora need exact indentation), so
 every string round-trips and no token is <unk>.
@@ -14,7 +15,8 @@ import sentencepiece as spm
 
 from moezoo.configs import ConfigError
 
-# Caps the text sentencepiece trains on: the vocabulary barely changes past a few MB, training time does.
+# Caps the text sentencepiece trains on: the vocabulary barely changes past a few MB, training time
+# does.
 TRAIN_CHARS = 4_000_000
 # 256 byte pieces + 3 specials must fit before a byte-fallback BPE can merge anything.
 MIN_TRAINED_VOCAB = 300
@@ -97,7 +99,8 @@ def _train_spm(lines: list[str], tmp: str, vocab_size: int) -> None:
 def get_tokenizer(
     model_path: str | None, texts: list[str], vocab_size: int, cache_dir: str, corpus_key: str
 ) -> Tokenizer:
-    """The given tokenizer (checked against ``vocab_size``), or the cached/trained one for this corpus."""
+    """The given tokenizer (checked against ``vocab_size``), or the cached/trained one for this
+    corpus."""
     if model_path:
         if not os.path.isfile(model_path):
             raise ConfigError("data.tokenizer", f"file not found: {model_path}")

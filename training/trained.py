@@ -1,10 +1,12 @@
-"""A trained run, loaded for inference: the latest checkpoint's model, its config and the run's tokenizer.
+"""A trained run, loaded for inference: the latest checkpoint's model, its config and the run's
+tokenizer.
 
     model, tokenizer, cfg, path = load_run("runs/tiny_dense")
 
 ``run`` is a run folder (``train.out_dir``, holding ``checkpoints/`` and the ``tokenizer.model`` the
-trainer copies there), a checkpoint directory, or one ``step_*`` checkpoint. The tokenizer is the run
-folder's copy (checked against the digest the checkpoint recorded), never a search through a cache.
+trainer copies there), a checkpoint directory, or one ``step_*`` checkpoint. The tokenizer is the
+run folder's copy (checked against the digest the checkpoint recorded), never a search through a
+cache.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ TOKENIZER_FILE = "tokenizer.model"  # the run folder's copy of the tokenizer it 
 
 
 def find_checkpoint(run: str) -> str:
-    """The checkpoint ``run`` names: itself (a ``step_*`` dir), else the latest under it or its checkpoints/."""
+    """The checkpoint ``run`` names: itself (a ``step_*`` dir), else the latest under it or its
+    checkpoints/."""
     from .checkpoint import MANIFEST, latest_checkpoint
 
     if os.path.isfile(os.path.join(run, MANIFEST)):
@@ -32,14 +35,15 @@ def find_checkpoint(run: str) -> str:
 
 
 def run_folder(ckpt: str, cfg: Config) -> str:
-    """The run folder of checkpoint ``ckpt``: the folder above its ``checkpoints/`` (so a moved run still
-    loads), else the config's ``train.out_dir`` (a custom ``checkpoint.dir``)."""
+    """The run folder of checkpoint ``ckpt``: the folder above its ``checkpoints/`` (so a moved run
+    still loads), else the config's ``train.out_dir`` (a custom ``checkpoint.dir``)."""
     ckpt_dir = os.path.dirname(os.path.abspath(ckpt))
     return os.path.dirname(ckpt_dir) if os.path.basename(ckpt_dir) == "checkpoints" else cfg.out_dir
 
 
 def load_run(run: str, device: str = "cpu"):
-    """``(model, tokenizer, cfg, checkpoint_path)``: the model in eval mode with the checkpoint's weights."""
+    """``(model, tokenizer, cfg, checkpoint_path)``: the model in eval mode with the checkpoint's
+    weights."""
     import torch
 
     from moezoo.zoo import build_model
@@ -58,9 +62,10 @@ def load_run(run: str, device: str = "cpu"):
     if state.get("tokenizer") and state["tokenizer"] != tokenizer.digest:
         raise ConfigError("--run", f"{tok_path} is not the tokenizer {ckpt} was trained with")
     model = build_model(cfg.model, device)
-    # The checkpoint's one public loader restores model and optimizer together; the optimizer is dropped.
-    # A run with bf16 weights (train.param_dtype) keeps its float32 weights in the optimizer's masters: load
-    # with the optimizer it trained with, then give the model those float32 values back.
+    # The checkpoint's one public loader restores model and optimizer together; the optimizer is
+    # dropped. A run with bf16 weights (train.param_dtype) keeps its float32 weights in the
+    # optimizer's masters: load with the optimizer it trained with, then give the model those
+    # float32 values back.
     optimizer = build_optimizer(
         model, cfg.optim, torch.device(device).type, param_dtype=cfg.train.param_dtype
     )

@@ -2,26 +2,28 @@
 
 Counting walks a model's parameters, so it is exact for whatever ``build_model`` builds; a config is
 first built on the meta device (no memory). A routed MoE layer is any module with ``num_experts``,
-``top_k`` and an ``experts`` child: a token touches ``top_k / num_experts`` of its expert weights and
-all of its router. A neuron-routed FFN (layers.NeuronRoutedFFN: ``num_groups``, ``top_k_groups``,
-``experts``) computes ``top_k_groups / num_groups`` of its groups in a sparse step and all of them in
-a dense one; its active weights are the run's average over the schedule (``neuron_active_fraction``),
-so MFU counts the groups actually computed.
+``top_k`` and an ``experts`` child: a token touches ``top_k / num_experts`` of its expert weights
+and all of its router. A neuron-routed FFN (layers.NeuronRoutedFFN: ``num_groups``,
+``top_k_groups``, ``experts``) computes ``top_k_groups / num_groups`` of its groups in a sparse step
+and all of them in a dense one; its active weights are the run's average over the schedule
+(``neuron_active_fraction``), so MFU counts the groups actually computed.
 
 FLOPs follow torchtitan / PaLM (appendix B): a matmul with N weights costs 2N per token forward and
 4N backward, so ``6 * N_matmul`` per token for training, where N_matmul is the *active* parameters
 minus the input embedding (a lookup; it counts again when tied to the output). Attention scores and
 values cost ``4 * Dh`` per (query, key) pair forward and twice that backward, over the causal pairs
-only: a token at length S meets ``(S + 1) / 2`` keys on average, so ``6 * L * H * Dh * (S + 1)`` per token
-for dense causal attention (FlashAttention's causal convention; PaLM's ``12 * L * D * S`` counts the
-full square). Two totals (the trainer logs both):
+only: a token at length S meets ``(S + 1) / 2`` keys on average, so ``6 * L * H * Dh * (S + 1)`` per
+token for dense causal attention (FlashAttention's causal convention; PaLM's ``12 * L * D * S``
+counts the full square). Two totals (the trainer logs both):
 
-- *model FLOPs* (``flops_per_token``, density 1): what the dense model would compute for these tokens;
-  ``mfu_model`` divides by it, so a sparse model that trains faster shows more than its hardware did.
-- *hardware FLOPs* (``flops_per_token(..., attn_density=d)``): the attention work actually done, ``d`` =
-  the mean over every head of every layer of its kernel's visited blocks over the causal blocks (partial
-  blocks count whole, as they cost whole; dense heads 1; layers.attention.density.attention_metrics).
-  ``mfu`` uses this one: it can never exceed what the GPU did.
+- *model FLOPs* (``flops_per_token``, density 1): what the dense model would compute for these
+  tokens; ``mfu_model`` divides by it, so a sparse model that trains faster shows more than its
+  hardware did.
+- *hardware FLOPs* (``flops_per_token(..., attn_density=d)``): the attention work actually done,
+  ``d`` = the mean over every head of every layer of its kernel's visited blocks over the causal
+  blocks (partial blocks count whole, as they cost whole; dense heads 1;
+  layers.attention.density.attention_metrics). ``mfu`` uses this one: it can never exceed what the
+  GPU did.
 """
 
 from __future__ import annotations
@@ -66,22 +68,23 @@ def is_neuron_routed(m: nn.Module) -> bool:
 
 
 def sparse_step_share(cfg) -> float:
-    """Share of a run's training steps that are sparse under a NeuronConfig's schedule (layers.neuron.schedule):
-    ``(1 - warmup_fraction - finish_fraction) * sparse_ratio`` (exact up to the rounding of the bounds)."""
+    """Share of a run's training steps that are sparse under a NeuronConfig's schedule
+    (layers.neuron.schedule): ``(1 - warmup_fraction - finish_fraction) * sparse_ratio`` (exact up
+    to the rounding of the bounds)."""
     return max(0.0, 1.0 - cfg.warmup_fraction - cfg.finish_fraction) * cfg.sparse_ratio
 
 
 def neuron_active_fraction(m: nn.Module, sparse_share: float | None = None) -> float:
-    """Share of a neuron-routed FFN's group weights a token uses, averaged over steps: ``K/G`` in the
-    ``sparse_share`` of sparse steps (default: the layer's schedule), 1 in the dense rest."""
+    """Share of a neuron-routed FFN's group weights a token uses, averaged over steps: ``K/G`` in
+    the ``sparse_share`` of sparse steps (default: the layer's schedule), 1 in the dense rest."""
     s = sparse_step_share(m.cfg) if sparse_share is None else sparse_share
     return 1.0 - s + s * m.top_k_groups / m.num_groups
 
 
 def count_params(model: nn.Module, sparse_share: float | None = None) -> ParamCounts:
     """Counts for a built model (any device, meta included). Expert shards count as held.
-    ``sparse_share``: the share of sparse steps for neuron-routed FFNs (None: their schedule's; 1.0: a
-    sparse step's count, 0.0: a dense step's)."""
+    ``sparse_share``: the share of sparse steps for neuron-routed FFNs (None: their schedule's; 1.0:
+    a sparse step's count, 0.0: a dense step's)."""
     seen: set[int] = set()
 
     def numel(params) -> int:
@@ -103,7 +106,8 @@ def count_params(model: nn.Module, sparse_share: float | None = None) -> ParamCo
         elif is_routed_moe(m):
             n = numel(m.experts.parameters())
             expert += n
-            # an EP-sharded layer holds num_local_experts of num_experts; top_k/E of all E are active
+            # an EP-sharded layer holds num_local_experts of num_experts; top_k/E of all E are
+            # active
             held = getattr(m, "num_local_experts", m.num_experts)
             active_expert += n * m.top_k / held if held else 0
     rest = numel(model.parameters())
@@ -131,9 +135,10 @@ def param_counts(cfg_or_model: Union[ModelConfig, nn.Module]) -> ParamCounts:
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int, density: float = 1.0) -> float:
-    """Scores (QK^T) and weighted values (PV) over the causal pairs, forward + backward:
-    ``3 * L * H * (Dqk + Dv) * (S + 1) * density`` (``6 * L * H * Dh * (S + 1)`` when q, k and v share the head
-    dim; MLA's values have their own ``v_head_dim``; ``density``: the mean per-head fraction of causal pairs computed)."""
+    """Scores (QK^T) and weighted values (PV) over the causal pairs, forward + backward: ``3 * L * H
+    * (Dqk + Dv) * (S + 1) * density`` (``6 * L * H * Dh * (S + 1)`` when q, k and v share the head
+    dim; MLA's values have their own ``v_head_dim``; ``density``: the mean per-head fraction of
+    causal pairs computed)."""
     dv = cfg.mla.v_head_dim if cfg.attention_type == "mla" else cfg.head_dim
     return 3.0 * cfg.n_layers * cfg.n_heads * (cfg.head_dim + dv) * (seq_len + 1) * density
 

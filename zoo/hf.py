@@ -1,25 +1,27 @@
 """Import/export between HF ``transformers`` models and the zoo Transformer, with logit parity.
 
-    from moezoo.zoo.hf import from_hf, to_hf
-    model = from_hf(hf_model)   # a Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE or
+    from moezoo.zoo.hf import from_hf, to_hf model = from_hf(hf_model)   # a Llama, Mistral, Qwen2,
+    Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE or
                                 # DeepSeek-V3 ...ForCausalLM -> Transformer
-    hf_model = to_hf(model)     # the inverse: a fresh HF model of the family that expresses model.cfg
+    hf_model = to_hf(model)     # the inverse: a fresh HF model of the family that expresses
+    model.cfg
 
-Configs are translated by zoo.hf_config (MoE part: zoo.hf_moe). Weights go through one table of ``Link``s (HF names <->
-zoo names, plus how tensors are joined or split), used in both directions, so import and export
-cannot drift apart. The table is built against the HF model at hand, so both expert layouts load:
+Configs are translated by zoo.hf_config (MoE part: zoo.hf_moe). Weights go through one table of
+``Link``s (HF names <-> zoo names, plus how tensors are joined or split), used in both directions,
+so import and export cannot drift apart. The table is built against the HF model at hand, so both
+expert layouts load:
 
 - transformers 5.x: ``mlp.experts.gate_up_proj [E, 2H, D]`` (gate rows first) and
   ``mlp.experts.down_proj [E, D, H]``; the router is ``mlp.gate.weight [E, D]``.
 - transformers 4.x: per-expert Linears, ``block_sparse_moe.experts.{e}.w1/w3/w2`` (Mixtral) or
   ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` (Qwen2-MoE).
 
-Zoo MoE weights are stacked (DESIGN.md): ``experts.w1/w3 [E, H, D]``, ``experts.w2 [E, D, H]``.
-RoPE uses HF's rotate-half layout, so q/k weights copy without permutation; DeepSeek's interleaved
-rope dims stay interleaved in the weights (``model.mla.rope_interleave``, applied at run time as HF does).
-MLA (DeepSeek's own names): ``q_proj | q_a_proj, q_a_layernorm, q_b_proj`` <-> ``wq | wq_a, q_norm, wq_b``,
-``kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj`` <-> ``wkv_a, kv_norm, wkv_b, wo``; the router's
-``e_score_correction_bias`` <-> the MoE's ``expert_bias`` buffer.
+Zoo MoE weights are stacked (DESIGN.md): ``experts.w1/w3 [E, H, D]``, ``experts.w2 [E, D, H]``. RoPE
+uses HF's rotate-half layout, so q/k weights copy without permutation; DeepSeek's interleaved rope
+dims stay interleaved in the weights (``model.mla.rope_interleave``, applied at run time as HF
+does). MLA (DeepSeek's own names): ``q_proj | q_a_proj, q_a_layernorm, q_b_proj`` <-> ``wq | wq_a,
+q_norm, wq_b``, ``kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj`` <-> ``wkv_a, kv_norm,
+wkv_b, wo``; the router's ``e_score_correction_bias`` <-> the MoE's ``expert_bias`` buffer.
 """
 
 from __future__ import annotations
@@ -196,7 +198,8 @@ def zoo_state_dict(cfg: ModelConfig, hf_model: nn.Module) -> dict[str, torch.Ten
 
 
 def hf_state_dict(model: Transformer, hf_model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model``'s weights under ``hf_model``'s names and expert layout (5.x fused or 4.x per-expert)."""
+    """``model``'s weights under ``hf_model``'s names and expert layout (5.x fused or 4.x
+    per-expert)."""
     zoo_sd, like = model.state_dict(), hf_model.state_dict()
     sd: dict[str, torch.Tensor] = {}
     for link in weight_links(model.cfg, hf_model):
@@ -206,9 +209,9 @@ def hf_state_dict(model: Transformer, hf_model: nn.Module) -> dict[str, torch.Te
 
 @contextlib.contextmanager
 def _built_like(param: torch.Tensor):
-    """Build on ``param``'s device with its dtype as the default: parameters are made directly in that
-    dtype (no float32 copy first), while buffers made explicitly in float32, like the RoPE frequencies,
-    stay float32 as HF's ``from_pretrained`` leaves them."""
+    """Build on ``param``'s device with its dtype as the default: parameters are made directly in
+    that dtype (no float32 copy first), while buffers made explicitly in float32, like the RoPE
+    frequencies, stay float32 as HF's ``from_pretrained`` leaves them."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(param.dtype)
     try:
@@ -220,9 +223,11 @@ def _built_like(param: torch.Tensor):
 
 @torch.no_grad()
 def from_hf(hf_model: nn.Module, moe_backend: str = "auto") -> Transformer:
-    """A zoo ``Transformer`` computing the same logits as ``hf_model`` (same device, dtype, train/eval mode).
+    """A zoo ``Transformer`` computing the same logits as ``hf_model`` (same device, dtype,
+    train/eval mode).
 
-    ``moe_backend`` picks the MoE compute path (``model.moe.backend``: auto | torch | grouped | megablocks).
+    ``moe_backend`` picks the MoE compute path (``model.moe.backend``: auto | torch | grouped |
+    megablocks).
     """
     cfg = config_from_hf(hf_model.config)
     cfg.moe.backend = moe_backend
@@ -235,7 +240,8 @@ def from_hf(hf_model: nn.Module, moe_backend: str = "auto") -> Transformer:
 
 @torch.no_grad()
 def to_hf(model: Transformer) -> nn.Module:
-    """A fresh HF model (of the family zoo.hf_config.hf_model_type picks for ``model.cfg``) with the same logits."""
+    """A fresh HF model (of the family zoo.hf_config.hf_model_type picks for ``model.cfg``) with the
+    same logits."""
     import transformers
 
     hc = config_to_hf(model.cfg)

@@ -4,28 +4,30 @@ Ten HF families map onto the one zoo Transformer exactly (same logits); what dif
 options of it, not code:
 
 ======================  ==========================================================================
-``llama``               dense gated FFN, GQA, ``head_dim``, ``attention_bias`` (o_proj bias must be zero)
-``mistral``             Llama + a sliding window on every layer
-``qwen2``               q/k/v biases, sliding window on the layers ``layer_types`` names
-``qwen3``               per-head q/k RMSNorm (``qk_norm: head``), explicit ``head_dim``
-``mixtral``             every FFN an MoE (softmax top-k, renormalised); zoo.hf_moe
-``qwen2_moe``           MoE + a sigmoid-gated shared expert, dense layers by ``mlp_only_layers`` /
+``llama``               dense gated FFN, GQA, ``head_dim``, ``attention_bias`` (o_proj bias must be
+zero) ``mistral``             Llama + a sliding window on every layer ``qwen2``               q/k/v
+biases, sliding window on the layers ``layer_types`` names ``qwen3``               per-head q/k
+RMSNorm (``qk_norm: head``), explicit ``head_dim`` ``mixtral``             every FFN an MoE (softmax
+top-k, renormalised); zoo.hf_moe ``qwen2_moe``           MoE + a sigmoid-gated shared expert, dense
+layers by ``mlp_only_layers`` /
                         ``decoder_sparse_step``, ``norm_topk_prob``
 ``qwen3_moe``           Qwen3 attention + Qwen2-MoE routing without the shared expert
 ``olmoe``               q/k RMSNorm over the whole projection (``qk_norm: full``), MoE every layer
 ``deepseek_v3``         MLA (``attention_type: mla``), sigmoid group-limited routing with the
                         selection-only ``e_score_correction_bias``, ``routed_scaling_factor``,
                         ungated shared experts, ``first_k_dense_replace`` dense layers
-``deepseek_v2``         MLA (rope pairs always interleaved) + softmax routing, greedy or group-limited
+``deepseek_v2``         MLA (rope pairs always interleaved) + softmax routing, greedy or
+group-limited
                         (best expert per group), never renormalised, ``routed_scaling_factor``
 ======================  ==========================================================================
 
-A sliding window maps to a moezoo ``local`` attention pattern (both let query q see keys ``q-W+1 .. q``).
-RoPE: default, linear, llama3, yarn (with DeepSeek's mscale / mscale_all_dim) and dynamic NTK, as HF
-computes them (layers.rope). FFN ``hidden_act``: silu, gelu, gelu_pytorch_tanh / gelu_new, relu2.
+A sliding window maps to a moezoo ``local`` attention pattern (both let query q see keys ``q-W+1 ..
+q``). RoPE: default, linear, llama3, yarn (with DeepSeek's mscale / mscale_all_dim) and dynamic NTK,
+as HF computes them (layers.rope). FFN ``hidden_act``: silu, gelu, gelu_pytorch_tanh / gelu_new,
+relu2.
 
-Anything else that would change the function raises ``ConfigError("hf.<field>", reason)`` naming the HF
-field and value, rather than importing a model that silently differs. Both transformers 5.x
+Anything else that would change the function raises ``ConfigError("hf.<field>", reason)`` naming the
+HF field and value, rather than importing a model that silently differs. Both transformers 5.x
 (``rope_parameters``) and 4.x (``rope_theta`` + ``rope_scaling``) configs are read.
 """
 
@@ -77,7 +79,8 @@ _YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_f
 
 
 def hf_rope(hc) -> tuple[float, RopeScalingConfig]:
-    """``(rope_theta, scaling)`` from a 5.x ``rope_parameters`` dict or 4.x ``rope_theta``/``rope_scaling``."""
+    """``(rope_theta, scaling)`` from a 5.x ``rope_parameters`` dict or 4.x
+    ``rope_theta``/``rope_scaling``."""
     params = {
         **(getattr(hc, "rope_scaling", None) or {}),
         **(getattr(hc, "rope_parameters", None) or {}),
@@ -100,7 +103,8 @@ def hf_rope(hc) -> tuple[float, RopeScalingConfig]:
     if kind == "llama3":
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             check(name in params, f"hf.rope_parameters.{name}", "llama3 RoPE scaling needs it")
-        # 5.x fills a missing original_max_position_embeddings with max_position_embeddings; so do we
+        # 5.x fills a missing original_max_position_embeddings with max_position_embeddings; so do
+        # we
         orig = int(params.get("original_max_position_embeddings") or hc.max_position_embeddings)
         return theta, RopeScalingConfig(
             type="llama3",
@@ -182,7 +186,8 @@ def _check_common(hc) -> None:
 
 
 def _hf_windowed_layers(hc) -> tuple[Optional[int], list[int]]:
-    """``(W, layers)``: the sliding window of an HF config and the layers using it (``(None, [])``: none)."""
+    """``(W, layers)``: the sliding window of an HF config and the layers using it (``(None, [])``:
+    none)."""
     window = getattr(hc, "sliding_window", None)
     if not window or not getattr(hc, "use_sliding_window", True):
         return None, []
@@ -208,6 +213,7 @@ def _mla_from_hf(hc) -> MLAConfig:
         "hf.num_key_value_heads",
         f"={hc.num_key_value_heads}: MLA expands its latent to num_attention_heads={hc.num_attention_heads} heads",
     )
+    # V2: complex pairs
     return MLAConfig(
         q_lora_rank=hc.q_lora_rank,
         kv_lora_rank=hc.kv_lora_rank,
@@ -215,7 +221,7 @@ def _mla_from_hf(hc) -> MLAConfig:
         qk_rope_head_dim=hc.qk_rope_head_dim,
         v_head_dim=hc.v_head_dim,
         rope_interleave=bool(getattr(hc, "rope_interleave", True)),
-    )  # V2: complex pairs
+    )
 
 
 def config_from_hf(hc) -> ModelConfig:
@@ -240,7 +246,8 @@ def config_from_hf(hc) -> ModelConfig:
         init_std=hc.initializer_range,
         ffn_act=ACTS_FROM_HF[hc.hidden_act],
         qk_norm=QK_NORM.get(t, "none"),
-        # Qwen2 always biases q/k/v; Llama-style attention_bias also biases o_proj, accepted only when zero.
+        # Qwen2 always biases q/k/v; Llama-style attention_bias also biases o_proj, accepted only
+        # when zero.
         attn_bias=t == "qwen2"
         or bool(getattr(hc, "attention_bias", False) or getattr(hc, "qkv_bias", False)),
     )
@@ -259,8 +266,9 @@ def config_from_hf(hc) -> ModelConfig:
 
 
 def windowed_layers(cfg: ModelConfig) -> tuple[Optional[int], list[int]]:
-    """``(W, layers)`` when ``cfg``'s attention patterns are one sliding window (type local, no sinks,
-    every head) on some layers and dense elsewhere: the only sparse attention HF models express."""
+    """``(W, layers)`` when ``cfg``'s attention patterns are one sliding window (type local, no
+    sinks, every head) on some layers and dense elsewhere: the only sparse attention HF models
+    express."""
     key = "model.attention.patterns"
     check(
         not cfg.attention.minference_json,
@@ -292,7 +300,8 @@ def windowed_layers(cfg: ModelConfig) -> tuple[Optional[int], list[int]]:
 
 
 def hf_model_type(cfg: ModelConfig) -> str:
-    """The HF family that expresses ``cfg`` exactly; ConfigError naming the blocking key otherwise."""
+    """The HF family that expresses ``cfg`` exactly; ConfigError naming the blocking key
+    otherwise."""
     _, windowed = windowed_layers(cfg)
     types = cfg.layer_ffn_types()
     check(not cfg.attention.ssmax, "model.attention.ssmax", "HF models have no SSMax query scale")
@@ -333,9 +342,8 @@ def config_to_hf(cfg: ModelConfig):
     rope_theta, rs = cfg.rope_theta, cfg.rope_scaling
     if rs.type == "ntk":  # static NTK-aware scaling is just a larger theta
         rope_theta = cfg.rope_theta * rs.factor ** (cfg.rope_dim / (cfg.rope_dim - 2))
-    max_pos = (
-        rs.original_max_seq_len if rs.type == "dynamic" else cfg.max_seq_len
-    )  # HF dynamic's L0
+    # HF dynamic's L0
+    max_pos = rs.original_max_seq_len if rs.type == "dynamic" else cfg.max_seq_len
     # rope_theta + rope_scaling: the 4.x keywords, which 5.x folds into rope_parameters
     kw = dict(
         vocab_size=cfg.vocab_size,

@@ -1,24 +1,26 @@
 """The MoE half of zoo.hf_config: HF MoE families <-> ``model.ffn`` / ``ffn_layers`` / ``moe``.
 
 - ``mixtral``: every FFN an MoE, softmax over all experts, top-k, renormalised.
-- ``qwen2_moe``: + one always-on shared expert scaled by ``sigmoid(shared_expert_gate(x))``; top-k weights
-  renormalised only with ``norm_topk_prob``; dense layers where ``mlp_only_layers`` / ``decoder_sparse_step``
-  say so.
+- ``qwen2_moe``: + one always-on shared expert scaled by ``sigmoid(shared_expert_gate(x))``; top-k
+  weights renormalised only with ``norm_topk_prob``; dense layers where ``mlp_only_layers`` /
+  ``decoder_sparse_step`` say so.
 - ``qwen3_moe``: Qwen2-MoE's routing and dense-layer rule, no shared expert.
 - ``olmoe``: softmax top-k on every layer, ``norm_topk_prob`` (False in OLMoE-1B-7B).
-- ``deepseek_v3``: sigmoid scores; ``e_score_correction_bias`` (moezoo's ``expert_bias`` buffer) added for
-  selection only; group-limited top-k (``n_group``, ``topk_group``); ``norm_topk_prob``; weights times
-  ``routed_scaling_factor``; ``n_shared_experts`` ungated shared experts of ``moe_intermediate_size`` each;
-  the first ``first_k_dense_replace`` layers dense.
-- ``deepseek_v2``: softmax over all experts, ``topk_method`` greedy or group_limited_greedy (a group scores
-  its best probability), weights the chosen probabilities times ``routed_scaling_factor``, never
-  renormalised (HF's V2 router ignores ``norm_topk_prob``); shared experts and dense layers as V3.
+- ``deepseek_v3``: sigmoid scores; ``e_score_correction_bias`` (moezoo's ``expert_bias`` buffer)
+  added for selection only; group-limited top-k (``n_group``, ``topk_group``); ``norm_topk_prob``;
+  weights times ``routed_scaling_factor``; ``n_shared_experts`` ungated shared experts of
+  ``moe_intermediate_size`` each; the first ``first_k_dense_replace`` layers dense.
+- ``deepseek_v2``: softmax over all experts, ``topk_method`` greedy or group_limited_greedy (a group
+  scores its best probability), weights the chosen probabilities times ``routed_scaling_factor``,
+  never renormalised (HF's V2 router ignores ``norm_topk_prob``); shared experts and dense layers as
+  V3.
 
 The balance-loss coefficient is converted, not copied: HF's ``load_balancing_loss_func`` counts each
 token K times (``E * sum_e (c_e / T) * P_e``), K times moezoo's Switch/megablocks normalisation, so
-``aux_loss_coef = router_aux_loss_coef * K``. (HF also pools all layers into one loss where moezoo sums
-per-layer losses; that only matters for training, and HF applies it only with ``output_router_logits``.)
-DeepSeek-V3 has no auxiliary loss in HF (it balances by the bias): imported with ``aux_loss_coef: 0``.
+``aux_loss_coef = router_aux_loss_coef * K``. (HF also pools all layers into one loss where moezoo
+sums per-layer losses; that only matters for training, and HF applies it only with
+``output_router_logits``.) DeepSeek-V3 has no auxiliary loss in HF (it balances by the bias):
+imported with ``aux_loss_coef: 0``.
 """
 
 from __future__ import annotations
@@ -144,7 +146,8 @@ def _check_softmax_family(cfg: ModelConfig, family: str) -> None:
 
 
 def moe_model_type(cfg: ModelConfig, windowed: list[int]) -> str:
-    """The HF MoE family (or DeepSeek-V3 for MLA) expressing ``cfg``; ConfigError naming the blocking key."""
+    """The HF MoE family (or DeepSeek-V3 for MLA) expressing ``cfg``; ConfigError naming the
+    blocking key."""
     m, types = cfg.moe, cfg.layer_ffn_types()
     check(
         m.capacity_factor is None,
@@ -237,7 +240,8 @@ def moe_model_type(cfg: ModelConfig, windowed: list[int]) -> str:
 
 
 def moe_hf_kwargs(cfg: ModelConfig, model_type: str) -> dict:
-    """The HF config keywords of the MoE part of ``cfg`` for ``model_type`` (empty for dense families)."""
+    """The HF config keywords of the MoE part of ``cfg`` for ``model_type`` (empty for dense
+    families)."""
     m, types = cfg.moe, cfg.layer_ffn_types()
     dense = [i for i, t in enumerate(types) if t == "dense"]
     aux = dict(num_experts_per_tok=m.top_k, router_aux_loss_coef=m.aux_loss_coef / m.top_k)

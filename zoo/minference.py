@@ -3,13 +3,13 @@
     python -m moezoo.zoo.minference Llama_3_8B_Instruct_262k_kv_out_v32_fit_o_best_pattern.json \\
         --n-layers 32 --n-heads 32 > patterns.yaml
 
-MInference stores one ``{head: [type, v_size, s_size, score]}`` mapping per layer. The mapping of its
-three kernel types onto ours lives in ``configs.attention.MINFERENCE_TYPES`` (vertical_and_slash ->
-vertical_slash, stream_llm -> a_shape, block_sparse -> block_topk). The same file can be named in a
-config as ``model.attention.minference_json``; this tool writes the equivalent ``patterns`` section,
-with runs of identical heads folded into head ranges, for editing by hand. ``--dense-below N`` sets the
-pattern parameter ``dense_below`` on every imported head (dense attention below N keys); by default it
-stays 0 (the patterns apply at every length).
+MInference stores one ``{head: [type, v_size, s_size, score]}`` mapping per layer. The mapping of
+its three kernel types onto ours lives in ``configs.attention.MINFERENCE_TYPES`` (vertical_and_slash
+-> vertical_slash, stream_llm -> a_shape, block_sparse -> block_topk). The same file can be named in
+a config as ``model.attention.minference_json``; this tool writes the equivalent ``patterns``
+section, with runs of identical heads folded into head ranges, for editing by hand. ``--dense-below
+N`` sets the pattern parameter ``dense_below`` on every imported head (dense attention below N
+keys); by default it stays 0 (the patterns apply at every length).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from moezoo.configs.errors import check
 
 
 def load_minference(path: str, n_layers: int, n_heads: int, dense_below: int = 0) -> dict:
-    """``{"<layer>:<heads>": pattern dict}`` with consecutive identical heads of a layer folded into ranges;
-    ``dense_below > 0`` is added to every head's pattern."""
+    """``{"<layer>:<heads>": pattern dict}`` with consecutive identical heads of a layer folded into
+    ranges; ``dense_below > 0`` is added to every head's pattern."""
     check(
         isinstance(dense_below, int) and dense_below >= 0,
         "dense_below",
@@ -56,7 +56,7 @@ def load_minference(path: str, n_layers: int, n_heads: int, dense_below: int = 0
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("json", help="MInference per-head pattern file")
     ap.add_argument("--n-layers", type=int, required=True)
     ap.add_argument("--n-heads", type=int, required=True, help="query heads per layer")

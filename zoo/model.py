@@ -1,13 +1,15 @@
-"""LLaMA-style decoder assembled from ``ModelConfig``: per-layer FFN (dense SwiGLU or MoE) and attention pattern.
+"""LLaMA-style decoder assembled from ``ModelConfig``: per-layer FFN (dense SwiGLU or MoE) and
+attention pattern.
 
-The HF families of zoo.hf are options of this one model, not copies of it: q/k RMSNorm and a separate
-head_dim (Qwen3, OLMoE), Multi-head Latent Attention (DeepSeek-V2/V3, layers.attention.mla), routed
-MoE options (group-limited sigmoid routing, shared experts), gate activations, RoPE scalings.
-Padding (``attention_mask``), explicit ``position_ids`` and packed documents (``document_ids``) follow HF.
+The HF families of zoo.hf are options of this one model, not copies of it: q/k RMSNorm and a
+separate head_dim (Qwen3, OLMoE), Multi-head Latent Attention (DeepSeek-V2/V3,
+layers.attention.mla), routed MoE options (group-limited sigmoid routing, shared experts), gate
+activations, RoPE scalings. Padding (``attention_mask``), explicit ``position_ids`` and packed
+documents (``document_ids``) follow HF.
 
 Parameter names follow Meta's LLaMA (``tok_embeddings``, ``layers.{i}.attention.wq``,
-``layers.{i}.feed_forward.w1``, ``attention_norm``, ``ffn_norm``, ``norm``, ``output``) so weights map
-one-to-one to HF checkpoints (zoo.hf).
+``layers.{i}.feed_forward.w1``, ``attention_norm``, ``ffn_norm``, ``norm``, ``output``) so weights
+map one-to-one to HF checkpoints (zoo.hf).
 
 Shapes: B batch, S sequence, D model dim, V vocab.
 """
@@ -40,7 +42,8 @@ def build_ffn(cfg: ModelConfig, ffn_type: str) -> nn.Module:
 
 
 def build_attention_pattern(cfg: ModelConfig, layer_id: int, grid: list):
-    """None when every head of the layer is dense, else one ``SparsityPattern`` or a per-head list."""
+    """None when every head of the layer is dense, else one ``SparsityPattern`` or a per-head
+    list."""
     per_head = grid[layer_id]
     if all(p is None for p in per_head):
         return None
@@ -100,8 +103,8 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """``forward(tokens[B, S], *, attention_mask, position_ids, document_ids, start_pos) -> logits[B, S, V]``;
-    ``loss(tokens, targets) -> (loss, parts)``."""
+    """``forward(tokens[B, S], *, attention_mask, position_ids, document_ids, start_pos) ->
+    logits[B, S, V]``; ``loss(tokens, targets) -> (loss, parts)``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -117,14 +120,16 @@ class Transformer(nn.Module):
         self.has_aux = self.has_moe or "neuron" in cfg.layer_ffn_types()  # layers with an aux_loss
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        # The training loss on the head's logits; the trainer swaps in its torch.compile'd twin (train.compile)
+        # The training loss on the head's logits; the trainer swaps in its torch.compile'd twin
+        # (train.compile)
         self.cross_entropy = mean_cross_entropy
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Normal(0, init_std) everywhere; residual-output projections scaled by 1/sqrt(2 L) (GPT-2)."""
+        """Normal(0, init_std) everywhere; residual-output projections scaled by 1/sqrt(2 L)
+        (GPT-2)."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, std=std)
@@ -154,20 +159,25 @@ class Transformer(nn.Module):
         start_pos: int = 0,
         loss_weights: torch.Tensor | None = None,
     ):
-        """Logits ``[B, S, V]`` (float32); with ``targets [B, S]``, ``(loss, parts)`` as in ``loss``.
+        """Logits ``[B, S, V]`` (float32); with ``targets [B, S]``, ``(loss, parts)`` as in
+        ``loss``.
 
-        Training calls ``model(tokens, targets)`` so that DDP/FSDP2 forward hooks run on the root module;
-        the masks are keywords, so a positional second argument is always ``targets``.
+        Training calls ``model(tokens, targets)`` so that DDP/FSDP2 forward hooks run on the root
+        module; the masks are keywords, so a positional second argument is always ``targets``.
 
-        - ``attention_mask [B, start_pos + S]`` (HF: 1 real, 0 padding; left or right padding): no query
-          sees a padding key; padding positions get no loss. In decode pass the mask of the whole prefix.
-        - ``position_ids [B, S]``: RoPE positions (HF; default ``start_pos + arange(S)``, also under padding,
-          as HF's forward does); with ``model.attention.ssmax`` they also set each query's scale, so a
-          left-padded row equals the row alone only with position_ids that skip the padding.
-        - ``document_ids [B, S]`` (training.data.pack_documents): attention stays inside a document, and
-          positions restart at each document unless ``position_ids`` are given. Not with a KV cache.
-        - ``loss_weights [B, S]`` (with ``targets``): each target's weight in the loss that is returned,
-          a weighted mean (training.passkey's answer weight); ``parts["ce"]`` stays the plain mean.
+        - ``attention_mask [B, start_pos + S]`` (HF: 1 real, 0 padding; left or right padding): no
+          query sees a padding key; padding positions get no loss. In decode pass the mask of the
+          whole prefix.
+        - ``position_ids [B, S]``: RoPE positions (HF; default ``start_pos + arange(S)``, also under
+          padding, as HF's forward does); with ``model.attention.ssmax`` they also set each query's
+          scale, so a left-padded row equals the row alone only with position_ids that skip the
+          padding.
+        - ``document_ids [B, S]`` (training.data.pack_documents): attention stays inside a document,
+          and positions restart at each document unless ``position_ids`` are given. Not with a KV
+          cache.
+        - ``loss_weights [B, S]`` (with ``targets``): each target's weight in the loss that is
+          returned, a weighted mean (training.passkey's answer weight); ``parts["ce"]`` stays the
+          plain mean.
         """
         from moezoo.layers.attention.masking import AttnMask, check_token_mask, document_positions
 
@@ -198,7 +208,8 @@ class Transformer(nn.Module):
         return self._loss(logits, targets, loss_weights)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """Cross-entropy plus the weighted auxiliary losses of every MoE and neuron-routed FFN layer.
+        """Cross-entropy plus the weighted auxiliary losses of every MoE and neuron-routed FFN
+        layer.
 
         Returns ``(total, parts)`` with ``parts = {"ce": ..., "aux": ...}`` as detached scalars.
         """
@@ -231,16 +242,19 @@ class Transformer(nn.Module):
 
 
 def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] (bf16 under autocast), targets [N] (-100: no loss) -> the mean cross-entropy, float32.
+    """logits [N, V] (bf16 under autocast), targets [N] (-100: no loss) -> the mean cross-entropy,
+    float32.
 
-    The upcast is in here so that a compiled copy (training.loop with train.compile, as torchtitan compiles
-    its loss) fuses it into the loss's kernels: eager, the float32 logits are written, read by log_softmax,
-    whose output is written and read again, and the backward does the same in reverse (~20 GB a step
-    at 16k tokens x 50k vocab, ~6.5 ms of the OLMoE-shaped step on the H200, BENCHMARKS.md)."""
+    The upcast is in here so that a compiled copy (training.loop with train.compile, as torchtitan
+    compiles its loss) fuses it into the loss's kernels: eager, the float32 logits are written, read
+    by log_softmax, whose output is written and read again, and the backward does the same in
+    reverse (~20 GB a step at 16k tokens x 50k vocab, ~6.5 ms of the OLMoE-shaped step on the H200,
+    BENCHMARKS.md)."""
     return F.cross_entropy(logits.float(), targets, ignore_index=-100)
 
 
-# torch.nn.init's in-place initialisers, which nn.Linear / nn.Embedding call from their constructors.
+# torch.nn.init's in-place initialisers, which nn.Linear / nn.Embedding call from their
+# constructors.
 _INITIALISERS = (
     "normal_",
     "uniform_",
@@ -257,8 +271,9 @@ _INITIALISERS = (
 
 @contextlib.contextmanager
 def _skip_constructor_init():
-    """No-op torch.nn.init while modules are built on the meta device: there the initialisers compute
-    nothing, yet run torch._refs, whose first use imports torch._dynamo (~2 s of a --plan's startup)."""
+    """No-op torch.nn.init while modules are built on the meta device: there the initialisers
+    compute nothing, yet run torch._refs, whose first use imports torch._dynamo (~2 s of a --plan's
+    startup)."""
     saved = {n: getattr(nn.init, n) for n in _INITIALISERS}
     for n in saved:
         setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)

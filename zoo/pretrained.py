@@ -1,11 +1,12 @@
 """Start from pretrained weights: ``model.init_from: <HF folder or model id already on disk>``.
 
-    check_init_from(cfg.model)          # cheap: reads the HF config only; ConfigError naming the first key that differs
-    load_init_from(model, cfg.model)    # copies the HF weights (through zoo.hf.from_hf) into the built model
+    check_init_from(cfg.model)          # cheap: reads the HF config only; ConfigError naming the
+    first key that differs load_init_from(model, cfg.model)    # copies the HF weights (through
+    zoo.hf.from_hf) into the built model
 
-transformers loads with ``local_files_only=True``: nothing is downloaded. The run's ``model`` section
-must describe the same architecture (the trainer builds the model from it, then copies the weights);
-``--print-config`` of a run with ``init_from`` shows what it needs.
+transformers loads with ``local_files_only=True``: nothing is downloaded. The run's ``model``
+section must describe the same architecture (the trainer builds the model from it, then copies the
+weights); ``--print-config`` of a run with ``init_from`` shows what it needs.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def check_init_from(cfg: ModelConfig) -> None:
 
 @torch.no_grad()
 def load_init_from(model: nn.Module, cfg: ModelConfig) -> None:
-    """Copy the weights of ``cfg.init_from`` into ``model`` (built from ``cfg``), in ``model``'s dtype."""
+    """Copy the weights of ``cfg.init_from`` into ``model`` (built from ``cfg``), in ``model``'s
+    dtype."""
     import transformers
 
     from .hf import from_hf

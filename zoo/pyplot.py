@@ -1,4 +1,5 @@
-"""matplotlib.pyplot for the picture writers (zoo.show_attention, training.plot), imported on first use.
+"""matplotlib.pyplot for the picture writers (zoo.show_attention, training.plot), imported on first
+use.
 
 Agg backend (files, no display); a missing matplotlib is an ImportError that says how to get it.
 """

@@ -1,6 +1,8 @@
-"""Autoregressive sampling through the KV cache: temperature, top-k and top-p (nucleus), as in gpt-fast.
+"""Autoregressive sampling through the KV cache: temperature, top-k and top-p (nucleus), as in
+gpt-fast.
 
-    ids = generate(model, prompt_ids, max_new_tokens=100, temperature=0.8, top_k=50, top_p=0.95, seed=0)
+    ids = generate(model, prompt_ids, max_new_tokens=100, temperature=0.8, top_k=50, top_p=0.95,
+    seed=0)
 
 The prompt is prefilled in one forward; each new token is then one forward of length 1 at
 ``start_pos``, attending to the cached keys and values. ``temperature=0`` is greedy decoding.
@@ -30,7 +32,8 @@ def sample_next(
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens before it already hold top_p of the mass (the first always stays).
+        # Drop a token when the tokens before it already hold top_p of the mass (the first always
+        # stays).
         drop = probs.cumsum(-1) - probs >= top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
@@ -47,7 +50,8 @@ def generate(
     eos_id: int | None = None,
     seed: int | None = None,
 ) -> torch.Tensor:
-    """``prompt [B, S]`` (or one list of ids) followed by up to ``max_new_tokens`` sampled ids: ``[B, S + n]``.
+    """``prompt [B, S]`` (or one list of ids) followed by up to ``max_new_tokens`` sampled ids:
+    ``[B, S + n]``.
 
     Stops early once every row has produced ``eos_id``. The total length is capped at the model's
     ``cfg.max_seq_len`` (the RoPE tables and the cache are sized to it)."""

@@ -1,19 +1,21 @@
-"""Draw each head's block pattern: ``python -m moezoo.zoo.show_attention --config tiny_sparse_attn [--length N]``.
+"""Draw each head's block pattern: ``python -m moezoo.zoo.show_attention --config tiny_sparse_attn
+[--length N]``.
 
 One panel per (layer, head): white = block skipped, grey = partial block (the token mask applies
 inside), black = full block, at the layer's block size (the legend says so). Input-dependent heads
-(vertical_slash, block_topk) are drawn with their budgets placed as ``layers.attention.plan.budget_plan``
-places them (columns and diagonals first, recent blocks), since the real picks depend on the input.
-A head that is dense at this length (e.g. below its ``dense_below``) is drawn and titled dense.
+(vertical_slash, block_topk) are drawn with their budgets placed as
+``layers.attention.plan.budget_plan`` places them (columns and diagonals first, recent blocks),
+since the real picks depend on the input. A head that is dense at this length (e.g. below its
+``dense_below``) is drawn and titled dense.
 
 Titles give each head's density: up to ``TOKEN_DENSITY_MAX`` tokens the token density (allowed /
-causal pairs, exact, as ``attention_density`` logs it), beyond it the block density (full + partial /
-causal blocks: what a block-sparse kernel computes), which the block layout gives at any length in
+causal pairs, exact, as ``attention_density`` logs it), beyond it the block density (full + partial
+/ causal blocks: what a block-sparse kernel computes), which the block layout gives at any length in
 O(heads x blocks^2), where counting tokens would take minutes per layer at 64k.
 
-``--layers`` / ``--heads`` pick panels (``"0-3,8"``); by default every sparse layer when there are at
-most four, else the first, a middle and the last one, and every head up to 16, else 8 spread evenly.
-``--length`` defaults to the preset's ``train.seq_len``.
+``--layers`` / ``--heads`` pick panels (``"0-3,8"``); by default every sparse layer when there are
+at most four, else the first, a middle and the last one, and every head up to 16, else 8 spread
+evenly. ``--length`` defaults to the preset's ``train.seq_len``.
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ import sys
 from moezoo.configs import ConfigError, load_config, parse_range
 from moezoo.configs.presets import resolve_config_path
 
-TOKEN_DENSITY_MAX = (
-    2048  # pattern_density is exact (and takes < 1 s a layer) up to its max_rows=2048
-)
+# pattern_density is exact (and takes < 1 s a layer) up to its max_rows=2048
+TOKEN_DENSITY_MAX = 2048
 
 
 def sparse_layers(cfg_model) -> list[int]:
@@ -54,8 +55,9 @@ def layer_images(
     heads: list[int] | None = None,
     progress=None,
 ) -> list[tuple[int, list]]:
-    """``[(layer, [(head, image[n, n] float, density, type), ...])]`` for the sparse layers among ``layers``
-    (default: all), heads ``heads`` (default: all); ``progress(i, n, layer)`` is called before each layer."""
+    """``[(layer, [(head, image[n, n] float, density, type), ...])]`` for the sparse layers among
+    ``layers`` (default: all), heads ``heads`` (default: all); ``progress(i, n, layer)`` is called
+    before each layer."""
     from moezoo.layers.attention.density import pattern_density
     from moezoo.layers.attention.pattern import head_patterns
     from moezoo.layers.attention.plan import budget_plan
@@ -122,7 +124,8 @@ def draw(images: list, title: str, density_of: str):
         )
     ]
     fig.legend(handles=shades, loc="outside lower center", ncol=3, fontsize=7, frameon=False)
-    # The legend and title carry the reading key; the width above leaves them room even for one head.
+    # The legend and title carry the reading key; the width above leaves them room even for one
+    # head.
     fig.suptitle(
         f"{title}\nrows: query blocks, columns: key blocks\n% = {density_of}; * = dense at this length",
         fontsize=8,
@@ -132,7 +135,7 @@ def draw(images: list, title: str, density_of: str):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m moezoo.zoo.show_attention", description=__doc__.splitlines()[0]
+        prog="python -m moezoo.zoo.show_attention", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument(
         "--config", required=True, help="preset YAML path or name, e.g. sparse_attn_1b_64k"

@@ -1,13 +1,14 @@
-"""NSA's compressed-attention branch for block top-k heads (``compress: 1``; Yuan et al. 2025, sec. 3.3.1).
+"""NSA's compressed-attention branch for block top-k heads (``compress: 1``; Yuan et al. 2025, sec.
+3.3.1).
 
-Every query attends, with its own softmax, to one mean-pooled key and value per *complete* key block:
-query position p sees block j (keys ``j*bs .. j*bs+bs-1``) iff the block ends at or before it,
-``(j + 1) * bs <= p + 1``; a query before the first block's end sees none and this branch gives it 0.
-Pooling is a plain mean (NSA learns an MLP over the block; MoBA's and our selection score the same
-mean-pooled keys), so the compressed branch's logits ``q . mean(k_block) / sqrt(D)`` are the per-query
-scores block top-k selects by (``query_max``): a gradient through this branch is what teaches q and k
-which far blocks matter, which the hard top-k selection alone never receives (a block outside the
-top-k gets no gradient). The layer mixes the branches with learned per-head gates
+Every query attends, with its own softmax, to one mean-pooled key and value per *complete* key
+block: query position p sees block j (keys ``j*bs .. j*bs+bs-1``) iff the block ends at or before
+it, ``(j + 1) * bs <= p + 1``; a query before the first block's end sees none and this branch gives
+it 0. Pooling is a plain mean (NSA learns an MLP over the block; MoBA's and our selection score the
+same mean-pooled keys), so the compressed branch's logits ``q . mean(k_block) / sqrt(D)`` are the
+per-query scores block top-k selects by (``query_max``): a gradient through this branch is what
+teaches q and k which far blocks matter, which the hard top-k selection alone never receives (a
+block outside the top-k gets no gradient). The layer mixes the branches with learned per-head gates
 (``layers.Attention``): ``out = sigmoid(g_fine) * fine + sigmoid(g_cmp) * compressed``.
 
 ``compressed_attention(q [B, H, S, D], k, v [B, Hk, T, D], block_size, q_offset) -> [B, H, S, D]``;
@@ -31,11 +32,12 @@ def compressed_attention(
     q_offset: int = 0,
     kv_heads: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Softmax attention of each query over the mean-pooled complete key blocks before it (module docstring).
+    """Softmax attention of each query over the mean-pooled complete key blocks before it (module
+    docstring).
 
-    ``kv_heads`` (int64 ``[H]``): the KV head of each query head; default GQA's ``h // (H / Hk)``. Keys are
-    pooled before they are picked per query head (``T / block_size`` rows, so the copy is small).
-    Differentiable in q, k and v.
+    ``kv_heads`` (int64 ``[H]``): the KV head of each query head; default GQA's ``h // (H / Hk)``.
+    Keys are pooled before they are picked per query head (``T / block_size`` rows, so the copy is
+    small). Differentiable in q, k and v.
     """
     B, H, S, D = q.shape
     T, bs = k.shape[2], block_size
@@ -61,9 +63,10 @@ def compressed_attention(
 
 
 def compressed_density(pats: Sequence, T: int, causal_pairs: float) -> list[float]:
-    """Per head, the (query, pooled key) pairs a square call's compressed branch computes over ``causal_pairs``:
-    every row that sees a block times all ``T // block_size`` pooled keys (the masked SDPA computes the
-    whole rectangle); 0 for heads without the branch. What honest FLOPs add for it (layers.attention.density)."""
+    """Per head, the (query, pooled key) pairs a square call's compressed branch computes over
+    ``causal_pairs``: every row that sees a block times all ``T // block_size`` pooled keys (the
+    masked SDPA computes the whole rectangle); 0 for heads without the branch. What honest FLOPs add
+    for it (layers.attention.density)."""
     out = []
     for p in pats:
         cb = compress_block(p)
@@ -73,10 +76,12 @@ def compressed_density(pats: Sequence, T: int, causal_pairs: float) -> list[floa
 
 
 def compress_block(p) -> int:
-    """The keys a pattern's compressed branch pools per block (``compress_block``, else ``block_size``)."""
+    """The keys a pattern's compressed branch pools per block (``compress_block``, else
+    ``block_size``)."""
     return p.compress_block or p.block_size
 
 
 def compress_heads(pats: Sequence) -> list[int]:
-    """The heads of a per-head pattern list that carry the compressed branch (block top-k with ``compress: 1``)."""
+    """The heads of a per-head pattern list that carry the compressed branch (block top-k with
+    ``compress: 1``)."""
     return [h for h, p in enumerate(pats) if p.type == "block_topk" and p.compress]

@@ -1,7 +1,7 @@
 """Dense causal attention (SDPA) and the length below which sparse calls run the reference.
 
-``dense_causal_attention(q[B, Hq, S, Dh], k[B, Hk, T, Dh], v, q_offset) -> [B, Hq, S, Dh]``: the exact
-causal result every backend falls back to; query i sits at absolute position ``q_offset + i``.
+``dense_causal_attention(q[B, Hq, S, Dh], k[B, Hk, T, Dh], v, q_offset) -> [B, Hq, S, Dh]``: the
+exact causal result every backend falls back to; query i sits at absolute position ``q_offset + i``.
 """
 
 from __future__ import annotations
@@ -9,24 +9,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Tokens; below this, ``auto`` runs the reference (SDPA + materialised mask). Measured on the H200 by
-# bench/attention.py --crossover (BENCHMARKS.md "Sparse attention"): at 2048 tokens flex is already 3.3x
-# faster than masked SDPA (0.56 vs 1.83 ms, A-shape); shorter lengths were not measured.
+# Tokens; below this, ``auto`` runs the reference (SDPA + materialised mask). Measured on the H200
+# by bench/attention.py --crossover (BENCHMARKS.md "Sparse attention"): at 2048 tokens flex is
+# already 3.3x faster than masked SDPA (0.56 vs 1.83 ms, A-shape); shorter lengths were not
+# measured.
 DENSE_CROSSOVER = 2048
-# Inductor lowers flex attention on CUDA only for query/key and value head dims of at least 16 (it refuses
-# smaller ones with "embedding dimension ... must be at least 16"), so smaller heads run the SDPA reference.
+# Inductor lowers flex attention on CUDA only for query/key and value head dims of at least 16 (it
+# refuses smaller ones with "embedding dimension ... must be at least 16"), so smaller heads run the
+# SDPA reference.
 FLEX_MIN_HEAD_DIM = 16
 
 
 def flex_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether ``auto`` may send this CUDA call to FlexAttention: head dims ``q[..., Dh]``, ``v[..., Dv]``."""
+    """Whether ``auto`` may send this CUDA call to FlexAttention: head dims ``q[..., Dh]``, ``v[...,
+    Dv]``."""
     return q.is_cuda and min(q.shape[-1], v.shape[-1]) >= FLEX_MIN_HEAD_DIM
 
 
 def dense_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0
 ) -> torch.Tensor:
-    """``q [B, Hq, S, Dh]``, ``k, v [B, Hk, T, Dh]`` with query i at absolute position ``q_offset + i``."""
+    """``q [B, Hq, S, Dh]``, ``k, v [B, Hk, T, Dh]`` with query i at absolute position ``q_offset +
+    i``."""
     S, T = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if q_offset == 0 and S == T:

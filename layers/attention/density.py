@@ -21,12 +21,13 @@ def pattern_density(
     chunk: int = 256,
     device=None,
 ) -> torch.Tensor:
-    """float64 ``[n_heads]``: the fraction of causal (q, k) pairs each head of ``pattern`` attends at ``seq_len``.
+    """float64 ``[n_heads]``: the fraction of causal (q, k) pairs each head of ``pattern`` attends
+    at ``seq_len``.
 
     Input-dependent heads count what their budgets allow (``patterns.budget_plan``). Exact when
     ``seq_len <= max_rows``; longer inputs count ``max_rows`` query rows in evenly spaced chunks and
-    interpolate the allowed keys per row linearly across the rows in between (exact for windows, sinks
-    and dense heads). Masks are built ``chunk`` rows at a time on ``device``.
+    interpolate the allowed keys per row linearly across the rows in between (exact for windows,
+    sinks and dense heads). Masks are built ``chunk`` rows at a time on ``device``.
     """
     if seq_len <= max_rows:
         starts = range(0, seq_len, chunk)
@@ -34,10 +35,11 @@ def pattern_density(
         n_chunks = max(max_rows // chunk, 2)
         starts = sorted({round(i * (seq_len - chunk) / (n_chunks - 1)) for i in range(n_chunks)})
     rows = [range(s, min(s + chunk, seq_len)) for s in starts]
+    # [H, rows] allowed keys
     per_row = [
         budget_plan(pattern, n_heads, seq_len, layer, r, device).token_mask()[0].sum(-1).double()
         for r in rows
-    ]  # [H, rows] allowed keys
+    ]
     allowed = sum(c.sum(-1) for c in per_row)
     for a, b, ra, rb in zip(per_row, per_row[1:], rows, rows[1:]):  # trapezoid over skipped rows
         allowed = allowed + (rb.start - ra.stop) * (a[:, -1] + b[:, 0]) / 2
@@ -50,8 +52,9 @@ def attention_density(
     """Fraction of causal (q, k) pairs each head attends at ``seq_len``.
 
     Returns ``{"layer{L}/head{h}": float, "layer{L}": mean over heads, "mean": over all heads}`` for
-    every ``layers.Attention`` inside the module (dense heads are 1.0), each layer by ``pattern_density``
-    (exact up to ``max_rows``, sampled beyond). Masks are built on the module's device.
+    every ``layers.Attention`` inside the module (dense heads are 1.0), each layer by
+    ``pattern_density`` (exact up to ``max_rows``, sampled beyond). Masks are built on the module's
+    device.
     """
     out, all_heads = {}, []
     for m in model_or_attention.modules():
@@ -61,7 +64,8 @@ def attention_density(
         if m.pattern is None:
             dens = torch.ones(H, dtype=torch.float64)
         else:
-            # masks are built where the model lives (a 64k model's rows are slow on CPU, instant on GPU)
+            # masks are built where the model lives (a 64k model's rows are slow on CPU, instant on
+            # GPU)
             dev = m.wq.weight.device if m.wq.weight.device.type != "meta" else torch.device("cpu")
             dens = pattern_density(m.pattern, H, seq_len, L, max_rows, chunk, dev)
         for h in range(H):
@@ -74,17 +78,19 @@ def attention_density(
 
 
 def attention_metrics(model: torch.nn.Module, seq_len: int) -> dict:
-    """Scalars (0-d tensors, no host sync) from every ``layers.Attention``'s last forward, for logging:
+    """Scalars (0-d tensors, no host sync) from every ``layers.Attention``'s last forward, for
+    logging:
 
-    - ``attn/density``: the mean over all heads of all layers of the causal pairs computed (block-sparse
-      heads: visited blocks x block area / causal pairs; dense heads 1): what hardware FLOPs count.
-      A sparse layer without recorded stats (compiled blocks record none) counts its budget density at
-      ``seq_len`` (``pattern_density``, token-level, so never more than its kernel did; computed once).
-      Block top-k heads with ``compress: 1`` add their compressed branch's pairs (``compressed_density``).
-    - ``attn/topk_entropy``, ``attn/topk_mass``: block top-k selection sharpness (mean over the layers
-      with block top-k heads): normalised entropy of the softmax over each query block's pooled scores
-      (1 = uniform, falls as the choice sharpens) and the share of that softmax the chosen blocks hold.
-    Empty when the model has no sparse layer.
+    - ``attn/density``: the mean over all heads of all layers of the causal pairs computed
+      (block-sparse heads: visited blocks x block area / causal pairs; dense heads 1): what hardware
+      FLOPs count. A sparse layer without recorded stats (compiled blocks record none) counts its
+      budget density at ``seq_len`` (``pattern_density``, token-level, so never more than its kernel
+      did; computed once). Block top-k heads with ``compress: 1`` add their compressed branch's
+      pairs (``compressed_density``).
+    - ``attn/topk_entropy``, ``attn/topk_mass``: block top-k selection sharpness (mean over the
+      layers with block top-k heads): normalised entropy of the softmax over each query block's
+      pooled scores (1 = uniform, falls as the choice sharpens) and the share of that softmax the
+      chosen blocks hold. Empty when the model has no sparse layer.
     """
     dens, ent, mass, any_sparse = [], [], [], False
     for m in model.modules():
@@ -104,7 +110,8 @@ def attention_metrics(model: torch.nn.Module, seq_len: int) -> dict:
                     m.wq.weight.device if m.wq.weight.device.type != "meta" else torch.device("cpu")
                 )
                 dens_h = pattern_density(m.pattern, m.n_heads, seq_len, m.layer_id, device=dev)
-                # plus the compressed branch's pooled-key pairs (block top-k compress: 1), a token-level share too
+                # plus the compressed branch's pooled-key pairs (block top-k compress: 1), a
+                # token-level share too
                 dens_h = dens_h + torch.tensor(
                     compressed_density(
                         head_patterns(m.pattern, m.n_heads), seq_len, seq_len * (seq_len + 1) / 2
@@ -127,9 +134,9 @@ def attention_metrics(model: torch.nn.Module, seq_len: int) -> dict:
 
 
 class AttentionStats:
-    """The sparse attention layers as one sparsity method (layers.sparsity_method): nothing acts between
-    steps; ``metrics()`` is ``attention_metrics`` of the last forward (density for the honest MFU, block
-    top-k selection sharpness)."""
+    """The sparse attention layers as one sparsity method (layers.sparsity_method): nothing acts
+    between steps; ``metrics()`` is ``attention_metrics`` of the last forward (density for the
+    honest MFU, block top-k selection sharpness)."""
 
     skips_on_device = True  # nothing to do after a step (layers.sparsity_method)
 

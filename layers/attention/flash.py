@@ -1,8 +1,9 @@
-"""flash-attn (optional, ``pip install -e ".[gpu]"``): dense causal layers and pure causal sliding windows.
+"""flash-attn (optional, ``pip install -e ".[gpu]"``): dense causal layers and pure causal sliding
+windows.
 
-flash-attn-4 (``flash_attn.cute``, CuTe DSL, Hopper/Blackwell) first, flash-attn 2 (``flash_attn``) if that
-is what is installed. Both take ``[B, S, H, D]`` and GQA natively; ``window_size=(W-1, 0)`` is exactly our
-window W (keys q-W+1 .. q). FA4 returns ``(out, lse)``, FA2 the output.
+flash-attn-4 (``flash_attn.cute``, CuTe DSL, Hopper/Blackwell) first, flash-attn 2 (``flash_attn``)
+if that is what is installed. Both take ``[B, S, H, D]`` and GQA natively; ``window_size=(W-1, 0)``
+is exactly our window W (keys q-W+1 .. q). FA4 returns ``(out, lse)``, FA2 the output.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def _flash_func():
 
 
 def _call(q, k, v, window: int | None) -> torch.Tensor:
-    """``q [B, Hq, T, D]``, ``k, v [B, Hk, T, D]`` -> ``[B, Hq, T, D]``; causal, window None = dense."""
+    """``q [B, Hq, T, D]``, ``k, v [B, Hk, T, D]`` -> ``[B, Hq, T, D]``; causal, window None =
+    dense."""
     fn = _flash_func()
     kw = {} if window is None else {"window_size": (window - 1, 0)}
     out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, **kw)

@@ -15,32 +15,34 @@ from .plan import PatternPlan
 
 _compiled_flex = None
 
-# FlexAttention's FLASH backend (flash-attn-4's CuTe kernels, ``kernel_options={"BACKEND": "FLASH"}``,
-# torch >= 2.10, Hopper/Blackwell) against its Triton backend, per pattern type: the lengths from which
-# FLASH was measured faster both forward and forward+backward on the H200 (32/8 heads, d 128, bf16,
-# 128-token blocks). ``flex_kernel: auto`` runs FLASH for a layer only when every sparse head's type is
-# listed here at this length; unmeasured types run Triton. Sources: A-shape, 16k and 64k (FLASH fwd
-# 1.04 / 3.95 ms, fwd+bwd 4.43 / 19.01 ms against Triton 1.56 / 6.14 and 7.07 / 29.06;
-# ../shared/peers/stage_flash_attn4.sh header) and 64k again in bench/attention.py (fwd 4.18 vs 6.20 ms,
-# fwd+bwd 19.46 vs 28.13); block top-k (16 of 512 blocks, one selection per KV group, estimation
-# included) at 64k: fwd 9.60 vs 11.69 ms, fwd+bwd 23.96 vs 29.12 (BENCHMARKS.md "Sparse attention that
-# trains", run 6); below 64k FLASH was not measured for it.
+# FlexAttention's FLASH backend (flash-attn-4's CuTe kernels, ``kernel_options={"BACKEND":
+# "FLASH"}``, torch >= 2.10, Hopper/Blackwell) against its Triton backend, per pattern type: the
+# lengths from which FLASH was measured faster both forward and forward+backward on the H200 (32/8
+# heads, d 128, bf16, 128-token blocks). ``flex_kernel: auto`` runs FLASH for a layer only when
+# every sparse head's type is listed here at this length; unmeasured types run Triton. Sources:
+# A-shape, 16k and 64k (FLASH fwd 1.04 / 3.95 ms, fwd+bwd 4.43 / 19.01 ms against Triton 1.56 / 6.14
+# and 7.07 / 29.06; ../shared/peers/stage_flash_attn4.sh header) and 64k again in bench/attention.py
+# (fwd 4.18 vs 6.20 ms, fwd+bwd 19.46 vs 28.13); block top-k (16 of 512 blocks, one selection per KV
+# group, estimation included) at 64k: fwd 9.60 vs 11.69 ms, fwd+bwd 23.96 vs 29.12 (BENCHMARKS.md
+# "Sparse attention that trains", run 6); below 64k FLASH was not measured for it.
 FLASH_FASTER_FROM = {"a_shape": 16384, "local": 16384, "block_topk": 65536}
 
 
-# A pattern's block size is its selection unit; the flex kernel's tile is another thing. FlexAttention's
-# Triton templates on CUDA take one tile config by default, and a BlockMask's block size must be a multiple
-# of it: forward (128, 128) / (128, 64) at bf16 head dims 64 / 128 on sm90, backward (64, 128, 128, 64) on
-# sm90 and sm100 (torch's template_heuristics; sm8x's d < 64 backward also has 128s). Smaller blocks fail
-# there ("Q and KV block size must be divisible by BLOCK_M and BLOCK_N" forward, no backward config at
-# all), so on CUDA a layer of smaller blocks is laid out on 128-token tiles (``flex_block_mask``'s
-# ``tile``): exact, since the mask_mod evaluates the token rule in every tile that is not full.
+# A pattern's block size is its selection unit; the flex kernel's tile is another thing.
+# FlexAttention's Triton templates on CUDA take one tile config by default, and a BlockMask's block
+# size must be a multiple of it: forward (128, 128) / (128, 64) at bf16 head dims 64 / 128 on sm90,
+# backward (64, 128, 128, 64) on sm90 and sm100 (torch's template_heuristics; sm8x's d < 64 backward
+# also has 128s). Smaller blocks fail there ("Q and KV block size must be divisible by BLOCK_M and
+# BLOCK_N" forward, no backward config at all), so on CUDA a layer of smaller blocks is laid out on
+# 128-token tiles (``flex_block_mask``'s ``tile``): exact, since the mask_mod evaluates the token
+# rule in every tile that is not full.
 FLEX_TILE_CUDA = 128
 
 
 def flex_tile(block_size: int, device: torch.device) -> int:
-    """The BlockMask block size for a layer of ``block_size``-token blocks on ``device``: the block size
-    itself on CPU or when CUDA's 128-token tiles divide it, else the least common multiple with 128."""
+    """The BlockMask block size for a layer of ``block_size``-token blocks on ``device``: the block
+    size itself on CPU or when CUDA's 128-token tiles divide it, else the least common multiple with
+    128."""
     if device.type != "cuda" or block_size % FLEX_TILE_CUDA == 0:
         return block_size
     return math.lcm(block_size, FLEX_TILE_CUDA)
@@ -54,8 +56,9 @@ def _flex_fn(device: torch.device):
     if device.type != "cuda":
         return flex_attention
     if _compiled_flex is None:
-        # Each pattern structure (which tables the mask_mod reads) and kernel option set is one compiled
-        # entry; past dynamo's default limit of 8 it would silently fall back to eager flex (O(S^2) memory).
+        # Each pattern structure (which tables the mask_mod reads) and kernel option set is one
+        # compiled entry; past dynamo's default limit of 8 it would silently fall back to eager flex
+        # (O(S^2) memory).
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex
@@ -84,7 +87,8 @@ def pick_flex_kernel(kernel: str, pats, T: int, block_size: int) -> str:
 
 
 def kernel_options_for(kernel: str, options: Optional[dict]) -> Optional[dict]:
-    """The ``kernel_options`` of one flex call: the layer's Triton options, FLASH's backend switch."""
+    """The ``kernel_options`` of one flex call: the layer's Triton options, FLASH's backend
+    switch."""
     opts = dict(options or {})
     if kernel == "flash":
         opts["BACKEND"] = "FLASH"
@@ -92,11 +96,13 @@ def kernel_options_for(kernel: str, options: Optional[dict]) -> Optional[dict]:
 
 
 def _kv_blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bool ``[B, H, nq, nk]`` -> (counts int32 ``[B, H, nq]``, indices int32 ``[B, H, nq, nk]``: each row's
-    chosen blocks ascending, then zeros that FlexAttention never reads, as it reads ``counts`` entries).
+    """bool ``[B, H, nq, nk]`` -> (counts int32 ``[B, H, nq]``, indices int32 ``[B, H, nq, nk]``:
+    each row's chosen blocks ascending, then zeros that FlexAttention never reads, as it reads
+    ``counts`` entries).
 
-    A compaction (cumsum + scatter) rather than a sort: at 128k tokens, 32 heads a stable argsort of the
-    [32, 1024, 1024] layout took 0.6 ms per list on the H200, and vertical-slash builds lists every call.
+    A compaction (cumsum + scatter) rather than a sort: at 128k tokens, 32 heads a stable argsort of
+    the [32, 1024, 1024] layout took 0.6 ms per list on the H200, and vertical-slash builds lists
+    every call.
     """
     nk = m.shape[-1]
     num = m.sum(-1, dtype=torch.int32)
@@ -107,9 +113,10 @@ def _kv_blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _keep_rule(plan: PatternPlan, with_cols: bool = True, tile: int = 0):
-    """The plan's token rule without causality as ``keep(b, h, q_idx, k) -> bool`` on FlexAttention index
-    tensors (square plans); ``with_cols=False`` leaves out the vertical columns (and only them).
-    ``tile``: the BlockMask's block size (a multiple of the plan's; default the plan's own)."""
+    """The plan's token rule without causality as ``keep(b, h, q_idx, k) -> bool`` on FlexAttention
+    index tensors (square plans); ``with_cols=False`` leaves out the vertical columns (and only
+    them). ``tile``: the BlockMask's block size (a multiple of the plan's; default the plan's
+    own)."""
     bs, T = plan.block_size, plan.T
     tile = tile or bs
     # Tables padded so any index inside the last (padded) tile is in bounds: kernels evaluate the
@@ -121,9 +128,8 @@ def _keep_rule(plan: PatternPlan, with_cols: bool = True, tile: int = 0):
         nb = Tp // bs
         blocks = F.pad(blocks, (0, nb - blocks.shape[-1], 0, nb - blocks.shape[-2]))
     if plan.cols is not None:
-        diags = F.pad(
-            plan.diag_reach(), (0, Tp - T)
-        )  # the slash rule's table (PatternPlan.diag_reach)
+        # the slash rule's table (PatternPlan.diag_reach)
+        diags = F.pad(plan.diag_reach(), (0, Tp - T))
         cols = F.pad(plan.cols, (0, Tp - T)) if with_cols else None
     blocks, diags, cols = (_per_batch(t) for t in (blocks, diags, cols))
 
@@ -143,10 +149,10 @@ def _keep_rule(plan: PatternPlan, with_cols: bool = True, tile: int = 0):
 
 
 def _per_batch(table: Optional[torch.Tensor]):
-    """``table [B or 1, ...]`` -> ``read(b, *idx)``: per-batch tables read at ``b``; a table shared by the
-    batch (static parts, or batch 1) is sliced here once, so the mask_mod indexes it without a constant
-    batch index (FLASH's CuTe code generation takes only tensor expressions as indices: ``t[0, h, ...]``
-    failed there with "Expected TensorSSA, but got <class 'int'>")."""
+    """``table [B or 1, ...]`` -> ``read(b, *idx)``: per-batch tables read at ``b``; a table shared
+    by the batch (static parts, or batch 1) is sliced here once, so the mask_mod indexes it without
+    a constant batch index (FLASH's CuTe code generation takes only tensor expressions as indices:
+    ``t[0, h, ...]`` failed there with "Expected TensorSSA, but got <class 'int'>")."""
     if table is None:
         return None
     if table.shape[0] > 1:
@@ -156,8 +162,8 @@ def _per_batch(table: Optional[torch.Tensor]):
 
 
 def plan_mask_mod(plan: PatternPlan, tile: int = 0):
-    """The plan's token rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (square plans);
-    ``tile``: the BlockMask's block size, which its tables are padded to."""
+    """The plan's token rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (square
+    plans); ``tile``: the BlockMask's block size, which its tables are padded to."""
     keep = _keep_rule(plan, tile=tile)
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -167,15 +173,15 @@ def plan_mask_mod(plan: PatternPlan, tile: int = 0):
 
 
 # Vertical-slash columns. A chosen column is one key seen by every later query, so in key blocks it
-# marks its whole block "touched" for every query block: ~1000 columns over 128k keys touch nearly all
-# blocks and the block mask is dense (BENCHMARKS.md: 0.55x SDPA at 64k). MInference gathers the
-# columns instead; here each query head's chosen keys are copied in front of the keys
-# (``K' = cat(K[cols], K)``, the same for V) so one flex call sees them as a few dense key blocks, and
-# the columns leave the main part's block layout. Exact: prefix slot j (column p) is allowed for query
-# q iff p <= q and the rest of the rule does not already allow (q, p), so each pair counts once.
-# One call rather than two (columns, rest) merged by their logsumexps: no merge or LSE gradient to
-# get right, one launch; the cost is that K', V' carry every query head (GQA expanded), T + NVp rows
-# of Hq heads each (at 128k, 32 heads, d 128, bf16: ~1 GiB each, plus their gradients in training).
+# marks its whole block "touched" for every query block: ~1000 columns over 128k keys touch nearly
+# all blocks and the block mask is dense (BENCHMARKS.md: 0.55x SDPA at 64k). MInference gathers the
+# columns instead; here each query head's chosen keys are copied in front of the keys (``K' =
+# cat(K[cols], K)``, the same for V) so one flex call sees them as a few dense key blocks, and the
+# columns leave the main part's block layout. Exact: prefix slot j (column p) is allowed for query q
+# iff p <= q and the rest of the rule does not already allow (q, p), so each pair counts once. One
+# call rather than two (columns, rest) merged by their logsumexps: no merge or LSE gradient to get
+# right, one launch; the cost is that K', V' carry every query head (GQA expanded), T + NVp rows of
+# Hq heads each (at 128k, 32 heads, d 128, bf16: ~1 GiB each, plus their gradients in training).
 
 
 def column_slots(plan: PatternPlan) -> torch.Tensor:
@@ -185,14 +191,14 @@ def column_slots(plan: PatternPlan) -> torch.Tensor:
     without columns have only empty slots.
     """
     bs, T, cols = plan.block_size, plan.T, plan.cols
-    if (
-        plan.col_budget < 1
-    ):  # plans from plan_pattern / budget_plan always set it with their columns
+    # plans from plan_pattern / budget_plan always set it with their columns
+    if plan.col_budget < 1:
         raise ValueError("column_slots needs plan.col_budget (the most columns any head chose)")
     nvp = -(-plan.col_budget // bs) * bs
     kk = min(nvp, T)
     pos = torch.arange(T, device=cols.device, dtype=torch.int32)
-    # chosen columns score T - p (> 0, larger for earlier p); topk's sorted order is then ascending p
+    # chosen columns score T - p (> 0, larger for earlier p); topk's sorted order is then ascending
+    # p
     val, idx = torch.where(cols, T - pos, -1).topk(kk, dim=-1)
     slots = torch.where(val > 0, idx.to(torch.int32), T)
     return F.pad(slots, (0, nvp - kk), value=T)
@@ -201,9 +207,10 @@ def column_slots(plan: PatternPlan) -> torch.Tensor:
 def gather_columns(
     k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``k, v [B, Hk, T, D]``, ``slots [B or 1, Hq, NVp]`` -> ``k', v' [B, Hq, NVp + T, D]``: per query head
-    the keys (values) at its column slots (empty slots read key T-1; the mask never allows them), then
-    all keys of its KV head. Differentiable: gradients of both parts flow back to ``k, v``."""
+    """``k, v [B, Hk, T, D]``, ``slots [B or 1, Hq, NVp]`` -> ``k', v' [B, Hq, NVp + T, D]``: per
+    query head the keys (values) at its column slots (empty slots read key T-1; the mask never
+    allows them), then all keys of its KV head. Differentiable: gradients of both parts flow back to
+    ``k, v``."""
     B, Hk, T, D = k.shape
     Hq, nvp = slots.shape[1], slots.shape[2]
     g = Hq // Hk
@@ -221,8 +228,9 @@ def gather_columns(
 
 
 def gathered_mask_mod(plan: PatternPlan, slots: torch.Tensor, tile: int = 0):
-    """``mask_mod`` over ``K' = cat(K[slots], K)``: slot j (key ``slots[b, h, j]``) where the rest of the rule
-    does not allow it, key ``kv_idx - NVp`` where it does; together exactly ``plan.token_mask()``, once."""
+    """``mask_mod`` over ``K' = cat(K[slots], K)``: slot j (key ``slots[b, h, j]``) where the rest
+    of the rule does not allow it, key ``kv_idx - NVp`` where it does; together exactly
+    ``plan.token_mask()``, once."""
     keep = _keep_rule(plan, with_cols=False, tile=tile)
     nvp, T = slots.shape[-1], plan.T
     slot = _per_batch(slots)
@@ -237,8 +245,9 @@ def gathered_mask_mod(plan: PatternPlan, slots: torch.Tensor, tile: int = 0):
 
 
 def _slot_blocks(slots: torch.Tensor, bs: int, n_q: int, T: int) -> torch.Tensor:
-    """bool ``[B, H, nq, NVp / bs]``: slot block j is touched by query block qb when its first (smallest)
-    column is <= the block's last query; never full (pairs the rest allows are masked out there)."""
+    """bool ``[B, H, nq, NVp / bs]``: slot block j is touched by query block qb when its first
+    (smallest) column is <= the block's last query; never full (pairs the rest allows are masked out
+    there)."""
     first = slots[..., ::bs]  # [B, H, nj]
     q_last = (torch.arange(n_q, device=slots.device) * bs + bs - 1).clamp(max=T - 1)
     return first[:, :, None, :] <= q_last[None, None, :, None]
@@ -247,9 +256,9 @@ def _slot_blocks(slots: torch.Tensor, bs: int, n_q: int, T: int) -> torch.Tensor
 def _coarsen(
     partial: torch.Tensor, full: torch.Tensor, m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block layouts ``[B, H, nq, nk]`` -> the layouts of ``m x m``-block tiles ``[B, H, ceil(nq/m), ceil(nk/m)]``:
-    a tile is full when its every block is (a ragged edge tile never is), partial when any block is
-    listed and the tile is not full."""
+    """Block layouts ``[B, H, nq, nk]`` -> the layouts of ``m x m``-block tiles ``[B, H, ceil(nq/m),
+    ceil(nk/m)]``: a tile is full when its every block is (a ragged edge tile never is), partial
+    when any block is listed and the tile is not full."""
     nq, nk = partial.shape[-2:]
     pad = (0, -nk % m, 0, -nq % m)
     touched, full = F.pad(partial | full, pad), F.pad(full, pad)
@@ -262,13 +271,15 @@ def flex_block_mask(
     plan: PatternPlan, slots: Optional[torch.Tensor] = None, backward: bool = True, tile: int = 0
 ):
     """A FlexAttention BlockMask for a square plan: full/partial blocks from ``plan.block_layout()``
-    (built from indices, never by evaluating the mask per block) and ``plan_mask_mod`` on partial blocks.
+    (built from indices, never by evaluating the mask per block) and ``plan_mask_mod`` on partial
+    blocks.
 
-    With ``slots`` (``column_slots(plan)``) the keys are ``K' = cat(K[slots], K)`` (``gather_columns``):
-    ``NVp / bs`` slot blocks, then the layout of the rule without columns shifted past them.
-    ``backward=False`` skips the transposed (per key block) lists only the backward pass reads.
-    ``tile``: the BlockMask's block size, a multiple of the plan's (``flex_tile``; default the plan's own):
-    the layout is pooled onto tiles and the mask_mod masks inside them.
+    With ``slots`` (``column_slots(plan)``) the keys are ``K' = cat(K[slots], K)``
+    (``gather_columns``): ``NVp / bs`` slot blocks, then the layout of the rule without columns
+    shifted past them. ``backward=False`` skips the transposed (per key block) lists only the
+    backward pass reads. ``tile``: the BlockMask's block size, a multiple of the plan's
+    (``flex_tile``; default the plan's own): the layout is pooled onto tiles and the mask_mod masks
+    inside them.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -310,8 +321,9 @@ def flex_attention_call(
     block_mask,
     kernel_options: Optional[dict] = None,
 ) -> torch.Tensor:
-    """FlexAttention (compiled on CUDA) over a BlockMask from ``flex_block_mask``; ``kernel_options`` per
-    call (``kernel_options_for``): Triton tiles, or ``{"BACKEND": "FLASH"}``. Eager CPU flex takes none."""
+    """FlexAttention (compiled on CUDA) over a BlockMask from ``flex_block_mask``;
+    ``kernel_options`` per call (``kernel_options_for``): Triton tiles, or ``{"BACKEND": "FLASH"}``.
+    Eager CPU flex takes none."""
     if q.device.type != "cuda":
         kernel_options = None
     return _flex_fn(q.device)(

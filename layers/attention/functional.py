@@ -1,29 +1,33 @@
-"""Sparse causal attention: ``sparse_attention(q, k, v, pattern) -> out``, one mask, several backends.
+"""Sparse causal attention: ``sparse_attention(q, k, v, pattern) -> out``, one mask, several
+backends.
 
-``q [B, Hq, S, D]``, ``k, v [B, Hk, T, D]`` (RoPE already applied; GQA when Hk divides Hq), query i at
-absolute position ``q_offset + i``; returns ``[B, Hq, S, D]``. The mask is the token-level
-``allowed(q, k)`` of layers.attention.pattern (DESIGN.md conventions); every backend computes exactly it:
+``q [B, Hq, S, D]``, ``k, v [B, Hk, T, D]`` (RoPE already applied; GQA when Hk divides Hq), query i
+at absolute position ``q_offset + i``; returns ``[B, Hq, S, D]``. The mask is the token-level
+``allowed(q, k)`` of layers.attention.pattern (DESIGN.md conventions); every backend computes
+exactly it:
 
 - ``reference``: SDPA with the materialised bool mask. The oracle and the CPU path (fwd + bwd).
 - ``flex``: FlexAttention with a BlockMask built straight from block indices (``from_kv_blocks``)
-  for square inputs (training, prefill; decode and chunked-prefill rows use the reference):
-  blocks wholly inside the pattern are "full" (no per-element mask), the rest carry a ``mask_mod``
-  that evaluates the same token rule. Compiled on GPU (fwd + bwd); eager on CPU (forward only is
+  for square inputs (training, prefill; decode and chunked-prefill rows use the reference): blocks
+  wholly inside the pattern are "full" (no per-element mask), the rest carry a ``mask_mod`` that
+  evaluates the same token rule. Compiled on GPU (fwd + bwd); eager on CPU (forward only is
   supported there by PyTorch). Masks of static patterns are cached per (pattern, layer, length).
-  Vertical-slash columns are gathered (``column_slots``, ``gather_columns``): each query head's chosen
-  keys and values are copied in front of the keys, ``K' = cat(K[cols], K)`` with ``Hq`` heads, so the
-  columns cost a few dense key blocks instead of touching every key block; ``gathered_mask_mod``
-  allows a gathered column only where the rest of the rule does not, so each pair counts once.
+  Vertical-slash columns are gathered (``column_slots``, ``gather_columns``): each query head's
+  chosen keys and values are copied in front of the keys, ``K' = cat(K[cols], K)`` with ``Hq``
+  heads, so the columns cost a few dense key blocks instead of touching every key block;
+  ``gathered_mask_mod`` allows a gathered column only where the rest of the rule does not, so each
+  pair counts once.
 - ``flash_attn``: flash-attn's ``window_size`` for pure sliding-window layers, when installed.
-- ``auto``: flex on CUDA for square inputs at or above ``DENSE_CROSSOVER`` tokens with head dims of at
-  least ``FLEX_MIN_HEAD_DIM`` (16, what inductor lowers); otherwise the
-  reference, which below the crossover is the faster way to compute the same masked result.
+- ``auto``: flex on CUDA for square inputs at or above ``DENSE_CROSSOVER`` tokens with head dims of
+  at least ``FLEX_MIN_HEAD_DIM`` (16, what inductor lowers); otherwise the reference, which below
+  the crossover is the faster way to compute the same masked result.
 
 Whatever the backend, a pattern that allows every causal pair at this length (a window >= T, budgets
->= T, fewer than its ``dense_below`` keys: ``SparsityPattern.is_dense_at``) runs dense causal SDPA: the
-same result, faster; in a mixed layer such heads are planned as dense heads (no estimation). There is
-no ``triton`` backend: FlexAttention's generated Triton kernel already reaches the density limit forward on the H200 for static patterns, so
-an own block-sparse kernel had nothing to win there (BENCHMARKS.md "Sparse attention").
+>= T, fewer than its ``dense_below`` keys: ``SparsityPattern.is_dense_at``) runs dense causal SDPA:
+the same result, faster; in a mixed layer such heads are planned as dense heads (no estimation).
+There is no ``triton`` backend: FlexAttention's generated Triton kernel already reaches the density
+limit forward on the H200 for static patterns, so an own block-sparse kernel had nothing to win
+there (BENCHMARKS.md "Sparse attention").
 """
 
 from __future__ import annotations
@@ -75,14 +79,15 @@ def sparse_attention(
 
     ``q_history [B, Hq, P, D]``: queries just before this chunk (decode); input-dependent patterns
     estimate from ``cat(q_history, q)`` so a decode step sees the indices prefill would have.
-    ``reference_below``: backend ``auto`` runs the reference below this many keys (-1 = ``DENSE_CROSSOVER``);
-    unlike the pattern parameter ``SparsityPattern.dense_below`` (a head dense below it), same result either way.
-    ``mask`` (a layers.attention.masking.AttnMask: padding / packed documents): ANDed with the pattern's
-    mask; such calls run the reference (or dense masked attention when the pattern is dense here).
-    ``kernel`` (auto | triton | flash) and ``kernel_options``: the flex kernel of this call
-    (``flex.pick_flex_kernel``, ``flex.kernel_options_for``). ``stats``: a dict that receives, for square
-    inputs, ``density`` float32 ``[Hq]`` (a block-sparse kernel's visited blocks / the causal blocks)
-    and, for block top-k heads, ``entropy`` / ``topk_mass`` of the selection (tensors on q's device).
+    ``reference_below``: backend ``auto`` runs the reference below this many keys (-1 =
+    ``DENSE_CROSSOVER``); unlike the pattern parameter ``SparsityPattern.dense_below`` (a head dense
+    below it), same result either way. ``mask`` (a layers.attention.masking.AttnMask: padding /
+    packed documents): ANDed with the pattern's mask; such calls run the reference (or dense masked
+    attention when the pattern is dense here). ``kernel`` (auto | triton | flash) and
+    ``kernel_options``: the flex kernel of this call (``flex.pick_flex_kernel``,
+    ``flex.kernel_options_for``). ``stats``: a dict that receives, for square inputs, ``density``
+    float32 ``[Hq]`` (a block-sparse kernel's visited blocks / the causal blocks) and, for block
+    top-k heads, ``entropy`` / ``topk_mass`` of the selection (tensors on q's device).
     """
     B, Hq, S, D = q.shape
     T = k.shape[2]
@@ -113,9 +118,8 @@ def sparse_attention(
         backend = "flex" if (flex_fits(q, v) and square and T >= crossover) else "reference"
     if backend == "flash_attn":
         return flash_attn_window(q, k, v, pats, square)
-    if (
-        backend == "flex" and square
-    ):  # decode / chunked prefill rows go to the reference: O(S T) mask
+    # decode / chunked prefill rows go to the reference: O(S T) mask
+    if backend == "flex" and square:
         return _flex_sparse(q, k, v, pats, layer, q_history, stats, kernel, kernel_options)
     plan = plan_pattern(pats, Hq, q_offset, S, T, layer, q, k, q_history, stats=stats)
     if stats is not None and square:
@@ -124,20 +128,21 @@ def sparse_attention(
     return reference_sparse_attention(q, k, v, plan)
 
 
-# Eager even inside a torch.compile'd block (a graph break): traced into the trainer's compiled blocks, the
-# per-call block mask and flex call gave gradients 11% off eager's on the H200 (grad norm at step 0, same
-# weights; tests/e2e/test_training_gpu.py), while this eager path meets the float32 reference. The flex
-# kernel itself is compiled either way (``_flex_fn``), so what the break costs is only the fusion of the
-# few elementwise ops around it.
+# Eager even inside a torch.compile'd block (a graph break): traced into the trainer's compiled
+# blocks, the per-call block mask and flex call gave gradients 11% off eager's on the H200 (grad
+# norm at step 0, same weights; tests/e2e/test_training_gpu.py), while this eager path meets the
+# float32 reference. The flex kernel itself is compiled either way (``_flex_fn``), so what the break
+# costs is only the fusion of the few elementwise ops around it.
 @torch.compiler.disable
 def _flex_sparse(q, k, v, pats, layer, q_history, stats, kernel, kernel_options):
-    """The flex backend for a square call: q [B, Hq, T, Dh], k, v [B, Hk, T, Dh] -> [B, Hq, T, Dh]."""
+    """The flex backend for a square call: q [B, Hq, T, Dh], k, v [B, Hk, T, Dh] -> [B, Hq, T,
+    Dh]."""
     Hq, S, T = q.shape[1], q.shape[2], k.shape[2]
-    if any(
-        p.dynamic and not p.is_dense_at(T) for p in pats
-    ):  # estimated from this input: a new mask every call
+    # estimated from this input: a new mask every call
+    if any(p.dynamic and not p.is_dense_at(T) for p in pats):
         plan = plan_pattern(pats, Hq, 0, S, T, layer, q, k, q_history, stats=stats)
-        # a mask built for this call only: its backward lists are needed only if a backward can follow
+        # a mask built for this call only: its backward lists are needed only if a backward can
+        # follow
         bwd = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         slots = column_slots(plan) if plan.cols is not None else None
         if slots is not None:  # vertical-slash columns ride in front of the keys (see column_slots)
@@ -159,8 +164,9 @@ def _causal_blocks(bs: int, T: int) -> float:
 
 
 def _density_of(blocks: torch.Tensor, bs: int, T: int) -> torch.Tensor:
-    """float32 ``[H]``: visited blocks (bool ``[B, H, nq, nk]``) over the causal blocks (a dense causal
-    kernel's work, diagonal blocks whole; so dense heads are 1 and a block-sparse layout at most ~1)."""
+    """float32 ``[H]``: visited blocks (bool ``[B, H, nq, nk]``) over the causal blocks (a dense
+    causal kernel's work, diagonal blocks whole; so dense heads are 1 and a block-sparse layout at
+    most ~1)."""
     return blocks.sum((-1, -2)).float().mean(0) / _causal_blocks(bs, T)
 
 
@@ -172,8 +178,8 @@ def _visited_density(bm, T: int) -> torch.Tensor:
 
 
 def _static_block_mask(pats: list, n_heads: int, T: int, layer: int, device: torch.device):
-    """A static pattern's (BlockMask, density ``[H]``), cached per (pattern, layer, length, device); least
-    recently used dropped first."""
+    """A static pattern's (BlockMask, density ``[H]``), cached per (pattern, layer, length, device);
+    least recently used dropped first."""
     key = (tuple(pats), layer, T, device)
     hit = _MASK_CACHE.get(key)
     if hit is None:
@@ -195,7 +201,8 @@ def reference_sparse_attention(
     plan: PatternPlan,
     extra: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """SDPA with the materialised ``[B or 1, Hq, S, T]`` mask (ANDed with ``extra [B, 1, S, T]``); differentiable."""
+    """SDPA with the materialised ``[B or 1, Hq, S, T]`` mask (ANDed with ``extra [B, 1, S, T]``);
+    differentiable."""
     mask = plan.token_mask()
     if extra is not None:
         mask = mask & extra

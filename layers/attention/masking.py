@@ -1,16 +1,17 @@
 """Padding and packed-document masks: which (query, key) pairs attention may use besides causality.
 
-``attention_mask [B, T]`` follows HF: 1 (or True) for a real token, 0 for padding, over every key the
-attention sees (the cached prefix + the new tokens in decode). ``document_ids [B, T]``: an integer id per
-token (layers.attention never lets a query see a key of another document; training.data.pack_documents
-makes them). ``AttnMask`` carries both through the layers; every attention path ANDs it with its causal
-(and sparse) rule: materialised ``[B, 1, S, T]`` for SDPA and the sparse reference, a FlexAttention
-BlockMask for long square dense calls on CUDA (blocks across documents skipped).
+``attention_mask [B, T]`` follows HF: 1 (or True) for a real token, 0 for padding, over every key
+the attention sees (the cached prefix + the new tokens in decode). ``document_ids [B, T]``: an
+integer id per token (layers.attention never lets a query see a key of another document;
+training.data.pack_documents makes them). ``AttnMask`` carries both through the layers; every
+attention path ANDs it with its causal (and sparse) rule: materialised ``[B, 1, S, T]`` for SDPA and
+the sparse reference, a FlexAttention BlockMask for long square dense calls on CUDA (blocks across
+documents skipped).
 
-Every query may always see itself: a padding query would otherwise see no key at all, its softmax would
-be NaN, and a NaN value row poisons every later layer even under a zero weight. Real queries see
-themselves anyway (causal), so their outputs are unchanged; padding outputs are finite garbage, ignored
-by the loss (zoo.model) and by HF alike.
+Every query may always see itself: a padding query would otherwise see no key at all, its softmax
+would be NaN, and a NaN value row poisons every later layer even under a zero weight. Real queries
+see themselves anyway (causal), so their outputs are unchanged; padding outputs are finite garbage,
+ignored by the loss (zoo.model) and by HF alike.
 
 Shapes: B batch, S queries (absolute positions ``q_offset .. q_offset + S - 1``), T keys.
 """
@@ -39,9 +40,10 @@ def check_token_mask(name: str, m: Optional[torch.Tensor], B: int, T: int) -> No
 class AttnMask:
     """The padding / document restriction of one forward, shared by every layer.
 
-    ``key_valid [B, T]`` bool and ``doc [B, T]`` (ids of the keys; queries are ``doc[:, q_offset:]``), either
-    None. Nothing ``[S, T]``-sized is held until a path asks: ``dense()`` for SDPA / the sparse reference,
-    ``block_mask()`` for FlexAttention (which skips whole blocks across documents), each built once.
+    ``key_valid [B, T]`` bool and ``doc [B, T]`` (ids of the keys; queries are ``doc[:,
+    q_offset:]``), either None. Nothing ``[S, T]``-sized is held until a path asks: ``dense()`` for
+    SDPA / the sparse reference, ``block_mask()`` for FlexAttention (which skips whole blocks across
+    documents), each built once.
     """
 
     key_valid: Optional[torch.Tensor]
@@ -61,7 +63,8 @@ class AttnMask:
         document_ids: Optional[torch.Tensor] = None,
         device=None,
     ) -> Optional[AttnMask]:
-        """None when neither mask is given (plain causal attention needs none); ValueError naming a bad one."""
+        """None when neither mask is given (plain causal attention needs none); ValueError naming a
+        bad one."""
         if attention_mask is None and document_ids is None:
             return None
         check_token_mask("attention_mask", attention_mask, B, T)
@@ -88,7 +91,8 @@ class AttnMask:
         return self._dense
 
     def block_mask(self, T: int, device):
-        """FlexAttention BlockMask of causality AND this mask, for square (training / prefill) calls."""
+        """FlexAttention BlockMask of causality AND this mask, for square (training / prefill)
+        calls."""
         if self._block is None:
             from torch.nn.attention.flex_attention import create_block_mask
 
@@ -110,7 +114,8 @@ class AttnMask:
 
 
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
-    """document_ids [B, S] -> int64 [B, S]: each token's position inside its document (RoPE restarts)."""
+    """document_ids [B, S] -> int64 [B, S]: each token's position inside its document (RoPE
+    restarts)."""
     B, S = document_ids.shape
     idx = torch.arange(S, device=document_ids.device).expand(B, S)
     starts = torch.ones_like(document_ids, dtype=torch.bool)
@@ -130,9 +135,9 @@ def causal_mask(S: int, T: int, q_offset: int, device=None) -> torch.Tensor:
 def masked_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, q_offset: int = 0
 ) -> torch.Tensor:
-    """Dense causal attention restricted by ``mask``: q [B, Hq, S, Dh], k [B, Hk, T, Dh], v [B, Hk, T, Dv]
-    -> [B, Hq, S, Dv]. FlexAttention for square CUDA calls of at least DENSE_CROSSOVER tokens (head dims
-    ``flex_fits``), else SDPA."""
+    """Dense causal attention restricted by ``mask``: q [B, Hq, S, Dh], k [B, Hk, T, Dh], v [B, Hk,
+    T, Dv] -> [B, Hq, S, Dv]. FlexAttention for square CUDA calls of at least DENSE_CROSSOVER tokens
+    (head dims ``flex_fits``), else SDPA."""
     from .dense import DENSE_CROSSOVER, flex_fits
     from .flex import flex_attention_call
 

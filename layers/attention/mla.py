@@ -1,18 +1,20 @@
-"""Multi-head Latent Attention (DeepSeek-V2, arXiv 2405.04434; DeepSeek-V3): low-rank q and kv, decoupled RoPE.
+"""Multi-head Latent Attention (DeepSeek-V2, arXiv 2405.04434; DeepSeek-V3): low-rank q and kv,
+decoupled RoPE.
 
 ``forward(x[B, S, D], cos[S, Dr], sin[S, Dr], start_pos=0, mask=None) -> [B, S, D]``, with
 
-    q      = wq_b(q_norm(wq_a(x)))  (or wq(x) when q_lora_rank is None)    -> [B, H, S, Dn + Dr]
-    c, kr  = split(wkv_a(x), [R, Dr]);  c = kv_norm(c)                     c [B, T, R], kr [B, T, Dr]
-    k, v   = split(wkv_b(c), [Dn, Dv]) per head; k = cat(k, rope(kr) shared by all H heads)
-    out    = wo(attention(cat(q_nope, rope(q_rope)), k, v))               heads of Dv
+    q      = wq_b(q_norm(wq_a(x)))  (or wq(x) when q_lora_rank is None)    -> [B, H, S, Dn + Dr] c,
+    kr  = split(wkv_a(x), [R, Dr]);  c = kv_norm(c)                     c [B, T, R], kr [B, T, Dr]
+    k, v   = split(wkv_b(c), [Dn, Dv]) per head; k = cat(k, rope(kr) shared by all H heads) out    =
+    wo(attention(cat(q_nope, rope(q_rope)), k, v))               heads of Dv
 
-Legend: H heads, R ``kv_lora_rank``, Dn ``qk_nope_head_dim``, Dr ``qk_rope_head_dim``, Dv ``v_head_dim``.
-The decode cache holds only the compressed ``c [B, T, R]`` and rotated ``kr [B, T, Dr]`` (R + Dr numbers a
-token and layer instead of 2 H Dh), re-expanded through ``wkv_b`` each step (no weight absorption yet).
-``rope_interleave`` (DeepSeek's checkpoints): rope dims are (even, odd) pairs; they are de-interleaved
-before the rotate-half rotation, which equals HF's ``apply_rotary_pos_emb_interleave``. Scores are scaled
-by ``1/sqrt(Dn + Dr)`` times ``softmax_scale_factor`` (YaRN's ``mscale_all_dim`` correction squared).
+Legend: H heads, R ``kv_lora_rank``, Dn ``qk_nope_head_dim``, Dr ``qk_rope_head_dim``, Dv
+``v_head_dim``. The decode cache holds only the compressed ``c [B, T, R]`` and rotated ``kr [B, T,
+Dr]`` (R + Dr numbers a token and layer instead of 2 H Dh), re-expanded through ``wkv_b`` each step
+(no weight absorption yet). ``rope_interleave`` (DeepSeek's checkpoints): rope dims are (even, odd)
+pairs; they are de-interleaved before the rotate-half rotation, which equals HF's
+``apply_rotary_pos_emb_interleave``. Scores are scaled by ``1/sqrt(Dn + Dr)`` times
+``softmax_scale_factor`` (YaRN's ``mscale_all_dim`` correction squared).
 
 Sparse patterns apply as in layers.attention.module.Attention (whose pattern dispatch this class
 reuses): q and k are ordinary [B, H, T, Dn + Dr] tensors by the time they meet the pattern, values
@@ -98,7 +100,8 @@ class MLA(Attention):
         self.rope_interleave, self.softmax_scale_factor = rope_interleave, softmax_scale_factor
         self.layer_id, self.backend, self.reference_below = layer_id, backend, reference_below
         self.flex_kernel, self.kernel_options = flex_kernel, kernel_options
-        self.attn_stats: dict = {}  # as Attention's: last forward's sparse stats, selection on request
+        # as Attention's: last forward's sparse stats, selection on request
+        self.attn_stats: dict = {}
         self.record_selection = False
         if q_lora_rank:
             self.wq_a = nn.Linear(dim, q_lora_rank, bias=False)
@@ -124,12 +127,12 @@ class MLA(Attention):
 
     @classmethod
     def from_config(cls, cfg, **kw) -> MLA:
-        """From a ``configs.ModelConfig`` with ``attention_type: mla`` (``kw``: pattern, backend, layer_id, ...)."""
+        """From a ``configs.ModelConfig`` with ``attention_type: mla`` (``kw``: pattern, backend,
+        layer_id, ...)."""
         m, rs = cfg.mla, cfg.rope_scaling
         factor = 1.0
-        if (
-            rs.type == "yarn" and rs.mscale_all_dim
-        ):  # DeepSeek: softmax scale times mscale(all_dim)^2
+        # DeepSeek: softmax scale times mscale(all_dim)^2
+        if rs.type == "yarn" and rs.mscale_all_dim:
             factor = yarn_mscale(rs.factor, rs.mscale_all_dim) ** 2
         return cls(
             cfg.dim,
@@ -168,15 +171,15 @@ class MLA(Attention):
         mask: Optional[torch.Tensor] = None,
         positions: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        # positions: Attention's signature, which the block calls; only SSMax reads them, and MLA has none
+        # positions: Attention's signature, which the block calls; only SSMax reads them, and MLA
+        # has none
         B, S, _ = x.shape
         H, Dn, Dr, Dv = self.n_heads, self.nope_dim, self.rope_dim, self.v_dim
         q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora_rank else self.wq(x)
         q = q.view(B, S, H, Dn + Dr).transpose(1, 2)
         q = torch.cat([q[..., :Dn], self._rope(q[..., Dn:], cos, sin)], dim=-1)
-        if (
-            self.softmax_scale_factor != 1.0
-        ):  # every attention path scales by 1/sqrt(Dn + Dr); fold the rest into q
+        # every attention path scales by 1/sqrt(Dn + Dr); fold the rest into q
+        if self.softmax_scale_factor != 1.0:
             q = q * self.softmax_scale_factor
         c, kr = self.wkv_a(x).split([self.kv_lora_rank, Dr], dim=-1)
         c, kr = self.kv_norm(c), self._rope(kr[:, None], cos, sin)[:, 0]  # [B, S, R], [B, S, Dr]

@@ -1,18 +1,19 @@
 """Multi-head attention with GQA, RoPE and a KV cache; dense (SDPA) or sparse by pattern.
 
 One module for training, prefill and decode. LLaMA naming: ``wq [Hq*Dh, D]``, ``wk, wv [Hk*Dh, D]``,
-``wo [D, Hq*Dh]``, no bias unless ``bias=True`` (q/k/v biases only, as in Qwen2); Hc block top-k heads with
-``compress: 1`` (NSA's compressed branch) add ``branch_gate [2*Hc, D]`` with a bias. ``head_dim`` defaults
-to ``D / Hq`` (Qwen3 sets it apart). ``qk_norm``: RMSNorm of q and k before RoPE, ``head`` over each head's Dh
-(Qwen3: ``q_norm, k_norm [Dh]``) or ``full`` over the whole projection (OLMoE: ``q_norm [Hq*Dh]``,
-``k_norm [Hk*Dh]``). ``ssmax=True`` adds ``ssmax [Hq]`` (SSMax, Nakanishi 2025): each query at position p
-is multiplied by ``max(0, 1 + ssmax[h] * log(p + 1))`` after RoPE, zero at init. ``mask`` (optional
-``layers.attention.masking.AttnMask``): the pairs padding and
-packed documents leave, ANDed with causality and the pattern. ``pattern`` is None
+``wo [D, Hq*Dh]``, no bias unless ``bias=True`` (q/k/v biases only, as in Qwen2); Hc block top-k
+heads with ``compress: 1`` (NSA's compressed branch) add ``branch_gate [2*Hc, D]`` with a bias.
+``head_dim`` defaults to ``D / Hq`` (Qwen3 sets it apart). ``qk_norm``: RMSNorm of q and k before
+RoPE, ``head`` over each head's Dh (Qwen3: ``q_norm, k_norm [Dh]``) or ``full`` over the whole
+projection (OLMoE: ``q_norm [Hq*Dh]``, ``k_norm [Hk*Dh]``). ``ssmax=True`` adds ``ssmax [Hq]``
+(SSMax, Nakanishi 2025): each query at position p is multiplied by ``max(0, 1 + ssmax[h] * log(p +
+1))`` after RoPE, zero at init. ``mask`` (optional ``layers.attention.masking.AttnMask``): the pairs
+padding and packed documents leave, ANDed with causality and the pattern. ``pattern`` is None
 (dense), a ``SparsityPattern`` or a per-head list; sparse patterns go through
 ``layers.attention.functional.sparse_attention`` with the same causal semantics in every mode.
 
-Shapes: B batch, S new tokens, T cached + new tokens, D model dim, Hq/Hk query/KV heads, Dh head dim.
+Shapes: B batch, S new tokens, T cached + new tokens, D model dim, Hq/Hk query/KV heads, Dh head
+dim.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from .selection import index_tensor
 
 
 def head_runs(heads: list[int]) -> list[tuple[int, int]]:
-    """Sorted distinct head indices -> the maximal runs ``[a, b)`` of consecutive ones (``[4, 5, 7]`` ->
-    ``[(4, 6), (7, 8)]``)."""
+    """Sorted distinct head indices -> the maximal runs ``[a, b)`` of consecutive ones (``[4, 5,
+    7]`` -> ``[(4, 6), (7, 8)]``)."""
     runs: list[tuple[int, int]] = []
     for h in heads:
         if runs and runs[-1][1] == h:
@@ -45,10 +46,11 @@ def head_runs(heads: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-# Head subsets by slices and one cat rather than index / index_copy: under torch 2.11's AOTAutograd the
-# backward of index_copy on the (permuted) attention output decomposes into a copy_ into a permuted empty
-# tensor, a non-functional graph that aot_eager_decomp_partition rejects (H200 test run, 2026-12-04).
-# Slice backwards are slice_scatter, functional in every version; the heads are static, so the loop is too.
+# Head subsets by slices and one cat rather than index / index_copy: under torch 2.11's AOTAutograd
+# the backward of index_copy on the (permuted) attention output decomposes into a copy_ into a
+# permuted empty tensor, a non-functional graph that aot_eager_decomp_partition rejects (H200 test
+# run, 2026-12-04). Slice backwards are slice_scatter, functional in every version; the heads are
+# static, so the loop is too.
 def take_heads(t: torch.Tensor, heads: list[int]) -> torch.Tensor:
     """``t [B, H, ...]`` -> ``t[:, heads]`` (sorted distinct heads), by slices."""
     pieces = [t[:, a:b] for a, b in head_runs(heads)]
@@ -56,7 +58,8 @@ def take_heads(t: torch.Tensor, heads: list[int]) -> torch.Tensor:
 
 
 def put_heads(t: torch.Tensor, heads: list[int], rows: torch.Tensor) -> torch.Tensor:
-    """``t [B, H, ...]`` with head ``heads[j]`` replaced by ``rows[:, j]`` (sorted distinct heads), out of place."""
+    """``t [B, H, ...]`` with head ``heads[j]`` replaced by ``rows[:, j]`` (sorted distinct heads),
+    out of place."""
     pieces, j, prev = [], 0, 0
     for a, b in head_runs(heads):
         if a > prev:
@@ -69,7 +72,8 @@ def put_heads(t: torch.Tensor, heads: list[int], rows: torch.Tensor) -> torch.Te
 
 
 class KVCache(nn.Module):
-    """Static-size cache ``k, v [B, Hk, max_len, Dh]`` (gpt-fast style: no reallocation in decode)."""
+    """Static-size cache ``k, v [B, Hk, max_len, Dh]`` (gpt-fast style: no reallocation in
+    decode)."""
 
     def __init__(
         self,
@@ -88,7 +92,8 @@ class KVCache(nn.Module):
     def update(
         self, start_pos: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``k, v [B, Hk, S, Dh]`` at ``start_pos``; return the filled prefix ``[B, Hk, start_pos+S, Dh]``."""
+        """Write ``k, v [B, Hk, S, Dh]`` at ``start_pos``; return the filled prefix ``[B, Hk,
+        start_pos+S, Dh]``."""
         end = start_pos + k.shape[2]
         if end > self.k.shape[2]:
             raise ValueError(f"KV cache overflow: {end} > max_len {self.k.shape[2]}")
@@ -101,8 +106,8 @@ class Attention(nn.Module):
     """``forward(x[B, S, D], cos, sin, start_pos=0, mask=None, positions=None) -> [B, S, D]``.
 
     ``cos/sin`` ([S, Dh] or [B, S, Dh]) are the rotary angles of the queries' positions, by default
-    ``start_pos .. start_pos + S - 1``. With a cache set up (``setup_cache``), keys/values are appended at
-    ``start_pos`` and queries attend to the prefix.
+    ``start_pos .. start_pos + S - 1``. With a cache set up (``setup_cache``), keys/values are
+    appended at ``start_pos`` and queries attend to the prefix.
     """
 
     def __init__(
@@ -132,9 +137,11 @@ class Attention(nn.Module):
         self.head_dim = head_dim or dim // n_heads
         self.layer_id, self.backend, self.reference_below = layer_id, backend, reference_below
         self.flex_kernel, self.kernel_options = flex_kernel, dict(kernel_options or {})
-        self.attn_stats: dict = {}  # last forward's density / block top-k selection stats (layers.attention.density)
-        # True: eager forwards also keep their block top-k heads' chosen blocks, attn_stats["selection"]
-        # (a layers.attention.plan.BlockSelection; the passkey eval's needle recall sets it for its forwards)
+        # last forward's density / block top-k selection stats (layers.attention.density)
+        self.attn_stats: dict = {}
+        # True: eager forwards also keep their block top-k heads' chosen blocks,
+        # attn_stats["selection"] (a layers.attention.plan.BlockSelection; the passkey eval's needle
+        # recall sets it for its forwards)
         self.record_selection = False
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
@@ -149,11 +156,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(
                 self.head_dim if per_head else n_kv_heads * self.head_dim, norm_eps
             )
-        # SSMax's per-head slope, float32 like the norms (1-D: no weight decay); zero = plain softmax
+        # SSMax's per-head slope, float32 like the norms (1-D: no weight decay); zero = plain
+        # softmax
         self.ssmax = nn.Parameter(torch.zeros(n_heads)) if ssmax else None
-        if (
-            pattern is not None
-        ):  # a per-head list of the wrong length or mixed block sizes fails here, not in forward
+        # a per-head list of the wrong length or mixed block sizes fails here, not in forward
+        if pattern is not None:
             layer_block_size(head_patterns(pattern, n_heads))
         self.pattern = pattern
         self.compress_heads = (
@@ -162,9 +169,8 @@ class Attention(nn.Module):
         if self.compress_heads:
             # NSA's branch gates from the layer input: [fine, compressed] logits per compressed head
             self.branch_gate = nn.Linear(dim, 2 * len(self.compress_heads))
-        self._compressed_density = (
-            None  # ((T, device), float32 [Hq]): the branch's share of the density stat
-        )
+        # ((T, device), float32 [Hq]): the branch's share of the density stat
+        self._compressed_density = None
         self.cache: Optional[KVCache] = None
         self._q_history: Optional[torch.Tensor] = None  # last queries, for decode-time estimation
 
@@ -194,8 +200,8 @@ class Attention(nn.Module):
         mask: Optional[torch.Tensor] = None,
         positions: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """``positions`` ([S] or [B, S], default ``start_pos + arange(S)``): the queries' positions, the
-        RoPE ones (per document when packed); read only by SSMax."""
+        """``positions`` ([S] or [B, S], default ``start_pos + arange(S)``): the queries' positions,
+        the RoPE ones (per document when packed); read only by SSMax."""
         if self.compress_heads and mask is not None:
             raise ValueError(
                 "block top-k compress: 1 cannot run with padding or packed-document masks: its pooled "
@@ -228,29 +234,30 @@ class Attention(nn.Module):
     def _ssmax_scale(
         self, S: int, device: torch.device, start_pos: int, positions: Optional[torch.Tensor]
     ) -> torch.Tensor:
-        """SSMax's query scale ``max(0, 1 + ssmax[h] * log(p + 1))``, float32 ``[Hq, S, 1]`` (``[B, Hq, S, 1]`` for
-        per-row positions), applied to q after RoPE inside RoPE's float32 pass: SSMax's ``s log n`` with
-        n = p + 1, the keys a causal query at p sees, plus a fixed 1 so that s = 0 is plain attention. Scaling
-        q scales every logit of the row, so every kernel (SDPA, flex, FA4, the sparse selections) runs it
-        unchanged. The scale is floored at 0: a slope s < 0 (what the 16k runs learned, ~-0.08) makes rows past
-        p = exp(-1/s) (~268k there) uniform over their keys instead of inverted, so a model run far past its
-        training length degrades to averaging rather than attending to its least similar keys (for sparse
-        heads: the keys its selection kept, ranked on all-equal scores there). A floored row passes no
-        gradient to s or wq, so a slope below -1 / log 2 (every row with two or more keys floored) no longer
+        """SSMax's query scale ``max(0, 1 + ssmax[h] * log(p + 1))``, float32 ``[Hq, S, 1]`` (``[B,
+        Hq, S, 1]`` for per-row positions), applied to q after RoPE inside RoPE's float32 pass:
+        SSMax's ``s log n`` with n = p + 1, the keys a causal query at p sees, plus a fixed 1 so
+        that s = 0 is plain attention. Scaling q scales every logit of the row, so every kernel
+        (SDPA, flex, FA4, the sparse selections) runs it unchanged. The scale is floored at 0: a
+        slope s < 0 (what the 16k runs learned, ~-0.08) makes rows past p = exp(-1/s) (~268k there)
+        uniform over their keys instead of inverted, so a model run far past its training length
+        degrades to averaging rather than attending to its least similar keys (for sparse heads: the
+        keys its selection kept, ranked on all-equal scores there). A floored row passes no gradient
+        to s or wq, so a slope below -1 / log 2 (every row with two or more keys floored) no longer
         trains; the 16k runs stayed near -0.08."""
         if positions is None:
             positions = torch.arange(start_pos, start_pos + S, device=device)
-        # padding rows may carry negative position_ids (HF-style cumsum - 1): log1p(-1) = -inf would give NaN
+        # padding rows may carry negative position_ids (HF-style cumsum - 1): log1p(-1) = -inf would
+        # give NaN
         logn = torch.log1p(positions.float().clamp(min=0))  # [S] or [B, S]
         # float32 (as RoPE's math): a bf16 scale would drop slopes below ~0.004 / log(p + 1)
-        scale = (1.0 + self.ssmax.float()[:, None] * logn.unsqueeze(-2)).clamp(
-            min=0.0
-        )  # [(B,) Hq, S]
+        # [(B,) Hq, S]
+        scale = (1.0 + self.ssmax.float()[:, None] * logn.unsqueeze(-2)).clamp(min=0.0)
         return scale.unsqueeze(-1)
 
     def _with_compressed(self, x, q, k, v, out, q_offset: int, fresh_stats: bool) -> torch.Tensor:
-        """``out [B, Hq, S, Dh]`` with each compressed head's rows replaced by
-        ``sigmoid(g_fine) * out + sigmoid(g_cmp) * compressed_attention`` (layers.attention.compressed)."""
+        """``out [B, Hq, S, Dh]`` with each compressed head's rows replaced by ``sigmoid(g_fine) *
+        out + sigmoid(g_cmp) * compressed_attention`` (layers.attention.compressed)."""
         pats = head_patterns(self.pattern, self.n_heads)
         g = rearrange(torch.sigmoid(self.branch_gate(x)), "b s (two h) -> two b h s 1", two=2).to(
             out.dtype
@@ -266,7 +273,8 @@ class Attention(nn.Module):
             parts.append(compressed_attention(take_heads(q, hs), k, v, cb, q_offset, kv_heads))
         if len(parts) == 1:
             cmp = parts[0]
-        else:  # back to compress_heads' order: head j sits at position order.index(j) of the concatenation
+        # back to compress_heads' order: head j sits at position order.index(j) of the concatenation
+        else:
             order = [i for idx in by_block.values() for i in idx]
             cmp = torch.cat(parts, 1)[
                 :, index_tensor([order.index(j) for j in range(len(order))], q.device)
@@ -278,12 +286,12 @@ class Attention(nn.Module):
             and q.shape[2] == k.shape[2]
             and q_offset == 0
         ):
-            # honest FLOPs: the branch's (query, pooled key) pairs, in the block units of the kernel's density
+            # honest FLOPs: the branch's (query, pooled key) pairs, in the block units of the
+            # kernel's density
             T, bs = k.shape[2], layer_block_size(pats)
             if self._compressed_density is None or self._compressed_density[0] != (T, q.device):
-                n = (
-                    T + bs - 1
-                ) // bs  # a host list made a device tensor once per length (no copy per step)
+                # a host list made a device tensor once per length (no copy per step)
+                n = (T + bs - 1) // bs
                 self._compressed_density = (
                     (T, q.device),
                     torch.tensor(
@@ -311,14 +319,16 @@ class Attention(nn.Module):
         history = None
         dyn = [p for p in head_patterns(self.pattern, self.n_heads) if p.dynamic]
         if dyn and self.cache is not None:
-            # Input-dependent patterns estimate from the last queries; keep enough of them that a decode
-            # step re-estimates exactly what prefill of the same tokens would (last_q rows, pooled block).
+            # Input-dependent patterns estimate from the last queries; keep enough of them that a
+            # decode step re-estimates exactly what prefill of the same tokens would (last_q rows,
+            # pooled block).
             history = self._q_history if q_offset > 0 else None
             keep = max(max(p.last_q, p.block_size) for p in dyn)
             self._q_history = (q if history is None else torch.cat([history, q], dim=2))[
                 :, :, -keep:
             ].detach()
-        # stats only in eager mode: a dict written inside a compiled block would be a graph side effect
+        # stats only in eager mode: a dict written inside a compiled block would be a graph side
+        # effect
         stats = (
             None
             if torch.compiler.is_compiling()

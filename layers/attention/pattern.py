@@ -1,59 +1,62 @@
-"""Sparse attention patterns: the causal token-level mask ``allowed(q, k)`` of each (layer, head), defined once.
+"""Sparse attention patterns: the causal token-level mask ``allowed(q, k)`` of each (layer, head),
+defined once.
 
-Every backend (layers.attention.functional) must compute attention under exactly this mask. Conventions
-(DESIGN.md), for a query at absolute position q and a key at position k, always with ``k <= q``:
+Every backend (layers.attention.functional) must compute attention under exactly this mask.
+Conventions (DESIGN.md), for a query at absolute position q and a key at position k, always with ``k
+<= q``:
 
 - ``local``:  ``q - k < window`` (window W covers keys q-W+1 .. q), optionally plus ``sinks``.
 - ``a_shape``: ``k < sinks`` or ``q - k < window`` (StreamingLLM / MInference A-shape).
-- ``bigbird``: A-shape plus ``random_blocks`` whole key blocks per query block, drawn from the strictly
-  earlier blocks ``0 .. qb-1`` by a counter-based hash of (seed, layer, head, query block, key block):
-  identical in every process and on every device, and independent of the sequence length (so decode
-  sees the blocks prefill saw).
-- ``vertical_slash``: ``k`` in the top-``n_vertical`` key columns or ``q - k`` in the top-``n_slash``
-  diagonals, ranked by the softmax mass the last ``last_q`` queries of the input put on them
-  (MInference, Jiang et al. 2024, sec. 3.2): columns first, then diagonals by the mass outside the
-  chosen columns (MInference ranks diagonals by all their mass, so a heavy column's "shadow"
-  diagonals take slash budget that covers nothing new). Diagonal 0 is always chosen. Columns are exact;
-  diagonals are dilated to the query block as in MInference's kernel: a query block starting at ``qs``
-  takes, for each chosen diagonal d, the ``block_size`` keys ``qs - d .. qs - d + block_size - 1`` (the keys
-  its queries meet on d, as one range), i.e. query q keeps key k iff ``qs - k <= d <= qs - k + block_size - 1``
-  for some chosen d (so every key of its own block, up to causality). A diagonal chosen from noise among
-  its neighbours then costs whole blocks, not blocks the kernel must mask element by element.
+- ``bigbird``: A-shape plus ``random_blocks`` whole key blocks per query block, drawn from the
+  strictly earlier blocks ``0 .. qb-1`` by a counter-based hash of (seed, layer, head, query block,
+  key block): identical in every process and on every device, and independent of the sequence length
+  (so decode sees the blocks prefill saw).
+- ``vertical_slash``: ``k`` in the top-``n_vertical`` key columns or ``q - k`` in the
+  top-``n_slash`` diagonals, ranked by the softmax mass the last ``last_q`` queries of the input put
+  on them (MInference, Jiang et al. 2024, sec. 3.2): columns first, then diagonals by the mass
+  outside the chosen columns (MInference ranks diagonals by all their mass, so a heavy column's
+  "shadow" diagonals take slash budget that covers nothing new). Diagonal 0 is always chosen.
+  Columns are exact; diagonals are dilated to the query block as in MInference's kernel: a query
+  block starting at ``qs`` takes, for each chosen diagonal d, the ``block_size`` keys ``qs - d .. qs
+  - d + block_size - 1`` (the keys its queries meet on d, as one range), i.e. query q keeps key k
+  iff ``qs - k <= d <= qs - k + block_size - 1`` for some chosen d (so every key of its own block,
+  up to causality). A diagonal chosen from noise among its neighbours then costs whole blocks, not
+  blocks the kernel must mask element by element.
 - ``block_topk``: the ``top_k`` key blocks (of ``block_size``) with the highest mean-pooled
-  ``q_block . k_block`` score per query block, among blocks ``<= qb``; the diagonal block is always one
-  of them. Pooling a query block uses all its queries present in the input, so within one block the
-  choice can depend on later queries of that block (as in MInference and MoBA). Optional ``sinks`` and
-  ``window`` add A-shape's rule on top (NSA's sliding branch). ``share_group: 1``: one selection per
-  KV group (NSA): every block_topk head of a group scores blocks by the mean of the group's heads'
-  scores (= the group-mean pooled query . pooled key), so the heads of a group read the same blocks.
-  ``query_max: 1``: a key block's score for a query block is the max over the block's queries of
-  ``q . mean-pooled k`` instead of the pooled query's (MoBA and NSA score per query; the max keeps one
-  query's preference, e.g. the position that must copy a far-back key, from being averaged away by the
-  rest of its block; the top-k budget stays per query block, so the kernel stays block-sparse).
-  Selection gets no gradient (MoBA, NSA's selection branch); it trains through the attention it
-  gates: q and k learn inside the chosen blocks, and the choice sharpens as they do.
-  ``compress: 1``: the head also runs NSA's compressed branch (layers.attention.compressed: each query's
-  softmax over the mean-pooled complete key blocks before it), mixed with this mask's attention by
-  learned per-head gates in layers.Attention. Its logits are the per-query scores the selection ranks,
-  so it is the gradient path that teaches the selection about blocks outside the top-k. The mask
-  ``allowed(q, k)`` above is the fine branch's only; ``compress`` does not change it.
-  ``compress_block``: the branch pools blocks of this many keys instead of ``block_size`` (NSA
+  ``q_block . k_block`` score per query block, among blocks ``<= qb``; the diagonal block is always
+  one of them. Pooling a query block uses all its queries present in the input, so within one block
+  the choice can depend on later queries of that block (as in MInference and MoBA). Optional
+  ``sinks`` and ``window`` add A-shape's rule on top (NSA's sliding branch). ``share_group: 1``: one
+  selection per KV group (NSA): every block_topk head of a group scores blocks by the mean of the
+  group's heads' scores (= the group-mean pooled query . pooled key), so the heads of a group read
+  the same blocks. ``query_max: 1``: a key block's score for a query block is the max over the
+  block's queries of ``q . mean-pooled k`` instead of the pooled query's (MoBA and NSA score per
+  query; the max keeps one query's preference, e.g. the position that must copy a far-back key, from
+  being averaged away by the rest of its block; the top-k budget stays per query block, so the
+  kernel stays block-sparse). Selection gets no gradient (MoBA, NSA's selection branch); it trains
+  through the attention it gates: q and k learn inside the chosen blocks, and the choice sharpens as
+  they do. ``compress: 1``: the head also runs NSA's compressed branch (layers.attention.compressed:
+  each query's softmax over the mean-pooled complete key blocks before it), mixed with this mask's
+  attention by learned per-head gates in layers.Attention. Its logits are the per-query scores the
+  selection ranks, so it is the gradient path that teaches the selection about blocks outside the
+  top-k. The mask ``allowed(q, k)`` above is the fine branch's only; ``compress`` does not change
+  it. ``compress_block``: the branch pools blocks of this many keys instead of ``block_size`` (NSA
   compresses 32-token blocks and selects 64-token ones): a short needle is diluted less in a smaller
   block's mean, at ``T / compress_block`` pooled keys per query; the selection keeps ``block_size``.
   ``score_block``: the selection pools keys over sub-blocks of this many (a power of two, at most
-  ``block_size``, which is the plain rule) and scores a key block by its best sub-block, so one far key is averaged with
-  ``score_block`` keys instead of ``block_size`` (NSA selects 64-key blocks by the scores of its 32-key
-  compression blocks); with ``compress: 1, compress_block`` equal to it, the selection ranks exactly
-  the compressed branch's logits again.
-- ``vertical_slash`` extras (MInference's kernel): ``keep_columns`` forces the first N key columns and
-  ``keep_diagonals`` the N diagonals nearest the main one into the top-k (their scores set above every
-  estimate before it, earliest / nearest first when the budget is smaller).
+  ``block_size``, which is the plain rule) and scores a key block by its best sub-block, so one far
+  key is averaged with ``score_block`` keys instead of ``block_size`` (NSA selects 64-key blocks by
+  the scores of its 32-key compression blocks); with ``compress: 1, compress_block`` equal to it,
+  the selection ranks exactly the compressed branch's logits again.
+- ``vertical_slash`` extras (MInference's kernel): ``keep_columns`` forces the first N key columns
+  and ``keep_diagonals`` the N diagonals nearest the main one into the top-k (their scores set above
+  every estimate before it, earliest / nearest first when the budget is smaller).
 - ``dense``: causal.
 
-Every type also takes ``dense_below`` (tokens, 0 = never): over ``T`` keys, a head with
-``T < dense_below`` attends every causal pair, i.e. is exactly dense causal attention (MInference applies
-its estimated patterns to long inputs only; below its crossover a sparse kernel is slower than SDPA).
-``T`` is the number of keys of the call, so a decode step at total length T (T keys, new one
+Every type also takes ``dense_below`` (tokens, 0 = never): over ``T`` keys, a head with ``T <
+dense_below`` attends every causal pair, i.e. is exactly dense causal attention (MInference applies
+its estimated patterns to long inputs only; below its crossover a sparse kernel is slower than
+SDPA). ``T`` is the number of keys of the call, so a decode step at total length T (T keys, new one
 included) follows the same rule as prefill over T keys, and all rows of one call share it.
 ``SparsityPattern.is_dense_at`` is the one place that decides; every consumer asks it.
 
@@ -84,7 +87,8 @@ DYNAMIC_TYPES = ("vertical_slash", "block_topk")
 
 @dataclass(frozen=True)
 class SparsityPattern:
-    """One head's pattern. Params are named as in DESIGN.md; 0 means "not used" for optional counts."""
+    """One head's pattern. Params are named as in DESIGN.md; 0 means "not used" for optional
+    counts."""
 
     type: str = "dense"
     window: int = 0
@@ -97,33 +101,33 @@ class SparsityPattern:
     last_q: int = 64
     top_k: int = 0
     dense_below: int = 0
-    keep_columns: int = (
-        0  # vertical-slash: the first N key columns always among the chosen (MInference: 30)
-    )
-    keep_diagonals: int = (
-        0  # vertical-slash: the N diagonals nearest the main one always chosen (MInference: 100)
-    )
+    # vertical-slash: the first N key columns always among the chosen (MInference: 30)
+    keep_columns: int = 0
+    # vertical-slash: the N diagonals nearest the main one always chosen (MInference: 100)
+    keep_diagonals: int = 0
     share_group: int = 0  # block top-k: 1 = one selection per KV group (NSA-style, GQA-native)
-    query_max: int = 0  # block top-k: 1 = a query block scores key blocks by its best query (MoBA/NSA per-query affinity)
-    compress: int = (
-        0  # block top-k: 1 = plus NSA's compressed branch, gated (layers.attention.compressed)
-    )
+    # block top-k: 1 = a query block scores key blocks by its best query (MoBA/NSA per-query
+    # affinity)
+    query_max: int = 0
+    # block top-k: 1 = plus NSA's compressed branch, gated (layers.attention.compressed)
+    compress: int = 0
     compress_block: int = 0  # the compressed branch's pooling block (power of two; 0 = block_size)
-    score_block: int = (
-        0  # block top-k: keys pooled per sub-block, a block scored by its best (0 = block_size)
-    )
+    # block top-k: keys pooled per sub-block, a block scored by its best (0 = block_size)
+    score_block: int = 0
 
     def __post_init__(self):
         validate_pattern(self.to_dict(), "pattern")
 
     @classmethod
     def from_dict(cls, d: dict, key: str = "pattern") -> SparsityPattern:
-        """``{type: a_shape, sinks: 64, window: 1024}`` -> pattern; bad dicts raise ConfigError naming ``key``."""
+        """``{type: a_shape, sinks: 64, window: 1024}`` -> pattern; bad dicts raise ConfigError
+        naming ``key``."""
         validate_pattern(d, key)
         return cls(**dict(d))
 
     def to_dict(self) -> dict:
-        """The YAML form: type, its required params, and optional ones that differ from the default."""
+        """The YAML form: type, its required params, and optional ones that differ from the
+        default."""
         check_choice(self.type, tuple(PATTERN_TYPES), "pattern.type")
         required, optional = PATTERN_TYPES[self.type]
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
@@ -141,8 +145,8 @@ class SparsityPattern:
         return self.type in DYNAMIC_TYPES
 
     def is_dense_at(self, T: int) -> bool:
-        """True when, over ``T`` keys, the pattern allows every causal pair (so dense attention is exact):
-        fewer keys than ``dense_below``, or a window / budget that covers all ``T`` keys."""
+        """True when, over ``T`` keys, the pattern allows every causal pair (so dense attention is
+        exact): fewer keys than ``dense_below``, or a window / budget that covers all ``T`` keys."""
         if self.type == "dense" or T < self.dense_below:
             return True
         if self.type == "vertical_slash":

@@ -1,6 +1,6 @@
-"""A layer's pattern resolved for one input (``PatternPlan``: windows, sinks, columns, diagonals, blocks),
-the token-level mask it means (``pattern_mask``, ``budget_plan``) and, on request, what its block top-k
-heads chose (``BlockSelection``).
+"""A layer's pattern resolved for one input (``PatternPlan``: windows, sinks, columns, diagonals,
+blocks), the token-level mask it means (``pattern_mask``, ``budget_plan``) and, on request, what its
+block top-k heads chose (``BlockSelection``).
 
 Shapes: B batch, H query heads, S queries, T keys, D head dim, nq/nk query/key blocks.
 """
@@ -23,9 +23,10 @@ class PatternPlan:
 
     ``cols/diags [B, H, T]`` (vertical-slash heads, else False), ``blocks [B, H, nq, nk]`` whole key
     blocks allowed for query blocks ``q_block0 ..`` (random or top-k; None when no head uses them),
-    ``window[H]`` / ``sinks[H]`` (0 = none; a dense head has ``window = T + 1``), ``q_pos[S]`` absolute
-    query positions ``q_start ..``. ``col_budget``: the most columns any head chose (known from the budgets,
-    so a backend can size per-head column slots without reading ``cols`` back from the GPU).
+    ``window[H]`` / ``sinks[H]`` (0 = none; a dense head has ``window = T + 1``), ``q_pos[S]``
+    absolute query positions ``q_start ..``. ``col_budget``: the most columns any head chose (known
+    from the budgets, so a backend can size per-head column slots without reading ``cols`` back from
+    the GPU).
     """
 
     block_size: int
@@ -61,7 +62,8 @@ class PatternPlan:
         return keep & (d >= 0)
 
     def diag_reach(self) -> torch.Tensor:
-        """bool ``[B, H, T]``: ``reach[x]`` = some chosen diagonal lies in ``x .. x + block_size - 1``.
+        """bool ``[B, H, T]``: ``reach[x]`` = some chosen diagonal lies in ``x .. x + block_size -
+        1``.
 
         The slash rule in one table: a query q (block start ``qs``) keeps key ``k <= q`` through the
         diagonals iff ``k >= qs`` or ``reach[qs - k]`` (module docstring).
@@ -72,26 +74,29 @@ class PatternPlan:
         return cs[..., (x + bs).clamp(max=T)] > cs[..., x]
 
     def _diag_rows(self) -> torch.Tensor:
-        """The slash rule as bool ``[B, H, S, T]`` (for vertical-slash heads True on and past each query's
-        block start; causality is the caller's): one gathered row per query block, repeated over its queries."""
+        """The slash rule as bool ``[B, H, S, T]`` (for vertical-slash heads True on and past each
+        query's block start; causality is the caller's): one gathered row per query block, repeated
+        over its queries."""
         bs, T = self.block_size, self.T
         qs = torch.div(self.q_pos, bs, rounding_mode="floor") * bs  # [S]
         starts, row_of = torch.unique_consecutive(qs, return_inverse=True)
         x = starts[:, None] - torch.arange(T, device=qs.device)[None, :]  # [nb, T]
-        # x <= 0 (the query's own block) reads reach[0]: true exactly for heads with diagonal 0 chosen,
-        # i.e. the vertical-slash heads; other heads of the plan get nothing from this rule
+        # x <= 0 (the query's own block) reads reach[0]: true exactly for heads with diagonal 0
+        # chosen, i.e. the vertical-slash heads; other heads of the plan get nothing from this rule
         rows = self.diag_reach()[..., x.clamp(min=0)]  # [B, H, nb, T]
         return rows[:, :, row_of]
 
     def block_layout(self, include_cols: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(partial, full)`` bool ``[B or 1, H, nq, nk]`` for a square plan (queries = keys 0..T-1).
+        """``(partial, full)`` bool ``[B or 1, H, nq, nk]`` for a square plan (queries = keys
+        0..T-1).
 
-        ``full`` blocks are allowed everywhere (no mask needed); ``partial`` blocks hold at least one
-        allowed pair and need the token mask. Derived per component, never from the S x T mask, so it
-        costs O(H nq nk) at any length; a union of partial pieces that happens to cover a block stays
-        ``partial`` (correct, only slower), except a below-diagonal block whose every diagonal is chosen
-        (``full``). ``include_cols=False``: the layout of the rule without the vertical columns (the
-        flex backend attends to those through gathered keys, layers.sparse_attention).
+        ``full`` blocks are allowed everywhere (no mask needed); ``partial`` blocks hold at least
+        one allowed pair and need the token mask. Derived per component, never from the S x T mask,
+        so it costs O(H nq nk) at any length; a union of partial pieces that happens to cover a
+        block stays ``partial`` (correct, only slower), except a below-diagonal block whose every
+        diagonal is chosen (``full``). ``include_cols=False``: the layout of the rule without the
+        vertical columns (the flex backend attends to those through gathered keys,
+        layers.sparse_attention).
         """
         bs, T, dev = self.block_size, self.T, self.q_pos.device
         if self.q_pos.numel() != T or self.q_start != 0:
@@ -110,7 +115,8 @@ class PatternPlan:
         if self.cols is not None:
             # Block offset o >= 1 holds the pairs with qs - k in x = o*bs-(bs-1) .. o*bs, kept where
             # reach[x]: touched when a chosen diagonal lies in o*bs-(bs-1) .. o*bs+(bs-1), full when
-            # reach holds on all bs of them. The diagonal block (o = 0) is kept whole (up to causality).
+            # reach holds on all bs of them. The diagonal block (o = 0) is kept whole (up to
+            # causality).
             cs = torch.nn.functional.pad(self.diags.int().cumsum(-1), (1, 0))  # [B, H, T+1]
             cr = torch.nn.functional.pad(self.diag_reach().int().cumsum(-1), (1, 0))
             o = torch.arange(n, device=dev)
@@ -139,12 +145,13 @@ class PatternPlan:
 
 @dataclass(frozen=True)
 class BlockSelection:
-    """The key blocks one forward's block top-k heads chose, recorded for diagnostics (the passkey eval's
-    needle recall): ``plan_pattern`` fills ``stats["selection"]`` when the caller puts that key in ``stats``.
+    """The key blocks one forward's block top-k heads chose, recorded for diagnostics (the passkey
+    eval's needle recall): ``plan_pattern`` fills ``stats["selection"]`` when the caller puts that
+    key in ``stats``.
 
-    ``blocks bool [B, H, nq, nk]``: the plan's blocks (every head; for block top-k heads the chosen blocks,
-    own block included, plus any random blocks) for query blocks ``q_block0 ..``; ``heads``: the block top-k
-    heads, in order.
+    ``blocks bool [B, H, nq, nk]``: the plan's blocks (every head; for block top-k heads the chosen
+    blocks, own block included, plus any random blocks) for query blocks ``q_block0 ..``; ``heads``:
+    the block top-k heads, in order.
     """
 
     blocks: torch.Tensor
@@ -153,13 +160,14 @@ class BlockSelection:
     q_block0: int
 
     def covers(self, q_pos: int, k_pos: Sequence[int]) -> torch.Tensor:
-        """bool ``[B, len(heads)]``: each block top-k head's blocks for the query at ``q_pos`` hold one of
-        the keys ``k_pos`` (windows and sinks aside: what the selection itself found)."""
+        """bool ``[B, len(heads)]``: each block top-k head's blocks for the query at ``q_pos`` hold
+        one of the keys ``k_pos`` (windows and sinks aside: what the selection itself found)."""
         bs = self.block_size
         kb = index_tensor(sorted({int(k) // bs for k in k_pos}), self.blocks.device)
+        # [B, h, nk]
         row = self.blocks[
             :, index_tensor(self.heads, self.blocks.device), q_pos // bs - self.q_block0
-        ]  # [B, h, nk]
+        ]
         return row[..., kb].any(-1)
 
 
@@ -176,13 +184,15 @@ def plan_pattern(
     device=None,
     stats: Optional[dict] = None,
 ) -> PatternPlan:
-    """Resolve a (per-head) pattern for queries at positions ``q_start .. q_start+S-1`` over keys ``0..T-1``.
+    """Resolve a (per-head) pattern for queries at positions ``q_start .. q_start+S-1`` over keys
+    ``0..T-1``.
 
     Input-dependent heads need ``q[B, H, S, D]`` and ``k[B, Hk, T, D]``; ``q_history[B, H, P, D]``
     holds the queries at positions just before ``q_start`` (decode), used for estimation only.
-    ``stats``: a dict to receive the block top-k selection's entropy and top-k mass (estimate_block_topk),
-    and a ``BlockSelection`` under ``"selection"`` when that key is already in it (a request: the blocks
-    stay alive as long as the dict). Positions are Python ints, so planning never waits on the GPU.
+    ``stats``: a dict to receive the block top-k selection's entropy and top-k mass
+    (estimate_block_topk), and a ``BlockSelection`` under ``"selection"`` when that key is already
+    in it (a request: the blocks stay alive as long as the dict). Positions are Python ints, so
+    planning never waits on the GPU.
     """
     pats = head_patterns(pattern, n_heads)
     bs = layer_block_size(pats)
@@ -210,9 +220,8 @@ def plan_pattern(
         if vs:
             L = min(max(pats[h].last_q for h in vs), src.shape[2])
             src_end = src_start + src.shape[2]
-            heads = index_tensor(
-                vs, dev
-            )  # index tensors, not lists: a list index is a blocking host-to-GPU copy
+            # index tensors, not lists: a list index is a blocking host-to-GPU copy
+            heads = index_tensor(vs, dev)
             c, dg = estimate_vertical_slash(
                 src[:, heads, -L:],
                 _kv_for_heads(k, vs, n_heads),
@@ -232,13 +241,14 @@ def plan_pattern(
             full = torch.zeros(B, n_heads, q_blocks.numel(), nk, dtype=torch.bool, device=dev)
             if blocks is not None:
                 full |= blocks
-            # one estimate per scoring rule (query_max, score_block's sub-blocks; a layer mixing rules logs
-            # the stats of the last one)
+            # one estimate per scoring rule (query_max, score_block's sub-blocks; a layer mixing
+            # rules logs the stats of the last one)
             rule = {h: (pats[h].query_max, _sub_blocks(pats[h], bs)) for h in bt}
             for qmax, sub in sorted(set(rule.values())):
                 hs = [h for h in bt if rule[h] == (qmax, sub)]
                 heads = index_tensor(hs, dev)
-                # share_group heads of one KV group with one budget share a slot (one selection); others their own
+                # share_group heads of one KV group with one budget share a slot (one selection);
+                # others their own
                 slot_key = [
                     (h // g, pats[h].top_k) if pats[h].share_group else ("head", h) for h in hs
                 ]
@@ -263,12 +273,14 @@ def plan_pattern(
 
 
 def _sub_blocks(p: SparsityPattern, bs: int) -> int:
-    """Sub-blocks a block top-k head scores each key block by (``bs / score_block``; 1 = the whole block)."""
+    """Sub-blocks a block top-k head scores each key block by (``bs / score_block``; 1 = the whole
+    block)."""
     return bs // p.score_block if 0 < p.score_block < bs else 1
 
 
 def _col_budget(pats: Sequence[SparsityPattern], T: int) -> int:
-    """The most key columns a vertical-slash head of ``pats`` chooses over ``T`` keys (top-k picks exactly this many)."""
+    """The most key columns a vertical-slash head of ``pats`` chooses over ``T`` keys (top-k picks
+    exactly this many)."""
     return max([min(p.n_vertical, T) for p in pats if p.type == "vertical_slash"], default=0)
 
 
@@ -288,7 +300,8 @@ def pattern_mask(
     k: Optional[torch.Tensor] = None,
     device=None,
 ) -> torch.Tensor:
-    """The token-level mask a pattern means: bool ``[n_heads, q_len, kv_len]`` (``[B, ...]`` with ``q, k``).
+    """The token-level mask a pattern means: bool ``[n_heads, q_len, kv_len]`` (``[B, ...]`` with
+    ``q, k``).
 
     Queries are the last ``q_len`` positions of the ``kv_len`` keys (decode: ``q_len = 1``).
     Input-dependent patterns need ``q[B, n_heads, q_len, D]`` and ``k[B, Hk, kv_len, D]``.
@@ -310,14 +323,13 @@ def budget_plan(
     """A plan that needs no input: input-dependent heads get the places their budgets allow.
 
     Vertical-slash heads take columns ``0 .. n_vertical-1`` and diagonals ``0 .. n_slash-1``; block
-    top-k heads take the diagonal block and the ``top_k - 1`` blocks before it. Used for density logs
-    and pictures; the density it gives is what the budgets buy when the picks do not overlap.
+    top-k heads take the diagonal block and the ``top_k - 1`` blocks before it. Used for density
+    logs and pictures; the density it gives is what the budgets buy when the picks do not overlap.
     """
     pats = head_patterns(pattern, n_heads)
     rows = range(T) if rows is None else rows
-    dyn = [
-        h for h, p in enumerate(pats) if p.dynamic and not p.is_dense_at(T)
-    ]  # heads dense at T: plan_pattern
+    # heads dense at T: plan_pattern
+    dyn = [h for h, p in enumerate(pats) if p.dynamic and not p.is_dense_at(T)]
     # stand-ins that keep the layer's block size; their window is cleared below
     static = [
         SparsityPattern(type="local", window=1, block_size=p.block_size) if h in dyn else p

@@ -1,7 +1,8 @@
-"""Which keys an input-dependent or random head keeps: seeded random blocks (BigBird), vertical-slash
-estimation (MInference) and block top-k estimation (MoBA-style pooled scores).
+"""Which keys an input-dependent or random head keeps: seeded random blocks (BigBird),
+vertical-slash estimation (MInference) and block top-k estimation (MoBA-style pooled scores).
 
-Semantics in layers.attention.pattern. Shapes: B batch, H query heads, S queries, T keys, D head dim.
+Semantics in layers.attention.pattern. Shapes: B batch, H query heads, S queries, T keys, D head
+dim.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ _MASK32 = 0xFFFFFFFF
 
 
 def _fmix32(x):
-    """Murmur3 finaliser on Python ints or int64 tensors holding 32-bit values (wrapping multiply, low 32 bits kept)."""
+    """Murmur3 finaliser on Python ints or int64 tensors holding 32-bit values (wrapping multiply,
+    low 32 bits kept)."""
     x = x ^ (x >> 16)
     x = (x * 0x85EBCA6B) & _MASK32
     x = x ^ (x >> 13)
@@ -27,9 +29,9 @@ def _fmix32(x):
 
 
 def index_tensor(values: Sequence[int], device=None) -> torch.Tensor:
-    """int64 ``[len(values)]`` on ``device``, without waiting for the GPU (``torch.tensor(values, device="cuda")``
-    would wait for everything queued: kernels.launch.to_device). Under torch.compile the values are constants
-    of the graph, so the plain copy is traced instead."""
+    """int64 ``[len(values)]`` on ``device``, without waiting for the GPU (``torch.tensor(values,
+    device="cuda")`` would wait for everything queued: kernels.launch.to_device). Under
+    torch.compile the values are constants of the graph, so the plain copy is traced instead."""
     t = torch.tensor(values, dtype=torch.long)
     if device is None or torch.compiler.is_compiling():
         return t if device is None else t.to(device)
@@ -39,44 +41,46 @@ def index_tensor(values: Sequence[int], device=None) -> torch.Tensor:
 def random_block_rows(
     pats: Sequence[SparsityPattern], layer: int, q_blocks: torch.Tensor, n_k_blocks: int
 ) -> torch.Tensor:
-    """``bool[H, len(q_blocks), n_k_blocks]``: the ``random_blocks`` key blocks each head's query blocks draw.
+    """``bool[H, len(q_blocks), n_k_blocks]``: the ``random_blocks`` key blocks each head's query
+    blocks draw.
 
     Block ``qb`` of head h picks the ``r`` blocks of ``0 .. qb-1`` with the largest 32-bit hash of
-    (seed, layer, h, qb, kb) (all of them when ``qb <= r``); integer ops only, so equal on every device,
-    and the hash of a (qb, kb) pair never depends on the sequence length.
+    (seed, layer, h, qb, kb) (all of them when ``qb <= r``); integer ops only, so equal on every
+    device, and the hash of a (qb, kb) pair never depends on the sequence length.
     """
     dev = q_blocks.device
     kb = torch.arange(n_k_blocks, device=dev)
+    # [H]
     base = index_tensor(
         [
             _fmix32((p.seed * 0x9E3779B1 + layer * 0x85EBCA77 + h * 0xC2B2AE3D) & _MASK32)
             for h, p in enumerate(pats)
         ],
         dev,
-    )  # [H]
+    )
     hq = _fmix32(base[:, None] ^ ((q_blocks.long() * 0x27D4EB2F) & _MASK32)[None, :])  # [H, nq]
     h = _fmix32(hq[:, :, None] ^ ((kb * 0x165667B1) & _MASK32))  # [H, nq, nk]
     earlier = kb[None, :] < q_blocks[:, None]  # [nq, nk]
-    score = torch.where(
-        earlier, (h << 20) | kb, -1
-    )  # distinct scores: ties never depend on topk order
+    # distinct scores: ties never depend on topk order
+    score = torch.where(earlier, (h << 20) | kb, -1)
     return _topk_per_head(score[None], [p.random_blocks for p in pats])[0] & earlier
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Input-dependent estimation (vertical-slash, block top-k)
 
 
 def _group_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``q[B, H, L, D]``, ``k[B, Hk, T, D]`` -> float32 ``q k^T / sqrt(D)`` of shape ``[B, H, L, T]`` (GQA without repeat)."""
+    """``q[B, H, L, D]``, ``k[B, Hk, T, D]`` -> float32 ``q k^T / sqrt(D)`` of shape ``[B, H, L,
+    T]`` (GQA without repeat)."""
     B, H, L, D = q.shape
     Hk = k.shape[1]
-    with torch.autocast(
-        q.device.type, enabled=False
-    ):  # index choice in float32 even under bf16 autocast
+    # index choice in float32 even under bf16 autocast
+    with torch.autocast(q.device.type, enabled=False):
         if q.is_cuda and q.dtype == k.dtype and q.dtype in (torch.bfloat16, torch.float16):
-            # Tensor cores with float32 accumulation and output: 16-bit products are exact in float32, so
-            # this is the float32 GEMM below up to summation order, ~10x faster (CUDA has no TF32 default).
+            # Tensor cores with float32 accumulation and output: 16-bit products are exact in
+            # float32, so this is the float32 GEMM below up to summation order, ~10x faster (CUDA
+            # has no TF32 default).
             s = torch.bmm(
                 q.reshape(B * Hk, H // Hk * L, D),
                 k.reshape(B * Hk, -1, D).transpose(1, 2),
@@ -89,7 +93,8 @@ def _group_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def _topk_per_head(score: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
-    """``score[B, H, ..., N]``, per-head budgets ``ks[H]`` -> bool, same shape, marking each row's top-k."""
+    """``score[B, H, ..., N]``, per-head budgets ``ks[H]`` -> bool, same shape, marking each row's
+    top-k."""
     H, N = score.shape[1], score.shape[-1]
     kmax = min(max(ks), N)
     idx = score.topk(kmax, dim=-1).indices
@@ -113,10 +118,11 @@ def estimate_vertical_slash(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MInference's online index estimation.
 
-    ``q_est[B, H, L, D]`` are the last queries (absolute positions ``est_pos``, a range), ``k[B, Hk, T, D]``.
-    Returns ``cols, diags`` bool ``[B, H, T]``: the chosen key columns and diagonals ``d = q - k``.
-    ``keep_columns[h]`` / ``keep_diagonals[h]``: the first columns / nearest diagonals forced into head h's
-    top-k (MInference's kernel sets their scores to +inf), earliest / nearest first.
+    ``q_est[B, H, L, D]`` are the last queries (absolute positions ``est_pos``, a range), ``k[B, Hk,
+    T, D]``. Returns ``cols, diags`` bool ``[B, H, T]``: the chosen key columns and diagonals ``d =
+    q - k``. ``keep_columns[h]`` / ``keep_diagonals[h]``: the first columns / nearest diagonals
+    forced into head h's top-k (MInference's kernel sets their scores to +inf), earliest / nearest
+    first.
     """
     T, L, p0 = k.shape[2], q_est.shape[2], est_pos.start
     s = _group_scores(q_est, k)  # [B, H, L, T]
@@ -128,11 +134,11 @@ def estimate_vertical_slash(
     s[..., p0 + 1 :].masked_fill_(future, float("-inf"))
     prob = s.softmax(-1)
     cols = _topk_per_head(_force_first(prob.sum(-2), keep_columns, L), n_vertical)
-    # Diagonals are ranked by the mass the chosen columns leave: a heavy column key otherwise puts one
-    # row's mass on each of L diagonals ("shadows" of the column) that buy nothing the column does not
-    # already cover, and scatter over the key blocks (BENCHMARKS.md, vertical-slash). MInference ranks
-    # both from the same scores; this is the greedy cover: the union holds at least as much of the
-    # estimating rows' mass for the same budgets.
+    # Diagonals are ranked by the mass the chosen columns leave: a heavy column key otherwise puts
+    # one row's mass on each of L diagonals ("shadows" of the column) that buy nothing the column
+    # does not already cover, and scatter over the key blocks (BENCHMARKS.md, vertical-slash).
+    # MInference ranks both from the same scores; this is the greedy cover: the union holds at least
+    # as much of the estimating rows' mass for the same budgets.
     prob.masked_fill_(cols[:, :, None, :], 0.0)
     diags = _topk_per_head(_force_first(_diagonal_sums(prob, p0), keep_diagonals, L), n_slash)
     diags[..., 0] = True
@@ -140,8 +146,8 @@ def estimate_vertical_slash(
 
 
 def _force_first(score: torch.Tensor, keep: Sequence[int], L: int) -> torch.Tensor:
-    """``score[B, H, T]`` (masses, each <= L) with entries ``0 .. keep[h]-1`` raised above every mass,
-    decreasing with the index (so a budget below ``keep`` takes the first ones)."""
+    """``score[B, H, T]`` (masses, each <= L) with entries ``0 .. keep[h]-1`` raised above every
+    mass, decreasing with the index (so a budget below ``keep`` takes the first ones)."""
     if not any(keep):
         return score
     T = score.shape[-1]
@@ -151,13 +157,14 @@ def _force_first(score: torch.Tensor, keep: Sequence[int], L: int) -> torch.Tens
 
 
 def _diagonal_sums(prob: torch.Tensor, p0: int) -> torch.Tensor:
-    """``prob[B, H, L, T]`` with row i at position ``p_i = p0 + i < T`` (zero where k > q) -> ``[B, H, T]``: the
-    mass on each diagonal ``d = q - k``, all rows at once (no loop over rows, no copy of prob).
+    """``prob[B, H, L, T]`` with row i at position ``p_i = p0 + i < T`` (zero where k > q) -> ``[B,
+    H, T]``: the mass on each diagonal ``d = q - k``, all rows at once (no loop over rows, no copy
+    of prob).
 
-    Diagonals ``0 .. p0`` cross every row: element ``(i, e)`` at flat offset ``i * (T + 1) + e`` of a row-major
-    ``[L, T]`` slab is row i, key ``i + e``, diagonal ``p0 - e``, so a strided view summed over i gives them
-    all. Diagonals ``p0 + m`` (``m = 1 .. L-1``) exist only in rows ``i >= m`` (key ``i - m``): a gather from
-    the first L keys.
+    Diagonals ``0 .. p0`` cross every row: element ``(i, e)`` at flat offset ``i * (T + 1) + e`` of
+    a row-major ``[L, T]`` slab is row i, key ``i + e``, diagonal ``p0 - e``, so a strided view
+    summed over i gives them all. Diagonals ``p0 + m`` (``m = 1 .. L-1``) exist only in rows ``i >=
+    m`` (key ``i - m``): a gather from the first L keys.
     """
     B, H, L, T = prob.shape
     prob = prob.contiguous()
@@ -165,18 +172,20 @@ def _diagonal_sums(prob: torch.Tensor, p0: int) -> torch.Tensor:
     main = prob.as_strided((B, H, L, p0 + 1), (H * L * T, L * T, T + 1, 1), prob.storage_offset())
     out[..., : p0 + 1] = main.sum(-2).flip(-1)
     if L > 1:
+        # [L, L-1]
         key = (
             torch.arange(L, device=prob.device)[:, None]
             - torch.arange(1, L, device=prob.device)[None, :]
-        )  # [L, L-1]
+        )
         vals = prob[..., :L].gather(-1, key.clamp(min=0).expand(B, H, L, L - 1)) * (key >= 0)
         out[..., p0 + 1 : p0 + L] = vals.sum(-2)
     return out
 
 
 def _whole_blocks(x: torch.Tensor, start: int, bs: int) -> tuple[torch.Tensor, int, int]:
-    """``x[B, H, N, D]`` with row 0 at position ``start`` -> ``(x zero-padded to whole blocks of bs, head, tail)``:
-    the ``head`` rows before it and ``tail`` after it that the padding added (no copy when both are 0)."""
+    """``x[B, H, N, D]`` with row 0 at position ``start`` -> ``(x zero-padded to whole blocks of bs,
+    head, tail)``: the ``head`` rows before it and ``tail`` after it that the padding added (no copy
+    when both are 0)."""
     head, tail = start % bs, -(start + x.shape[2]) % bs
     if head or tail:
         x = torch.nn.functional.pad(x, (0, 0, head, tail))
@@ -184,13 +193,14 @@ def _whole_blocks(x: torch.Tensor, start: int, bs: int) -> tuple[torch.Tensor, i
 
 
 def _block_mean(x: torch.Tensor, start: int, bs: int, n_blocks: int) -> torch.Tensor:
-    """float32 ``[B, H, n_blocks, D]``: the mean of ``x[B, H, N, D]`` over blocks of ``bs`` positions, row 0
-    at position ``start`` (block 0 = the one holding it); blocks the rows do not reach are 0.
+    """float32 ``[B, H, n_blocks, D]``: the mean of ``x[B, H, N, D]`` over blocks of ``bs``
+    positions, row 0 at position ``start`` (block 0 = the one holding it); blocks the rows do not
+    reach are 0.
 
-    One float32-accumulating reduction over a ``[.., blocks, bs, D]`` view (zero-padded to whole blocks
-    only when the rows do not start and end on block edges, as in decode): no float32 copy of ``x`` and
-    no atomics, so the sums come out the same on every call, and an activation-checkpointing recompute
-    chooses the blocks the forward chose.
+    One float32-accumulating reduction over a ``[.., blocks, bs, D]`` view (zero-padded to whole
+    blocks only when the rows do not start and end on block edges, as in decode): no float32 copy of
+    ``x`` and no atomics, so the sums come out the same on every call, and an
+    activation-checkpointing recompute chooses the blocks the forward chose.
     """
     B, H, N, D = x.shape
     x, head, tail = _whole_blocks(x, start, bs)
@@ -206,7 +216,8 @@ def _block_mean(x: torch.Tensor, start: int, bs: int, n_blocks: int) -> torch.Te
 
 
 def _slot_mean(x: torch.Tensor, slot: Sequence[int]) -> torch.Tensor:
-    """``x[B, H, N, D]`` -> float32 ``[B, Hs, N, D]``: the mean over the heads of each slot (slots 0 .. Hs-1)."""
+    """``x[B, H, N, D]`` -> float32 ``[B, Hs, N, D]``: the mean over the heads of each slot (slots 0
+    .. Hs-1)."""
     sl = index_tensor(list(slot), x.device)
     # heads per slot from the host list (a graph constant under compile; inductor's CPU code for an
     # index_add_ into a one-element tensor fails to build, e.g. one KV group of shared heads)
@@ -217,18 +228,21 @@ def _slot_mean(x: torch.Tensor, slot: Sequence[int]) -> torch.Tensor:
     return out / cnt[None, :, None, None]
 
 
-# Elements of one chunk of per-query scores (float32, 256 MiB): bounds the query_max estimate's memory at 64k+.
+# Elements of one chunk of per-query scores (float32, 256 MiB): bounds the query_max estimate's
+# memory at 64k+.
 _QUERY_MAX_CHUNK = 1 << 26
 
 
 def _block_max_scores(
     q: torch.Tensor, start: int, bs: int, n_blocks: int, kp: torch.Tensor
 ) -> torch.Tensor:
-    """float32 ``[B, H, n_blocks, nk]``: for each query block, the max over its queries of ``q . kp / sqrt(D)``.
+    """float32 ``[B, H, n_blocks, nk]``: for each query block, the max over its queries of ``q . kp
+    / sqrt(D)``.
 
-    ``q[B, H, N, D]`` rows from position ``start`` (block 0 = the one holding it), ``kp[B, H, nk, D]``
-    pooled keys. Rows a block does not have (partial first / last block) take no part; a block without
-    rows scores -inf. Chunked over query blocks so at most ``_QUERY_MAX_CHUNK`` scores live at once.
+    ``q[B, H, N, D]`` rows from position ``start`` (block 0 = the one holding it), ``kp[B, H, nk,
+    D]`` pooled keys. Rows a block does not have (partial first / last block) take no part; a block
+    without rows scores -inf. Chunked over query blocks so at most ``_QUERY_MAX_CHUNK`` scores live
+    at once.
     """
     B, H, N, D = q.shape
     nk = kp.shape[2]
@@ -263,21 +277,22 @@ def estimate_block_topk(
 ) -> torch.Tensor:
     """Block top-k by pooled scores.
 
-    ``q_pool_src[B, H, N, D]`` holds queries at positions ``src_start ..`` covering every query block in
-    ``q_blocks[nq] = first, first+1, ..``; ``k[B, H, T, D]`` (the KV head of each query head). Returns
-    bool ``[B, H, nq, nk]``. ``slot[h]``: heads with the same slot share one selection (a KV group's
-    ``share_group`` heads, same ``top_k``): scored by their mean query, top-k taken once per slot.
-    A key block's score for a query block is mean-pooled query . mean-pooled key (MInference's
-    block_sparse); with ``query_max`` the max over the block's queries of query . mean-pooled key (the
-    per-query affinity of MoBA and NSA, reduced to the query block by its best query, so one query's
-    strong preference, e.g. a question's answer position, is not averaged away by its block).
-    ``sub_blocks`` (a power of two dividing ``bs``; the pattern's ``score_block``): keys are pooled over
-    ``bs / sub_blocks``-key sub-blocks and a key block scores its best sub-block, so a short needle is
-    averaged with ``bs / sub_blocks`` keys instead of ``bs`` (NSA derives its selection from the
-    compression scores of finer blocks, summing their probabilities; the max is that sum's dominant term
-    when one sub-block holds what the query looks for).
-    ``stats``: filled with the selection's mean normalised entropy (of the softmax over each query
-    block's causal scores; 1 = uniform, 0 = one block) and the softmax mass the chosen blocks hold.
+    ``q_pool_src[B, H, N, D]`` holds queries at positions ``src_start ..`` covering every query
+    block in ``q_blocks[nq] = first, first+1, ..``; ``k[B, H, T, D]`` (the KV head of each query
+    head). Returns bool ``[B, H, nq, nk]``. ``slot[h]``: heads with the same slot share one
+    selection (a KV group's ``share_group`` heads, same ``top_k``): scored by their mean query,
+    top-k taken once per slot. A key block's score for a query block is mean-pooled query .
+    mean-pooled key (MInference's block_sparse); with ``query_max`` the max over the block's queries
+    of query . mean-pooled key (the per-query affinity of MoBA and NSA, reduced to the query block
+    by its best query, so one query's strong preference, e.g. a question's answer position, is not
+    averaged away by its block). ``sub_blocks`` (a power of two dividing ``bs``; the pattern's
+    ``score_block``): keys are pooled over ``bs / sub_blocks``-key sub-blocks and a key block scores
+    its best sub-block, so a short needle is averaged with ``bs / sub_blocks`` keys instead of
+    ``bs`` (NSA derives its selection from the compression scores of finer blocks, summing their
+    probabilities; the max is that sum's dominant term when one sub-block holds what the query looks
+    for). ``stats``: filled with the selection's mean normalised entropy (of the softmax over each
+    query block's causal scores; 1 = uniform, 0 = one block) and the softmax mass the chosen blocks
+    hold.
     """
     T, H = k.shape[2], k.shape[1]
     nk = (T + bs - 1) // bs
@@ -294,16 +309,17 @@ def estimate_block_topk(
     sb = bs // sub_blocks
     kp = _block_mean(k, 0, sb, nk * sub_blocks)  # [B, Hs, nk * sub, D]
     if query_max:
-        # 16-bit operands on CUDA for the tensor-core GEMM (float32 accumulation, _group_scores); float32 elsewhere
+        # 16-bit operands on CUDA for the tensor-core GEMM (float32 accumulation, _group_scores);
+        # float32 elsewhere
         half = q_pool_src.is_cuda and q_pool_src.dtype in (torch.bfloat16, torch.float16)
         dt = q_pool_src.dtype if half else torch.float32
-        s = _block_max_scores(
-            q.to(dt), off, bs, q_blocks.numel(), kp.to(dt)
-        )  # [B, Hs, nq, nk * sub]
+        # [B, Hs, nq, nk * sub]
+        s = _block_max_scores(q.to(dt), off, bs, q_blocks.numel(), kp.to(dt))
     else:
         s = _group_scores(q, kp)  # [B, Hs, nq, nk * sub]
     if sub_blocks > 1:
-        # sub-blocks past the last key hold no keys (their pooled key is 0): they never win their block
+        # sub-blocks past the last key hold no keys (their pooled key is 0): they never win their
+        # block
         s = s.masked_fill(
             torch.arange(nk * sub_blocks, device=k.device) >= (T + sb - 1) // sb, float("-inf")
         )

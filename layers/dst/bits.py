@@ -1,8 +1,10 @@
-"""1-bit masks: ``pack_bits(bool[..., C]) -> uint8[..., ceil(C/8)]`` and its inverse ``unpack_bits``.
+"""1-bit masks: ``pack_bits(bool[..., C]) -> uint8[..., ceil(C/8)]`` and its inverse
+``unpack_bits``.
 
-Packed along the last dim only, row by row, so a packed mask has the weight's leading dims and shards
-on dim 0 exactly like the weight (FSDP2 ``Shard(0)``): each rank's packed shard is the packing of its
-weight shard. Bit j of byte b holds entry ``8 b + j`` (little-endian within the byte).
+Packed along the last dim only, row by row, so a packed mask has the weight's leading dims and
+shards on dim 0 exactly like the weight (FSDP2 ``Shard(0)``): each rank's packed shard is the
+packing of its weight shard. Bit j of byte b holds entry ``8 b + j`` (little-endian within the
+byte).
 """
 
 from __future__ import annotations

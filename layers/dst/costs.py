@@ -1,11 +1,11 @@
-"""Bytes per masked weight that DST's options cost (what ``train.py --plan`` counts), at the schedule's
-densest point: ``dst_state_bytes(cfg) -> DSTCost``.
+"""Bytes per masked weight that DST's options cost (what ``train.py --plan`` counts), at the
+schedule's densest point: ``dst_state_bytes(cfg) -> DSTCost``.
 
 Dense state (default): a bool mask and a bool ever-active flag (2 B), a float32 EMA grow score with
 ``grad_ema`` (4 B), and AdamW's two float32 moments for every weight, active or not (8 B).
-``compact_state``: 1 bit each for mask and ever-active, a bf16 EMA score (2 B), and per *active* weight
-the two moments plus an int32 index (12 B x density); inside the optimizer step the gathered active
-weights and grads (8 B x density) exist too (training.optim.CompactAdamW).
+``compact_state``: 1 bit each for mask and ever-active, a bf16 EMA score (2 B), and per *active*
+weight the two moments plus an int32 index (12 B x density); inside the optimizer step the gathered
+active weights and grads (8 B x density) exist too (training.optim.CompactAdamW).
 """
 
 from __future__ import annotations

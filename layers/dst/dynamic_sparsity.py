@@ -1,55 +1,58 @@
-"""Weight-level dynamic sparse training: ``DynamicSparsity`` (RigL, SET, magnitude) on any nn.Module.
+"""Weight-level dynamic sparse training: ``DynamicSparsity`` (RigL, SET, magnitude) on any
+nn.Module.
 
-Papers: RigL (Evci et al. 2020, google-research/rigl), SET (Mocanu et al. 2018), ERK densities (RigL),
-cosine drop fraction (RigL), transposable 2:4 (Hu et al. ICML'24). Mask selection lives in
-``masks``, the schedule in ``schedule``, targets in ``targets``, 1-bit packing in ``bits``, the optional 2:4
-kernel path in ``semi_structured``, the bytes each option costs in ``costs``.
+Papers: RigL (Evci et al. 2020, google-research/rigl), SET (Mocanu et al. 2018), ERK densities
+(RigL), cosine drop fraction (RigL), transposable 2:4 (Hu et al. ICML'24). Mask selection lives in
+``masks``, the schedule in ``schedule``, targets in ``targets``, 1-bit packing in ``bits``, the
+optional 2:4 kernel path in ``semi_structured``, the bytes each option costs in ``costs``.
 
 Usage (the training loop in training/loop.py does exactly this)::
 
-    dst = DynamicSparsity(model, optimizer, sparsity=0.8, method="rigl", total_steps=10_000)
-    # or DynamicSparsity(model, optimizer, cfg=cfg.dst, total_steps=cfg.train.steps, update_every=50)
-    for step in range(total_steps):
+    dst = DynamicSparsity(model, optimizer, sparsity=0.8, method="rigl", total_steps=10_000) # or
+    DynamicSparsity(model, optimizer, cfg=cfg.dst, total_steps=cfg.train.steps, update_every=50) for
+    step in range(total_steps):
         loss.backward(); optimizer.step()
         dst.step(step)          # re-apply masks, update them on schedule, clean optimizer moments
         optimizer.zero_grad()
         log(dst.stats())
 
 Targets (``layers.dst.targets``): by default every nn.Linear weight and stacked-expert weight except
-embeddings, the output head and routers, on any model; or the parameters named by ``include`` patterns.
-A weight ``[out, in]`` is one slice; stacked MoE experts ``[E, out, in]`` are E slices, each with its own
-top-k at the layer's density.
+embeddings, the output head and routers, on any model; or the parameters named by ``include``
+patterns. A weight ``[out, in]`` is one slice; stacked MoE experts ``[E, out, in]`` are E slices,
+each with its own top-k at the layer's density.
 
 Masks are bool buffers registered beside their parameter (``<param>_mask``; ``<param>_ever`` marks
-weights ever active; ``<param>_score`` holds the EMA grow score when ``grad_ema`` is set), so they are
-in ``model.state_dict()`` and travel with checkpoints: create DynamicSparsity before loading a
+weights ever active; ``<param>_score`` holds the EMA grow score when ``grad_ema`` is set), so they
+are in ``model.state_dict()`` and travel with checkpoints: create DynamicSparsity before loading a
 checkpoint into the model, and a resumed run continues bit-exactly.
 
-``compact_state``: mask and ever-active are uint8 buffers packed 8 per byte along the weight's last dim,
-the EMA score is bf16, and the optimizer (``training.optim.CompactAdamW``, reached by duck typing:
-``set_compact`` / ``compact_remap``) keeps AdamW moments for the active entries only and never moves
-inactive weights, so ``step()`` skips the per-step re-mask; at an update DST zeroes pruned weights and
-the optimizer moves kept moments to their new slots (grown start at 0, pruned are dropped).
+``compact_state``: mask and ever-active are uint8 buffers packed 8 per byte along the weight's last
+dim, the EMA score is bf16, and the optimizer (``training.optim.CompactAdamW``, reached by duck
+typing: ``set_compact`` / ``compact_remap``) keeps AdamW moments for the active entries only and
+never moves inactive weights, so ``step()`` skips the per-step re-mask; at an update DST zeroes
+pruned weights and the optimizer moves kept moments to their new slots (grown start at 0, pruned are
+dropped).
 
 Dense gradients for RigL: masks are applied to the weights (stored dense, inactive entries exactly
 zero), never to the gradients, so after backward ``p.grad`` holds dL/dW at every position, active or
-not, and the grow score is available with no extra pass or hook. During ``optimizer.step()`` inactive
-weights therefore move; ``step()`` zeroes them right after (one pass over the masked weights: 9 bytes
-per fp32 weight), so inactive weights are exactly zero between steps. At an update, weights newly
-grown or pruned get value 0 and every optimizer state of parameter shape (AdamW ``exp_avg``,
-``exp_avg_sq``, SGD ``momentum_buffer``) is zeroed there; a weight dropped and regrown in the same
-update keeps its value and moments (RigL). Between updates the states of inactive weights are not
-maintained (an elementwise optimizer never lets them reach an active weight: they are zeroed on
-growth), which keeps the per-step cost to the weight pass. Gradient clipping sees the dense gradient.
-AdamW's per-tensor step count is not reset, so a grown weight's first update uses the tensor's bias
-correction.
+not, and the grow score is available with no extra pass or hook. During ``optimizer.step()``
+inactive weights therefore move; ``step()`` zeroes them right after (one pass over the masked
+weights: 9 bytes per fp32 weight), so inactive weights are exactly zero between steps. At an update,
+weights newly grown or pruned get value 0 and every optimizer state of parameter shape (AdamW
+``exp_avg``, ``exp_avg_sq``, SGD ``momentum_buffer``) is zeroed there; a weight dropped and regrown
+in the same update keeps its value and moments (RigL). Between updates the states of inactive
+weights are not maintained (an elementwise optimizer never lets them reach an active weight: they
+are zeroed on growth), which keeps the per-step cost to the weight pass. Gradient clipping sees the
+dense gradient. AdamW's per-tensor step count is not reset, so a grown weight's first update uses
+the tensor's bias correction.
 
-Distributed: all ranks must derive identical masks. |W| is replicated under data parallelism; the grow
-score (|grad| or its EMA) is all-reduced over ``process_group`` (default: the world, when initialised)
-for plain tensors; SET draws come from a generator seeded by (seed, step, layer). DTensor parameters
-(FSDP2 ``fully_shard``, sharded on dim 0) are gathered with ``full_tensor()`` one layer at a time at
-update steps, so the per-layer / per-expert top-k is exact; each rank keeps its shard of the new mask,
-and mask buffers are DTensors with the parameter's placements (sharded like it).
+Distributed: all ranks must derive identical masks. |W| is replicated under data parallelism; the
+grow score (|grad| or its EMA) is all-reduced over ``process_group`` (default: the world, when
+initialised) for plain tensors; SET draws come from a generator seeded by (seed, step, layer).
+DTensor parameters (FSDP2 ``fully_shard``, sharded on dim 0) are gathered with ``full_tensor()`` one
+layer at a time at update steps, so the per-layer / per-expert top-k is exact; each rank keeps its
+shard of the new mask, and mask buffers are DTensors with the parameter's placements (sharded like
+it).
 """
 
 from __future__ import annotations
@@ -82,7 +85,8 @@ from .targets import Target, dst_parameters
 
 
 def resolve_config(cfg: Optional[DSTConfig], overrides: dict) -> DSTConfig:
-    """``cfg`` (default ``DSTConfig()``) with keyword ``overrides`` of its fields, enabled and validated."""
+    """``cfg`` (default ``DSTConfig()``) with keyword ``overrides`` of its fields, enabled and
+    validated."""
     names = {f.name for f in dataclasses.fields(DSTConfig)} - {"enabled"}
     for k in overrides:
         if k not in names:
@@ -95,13 +99,13 @@ def resolve_config(cfg: Optional[DSTConfig], overrides: dict) -> DSTConfig:
 class DynamicSparsity:
     """Masks chosen weights of ``model`` and evolves the masks during training.
 
-    ``cfg``: a ``configs.DSTConfig`` (default: its defaults); keyword ``overrides`` replace any of its
-    fields (``DynamicSparsity(model, opt, sparsity=0.9, method="set")``), so each option and its default is
-    declared once, in ``DSTConfig``. ``total_steps``: the run's length, needed only by schedules written
-    in fractions of it (``stop_fraction < 1``, cosine drop / sparsity schedules, ``dense_finish``; a
-    ``ConfigError`` on ``dst.total_steps`` says so). ``process_group``: for the score all-reduce (default
-    the world group when initialised). A bad value raises ``ConfigError`` naming ``dst.<key>`` before any
-    mask is computed.
+    ``cfg``: a ``configs.DSTConfig`` (default: its defaults); keyword ``overrides`` replace any of
+    its fields (``DynamicSparsity(model, opt, sparsity=0.9, method="set")``), so each option and its
+    default is declared once, in ``DSTConfig``. ``total_steps``: the run's length, needed only by
+    schedules written in fractions of it (``stop_fraction < 1``, cosine drop / sparsity schedules,
+    ``dense_finish``; a ``ConfigError`` on ``dst.total_steps`` says so). ``process_group``: for the
+    score all-reduce (default the world group when initialised). A bad value raises ``ConfigError``
+    naming ``dst.<key>`` before any mask is computed.
     """
 
     def __init__(
@@ -212,8 +216,8 @@ class DynamicSparsity:
 
     @torch.no_grad()
     def _init_masks(self) -> None:
-        """Initial masks: the largest |W| at the step-0 density (random-like at a random init, and the
-        magnitude-pruned network when starting from trained weights). Registered as buffers."""
+        """Initial masks: the largest |W| at the step-0 density (random-like at a random init, and
+        the magnitude-pruned network when starting from trained weights). Registered as buffers."""
         cfg, ks = self.cfg, self._counts(self.schedule.sparsity_at(0))
         for t, k in zip(self.targets, ks):
             p = t.param()
@@ -259,8 +263,9 @@ class DynamicSparsity:
         )
 
     def _capacities(self) -> list[int]:
-        """Most active entries each target's compact optimizer state must hold on this rank: the exact count
-        at the schedule's densest point, plus a margin for a sharded weight (its rows' share varies)."""
+        """Most active entries each target's compact optimizer state must hold on this rank: the
+        exact count at the schedule's densest point, plus a margin for a sharded weight (its rows'
+        share varies)."""
         area = self.cfg.block[0] * self.cfg.block[1] if self.cfg.granularity == "block" else 1
         ks = [
             max(a, b)
@@ -282,8 +287,8 @@ class DynamicSparsity:
         return out
 
     def _follow_layout(self, t: Target) -> None:
-        """If the parameter became a DTensor after DST was set up (fully_shard applied later), shard the
-        buffers the same way."""
+        """If the parameter became a DTensor after DST was set up (fully_shard applied later), shard
+        the buffers the same way."""
         p = t.param()
         if isinstance(p, DTensor):
             for kind in ("mask", "ever", "score"):
@@ -294,7 +299,8 @@ class DynamicSparsity:
     # ---- per step -------------------------------------------------------------------------------
 
     def _states(self, p: torch.Tensor) -> list[torch.Tensor]:
-        """Optimizer state tensors of parameter shape (exp_avg, exp_avg_sq, momentum_buffer, ...)."""
+        """Optimizer state tensors of parameter shape (exp_avg, exp_avg_sq, momentum_buffer,
+        ...)."""
         if self.optimizer is None:
             return []
         return [
@@ -314,9 +320,10 @@ class DynamicSparsity:
 
     @torch.no_grad()
     def step(self, step: int, applied: Optional[torch.Tensor] = None) -> None:
-        """Call right after ``optimizer.step()`` of training step ``step`` (grads still present). ``applied``: a
-        0-dim float tensor, 1 if the step's update was applied, 0 if it was skipped on the device (see
-        ``decides_on_host``: never at a mask update or the dense finish's first step)."""
+        """Call right after ``optimizer.step()`` of training step ``step`` (grads still present).
+        ``applied``: a 0-dim float tensor, 1 if the step's update was applied, 0 if it was skipped
+        on the device (see ``decides_on_host``: never at a mask update or the dense finish's first
+        step)."""
         if step < self._last_step:  # a rollback reloaded earlier masks
             self._dense = False
         self._last_step = step
@@ -352,8 +359,9 @@ class DynamicSparsity:
             self._apply_masks()
 
     def _grow_score(self, t: Target, i: int, step: int, like: torch.Tensor) -> torch.Tensor:
-        """Full-size grow score: |grad| or its EMA (RigL, all-reduced so ranks agree), or uniform random
-        (SET, and magnitude when the density rises) from a generator seeded by (seed, step, layer)."""
+        """Full-size grow score: |grad| or its EMA (RigL, all-reduced so ranks agree), or uniform
+        random (SET, and magnitude when the density rises) from a generator seeded by (seed, step,
+        layer)."""
         if self.cfg.method == "rigl":
             p = t.param()
             if self.cfg.grad_ema is not None:
@@ -372,8 +380,8 @@ class DynamicSparsity:
                 and dist.is_initialized()
                 and dist.get_world_size(self.group) > 1
             ):
-                # the gradient is summed before |.| (a sum ranks like the DDP mean); EMA scores are summed as
-                # they are: sum_r EMA(|g_r|) = EMA(sum_r |g_r|)
+                # the gradient is summed before |.| (a sum ranks like the DDP mean); EMA scores are
+                # summed as they are: sum_r EMA(|g_r|) = EMA(sum_r |g_r|)
                 score = score.clone() if score is src else score.contiguous()
                 dist.all_reduce(score, group=self.group)
             score = score.abs()
@@ -423,12 +431,12 @@ class DynamicSparsity:
                 self.optimizer.compact_remap(p)
         self.last_flip_rate = int(torch.stack(changed).sum()) / total
 
-    # ---- the trainer's sparsity-method protocol (layers.sparsity_method) -----------------------------
+    # ---- the trainer's sparsity-method protocol (layers.sparsity_method) -------------------------
     skips_on_device = True  # but for the steps decides_on_host names
 
     def decides_on_host(self, step: int) -> bool:
-        """The steps whose work depends on whether the step was applied, decided on the host: a mask update
-        (RigL grows by this step's gradients) and the first step of the dense finish."""
+        """The steps whose work depends on whether the step was applied, decided on the host: a mask
+        update (RigL grows by this step's gradients) and the first step of the dense finish."""
         return self.schedule.is_update(step) or (self.schedule.is_dense(step) and not self._dense)
 
     def before_step(self, step: int) -> None:
@@ -447,10 +455,10 @@ class DynamicSparsity:
 
     @torch.no_grad()
     def stats(self) -> dict:
-        """Scalars for logging (the trainer prefixes ``dst/``): ``density`` (global), ``density/<param>``
-        per layer, ``flip_rate`` (share of mask entries changed by the last update), ``ever_active``
-        (share of maskable weights active at some point: the in-time over-parameterisation rate) and
-        ``target_sparsity``. One host sync."""
+        """Scalars for logging (the trainer prefixes ``dst/``): ``density`` (global),
+        ``density/<param>`` per layer, ``flip_rate`` (share of mask entries changed by the last
+        update), ``ever_active`` (share of maskable weights active at some point: the in-time
+        over-parameterisation rate) and ``target_sparsity``. One host sync."""
         count = (
             (lambda t, k: self._mask(t, k, full=True).sum())
             if self.cfg.compact_state
@@ -470,7 +478,8 @@ class DynamicSparsity:
         return out
 
     def target_sparsity(self) -> float:
-        """The scheduled global sparsity in force after the last ``step()`` (it changes at updates only)."""
+        """The scheduled global sparsity in force after the last ``step()`` (it changes at updates
+        only)."""
         if self._dense:
             return 0.0
         s = self.schedule

@@ -1,14 +1,14 @@
 """Mask selection for weight-level dynamic sparse training (layers.dst): pure tensor functions.
 
 Every function works on a stack of independent slices ``[S, R, C]`` (S = 1 for a linear weight
-``[out, in]``, S = E for stacked MoE experts ``[E, out, in]``), so each expert gets its own top-k with
-the same per-expert density. N:M groups run along the last (input, reduction) dim, as
+``[out, in]``, S = E for stacked MoE experts ``[E, out, in]``), so each expert gets its own top-k
+with the same per-expert density. N:M groups run along the last (input, reduction) dim, as
 ``torch.sparse.to_sparse_semi_structured`` expects for a linear weight; transposable N:M also makes
 every group of M along the output dim hold N (so ``W^T`` is N:M too, Hu et al. ICML'24).
 
-The update rule is RigL's (google-research/rigl ``generic_mask_update``), per slice:
-keep the ``n_keep`` largest-|W| active weights, then grow the ``k - n_keep`` largest grow scores among
-the positions not kept (a weight dropped in this update may be regrown). Masks are bool.
+The update rule is RigL's (google-research/rigl ``generic_mask_update``), per slice: keep the
+``n_keep`` largest-|W| active weights, then grow the ``k - n_keep`` largest grow scores among the
+positions not kept (a weight dropped in this update may be regrown). Masks are bool.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ def topk_mask(score: torch.Tensor, k: int) -> torch.Tensor:
 def swap_counts(n_active: int, k: int, drop_fraction: float) -> tuple[int, int]:
     """How many active weights to keep and how many to grow to end with ``k`` active.
 
-    ``n_swap = floor(drop_fraction * min(n_active, k))`` are replaced (RigL's drop count), the rest of the
-    change is the density schedule: ``n_keep = min(n_active, k - n_swap)``, ``n_grow = k - n_keep``.
+    ``n_swap = floor(drop_fraction * min(n_active, k))`` are replaced (RigL's drop count), the rest
+    of the change is the density schedule: ``n_keep = min(n_active, k - n_swap)``, ``n_grow = k -
+    n_keep``.
     """
     n_swap = int(math.floor(drop_fraction * min(n_active, k)))
     n_keep = min(n_active, k - n_swap)
@@ -41,7 +42,8 @@ def swap_counts(n_active: int, k: int, drop_fraction: float) -> tuple[int, int]:
 
 
 def keep_largest(mask: torch.Tensor, drop_score: torch.Tensor, n_keep: int) -> torch.Tensor:
-    """``bool[S, N]``: the ``n_keep`` active positions (of ``mask``) with the largest ``drop_score`` (|W|)."""
+    """``bool[S, N]``: the ``n_keep`` active positions (of ``mask``) with the largest ``drop_score``
+    (|W|)."""
     return topk_mask(drop_score.float().masked_fill(~mask, -math.inf), n_keep)
 
 
@@ -52,11 +54,12 @@ def rigl_update(
     k: int,
     drop_fraction: float,
 ) -> torch.Tensor:
-    """Unstructured drop/grow on ``[S, N]`` slices -> new ``bool[S, N]`` with exactly ``k`` True per row.
+    """Unstructured drop/grow on ``[S, N]`` slices -> new ``bool[S, N]`` with exactly ``k`` True per
+    row.
 
     ``mask`` must hold the same count in every row (true by construction). Grown positions are the
-    top ``grow_score`` among positions not kept, so previously inactive weights and weights dropped now
-    compete alike, as in RigL.
+    top ``grow_score`` among positions not kept, so previously inactive weights and weights dropped
+    now compete alike, as in RigL.
     """
     n_keep, n_grow = swap_counts(int(mask[0].sum()), k, drop_fraction)
     keep = keep_largest(mask, drop_score, n_keep)
@@ -90,11 +93,11 @@ def block_of(mask: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
 
 
 def nm_select(score: torch.Tensor, n: int, m: int) -> torch.Tensor:
-    """``score[S, R, C] -> bool[S, R, C]``: the n largest of every m consecutive entries along C (ties:
-    the earlier entry wins).
+    """``score[S, R, C] -> bool[S, R, C]``: the n largest of every m consecutive entries along C
+    (ties: the earlier entry wins).
 
-    Ranks by m*m pairwise comparisons instead of ``topk(n)`` over millions of length-m rows, which is
-    several times slower on GPU (bench/dst.py).
+    Ranks by m*m pairwise comparisons instead of ``topk(n)`` over millions of length-m rows, which
+    is several times slower on GPU (bench/dst.py).
     """
     S, R, C = score.shape
     g = score.float().reshape(-1, m)
@@ -106,7 +109,8 @@ def nm_select(score: torch.Tensor, n: int, m: int) -> torch.Tensor:
 
 @cache
 def _tile_patterns(n: int, m: int) -> torch.Tensor:
-    """All ``m x m`` 0/1 tiles with n ones in every row and every column, as ``float[P, m*m]`` (90 for 2:4)."""
+    """All ``m x m`` 0/1 tiles with n ones in every row and every column, as ``float[P, m*m]`` (90
+    for 2:4)."""
     rows = [r for r in itertools.product((0, 1), repeat=m) if sum(r) == n]
     pats = [
         sum(t, ())
@@ -117,8 +121,9 @@ def _tile_patterns(n: int, m: int) -> torch.Tensor:
 
 
 def transposable_nm_select(score: torch.Tensor, n: int, m: int) -> torch.Tensor:
-    """``score[S, R, C] -> bool[S, R, C]``: per ``m x m`` tile, the N:M-in-rows-and-columns pattern of
-    largest total score (exhaustive over the tile patterns, as 2by4-pretrain's TransposableSparse)."""
+    """``score[S, R, C] -> bool[S, R, C]``: per ``m x m`` tile, the N:M-in-rows-and-columns pattern
+    of largest total score (exhaustive over the tile patterns, as 2by4-pretrain's
+    TransposableSparse)."""
     S, R, C = score.shape
     tiles = score.float().view(S, R // m, m, C // m, m).permute(0, 1, 3, 2, 4).reshape(-1, m * m)
     pats = _tile_patterns(n, m).to(score.device)
@@ -135,12 +140,13 @@ def nm_update(
     drop_fraction: float,
     transposable: bool,
 ) -> torch.Tensor:
-    """N:M drop/grow on ``[S, R, C]``: drop the ``floor(drop_fraction * active)`` smallest-|W| active
-    weights of each slice, then refill every group (tile) to N from the largest grow scores.
+    """N:M drop/grow on ``[S, R, C]``: drop the ``floor(drop_fraction * active)`` smallest-|W|
+    active weights of each slice, then refill every group (tile) to N from the largest grow scores.
 
-    Kept weights outrank every grow candidate: the selection score is ``BIG`` on kept positions and the
-    grow score scaled into [0, 1] elsewhere, with ``BIG = n*m + 1`` larger than any tile's grow sum, so
-    a transposable tile pattern also retains all kept weights (the old pattern contained them).
+    Kept weights outrank every grow candidate: the selection score is ``BIG`` on kept positions and
+    the grow score scaled into [0, 1] elsewhere, with ``BIG = n*m + 1`` larger than any tile's grow
+    sum, so a transposable tile pattern also retains all kept weights (the old pattern contained
+    them).
     """
     S, R, C = mask.shape
     flat = mask.view(S, -1)
@@ -155,7 +161,8 @@ def nm_update(
 
 
 def is_nm(mask: torch.Tensor, n: int, m: int, transposable: bool = False) -> bool:
-    """True when every m consecutive entries along the last dim hold exactly n (and along dim -2 too)."""
+    """True when every m consecutive entries along the last dim hold exactly n (and along dim -2
+    too)."""
     S, R, C = mask.shape
     ok = bool((mask.reshape(S, R, C // m, m).sum(-1) == n).all())
     if transposable:
@@ -169,11 +176,13 @@ def is_nm(mask: torch.Tensor, n: int, m: int, transposable: bool = False) -> boo
 def erk_densities(
     shapes: Sequence[Sequence[int]], density: float, power: float = 1.0
 ) -> list[float]:
-    """Erdos-Renyi-Kernel densities: ``d_l = min(1, eps * ((out+in)/(out*in))**power)`` with eps solved so
-    that ``sum d_l N_l = density * sum N_l``. ``shapes[l] = (S, out, in)``, ``N_l = S*out*in``.
+    """Erdos-Renyi-Kernel densities: ``d_l = min(1, eps * ((out+in)/(out*in))**power)`` with eps
+    solved so that ``sum d_l N_l = density * sum N_l``. ``shapes[l] = (S, out, in)``, ``N_l =
+    S*out*in``.
 
     Iterative as in google-research/rigl ``get_sparsities_erdos_renyi``: a layer whose density would
-    exceed 1 is made dense, leaves the budget, and eps is solved again (clipping alone misses the target).
+    exceed 1 is made dense, leaves the budget, and eps is solved again (clipping alone misses the
+    target).
     """
     numel = [s * r * c for s, r, c in shapes]
     raw = [((r + c) / (r * c)) ** power for _, r, c in shapes]

@@ -1,13 +1,14 @@
-"""When DST masks change and to what: update steps, sparsity ramp, drop-fraction decay, dense finish.
+"""When DST masks change and to what: update steps, sparsity ramp, drop-fraction decay, dense
+finish.
 
-A pure function of the step (no state), so a resumed run makes the same decisions.
-Conventions (RigL, google-research/rigl; SRigL's ``T_end``): masks update after the optimizer step of
-every step ``t`` with ``0 < t <= stop_step`` and ``t % update_every == 0``, ``stop_step =
-int(stop_fraction * total_steps)``. Cosine drop fraction: ``a/2 * (1 + cos(pi * t / stop_step))``.
-Cosine sparsity ramp (seed 001): from ``initial_sparsity`` at step 0 to ``sparsity`` at
-``ramp_fraction * total_steps``; it takes effect at update steps only. With ``dense_finish`` every mask
-is dropped at ``stop_step`` and training ends dense. ``total_steps=None`` is open-ended training: updates
-never stop, which only a schedule with no fraction of training in it allows (``from_config`` checks).
+A pure function of the step (no state), so a resumed run makes the same decisions. Conventions
+(RigL, google-research/rigl; SRigL's ``T_end``): masks update after the optimizer step of every step
+``t`` with ``0 < t <= stop_step`` and ``t % update_every == 0``, ``stop_step = int(stop_fraction *
+total_steps)``. Cosine drop fraction: ``a/2 * (1 + cos(pi * t / stop_step))``. Cosine sparsity ramp
+(seed 001): from ``initial_sparsity`` at step 0 to ``sparsity`` at ``ramp_fraction * total_steps``;
+it takes effect at update steps only. With ``dense_finish`` every mask is dropped at ``stop_step``
+and training ends dense. ``total_steps=None`` is open-ended training: updates never stop, which only
+a schedule with no fraction of training in it allows (``from_config`` checks).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""2:4 DST layers on GPU: route every 2:4-masked ``nn.Linear`` target through kernels.semi_sparse_linear.
+"""2:4 DST layers on GPU: route every 2:4-masked ``nn.Linear`` target through
+kernels.semi_sparse_linear.
 
-``enable_semi_structured(targets, transposable)`` swaps the forward of each eligible Linear (CUDA, fp16 /
-bf16, 2:4 mask along ``in``) for ``SemiSparseLinear``; ``disable_semi_structured`` undoes it. Expect
-modest gains at best on Hopper (BENCHMARKS.md): packing costs a pass over W per call.
+``enable_semi_structured(targets, transposable)`` swaps the forward of each eligible Linear (CUDA,
+fp16 / bf16, 2:4 mask along ``in``) for ``SemiSparseLinear``; ``disable_semi_structured`` undoes it.
+Expect modest gains at best on Hopper (BENCHMARKS.md): packing costs a pass over W per call.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ _OK_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def semi_structured_available(device: torch.device, dtype: torch.dtype, shape=(128, 128)) -> bool:
-    """Probe once: CUDA, sm80+, fp16/bf16, and a 2:4 tensor of ``shape`` actually packs and multiplies."""
+    """Probe once: CUDA, sm80+, fp16/bf16, and a 2:4 tensor of ``shape`` actually packs and
+    multiplies."""
     if device.type != "cuda" or not torch.cuda.is_available() or dtype not in _OK_DTYPES:
         return False
     if torch.cuda.get_device_capability(device) < (8, 0):
@@ -31,17 +33,19 @@ def semi_structured_available(device: torch.device, dtype: torch.dtype, shape=(1
         x = torch.ones(32, shape[1], dtype=dtype, device=device)
         torch.mm(x, pack_semi_structured(w).t())
         return True
+    # capability probe: torch raises these when unsupported
     except (
         RuntimeError,
         NotImplementedError,
         ValueError,
-    ):  # capability probe: torch raises these when unsupported
+    ):
         return False
 
 
 def check_semi_structured_device(device: torch.device) -> None:
-    """``ConfigError`` on ``dst.semi_structured`` for a GPU without 2:4 tensor cores (before sm80); on CPU the
-    layers run the masked dense reference (the fallback ``enable_semi_structured`` warns about)."""
+    """``ConfigError`` on ``dst.semi_structured`` for a GPU without 2:4 tensor cores (before sm80);
+    on CPU the layers run the masked dense reference (the fallback ``enable_semi_structured`` warns
+    about)."""
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
         cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
@@ -65,10 +69,11 @@ def _semi_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def enable_semi_structured(targets, transposable: bool) -> list[str]:
-    """Route every 2:4-masked ``nn.Linear`` target through ``SemiSparseLinear``; returns the names routed.
+    """Route every 2:4-masked ``nn.Linear`` target through ``SemiSparseLinear``; returns the names
+    routed.
 
-    Layers whose shape the kernels reject (probed) and 3-D expert weights stay on the dense path, with
-    one warning listing them. Parameter names and state_dict keys are unchanged.
+    Layers whose shape the kernels reject (probed) and 3-D expert weights stay on the dense path,
+    with one warning listing them. Parameter names and state_dict keys are unchanged.
     """
     done, skipped, probed = [], [], {}
     for t in targets:

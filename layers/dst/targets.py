@@ -1,15 +1,16 @@
 """Which weights DST masks, on any ``nn.Module``: ``dst_parameters(model, include, exclude)``.
 
-Default (``include=None``): every 2-D ``weight`` of an ``nn.Linear`` and every parameter of 3 or more dims
-held by a module that is not a convolution (stacked MoE experts ``[E, out, in]``, HF layout), except the
-embeddings and the output head. The head is ``model.get_output_embeddings()`` where the model defines it
-(HF ``PreTrainedModel``), else a Linear whose weight is an ``nn.Embedding``'s (tied) or whose ``out_features``
-is an embedding's vocabulary; a model with no embedding (a plain MLP) has its last Linear as the head
-(unless it is the only one).
-With ``include`` given: every >= 2-D parameter whose name matches an ``include`` fnmatch pattern.
-Either way, names matching an ``exclude`` pattern (routers, by default) are skipped.
+Default (``include=None``): every 2-D ``weight`` of an ``nn.Linear`` and every parameter of 3 or
+more dims held by a module that is not a convolution (stacked MoE experts ``[E, out, in]``, HF
+layout), except the embeddings and the output head. The head is ``model.get_output_embeddings()``
+where the model defines it (HF ``PreTrainedModel``), else a Linear whose weight is an
+``nn.Embedding``'s (tied) or whose ``out_features`` is an embedding's vocabulary; a model with no
+embedding (a plain MLP) has its last Linear as the head (unless it is the only one). With
+``include`` given: every >= 2-D parameter whose name matches an ``include`` fnmatch pattern. Either
+way, names matching an ``exclude`` pattern (routers, by default) are skipped.
 
-A target ``[out, in]`` is one slice ``[1, out, in]``; ``[E, out, in]`` is E slices, each its own top-k.
+A target ``[out, in]`` is one slice ``[1, out, in]``; ``[E, out, in]`` is E slices, each its own
+top-k.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def _head_and_embeddings(model: nn.Module) -> set[int]:
 def dst_parameters(
     model: nn.Module, include: Optional[Sequence[str]], exclude: Sequence[str]
 ) -> list:
-    """``[(name, parameter)]`` DST masks, in ``named_parameters`` order (see the module docstring)."""
+    """``[(name, parameter)]`` DST masks, in ``named_parameters`` order (see the module
+    docstring)."""
     excluded = lambda name: any(fnmatch(name, pat) for pat in exclude)  # noqa: E731
     if include is not None:
         return [

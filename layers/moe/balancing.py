@@ -1,10 +1,10 @@
 """``ExpertBalancing``: the MoE layers of a model as one sparsity method (layers.sparsity_method).
 
-After an applied step it updates every layer's aux-loss-free selection bias from the routed-token counts
-(DeepSeek-V3: ``bias += rate * sign(mean load - load)``, counts summed over ``group`` so every rank
-applies the same update); a skipped step drops its counts (otherwise the next update would count two
-steps' load). ``metrics()`` are the load statistics of the last forward, averaged over layers;
-``expert_load()`` the ``[layers, experts]`` token shares for a heatmap.
+After an applied step it updates every layer's aux-loss-free selection bias from the routed-token
+counts (DeepSeek-V3: ``bias += rate * sign(mean load - load)``, counts summed over ``group`` so
+every rank applies the same update); a skipped step drops its counts (otherwise the next update
+would count two steps' load). ``metrics()`` are the load statistics of the last forward, averaged
+over layers; ``expert_load()`` the ``[layers, experts]`` token shares for a heatmap.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from .layer import moe_modules, moe_reset_load, moe_update_bias
 
 
 class ExpertBalancing:
-    skips_on_device = (
-        True  # the bias update multiplies by the step's applied flag (layers.sparsity_method)
-    )
+    # the bias update multiplies by the step's applied flag (layers.sparsity_method)
+    skips_on_device = True
 
     def __init__(self, model: nn.Module, group=None):
         self.model, self.layers = model, moe_modules(model)
@@ -44,7 +43,8 @@ class ExpertBalancing:
         return out
 
     def metrics(self) -> dict:
-        """Scalars over the MoE layers of the last forward (one device-to-host copy each, not one per layer)."""
+        """Scalars over the MoE layers of the last forward (one device-to-host copy each, not one
+        per layer)."""
         loads = self._shares()
         if not loads:
             return {}
@@ -52,7 +52,8 @@ class ExpertBalancing:
         shares = torch.cat(loads).cpu()
         per_layer_max = torch.stack([x.max() * x.numel() for x in loads]).cpu()
         return {
-            "moe/max_load_ratio": per_layer_max.max(),  # busiest expert vs perfectly even, worst layer
+            # busiest expert vs perfectly even, worst layer
+            "moe/max_load_ratio": per_layer_max.max(),
             "moe/mean_max_load_ratio": per_layer_max.mean(),
             "moe/dropped_frac": torch.stack([s["dropped_frac"].detach().float() for s in stats])
             .mean()
@@ -64,7 +65,8 @@ class ExpertBalancing:
         }
 
     def expert_load(self) -> Optional[torch.Tensor]:
-        """``[layers, experts]`` token shares of the last forward (None without MoE or with unequal expert counts)."""
+        """``[layers, experts]`` token shares of the last forward (None without MoE or with unequal
+        expert counts)."""
         loads = self._shares()
         if not loads or len({x.numel() for x in loads}) != 1:
             return None

@@ -1,9 +1,10 @@
-"""Expert-parallel dispatch for layers.MoE: the expert-sorted rows travel to the ranks owning the experts.
+"""Expert-parallel dispatch for layers.MoE: the expert-sorted rows travel to the ranks owning the
+experts.
 
-With an ``ep_group`` of P ranks, rank r holds experts ``r*E/P .. (r+1)*E/P - 1`` (E/P = L local experts).
-The MoE layer routes and permutes its own tokens into an expert-sorted buffer as on one process; this
-file replaces "run the experts on the buffer" by (Lepikhin et al. 2020 GShard; megablocks / torchtitan
-all-to-all dispatchers):
+With an ``ep_group`` of P ranks, rank r holds experts ``r*E/P .. (r+1)*E/P - 1`` (E/P = L local
+experts). The MoE layer routes and permutes its own tokens into an expert-sorted buffer as on one
+process; this file replaces "run the experts on the buffer" by (Lepikhin et al. 2020 GShard;
+megablocks / torchtitan all-to-all dispatchers):
 
 1. exchange per-expert row counts (all_to_all_single of ``sizes[E]``, P chunks of L),
 2. all_to_all_single the rows with uneven splits (rows for experts of rank p go to rank p),
@@ -36,7 +37,8 @@ def all_to_all(x: torch.Tensor, out_splits: list, in_splits: list, group) -> tor
     """Differentiable ``all_to_all_single``: send ``in_splits[p]`` rows of ``x`` to rank p, receive
     ``out_splits[p]`` rows from rank p, concatenated in rank order (torch's autograd collective: its
     backward is the reverse exchange)."""
-    import torch.distributed.nn.functional as dist_nn  # loads the autograd collectives only under EP
+    # loads the autograd collectives only under EP
+    import torch.distributed.nn.functional as dist_nn
 
     out = x.new_empty(sum(out_splits), *x.shape[1:])
     return dist_nn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
@@ -47,10 +49,10 @@ def ep_run_experts(
 ) -> torch.Tensor:
     """Run global experts over an expert-sorted buffer with the experts spread over ``group``.
 
-    ``xs_ND``: rows sorted by global expert, expert e owning ``sizes_E[e]`` consecutive rows from the
-    exclusive cumsum; rows past ``sizes_E.sum()`` are ignored (their output is zero).
-    ``experts(rows[R, D], counts[L]) -> [R, D]`` holds this rank's L = E/P experts.
-    Returns ``[N, D]`` like running all E experts locally.
+    ``xs_ND``: rows sorted by global expert, expert e owning ``sizes_E[e]`` consecutive rows from
+    the exclusive cumsum; rows past ``sizes_E.sum()`` are ignored (their output is zero).
+    ``experts(rows[R, D], counts[L]) -> [R, D]`` holds this rank's L = E/P experts. Returns ``[N,
+    D]`` like running all E experts locally.
     """
     P = dist.get_world_size(group)
     E = sizes_E.numel()
@@ -60,31 +62,30 @@ def ep_run_experts(
     recv_PL = torch.empty_like(sizes_E)
     dist.all_to_all_single(recv_PL, sizes_E, group=group)
     recv_PL = recv_PL.view(P, L)
-    in_splits, out_splits = torch.stack(
-        [sizes_E.view(P, L).sum(1), recv_PL.sum(1)]
-    ).tolist()  # one host sync
+    # one host sync
+    in_splits, out_splits = torch.stack([sizes_E.view(P, L).sum(1), recv_PL.sum(1)]).tolist()
     n_send = sum(in_splits)
     # 2. rows out, grouped by source rank then by local expert
     x_recv = all_to_all(xs_ND[:n_send], out_splits, in_splits, group)
-    # 3. source-major -> expert-major (stable: keeps each source's rows in order)
-    # output_size: the received row count is already on the host, so repeat_interleave need not sync again.
+    # 3. source-major -> expert-major (stable: keeps each source's rows in order) output_size: the
+    #    received row count is already on the host, so repeat_interleave need not sync again.
     local_ids = (
         torch.arange(L, device=xs_ND.device)
         .repeat(P)
         .repeat_interleave(recv_PL.flatten(), output_size=x_recv.shape[0])
     )
     order = stable_order(local_ids, L)
-    # One zero row appended to the last local expert: SwiGLU(0) = 0 and adds 0 to every gradient, but it
-    # keeps the output tied to the input and the weights when this rank receives no rows. Otherwise its
-    # backward would skip the reverse all-to-all (and FSDP's gradient reduction) that its peers wait on.
+    # One zero row appended to the last local expert: SwiGLU(0) = 0 and adds 0 to every gradient,
+    # but it keeps the output tied to the input and the weights when this rank receives no rows.
+    # Otherwise its backward would skip the reverse all-to-all (and FSDP's gradient reduction) that
+    # its peers wait on.
     counts_L = recv_PL.sum(0)
     counts_L[-1] += 1
     y_local = experts(torch.cat([x_recv[order], x_recv.new_zeros(1, x_recv.shape[1])]), counts_L)[
         :-1
     ]
-    y_recv = torch.empty_like(y_local).index_copy(
-        0, order, y_local
-    )  # y_recv[order[i]] = y_local[i]
+    # y_recv[order[i]] = y_local[i]
+    y_recv = torch.empty_like(y_local).index_copy(0, order, y_local)
     # 4. outputs back to the ranks that own the tokens
     y = all_to_all(y_recv, in_splits, out_splits, group)
     if n_send == xs_ND.shape[0]:
@@ -100,10 +101,10 @@ def ep_dispatch(
     routed_E: Optional[torch.Tensor] = None,
     plan=None,
 ):
-    """``MoE.forward``'s dispatch stage under ``moe.ep_group``. A group of one rank holds every expert,
-    so it takes the local path unchanged (EP degree 1 costs nothing); otherwise ``all_to_all_dispatch``.
-    ``plan``: the DispatchPlan of ``indices_TK`` if already built (MoE's routing stage builds it).
-    Returns ``y [T, D]``."""
+    """``MoE.forward``'s dispatch stage under ``moe.ep_group``. A group of one rank holds every
+    expert, so it takes the local path unchanged (EP degree 1 costs nothing); otherwise
+    ``all_to_all_dispatch``. ``plan``: the DispatchPlan of ``indices_TK`` if already built (MoE's
+    routing stage builds it). Returns ``y [T, D]``."""
     if dist.get_world_size(moe.ep_group) == 1:
         return moe._dispatch_local(x_TD, indices_TK, weights_TK, routed_E, plan=plan)
     return all_to_all_dispatch(moe, x_TD, indices_TK, weights_TK, routed_E, plan)

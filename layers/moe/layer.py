@@ -1,20 +1,21 @@
-"""Routed mixture-of-experts FFN: ``MoE(dim, hidden_dim, num_experts, top_k, *, cfg=None, **MoEConfig fields)``,
-``forward(x[..., D]) -> [..., D]``.
+"""Routed mixture-of-experts FFN: ``MoE(dim, hidden_dim, num_experts, top_k, *, cfg=None,
+**MoEConfig fields)``, ``forward(x[..., D]) -> [..., D]``.
 
-Follows Mixtral (softmax top-k, renormalised; the default), Shazeer et al. 2017 (noisy top-k gating),
-DeepSeek-V3 (sigmoid scores, aux-loss-free bias balancing), Switch (top-1, capacity factor), and
-DeepSeekMoE / Qwen2-MoE (always-on shared experts, optional sigmoid shared gate). Semantics of each
-router are in layers.moe.router; DESIGN.md has the contract.
+Follows Mixtral (softmax top-k, renormalised; the default), Shazeer et al. 2017 (noisy top-k
+gating), DeepSeek-V3 (sigmoid scores, aux-loss-free bias balancing), Switch (top-1, capacity
+factor), and DeepSeekMoE / Qwen2-MoE (always-on shared experts, optional sigmoid shared gate).
+Semantics of each router are in layers.moe.router; DESIGN.md has the contract.
 
 Forward, in three separable stages (expert parallelism replaces only the middle one):
-1. route: router logits in float32 -> ``indices [T, K]``, ``weights [T, K]``; losses and stats recorded,
-   dispatch plan built (``make_plan``: assignments sorted by expert). Everything after the router GEMM
-   is one pure function, ``layers.moe.routing_stage.routing_stage``, torch.compile'd on CUDA with the grouped
-   backend (``cfg.compile_routing``): eager it is ~90 launch-bound small kernels forward + backward.
-2. dispatch: ``_dispatch_local`` (or ``layers.moe.expert_parallel.ep_dispatch`` with an ``ep_group``) permutes tokens,
-   runs ``self.experts(xs[N, D], counts[E])`` and combines with the weights -> ``y [T, D]``. Grouped
-   backend without EP: the weights are folded into the experts' SwiGLU per sorted row
-   (``cfg.fold_weights``) and the combine is an unweighted sum.
+1. route: router logits in float32 -> ``indices [T, K]``, ``weights [T, K]``; losses and stats
+   recorded, dispatch plan built (``make_plan``: assignments sorted by expert). Everything after the
+   router GEMM is one pure function, ``layers.moe.routing_stage.routing_stage``, torch.compile'd on
+   CUDA with the grouped backend (``cfg.compile_routing``): eager it is ~90 launch-bound small
+   kernels forward + backward.
+2. dispatch: ``_dispatch_local`` (or ``layers.moe.expert_parallel.ep_dispatch`` with an
+   ``ep_group``) permutes tokens, runs ``self.experts(xs[N, D], counts[E])`` and combines with the
+   weights -> ``y [T, D]``. Grouped backend without EP: the weights are folded into the experts'
+   SwiGLU per sorted row (``cfg.fold_weights``) and the combine is an unweighted sum.
 3. shared experts are added (gated by ``sigmoid(shared_gate(x))`` when ``shared_gate``).
 
 Parameters (HF layout, names fixed for zoo.hf): ``gate.weight [E, D]``; ``noise.weight [E, D]``
@@ -69,7 +70,8 @@ def layer_config(cls, cfg, positional: dict, overrides: dict, owner: str):
 
 
 def resolve_backend(name: str, device_type: str) -> str:
-    """``auto`` -> ``grouped`` on CUDA, ``reference`` elsewhere (modules call it once and keep the answer)."""
+    """``auto`` -> ``grouped`` on CUDA, ``reference`` elsewhere (modules call it once and keep the
+    answer)."""
     if name == "auto":
         return "grouped" if device_type == "cuda" else "reference"
     if name in ("grouped", "megablocks") and device_type != "cuda" or name == "torch":
@@ -80,16 +82,18 @@ def resolve_backend(name: str, device_type: str) -> str:
 
 
 class ExpertsModule(AuxLossModule):
-    """Base of the layers that run a ``GroupedExperts`` (MoE, NeuronRoutedFFN): their backend follows the
-    device of their weights. It is resolved at the end of ``__init__`` and again whenever the weights move
-    (``_apply``: ``.to``, ``.cuda``, ``to_empty``); weights on the meta device leave it to the first forward.
-    Resolved only at the first forward, it was a module mutation that a compiled block's guards read
-    (``self._backend is None``), so every MoE model's first MoE block was traced twice."""
+    """Base of the layers that run a ``GroupedExperts`` (MoE, NeuronRoutedFFN): their backend
+    follows the device of their weights. It is resolved at the end of ``__init__`` and again
+    whenever the weights move (``_apply``: ``.to``, ``.cuda``, ``to_empty``); weights on the meta
+    device leave it to the first forward. Resolved only at the first forward, it was a module
+    mutation that a compiled block's guards read (``self._backend is None``), so every MoE model's
+    first MoE block was traced twice."""
 
     _backend: Optional[str] = None
 
     def backend(self, device: torch.device) -> str:
-        """``self.cfg.backend`` resolved for ``device`` and kept, ``self.experts`` pointed at its path."""
+        """``self.cfg.backend`` resolved for ``device`` and kept, ``self.experts`` pointed at its
+        path."""
         if self._backend is None:
             self._backend = resolve_backend(self.cfg.backend, device.type)
             self.experts.backend = "grouped" if self._backend == "grouped" else "loop"
@@ -108,17 +112,18 @@ class ExpertsModule(AuxLossModule):
 
 
 class MoE(ExpertsModule):
-    """Top-k routed SwiGLU experts. Options are MoEConfig's fields, declared (with their defaults) there
-    only: ``MoE(dim, hidden_dim, num_experts, top_k, **fields)`` or ``MoE(dim, cfg=MoEConfig(...), **fields)``;
-    positional arguments and keywords override ``cfg``. The layer keeps its own copy (``self.cfg``), so
-    the speed switches (``compile_routing``, ``fold_weights``, ``group_align``, ``low_precision_router``,
-    ``fuse_permute``) and ``precision`` can be flipped on one instance: they are read at each forward.
-    ``precision="fp8"`` raises ConfigError (a ValueError) when built off the meta device on a machine
-    without a Hopper / Blackwell GPU, and ValueError when run on CPU tensors.
+    """Top-k routed SwiGLU experts. Options are MoEConfig's fields, declared (with their defaults)
+    there only: ``MoE(dim, hidden_dim, num_experts, top_k, **fields)`` or ``MoE(dim,
+    cfg=MoEConfig(...), **fields)``; positional arguments and keywords override ``cfg``. The layer
+    keeps its own copy (``self.cfg``), so the speed switches (``compile_routing``, ``fold_weights``,
+    ``group_align``, ``low_precision_router``, ``fuse_permute``) and ``precision`` can be flipped on
+    one instance: they are read at each forward. ``precision="fp8"`` raises ConfigError (a
+    ValueError) when built off the meta device on a machine without a Hopper / Blackwell GPU, and
+    ValueError when run on CPU tensors.
     """
 
-    # children read with autocast off (routing in float32): their weights stay float32 when a trainer holds
-    # the other matmul weights in bf16 (training.optim.autocast_weights)
+    # children read with autocast off (routing in float32): their weights stay float32 when a
+    # trainer holds the other matmul weights in bf16 (training.optim.autocast_weights)
     float32_children = ("gate", "noise")
 
     def __init__(
@@ -134,8 +139,8 @@ class MoE(ExpertsModule):
         key: str = "moe",
         **overrides,
     ):
-        """``cfg`` (a MoEConfig) plus keyword overrides of its fields; ``act``: the experts' gate activation
-        (the model's ``ffn_act``: silu, gelu, gelu_tanh, relu2)."""
+        """``cfg`` (a MoEConfig) plus keyword overrides of its fields; ``act``: the experts' gate
+        activation (the model's ``ffn_act``: silu, gelu, gelu_tanh, relu2)."""
         super().__init__()
         if not (isinstance(dim, int) and dim > 0):
             raise ConfigError(f"{key}.dim", f"must be > 0, got {dim}")
@@ -174,10 +179,12 @@ class MoE(ExpertsModule):
             top_k,
         )
         self.ep_group = ep_group
-        # Data-parallel group for the global balance loss; set by training.parallel (None = this rank only).
+        # Data-parallel group for the global balance loss; set by training.parallel (None = this
+        # rank only).
         self.balance_group = None
-        # The mesh (ep ranks x expert-FSDP ranks) the checkpoint's global [E, ...] expert views live on;
-        # set by training.parallel under expert parallelism (None: the experts are stored as they are).
+        # The mesh (ep ranks x expert-FSDP ranks) the checkpoint's global [E, ...] expert views live
+        # on; set by training.parallel under expert parallelism (None: the experts are stored as
+        # they are).
         self.ep_checkpoint_mesh = None
         self.num_local_experts = local_expert_count(
             num_experts, 1 if ep_group is None else ep_group.size(), key
@@ -196,9 +203,8 @@ class MoE(ExpertsModule):
         self.experts = GroupedExperts(self.num_local_experts, dim, hidden_dim, gate_act=act)
         cfg.check_precision_shapes(dim, hidden_dim, act, key)
         if not self.experts.w1.is_meta:
-            cfg.check_runtime(
-                "cuda", key
-            )  # fp8 on a machine that cannot run it; a meta build (a plan) may
+            # fp8 on a machine that cannot run it; a meta build (a plan) may
+            cfg.check_runtime("cuda", key)
         if shared_experts > 0:
             self.shared = SwiGLU(dim, cfg.shared_hidden_dim or hidden_dim * shared_experts, act)
             if cfg.shared_gate:
@@ -209,7 +215,7 @@ class MoE(ExpertsModule):
         self.init_weights()
         self._resolve_backend()
 
-    # -- init -------------------------------------------------------------------------------------------
+    # -- init --------------------------------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, out_std: float = 0.02) -> None:
         """Normal(std) for router and input projections, Normal(out_std) for the down projections.
@@ -230,17 +236,18 @@ class MoE(ExpertsModule):
                 nn.init.normal_(self.shared_gate.weight, std=std)
 
     def _apply(self, fn, recurse=True):
-        # The balancing bias stays float32 under model-wide casts: updates of ~1e-3 on values ~1 vanish
-        # in bfloat16 (8 bits of mantissa).
+        # The balancing bias stays float32 under model-wide casts: updates of ~1e-3 on values ~1
+        # vanish in bfloat16 (8 bits of mantissa).
         super()._apply(fn, recurse)
         b = self._buffers.get("expert_bias")
         if b is not None and b.is_floating_point() and b.dtype != torch.float32:
             self._buffers["expert_bias"] = b.float()
         return self
 
-    # -- routing ----------------------------------------------------------------------------------------
+    # -- routing -----------------------------------------------------------------------------------
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, D] -> float32 logits [T, E] (noisy in training for noisy_topk). Autocast off: routing in fp32."""
+        """x [T, D] -> float32 logits [T, E] (noisy in training for noisy_topk). Autocast off:
+        routing in fp32."""
         with torch.autocast(x.device.type, enabled=False):
             logits = router_matmul(x, self.gate.weight, self.cfg.low_precision_router)
             if hasattr(self, "noise") and self.training:
@@ -272,7 +279,7 @@ class MoE(ExpertsModule):
         cf = self.cfg.capacity_factor
         return None if cf is None else math.ceil(cf * num_tokens * self.top_k / self.num_experts)
 
-    # -- dispatch ---------------------------------------------------------------------------------------
+    # -- dispatch ----------------------------------------------------------------------------------
     def _align(self, x: torch.Tensor) -> int:
         return self.cfg.group_align if self.backend(x.device) == "grouped" and x.is_cuda else 1
 
@@ -289,9 +296,10 @@ class MoE(ExpertsModule):
         """All experts on this rank: x [T, D] -> y [T, D].
 
         ``run_experts(xs[N, D], group_sizes[E]) -> [N, D]`` replaces ``self.experts`` on the sorted
-        buffer (expert parallelism: layers.moe.expert_parallel sends the rows to the ranks owning the experts).
-        ``plan``: the dispatch plan of ``indices`` when the routing stage already built it.
-        ``row_weights``: ``weights`` in the plan's row order, folded into the experts (run_plan).
+        buffer (expert parallelism: layers.moe.expert_parallel sends the rows to the ranks owning
+        the experts). ``plan``: the dispatch plan of ``indices`` when the routing stage already
+        built it. ``row_weights``: ``weights`` in the plan's row order, folded into the experts
+        (run_plan).
         """
         fast = self.backend(x.device) == "grouped"
         if plan is None:
@@ -307,9 +315,8 @@ class MoE(ExpertsModule):
             self.experts.precision = self.cfg.precision
         shape = x.shape
         x2 = x.reshape(-1, self.dim)
-        xr, x2 = routing_inputs(
-            x2, self.cfg.low_precision_router
-        )  # the router's input, the experts' (autocast copy)
+        # the router's input, the experts' (autocast copy)
+        xr, x2 = routing_inputs(x2, self.cfg.low_precision_router)
         r, plan = self._route_and_record(xr)
         if self.ep_group is not None:
             from .expert_parallel import ep_dispatch
@@ -330,10 +337,10 @@ class MoE(ExpertsModule):
             y = y + s
         return y.reshape(shape)
 
-    # -- losses, stats, bias balancing ------------------------------------------------------------------
+    # -- losses, stats, bias balancing -------------------------------------------------------------
     def _route_and_record(self, x: torch.Tensor):
-        """x [T, D] -> (Routed, DispatchPlan or None): the routing stage (layers.moe.routing_stage; compiled on
-        CUDA for the grouped backend) with losses and stats recorded on the module."""
+        """x [T, D] -> (Routed, DispatchPlan or None): the routing stage (layers.moe.routing_stage;
+        compiled on CUDA for the grouped backend) with losses and stats recorded on the module."""
         c = self.cfg
         T = x.shape[0]
         group = self.balance_group if c.global_balance else None
@@ -378,10 +385,11 @@ class MoE(ExpertsModule):
 
     @torch.no_grad()
     def update_bias(self, group=None, applied: Optional[torch.Tensor] = None) -> None:
-        """DeepSeek-V3 aux-loss-free balancing: ``bias += rate * sign(mean_load - load)`` over the load
-        accumulated since the last call, then reset. Call after ``optimizer.step()`` (``moe_update_bias``);
-        pass the data/expert-parallel group so every rank applies the same update. ``applied``: a 0-dim
-        float tensor, 1 or 0, multiplying the update (0: a skipped step, whose load is only dropped).
+        """DeepSeek-V3 aux-loss-free balancing: ``bias += rate * sign(mean_load - load)`` over the
+        load accumulated since the last call, then reset. Call after ``optimizer.step()``
+        (``moe_update_bias``); pass the data/expert-parallel group so every rank applies the same
+        update. ``applied``: a 0-dim float tensor, 1 or 0, multiplying the update (0: a skipped
+        step, whose load is only dropped).
         """
         if self.cfg.bias_update_rate <= 0:
             return
@@ -399,13 +407,14 @@ def moe_modules(model: nn.Module) -> list[MoE]:
 
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor:
-    """Sum of ``aux_loss`` over every MoE module of ``model`` from its last forward (0 when none)."""
+    """Sum of ``aux_loss`` over every MoE module of ``model`` from its last forward (0 when
+    none)."""
     return sum_aux_losses(moe_modules(model))
 
 
 def moe_update_bias(model: nn.Module, group=None, applied: Optional[torch.Tensor] = None) -> None:
-    """Apply the aux-loss-free bias update of every MoE module (after ``optimizer.step()``; ``applied``:
-    ``MoE.update_bias``)."""
+    """Apply the aux-loss-free bias update of every MoE module (after ``optimizer.step()``;
+    ``applied``: ``MoE.update_bias``)."""
     for m in moe_modules(model):
         m.update_bias(group, applied)
 

@@ -2,11 +2,11 @@
 
 The dMoE is built once per MoE module and called through ``torch.func.functional_call`` with the
 MoE's own tensors, so both backends share one set of weights and gradients reach ``gate`` and
-``experts.w*``. megablocks routes by itself (softmax in the activation dtype, top-k, p=1 renormalised:
-the Mixtral router), so only that configuration maps onto it. Weight mapping (research/moe.md §3.3):
-``router.layer.weight = gate.weight``, ``experts.mlp.w1 = w1.reshape(E*H, D)``,
-``experts.mlp.v1 = w3.reshape(E*H, D)``, ``experts.mlp.w2 = w2.transpose(1, 2).reshape(E*H, D)``.
-CUDA + bfloat16 only (grouped_gemm); imported only when this backend is chosen.
+``experts.w*``. megablocks routes by itself (softmax in the activation dtype, top-k, p=1
+renormalised: the Mixtral router), so only that configuration maps onto it. Weight mapping
+(research/moe.md §3.3): ``router.layer.weight = gate.weight``, ``experts.mlp.w1 = w1.reshape(E*H,
+D)``, ``experts.mlp.v1 = w3.reshape(E*H, D)``, ``experts.mlp.w2 = w2.transpose(1, 2).reshape(E*H,
+D)``. CUDA + bfloat16 only (grouped_gemm); imported only when this backend is chosen.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def build_dmoe(dim: int, hidden_dim: int, num_experts: int, top_k: int, device) 
 
 
 def megablocks_params(moe) -> dict:
-    """The MoE's tensors under megablocks' parameter names (views/reshapes keep the autograd link)."""
+    """The MoE's tensors under megablocks' parameter names (views/reshapes keep the autograd
+    link)."""
     E, H, D = moe.experts.w1.shape
     return {
         "router.layer.weight": moe.gate.weight,

@@ -1,4 +1,5 @@
-"""Top-k token-choice routing for layers.MoE: expert selection, combine weights and balancing losses.
+"""Top-k token-choice routing for layers.MoE: expert selection, combine weights and balancing
+losses.
 
 Pure functions of the router logits, so the MoE module, expert-parallel dispatch and tests share one
 definition. Legend: T tokens, E experts, K experts per token.
@@ -6,21 +7,23 @@ definition. Legend: T tokens, E experts, K experts per token.
 Routers (``router=``):
 - ``softmax`` (Mixtral, default): top-k over the logits, weights = softmax over the k chosen. With
   ``softmax_before_topk`` the softmax is taken over all E first and the k chosen probabilities are
-  renormalised (same weights in exact arithmetic; it is what HF computes). ``norm_topk=False`` keeps the
-  chosen experts' full-softmax probabilities unnormalised (Qwen2-MoE / DeepSeekMoE ``norm_topk_prob=False``);
-  a top-k-then-softmax is normalised by construction, so ``norm_topk=False`` implies softmax first.
-- ``noisy_topk`` (Shazeer et al. 2017): the same on ``x W_g^T + eps * softplus(x W_n^T)``, eps ~ N(0, 1)
-  in training only (the noise is added by the module; this file sees the noisy logits).
-- ``sigmoid`` (DeepSeek-V3): scores = sigmoid(logits); weights = the chosen scores, divided by their sum
-  when ``norm_topk``. Balance-loss probabilities are the scores normalised over E.
+  renormalised (same weights in exact arithmetic; it is what HF computes). ``norm_topk=False`` keeps
+  the chosen experts' full-softmax probabilities unnormalised (Qwen2-MoE / DeepSeekMoE
+  ``norm_topk_prob=False``); a top-k-then-softmax is normalised by construction, so
+  ``norm_topk=False`` implies softmax first.
+- ``noisy_topk`` (Shazeer et al. 2017): the same on ``x W_g^T + eps * softplus(x W_n^T)``, eps ~
+  N(0, 1) in training only (the noise is added by the module; this file sees the noisy logits).
+- ``sigmoid`` (DeepSeek-V3): scores = sigmoid(logits); weights = the chosen scores, divided by their
+  sum when ``norm_topk``. Balance-loss probabilities are the scores normalised over E.
 - ``switch`` (Fedus et al. 2021): top-1, weight = the chosen expert's softmax probability, never
   renormalised (renormalising would make it 1 and cut the router off from the task gradient).
 
-The DeepSeek-V3 ``bias`` [E] is added to the ranking quantity for selection only; weights never see it.
-Group-limited selection (DeepSeek-V2/V3, ``n_group > 1``): the E experts form ``n_group`` groups of
-consecutive experts, each token first keeps its ``topk_group`` best groups (V3, sigmoid: a group scores the
-sum of its two best biased scores; V2, softmax: its best probability) and picks its top-k inside them.
-``routed_scaling_factor`` multiplies the final weights (DeepSeek-V3: 2.5), after any renormalisation.
+The DeepSeek-V3 ``bias`` [E] is added to the ranking quantity for selection only; weights never see
+it. Group-limited selection (DeepSeek-V2/V3, ``n_group > 1``): the E experts form ``n_group`` groups
+of consecutive experts, each token first keeps its ``topk_group`` best groups (V3, sigmoid: a group
+scores the sum of its two best biased scores; V2, softmax: its best probability) and picks its top-k
+inside them. ``routed_scaling_factor`` multiplies the final weights (DeepSeek-V3: 2.5), after any
+renormalisation.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import torch.nn.functional as F
 
 
 def group_limited(sel: torch.Tensor, n_group: int, topk_group: int, pair_sum: bool) -> torch.Tensor:
-    """sel [T, E] -> sel with every expert outside the token's ``topk_group`` best groups set to -inf."""
+    """sel [T, E] -> sel with every expert outside the token's ``topk_group`` best groups set to
+    -inf."""
     T, E = sel.shape
     grouped = sel.view(T, n_group, E // n_group)
     score = grouped.topk(2, dim=-1).values.sum(-1) if pair_sum else grouped.amax(-1)  # [T, n_group]
@@ -53,7 +57,8 @@ def route(
     topk_group: int = 1,
     routed_scaling_factor: float = 1.0,
 ):
-    """logits [T, E] float32 -> (indices [T, K] int64, weights [T, K] float32, probs [T, E] float32).
+    """logits [T, E] float32 -> (indices [T, K] int64, weights [T, K] float32, probs [T, E]
+    float32).
 
     ``probs`` are the per-token expert probabilities the balance loss and entropy use.
     """
@@ -82,12 +87,14 @@ def route(
 
 
 def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """scores [T, E] -> int64 [T, k], the k largest per row, largest first: ``scores.topk(k).indices``.
+    """scores [T, E] -> int64 [T, k], the k largest per row, largest first:
+    ``scores.topk(k).indices``.
 
-    Compiled, k <= 2 is k argmax passes (the second over the scores with the first choice masked), which
-    inductor fuses with the softmax around them; torch.topk is an ATen fallback there (CUDA's gatherTopK,
-    ~47 us a layer at the D 512 MoE's 32k tokens x 8 experts on an H100, BENCHMARKS.md). Same indices
-    unless two scores tie (argmax takes the lower expert id; topk's tie order is unspecified)."""
+    Compiled, k <= 2 is k argmax passes (the second over the scores with the first choice masked),
+    which inductor fuses with the softmax around them; torch.topk is an ATen fallback there (CUDA's
+    gatherTopK, ~47 us a layer at the D 512 MoE's 32k tokens x 8 experts on an H100, BENCHMARKS.md).
+    Same indices unless two scores tie (argmax takes the lower expert id; topk's tie order is
+    unspecified)."""
     if k > 2 or not torch.compiler.is_compiling():
         return scores.topk(k, dim=-1).indices
     first = scores.argmax(-1, keepdim=True)
@@ -100,12 +107,13 @@ def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 def tokens_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     """indices [T, K] -> int64 [E] assignment counts (no host sync, unlike bincount on CUDA).
 
-    Eager: a scatter_add of ones. Under torch.compile: a compare-and-sum over the [T*K, E] one-hot, which
-    inductor generates as one reduction kernel without materialising it. The compiled scatter_add it
-    replaces was an atomic add of T*K ones into E counters, contended at few experts: 17 us a layer at
-    E = 8, T*K = 65536 on an H100 (the dim-512 MoE's profile), for a result of 8 integers; the reduction
-    took 5.2 us there. It compares each id E times (from cache): at hundreds of experts, where the
-    scatter's atomics contend less, which is faster is not measured. Same integers.
+    Eager: a scatter_add of ones. Under torch.compile: a compare-and-sum over the [T*K, E] one-hot,
+    which inductor generates as one reduction kernel without materialising it. The compiled
+    scatter_add it replaces was an atomic add of T*K ones into E counters, contended at few experts:
+    17 us a layer at E = 8, T*K = 65536 on an H100 (the dim-512 MoE's profile), for a result of 8
+    integers; the reduction took 5.2 us there. It compares each id E times (from cache): at hundreds
+    of experts, where the scatter's atomics contend less, which is faster is not measured. Same
+    integers.
     """
     flat = indices.reshape(-1)
     if torch.compiler.is_compiling():
@@ -123,11 +131,12 @@ def sort_key_dtype(num_ids: int) -> torch.dtype:
 
 
 def stable_order(ids: torch.Tensor, num_ids: int) -> torch.Tensor:
-    """``torch.argsort(ids, stable=True)`` for integer ``ids`` in ``0 .. num_ids - 1`` (the same permutation).
+    """``torch.argsort(ids, stable=True)`` for integer ``ids`` in ``0 .. num_ids - 1`` (the same
+    permutation).
 
-    The keys are sorted in the narrowest dtype that holds them: CUDA's radix sort makes one pass per key
-    byte, so int64 expert ids cost a histogram + 8 passes (9 kernels) where uint8 ones cost 2; a stable
-    sort's result depends only on the keys' order, which the cast keeps.
+    The keys are sorted in the narrowest dtype that holds them: CUDA's radix sort makes one pass per
+    key byte, so int64 expert ids cost a histogram + 8 passes (9 kernels) where uint8 ones cost 2; a
+    stable sort's result depends only on the keys' order, which the cast keeps.
     """
     return torch.argsort(ids.to(sort_key_dtype(num_ids)), stable=True)
 
@@ -135,14 +144,15 @@ def stable_order(ids: torch.Tensor, num_ids: int) -> torch.Tensor:
 def balance_loss_of_mean(
     p: torch.Tensor, counts: torch.Tensor, num_tokens: int, top_k: int, group=None
 ) -> torch.Tensor:
-    """Switch balance loss ``E * sum_e f_e * P_e`` with f_e = counts_e / (T * K) and P = ``p`` [E], the mean
-    routing probabilities ``probs.mean(0)`` over the T = ``num_tokens`` tokens.
+    """Switch balance loss ``E * sum_e f_e * P_e`` with f_e = counts_e / (T * K) and P = ``p`` [E],
+    the mean routing probabilities ``probs.mean(0)`` over the T = ``num_tokens`` tokens.
 
-    Normalised as in megablocks / Megatron (1.0 when perfectly balanced); HF's value is K times this.
-    ``group``: a data-parallel process group over which f and P are taken on the *global* batch
-    (Megatron's "global" aux loss), so the loss and its gradient equal one process seeing every rank's
-    tokens. P is all-reduced with autograd (its backward sums the ranks' gradients), which together
-    with the data-parallel gradient average gives exactly the single-process router gradient.
+    Normalised as in megablocks / Megatron (1.0 when perfectly balanced); HF's value is K times
+    this. ``group``: a data-parallel process group over which f and P are taken on the *global*
+    batch (Megatron's "global" aux loss), so the loss and its gradient equal one process seeing
+    every rank's tokens. P is all-reduced with autograd (its backward sums the ranks' gradients),
+    which together with the data-parallel gradient average gives exactly the single-process router
+    gradient.
     """
     E, T = p.shape[0], num_tokens
     if group is not None and torch.distributed.get_world_size(group) > 1:

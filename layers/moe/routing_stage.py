@@ -1,14 +1,16 @@
-"""The routing stage of layers.MoE as one pure function, compiled on CUDA to cut its kernel launches.
+"""The routing stage of layers.MoE as one pure function, compiled on CUDA to cut its kernel
+launches.
 
 ``routing_stage(logits[T, E], bias[E] | None, spec)`` runs, after the router GEMM: selection and
 combine weights (layers.moe.router.route), the balance and z losses, the logged stats (tokens per
-expert, dropped fraction, entropy), the dispatch plan (layers.moe.experts.make_plan) and optionally the
-combine weights scattered to the plan's rows (folded into the experts' SwiGLU). Eager, that is
+expert, dropped fraction, entropy), the dispatch plan (layers.moe.experts.make_plan) and optionally
+the combine weights scattered to the plan's rows (folded into the experts' SwiGLU). Eager, that is
 ~60 small kernels at the start of every MoE forward (plus their backward), and the CPU launches them
 more slowly than the GPU runs them (BENCHMARKS.md, MoE layer: 2.4 ms of GPU idle per Mixtral step).
 ``routing_fn(device, backend, spec)`` returns ``torch.compile(routing_stage, fullgraph=True)`` for
-CUDA (made lazily, once per process, backend and spec), which fuses the elementwise and reduction chains into a
-few kernels; elsewhere, or inside an outer ``torch.compile``, the eager function (one definition).
+CUDA (made lazily, once per process, backend and spec), which fuses the elementwise and reduction
+chains into a few kernels; elsewhere, or inside an outer ``torch.compile``, the eager function (one
+definition).
 
 Everything random (noisy gating) and every collective (the global balance loss over a data-parallel
 group) stays outside: the caller computes the logits and, for ``spec.local_balance=False``, finishes
@@ -107,10 +109,10 @@ def routing_stage(logits: torch.Tensor, bias: Optional[torch.Tensor], spec: Rout
 
 @functools.cache
 def compiled_routing_stage(backend: str, spec: RoutingSpec):
-    """``routing_stage`` compiled for one spec. Each spec gets its own copy of the code object: dynamo
-    counts recompilations per code object (8, then a hard error under fullgraph), and every MoE
-    configuration is a different graph. dynamic=None: static shapes first, one dynamic recompile if the
-    token count changes."""
+    """``routing_stage`` compiled for one spec. Each spec gets its own copy of the code object:
+    dynamo counts recompilations per code object (8, then a hard error under fullgraph), and every
+    MoE configuration is a different graph. dynamic=None: static shapes first, one dynamic recompile
+    if the token count changes."""
     fn = types.FunctionType(
         routing_stage.__code__.replace(), routing_stage.__globals__, "routing_stage"
     )
@@ -118,10 +120,11 @@ def compiled_routing_stage(backend: str, spec: RoutingSpec):
 
 
 def routing_fn(device: torch.device, backend: Optional[str], spec: RoutingSpec):
-    """The routing stage to call for ``spec``: compiled with ``backend`` ("inductor") on CUDA, else eager.
+    """The routing stage to call for ``spec``: compiled with ``backend`` ("inductor") on CUDA, else
+    eager.
 
-    ``backend=None`` turns compilation off (``MoEConfig.compile_routing``). Inside an outer torch.compile the
-    eager function is returned so the outer graph traces it.
+    ``backend=None`` turns compilation off (``MoEConfig.compile_routing``). Inside an outer
+    torch.compile the eager function is returned so the outer graph traces it.
     """
     if backend is None or device.type != "cuda" or torch.compiler.is_compiling():
         return routing_stage

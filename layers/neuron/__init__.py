@@ -1,6 +1,8 @@
-"""Neuron-level expert routing for FFNs: hidden units clustered into groups, each token computes its top-k.
+"""Neuron-level expert routing for FFNs: hidden units clustered into groups, each token computes its
+top-k.
 
-- ``ffn``: ``NeuronRoutedFFN``; ``NeuronSchedule`` (the layers' schedule as one sparsity method for the trainer).
+- ``ffn``: ``NeuronRoutedFFN``; ``NeuronSchedule`` (the layers' schedule as one sparsity method for
+  the trainer).
 - ``cluster``: balanced k-means of the FFN's rows into groups.
 - ``schedule``: dense warm-up, sparse/dense alternation, dense finish.
 """

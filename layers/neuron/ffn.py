@@ -2,36 +2,38 @@
 ``NeuronRoutedFFN(dim, hidden_dim, num_groups, top_k_groups, *, cfg=None, **NeuronConfig fields)``,
 ``forward(x[..., D]) -> [..., D]``.
 
-Follows MoEfication (Zhang et al. 2022: balanced k-means on W1 rows splits a dense FFN into expert groups,
-a router predicts which groups fire), Deja Vu (Liu et al. 2023: a cheap predictor of contextual
-sparsity, judged by recall) and the neuron-router layer of arXiv 2602.06183 (sparse steps during
-pre-training, dense at the end). Legend: T tokens, D model dim, H hidden units, G groups,
-Hg = H / G units per group, K groups per token.
+Follows MoEfication (Zhang et al. 2022: balanced k-means on W1 rows splits a dense FFN into expert
+groups, a router predicts which groups fire), Deja Vu (Liu et al. 2023: a cheap predictor of
+contextual sparsity, judged by recall) and the neuron-router layer of arXiv 2602.06183 (sparse steps
+during pre-training, dense at the end). Legend: T tokens, D model dim, H hidden units, G groups, Hg
+= H / G units per group, K groups per token.
 
-The H hidden units are stored grouped: group g is a small expert with rows ``g*Hg .. (g+1)*Hg - 1`` of
-the dense FFN after a permutation, held in the MoE layout so the MoE machinery runs it unchanged:
-``experts.w1 [G, Hg, D]`` (gate), ``experts.w3 [G, Hg, D]`` (up; SwiGLU only), ``experts.w2 [G, D, Hg]``
-(down); ``router.weight [G, D]``; buffer ``neuron_index [H]``, the dense index of each grouped unit.
+The H hidden units are stored grouped: group g is a small expert with rows ``g*Hg .. (g+1)*Hg - 1``
+of the dense FFN after a permutation, held in the MoE layout so the MoE machinery runs it unchanged:
+``experts.w1 [G, Hg, D]`` (gate), ``experts.w3 [G, Hg, D]`` (up; SwiGLU only), ``experts.w2 [G, D,
+Hg]`` (down); ``router.weight [G, D]``; buffer ``neuron_index [H]``, the dense index of each grouped
+unit.
 
 Two modes, switched by ``sparse`` (the training schedule sets it through ``set_step``):
 - dense: the whole FFN, ``w2 act(w1 x, w3 x)``, plus the router loss: the router's softmax over G is
-  fitted to each token's normalised per-group activation mass ``m_g = sum_{i in g} |h_i|`` (``ce``: KL to
-  the soft target; ``mse``: squared error of the shares). The router reads ``x`` detached: it is a
-  predictor of the FFN, and its loss must not reshape the residual stream.
+  fitted to each token's normalised per-group activation mass ``m_g = sum_{i in g} |h_i|`` (``ce``:
+  KL to the soft target; ``mse``: squared error of the shares). The router reads ``x`` detached: it
+  is a predictor of the FFN, and its loss must not reshape the residual stream.
 - sparse: every token computes only the K groups the router ranks highest, through the MoE dispatch
   (``make_plan`` sort, ``moe_permute``, grouped GEMM, ``moe_combine`` with unit weights; the outputs
   of the groups add up, exactly as in the dense FFN). With K == G this is the dense FFN.
 
-``recluster(optimizer)`` re-forms the groups by balanced k-means on the current weights (after a dense
-warm-up; ``recluster: true`` makes ``set_step`` do it when the warm-up ends), permuting the optimizer
-state along.
+``recluster(optimizer)`` re-forms the groups by balanced k-means on the current weights (after a
+dense warm-up; ``recluster: true`` makes ``set_step`` do it when the warm-up ends), permuting the
+optimizer state along.
 
-After each forward: ``aux_loss`` (scalar with grad; ``router_loss_coef * router loss`` in dense mode,
-zero in sparse mode), ``stats`` (detached device tensors): ``active_frac`` (share of groups a token
-computes), ``tokens_per_group [G]`` (sparse), ``router_loss``, ``recall`` (share of each token's true
-top-K groups by mass that the router also ranks top-K) and ``mass_captured`` (share of the activation
-mass in the router's top-K groups) in dense mode, where the true masses are known; the last dense
-forward's router numbers stay in ``router_stats`` through the sparse steps that follow.
+After each forward: ``aux_loss`` (scalar with grad; ``router_loss_coef * router loss`` in dense
+mode, zero in sparse mode), ``stats`` (detached device tensors): ``active_frac`` (share of groups a
+token computes), ``tokens_per_group [G]`` (sparse), ``router_loss``, ``recall`` (share of each
+token's true top-K groups by mass that the router also ranks top-K) and ``mass_captured`` (share of
+the activation mass in the router's top-K groups) in dense mode, where the true masses are known;
+the last dense forward's router numbers stay in ``router_stats`` through the sparse steps that
+follow.
 """
 
 from __future__ import annotations
@@ -54,18 +56,19 @@ from .schedule import neuron_phase, phase_bounds
 
 
 def _assign(t: torch.Tensor, value: torch.Tensor) -> None:
-    """``t[...] = value`` for a plain tensor or a DTensor (each rank keeps its shard of the same ``value``)."""
+    """``t[...] = value`` for a plain tensor or a DTensor (each rank keeps its shard of the same
+    ``value``)."""
     local_tensor(t).copy_(local_tensor(shard_like(value, t)))
 
 
 class NeuronRoutedFFN(ExpertsModule):
-    """A dense FFN whose hidden units form ``num_groups`` routed groups. Options are NeuronConfig's fields
-    (declared there only): ``NeuronRoutedFFN(dim, hidden_dim, num_groups, top_k_groups, **fields)`` or
-    ``NeuronRoutedFFN(dim, hidden_dim, cfg=NeuronConfig(...), **fields)``; arguments override ``cfg``."""
+    """A dense FFN whose hidden units form ``num_groups`` routed groups. Options are NeuronConfig's
+    fields (declared there only): ``NeuronRoutedFFN(dim, hidden_dim, num_groups, top_k_groups,
+    **fields)`` or ``NeuronRoutedFFN(dim, hidden_dim, cfg=NeuronConfig(...), **fields)``; arguments
+    override ``cfg``."""
 
-    float32_children = (
-        "router",
-    )  # read with autocast off (as MoE's router; training.optim.autocast_weights)
+    # read with autocast off (as MoE's router; training.optim.autocast_weights)
+    float32_children = ("router",)
 
     def __init__(
         self,
@@ -107,12 +110,13 @@ class NeuronRoutedFFN(ExpertsModule):
         self.init_weights()
         self._resolve_backend()
 
-    # -- construction -----------------------------------------------------------------------------------
+    # -- construction ------------------------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, out_std: float = 0.02) -> None:
         self.experts.init_weights(std, out_std)
         nn.init.normal_(self.router.weight, std=std)
-        # Fresh groups are contiguous unit ranges (from_dense re-clusters); also repairs a meta-device build.
+        # Fresh groups are contiguous unit ranges (from_dense re-clusters); also repairs a
+        # meta-device build.
         self.neuron_index.copy_(
             torch.arange(self.neuron_index.numel(), device=self.neuron_index.device)
         )
@@ -121,10 +125,12 @@ class NeuronRoutedFFN(ExpertsModule):
     def from_dense(
         cls, ffn: nn.Module, num_groups: int, top_k_groups: int, **kwargs
     ) -> NeuronRoutedFFN:
-        """Cluster a dense FFN (``w1``, ``w2`` and, for SwiGLU, ``w3`` linears, LLaMA naming) into routed groups.
+        """Cluster a dense FFN (``w1``, ``w2`` and, for SwiGLU, ``w3`` linears, LLaMA naming) into
+        routed groups.
 
         ``activation`` defaults to swiglu when ``ffn`` has ``w3``, else relu2; other keywords as the
-        constructor. The result is in sparse mode; with ``top_k_groups == num_groups`` it computes ``ffn``.
+        constructor. The result is in sparse mode; with ``top_k_groups == num_groups`` it computes
+        ``ffn``.
         """
         w1 = ffn.w1.weight
         kwargs.setdefault("activation", "swiglu" if hasattr(ffn, "w3") else "relu2")
@@ -142,7 +148,8 @@ class NeuronRoutedFFN(ExpertsModule):
         """Group dense weights w1/w3 [H, D], w2 [D, H] by balanced k-means on the W1 (and W3) rows.
 
         The router starts at each group's mean gate row, a linear predictor of the group's mean
-        pre-activation (MoEfication's similarity routing), so routing is sensible before any training.
+        pre-activation (MoEfication's similarity routing), so routing is sensible before any
+        training.
         """
         if (w3 is None) != (self.activation == "relu2"):
             raise ConfigError(
@@ -160,17 +167,20 @@ class NeuronRoutedFFN(ExpertsModule):
 
     @torch.no_grad()
     def recluster(self, optimizer: Optional[torch.optim.Optimizer] = None, seed: int = 0) -> None:
-        """Re-form the groups by balanced k-means on the current W1 (and W3) rows (SSD-style re-clustering).
+        """Re-form the groups by balanced k-means on the current W1 (and W3) rows (SSD-style
+        re-clustering).
 
-        The dense function is unchanged: the units are only permuted. Every tensor of ``optimizer``'s state
-        shaped like an expert weight is permuted alike (AdamW is elementwise, so its trajectory is unchanged);
-        the router restarts at the new groups' mean gate rows with fresh optimizer state. FSDP2-sharded
-        (DTensor) weights are gathered, and every rank computes the same clustering from the same values.
+        The dense function is unchanged: the units are only permuted. Every tensor of
+        ``optimizer``'s state shaped like an expert weight is permuted alike (AdamW is elementwise,
+        so its trajectory is unchanged); the router restarts at the new groups' mean gate rows with
+        fresh optimizer state. FSDP2-sharded (DTensor) weights are gathered, and every rank computes
+        the same clustering from the same values.
         """
         H, D, G, Hg = self.hidden_dim, self.dim, self.num_groups, self.group_dim
         gated = self.activation == "swiglu"
-        # The float32 values: an optimizer keeping float32 masters of bf16 weights (training.optim.MasterAdamW)
-        # holds them in its state, and the clustering and the router must not see the rounding.
+        # The float32 values: an optimizer keeping float32 masters of bf16 weights
+        # (training.optim.MasterAdamW) holds them in its state, and the clustering and the router
+        # must not see the rounding.
         states = {
             p: optimizer.state.get(p, {}) if optimizer is not None else {}
             for p in self.experts.parameters()
@@ -204,12 +214,12 @@ class NeuronRoutedFFN(ExpertsModule):
             self.router.weight, value(self.experts.w1).float().mean(1).to(self.router.weight.dtype)
         )
         if optimizer is not None:
-            optimizer.state.pop(
-                self.router.weight, None
-            )  # moments of the old groups mean nothing now
+            # moments of the old groups mean nothing now
+            optimizer.state.pop(self.router.weight, None)
 
     def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """(w1 [H, D], w2 [D, H], w3 [H, D] or None) in the dense FFN's original unit order (differentiable)."""
+        """(w1 [H, D], w2 [D, H], w3 [H, D] or None) in the dense FFN's original unit order
+        (differentiable)."""
         H, D = self.hidden_dim, self.dim
         inv = torch.argsort(self.neuron_index)
         w1 = self.experts.w1.reshape(H, D)[inv]
@@ -217,14 +227,15 @@ class NeuronRoutedFFN(ExpertsModule):
         w3 = self.experts.w3.reshape(H, D)[inv] if self.activation == "swiglu" else None
         return w1, w2, w3
 
-    # -- schedule ---------------------------------------------------------------------------------------
+    # -- schedule ----------------------------------------------------------------------------------
     def set_step(
         self, step: int, total_steps: int, optimizer: Optional[torch.optim.Optimizer] = None
     ) -> str:
-        """Set the mode for training step ``step`` of ``total_steps``; returns the phase (neuron_schedule).
+        """Set the mode for training step ``step`` of ``total_steps``; returns the phase
+        (neuron_schedule).
 
-        With ``recluster``, the first step after a non-empty warm-up re-clusters first (``optimizer``'s
-        state is permuted with the weights: pass it whenever there is one).
+        With ``recluster``, the first step after a non-empty warm-up re-clusters first
+        (``optimizer``'s state is permuted with the weights: pass it whenever there is one).
         """
         c = self.cfg
         phase = neuron_phase(
@@ -236,19 +247,19 @@ class NeuronRoutedFFN(ExpertsModule):
             self.recluster(optimizer)
         return phase
 
-    # -- forward ----------------------------------------------------------------------------------------
+    # -- forward -----------------------------------------------------------------------------------
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, D] -> float32 logits [T, G]; input detached (see module docstring), autocast off; bf16 / fp16
-        CUDA inputs take the GEMM with bf16 products and float32 accumulation (kernels.router_matmul)."""
+        """x [T, D] -> float32 logits [T, G]; input detached (see module docstring), autocast off;
+        bf16 / fp16 CUDA inputs take the GEMM with bf16 products and float32 accumulation
+        (kernels.router_matmul)."""
         with torch.autocast(x.device.type, enabled=False):
             return router_matmul(x.detach(), self.router.weight, self.cfg.low_precision_router)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.dim)
-        xr, x2 = routing_inputs(
-            x2, self.cfg.low_precision_router
-        )  # the groups read the autocast copy
+        # the groups read the autocast copy
+        xr, x2 = routing_inputs(x2, self.cfg.low_precision_router)
         logits = self.router_logits(xr)
         if self.sparse:
             y = self._sparse(x2, logits)
@@ -261,8 +272,8 @@ class NeuronRoutedFFN(ExpertsModule):
         w3 = self.experts.w3.reshape(H, D) if self.activation == "swiglu" else None
         h = expert_hidden(x, self.experts.w1.reshape(H, D), w3, self.activation)  # [T, H]
         y = torch.einsum("tgh,gdh->td", h.view(-1, G, Hg), self.experts.w2.to(h.dtype))
-        # per-group L1 mass [T, G] in float32 from one read of h (on CUDA the reduction takes bf16 in, float32
-        # out: no float32 copy of the [T, H] hidden state, as .float().abs().sum() made)
+        # per-group L1 mass [T, G] in float32 from one read of h (on CUDA the reduction takes bf16
+        # in, float32 out: no float32 copy of the [T, H] hidden state, as .float().abs().sum() made)
         mass = torch.linalg.vector_norm(
             h.detach().view(-1, G, Hg), ord=1, dim=-1, dtype=torch.float32
         )
@@ -273,10 +284,11 @@ class NeuronRoutedFFN(ExpertsModule):
         indices = logits.topk(self.top_k_groups, dim=-1).indices  # [T, K]
         plan = make_plan(indices, self.num_groups)
         y = run_plan(x, plan, None, self.experts, self.backend(x.device) == "grouped")
-        # Zero, but through the router: its weight then gets a (zero) gradient every step, as data-parallel
-        # wrappers that expect every parameter to take part in the backward require.
+        # Zero, but through the router: its weight then gets a (zero) gradient every step, as
+        # data-parallel wrappers that expect every parameter to take part in the backward require.
         self.aux_loss = logits.sum() * 0.0
-        # torch.full is a fill kernel; torch.tensor(float, device=cuda) would be a host copy that syncs
+        # torch.full is a fill kernel; torch.tensor(float, device=cuda) would be a host copy that
+        # syncs
         self.stats = {
             "active_frac": torch.full((), self.top_k_groups / self.num_groups, device=x.device),
             "tokens_per_group": plan.counts.float(),
@@ -284,7 +296,8 @@ class NeuronRoutedFFN(ExpertsModule):
         return y
 
     def _record_dense(self, mass: torch.Tensor, logits: torch.Tensor) -> None:
-        """mass [T, G] (per-group |activation| sums, detached), logits [T, G] -> aux_loss and stats."""
+        """mass [T, G] (per-group |activation| sums, detached), logits [T, G] -> aux_loss and
+        stats."""
         target = mass / mass.sum(-1, keepdim=True).clamp_min(1e-12)
         logp = F.log_softmax(logits, dim=-1)
         if self.cfg.router_loss == "ce":
@@ -313,17 +326,18 @@ def neuron_schedule_step(
     model: nn.Module, step: int, total_steps: int, optimizer: Optional[torch.optim.Optimizer] = None
 ) -> Optional[str]:
     """Set the mode of every NeuronRoutedFFN of ``model`` for training step ``step`` (0-based) of
-    ``total_steps``; call once per step before the forward. Returns the phase of the first such layer
-    ("warmup", "sparse", "dense" or "finish"; see layers.neuron.schedule), None when there is none.
-    Pass the ``optimizer``: layers with ``recluster`` permute its state when they re-cluster.
+    ``total_steps``; call once per step before the forward. Returns the phase of the first such
+    layer ("warmup", "sparse", "dense" or "finish"; see layers.neuron.schedule), None when there is
+    none. Pass the ``optimizer``: layers with ``recluster`` permute its state when they re-cluster.
     """
     phases = [m.set_step(step, total_steps, optimizer) for m in neuron_modules(model)]
     return phases[0] if phases else None
 
 
 def neuron_stats(model: nn.Module) -> dict:
-    """Scalars averaged over the NeuronRoutedFFN layers, as ``neuron/<name>`` (for logging): ``active_frac``
-    of the last forward; ``router_loss``, ``recall``, ``mass_captured`` of the last dense forward.
+    """Scalars averaged over the NeuronRoutedFFN layers, as ``neuron/<name>`` (for logging):
+    ``active_frac`` of the last forward; ``router_loss``, ``recall``, ``mass_captured`` of the last
+    dense forward.
     """
     out: dict = {}
     for name in ("active_frac", "router_loss", "recall", "mass_captured"):
@@ -339,8 +353,8 @@ def neuron_stats(model: nn.Module) -> dict:
 
 
 class NeuronSchedule:
-    """The NeuronRoutedFFN layers of a model as one sparsity method (layers.sparsity_method): each step's
-    phase before its forward (``neuron_schedule_step``), their stats and phase as metrics."""
+    """The NeuronRoutedFFN layers of a model as one sparsity method (layers.sparsity_method): each
+    step's phase before its forward (``neuron_schedule_step``), their stats and phase as metrics."""
 
     PHASES = ("warmup", "sparse", "dense", "finish")
 

@@ -1,6 +1,7 @@
-"""Every custom forward/backward of moezoo, one file per op: Triton kernel (where there is one) + launcher ->
-``torch.library.custom_op`` / ``autograd.Function`` -> used by a layer. Each has a pure-torch reference
-with the same signature; without triton (or on CPU tensors) the references run (kernels.launch decides).
+"""Every custom forward/backward of moezoo, one file per op: Triton kernel (where there is one) +
+launcher -> ``torch.library.custom_op`` / ``autograd.Function`` -> used by a layer. Each has a
+pure-torch reference with the same signature; without triton (or on CPU tensors) the references run
+(kernels.launch decides).
 
 | op | file | used by |
 | --- | --- | --- |

@@ -1,7 +1,7 @@
 """Reusable sparse-LLM layers. Plain nn.Modules; import any of them into your own model.
 
-One subpackage per concept: ``attention/`` (dense + sparse), ``moe/``, ``neuron/``, ``dst/``; the small
-shared blocks (``norm``, ``rope``, ``mlp``, ``aux_loss``, ``sharding``) sit beside them.
+One subpackage per concept: ``attention/`` (dense + sparse), ``moe/``, ``neuron/``, ``dst/``; the
+small shared blocks (``norm``, ``rope``, ``mlp``, ``aux_loss``, ``sharding``) sit beside them.
 """
 
 from moezoo import _checkout_path

@@ -1,5 +1,5 @@
-"""bench/neuron_ffn.py on CPU at its tiny shape: the sparse grouped path's check against the float32 loop runs
-and every eager contender is timed (the CUDA-graph contenders are CUDA-only)."""
+"""bench/neuron_ffn.py on CPU at its tiny shape: the sparse grouped path's check against the float32
+loop runs and every eager contender is timed (the CUDA-graph contenders are CUDA-only)."""
 
 import json
 import subprocess

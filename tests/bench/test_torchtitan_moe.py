@@ -1,5 +1,5 @@
-"""bench/torchtitan_moe.py on CPU at its smoke shapes, our two precision layouts only (torchtitan is a GPU-image
-dependency): both build the same model, train, and start from the same loss."""
+"""bench/torchtitan_moe.py on CPU at its smoke shapes, our two precision layouts only (torchtitan is
+a GPU-image dependency): both build the same model, train, and start from the same loss."""
 
 import json
 import math
@@ -39,12 +39,12 @@ def test_ours_and_ours_bf16_train_the_same_model(tmp_path):
     res = json.loads(out.read_text())
     a, b = res["ours"], res["ours_bf16"]
     assert a["params"] == b["params"] and len(a["losses"]) == len(b["losses"]) == 3
-    # the same init and batch: float32 (ours on CPU) and bf16 matmuls (ours_bf16) agree to bf16 rounding at step 1
+    # the same init and batch: float32 (ours on CPU) and bf16 matmuls (ours_bf16) agree to bf16
+    # rounding at step 1
     assert abs(a["losses"][0] - b["losses"][0]) < 1e-2 * a["losses"][0], (a["losses"], b["losses"])
     assert all(math.isfinite(v) for v in a["losses"] + b["losses"])
     # the last step's routing load per MoE layer: the busiest expert's rows over the mean (>= 1)
     assert len(a["expert_load_max_over_mean"]) == res["args"]["layers"]
     assert all(v >= 1.0 for v in a["expert_load_max_over_mean"])
-    assert (
-        a["batch_copy"] == b["batch_copy"] == "moezoo.kernels.launch.to_device"
-    )  # ours fed as train.py feeds it
+    # ours fed as train.py feeds it
+    assert a["batch_copy"] == b["batch_copy"] == "moezoo.kernels.launch.to_device"

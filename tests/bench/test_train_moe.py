@@ -1,5 +1,5 @@
-"""bench/train_moe.py's equal-time runs: the LR on the steady-seconds clock (TimeSchedule) and a CPU run of the
-``smoke`` suite that stops at its time budget with the LR at the cosine floor."""
+"""bench/train_moe.py's equal-time runs: the LR on the steady-seconds clock (TimeSchedule) and a CPU
+run of the ``smoke`` suite that stops at its time budget with the LR at the cosine floor."""
 
 import importlib.util
 import json
@@ -28,8 +28,8 @@ def bench():
 
 
 def lrs(sched, opt, steps, dt=None):
-    """The LR of each of ``steps`` steps and the one after them, in train_step's order; ``dt``: every step's
-    steady seconds (TimeSchedule: the bench's ``advance`` once the step is timed)."""
+    """The LR of each of ``steps`` steps and the one after them, in train_step's order; ``dt``:
+    every step's steady seconds (TimeSchedule: the bench's ``advance`` once the step is timed)."""
     out = []
     for _ in range(steps):
         out.append(opt.param_groups[0]["lr"])
@@ -42,15 +42,14 @@ def lrs(sched, opt, steps, dt=None):
 
 @pytest.mark.parametrize("warmup", [0, 1, 7])
 def test_time_schedule_at_a_constant_step_time_is_the_trainers_step_schedule(bench, warmup):
-    """Warm-up in steps, then the cosine over seconds: with every step taking dt, a budget of T * dt gives
-    build_scheduler's LR for a T-step run at every step, ending at the floor."""
+    """Warm-up in steps, then the cosine over seconds: with every step taking dt, a budget of T * dt
+    gives build_scheduler's LR for a T-step run at every step, ending at the floor."""
     cfg, T, dt = OptimConfig(lr=2e-3, warmup_steps=warmup, min_lr_ratio=0.1), 40, 0.25
     ref_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=cfg.lr)
     ref = lrs(build_scheduler(ref_opt, cfg, T), ref_opt, T)
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=cfg.lr)
-    build_scheduler(
-        opt, cfg, 10 * T
-    )  # what the trainer built for its bound of steps, then replaced
+    # what the trainer built for its bound of steps, then replaced
+    build_scheduler(opt, cfg, 10 * T)
     got = lrs(bench.TimeSchedule(opt, cfg, T * dt), opt, T, dt)
     assert got == pytest.approx(ref, rel=1e-9, abs=0)
     assert got[-1] == pytest.approx(cfg.lr * cfg.min_lr_ratio)
@@ -62,9 +61,8 @@ def test_time_schedule_follows_seconds_not_steps(bench):
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
     build_scheduler(opt, cfg, 100)
     sched = bench.TimeSchedule(opt, cfg, seconds=10.0)
-    assert lrs(sched, opt, 2, dt=1.0) == pytest.approx(
-        [0.5, 0.75, 1.0]
-    )  # warm-up by step; cosine from 2 s
+    # warm-up by step; cosine from 2 s
+    assert lrs(sched, opt, 2, dt=1.0) == pytest.approx([0.5, 0.75, 1.0])
     sched.step()
     sched.advance(0.0)  # a compile step: no time, no decay
     assert opt.param_groups[0]["lr"] == 1.0
@@ -77,8 +75,8 @@ def test_time_schedule_follows_seconds_not_steps(bench):
 
 
 def test_every_suite_run_config_loads(bench):
-    """The suites' presets plus overrides validate (e.g. the top-1 layouts on a router that trains); the
-    CUDA-graph suites only add a compile mode to these."""
+    """The suites' presets plus overrides validate (e.g. the top-1 layouts on a router that trains);
+    the CUDA-graph suites only add a compile mode to these."""
     runs = {
         (preset, tuple(o for o in ov if not o.startswith("train.compile_mode=")))
         for suite in bench.SUITES.values()
@@ -92,15 +90,15 @@ def test_every_suite_run_config_loads(bench):
 def test_smoke_suite_trains_each_model_to_the_time_budget_with_the_lr_at_the_floor(
     bench, tmp_path, corpus_dir
 ):
-    """dense and MoE train until their steady seconds reach --seconds (the step bound unused) and end at the
-    cosine floor; the neuron-routed model keeps the probe's step count (its schedule is in steps)."""
+    """dense and MoE train until their steady seconds reach --seconds (the step bound unused) and
+    end at the cosine floor; the neuron-routed model keeps the probe's step count (its schedule is
+    in steps)."""
     seconds, probe_steps = 1.5, 12
-    env = subprocess_env(
-        CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1"
-    )  # 1 thread: steady under xdist
+    # 1 thread: steady under xdist
+    env = subprocess_env(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     tok, out = tmp_path / "tok", tmp_path / "out.json"
-    # the tokens here (no process state: training.data's code, its cache under tmp_path), the runs in a child
-    # (the script points the trainer's data at the token files process-wide)
+    # the tokens here (no process state: training.data's code, its cache under tmp_path), the runs
+    # in a child (the script points the trainer's data at the token files process-wide)
     bench.prepare(str(tok), corpus_dir, 0, 2048, cache_dir=str(tmp_path / "cache"))
     r = subprocess.run(
         [
@@ -132,9 +130,8 @@ def test_smoke_suite_trains_each_model_to_the_time_budget_with_the_lr_at_the_flo
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())["smoke"]
     train_tokens = json.loads((tok / "meta.json").read_text())["tokens"]["train"]
-    for run in (
-        res.values()
-    ):  # epochs: the tokens seen over the folder's training tokens, in the table too
+    # epochs: the tokens seen over the folder's training tokens, in the table too
+    for run in res.values():
         assert run["seeds"]["0"]["epochs"] == pytest.approx(
             run["seeds"]["0"]["tokens_seen"] / train_tokens
         )
@@ -145,7 +142,8 @@ def test_smoke_suite_trains_each_model_to_the_time_budget_with_the_lr_at_the_flo
         estimate = max(probe_steps, int(seconds / probe["tail_median_s"]))
         assert run["budget_reached"] and run["budget_s"] == seconds, (name, run)
         assert run["steps"] < run["steps_bound"] == int(bench.STEP_BOUND * estimate)
-        # the last step starts before the budget and counts only if it takes at most twice the probe's step
+        # the last step starts before the budget and counts only if it takes at most twice the
+        # probe's step
         assert seconds <= run["steady_s"] < seconds + 2 * probe["tail_median_s"]
         assert run["tokens_seen"] == run["steps"] * 2 * 64
         assert run["lr_end"] == pytest.approx(floor.lr * floor.min_lr_ratio)

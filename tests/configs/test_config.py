@@ -64,7 +64,8 @@ def test_bad_values_raise_config_error_naming_the_key(override, key):
 
 
 def run_cli(*args, cwd=ROOT):
-    # A CPU test on any machine: with CUDA hidden the child neither picks the GPU nor pays its start-up.
+    # A CPU test on any machine: with CUDA hidden the child neither picks the GPU nor pays its
+    # start-up.
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "train.py"), *args],
         cwd=cwd,
@@ -219,7 +220,8 @@ def test_cli_resume_with_a_changed_model_names_the_key(tmp_path, corpus_dir):
     ],
 )
 def test_bench_scripts_report_a_bad_config_in_one_line_with_exit_2(script, args, needle, tmp_path):
-    """The bench scripts: a bad override, variant or list is one line and exit 2 before any training or GPU work."""
+    """The bench scripts: a bad override, variant or list is one line and exit 2 before any training
+    or GPU work."""
     r = subprocess.run(
         [sys.executable, os.path.join(ROOT, script), *args, "--out", str(tmp_path)],
         cwd=ROOT,

@@ -1,5 +1,5 @@
-"""Bad config files, paths and sizes: one line naming the file or key, exit 2, before the corpus is read
-or the model is built."""
+"""Bad config files, paths and sizes: one line naming the file or key, exit 2, before the corpus is
+read or the model is built."""
 
 import pytest
 
@@ -69,10 +69,11 @@ def _paths_cases(tmp):
         "out_dir_is_a_file": ({"train.out_dir": tmp / "afile"}, "train.out_dir: "),
         "out_dir_inside_a_file": ({"train.out_dir": tmp / "afile" / "run"}, "train.out_dir: "),
         "vocab_too_small": ({"model.vocab_size": 256}, "model.vocab_size: 256 is too small"),
+        # ~3 TB of activations: no host or GPU
         "batch_too_big": (
             {"train.batch_size": 10_000_000},
             "train.batch_size: ",
-        ),  # ~3 TB of activations: no host or GPU
+        ),
         "source_missing": ({"data.source": tmp / "nothing*.txt"}, "data.source: "),
     }
 

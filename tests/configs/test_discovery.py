@@ -1,4 +1,5 @@
-"""Config discovery: --print-config, did-you-mean for unknown keys, presets by name, a torch-free CLI start."""
+"""Config discovery: --print-config, did-you-mean for unknown keys, presets by name, a torch-free
+CLI start."""
 
 import os
 import subprocess
@@ -27,9 +28,8 @@ def test_print_config_prints_every_key_and_reloads_to_the_same_config(tmp_path, 
     text = capsys.readouterr().out
     printed = yaml.safe_load(text)
     assert set(_flat(printed)) == set(valid_keys())
-    assert (
-        printed["train"]["steps"] == 7 and printed["optim"]["beta2"] == 0.95
-    )  # an override and a default
+    # an override and a default
+    assert printed["train"]["steps"] == 7 and printed["optim"]["beta2"] == 0.95
     (tmp_path / "resolved.yaml").write_text(text)
     assert to_dict(load_config(str(tmp_path / "resolved.yaml"))) == to_dict(
         load_config("zoo/tiny_moe.yaml", ["train.steps=7"])

@@ -1,5 +1,6 @@
-"""Top-1 routing with a renormalising router: refused for a run (its one weight is always 1.0, so the router
-gets no gradient from the loss), still imported from HF (which computes that same 1.0) with exact logits."""
+"""Top-1 routing with a renormalising router: refused for a run (its one weight is always 1.0, so
+the router gets no gradient from the loss), still imported from HF (which computes that same 1.0)
+with exact logits."""
 
 import os
 import subprocess
@@ -18,11 +19,12 @@ from moezoo.configs import ConfigError, load_config
         ["model.moe.top_k=1", "model.moe.softmax_before_topk=true"],  # p / p
         ["model.moe.top_k=1", "model.moe.router=noisy_topk"],
         ["model.moe.top_k=1", "model.moe.router=sigmoid"],  # s / s
+        # one MoE layer is enough
         [
             "model.ffn=dense",
             "model.ffn_layers={'1': moe}",
             "model.moe.top_k=1",
-        ],  # one MoE layer is enough
+        ],
     ],
 )
 def test_top1_with_a_renormalising_router_is_one_config_error_naming_top_k(overrides):
@@ -49,7 +51,8 @@ def test_top1_routers_that_train_load(overrides):
 
 
 def test_train_cli_refuses_top1_softmax_in_one_line_before_any_work():
-    # --print-config: the config is loaded (and refused) first; were it not, the test would not train
+    # --print-config: the config is loaded (and refused) first; were it not, the test would not
+    # train
     r = subprocess.run(
         [
             sys.executable,
@@ -72,8 +75,8 @@ def test_train_cli_refuses_top1_softmax_in_one_line_before_any_work():
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_hf_top1_renormalised_models_import_with_the_same_logits(family):
-    """HF's num_experts_per_tok=1 with norm_topk_prob (Mixtral always renormalises) is a constant weight 1.0
-    there too: the import describes a function, not a run, and must match it exactly."""
+    """HF's num_experts_per_tok=1 with norm_topk_prob (Mixtral always renormalises) is a constant
+    weight 1.0 there too: the import describes a function, not a run, and must match it exactly."""
     transformers = pytest.importorskip("transformers")
     from moezoo.zoo.hf import from_hf
 

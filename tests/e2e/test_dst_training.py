@@ -1,5 +1,5 @@
-"""DST wired into the trainer (cfg.dst.enabled): densities logged, masks checkpointed, resume bit-exact,
-with dense or compact (dst.compact_state: CompactAdamW) optimizer state."""
+"""DST wired into the trainer (cfg.dst.enabled): densities logged, masks checkpointed, resume
+bit-exact, with dense or compact (dst.compact_state: CompactAdamW) optimizer state."""
 
 import pytest
 import torch

@@ -1,7 +1,7 @@
-"""The package layout's promises: one import name (moezoo) that no root folder of the checkout shadows or
-is shadowed by; arrows point one way (kernels <- layers <- zoo <- training <- train.py, configs imports
-none of them, no import cycle at all, function-level imports included); the library imports and runs on
-CPU with triton absent."""
+"""The package layout's promises: one import name (moezoo) that no root folder of the checkout
+shadows or is shadowed by; arrows point one way (kernels <- layers <- zoo <- training <- train.py,
+configs imports none of them, no import cycle at all, function-level imports included); the library
+imports and runs on CPU with triton absent."""
 
 import ast
 import os
@@ -22,7 +22,8 @@ ALLOWED = {
 
 
 def _module_name(path: str) -> str:
-    """``moezoo.<sub>...`` for a module file: a root folder's modules and moezoo/<sub>/__init__.py alike."""
+    """``moezoo.<sub>...`` for a module file: a root folder's modules and moezoo/<sub>/__init__.py
+    alike."""
     rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
     rel = rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
     return rel if rel.startswith("moezoo.") else f"moezoo.{rel}"
@@ -34,7 +35,8 @@ def _package(module: str) -> str:
 
 
 def _imports(path: str) -> set[str]:
-    """Every project module ``path`` imports, at any depth of the file (function-level imports too)."""
+    """Every project module ``path`` imports, at any depth of the file (function-level imports
+    too)."""
     mod = _module_name(path)
     is_pkg = path.endswith("__init__.py")
     out = set()
@@ -86,7 +88,8 @@ def test_imports_point_downward_only():
 
 def test_no_import_cycle():
     graph = _graph()
-    # a package's __init__ re-exporting its modules is not a cycle of ideas; drop package -> own-submodule edges
+    # a package's __init__ re-exporting its modules is not a cycle of ideas; drop package ->
+    # own-submodule edges
     edges = {
         m: {
             t
@@ -157,8 +160,8 @@ def test_library_imports_and_trains_on_cpu_without_triton():
 
 
 def test_test_files_have_unique_basenames():
-    # pytest imports test files by basename (tests/ folders are not packages): two files of one name in
-    # different folders stop collection with "import file mismatch".
+    # pytest imports test files by basename (tests/ folders are not packages): two files of one name
+    # in different folders stop collection with "import file mismatch".
     seen = {}
     for d, _, files in os.walk(os.path.join(ROOT, "tests")):
         for f in files:

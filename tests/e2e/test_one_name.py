@@ -1,6 +1,7 @@
-"""One import name: moezoo installs the top-level package ``moezoo`` alone, and its checkout's root folders
-(layers/, kernels/, zoo/, configs/, training/) never shadow, nor are shadowed by, packages of those names:
-Hugging Face's ``kernels`` (which transformers requires), a user's own ``training`` or ``configs``."""
+"""One import name: moezoo installs the top-level package ``moezoo`` alone, and its checkout's root
+folders (layers/, kernels/, zoo/, configs/, training/) never shadow, nor are shadowed by, packages
+of those names: Hugging Face's ``kernels`` (which transformers requires), a user's own ``training``
+or ``configs``."""
 
 import os
 import subprocess
@@ -35,12 +36,14 @@ def _own_packages(where, names):
 
 
 def test_no_root_folder_is_a_regular_package():
-    # a root folder with an __init__.py would win over an installed package of its name from the root
+    # a root folder with an __init__.py would win over an installed package of its name from the
+    # root
     assert [n for n in SUBPACKAGES if os.path.exists(os.path.join(ROOT, n, "__init__.py"))] == []
 
 
 def test_installed_packages_of_the_root_folders_names_win_from_the_checkout_root(tmp_path):
-    # as a run from the root sees it: the root first on sys.path, site-packages (here: tmp_path) after it
+    # as a run from the root sees it: the root first on sys.path, site-packages (here: tmp_path)
+    # after it
     _own_packages(tmp_path, SUBPACKAGES)
     code = (
         "import moezoo.layers, moezoo.training, moezoo.configs, moezoo.zoo, moezoo.kernels\n"
@@ -84,8 +87,8 @@ def test_old_top_level_names_are_not_importable_outside_the_checkout(tmp_path):
         "    except ModuleNotFoundError as e:\n"
         "        print(e.name)\n"
     )
-    # each fails at its top-level name (no shim package of the old names exists), or at the submodule when
-    # an unrelated installed distribution owns the name (Hugging Face's kernels)
+    # each fails at its top-level name (no shim package of the old names exists), or at the
+    # submodule when an unrelated installed distribution owns the name (Hugging Face's kernels)
     names = _python(code, tmp_path, PYTHONPATH="").split()
     assert len(names) == len(SUBPACKAGES)
     assert all(n.split(".")[0] in SUBPACKAGES for n in names)

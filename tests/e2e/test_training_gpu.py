@@ -1,6 +1,6 @@
-"""The trainer's GPU paths (bf16 autocast, fused AdamW, grouped MoE, FlexAttention in the model) compiled
-and eager: the same loss and gradients at each of a few steps, from the same weights. Run on a CUDA
-machine: ``pytest -m gpu tests/e2e/test_training_gpu.py``."""
+"""The trainer's GPU paths (bf16 autocast, fused AdamW, grouped MoE, FlexAttention in the model)
+compiled and eager: the same loss and gradients at each of a few steps, from the same weights. Run
+on a CUDA machine: ``pytest -m gpu tests/e2e/test_training_gpu.py``."""
 
 import copy
 
@@ -13,7 +13,8 @@ from moezoo.training.loop import Trainer
 
 pytestmark = pytest.mark.gpu
 
-# Big enough for the GPU paths: bf16 grouped GEMMs need 16-byte-aligned dims; flex runs above the crossover.
+# Big enough for the GPU paths: bf16 grouped GEMMs need 16-byte-aligned dims; flex runs above the
+# crossover.
 GPU_SIZES = {
     "model.dim": 256,
     "model.n_heads": 4,
@@ -27,7 +28,8 @@ CASES = {
         "zoo/tiny_moe.yaml",
         {"model.moe.hidden_dim": 256, "train.seq_len": 256, "model.max_seq_len": 256},
     ),
-    # train.compile_mode=reduce-overhead: the compiled blocks replayed as CUDA graphs (the eager twin ignores it)
+    # train.compile_mode=reduce-overhead: the compiled blocks replayed as CUDA graphs (the eager
+    # twin ignores it)
     "moe_cudagraphs": (
         "zoo/tiny_moe.yaml",
         {
@@ -37,7 +39,8 @@ CASES = {
             "train.compile_mode": "reduce-overhead",
         },
     ),
-    # train.param_dtype=bfloat16: bf16 matmul weights, float32 masters and the fused kernel (training.optim.MasterAdamW)
+    # train.param_dtype=bfloat16: bf16 matmul weights, float32 masters and the fused kernel
+    # (training.optim.MasterAdamW)
     "moe_bf16_weights": (
         "zoo/tiny_moe.yaml",
         {
@@ -47,8 +50,8 @@ CASES = {
             "train.param_dtype": "bfloat16",
         },
     ),
-    # 2 layers: the dense first one and one with shared experts (with 3, the case took ~360 s of the whole
-    # suite's ~570 s on the H100 and H200; not profiled)
+    # 2 layers: the dense first one and one with shared experts (with 3, the case took ~360 s of the
+    # whole suite's ~570 s on the H100 and H200; not profiled)
     "moe_shared_first_dense": (
         "zoo/deepseek_moe_16b.yaml",
         {
@@ -60,7 +63,8 @@ CASES = {
             "model.max_seq_len": 256,
         },
     ),
-    # the long-context preset's per-head patterns (A-shape, GQA-shared block top-k) on a small backbone
+    # the long-context preset's per-head patterns (A-shape, GQA-shared block top-k) on a small
+    # backbone
     "sparse_attention": (
         "zoo/sparse_attn_1b_64k.yaml",
         {
@@ -71,11 +75,13 @@ CASES = {
             "model.max_seq_len": 8192,
             "train.batch_size": 1,
             "eval.passkey_lengths": "[]",
-            # 8k-token validation windows: the default 5% of the test corpus' files can be fewer tokens
+            # 8k-token validation windows: the default 5% of the test corpus' files can be fewer
+            # tokens
             "data.val_fraction": 0.25,
         },
     ),
-    # the same with NSA's gated compressed branch on the block top-k heads (bench/train_attention.py's nsa)
+    # the same with NSA's gated compressed branch on the block top-k heads
+    # (bench/train_attention.py's nsa)
     "sparse_attention_nsa": (
         "zoo/sparse_attn_1b_64k.yaml",
         {
@@ -94,31 +100,33 @@ CASES = {
 }
 
 
-# Each step starts the compiled trainer from the eager one's weights and optimizer state, so both compute one
-# forward and backward of identical weights on identical data: loss and gradients differ only by bf16
-# rounding (and the near ties it flips: block top-k blocks, MoE experts). Trajectories are not compared:
-# from step 1 on, this 16-layer model at lr 3e-3 (Adam's first steps are ~lr * sign(grad)) amplifies any
-# rounding ~20-30x per step, so two equally correct runs part after 3 unsynced steps (the H200 run that
-# failed the old trajectory check: 6.445 eager against 6.225 compiled). Measured on CPU in bf16:
-# - the sparse case at 1k tokens (16 layers, 64 blocks of 16, top 16), eager against eager with weights
-#   x (1 + 2^-9 N(0,1)) or block top-k scores x (1 + 1e-3 N(0,1)): unsynced, step 1's loss moved by <= 1.2e-3
-#   and step 2's by 0.018-0.038; synced, every step's loss by <= 3.1e-4 relative and every parameter's
-#   gradient by ||dg|| / ||g|| <= 0.052;
-# - compiled against eager, synced: the sparse case with 2 layers loss <= 1.1e-5, gradients <= 0.012; the two
-#   MoE cases at these sizes loss <= 2.5e-5, gradients <= 0.074 (a router);
-# - a broken selection (scores ignoring q . k) moved the loss by only 1.2e-3 (step 0) and 6e-5 (steps 1-2),
-#   but the block top-k heads' gradients by 0.56-0.68 (0.28 with 2 layers): the gradient check is the one
-#   that sees a wrong mask. tests/layers/attention/test_compiled_sparse.py checks the layer compiled
-#   against eager in float32, where nothing may differ.
-# On the H200, synced, the sparse case's step-0 grad norm was 11% off (19.10 eager, 16.97 compiled; loss
-# equal) while the sparse flex call was traced into the compiled blocks; it now runs eager there
-# (layers/attention/functional._flex_sparse) and the case passes.
+# Each step starts the compiled trainer from the eager one's weights and optimizer state, so both
+# compute one forward and backward of identical weights on identical data: loss and gradients differ
+# only by bf16 rounding (and the near ties it flips: block top-k blocks, MoE experts). Trajectories
+# are not compared: from step 1 on, this 16-layer model at lr 3e-3 (Adam's first steps are ~lr *
+# sign(grad)) amplifies any rounding ~20-30x per step, so two equally correct runs part after 3
+# unsynced steps (the H200 run that failed the old trajectory check: 6.445 eager against 6.225
+# compiled). Measured on CPU in bf16:
+# - the sparse case at 1k tokens (16 layers, 64 blocks of 16, top 16), eager against eager with
+#   weights x (1 + 2^-9 N(0,1)) or block top-k scores x (1 + 1e-3 N(0,1)): unsynced, step 1's loss
+#   moved by <= 1.2e-3 and step 2's by 0.018-0.038; synced, every step's loss by <= 3.1e-4 relative
+#   and every parameter's gradient by ||dg|| / ||g|| <= 0.052;
+# - compiled against eager, synced: the sparse case with 2 layers loss <= 1.1e-5, gradients <=
+#   0.012; the two MoE cases at these sizes loss <= 2.5e-5, gradients <= 0.074 (a router);
+# - a broken selection (scores ignoring q . k) moved the loss by only 1.2e-3 (step 0) and 6e-5
+#   (steps 1-2), but the block top-k heads' gradients by 0.56-0.68 (0.28 with 2 layers): the
+#   gradient check is the one that sees a wrong mask. tests/layers/attention/test_compiled_sparse.py
+#   checks the layer compiled against eager in float32, where nothing may differ. On the H200,
+#   synced, the sparse case's step-0 grad norm was 11% off (19.10 eager, 16.97 compiled; loss equal)
+#   while the sparse flex call was traced into the compiled blocks; it now runs eager there
+#   (layers/attention/functional._flex_sparse) and the case passes.
 LOSS_RTOL = 5e-3  # relative, per step
 GRAD_RTOL = 0.2  # ||g_compiled - g_eager|| / ||g_eager|| of each parameter, per step
 
 
 def _grads_before_step(trainer) -> dict:
-    """``{name: float32 gradient}`` as the optimizer sees them (after clipping), refreshed every step."""
+    """``{name: float32 gradient}`` as the optimizer sees them (after clipping), refreshed every
+    step."""
     grads = {}
     named = list(trainer.model.named_parameters())
 
@@ -133,9 +141,10 @@ def _grads_before_step(trainer) -> dict:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_compiled_training_steps_equal_eager_on_cuda(tmp_path, corpus_dir, case):
     preset, extra = CASES[case]
-    # Each case compiles its own model: start from an empty dynamo cache, whatever this worker compiled before.
-    # Compiled blocks share one dynamo cache (the block class's forward), which the earlier cases fill; in a
-    # whole-suite run the DeepSeekMoE case took 344 s there against 26-32 s in a fresh process (H100).
+    # Each case compiles its own model: start from an empty dynamo cache, whatever this worker
+    # compiled before. Compiled blocks share one dynamo cache (the block class's forward), which the
+    # earlier cases fill; in a whole-suite run the DeepSeekMoE case took 344 s there against 26-32 s
+    # in a fresh process (H100).
     torch._dynamo.reset()
 
     def trainer(sub, compile_):
@@ -148,10 +157,10 @@ def test_compiled_training_steps_equal_eager_on_cuda(tmp_path, corpus_dir, case)
     ge, gc = _grads_before_step(eager), _grads_before_step(compiled)
     seen = []
     for step in range(3):
-        compiled.model.load_state_dict(
-            eager.model.state_dict()
-        )  # compiled blocks keep the parameter names
-        # a copy: Optimizer.load_state_dict keeps tensors already of the right device and dtype (shared state)
+        # compiled blocks keep the parameter names
+        compiled.model.load_state_dict(eager.model.state_dict())
+        # a copy: Optimizer.load_state_dict keeps tensors already of the right device and dtype
+        # (shared state)
         compiled.optimizer.load_state_dict(copy.deepcopy(eager.optimizer.state_dict()))
         a, b = eager.train_step(), compiled.train_step()
         assert not a["skipped"] and not b["skipped"], (step, a, b)

@@ -1,6 +1,6 @@
-"""kernels.adamw: the torch path is torch.optim.AdamW bit for bit; the one-launch Triton kernel (interpreted on
-CPU, compiled on CUDA) updates every tensor of a list like it, applies the clipping factor on the fly and
-writes the low-precision copy as the updated float32 weight rounded."""
+"""kernels.adamw: the torch path is torch.optim.AdamW bit for bit; the one-launch Triton kernel
+(interpreted on CPU, compiled on CUDA) updates every tensor of a list like it, applies the clipping
+factor on the fly and writes the low-precision copy as the updated float32 weight rounded."""
 
 import math
 
@@ -102,7 +102,8 @@ def _compare_kernel_to_reference(device, rtol, atol, exact_round):
         elif with_params:  # the interpreter's own cast is not IEEE: within one bf16 step
             for lo, t in zip(low, w):
                 torch.testing.assert_close(lo.float(), t, rtol=2**-7, atol=0)
-    # found_inf: 0 updates as without it, nonzero (a skipped step) writes nothing, even with NaN gradients
+    # found_inf: 0 updates as without it, nonzero (a skipped step) writes nothing, even with NaN
+    # gradients
     for flag in (0.0, 1.0):
         w, m, v, grads = _state(device, 4)
         if flag:
@@ -165,7 +166,8 @@ def test_triton_kernel_updates_every_tensor_like_the_torch_path():
 
 @pytest.mark.usefixtures("triton_interpreter")
 def test_unaligned_tensors_take_the_torch_path():
-    # the kernel reads full blocks with 16-byte vector loads: a view 4 bytes into its storage must not reach it
+    # the kernel reads full blocks with 16-byte vector loads: a view 4 bytes into its storage must
+    # not reach it
     pytest.importorskip("triton")
     w, m, v, grads = _state("cpu", 3)
     w[1] = torch.randn(SHAPES[1][0] * SHAPES[1][1] + 1)[1:].view(SHAPES[1])

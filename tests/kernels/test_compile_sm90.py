@@ -1,13 +1,13 @@
-"""Every Triton kernel compiles for Hopper (sm_90), on any machine: each launcher runs on tiny CPU inputs with
-its modules' ``jit`` swapped for one that compiles the launch (``triton.compile`` to a cubin, the argument
-types taken from the real launch arguments) instead of running it.
+"""Every Triton kernel compiles for Hopper (sm_90), on any machine: each launcher runs on tiny CPU
+inputs with its modules' ``jit`` swapped for one that compiles the launch (``triton.compile`` to a
+cubin, the argument types taken from the real launch arguments) instead of running it.
 
-The interpreter tests check what the kernels compute, but the interpreter runs the kernel body as Python:
-it accepts what the compiler refuses. A variable given another shape in one branch of an ``if`` (the FP8 tile
-kernel of 349a889, found here before it reached a GPU) runs interpreted and fails to compile. And no kernel
-spills more than a few bytes of registers (ptxas's stack frame, read with cuobjdump): the same tile kernel at
-128 x 128 on 8 warps spilled up to 200 B a thread. Needs triton with its NVIDIA backend (it ships ptxas); no
-GPU."""
+The interpreter tests check what the kernels compute, but the interpreter runs the kernel body as
+Python: it accepts what the compiler refuses. A variable given another shape in one branch of an
+``if`` (the FP8 tile kernel of 349a889, found here before it reached a GPU) runs interpreted and
+fails to compile. And no kernel spills more than a few bytes of registers (ptxas's stack frame, read
+with cuobjdump): the same tile kernel at 128 x 128 on 8 warps spilled up to 200 B a thread. Needs
+triton with its NVIDIA backend (it ships ptxas); no GPU."""
 
 import inspect
 
@@ -31,7 +31,8 @@ _TYPES = {
 
 
 class _CompileOnly:
-    """Stands in for ``kernels.launch.jit(fn)``: ``[grid](*args, **meta)`` compiles for sm_90, records it."""
+    """Stands in for ``kernels.launch.jit(fn)``: ``[grid](*args, **meta)`` compiles for sm_90,
+    records it."""
 
     compiled: list = []
 
@@ -50,7 +51,8 @@ class _CompileOnly:
         names = list(inspect.signature(self.fn).parameters)
         sig, attrs = {}, {}
         for i, (name, a) in enumerate(zip(names, args)):
-            # 16-divisible pointers and ints carry Triton's divisibility attribute, as a real launch's do
+            # 16-divisible pointers and ints carry Triton's divisibility attribute, as a real
+            # launch's do
             if isinstance(a, torch.Tensor):
                 sig[name] = "*" + _TYPES[a.dtype]
                 aligned = a.data_ptr() % 16 == 0
@@ -70,7 +72,8 @@ class _CompileOnly:
 
 
 def _stack_bytes(cubin: bytes):
-    """The kernel's per-thread stack frame (register spills) from cuobjdump, which triton ships; None if absent."""
+    """The kernel's per-thread stack frame (register spills) from cuobjdump, which triton ships;
+    None if absent."""
     import os
     import subprocess
     import tempfile
@@ -162,10 +165,11 @@ def test_every_triton_kernel_compiles_for_sm90(monkeypatch):
         if n.startswith("_") and n.endswith("_kernel") and callable(f)
     }
     assert names == kernel_fns, f"not launched here: {kernel_fns - names}"
-    # no real register spills (a spilled FP8 tile kernel moved ~20x its tile's bytes through local memory).
-    # A few bytes are allowed: triton 3.6's ptxas gives the FP8 cast pass's groups-only variant at its
-    # default tile (32 x 128, 4 warps; 3.9's: none) an 8-byte frame, and on an H100 that variant ran as fast
-    # as the tiles with none (bench/fp8_quant.py's dy_cols: 0.368 ms vs 0.362 at 64 x 64; BENCHMARKS.md).
+    # no real register spills (a spilled FP8 tile kernel moved ~20x its tile's bytes through local
+    # memory). A few bytes are allowed: triton 3.6's ptxas gives the FP8 cast pass's groups-only
+    # variant at its default tile (32 x 128, 4 warps; 3.9's: none) an 8-byte frame, and on an H100
+    # that variant ran as fast as the tiles with none (bench/fp8_quant.py's dy_cols: 0.368 ms vs
+    # 0.362 at 64 x 64; BENCHMARKS.md).
     spills = [
         (name, meta, stack)
         for name, meta, stack in _CompileOnly.compiled

@@ -1,7 +1,7 @@
-"""kernels.grouped_wgrad on CPU (torch._grouped_mm's CPU path): the row split partitions every group, the split
-weight gradient equals the per-expert float32 product within bf16 error for any number of parts (uneven and
-empty groups, rows past the last group), the grouped linear's gradients equal autograd through
-torch._grouped_mm, and the split count follows the output-tile count."""
+"""kernels.grouped_wgrad on CPU (torch._grouped_mm's CPU path): the row split partitions every
+group, the split weight gradient equals the per-expert float32 product within bf16 error for any
+number of parts (uneven and empty groups, rows past the last group), the grouped linear's gradients
+equal autograd through torch._grouped_mm, and the split count follows the output-tile count."""
 
 import pytest
 import torch
@@ -67,15 +67,17 @@ def test_grouped_linear_gradients_equal_autograd_through_grouped_mm(monkeypatch)
 def test_splits_follow_the_output_tile_count(monkeypatch):
     monkeypatch.setattr(gw, "_sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
-    # the dim-512 MoE: 8 experts of 704 x 512 over 65536 rows -> 96 tiles of 128 x 256 on 132 SMs: split in
-    # 2 or 3 some SMs still get 2 or 3 tiles (no gain); in 4, 3 tiles of a quarter each (3/4 of the time)
+    # the dim-512 MoE: 8 experts of 704 x 512 over 65536 rows -> 96 tiles of 128 x 256 on 132 SMs:
+    # split in 2 or 3 some SMs still get 2 or 3 tiles (no gain); in 4, 3 tiles of a quarter each
+    # (3/4 of the time)
     assert gw.wgrad_splits(65536, 8, 704, 512, cuda) == 4
     assert gw.wgrad_splits(8 * 2048, 8, 704, 512, cuda) == 1  # 2 parts of 1024 rows would not pay
     assert gw.wgrad_splits(32768, 8, 14336, 4096, cuda) == 1  # Mixtral: tiles to spare
     assert gw.wgrad_splits(131072, 64, 1024, 2048, cuda) == 1  # OLMoE
     assert gw.wgrad_splits(4096, 8, 704, 512, cuda) == 1  # too few rows a part
     assert gw.wgrad_splits(65536, 8, 704, 512, torch.device("cpu")) == 1
-    # inside a compiled graph (a block's backward) the SM count is read once while tracing, a constant
+    # inside a compiled graph (a block's backward) the SM count is read once while tracing, a
+    # constant
     torch._dynamo.reset()
     traced = torch.compile(
         lambda t: t * gw.wgrad_splits(65536, 8, 704, 512, cuda), backend="eager", fullgraph=True
@@ -94,9 +96,8 @@ def test_grouped_linear_traces_into_one_graph_forward_and_backward(monkeypatch):
     def loss(x, w):
         return gw.grouped_linear(x, w, offs).float().square().sum()
 
-    torch.compile(loss, backend="aot_eager", fullgraph=True)(
-        x, w
-    ).backward()  # backward: AOT-traced at compile
+    # backward: AOT-traced at compile
+    torch.compile(loss, backend="aot_eager", fullgraph=True)(x, w).backward()
     got = w.grad.clone()
     w.grad = None
     loss(x, w).backward()

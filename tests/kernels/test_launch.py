@@ -1,4 +1,5 @@
-"""kernels.launch.to_device: the value arrives, and on CUDA the host does not wait for queued work."""
+"""kernels.launch.to_device: the value arrives, and on CUDA the host does not wait for queued
+work."""
 
 import pytest
 import torch

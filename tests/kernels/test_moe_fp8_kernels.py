@@ -1,8 +1,9 @@
-"""FP8 expert GEMMs (kernels.moe_fp8) on CPU: the rowwise e4m3 quantizers round-trip within e4m3 error, the
-Triton quantizers (TRITON_INTERPRET) equal the torch references bit for bit, the float32 emulation of
-torch._scaled_grouped_mm is the per-group product of the dequantized operands, the autograd op computes
-the recipe's forward, dgrad and wgrad (any group sizes, empty experts, rows past the last group), and
-its arguments pass torch._scaled_grouped_mm's own shape / stride / scale checks (meta tensors)."""
+"""FP8 expert GEMMs (kernels.moe_fp8) on CPU: the rowwise e4m3 quantizers round-trip within e4m3
+error, the Triton quantizers (TRITON_INTERPRET) equal the torch references bit for bit, the float32
+emulation of torch._scaled_grouped_mm is the per-group product of the dequantized operands, the
+autograd op computes the recipe's forward, dgrad and wgrad (any group sizes, empty experts, rows
+past the last group), and its arguments pass torch._scaled_grouped_mm's own shape / stride / scale
+checks (meta tensors)."""
 
 import pytest
 import torch
@@ -31,14 +32,15 @@ def rel(a, b):
 
 
 def within_e4m3(q, d, x) -> bool:
-    """``q * d`` (d broadcast to q's shape) is x up to e4m3 rounding: half an ulp of a normal value, half
-    the subnormal step (times d) near zero."""
+    """``q * d`` (d broadcast to q's shape) is x up to e4m3 rounding: half an ulp of a normal value,
+    half the subnormal step (times d) near zero."""
     err, xf = (q.float() * d - x.float()).abs(), x.float().abs()
     return bool((err <= torch.maximum(E4M3_REL * xf, 0.5 * E4M3_SUBNORMAL_STEP * d)).all())
 
 
 def wide_rows(R=24, C=50, seed=0):
-    """bf16 rows spanning 12 decades, one all-zero row, one whose amax is 3.5 (448 / 3.5 a power of two)."""
+    """bf16 rows spanning 12 decades, one all-zero row, one whose amax is 3.5 (448 / 3.5 a power of
+    two)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(R, C, generator=g) * torch.logspace(-6, 6, R)[:, None]
     x[3] = 0
@@ -67,7 +69,8 @@ def test_column_and_weight_quantizers_store_each_groups_transpose_with_zero_padd
     offs = torch.tensor(OFFS, dtype=torch.int32)
     pends = padded_group_ends(offs)
     psizes = torch.diff(pends, prepend=pends.new_zeros(1))
-    # sizes 7, 0, 33, 1, 59: each rounded up to a multiple of 16 rows, at least 16 (an empty expert too)
+    # sizes 7, 0, 33, 1, 59: each rounded up to a multiple of 16 rows, at least 16 (an empty expert
+    # too)
     assert torch.equal(psizes, torch.tensor([16, 16, 48, 16, 64], dtype=torch.int32))
     P = padded_rows(110, len(OFFS))
     assert P % 16 == 0 and P >= int(pends[-1])
@@ -88,9 +91,10 @@ def test_column_and_weight_quantizers_store_each_groups_transpose_with_zero_padd
 
 
 def _interpreter_loops_over_runtime_values() -> bool:
-    """Triton 3.6's interpreter runs ``range()`` over a runtime value through ``int()`` of a 1-element array,
-    which numpy >= 2.4 refuses (seen on the H200 image; Triton 3.9 is fine). The column quantizer's loops run
-    to a group size read from memory, so it cannot take the constexpr bound the other kernels use."""
+    """Triton 3.6's interpreter runs ``range()`` over a runtime value through ``int()`` of a
+    1-element array, which numpy >= 2.4 refuses (seen on the H200 image; Triton 3.9 is fine). The
+    column quantizer's loops run to a group size read from memory, so it cannot take the constexpr
+    bound the other kernels use."""
     import numpy as np
 
     try:
@@ -111,8 +115,8 @@ needs_interpreter_loops = pytest.mark.skipif(
 @needs_interpreter_loops
 @pytest.mark.usefixtures("triton_interpreter")
 def test_triton_quantizers_equal_the_reference_bit_for_bit(monkeypatch):
-    # Small blocks, so every loop of the kernels runs several steps; float32 outputs cast by torch (the
-    # interpreter's own fp8 cast is not IEEE round-to-nearest-even).
+    # Small blocks, so every loop of the kernels runs several steps; float32 outputs cast by torch
+    # (the interpreter's own fp8 cast is not IEEE round-to-nearest-even).
     monkeypatch.setattr(f, "ROWS_BLOCK", 16)
     monkeypatch.setattr(f, "AMAX_TILE", (16, 16, 4))
     monkeypatch.setattr(f, "CAST_TILE", (16, 16, 4))
@@ -157,8 +161,9 @@ def test_triton_quantizers_equal_the_reference_bit_for_bit(monkeypatch):
 
 @pytest.mark.parametrize("triton_path", [False, pytest.param(True, marks=needs_interpreter_loops)])
 def test_quantize_ops_pass_opcheck(triton_path, request):
-    # Both implementations behind each op: the torch reference, and the Triton launchers (interpreted), where
-    # opcheck's schema test caught two outputs that were views of one buffer (refused on the GPU).
+    # Both implementations behind each op: the torch reference, and the Triton launchers
+    # (interpreted), where opcheck's schema test caught two outputs that were views of one buffer
+    # (refused on the GPU).
     if triton_path:
         request.getfixturevalue("triton_interpreter")
     x = wide_rows(20, 32)
@@ -174,8 +179,8 @@ def test_quantize_ops_pass_opcheck(triton_path, request):
 
 
 def test_emulated_scaled_grouped_mm_equals_float32_products_of_the_dequantized_operands():
-    # The oracle is written another way: every row against its own group's weights (a gather) for the
-    # row-grouped layout, a masked full product for the contraction-grouped one.
+    # The oracle is written another way: every row against its own group's weights (a gather) for
+    # the row-grouped layout, a masked full product for the contraction-grouped one.
     g = torch.Generator().manual_seed(0)
     offs = torch.tensor(OFFS, dtype=torch.int32)
     R, K, N, E = 110, 32, 48, len(OFFS)
@@ -239,8 +244,9 @@ def test_fp8_grouped_linear_computes_the_recipe_forward_dgrad_and_wgrad(wdtype):
 
 
 def test_fp8_gate_up_equals_two_fp8_linears_on_the_permuted_rows():
-    # The fused permute + gate/up op with fp8=True against fp8_grouped_linear of the permuted rows: the same
-    # forward and weight gradients; dx sums the two GEMMs' rows in float32 and rounds once (within bf16).
+    # The fused permute + gate/up op with fp8=True against fp8_grouped_linear of the permuted rows:
+    # the same forward and weight gradients; dx sums the two GEMMs' rows in float32 and rounds once
+    # (within bf16).
     from moezoo.kernels.moe_gate_up import gate_up
     from moezoo.kernels.moe_permute import moe_permute_reference
     from moezoo.layers.moe.experts import make_plan
@@ -272,8 +278,9 @@ def test_fp8_gate_up_equals_two_fp8_linears_on_the_permuted_rows():
 
 
 def test_fp8_gemm_arguments_pass_torch_scaled_grouped_mm_checks_on_meta():
-    # On meta tensors the quantizers run their fakes and torch._scaled_grouped_mm its meta function, which
-    # checks dtypes, row / column-major layouts, 16-byte strides, scale shapes and offsets as the CUDA op does.
+    # On meta tensors the quantizers run their fakes and torch._scaled_grouped_mm its meta function,
+    # which checks dtypes, row / column-major layouts, 16-byte strides, scale shapes and offsets as
+    # the CUDA op does.
     from moezoo.kernels.moe_gate_up import gate_up
 
     R, D, H, E, T = 1000, 64, 96, 5, 400

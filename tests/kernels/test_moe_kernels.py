@@ -1,5 +1,6 @@
 """MoE Triton kernels (permute, combine + its backward) against their torch references, run through
-TRITON_INTERPRET=1 on CPU at tiny shapes; and the whole fast dispatch path against the reference path."""
+TRITON_INTERPRET=1 on CPU at tiny shapes; and the whole fast dispatch path against the reference
+path."""
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """The torch references behind the MoE dispatch ops (what runs without Triton) have no boolean-mask
-indexing, i.e. no data-dependent shape and no host sync on CUDA, and equal the masked formulations they
-replace bit for bit."""
+indexing, i.e. no data-dependent shape and no host sync on CUDA, and equal the masked formulations
+they replace bit for bit."""
 
 import torch
 

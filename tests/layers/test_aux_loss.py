@@ -1,6 +1,6 @@
-"""Layers that keep ``aux_loss`` (MoE, the neuron-routed FFN) stay copyable after a training step: an EMA
-copy (``copy.deepcopy``) or a pickled whole module (``torch.save``) holds the loss detached, and the live
-module's loss still backpropagates."""
+"""Layers that keep ``aux_loss`` (MoE, the neuron-routed FFN) stay copyable after a training step:
+an EMA copy (``copy.deepcopy``) or a pickled whole module (``torch.save``) holds the loss detached,
+and the live module's loss still backpropagates."""
 
 import copy
 import io

@@ -1,4 +1,5 @@
-"""RMSNorm, RoPE (plain, linear, NTK), dense GQA attention with KV cache, SwiGLU: against plain formulas."""
+"""RMSNorm, RoPE (plain, linear, NTK), dense GQA attention with KV cache, SwiGLU: against plain
+formulas."""
 
 import math
 

@@ -1,5 +1,5 @@
-"""Llama 3.1 RoPE scaling: inv_freq against a per-frequency float64 formula, the model wiring, and the
-config checks that name the bad key."""
+"""Llama 3.1 RoPE scaling: inv_freq against a per-frequency float64 formula, the model wiring, and
+the config checks that name the bad key."""
 
 import math
 
@@ -12,7 +12,8 @@ from moezoo.zoo import build_model
 
 
 def naive_llama3_inv_freq(D, theta, factor, low, high, orig):
-    """Meta's ``apply_scaling`` written out one frequency at a time in float64; also returns each band."""
+    """Meta's ``apply_scaling`` written out one frequency at a time in float64; also returns each
+    band."""
     out, bands = [], []
     for i in range(D // 2):
         f = theta ** (-2 * i / D)
@@ -106,11 +107,12 @@ def test_model_with_llama3_scaling_rotates_by_the_configured_frequencies():
     [
         ("low_freq_factor", 0.0, "model.rope_scaling.low_freq_factor"),
         ("high_freq_factor", -4.0, "model.rope_scaling.high_freq_factor"),
+        # must exceed low_freq_factor=1
         (
             "high_freq_factor",
             1.0,
             "model.rope_scaling.high_freq_factor",
-        ),  # must exceed low_freq_factor=1
+        ),
         ("original_max_seq_len", 0, "model.rope_scaling.original_max_seq_len"),
         ("factor", 0.5, "model.rope_scaling.factor"),
         ("type", "llama4", "model.rope_scaling.type"),

@@ -1,4 +1,5 @@
-"""One short trained run shared by the checkpoint / resume / run-folder tests: each test copies it."""
+"""One short trained run shared by the checkpoint / resume / run-folder tests: each test copies
+it."""
 
 import os
 import shutil

@@ -1,5 +1,6 @@
-"""Damaged checkpoints: --resume falls back to the previous complete one with a warning naming what it
-skipped, or stops with one line; never a traceback. Rotation never leaves a partial checkpoint."""
+"""Damaged checkpoints: --resume falls back to the previous complete one with a warning naming what
+it skipped, or stops with one line; never a traceback. Rotation never leaves a partial
+checkpoint."""
 
 import os
 import shutil
@@ -72,7 +73,8 @@ def test_every_checkpoint_damaged_stops_with_one_line(run_copy, capsys):
 def test_garbled_shard_of_the_right_size_stops_with_one_line_naming_the_checkpoint(
     run_copy, capsys
 ):
-    """Only loading the shards can find this one, after the model is built: one line, not a traceback."""
+    """Only loading the shards can find this one, after the model is built: one line, not a
+    traceback."""
     _same_size_garbage(os.path.join(run_copy.step_dir(10), "__0_0.distcp"))
     rc = main(["--config", "zoo/tiny_dense.yaml", *run_copy.overrides(), "--resume"])
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
@@ -80,19 +82,20 @@ def test_garbled_shard_of_the_right_size_stops_with_one_line_naming_the_checkpoi
 
 
 def test_checkpoint_without_every_part_is_not_complete(run_copy):
-    """The rotation kill of old: a step dir with its small files but no shards is not a checkpoint."""
+    """The rotation kill of old: a step dir with its small files but no shards is not a
+    checkpoint."""
     os.remove(os.path.join(run_copy.step_dir(5), "__0_0.distcp"))
     assert [s for s, _ in list_checkpoints(run_copy.ckpt_dir)] == [10]
 
 
 def test_kill_during_rotation_leaves_no_partial_checkpoint(run_copy, monkeypatch):
-    """remove_checkpoint renames before deleting: a kill inside the delete leaves only a .trash_ dir."""
+    """remove_checkpoint renames before deleting: a kill inside the delete leaves only a .trash_
+    dir."""
 
     def killed_rmtree(path, ignore_errors=False):
         if ".trash_" in str(path) and os.path.exists(path):
-            os.remove(
-                os.path.join(path, "__0_0.distcp")
-            )  # part of the delete happened, then the kill
+            # part of the delete happened, then the kill
+            os.remove(os.path.join(path, "__0_0.distcp"))
             raise SystemExit("killed")
 
     monkeypatch.setattr(shutil, "rmtree", killed_rmtree)

@@ -1,5 +1,6 @@
-"""A checkpoint from someone else cannot run code on --resume: a payload planted in any file it reads
-(with the manifest updated to match, as an attacker would) does not run, and the run stops with one line."""
+"""A checkpoint from someone else cannot run code on --resume: a payload planted in any file it
+reads (with the manifest updated to match, as an attacker would) does not run, and the run stops
+with one line."""
 
 import json
 import os
@@ -34,8 +35,8 @@ def _fix_manifest(ckpt: str) -> None:
 
 
 def _plant_and_resume(run, capsys, write) -> tuple[int, list[str]]:
-    """``write(ckpt_dir)`` plants files in the newest checkpoint; the manifest is then fixed to match
-    (an attacker controls every file) and the run resumed through the command line."""
+    """``write(ckpt_dir)`` plants files in the newest checkpoint; the manifest is then fixed to
+    match (an attacker controls every file) and the run resumed through the command line."""
     ckpt = run.step_dir(10)
     write(ckpt)
     _fix_manifest(ckpt)
@@ -71,8 +72,9 @@ def test_payload_in_dcp_metadata_does_not_run(run_copy, tmp_path, capsys):
 
 
 def test_payload_as_a_dcp_byte_entry_does_not_run(run_copy, tmp_path, capsys):
-    """DCP's default planner torch.loads byte entries with weights_only=False: a shard whose metadata
-    declares a weight as bytes must be refused, not unpickled (and training must not go on)."""
+    """DCP's default planner torch.loads byte entries with weights_only=False: a shard whose
+    metadata declares a weight as bytes must be refused, not unpickled (and training must not go
+    on)."""
     from moezoo.configs import load_config
     from moezoo.training.loop import Trainer
 
@@ -90,7 +92,8 @@ def test_payload_as_a_dcp_byte_entry_does_not_run(run_copy, tmp_path, capsys):
 
 
 def test_pickled_train_state_beside_the_checkpoint_is_never_read(run_copy, tmp_path, capsys):
-    """The old format's train_state.pt is not part of a checkpoint any more: a planted one is ignored."""
+    """The old format's train_state.pt is not part of a checkpoint any more: a planted one is
+    ignored."""
     marker = str(tmp_path / "pwned")
     rc, err = _plant_and_resume(
         run_copy,

@@ -1,5 +1,5 @@
-"""data.source=python_packages: one document per installed package, files deduplicated by content, and
-the validation split by package name."""
+"""data.source=python_packages: one document per installed package, files deduplicated by content,
+and the validation split by package name."""
 
 import os
 
@@ -18,9 +18,8 @@ def test_packages_are_documents_with_each_file_once(tmp_path):
     a, b = str(tmp_path / "a" / "site-packages"), str(tmp_path / "b" / "site-packages")
     write(f"{a}/alpha/__init__.py", "x = 1\n")
     write(f"{a}/alpha/sub/util.py", "def f():\n    return 2\n")
-    write(
-        f"{a}/beta/vendored.py", "def f():\n    return 2\n"
-    )  # same content as alpha's: counted once
+    # same content as alpha's: counted once
+    write(f"{a}/beta/vendored.py", "def f():\n    return 2\n")
     write(f"{a}/beta/own.py", "y = 3\n")
     write(f"{a}/solo.py", "z = 4\n")  # a top-level module is a package too
     write(f"{a}/alpha-1.0.dist-info/RECORD.py", "nope = 1\n")  # metadata folders are skipped
@@ -47,7 +46,8 @@ def test_no_package_is_in_both_splits(tmp_path, monkeypatch):
 
 
 def test_the_installed_packages_are_found():
-    # torch (the one package the tests need) is among the packages of the interpreter's site directories
+    # torch (the one package the tests need) is among the packages of the interpreter's site
+    # directories
     assert any("torch" in corpus_packages._package_files(d) for d in corpus_packages.site_dirs())
 
 

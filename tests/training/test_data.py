@@ -32,8 +32,9 @@ def test_jsonl_and_glob_sources(tmp_path):
 
 
 def test_a_corpus_splits_the_same_wherever_it_lives(tmp_path):
-    # Names are relative to the source (directory, glob prefix or file's folder): the split of a copied
-    # corpus must not depend on the copy's absolute path (CI's temporary folders differ run to run).
+    # Names are relative to the source (directory, glob prefix or file's folder): the split of a
+    # copied corpus must not depend on the copy's absolute path (CI's temporary folders differ run
+    # to run).
     names = [f"doc{i:02d}.txt" for i in range(40)]
     for where in ("a", "b/deeper"):
         (tmp_path / where / "sub").mkdir(parents=True)
@@ -51,15 +52,15 @@ def test_a_corpus_splits_the_same_wherever_it_lives(tmp_path):
         train, val = split_documents(docs, 0.2)
         splits.append(sorted(d.name for d in val))
         assert val and train
-    assert (
-        splits[0] == splits[1] and splits[2] == splits[3]
-    )  # directory names keep "sub/", glob names don't
+    # directory names keep "sub/", glob names don't
+    assert splits[0] == splits[1] and splits[2] == splits[3]
     one = load_documents(DataConfig(source=str(tmp_path / "a/sub/doc00.txt")))
     assert [d.name for d in one] == ["doc00.txt"]
 
 
 def test_token_caches_of_two_directories_with_the_same_listing_stay_apart(tmp_path):
-    # Same file names and sizes, different text: the shared cache dir must not serve one's tokens to the other.
+    # Same file names and sizes, different text: the shared cache dir must not serve one's tokens to
+    # the other.
     rng = np.random.default_rng(0)
     words = [rng.integers(0, 13, size=rng.integers(2, 8)) for _ in range(3000)]
     for where, first in (("a", "a"), ("b", "n")):  # letters a-m in one corpus, n-z in the other

@@ -1,6 +1,6 @@
-"""``train.param_dtype: bfloat16``: matmul weights held in bf16 with float32 masters in the optimizer
-(training.optim.MasterAdamW) train the same model as bf16 autocast over float32 parameters, resume bit-exactly,
-and refuse the settings they cannot honour with one line."""
+"""``train.param_dtype: bfloat16``: matmul weights held in bf16 with float32 masters in the
+optimizer (training.optim.MasterAdamW) train the same model as bf16 autocast over float32
+parameters, resume bit-exactly, and refuse the settings they cannot honour with one line."""
 
 import pytest
 import torch
@@ -35,8 +35,8 @@ def _by_name(trainer) -> dict:
 def test_bf16_weights_train_the_same_model_as_autocast_over_float32(
     tmp_path, corpus_dir, preset, accum
 ):
-    # accum 3: the bf16 gradients of the three backward passes are summed in float32, as autograd sums the
-    # float32 parameters' gradients
+    # accum 3: the bf16 gradients of the three backward passes are summed in float32, as autograd
+    # sums the float32 parameters' gradients
     ref = make(tmp_path / "ref", corpus_dir, preset, **{"train.grad_accum": accum})
     low = make(
         tmp_path / "low",
@@ -53,8 +53,9 @@ def test_bf16_weights_train_the_same_model_as_autocast_over_float32(
     )
     for n, p in low.model.named_parameters():
         assert p.dtype == (torch.bfloat16 if n in held else torch.float32), n
-    # On CPU the update is torch's AdamW op for op, and the bf16 weights and gradients are autocast's:
-    # bit for bit the same run (on CUDA the fused kernel rounds differently: tests/kernels/test_adamw.py).
+    # On CPU the update is torch's AdamW op for op, and the bf16 weights and gradients are
+    # autocast's: bit for bit the same run (on CUDA the fused kernel rounds differently:
+    # tests/kernels/test_adamw.py).
     for _ in range(6):
         a, b = ref.train_step(), low.train_step()
         assert a["loss/total"].item() == b["loss/total"].item()
@@ -123,8 +124,9 @@ def test_a_bf16_weights_run_loads_for_inference_with_its_float32_masters(tmp_pat
     masters = _by_name(run)
     model, _, cfg, _ = load_run(str(tmp_path / "run"))
     assert cfg.train.param_dtype == "bfloat16"
+    # float32 again, the masters' values (not their bf16 rounding)
     for (
         n,
         p,
-    ) in model.named_parameters():  # float32 again, the masters' values (not their bf16 rounding)
+    ) in model.named_parameters():
         assert p.dtype == torch.float32 and torch.equal(p.detach(), masters[n]), n

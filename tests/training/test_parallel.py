@@ -1,9 +1,10 @@
-"""training.parallel: degree validation, and FSDP2 / EP / HSDP / DDP training gradients equal to one process.
+"""training.parallel: degree validation, and FSDP2 / EP / HSDP / DDP training gradients equal to one
+process.
 
 Multi-process tests fork P CPU processes (gloo) that each build the same tiny MoE Transformer, shard
-it with ``parallelize`` and back-propagate the loss of their own batch; the reference is the unsharded
-model on one process back-propagating the mean of the P per-rank losses (what data parallelism
-computes). Every gradient (gathered from its shards) must match in float32.
+it with ``parallelize`` and back-propagate the loss of their own batch; the reference is the
+unsharded model on one process back-propagating the mean of the P per-rank losses (what data
+parallelism computes). Every gradient (gathered from its shards) must match in float32.
 """
 
 import copy
@@ -12,10 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+# forked gloo ranks: spawn(fn, world) runs fn(rank, world) on each
 from helpers import (
     spawn,
     tiny_moe_cfg,
-)  # forked gloo ranks: spawn(fn, world) runs fn(rank, world) on each
+)
 from moezoo.configs import ConfigError, ParallelConfig
 from moezoo.training.parallel import (
     ParallelState,
@@ -29,7 +31,7 @@ from moezoo.zoo import build_model
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-# ---- validation: one-line ConfigError before any process-group work --------------------------------
+# ---- validation: one-line ConfigError before any process-group work ------------------------------
 
 
 @pytest.mark.parametrize(
@@ -95,9 +97,8 @@ def test_setup_parallel_rejects_more_local_ranks_than_gpus(monkeypatch):
 def test_setup_parallel_rejects_megablocks_backend_under_ep(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = tiny_moe_cfg("parallel.ep=2")
-    cfg.model.moe.backend = (
-        "megablocks"  # set after loading: validation would want megablocks installed
-    )
+    # set after loading: validation would want megablocks installed
+    cfg.model.moe.backend = "megablocks"
     with pytest.raises(ConfigError, match="model.moe.backend"):
         setup_parallel(cfg)
     assert not dist.is_initialized()
@@ -109,7 +110,7 @@ def test_single_process_state_has_no_groups():
     assert state.device == torch.device("cpu")
 
 
-# ---- multi-process gradient parity ----------------------------------------------------------------
+# ---- multi-process gradient parity ---------------------------------------------------------------
 
 
 def _full(t):
@@ -133,8 +134,8 @@ def _check_grads_match_one_process(rank, world, overrides):
         for _ in range(world)
     ]
 
-    # One process over the global batch: the balance loss is global (MoEConfig.global_balance) and the
-    # mean cross-entropy / z-loss of equal-size rank batches average to the global mean.
+    # One process over the global batch: the balance loss is global (MoEConfig.global_balance) and
+    # the mean cross-entropy / z-loss of equal-size rank batches average to the global mean.
     ref.loss(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))[0].backward()
     assert model is not ref
     loss, _ = model.loss(*batches[rank])
@@ -146,9 +147,8 @@ def _check_grads_match_one_process(rank, world, overrides):
 
     L = cfg.model.moe.num_experts // ep
     ref_params = dict(ref.named_parameters())
-    assert set(ref_params) == {
-        n for n, _ in model.named_parameters()
-    }  # names unchanged (checkpoints, HF)
+    # names unchanged (checkpoints, HF)
+    assert set(ref_params) == {n for n, _ in model.named_parameters()}
     for name, p in model.named_parameters():
         got, want = _full(p.grad), ref_params[name].grad
         if ".experts." in name:
@@ -161,10 +161,11 @@ def _check_grads_match_one_process(rank, world, overrides):
     [
         (2, ["parallel.ep=2"]),  # EP over both ranks, experts not FSDP-sharded
         (4, ["parallel.ep=2"]),  # EP 2 x expert-FSDP 2, dense FSDP over 4
+        # HSDP 2 x 2 with EP 2 inside each replica
         (
             4,
             ["parallel.ep=2", "parallel.dp_replicate=2"],
-        ),  # HSDP 2 x 2 with EP 2 inside each replica
+        ),
         (2, []),  # FSDP2, experts sharded over 2 ranks
         (2, ["parallel.fsdp=false"]),  # replicate (DDP semantics)
         (2, ["parallel.ep=2", "parallel.activation_checkpointing=true"]),
@@ -209,9 +210,8 @@ def _check_meta_init(rank, world, overrides):
     experts = _full(model.layers[0].feed_forward.experts.w1.detach())  # this ep rank's experts
     wq = _full(model.layers[0].attention.wq.weight.detach())
     assert abs(wq.std().item() - cfg.model.init_std) < 0.005
-    assert not torch.equal(
-        wq[: wq.shape[0] // 2], wq[wq.shape[0] // 2 :]
-    )  # shards drew different values
+    # shards drew different values
+    assert not torch.equal(wq[: wq.shape[0] // 2], wq[wq.shape[0] // 2 :])
     everyone = [torch.empty_like(experts) for _ in range(world)]
     dist.all_gather(everyone, experts.contiguous())
     # ranks r and r + dp_shard are replicas (identical); ep peers hold different experts

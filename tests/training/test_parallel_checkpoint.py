@@ -3,7 +3,8 @@
 Two forked gloo ranks train one step of a tiny MoE Transformer with ep=2, save, and resume into a
 model built from another seed: every weight and AdamW moment comes back. The checkpoint holds the
 global ``[E, ...]`` expert tensors (not one ep rank's half), so one process without a process group
-loads it too and gets the experts in the right order, and the same ranks load it at another ep degree.
+loads it too and gets the experts in the right order, and the same ranks load it at another ep
+degree.
 """
 
 import os
@@ -82,9 +83,8 @@ def _save_ep2_load_ep1(rank, world, ckpt_dir):
     _one_step(model, opt, cfg, rank)
     want = _snapshot(model, opt, state)
     save_checkpoint(ckpt_dir, 1, model, opt, {"step": 1}, cfg, keep_last=1)
-    state1, model1, opt1 = _make(
-        tiny_moe_cfg(), world, rank, seed=5
-    )  # same 2 ranks, ep=1 (experts FSDP-sharded)
+    # same 2 ranks, ep=1 (experts FSDP-sharded)
+    state1, model1, opt1 = _make(tiny_moe_cfg(), world, rank, seed=5)
     load_checkpoint(os.path.join(ckpt_dir, "step_00000001"), model1, opt1)
     for name, p in model1.named_parameters():
         torch.testing.assert_close(

@@ -33,9 +33,8 @@ def test_sample_has_needle_at_depth_and_key_as_answer():
         toks, n, key_pos = passkey_sample(tok, HAY, 300, depth, seed=3)
         assert len(toks) == 300
         key = toks[-n:]
-        assert [toks[p] for p in key_pos] == key + key and max(
-            key_pos
-        ) < 300 - n  # the needle's two copies
+        # the needle's two copies
+        assert [toks[p] for p in key_pos] == key + key and max(key_pos) < 300 - n
         text = "".join(map(chr, toks))
         at = text.index(" The pass key is")
         assert text[at:].startswith(" The pass key is" + "".join(map(chr, key)) + ". Remember it.")
@@ -46,9 +45,8 @@ def test_sample_has_needle_at_depth_and_key_as_answer():
         )
         assert abs(at - depth * hay_len) <= 1
         assert text.endswith(" What is the pass key? The pass key is" + "".join(map(chr, key)))
-    assert passkey_sample(tok, HAY, 300, 0.5, 3) == passkey_sample(
-        tok, HAY, 300, 0.5, 3
-    )  # a pure function
+    # a pure function
+    assert passkey_sample(tok, HAY, 300, 0.5, 3) == passkey_sample(tok, HAY, 300, 0.5, 3)
     with pytest.raises(ValueError, match="no room"):
         passkey_sample(tok, HAY, 40, 0.5, 3)
 
@@ -68,16 +66,16 @@ class Oracle(torch.nn.Module):
 def test_scoring_is_all_answer_tokens_argmax():
     tok = CharTokenizer()
     right = passkey_eval(Oracle(True), tok, HAY, [200, 400], samples=3)
-    assert (
-        right.accuracy == {200: 1.0, 400: 1.0} and right.recall == {}
-    )  # no block top-k heads, no recall
+    # no block top-k heads, no recall
+    assert right.accuracy == {200: 1.0, 400: 1.0} and right.recall == {}
     assert passkey_eval(Oracle(False), tok, HAY, [200], samples=3).accuracy == {200: 0.0}
     assert "100%" in format_passkey_table(right) and "recall" not in format_passkey_table(right)
 
 
 def test_needle_recall_is_what_the_block_topk_selection_held(monkeypatch):
-    """Recall per layer and length against the token mask of each forward's own q and k (pattern_mask: the
-    plan's mask, independent of BlockSelection.covers and the eval's bookkeeping)."""
+    """Recall per layer and length against the token mask of each forward's own q and k
+    (pattern_mask: the plan's mask, independent of BlockSelection.covers and the eval's
+    bookkeeping)."""
     from moezoo.configs import AttentionConfig, ModelConfig
     from moezoo.layers.attention import module as attention_module
     from moezoo.layers.attention import pattern_mask
@@ -126,10 +124,11 @@ def test_needle_recall_is_what_the_block_topk_selection_held(monkeypatch):
             assert res.recall_layers[L][layer] == pytest.approx(sum(hits[layer]) / len(hits[layer]))
         assert res.recall[L] == pytest.approx(sum(hits[0] + hits[1]) / len(hits[0] + hits[1]))
     assert any(0 < r < 1 for r in res.recall.values())  # a random model finds some needles, not all
+    # restored, the blocks let go
     assert all(
         not m.record_selection and "selection" not in m.attn_stats
         for m in (b.attention for b in model.layers)
-    )  # restored, the blocks let go
+    )
     table = format_passkey_table(res)
     assert "recall" in table and f"{res.recall[192]:>7.0%}" in table
 
@@ -212,9 +211,8 @@ def test_passkey_mix_asks_each_fresh_key_once_after_its_own_needle(distance_bias
     for row in torch.cat([x, y[:, -1:]], 1):
         text = "".join(map(chr, row.tolist()))
         asks = [i for i in range(len(text)) if text.startswith(QUESTION, i)]
-        inside = {
-            q + len(QUESTION) - len(NEEDLE[0]) for q in asks
-        }  # a question ends in NEEDLE[0] too
+        # a question ends in NEEDLE[0] too
+        inside = {q + len(QUESTION) - len(NEEDLE[0]) for q in asks}
         needles = [i for i in range(len(text)) if text.startswith(NEEDLE[0], i) and i not in inside]
         assert len(needles) == len(asks) in (1, 2, 4)
         counts.add(len(asks))
@@ -223,7 +221,8 @@ def test_passkey_mix_asks_each_fresh_key_once_after_its_own_needle(distance_bias
             key = text[n + len(NEEDLE[0]) : text.index(NEEDLE[1], n)]
             assert len(key) == 6 and key[1:].isdigit()
             assert text[n:].startswith(NEEDLE[0] + key + NEEDLE[1] + key + NEEDLE[2])
-            # the question ends its segment and its nearest preceding "pass key is" is its own needle
+            # the question ends its segment and its nearest preceding "pass key is" is its own
+            # needle
             assert text[q:].startswith(QUESTION + key) and q + len(QUESTION + key) == (s + 1) * seg
             assert s * seg <= n < q and not any(n < a < q for a in needles + asks[:s])
             keys.append(key)
@@ -255,8 +254,9 @@ def test_passkey_mix_does_not_depend_on_how_the_batch_is_split(distance_bias):
 
 @pytest.mark.parametrize("distance_bias", [0.0, 1.0])
 def test_answer_weight_weighs_exactly_the_asked_keys_tokens(distance_bias):
-    """data.passkey_answer_weight: w is the weight on the targets that are an asked key's tokens (the
-    digits after each question), 1 elsewhere; the model's loss is the weighted mean, parts["ce"] the plain."""
+    """data.passkey_answer_weight: w is the weight on the targets that are an asked key's tokens
+    (the digits after each question), 1 elsewhere; the model's loss is the weighted mean,
+    parts["ce"] the plain."""
     from moezoo.training.data import sample_batch
     from moezoo.training.passkey import QUESTION, PasskeyMix
     from moezoo.zoo.model import Transformer
@@ -313,9 +313,10 @@ def test_passkey_mix_that_does_not_fit_the_window_names_the_key(tmp_path):
         load_config("zoo/tiny_dense.yaml", ["data.passkey_mix=1.5"])
 
 
-# sha256 (first 16 hex digits) of the windows + answer marks that PasskeyMix wrote for these seeds before
-# data.passkey_distance_bias existed (computed with the committed e427515 training/passkey.py): runs made
-# before the option must see the same windows, and their resumes replay them.
+# sha256 (first 16 hex digits) of the windows + answer marks that PasskeyMix wrote for these seeds
+# before data.passkey_distance_bias existed (computed with the committed e427515
+# training/passkey.py): runs made before the option must see the same windows, and their resumes
+# replay them.
 UNBIASED_DIGESTS = {0: "6214154eb5ba2acc", 1: "ba3e9e35f3ec84bc", 7: "857ba095a256c77b"}
 
 
@@ -339,7 +340,8 @@ def test_passkey_mix_without_distance_bias_writes_the_windows_it_always_did(seed
 
 def test_distance_bias_draws_segment_counts_with_p_proportional_to_m_pow_minus_bias():
     """Windows' segment counts (asked keys a window) over 4000 draws against P(m) ~ m ** -bias, by a
-    chi-square test at p = 0.001 (3 degrees of freedom: 16.27); the draws are seeded, so it never flakes."""
+    chi-square test at p = 0.001 (3 degrees of freedom: 16.27); the draws are seeded, so it never
+    flakes."""
     from moezoo.training.passkey import PasskeyMix
 
     counts = np.array([1, 2, 4, 8])
@@ -394,8 +396,8 @@ def test_trainer_draws_the_mix_with_the_configured_distance_bias(tmp_path, corpu
 
 
 def test_bias_from_step_draws_the_unbiased_mix_before_it_and_the_biased_one_from_it():
-    """data.passkey_bias_from_step: windows of earlier steps are the unbiased mix's, bit for bit; windows of
-    that step and later the biased mix's (the same draws, so a resume replays them)."""
+    """data.passkey_bias_from_step: windows of earlier steps are the unbiased mix's, bit for bit;
+    windows of that step and later the biased mix's (the same draws, so a resume replays them)."""
     from moezoo.training.passkey import PasskeyMix
 
     kw = dict(share=0.8, questions=8, seq_len=1200)

@@ -44,9 +44,8 @@ def test_flops_per_token_is_6n_plus_attention():
     cfg = preset("llama_65b.yaml")
     c = param_counts(cfg.model)
     S = cfg.train.seq_len
-    expected = 6 * (c.total - c.embedding) + 6 * cfg.model.n_layers * cfg.model.dim * (
-        S + 1
-    )  # causal pairs
+    # causal pairs
+    expected = 6 * (c.total - c.embedding) + 6 * cfg.model.n_layers * cfg.model.dim * (S + 1)
     assert flops_per_token(cfg.model, S, c) == pytest.approx(expected)
 
 
@@ -136,7 +135,8 @@ def test_compact_dst_state_fits_moe_65b_on_256_gpus_within_the_headroom():
         plan(preset("moe_65b.yaml", "dst.compact_state=false"), n_gpus=256),
     )
     masked = dense_state.memory.dst_masks / 6  # masked weights per GPU (6 B each when dense)
-    # 1 bit mask + 1 bit ever-active + 2 B bf16 score; moments + int32 index for the active 55% (50% + 10% margin)
+    # 1 bit mask + 1 bit ever-active + 2 B bf16 score; moments + int32 index for the active 55% (50%
+    # + 10% margin)
     assert abs(compact.memory.dst_masks - 2.25 * masked) < 1e-3 * masked
     assert (
         abs((dense_state.memory.optimizer - compact.memory.optimizer) - masked * (8 - 12 * 0.55))
@@ -147,7 +147,8 @@ def test_compact_dst_state_fits_moe_65b_on_256_gpus_within_the_headroom():
 
 
 def test_bf16_weights_hold_the_same_bytes_a_parameter_and_four_more_with_accumulation():
-    # float32: 4 B weight + 4 B grad; bfloat16 weights: 2 B + 4 B master, 2 B grad (+ a 4 B float32 sum)
+    # float32: 4 B weight + 4 B grad; bfloat16 weights: 2 B + 4 B master, 2 B grad (+ a 4 B float32
+    # sum)
     base = plan(preset("olmoe_1b_7b.yaml"), n_gpus=1, device_type="cuda").memory
     low = plan(
         preset("olmoe_1b_7b.yaml", "train.param_dtype=bfloat16"), n_gpus=1, device_type="cuda"

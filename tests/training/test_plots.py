@@ -1,4 +1,5 @@
-"""Local pictures of a run: metrics.png and fixed-scale expert-load heatmaps under <out_dir>/plots/."""
+"""Local pictures of a run: metrics.png and fixed-scale expert-load heatmaps under
+<out_dir>/plots/."""
 
 import os
 
@@ -46,9 +47,8 @@ def test_run_writes_metrics_and_expert_load_pictures(moe_run):
         path = os.path.join(plots, name)
         assert 5_000 < os.path.getsize(path) < 200_000
         img = plt.imread(path)
-        assert (
-            img.shape[0] > 150 and img.shape[1] > 300 and img[..., :3].std() > 0.05
-        )  # drawn, not blank
+        # drawn, not blank
+        assert img.shape[0] > 150 and img.shape[1] > 300 and img[..., :3].std() > 0.05
 
 
 def test_plot_command_redraws_metrics_png(moe_run, capsys):
@@ -60,14 +60,16 @@ def test_plot_command_redraws_metrics_png(moe_run, capsys):
 
 
 def test_expert_load_scale_is_fixed_across_steps():
-    """Uniform load is the colour bar's centre (white) whatever the step's spread; 2/E is the top."""
+    """Uniform load is the colour bar's centre (white) whatever the step's spread; 2/E is the
+    top."""
     E = 8
     uniform = np.full((2, E), 1 / E)
     skewed = np.array([[0.5] + [0.5 / 7] * 7, [1 / E] * E])
     px = [figure_array(expert_load_figure(m, step)) for step, m in ((1, uniform), (2, skewed))]
     assert px[0].shape == px[1].shape
     h, w, _ = px[0].shape
-    # The uniform row looks the same in both pictures (a per-picture min/max scale would recolour it).
+    # The uniform row looks the same in both pictures (a per-picture min/max scale would recolour
+    # it).
     centre_uniform = px[0][int(h * 0.65), int(w * 0.3)]
     centre_skewed_row1 = px[1][int(h * 0.65), int(w * 0.3)]
     assert np.abs(centre_uniform.astype(int) - centre_skewed_row1.astype(int)).max() < 10

@@ -1,5 +1,5 @@
-"""Non-finite steps: rollback stops after train.max_rollbacks in a row, the step that triggers a rollback
-is logged, and a skipped MoE step leaves no trace in the aux-loss-free bias."""
+"""Non-finite steps: rollback stops after train.max_rollbacks in a row, the step that triggers a
+rollback is logged, and a skipped MoE step leaves no trace in the aux-loss-free bias."""
 
 import json
 import os
@@ -13,7 +13,8 @@ from moezoo.training.loop import Trainer
 
 
 def test_rollback_stops_after_max_rollbacks_in_a_row(run_copy, capsys, monkeypatch):
-    """Every step after the checkpoint at 5 is non-finite: roll back twice, then stop with one line, exit 1."""
+    """Every step after the checkpoint at 5 is non-finite: roll back twice, then stop with one line,
+    exit 1."""
     real_init = Trainer.__init__
 
     def init(self, cfg):

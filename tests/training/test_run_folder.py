@@ -86,7 +86,8 @@ def test_resuming_a_finished_run_says_it_is_already_complete(run_copy, capsys):
 
 
 def test_metrics_have_no_repeated_steps_after_resume(run_copy):
-    """Interrupted after step 10 was logged but before its checkpoint: resume at 5 drops rows 6-10."""
+    """Interrupted after step 10 was logged but before its checkpoint: resume at 5 drops rows
+    6-10."""
     os.rename(run_copy.step_dir(10), os.path.join(run_copy.ckpt_dir, "gone"))
     Trainer(_cfg(run_copy, **{"checkpoint.resume": True})).fit()
     with open(os.path.join(run_copy.out_dir, "metrics.jsonl")) as f:
@@ -111,8 +112,9 @@ def test_argument_prefixes_are_not_taken_for_flags():
 
 @pytest.fixture
 def default_sigint():
-    """Python's own Ctrl-C handling for the test (restored after): a pytest started in the background from a
-    non-interactive shell inherits SIGINT ignored, and the trainer then leaves Ctrl-C alone, as it should."""
+    """Python's own Ctrl-C handling for the test (restored after): a pytest started in the
+    background from a non-interactive shell inherits SIGINT ignored, and the trainer then leaves
+    Ctrl-C alone, as it should."""
     before = signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
@@ -166,10 +168,10 @@ def test_second_ctrl_c_exits_at_once(run_copy, default_sigint):
 
 
 def _ctrl_c_on_rank_1(rank, world, overrides):
-    """One of two gloo ranks (the trainer joins spawn's process group) is asked to stop inside step 2."""
-    os.environ.update(
-        WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank)
-    )  # this child only
+    """One of two gloo ranks (the trainer joins spawn's process group) is asked to stop inside step
+    2."""
+    # this child only
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     tr = Trainer(load_config("zoo/tiny_dense.yaml", overrides))
     real = tr.train_step
 
@@ -184,8 +186,8 @@ def _ctrl_c_on_rank_1(rank, world, overrides):
 
 
 def test_ctrl_c_on_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(run_copy):
-    """The flag travels in the step's loss all-reduce (no collective of its own): both ranks stop after
-    step 3 and save it together."""
+    """The flag travels in the step's loss all-reduce (no collective of its own): both ranks stop
+    after step 3 and save it together."""
     spawn(
         _ctrl_c_on_rank_1,
         2,

@@ -1,6 +1,7 @@
-"""Non-finite steps skipped on the device (training.loop.skips_on_device, on by default on CUDA): the same
-weights, MoE biases, optimizer state, counts and logs as steps checked on the host, with the host learning
-of a skipped step one step later. On CPU with optim.implementation=fused (auto takes foreach there)."""
+"""Non-finite steps skipped on the device (training.loop.skips_on_device, on by default on CUDA):
+the same weights, MoE biases, optimizer state, counts and logs as steps checked on the host, with
+the host learning of a skipped step one step later. On CPU with optim.implementation=fused (auto
+takes foreach there)."""
 
 import json
 import os
@@ -33,8 +34,8 @@ def _moe(tmp, corpus, on_device, param_dtype):
     return tr
 
 
-# float32: torch's fused AdamW (step counts on the device); bfloat16: MasterAdamW (counts on the host, taken
-# back when the trainer reads the flag)
+# float32: torch's fused AdamW (step counts on the device); bfloat16: MasterAdamW (counts on the
+# host, taken back when the trainer reads the flag)
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
 def test_steps_skipped_on_the_device_equal_steps_skipped_on_the_host(
     tmp_path, corpus_dir, param_dtype
@@ -79,8 +80,8 @@ def test_host_checks_each_step_where_the_device_cannot(tmp_path, corpus_dir):
 def test_rollbacks_and_logs_are_those_of_host_checked_steps(
     tmp_path, corpus_dir, monkeypatch, max_bad
 ):
-    """Steps from 5 on are non-finite: the rollbacks come at the same steps, and metrics.jsonl reads the
-    same (but for the clock) whether the check stays on the device or not."""
+    """Steps from 5 on are non-finite: the rollbacks come at the same steps, and metrics.jsonl reads
+    the same (but for the clock) whether the check stays on the device or not."""
     real_init = Trainer.__init__
     rows = {}
     for on_device in (False, True):
@@ -136,8 +137,9 @@ def _dst(tmp, corpus, on_device, compact):
 def test_dst_steps_skipped_on_the_device_equal_steps_skipped_on_the_host(
     tmp_path, corpus_dir, compact
 ):
-    """Mask updates every 3 steps with a gradient EMA: step 3 (an update, checked on the host) and step 4
-    (checked on the device) are non-finite; weights, masks, scores and optimizer state stay equal."""
+    """Mask updates every 3 steps with a gradient EMA: step 3 (an update, checked on the host) and
+    step 4 (checked on the device) are non-finite; weights, masks, scores and optimizer state stay
+    equal."""
     host = _dst(tmp_path / "h", corpus_dir, False, compact)
     dev = _dst(tmp_path / "d", corpus_dir, True, compact)
     for tr in (host, dev):
@@ -161,9 +163,10 @@ def test_dst_steps_skipped_on_the_device_equal_steps_skipped_on_the_host(
 @pytest.mark.gpu
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
 def test_a_step_skipped_on_cuda_changes_no_weight_state_or_count(tmp_path, corpus_dir, param_dtype):
-    """On CUDA the check stays on the device by default (torch's fused AdamW; MasterAdamW's Triton kernel with
-    found_inf; the flags through pinned memory and an event): the skipped step leaves every weight, MoE bias,
-    moment and step count as it was, and the host counts it when it reads the flag."""
+    """On CUDA the check stays on the device by default (torch's fused AdamW; MasterAdamW's Triton
+    kernel with found_inf; the flags through pinned memory and an event): the skipped step leaves
+    every weight, MoE bias, moment and step count as it was, and the host counts it when it reads
+    the flag."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     ov = tiny_overrides(

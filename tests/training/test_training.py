@@ -1,4 +1,5 @@
-"""The training spine: a short run learns, resume is bit-exact, non-finite steps are skipped, wandb modes."""
+"""The training spine: a short run learns, resume is bit-exact, non-finite steps are skipped, wandb
+modes."""
 
 import glob
 import os
@@ -91,7 +92,8 @@ def test_checkpoint_write_is_atomic_and_keeps_last_k(tmp_path, corpus_dir):
     )
     Trainer(cfg).fit()
     assert [s for s, _ in list_checkpoints(cfg.checkpoint_dir)] == [15, 20]
-    # A save killed midway leaves only a temp dir (or a dir without manifest.json): never picked for resume.
+    # A save killed midway leaves only a temp dir (or a dir without manifest.json): never picked for
+    # resume.
     os.makedirs(os.path.join(cfg.checkpoint_dir, ".tmp_step_00000025"))
     torn = os.path.join(cfg.checkpoint_dir, "step_00000030")
     os.makedirs(torn)
@@ -127,9 +129,10 @@ def test_train_compile_runs_compiled_blocks_with_the_same_losses(tmp_path, corpu
 def test_train_compile_cache_holds_a_training_and_an_evaluation_graph_of_every_block(
     tmp_path, corpus_dir, monkeypatch
 ):
-    """Evaluation (no_grad, eval mode) recompiles every block; past dynamo's limit a block would run eagerly,
-    and the step-0 validation comes first, so the limit must cover both graphs of every distinct block, on
-    top of what earlier models in the process hold in the same cache (the block class's forward)."""
+    """Evaluation (no_grad, eval mode) recompiles every block; past dynamo's limit a block would run
+    eagerly, and the step-0 validation comes first, so the limit must cover both graphs of every
+    distinct block, on top of what earlier models in the process hold in the same cache (the block
+    class's forward)."""
     monkeypatch.setattr(torch._dynamo.config, "cache_size_limit", 8)  # restored after the test
     for run in range(2):
         before = torch._dynamo.config.cache_size_limit
@@ -170,7 +173,8 @@ def test_expert_load_heatmap_is_logged_at_every_eval_step(tmp_path, corpus_dir):
 def test_kill_during_checkpoint_write_leaves_the_previous_checkpoint_resumable(
     tmp_path, corpus_dir
 ):
-    """SIGKILL a real run while it writes its second checkpoint; --resume then picks the first one."""
+    """SIGKILL a real run while it writes its second checkpoint; --resume then picks the first
+    one."""
     import signal
     import subprocess
     import sys
@@ -179,7 +183,8 @@ def test_kill_during_checkpoint_write_leaves_the_previous_checkpoint_resumable(
     from helpers import ROOT
 
     ov = tiny_overrides(tmp_path, corpus_dir, **{"train.steps": 20, "checkpoint.every": 5})
-    # Slow down the write of step 10's manifest.json (the last file of a checkpoint) to kill inside it.
+    # Slow down the write of step 10's manifest.json (the last file of a checkpoint) to kill inside
+    # it.
     code = f"""
 import sys, time
 import moezoo.training.checkpoint as ck

@@ -1,4 +1,5 @@
-"""A tiny trained run: generate text from it, export it (HF folder, one file), and start a run from the export."""
+"""A tiny trained run: generate text from it, export it (HF folder, one file), and start a run from
+the export."""
 
 import os
 
@@ -25,9 +26,8 @@ def trained(tmp_path_factory, corpus_dir):
 
 def test_generate_prints_text_continuing_the_prompt(trained, capsys):
     cfg, _, _ = trained
-    assert os.path.isfile(
-        os.path.join(cfg.out_dir, "tokenizer.model")
-    )  # the run folder keeps its tokenizer
+    # the run folder keeps its tokenizer
+    assert os.path.isfile(os.path.join(cfg.out_dir, "tokenizer.model"))
     assert (
         generate_main(
             ["--run", cfg.out_dir, "--prompt", "def ", "--max-new-tokens", "12", "--seed", "1"]

@@ -1,4 +1,5 @@
-"""zoo.hf for HF LlamaForCausalLM: logit parity both ways, layouts, and configs that must be refused.
+"""zoo.hf for HF LlamaForCausalLM: logit parity both ways, layouts, and configs that must be
+refused.
 
 Weights are re-drawn at a large scale (not HF's 0.02 init) so logits are O(1) and a wrong mapping
 (a swapped projection, a missed bias, a wrong RoPE) shows far above the 1e-4 tolerance.

@@ -1,7 +1,8 @@
-"""zoo.hf for the families beyond Llama/Mixtral/Qwen2-MoE: Mistral, Qwen2, Qwen3, Qwen3-MoE, OLMoE and
-DeepSeek-V3 (MLA + group-limited sigmoid routing). Logit parity from_hf and to_hf, KV-cache decode equal
-to HF's full pass, YaRN / dynamic NTK RoPE, gate activations, padding masks against HF, and the HF
-fields moezoo cannot express refused by name. Tiny float32 models, weights re-drawn large (helpers)."""
+"""zoo.hf for the families beyond Llama/Mixtral/Qwen2-MoE: Mistral, Qwen2, Qwen3, Qwen3-MoE, OLMoE
+and DeepSeek-V3 (MLA + group-limited sigmoid routing). Logit parity from_hf and to_hf, KV-cache
+decode equal to HF's full pass, YaRN / dynamic NTK RoPE, gate activations, padding masks against HF,
+and the HF fields moezoo cannot express refused by name. Tiny float32 models, weights re-drawn large
+(helpers)."""
 
 import pytest
 import torch
@@ -52,9 +53,8 @@ def _decode_matches_full_pass(hf, model, prefill: int = 5):
     assert (torch.cat(outs, 1) - ref).abs().max().item() < TOL
 
 
-@pytest.mark.parametrize(
-    "family", ["mistral", "qwen3", "deepseek_v3"]
-)  # mistral: sliding-window decode
+# mistral: sliding-window decode
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "deepseek_v3"])
 def test_kv_cache_decode_equals_hf_full_pass(family):
     hf = tiny_hf(family, seed=4)
     _decode_matches_full_pass(hf, from_hf(hf, moe_backend="torch"))

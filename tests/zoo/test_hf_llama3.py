@@ -1,6 +1,6 @@
-"""zoo.hf with Llama 3.1 (``llama3``) RoPE scaling: bit-identical frequencies, float32 logit parity both ways
-at a length past the original context, and both transformers config forms (5.x ``rope_parameters``, 4.x
-``rope_theta`` + ``rope_scaling``)."""
+"""zoo.hf with Llama 3.1 (``llama3``) RoPE scaling: bit-identical frequencies, float32 logit parity
+both ways at a length past the original context, and both transformers config forms (5.x
+``rope_parameters``, 4.x ``rope_theta`` + ``rope_scaling``)."""
 
 from types import SimpleNamespace
 

@@ -1,5 +1,6 @@
 """zoo.hf for HF MixtralForCausalLM and Qwen2MoeForCausalLM: logit parity both ways (eval, dropless,
-torch reference experts), the transformers 4.x per-expert layout, and MoE configs HF cannot express."""
+torch reference experts), the transformers 4.x per-expert layout, and MoE configs HF cannot
+express."""
 
 import pytest
 import torch
@@ -165,7 +166,8 @@ def test_aux_loss_coefficient_converts_between_hf_and_moezoo_normalisation():
 
 
 def as_transformers4(hf_model: nn.Module) -> nn.Module:
-    """The same weights in the transformers 4.x layout: one Linear per expert, Mixtral under block_sparse_moe."""
+    """The same weights in the transformers 4.x layout: one Linear per expert, Mixtral under
+    block_sparse_moe."""
     mixtral_names = hf_model.config.model_type == "mixtral"
     gate, up, down = ("w1", "w3", "w2") if mixtral_names else ("gate_proj", "up_proj", "down_proj")
     sd = {}

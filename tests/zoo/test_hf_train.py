@@ -1,8 +1,9 @@
 """Tiny random Qwen3-MoE and DeepSeek-V3 models imported from HF train end to end.
 
-The branch has no ``model.init_from`` yet (the user-workflow issue adds it), so the path is the Python
-API: ``from_hf`` -> save the config (``configs.save_config``) and weights (``state_dict``) -> train.py's
-``main`` on the saved config, and the saved weights loaded into ``build_model`` and trained a few AdamW steps.
+The branch has no ``model.init_from`` yet (the user-workflow issue adds it), so the path is the
+Python API: ``from_hf`` -> save the config (``configs.save_config``) and weights (``state_dict``) ->
+train.py's ``main`` on the saved config, and the saved weights loaded into ``build_model`` and
+trained a few AdamW steps.
 """
 
 import os
@@ -43,9 +44,8 @@ def test_model_imported_from_hf_saves_loads_and_trains(family, tmp_path, corpus_
     cfg.model = imported.cfg
     path = str(tmp_path / "imported.yaml")
     save_config(cfg, path)
-    assert (
-        train_main(["--config", path]) == 0
-    )  # train.py's entry, in this process (no 10 s of imports)
+    # train.py's entry, in this process (no 10 s of imports)
+    assert train_main(["--config", path]) == 0
     assert os.path.exists(tmp_path / "run" / "metrics.jsonl")
 
     model = build_model(load_config(path).model)  # the saved config rebuilds the imported model ...

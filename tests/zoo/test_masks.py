@@ -1,6 +1,7 @@
-"""Transformer.forward with attention_mask, position_ids and packed documents (training.data.pack_documents):
-padding contributes nothing and gets no loss, packed documents see only themselves with RoPE restarting,
-for dense, sparse (reference path), MoE and MLA models; bad masks are refused by argument name."""
+"""Transformer.forward with attention_mask, position_ids and packed documents
+(training.data.pack_documents): padding contributes nothing and gets no loss, packed documents see
+only themselves with RoPE restarting, for dense, sparse (reference path), MoE and MLA models; bad
+masks are refused by argument name."""
 
 import pytest
 import torch
@@ -52,7 +53,8 @@ def zoo_model(seed=0, patterns=None, mla=False, moe=False, ssmax=False):
 
 @pytest.mark.parametrize("kind", ["dense", "local", "mla_moe", "ssmax"])
 def test_packed_documents_give_each_document_its_own_logits(kind):
-    # ssmax: each document's queries are scaled by their own positions (randomize_ makes the slopes nonzero)
+    # ssmax: each document's queries are scaled by their own positions (randomize_ makes the slopes
+    # nonzero)
     model = zoo_model(
         1,
         patterns=LOCAL if kind == "local" else None,
@@ -76,8 +78,8 @@ def test_packed_documents_give_each_document_its_own_logits(kind):
 
 
 def test_no_attention_crosses_a_document_under_sink_and_random_block_patterns():
-    # (input-dependent patterns estimate their columns over the whole packed row: their selection, not
-    # their values, sees the other documents; docs/DESIGN.md)
+    # (input-dependent patterns estimate their columns over the whole packed row: their selection,
+    # not their values, sees the other documents; docs/DESIGN.md)
     for patterns in (
         A_SHAPE,
         {"*": {"type": "bigbird", "sinks": 1, "window": 2, "random_blocks": 1, "block_size": 4}},

@@ -1,5 +1,6 @@
 """The presets of the HF families have their published sizes (params counted on the meta device, as
-``train.py --plan`` does): Qwen3-30B-A3B 30.5B / 3.3B, OLMoE-1B-7B 6.9B / 1.3B, DeepSeek-V3 671B / 37B."""
+``train.py --plan`` does): Qwen3-30B-A3B 30.5B / 3.3B, OLMoE-1B-7B 6.9B / 1.3B, DeepSeek-V3 671B /
+37B."""
 
 import pytest
 

@@ -20,9 +20,8 @@ def test_default_selection_for_big_models_is_first_middle_last_layer_and_8_heads
     assert default_heads(16) == list(range(16))
     heads = default_heads(64)
     assert len(heads) == 8 and heads[0] == 0 and heads[-1] == 63
-    assert sparse_layers(load_config("zoo/sparse_attn_1b_64k.yaml").model) == list(
-        range(16)
-    )  # every layer sparse since the preset rebuild (issue 15)
+    # every layer sparse since the preset rebuild (issue 15)
+    assert sparse_layers(load_config("zoo/sparse_attn_1b_64k.yaml").model) == list(range(16))
 
 
 def test_long_lengths_title_block_density_short_ones_token_density():
@@ -33,9 +32,8 @@ def test_long_lengths_title_block_density_short_ones_token_density():
     n = img.shape[0]
     assert img.shape == (n, n) and n == 4096 // 16
     assert dense == 1.0 and dense_kind == "dense" and kind == "block_topk"
-    assert dens == pytest.approx(
-        float((img > 0).sum()) / (n * (n + 1) / 2)
-    )  # computed / causal blocks
+    # computed / causal blocks
+    assert dens == pytest.approx(float((img > 0).sum()) / (n * (n + 1) / 2))
     short = layer_images(m, 64, layers=[0], heads=[0])[0][1][0][2]
     assert 0 < short < 1  # token density (exact)
 

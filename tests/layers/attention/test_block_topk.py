@@ -1,5 +1,6 @@
-"""Block top-k as the trainable workhorse (GQA-shared selection, sinks + window), MInference's forced
-vertical-slash picks, per-call density / selection stats, flex kernel choice, and the config errors."""
+"""Block top-k as the trainable workhorse (GQA-shared selection, sinks + window), MInference's
+forced vertical-slash picks, per-call density / selection stats, flex kernel choice, and the config
+errors."""
 
 import pytest
 import torch
@@ -15,10 +16,10 @@ BS = 8
 
 
 def _pooled_topk_reference(q, k, bs, top_k, group_shared, query_max=False, sub_block=None):
-    """Independent MoBA/NSA selection: mean-pooled q (group-mean when shared) . mean-pooled k, or with
-    ``query_max`` the max over each query block's queries of q (group-mean) . mean-pooled k; causal,
-    own block forced, top-k -> bool [B, H, nq, nk]. ``sub_block``: keys pooled over sub-blocks of this
-    many, a key block scored by the best of its (non-empty) sub-blocks."""
+    """Independent MoBA/NSA selection: mean-pooled q (group-mean when shared) . mean-pooled k, or
+    with ``query_max`` the max over each query block's queries of q (group-mean) . mean-pooled k;
+    causal, own block forced, top-k -> bool [B, H, nq, nk]. ``sub_block``: keys pooled over
+    sub-blocks of this many, a key block scored by the best of its (non-empty) sub-blocks."""
     B, H, T, D = q.shape
     g = H // k.shape[1]
     n = (T + bs - 1) // bs
@@ -42,9 +43,8 @@ def _pooled_topk_reference(q, k, bs, top_k, group_shared, query_max=False, sub_b
         per_q = best_sub(torch.einsum("bhtd,bhnsd->bhtns", qf, kp))  # [B, H, T, n]
         s = torch.stack([per_q[:, :, i * bs : (i + 1) * bs].amax(2) for i in range(n)], 2)
     else:
-        qp = torch.stack(
-            [qf[:, :, i * bs : (i + 1) * bs].mean(2) for i in range(n)], 2
-        )  # [B, H, n, D]
+        # [B, H, n, D]
+        qp = torch.stack([qf[:, :, i * bs : (i + 1) * bs].mean(2) for i in range(n)], 2)
         s = best_sub(torch.einsum("bhqd,bhnsd->bhqns", qp, kp))
     causal = torch.ones(n, n).tril().bool()
     s = s.masked_fill(~causal, float("-inf")) + torch.diag(
@@ -71,16 +71,17 @@ def test_block_topk_selection_matches_pooled_reference_and_shares_kv_groups(shar
 
 
 def test_query_max_selection_keeps_one_querys_far_block_that_pooling_averages_away(monkeypatch):
-    """The last block's queries all lean (weakly) to block 5; one of them looks for a key planted in block 2.
-    Pooled over the block, block 5 wins; with query_max the one query's block 2 does. Chunking the
-    per-query scores changes nothing."""
+    """The last block's queries all lean (weakly) to block 5; one of them looks for a key planted in
+    block 2. Pooled over the block, block 5 wins; with query_max the one query's block 2 does.
+    Chunking the per-query scores changes nothing."""
     import moezoo.layers.attention.selection as sel
 
     B, H, Hk, T = 1, 4, 2, 128
     q, k, _ = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=3)
+    # two orthonormal directions
     basis = torch.linalg.qr(
         torch.randn(q.shape[-1], 2, generator=torch.Generator().manual_seed(0))
-    )[0].T  # two orthonormal directions
+    )[0].T
     k[:, :, 2 * BS + 3] += 16 * basis[0]  # one key of block 2
     q[:, :, T - 2] += 16 * basis[0]  # one query of the last block asks for it
     k[:, :, 5 * BS : 6 * BS] += 4 * basis[1]  # every key of block 5 ...
@@ -90,9 +91,8 @@ def test_query_max_selection_keeps_one_querys_far_block_that_pooling_averages_aw
         p = SparsityPattern(
             type="block_topk", top_k=2, block_size=BS, share_group=1, query_max=qmax
         )
-        picks[qmax] = plan_pattern(p, H, 0, T, T, 0, q, k).blocks[
-            0, :, -1
-        ]  # [H, nk] of the last block
+        # [H, nk] of the last block
+        picks[qmax] = plan_pattern(p, H, 0, T, T, 0, q, k).blocks[0, :, -1]
     assert picks[0][:, 5].all() and not picks[0][:, 2].any()
     assert picks[1][:, 2].all() and not picks[1][:, 5].any()
     monkeypatch.setattr(sel, "_QUERY_MAX_CHUNK", Hk * BS * (T // BS))  # one query block per chunk
@@ -105,8 +105,8 @@ def test_query_max_selection_keeps_one_querys_far_block_that_pooling_averages_aw
 @pytest.mark.parametrize("query_max", [0, 1])
 @pytest.mark.parametrize("sub_block", [BS // 2, BS // 4])
 def test_score_block_scores_each_block_by_its_best_sub_block(sub_block, query_max):
-    """score_block < block_size: the selection pools keys over sub-blocks and ranks a block by its best
-    one (NSA's selection from its finer compression scores); a partial last block included."""
+    """score_block < block_size: the selection pools keys over sub-blocks and ranks a block by its
+    best one (NSA's selection from its finer compression scores); a partial last block included."""
     B, H, Hk, T = 2, 8, 2, 60
     q, k, _ = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=5)
     p = SparsityPattern(
@@ -119,6 +119,7 @@ def test_score_block_scores_each_block_by_its_best_sub_block(sub_block, query_ma
     )
     plan = plan_pattern(p, H, 0, T, T, 0, q, k)
     assert torch.equal(plan.blocks, _pooled_topk_reference(q, k, BS, 3, 1, query_max, sub_block))
+    # sub-blocks the size of the block: the plain rule
     whole = SparsityPattern(
         type="block_topk",
         top_k=3,
@@ -126,7 +127,7 @@ def test_score_block_scores_each_block_by_its_best_sub_block(sub_block, query_ma
         share_group=1,
         query_max=query_max,
         score_block=BS,
-    )  # sub-blocks the size of the block: the plain rule
+    )
     assert torch.equal(
         plan_pattern(whole, H, 0, T, T, 0, q, k).blocks,
         _pooled_topk_reference(q, k, BS, 3, 1, query_max),
@@ -134,9 +135,9 @@ def test_score_block_scores_each_block_by_its_best_sub_block(sub_block, query_ma
 
 
 def test_finer_sub_blocks_find_a_needle_that_a_whole_blocks_mean_dilutes():
-    """One key of block 2 matches the last block's queries strongly; every key of block 5 matches them
-    weakly. A block's mean divides the needle by 8 keys and block 5 wins; over sub-blocks of 2 keys the
-    needle's sub-block beats block 5's."""
+    """One key of block 2 matches the last block's queries strongly; every key of block 5 matches
+    them weakly. A block's mean divides the needle by 8 keys and block 5 wins; over sub-blocks of 2
+    keys the needle's sub-block beats block 5's."""
     B, H, Hk, T = 1, 4, 2, 128
     q, k, _ = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=3)
     basis = torch.linalg.qr(
@@ -226,9 +227,8 @@ def test_vertical_slash_keeps_first_columns_and_nearest_diagonals_like_minferenc
         keep_columns=4,
         keep_diagonals=10,
     )
-    plan = plan_pattern(
-        tight, H, 0, T, T, 0, q, k
-    )  # a budget below the forced count keeps the first / nearest
+    # a budget below the forced count keeps the first / nearest
+    plan = plan_pattern(tight, H, 0, T, T, 0, q, k)
     assert (
         plan.cols[..., :2].all() and int(plan.cols.sum(-1).max()) == 2 and plan.diags[..., :3].all()
     )
@@ -247,7 +247,8 @@ def test_stats_report_visited_block_density_and_selection_sharpness(backend):
     with torch.no_grad():
         sparse_attention(q, k, v, pats, backend=backend, stats=stats)
     n = T // BS
-    # top-2 of the causal blocks per query block (1 for the first), a_shape: window blocks + sink column
+    # top-2 of the causal blocks per query block (1 for the first), a_shape: window blocks + sink
+    # column
     topk_blocks = sum(min(2, i + 1) for i in range(n))
     a_blocks = sum(
         len({0} | {j for j in range(n) if j <= i and (i - j) * BS - (BS - 1) < 9}) for i in range(n)
@@ -263,22 +264,18 @@ def test_flex_kernel_choice_and_options(monkeypatch):
     a = SparsityPattern(type="a_shape", sinks=128, window=2048, block_size=128)
     t = SparsityPattern(type="block_topk", top_k=16, block_size=128)
     v = SparsityPattern(type="vertical_slash", n_vertical=64, n_slash=64, block_size=128)
-    monkeypatch.setattr(
-        flex, "flash_kernel_available", lambda: True
-    )  # as on a Hopper GPU with flash-attn-4
+    # as on a Hopper GPU with flash-attn-4
+    monkeypatch.setattr(flex, "flash_kernel_available", lambda: True)
     assert pick_flex_kernel("triton", [a], 65536, 128) == "triton"
-    assert (
-        pick_flex_kernel("auto", [a, t], 65536, 128) == "flash"
-    )  # the presets' layer at 64k (measured)
-    assert (
-        pick_flex_kernel("auto", [t], 32768, 128) == "triton"
-    )  # block top-k: FLASH measured from 64k
+    # the presets' layer at 64k (measured)
+    assert pick_flex_kernel("auto", [a, t], 65536, 128) == "flash"
+    # block top-k: FLASH measured from 64k
+    assert pick_flex_kernel("auto", [t], 32768, 128) == "triton"
     assert pick_flex_kernel("auto", [a], 8192, 128) == "triton"  # below the measured length
     assert pick_flex_kernel("auto", [a, v], 65536, 128) == "triton"  # one unmeasured type: Triton
     assert pick_flex_kernel("auto", [a], 65536, 64) == "triton"  # FLASH tiles 128-token blocks
-    monkeypatch.setattr(
-        flex, "flash_kernel_available", lambda: False
-    )  # flash-attn-4 missing: never FLASH
+    # flash-attn-4 missing: never FLASH
+    monkeypatch.setattr(flex, "flash_kernel_available", lambda: False)
     assert pick_flex_kernel("auto", [a, t], 65536, 128) == "triton"
     assert kernel_options_for("flash", {"num_stages": 2}) == {"num_stages": 2, "BACKEND": "FLASH"}
     assert kernel_options_for("triton", {}) is None
@@ -344,17 +341,16 @@ def test_backend_that_cannot_tile_or_is_missing_fails_before_any_work():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kernel", ["triton", "auto"])
 def test_preset_layer_on_gpu_flex_meets_fa_criterion_fwd_bwd(kernel):
-    # the long-context presets' layer: A-shape heads and GQA-shared block top-k heads (plus a topk head
-    # with its own sinks + window), 128-token blocks, compiled flex forward and backward
+    # the long-context presets' layer: A-shape heads and GQA-shared block top-k heads (plus a topk
+    # head with its own sinks + window), 128-token blocks, compiled flex forward and backward
     a = SparsityPattern(type="a_shape", sinks=16, window=200, block_size=128)
     t = SparsityPattern(type="block_topk", top_k=3, share_group=1, block_size=128)
     tw = SparsityPattern(type="block_topk", top_k=2, sinks=4, window=100, block_size=128)
     pats = [a, a, a, a, t, t, tw, tw]
     run_criterion(pats, "flex", B=2, H=8, Hk=2, T=1000, D=64, device="cuda")
     q, k, v = make_inputs(1, 8, 2, 1024, D=64, device="cuda")
-    stats = {
-        "selection": None
-    }  # also asks for the chosen blocks (the passkey eval's needle recall)
+    # also asks for the chosen blocks (the passkey eval's needle recall)
+    stats = {"selection": None}
     with torch.no_grad():
         sparse_attention(q, k, v, pats, backend="flex", kernel=kernel, stats=stats)
     assert (stats["density"] <= 1).all() and (stats["density"][4:6] < 1).all()
@@ -368,7 +364,8 @@ def test_preset_layer_on_gpu_flex_meets_fa_criterion_fwd_bwd(kernel):
     "N,start,nb", [(256, 0, 4), (200, 0, 4), (200, 30, 5), (5, 130, 1), (1, 63, 1), (300, 70, 6)]
 )
 def test_block_means_equal_a_per_row_scatter_and_repeat_exactly(N, start, nb):
-    # pooled scores choose the blocks: a recompute under activation checkpointing must see the same sums
+    # pooled scores choose the blocks: a recompute under activation checkpointing must see the same
+    # sums
     from moezoo.layers.attention.selection import _block_mean
 
     x = torch.randn(2, 3, N, 8, generator=torch.Generator().manual_seed(N + start)).bfloat16()

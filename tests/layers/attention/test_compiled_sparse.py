@@ -1,7 +1,8 @@
-"""The long-context preset's layer (A-shape heads + GQA-shared block top-k) compiled as the trainer compiles
-it (the block in place, static shapes, activation checkpointing) against eager, in float32 on CPU: the same
-selection, output and gradients, input after input (a plan or mask baked into the graph at trace time, a
-stats-only branch that changes the computation, or a different block list would show as a difference)."""
+"""The long-context preset's layer (A-shape heads + GQA-shared block top-k) compiled as the trainer
+compiles it (the block in place, static shapes, activation checkpointing) against eager, in float32
+on CPU: the same selection, output and gradients, input after input (a plan or mask baked into the
+graph at trace time, a stats-only branch that changes the computation, or a different block list
+would show as a difference)."""
 
 import functools
 
@@ -16,8 +17,8 @@ from moezoo.layers.rope import RotaryEmbedding, apply_rotary
 from moezoo.training.parallel import _checkpointed
 
 BS, H, HK, D, T = 16, 8, 2, 64, 128
-# heads 0-3 A-shape (sinks + window), heads 4-7 block top-k shared per KV group (zoo/sparse_attn_1b_64k.yaml);
-# here the shared heads are one KV group, one selection slot
+# heads 0-3 A-shape (sinks + window), heads 4-7 block top-k shared per KV group
+# (zoo/sparse_attn_1b_64k.yaml); here the shared heads are one KV group, one selection slot
 PATS = [SparsityPattern(type="a_shape", sinks=BS, window=2 * BS, block_size=BS)] * 4 + [
     SparsityPattern(type="block_topk", top_k=3, share_group=1, block_size=BS)
 ] * 4
@@ -39,16 +40,16 @@ PATS_NSA = (
 
 
 class _Layer(nn.Module):
-    """Attention with its rotary angles, its forward checkpointed as training.parallel does to blocks."""
+    """Attention with its rotary angles, its forward checkpointed as training.parallel does to
+    blocks."""
 
     def __init__(self, backend: str, pats=PATS):
         super().__init__()
         torch.manual_seed(0)
         self.pats = pats
         self.attention = Attention(D, H, HK, pattern=pats, backend=backend, layer_id=5)
-        self.attention.init_weights(
-            std=0.5, out_std=0.05
-        )  # peaked scores: q, k matter for the selection
+        # peaked scores: q, k matter for the selection
+        self.attention.init_weights(std=0.5, out_std=0.05)
         self.rope = RotaryEmbedding(D // H, 10000.0)
         self.forward = functools.partial(_checkpointed, self._forward)
 
@@ -68,8 +69,8 @@ def _selection(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
 
 
 def _close(got, want):
-    """Equal up to float32 rounding (relative to the tensor's scale): one differently chosen block moves
-    its query block's outputs, and the gradients, by about their own size."""
+    """Equal up to float32 rounding (relative to the tensor's scale): one differently chosen block
+    moves its query block's outputs, and the gradients, by about their own size."""
     err, scale = (got - want).abs().max().item(), want.abs().max().item()
     assert err <= 1e-5 * scale, f"max |difference| {err:.3g} for values up to {scale:.3g}"
 
@@ -79,10 +80,11 @@ def _inputs():
     return [torch.randn(1, T, D, generator=g) for _ in range(2)]
 
 
-# aot_eager_decomp_partition: dynamo, AOTAutograd's decompositions and the partitioner's recompute of the
-# checkpointed block, without inductor's code generation (seconds). inductor (what the trainer runs; ~1 min
-# on CPU with a cold compile cache) failed to build the one-slot layer before estimate_block_topk took its
-# heads-per-slot counts from the host (its CPU code for an index_add_ into a one-element tensor asserts).
+# aot_eager_decomp_partition: dynamo, AOTAutograd's decompositions and the partitioner's recompute
+# of the checkpointed block, without inductor's code generation (seconds). inductor (what the
+# trainer runs; ~1 min on CPU with a cold compile cache) failed to build the one-slot layer before
+# estimate_block_topk took its heads-per-slot counts from the host (its CPU code for an index_add_
+# into a one-element tensor asserts).
 @pytest.mark.parametrize(
     "backend,pats",
     [
@@ -98,9 +100,8 @@ def test_compiled_block_topk_a_shape_layer_equals_eager_fwd_bwd_float32(backend,
     compiled.compile(dynamic=False, backend=backend)  # as training.loop compiles each block
     xs = _inputs()
     picks = [_selection(eager, x) for x in xs]
-    assert not torch.equal(
-        picks[0], picks[1]
-    )  # the second input selects other blocks: nothing may be reused
+    # the second input selects other blocks: nothing may be reused
+    assert not torch.equal(picks[0], picks[1])
     for x in xs:
         outs, grads = [], []
         for m in (eager, compiled):
@@ -113,14 +114,16 @@ def test_compiled_block_topk_a_shape_layer_equals_eager_fwd_bwd_float32(backend,
         _close(outs[1], outs[0])
         for gc, ge in zip(grads[1], grads[0]):
             _close(gc, ge)
-    # the eager layer records the selection stats; the compiled one records none and computes the same
+    # the eager layer records the selection stats; the compiled one records none and computes the
+    # same
     assert "entropy" in eager.attention.attn_stats
 
 
 def test_compiled_flex_path_equals_the_reference_on_each_input():
-    # The GPU path (flex) inside a block compiled by dynamo + AOTAutograd on CPU (forward: CPU flex has no
-    # backward). The sparse flex call itself runs eager there (a graph break: functional._flex_sparse; traced
-    # into the graph its gradients were off on the H200): its plan and mask follow each input.
+    # The GPU path (flex) inside a block compiled by dynamo + AOTAutograd on CPU (forward: CPU flex
+    # has no backward). The sparse flex call itself runs eager there (a graph break:
+    # functional._flex_sparse; traced into the graph its gradients were off on the H200): its plan
+    # and mask follow each input.
     ref, flex = _Layer("reference"), _Layer("flex")
     flex.load_state_dict(ref.state_dict())
     compiled = torch.compile(flex, backend="aot_eager", dynamic=False)
@@ -130,8 +133,9 @@ def test_compiled_flex_path_equals_the_reference_on_each_input():
 
 
 def test_compiled_selection_under_bf16_autocast_scores_in_float32_as_eager(monkeypatch):
-    # The trainer runs compiled blocks under bf16 autocast; the selection scores stay float32 there too
-    # (selection._group_scores disables autocast). 128 key blocks, top 16: bf16 scores flip a few near ties.
+    # The trainer runs compiled blocks under bf16 autocast; the selection scores stay float32 there
+    # too (selection._group_scores disables autocast). 128 key blocks, top 16: bf16 scores flip a
+    # few near ties.
     pats = [SparsityPattern(type="block_topk", top_k=16, share_group=1, block_size=BS)] * H
     g = torch.Generator().manual_seed(2)
     q, k = (
@@ -147,7 +151,8 @@ def test_compiled_selection_under_bf16_autocast_scores_in_float32_as_eager(monke
         got = torch.compile(blocks, backend="aot_eager_decomp_partition", dynamic=False)(q, k)
     assert torch.equal(got, want)
     assert torch.equal(want, blocks(q, k))  # = float32 without autocast
-    import moezoo.layers.attention.selection as selection  # scores rounded to bf16 would choose otherwise here
+    # scores rounded to bf16 would choose otherwise here
+    import moezoo.layers.attention.selection as selection
 
     scores = selection._group_scores
     monkeypatch.setattr(selection, "_group_scores", lambda q, k: scores(q, k).bfloat16().float())

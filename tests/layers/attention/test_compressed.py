@@ -1,5 +1,6 @@
-"""NSA's compressed branch (block top-k ``compress: 1``): the branch against a per-query loop, the layer's
-gated mix, the gradient it gives blocks the selection left out, decode, density, bad configs."""
+"""NSA's compressed branch (block top-k ``compress: 1``): the branch against a per-query loop, the
+layer's gated mix, the gradient it gives blocks the selection left out, decode, density, bad
+configs."""
 
 import dataclasses
 
@@ -19,7 +20,8 @@ LAYER = [SparsityPattern(type="a_shape", sinks=2, window=8, block_size=BS)] * 4 
 
 
 def _loop_reference(q, k, v, bs, q_offset):
-    """Float64, one query at a time: softmax over the means of the complete key blocks ending at or before it."""
+    """Float64, one query at a time: softmax over the means of the complete key blocks ending at or
+    before it."""
     B, H, S, D = q.shape
     g = H // k.shape[1]
     out = torch.zeros(B, H, S, v.shape[-1], dtype=torch.float64)
@@ -30,9 +32,8 @@ def _loop_reference(q, k, v, bs, q_offset):
             n = (p + 1) // bs  # blocks 0 .. n-1 end at or before p
             if n == 0:
                 continue
-            kc = torch.stack(
-                [kk[:, j * bs : (j + 1) * bs].mean(1) for j in range(n)], 1
-            )  # [B, n, D]
+            # [B, n, D]
+            kc = torch.stack([kk[:, j * bs : (j + 1) * bs].mean(1) for j in range(n)], 1)
             vc = torch.stack([vv[:, j * bs : (j + 1) * bs].mean(1) for j in range(n)], 1)
             w = torch.softmax(torch.einsum("bd,bnd->bn", q[:, h, i].double(), kc) / D**0.5, -1)
             out[:, h, i] = torch.einsum("bn,bnd->bd", w, vc)
@@ -43,7 +44,8 @@ def _loop_reference(q, k, v, bs, q_offset):
     "Hk,bs,T,q_offset", [(2, 8, 45, 0), (4, 16, 64, 0), (1, 8, 37, 30), (2, 8, 20, 3)]
 )
 def test_compressed_branch_equals_a_per_query_loop_fwd_and_grads(Hk, bs, T, q_offset):
-    """Every query, GQA groups, a partial last block, and rows of a decode / chunked prefill (``q_offset``)."""
+    """Every query, GQA groups, a partial last block, and rows of a decode / chunked prefill
+    (``q_offset``)."""
     torch.manual_seed(T)
     B, H, D = 2, 4, 16
     S = T - q_offset
@@ -67,8 +69,9 @@ def _qkv(attn, x, cos, sin):
 
 
 def test_layer_output_is_the_gated_sum_of_the_fine_and_compressed_branches():
-    """Per compressed head ``sigmoid(g_fine) * fine + sigmoid(g_cmp) * compressed``, gates from the layer
-    input; the other heads as without the branch. The fine branch is the same layer with ``compress: 0``."""
+    """Per compressed head ``sigmoid(g_fine) * fine + sigmoid(g_cmp) * compressed``, gates from the
+    layer input; the other heads as without the branch. The fine branch is the same layer with
+    ``compress: 0``."""
     torch.manual_seed(0)
     dim, H, Hk, T = 64, 8, 2, 50
     attn = Attention(dim, H, Hk, pattern=LAYER)
@@ -86,12 +89,10 @@ def test_layer_output_is_the_gated_sum_of_the_fine_and_compressed_branches():
         got = attn(x, cos, sin)
         fine(x, cos, sin)
         q, k, v = _qkv(attn, x, cos, sin)
-        cmp = compressed_attention(
-            q[:, 4:], k, v, BS, kv_heads=torch.tensor([1, 1, 1, 1])
-        )  # heads 4-7: KV head 1
-        g = (
-            torch.sigmoid(attn.branch_gate(x)).unflatten(-1, (2, 4)).permute(2, 0, 3, 1)[..., None]
-        )  # [2, B, 4, S, 1]
+        # heads 4-7: KV head 1
+        cmp = compressed_attention(q[:, 4:], k, v, BS, kv_heads=torch.tensor([1, 1, 1, 1]))
+        # [2, B, 4, S, 1]
+        g = torch.sigmoid(attn.branch_gate(x)).unflatten(-1, (2, 4)).permute(2, 0, 3, 1)[..., None]
         per_head = heads_in["fine"].unflatten(-1, (H, dim // H)).transpose(1, 2).clone()
         per_head[:, 4:] = g[0] * per_head[:, 4:] + g[1] * cmp
         want = attn.wo(per_head.transpose(1, 2).flatten(2))
@@ -100,16 +101,15 @@ def test_layer_output_is_the_gated_sum_of_the_fine_and_compressed_branches():
 
 
 def test_compressed_branch_gives_gradient_to_a_far_block_the_selection_left_out():
-    """The point of the branch: keys of a block outside every query block's top-k get a gradient from the
-    last query only through it (hard top-k selection passes none; MoBA, NSA)."""
+    """The point of the branch: keys of a block outside every query block's top-k get a gradient
+    from the last query only through it (hard top-k selection passes none; MoBA, NSA)."""
     torch.manual_seed(3)
     dim, H, Hk, T = 32, 2, 1, 64
     far = slice(8, 16)  # key block 1 (BS = 8), far before the last query's window
     grads = {}
     for c in (0, 1):
-        pat = SparsityPattern(
-            type="block_topk", top_k=1, compress=c, block_size=BS
-        )  # own block only
+        # own block only
+        pat = SparsityPattern(type="block_topk", top_k=1, compress=c, block_size=BS)
         attn = Attention(dim, H, Hk, pattern=pat)
         attn.init_weights(0.2, 0.2)
         rope = RotaryEmbedding(dim // H)
@@ -191,8 +191,8 @@ def test_bad_compress_configs_fail_naming_the_key(tmp_path):
 
 
 def test_compiled_blocks_count_the_compressed_pairs_and_dst_leaves_the_gates_alone():
-    """The budget density a compiled block logs (no stats recorded there) includes the branch's pairs, and
-    DST's default targets skip the branch gates (gates, like routers)."""
+    """The budget density a compiled block logs (no stats recorded there) includes the branch's
+    pairs, and DST's default targets skip the branch gates (gates, like routers)."""
     from moezoo.configs.dst import DSTConfig
     from moezoo.layers.attention.density import attention_metrics
     from moezoo.layers.dst.targets import dst_parameters
@@ -216,8 +216,8 @@ def test_compiled_blocks_count_the_compressed_pairs_and_dst_leaves_the_gates_alo
 
 
 def test_trainer_learns_the_branch_gates_and_resumes_them(tmp_path, corpus_dir):
-    """A tiny model with NSA heads through the trainer: the gates train, and a resumed run continues from
-    the saved gates (they are ordinary parameters of the checkpoint)."""
+    """A tiny model with NSA heads through the trainer: the gates train, and a resumed run continues
+    from the saved gates (they are ordinary parameters of the checkpoint)."""
     from helpers import tiny_overrides
     from moezoo.training.loop import Trainer
 
@@ -245,8 +245,9 @@ def test_trainer_learns_the_branch_gates_and_resumes_them(tmp_path, corpus_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compressed_branch_on_cuda_bf16_meets_the_float64_loop_fwd_bwd():
-    """The SDPA kernel CUDA picks for the block-causal bool mask, in bf16 (the trainer's autocast dtype),
-    against the float64 per-query loop: bf16-sized errors in the output and every gradient."""
+    """The SDPA kernel CUDA picks for the block-causal bool mask, in bf16 (the trainer's autocast
+    dtype), against the float64 per-query loop: bf16-sized errors in the output and every
+    gradient."""
     torch.manual_seed(0)
     B, H, Hk, T, D, bs = 1, 4, 2, 1024, 64, 128
     q = torch.randn(B, H, T, D, device="cuda")
@@ -264,8 +265,9 @@ def test_compressed_branch_on_cuda_bf16_meets_the_float64_loop_fwd_bwd():
 
 
 def test_heads_with_different_compress_blocks_each_get_their_own_pooling():
-    """``compress_block`` pools the branch's keys in blocks other than the selection's; heads of one layer with
-    different ones each get their own call, back in head order, and the density counts each."""
+    """``compress_block`` pools the branch's keys in blocks other than the selection's; heads of one
+    layer with different ones each get their own call, back in head order, and the density counts
+    each."""
     torch.manual_seed(0)
     A = SparsityPattern(type="a_shape", sinks=2, window=8, block_size=BS)
     N8 = dataclasses.replace(NSA, compress_block=8)

@@ -1,5 +1,6 @@
-"""layers.attention.mla.MLA: the latent cache, decode equal to the full pass under sparse patterns, and
-the patterns acting on it exactly as the token mask says (against a textbook softmax with pattern_mask)."""
+"""layers.attention.mla.MLA: the latent cache, decode equal to the full pass under sparse patterns,
+and the patterns acting on it exactly as the token mask says (against a textbook softmax with
+pattern_mask)."""
 
 import pytest
 import torch
@@ -45,11 +46,12 @@ def test_decode_with_the_latent_cache_equals_the_full_pass(pattern):
         outs += [
             m(x[:, t : t + 1], cos[t : t + 1], sin[t : t + 1], start_pos=t) for t in range(4, 11)
         ]
+    # R and Dr per token, no heads
     assert m.cache.c.shape == (2, 11, 10) and m.cache.kr.shape == (
         2,
         11,
         4,
-    )  # R and Dr per token, no heads
+    )
     assert (torch.cat(outs, 1) - full).abs().max().item() < 1e-5
 
 

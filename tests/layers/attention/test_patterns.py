@@ -120,9 +120,8 @@ def brute_vertical_slash(q, k, nv, ns, last_q, bs):
             p = s.softmax(-1)
             col = p.sum(0)
             cols = set(col.topk(min(nv, T)).indices.tolist())
-            diag = torch.zeros(
-                T, dtype=torch.float64
-            )  # diagonals rank the mass outside the columns
+            # diagonals rank the mass outside the columns
+            diag = torch.zeros(T, dtype=torch.float64)
             for i, qi in enumerate(rows):
                 for kk in range(qi + 1):
                     if kk not in cols:
@@ -147,7 +146,8 @@ def test_vertical_slash_mask_matches_independent_estimation():
 
 
 def _vs_union_mass(q, k, cols, diags, last_q):
-    """Softmax mass of the last ``last_q`` queries inside ``cols | diags`` (bool ``[B, H, T]``), per head."""
+    """Softmax mass of the last ``last_q`` queries inside ``cols | diags`` (bool ``[B, H, T]``), per
+    head."""
     T, D = k.shape[2], q.shape[-1]
     g = q.shape[1] // k.shape[1]
     pos = torch.arange(T - last_q, T)
@@ -160,7 +160,8 @@ def _vs_union_mass(q, k, cols, diags, last_q):
 
 
 def test_vertical_slash_rule_leaves_the_other_heads_of_a_mixed_layer_unchanged():
-    # the slash rule keeps a vertical-slash head's whole own query block; a window head beside it must not
+    # the slash rule keeps a vertical-slash head's whole own query block; a window head beside it
+    # must not
     torch.manual_seed(1)
     T, D = 40, 8
     local = SparsityPattern(type="local", window=3, block_size=8)
@@ -176,7 +177,8 @@ def test_vertical_slash_rule_leaves_the_other_heads_of_a_mixed_layer_unchanged()
 
 @pytest.mark.parametrize("seed", range(4))
 def test_slash_ranking_skips_column_shadows_and_covers_at_least_minference_mass(seed):
-    # heavy-hitter keys: every query scores them high, so each also adds one row's mass to L diagonals
+    # heavy-hitter keys: every query scores them high, so each also adds one row's mass to L
+    # diagonals
     from moezoo.layers.attention.selection import estimate_vertical_slash
 
     g = torch.Generator().manual_seed(seed)
@@ -202,10 +204,11 @@ def test_slash_ranking_skips_column_shadows_and_covers_at_least_minference_mass(
     ours = _vs_union_mass(q, k, cols, diags, L)
     theirs = _vs_union_mass(q, k, cols, mi_diags, L)
     assert (ours >= theirs - 1e-9).all(), (ours, theirs)
+    # the shadows cost MInference's ranking mass here
     assert (ours > theirs + 1e-3).any(), (
         ours,
         theirs,
-    )  # the shadows cost MInference's ranking mass here
+    )
 
 
 @pytest.mark.parametrize("T, L, p0", [(29, 6, 23), (40, 40, 0), (31, 5, 10), (1, 1, 0)])
@@ -213,9 +216,8 @@ def test_diagonal_sums_add_each_rows_mass_by_q_minus_k(T, L, p0):
     from moezoo.layers.attention.selection import _diagonal_sums
 
     prob = torch.rand(2, 3, L, T)
-    prob = prob * (
-        torch.arange(T)[None, :] <= torch.arange(p0, p0 + L)[:, None]
-    )  # zero where k > q
+    # zero where k > q
+    prob = prob * (torch.arange(T)[None, :] <= torch.arange(p0, p0 + L)[:, None])
     want = torch.zeros(2, 3, T, dtype=torch.float64)
     for i in range(L):
         for kk in range(p0 + i + 1):
@@ -281,7 +283,8 @@ def test_budget_plan_places_dynamic_budgets_at_the_layer_block_size():
     m = budget_plan(pats, 4, T).token_mask()[0]
     # block top-k stand-in: the diagonal block and the k-1 before it
     assert int(m[0].sum()) == sum(q + 1 - max(0, q // bs - k + 1) * bs for q in range(T))
-    # vertical-slash stand-in: columns 0, 1 and diagonals 0..2 dilated to the query block: keys qs-2 .. q
+    # vertical-slash stand-in: columns 0, 1 and diagonals 0..2 dilated to the query block: keys qs-2
+    # .. q
     assert int(m[2].sum()) == sum(
         len({c for c in range(min(2, q + 1))} | set(range(max(0, q // bs * bs - 2), q + 1)))
         for q in range(T)
@@ -391,9 +394,8 @@ def test_dense_below_is_a_common_parameter_of_every_type_and_round_trips():
             and p.to_dict() == d
             and SparsityPattern.from_dict(p.to_dict()) == p
         )
-    assert (
-        "dense_below" not in SparsityPattern(type="local", window=4).to_dict()
-    )  # default 0 = never
+    # default 0 = never
+    assert "dense_below" not in SparsityPattern(type="local", window=4).to_dict()
     with pytest.raises(ConfigError, match=r"^L2\.dense_below: must be >= 0"):
         SparsityPattern.from_dict({"type": "local", "window": 4, "dense_below": -3}, key="L2")
 
@@ -480,7 +482,8 @@ def test_long_context_presets_are_sparse_in_every_layer_with_trainable_selection
             assert all(p.share_group for p in pats[H // 2 :]) and not any(
                 p.is_dense_at(T) for p in pats
             )
-    # vertical-slash's dense_below switch (for continued training of a trained model) as pictures show it
+    # vertical-slash's dense_below switch (for continued training of a trained model) as pictures
+    # show it
     cfg.model.n_layers = 1
     cfg.model.attention.patterns = {
         "0:0-1": {
@@ -502,8 +505,9 @@ def test_minference_json_maps_to_our_patterns_and_is_checked(tmp_path):
         {"0": ["block_sparse", 8, 1, 0.7]},
     ]
     pats = minference_patterns(data, n_layers=2, n_heads=2)
-    # what MInference's runtime computes: forced first 30 columns / nearest 100 diagonals, budgets of at
-    # least 30 / 50, and block_sparse always as top-100 blocks of 64x64 (the JSON's 8 is ignored there)
+    # what MInference's runtime computes: forced first 30 columns / nearest 100 diagonals, budgets
+    # of at least 30 / 50, and block_sparse always as top-100 blocks of 64x64 (the JSON's 8 is
+    # ignored there)
     assert pats["0:0"] == {
         "type": "vertical_slash",
         "n_vertical": 1000,

@@ -1,4 +1,5 @@
-"""sparse_attention backends against a float32 reference (FlashAttention's 2x criterion), GQA, decode, density."""
+"""sparse_attention backends against a float32 reference (FlashAttention's 2x criterion), GQA,
+decode, density."""
 
 import dataclasses
 
@@ -102,8 +103,9 @@ def test_flex_block_lists_reproduce_the_token_mask(name):
 )
 @pytest.mark.parametrize("T,tile", [(75, 64), (75, 32), (130, 64), (16, 64)])
 def test_flex_tiles_of_several_blocks_reproduce_the_token_mask(name, T, tile):
-    # CUDA's flex templates need 128-token tiles; smaller blocks are laid out on tiles of several blocks
-    # (flex_tile): a tile listed when any of its blocks is, full only when all are, mask_mod inside.
+    # CUDA's flex templates need 128-token tiles; smaller blocks are laid out on tiles of several
+    # blocks (flex_tile): a tile listed when any of its blocks is, full only when all are, mask_mod
+    # inside.
     from moezoo.layers.attention.flex import flex_block_mask
     from moezoo.layers.attention.plan import plan_pattern
 
@@ -116,9 +118,8 @@ def test_flex_tiles_of_several_blocks_reproduce_the_token_mask(name, T, tile):
         emulated_counts(bm, T).expand(B, H, T, T), plan.token_mask().expand(B, H, T, T).long()
     )
     mask_mod_covers_whole_tiles(bm, T)
-    fine = flex_block_mask(
-        plan
-    )  # each tile pools several blocks: its lists are no longer than theirs
+    # each tile pools several blocks: its lists are no longer than theirs
+    fine = flex_block_mask(plan)
     assert (bm.kv_num_blocks + bm.full_kv_num_blocks).sum() <= (
         fine.kv_num_blocks + fine.full_kv_num_blocks
     ).sum()
@@ -142,8 +143,9 @@ def test_flex_tile_is_128_tokens_on_cuda_and_the_block_elsewhere():
 
 
 def test_tiled_flex_forward_and_density_on_cpu(monkeypatch):
-    # The whole call with 64-token tiles over 16-token blocks (what CUDA runs for blocks under 128): the
-    # output meets the reference and the logged density counts tiles, the work a tiled kernel does.
+    # The whole call with 64-token tiles over 16-token blocks (what CUDA runs for blocks under 128):
+    # the output meets the reference and the logged density counts tiles, the work a tiled kernel
+    # does.
     import importlib
 
     sa = importlib.import_module("moezoo.layers.attention.functional")
@@ -156,9 +158,8 @@ def test_tiled_flex_forward_and_density_on_cpu(monkeypatch):
     want = sparse_attention(q, k, v, pats, backend="reference")
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     n = -(-T // 64)
-    tiles = (
-        stats["density"] * (n * (n + 1) / 2) * B
-    )  # tiles visited per head, summed over the batch
+    # tiles visited per head, summed over the batch
+    tiles = stats["density"] * (n * (n + 1) / 2) * B
     assert stats["density"].shape == (H,) and torch.allclose(tiles, tiles.round(), atol=1e-4)
     assert (tiles > 0).all()
 
@@ -167,9 +168,8 @@ def test_static_block_mask_cache_drops_the_least_recently_used(monkeypatch):
     import importlib
     from collections import OrderedDict
 
-    sa = importlib.import_module(
-        "moezoo.layers.attention.functional"
-    )  # the module, not the function layers exports
+    # the module, not the function layers exports
+    sa = importlib.import_module("moezoo.layers.attention.functional")
     monkeypatch.setattr(sa, "_MASK_CACHE", OrderedDict())
     monkeypatch.setattr(sa, "_MASK_CACHE_SIZE", 2)
     pats, cpu = [PATTERNS["bigbird"]] * 2, torch.device("cpu")
@@ -207,9 +207,8 @@ def test_decode_output_equals_last_row_of_prefill(name):
         steps = [attn(x[:, t : t + 1], cos[t : t + 1], sin[t : t + 1], t) for t in range(T - 3, T)]
     torch.testing.assert_close(steps[-1][:, 0], full[:, -1], atol=1e-5, rtol=1e-5)
     pats = PATTERNS[name] if isinstance(PATTERNS[name], list) else [PATTERNS[name]]
-    if not any(
-        p.dynamic for p in pats
-    ):  # input-dependent masks are estimated from the input's own tail
+    # input-dependent masks are estimated from the input's own tail
+    if not any(p.dynamic for p in pats):
         torch.testing.assert_close(pre, full[:, : T - 3], atol=1e-5, rtol=1e-5)
     for i, out in enumerate(steps):  # and each step equals the last row of a prefill that long
         t = T - 3 + i
@@ -260,9 +259,9 @@ def test_mixed_layer_with_dense_below_heads_matches_the_reference_per_head(backe
 
 
 def test_decode_at_t_keys_follows_prefill_over_t_keys_when_crossing_dense_below():
-    """Prefill of 50 keys and the decode step at 51 keys are below dense_below = 52 (vertical-slash heads
-    dense); decode steps at 52 and 53 keys are sparse again: each step equals the last row of a prefill
-    over the same keys, and that row is the dense (resp. sparse) layer's."""
+    """Prefill of 50 keys and the decode step at 51 keys are below dense_below = 52 (vertical-slash
+    heads dense); decode steps at 52 and 53 keys are sparse again: each step equals the last row of
+    a prefill over the same keys, and that row is the dense (resp. sparse) layer's."""
     torch.manual_seed(2)
     dim, H, Hk, T, db = 64, 8, 2, 53, 52
     mixed = PATTERNS["mixed"]
@@ -291,9 +290,8 @@ def test_decode_at_t_keys_follows_prefill_over_t_keys_when_crossing_dense_below(
             twin = twins["dense" if n < db else "sparse"](x[:, :n], cos[:n], sin[:n])
             torch.testing.assert_close(out[:, 0], pref[:, -1], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(out[:, 0], twin[:, -1], atol=1e-5, rtol=1e-5)
-        assert (
-            twins["dense"](x, cos, sin)[:, -1] - steps[-1][:, 0]
-        ).abs().max() > 1e-3  # the sparse rows differ
+        # the sparse rows differ
+        assert (twins["dense"](x, cos, sin)[:, -1] - steps[-1][:, 0]).abs().max() > 1e-3
 
 
 def test_flex_backend_module_decodes_through_the_reference_rows():
@@ -353,8 +351,8 @@ def test_attention_density_per_layer_and_head():
 
 
 def test_flash_attn_backend_maps_window_to_flash_attn_convention(monkeypatch):
-    """flash-attn is not installed here: a stand-in with flash-attn's documented semantics (BSHD layout,
-    query i sees keys i - window_size[0] .. i + window_size[1], causal) checks our call."""
+    """flash-attn is not installed here: a stand-in with flash-attn's documented semantics (BSHD
+    layout, query i sees keys i - window_size[0] .. i + window_size[1], causal) checks our call."""
     import sys
     import types
 
@@ -429,9 +427,9 @@ def test_flex_backend_on_gpu_meets_fa_criterion_fwd_bwd(name):
 @gpu
 @pytest.mark.parametrize("bs,D", [(64, 128), (64, 64), (32, 64)])
 def test_flex_blocks_under_128_tokens_run_on_gpu_through_128_token_tiles(bs, D):
-    # CUDA's flex templates tile 128 tokens at bf16 head dims 64-128 (torch's defaults): a BlockMask of
-    # smaller blocks fails there (forward "Q and KV block size must be divisible by BLOCK_M and BLOCK_N",
-    # backward with no config), so such layers run on 128-token tiles (flex.flex_tile).
+    # CUDA's flex templates tile 128 tokens at bf16 head dims 64-128 (torch's defaults): a BlockMask
+    # of smaller blocks fails there (forward "Q and KV block size must be divisible by BLOCK_M and
+    # BLOCK_N", backward with no config), so such layers run on 128-token tiles (flex.flex_tile).
     pats = [SparsityPattern(**{**p.to_dict(), "block_size": bs}) for p in PATTERNS["mixed"]]
     run_criterion(pats, "flex", B=2, H=8, Hk=2, T=1000, D=D, device="cuda")
 

@@ -1,7 +1,8 @@
-"""SSMax (model.attention.ssmax): each query at position p scaled by max(0, 1 + s_h log(p + 1)), checked against
-an independent masked-softmax reference with the scale on the logits, on the dense and the sparse
-(reference) paths, through prefill + decode and left padding (packed documents: tests/zoo/test_masks.py); s = 0 is plain attention bit for bit;
-s trains (gets a gradient, no weight decay); MLA and HF export refuse it by key."""
+"""SSMax (model.attention.ssmax): each query at position p scaled by max(0, 1 + s_h log(p + 1)),
+checked against an independent masked-softmax reference with the scale on the logits, on the dense
+and the sparse (reference) paths, through prefill + decode and left padding (packed documents:
+tests/zoo/test_masks.py); s = 0 is plain attention bit for bit; s trains (gets a gradient, no weight
+decay); MLA and HF export refuse it by key."""
 
 import math
 
@@ -16,8 +17,8 @@ from moezoo.zoo import build_model
 
 
 def reference(att: Attention, x: torch.Tensor, theta: float, pattern=None) -> torch.Tensor:
-    """Causal attention of x [B, S, D] in float64 with each row's logits times 1 + s_h log(p + 1), over the
-    pairs ``pattern`` allows (its token mask, layers.pattern_mask) when given."""
+    """Causal attention of x [B, S, D] in float64 with each row's logits times 1 + s_h log(p + 1),
+    over the pairs ``pattern`` allows (its token mask, layers.pattern_mask) when given."""
     B, S, _ = x.shape
     Hq, Hk, Dh = att.n_heads, att.n_kv_heads, att.head_dim
     x = x.double()
@@ -49,7 +50,8 @@ def reference(att: Attention, x: torch.Tensor, theta: float, pattern=None) -> to
     ],
 )
 def test_ssmax_attention_equals_the_scaled_logit_reference(pattern):
-    # the sparse windows are shorter than the 48 keys: the layer's sparse (reference backend) path runs
+    # the sparse windows are shorter than the 48 keys: the layer's sparse (reference backend) path
+    # runs
     torch.manual_seed(0)
     pattern = SparsityPattern.from_dict(pattern) if pattern else None
     assert pattern is None or not pattern.is_dense_at(48)
@@ -65,7 +67,8 @@ def test_ssmax_attention_equals_the_scaled_logit_reference(pattern):
 
 
 def test_a_negative_slope_past_its_zero_gives_uniform_rows_not_inverted_ones():
-    # s = -0.5: the scale 1 - 0.5 log(p + 1) is 0 from p = e^2 - 1 = 6.4 on; rows 7.. average their keys' values
+    # s = -0.5: the scale 1 - 0.5 log(p + 1) is 0 from p = e^2 - 1 = 6.4 on; rows 7.. average their
+    # keys' values
     torch.manual_seed(1)
     att = Attention(32, 4, 2, backend="reference", ssmax=True)
     randomize_(att, 2)
@@ -115,9 +118,8 @@ def test_zero_slope_is_plain_attention_bit_for_bit():
     x = tokens(3, b=2, s=20)
     with torch.no_grad():
         assert torch.equal(plain(x), scaled(x))
-    fresh = build_model(
-        scaled.cfg, device="meta"
-    )  # FSDP2's path: meta, then memory, then init_weights
+    # FSDP2's path: meta, then memory, then init_weights
+    fresh = build_model(scaled.cfg, device="meta")
     fresh.to_empty(device="cpu")
     for layer in fresh.layers:
         torch.nn.init.ones_(layer.attention.ssmax)  # what uninitialised memory might hold
@@ -184,8 +186,8 @@ def test_mla_and_hf_export_refuse_it_by_key():
     ],
 )
 def test_ssmax_on_cuda_bf16_matches_the_float64_reference_fwd_bwd(pattern, compiled):
-    # dense runs SDPA's fused kernels, the A-shape head (256 of the 512 keys at most) flex's block-sparse
-    # kernel: both must see the scaled queries, forward and in the slope's gradient
+    # dense runs SDPA's fused kernels, the A-shape head (256 of the 512 keys at most) flex's
+    # block-sparse kernel: both must see the scaled queries, forward and in the slope's gradient
     import copy
 
     torch.manual_seed(0)

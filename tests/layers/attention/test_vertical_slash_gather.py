@@ -1,5 +1,6 @@
-"""Flex vertical-slash through gathered columns (K' = cat(K[cols], K)): the same mask as the reference, each
-pair counted once, GQA, ragged lengths, mixed heads; backward of the gather on CPU, of flex on the GPU."""
+"""Flex vertical-slash through gathered columns (K' = cat(K[cols], K)): the same mask as the
+reference, each pair counted once, GQA, ragged lengths, mixed heads; backward of the gather on CPU,
+of flex on the GPU."""
 
 import pytest
 import torch
@@ -43,8 +44,9 @@ MIXED = [
 
 
 def handmade_plan(B, H, T, seed=0):
-    """A plan whose columns overlap everything else: random windows, sinks, whole blocks, a contiguous run of
-    diagonals (full blocks) plus random ones, and per-head column counts from 0 to 25 (some inside the window)."""
+    """A plan whose columns overlap everything else: random windows, sinks, whole blocks, a
+    contiguous run of diagonals (full blocks) plus random ones, and per-head column counts from 0 to
+    25 (some inside the window)."""
     g = torch.Generator().manual_seed(seed)
     plan = plan_pattern(
         [SparsityPattern(type="bigbird", window=1, sinks=1, random_blocks=1, block_size=BS)] * H,
@@ -107,9 +109,8 @@ def test_layout_without_columns_drops_only_column_blocks():
     assert not ((p_rest | f_rest) & ~(p_all | f_all)).any()
     assert f_all[:, 1].diagonal(-1, -2, -1).all()  # head 1: every diagonal of offset 1 chosen
     q, k, _ = make_inputs(2, 8, 2, 75)
-    plan = plan_pattern(
-        vs(10, 2), 8, 0, 75, 75, 0, q, k
-    )  # few diagonals: columns touch extra blocks
+    # few diagonals: columns touch extra blocks
+    plan = plan_pattern(vs(10, 2), 8, 0, 75, 75, 0, q, k)
     p_all, f_all = plan.block_layout()
     p_rest, f_rest = plan.block_layout(include_cols=False)
     extra = (p_all | f_all) & ~(p_rest | f_rest)
@@ -137,8 +138,8 @@ def test_flex_handmade_overlapping_plan_forward_meets_fa_criterion_on_cpu():
 @pytest.mark.parametrize("group", [1, 4])
 def test_gathered_keys_and_mask_give_reference_output_and_grads_float64(group):
     # Flex has no CPU backward: materialise the gathered mask and run textbook attention over K', V'
-    # so the gather's autograd (prefix + main gradients summed back into k, v; GQA expansion summed over
-    # the group) is checked against the reference on the token mask.
+    # so the gather's autograd (prefix + main gradients summed back into k, v; GQA expansion summed
+    # over the group) is checked against the reference on the token mask.
     from torch.nn.attention.flex_attention import create_mask
 
     B, H, T = 2, 8, 75
@@ -162,9 +163,9 @@ def test_gathered_keys_and_mask_give_reference_output_and_grads_float64(group):
 
 @pytest.mark.parametrize("bs,tile", [(128, 0), (32, 128)])
 def test_compiled_cpu_flex_visiting_only_listed_blocks_equals_reference(bs, tile):
-    # Eager flex ignores the block lists; compiled flex (inductor's CPU kernel, forward only) visits only
-    # the listed blocks, as the GPU kernel does. Block 128, or blocks of 32 on CUDA's 128-token tiles
-    # (flex_tile); ragged length, GQA 4, batch 2, float32.
+    # Eager flex ignores the block lists; compiled flex (inductor's CPU kernel, forward only) visits
+    # only the listed blocks, as the GPU kernel does. Block 128, or blocks of 32 on CUDA's 128-token
+    # tiles (flex_tile); ragged length, GQA 4, batch 2, float32.
     from torch.nn.attention.flex_attention import flex_attention
 
     pats = [SparsityPattern(**{**p.to_dict(), "block_size": bs}) for p in MIXED]
@@ -174,8 +175,9 @@ def test_compiled_cpu_flex_visiting_only_listed_blocks_equals_reference(bs, tile
     slots = column_slots(plan)
     bm = flex_block_mask(plan, slots, tile=tile)
     with torch.no_grad():
-        # static shapes: a second compile in one process goes dynamic, and inductor's CPU flex template
-        # then fails to build ("cur_qSplitSize5 was not declared", torch 2.13; each case alone compiles)
+        # static shapes: a second compile in one process goes dynamic, and inductor's CPU flex
+        # template then fails to build ("cur_qSplitSize5 was not declared", torch 2.13; each case
+        # alone compiles)
         got = torch.compile(flex_attention, dynamic=False)(
             q, *gather_columns(k, v, slots), block_mask=bm
         )
@@ -192,7 +194,8 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @gpu
 @pytest.mark.parametrize("name,group,T", [("vs", 1, 4096), ("mixed", 4, 4000)])
 def test_flex_gathered_columns_on_gpu_meet_fa_criterion_fwd_bwd(name, group, T):
-    # Compiled flex, block 128, dq, dk, dv: GQA groups 1 and 4, a length that is not a multiple of the block.
+    # Compiled flex, block 128, dq, dk, dv: GQA groups 1 and 4, a length that is not a multiple of
+    # the block.
     big = vs(200, 300, last_q=64, bs=128)
     pats = (
         big

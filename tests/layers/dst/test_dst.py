@@ -1,5 +1,5 @@
-"""Weight-level DST (layers.DynamicSparsity): densities, RigL rule, AdamW moments, N:M / block masks,
-checkpoints, MoE experts, bad config values."""
+"""Weight-level DST (layers.DynamicSparsity): densities, RigL rule, AdamW moments, N:M / block
+masks, checkpoints, MoE experts, bad config values."""
 
 import io
 import itertools
@@ -125,7 +125,8 @@ def test_cosine_sparsity_ramp_reaches_each_scheduled_density():
 
 
 def _erk_by_bisection(shapes, density):
-    """Independent reference: eps solving sum min(1, eps*raw_l) N_l = density * sum N_l by bisection."""
+    """Independent reference: eps solving sum min(1, eps*raw_l) N_l = density * sum N_l by
+    bisection."""
     N = [s * r * c for s, r, c in shapes]
     raw = [(r + c) / (r * c) for _, r, c in shapes]
     lo, hi = 0.0, 1e9
@@ -159,9 +160,8 @@ def test_erk_densities_give_the_global_target_with_dense_layers_capped(density):
 def test_rigl_grows_top_grad_inactive_and_drops_smallest_on_a_hand_made_case():
     model = Stack([(4, 4)])
     lin = model.layers[0]
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=0.0, weight_decay=0.0
-    )  # lr 0: W moves only by DST
+    # lr 0: W moves only by DST
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
     dst = DynamicSparsity(
         model,
         opt,
@@ -191,8 +191,8 @@ def test_rigl_grows_top_grad_inactive_and_drops_smallest_on_a_hand_made_case():
     lin.weight.grad = G.clone()
     opt.step()
     dst.step(1)
-    # 8 active, drop 4 smallest |W| among active: 1 (0,1), 2 (0,3), 3 (1,1), 0.25 (2,2).
-    # Grow 4 largest |grad| among the rest (dropped ones included): 9 (1,2), 8 (2,1), 7 (3,0), 6 (3,2).
+    # 8 active, drop 4 smallest |W| among active: 1 (0,1), 2 (0,3), 3 (1,1), 0.25 (2,2). Grow 4
+    # largest |grad| among the rest (dropped ones included): 9 (1,2), 8 (2,1), 7 (3,0), 6 (3,2).
     kept = {(0, 0), (0, 2), (1, 0), (2, 3)}
     grown = {(1, 2), (2, 1), (3, 0), (3, 2)}
     new = {tuple(ix) for ix in lin.weight_mask.nonzero().tolist()}
@@ -228,7 +228,8 @@ def test_adamw_moments_are_zero_for_pruned_grown_and_inactive_weights():
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.all(st[key][pruned] == 0), (t.name, key)
             assert torch.all(st[key][grown] == 0)
-            # kept weights keep their moments (a few are 0: hidden units cut off by the sparse w3 get no grad)
+            # kept weights keep their moments (a few are 0: hidden units cut off by the sparse w3
+            # get no grad)
             assert (st[key][stay] != 0).float().mean() > 0.95
         assert torch.all(p[grown] == 0) and torch.all(p[pruned] == 0)
     # one more optimizer step: grown weights now train, inactive ones stay exactly zero
@@ -307,9 +308,8 @@ def test_schedule_updates_decay_stop_and_dense_finish():
     )
     train(model, opt, dst, 8)
     assert dst.stats()["density"] == 1.0
-    assert all(
-        bool((t.param() != 0).all()) for t in dst.targets
-    )  # formerly pruned weights train again
+    # formerly pruned weights train again
+    assert all(bool((t.param() != 0).all()) for t in dst.targets)
 
 
 # ---- structured masks ----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""DST on any model with default options, and compact DST state (dst.compact_state): bit-packed masks, a
-bf16 EMA score and AdamW moments for active weights only (training.optim.CompactAdamW) match the dense
-state at every active entry, resume bit-exactly through DCP, and cost <= 0.5x the bytes per masked weight."""
+"""DST on any model with default options, and compact DST state (dst.compact_state): bit-packed
+masks, a bf16 EMA score and AdamW moments for active weights only (training.optim.CompactAdamW)
+match the dense state at every active entry, resume bit-exactly through DCP, and cost <= 0.5x the
+bytes per masked weight."""
 
 import pytest
 import torch

@@ -1,7 +1,7 @@
-"""DST under data parallelism: 2 gloo processes with different per-rank gradients derive identical masks,
-equal to the single-process masks of the summed gradient; DTensor (FSDP2-style Shard(0)) parameters give
-the same masks, with mask buffers sharded like their parameters; a real FSDP2 (fully_shard) run matches an
-unsharded run fed the mean gradient, masks and weights."""
+"""DST under data parallelism: 2 gloo processes with different per-rank gradients derive identical
+masks, equal to the single-process masks of the summed gradient; DTensor (FSDP2-style Shard(0))
+parameters give the same masks, with mask buffers sharded like their parameters; a real FSDP2
+(fully_shard) run matches an unsharded run fed the mean gradient, masks and weights."""
 
 import pytest
 import torch
@@ -12,6 +12,7 @@ from helpers import spawn  # forked gloo ranks: spawn(fn, world) runs fn(rank, w
 from moezoo.layers import DynamicSparsity
 
 SHAPES = [(16, 32), (32, 16), (8, 32)]  # (out, in); 16 and 32 rows split evenly over 2 ranks, 8 too
+# every layer, the last one too (no head here)
 OPTS = dict(
     sparsity=0.75,
     update_every=1,
@@ -19,7 +20,7 @@ OPTS = dict(
     stop_fraction=1.0,
     drop_schedule="constant",
     include=["layers.*"],
-)  # every layer, the last one too (no head here)
+)
 
 
 class Stack(nn.Module):
@@ -36,9 +37,8 @@ def _grads(rank, step):
 
 
 def _run(model, grads_at, wrap=lambda g: g):
-    opt = torch.optim.SGD(
-        model.parameters(), lr=0.0, momentum=0.9
-    )  # lr 0: weights change only by DST
+    # lr 0: weights change only by DST
+    opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
     dst = DynamicSparsity(model, opt, **OPTS)
     for step in (1, 2, 3):
         before = [lin.weight_mask.clone() for lin in model.layers]
@@ -64,7 +64,8 @@ def _check_identical_masks(rank, world):
     ref, _, _, _ = _run(Stack(), summed)
     assert all(torch.equal(m, lin.weight_mask) for m, lin in zip(masks, ref.layers))
 
-    # DTensor parameters sharded on dim 0 (what FSDP2 holds), gradients already reduced (as FSDP2's are)
+    # DTensor parameters sharded on dim 0 (what FSDP2 holds), gradients already reduced (as FSDP2's
+    # are)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 

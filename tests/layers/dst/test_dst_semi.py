@@ -1,5 +1,5 @@
-"""2:4 DST layers through torch's semi-structured kernels: same forward and gradients as the masked dense
-linear (GPU), and a clean dense-masked fallback where no kernel exists (CPU)."""
+"""2:4 DST layers through torch's semi-structured kernels: same forward and gradients as the masked
+dense linear (GPU), and a clean dense-masked fallback where no kernel exists (CPU)."""
 
 import pytest
 import torch

@@ -1,9 +1,9 @@
 """Expert-parallel MoE (layers.moe_ep) equals the single-process layer: outputs and gradients.
 
-Each test spawns P CPU processes (gloo). Every process builds the same MoE and the same global tokens,
-runs the single-process layer on all tokens as the reference, then the EP layer (experts split over
-the P ranks) on its own uneven slice of tokens, and compares: its output rows, its input gradient, the
-gradient of its local experts, and the all-reduced router gradient (float32, 1e-5).
+Each test spawns P CPU processes (gloo). Every process builds the same MoE and the same global
+tokens, runs the single-process layer on all tokens as the reference, then the EP layer (experts
+split over the P ranks) on its own uneven slice of tokens, and compares: its output rows, its input
+gradient, the gradient of its local experts, and the all-reduced router gradient (float32, 1e-5).
 """
 
 import copy

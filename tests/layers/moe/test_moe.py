@@ -1,4 +1,5 @@
-"""layers.MoE against an independent per-token loop (float32, CPU): outputs, gradients, losses, noise, bias."""
+"""layers.MoE against an independent per-token loop (float32, CPU): outputs, gradients, losses,
+noise, bias."""
 
 import math
 
@@ -29,7 +30,8 @@ def make_moe(dim=12, hidden=10, E=6, K=2, seed=0, **kw):
 
 
 def loop_reference(m: MoE, x: torch.Tensor, eps=None):
-    """Token by token, expert by expert, written from the router definitions (no code shared with MoE)."""
+    """Token by token, expert by expert, written from the router definitions (no code shared with
+    MoE)."""
     c = m.cfg
     E, K = m.num_experts, m.top_k
     T = x.shape[0]
@@ -223,7 +225,8 @@ def test_bias_state_stays_exact_under_a_bfloat16_cast():
     m(torch.randn(5, 8, dtype=torch.bfloat16))
     assert int(m.load_accum.sum()) == 10
     moe_update_bias(m)
-    # 10 assignments over 4 experts: no load equals the mean 2.5, so every bias moved by exactly 1e-3
+    # 10 assignments over 4 experts: no load equals the mean 2.5, so every bias moved by exactly
+    # 1e-3
     torch.testing.assert_close(m.expert_bias.abs(), torch.full((4,), 1e-3), rtol=0, atol=0)
 
 
@@ -333,7 +336,8 @@ def test_dropless_plan_shortcut_equals_the_general_plan_and_sorts_stably():
 
 
 def test_under_autocast_the_experts_get_the_autocast_dtype_from_a_float32_residual():
-    """Mixed-precision training: float32 residual in, bf16 expert GEMM inputs (the grouped path's dtype)."""
+    """Mixed-precision training: float32 residual in, bf16 expert GEMM inputs (the grouped path's
+    dtype)."""
     torch.manual_seed(0)
     moe = MoE(32, 48, 4, 2)
     seen = []
@@ -351,9 +355,9 @@ def test_under_autocast_the_experts_get_the_autocast_dtype_from_a_float32_residu
 def test_under_autocast_routing_reads_the_bf16_copy_only_with_low_precision_router(
     low_precision_router,
 ):
-    """low_precision_router (default): the router reads the autocast-dtype copy, as the experts do, so its
-    logits, losses and stats are the float32 ones of the bf16-rounded input. Off: those of the float32
-    residual itself."""
+    """low_precision_router (default): the router reads the autocast-dtype copy, as the experts do,
+    so its logits, losses and stats are the float32 ones of the bf16-rounded input. Off: those of
+    the float32 residual itself."""
     moe = make_moe(
         dim=32, hidden=48, E=4, K=2, z_loss_coef=1e-2, low_precision_router=low_precision_router
     )
@@ -376,14 +380,14 @@ def test_under_autocast_routing_reads_the_bf16_copy_only_with_low_precision_rout
     ids=["moe", "neuron"],
 )
 def test_a_compiled_block_does_not_recompile_on_its_second_call(make):
-    # The backend is resolved when the weights are made or moved: resolved at the first forward, it was a
-    # module mutation that failed the graph's guard `_backend is None`, and the second call recompiled.
+    # The backend is resolved when the weights are made or moved: resolved at the first forward, it
+    # was a module mutation that failed the graph's guard `_backend is None`, and the second call
+    # recompiled.
     torch._dynamo.reset()
     torch.manual_seed(0)
     block = torch.nn.Sequential(torch.nn.Linear(32, 32), make())
-    block.compile(
-        dynamic=False, backend="eager"
-    )  # the guards are dynamo's: no inductor codegen needed
+    # the guards are dynamo's: no inductor codegen needed
+    block.compile(dynamic=False, backend="eager")
     x = torch.randn(16, 32)
     want = block(x)
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -391,17 +395,17 @@ def test_a_compiled_block_does_not_recompile_on_its_second_call(make):
 
 
 def test_a_compiled_block_on_the_loop_backend_does_not_recompile_when_the_expert_counts_change():
-    # The loop reads the counts on the host; traced, the code after that read was specialised on each
-    # count's value and recompiled for every new batch. It runs eagerly inside a compiled block instead.
+    # The loop reads the counts on the host; traced, the code after that read was specialised on
+    # each count's value and recompiled for every new batch. It runs eagerly inside a compiled block
+    # instead.
     torch._dynamo.reset()
     torch.manual_seed(0)
     block = torch.nn.Sequential(torch.nn.Linear(32, 32), MoE(32, 48, 4, 2, backend="torch"))
     block.compile(dynamic=False, backend="eager")
     xs = [torch.randn(16, 32) for _ in range(3)]
     ys, counts = [], []
-    with torch._dynamo.config.patch(
-        error_on_recompile=True
-    ):  # the first call compiles, no later one
+    # the first call compiles, no later one
+    with torch._dynamo.config.patch(error_on_recompile=True):
         for x in xs:
             ys.append(block(x))
             counts.append(tuple(block[1].stats["tokens_per_expert"].tolist()))

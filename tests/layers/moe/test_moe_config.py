@@ -1,5 +1,5 @@
-"""One source of truth for MoE / NeuronRoutedFFN options: the config dataclass; the layers take ``cfg``
-plus keyword overrides and keep their own copy, so speed switches are per instance."""
+"""One source of truth for MoE / NeuronRoutedFFN options: the config dataclass; the layers take
+``cfg`` plus keyword overrides and keep their own copy, so speed switches are per instance."""
 
 import dataclasses
 

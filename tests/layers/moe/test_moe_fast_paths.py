@@ -1,6 +1,6 @@
-"""MoE fast paths on CPU: the compiled routing stage equals the eager one (values, plan, stats, router
-gradients), and the grouped experts path equals the per-expert loop (torch._grouped_mm runs on CPU in float32 and
-bfloat16)."""
+"""MoE fast paths on CPU: the compiled routing stage equals the eager one (values, plan, stats,
+router gradients), and the grouped experts path equals the per-expert loop (torch._grouped_mm runs
+on CPU in float32 and bfloat16)."""
 
 import pytest
 import torch
@@ -147,9 +147,8 @@ def test_grouped_experts_equal_the_per_expert_loop_in_float32(row_scale):
     got = run_experts(ex, ex._grouped, xs, dy, counts, scale)
     for name, a, b in zip(["y", "dx", "dw1", "dw2", "dw3", "dscale"], got, loop):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
-    assert (
-        torch.count_nonzero(ex.w1.grad[1]) == 0 and torch.count_nonzero(ex.w3.grad[1]) == 0
-    )  # no rows
+    # no rows
+    assert torch.count_nonzero(ex.w1.grad[1]) == 0 and torch.count_nonzero(ex.w3.grad[1]) == 0
 
 
 def test_grouped_experts_in_bfloat16_are_within_twice_the_bfloat16_loop_error():
@@ -173,8 +172,9 @@ def test_grouped_experts_in_bfloat16_are_within_twice_the_bfloat16_loop_error():
         assert rel(g, w) <= 2 * rel(p, w) + 1e-6, name
 
 
-# Rows past the last group are unspecified in torch._grouped_mm's output (uninitialised memory on CPU)
-# and nobody reads what the SwiGLU kernels make of them; the interpreter warns when they overflow.
+# Rows past the last group are unspecified in torch._grouped_mm's output (uninitialised memory on
+# CPU) and nobody reads what the SwiGLU kernels make of them; the interpreter warns when they
+# overflow.
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("fold", [False, True], ids=["weighted_combine", "folded_weights"])
@@ -210,7 +210,8 @@ def test_grouped_moe_path_on_cpu_equals_the_reference_path(fold, capacity_factor
 
 
 def test_swiglu_backward_cpu_fallback_returns_float32_dscale_as_its_fake_says(monkeypatch):
-    """The closed-form CPU fallback (no Triton) agrees with the registered fake for any scale dtype."""
+    """The closed-form CPU fallback (no Triton) agrees with the registered fake for any scale
+    dtype."""
     from moezoo.kernels.moe_swiglu import swiglu_backward
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -220,15 +221,14 @@ def test_swiglu_backward_cpu_fallback_returns_float32_dscale_as_its_fake_says(mo
     torch.library.opcheck(swiglu_backward, (dh, a, b, scale))
 
 
-@pytest.mark.filterwarnings(
-    "ignore:overflow encountered:RuntimeWarning"
-)  # rows past the last group
+# rows past the last group
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("align", [1, 4])
 def test_compiled_experts_with_the_fused_permute_equal_eager(align):
-    # torch.compile traces the permute + gate/up autograd.Function and the two-source unpermute op of
-    # its backward (fullgraph: no graph break). bfloat16: the only dtype torch._grouped_mm's meta kernel
-    # (what tracing runs) accepts; aot_eager runs the same ops, so the results are equal.
+    # torch.compile traces the permute + gate/up autograd.Function and the two-source unpermute op
+    # of its backward (fullgraph: no graph break). bfloat16: the only dtype torch._grouped_mm's meta
+    # kernel (what tracing runs) accepts; aot_eager runs the same ops, so the results are equal.
     ex, _, _, _ = experts_and_inputs(torch.bfloat16)
     outs = grouped_grads_eager_and_compiled(ex, tokens=10, top_k=2, align=align, backend=BACKEND)
     for name, a, b in zip(["dx", "dw1", "dw2", "dw3"], *outs):

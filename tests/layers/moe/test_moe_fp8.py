@@ -1,7 +1,7 @@
-"""``model.moe.precision: fp8`` on CPU: the config checks (choice, backend, dims, gate) name the key; where
-FP8 cannot run, the layer and the trainer fail at once with one line; and the grouped experts' fp8 path
-(torch._scaled_grouped_mm emulated in float32 off CUDA) is within FP8 error of the float32 loop, eager and
-traced by torch.compile (fullgraph)."""
+"""``model.moe.precision: fp8`` on CPU: the config checks (choice, backend, dims, gate) name the
+key; where FP8 cannot run, the layer and the trainer fail at once with one line; and the grouped
+experts' fp8 path (torch._scaled_grouped_mm emulated in float32 off CUDA) is within FP8 error of the
+float32 loop, eager and traced by torch.compile (fullgraph)."""
 
 import pytest
 import torch
@@ -113,13 +113,12 @@ def test_fp8_grouped_experts_are_within_fp8_error_of_the_float32_loop(activation
     assert torch.count_nonzero(ex.w1.grad[3]) == 0 and torch.count_nonzero(ex.w2.grad[3]) == 0
 
 
-@pytest.mark.filterwarnings(
-    "ignore:overflow encountered:RuntimeWarning"
-)  # rows past the last group
+# rows past the last group
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_fp8_moe_layer_path_on_cpu_is_within_fp8_error_of_the_reference(monkeypatch):
-    # The CUDA code path of MoE with precision fp8 (flipped after a CPU build), run on CPU through the
-    # emulated GEMM: routing, folded weights, fused permute, fp8 gate/up and down projections.
+    # The CUDA code path of MoE with precision fp8 (flipped after a CPU build), run on CPU through
+    # the emulated GEMM: routing, folded weights, fused permute, fp8 gate/up and down projections.
     torch.manual_seed(0)
     ref = MoE(32, 48, 6, 2, capacity_factor=0.9, backend="torch")
     fast = MoE(32, 48, 6, 2, capacity_factor=0.9, backend="torch", compile_routing=None)
@@ -144,7 +143,8 @@ def test_fp8_moe_layer_path_on_cpu_is_within_fp8_error_of_the_reference(monkeypa
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_compiled_fp8_experts_equal_eager():
     # torch.compile (dynamo + AOTAutograd, no C++ build) traces the fp8 gate/up and linear autograd
-    # Functions and their custom ops without a graph break; aot_eager runs the same ops, so equal results.
+    # Functions and their custom ops without a graph break; aot_eager runs the same ops, so equal
+    # results.
     ex = experts().to(torch.bfloat16)
     ex.precision = "fp8"
     outs = grouped_grads_eager_and_compiled(ex, tokens=30, top_k=2, align=4)

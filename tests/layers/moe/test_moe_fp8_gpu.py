@@ -1,8 +1,9 @@
-"""FP8 experts (``model.moe.precision: fp8``) on a Hopper / Blackwell GPU; skipped elsewhere. The compiled
-Triton quantizers equal the torch references bit for bit; torch._scaled_grouped_mm computes what the
-float32 emulation does (layouts, scales, padded wgrad groups, empty experts); the fp8 MoE layer's output
-and gradients are within FP8 error of the bf16 layer's, eager, under autocast with float32 master weights
-and compiled; a tiny fp8 MoE model trains with finite losses close to bf16's."""
+"""FP8 experts (``model.moe.precision: fp8``) on a Hopper / Blackwell GPU; skipped elsewhere. The
+compiled Triton quantizers equal the torch references bit for bit; torch._scaled_grouped_mm computes
+what the float32 emulation does (layouts, scales, padded wgrad groups, empty experts); the fp8 MoE
+layer's output and gradients are within FP8 error of the bf16 layer's, eager, under autocast with
+float32 master weights and compiled; a tiny fp8 MoE model trains with finite losses close to
+bf16's."""
 
 import pytest
 import torch
@@ -16,9 +17,8 @@ if not torch.cuda.is_available():
 if fp8_missing("cuda") is not None:
     pytest.skip(f"FP8 grouped GEMMs: {fp8_missing('cuda')}", allow_module_level=True)
 
-FP8_REL = (
-    0.1  # normwise: e4m3 keeps 3 mantissa bits; three chained GEMMs measure ~0.066 (CPU emulation)
-)
+# normwise: e4m3 keeps 3 mantissa bits; three chained GEMMs measure ~0.066 (CPU emulation)
+FP8_REL = 0.1
 SIZES = [0, 17, 500, 3, 1000, 0, 700, 99]  # unaligned, empty experts; rows past the last group
 
 
@@ -85,8 +85,9 @@ def test_triton_quantizers_on_gpu_equal_the_reference_bit_for_bit():
 
 
 def test_scaled_grouped_mm_forward_dgrad_wgrad_match_the_float32_emulation():
-    # The CUDA op on the operands the quantizers laid out, against the same recipe emulated on CPU: equal
-    # up to accumulation order, FP8 fast accumulation and the bf16 output (a layout or scale mistake is O(1)).
+    # The CUDA op on the operands the quantizers laid out, against the same recipe emulated on CPU:
+    # equal up to accumulation order, FP8 fast accumulation and the bf16 output (a layout or scale
+    # mistake is O(1)).
     from moezoo.kernels.moe_fp8 import fp8_grouped_linear, fp8_grouped_linear_reference
 
     torch.manual_seed(0)
@@ -131,9 +132,8 @@ def grads(m, x, dy, fn=None):
     """Output, input and parameter gradients of ``fn`` (default ``m``; e.g. its torch.compile)."""
     m.zero_grad(set_to_none=True)
     xi = x.clone().requires_grad_()
-    y = (fn if fn is not None else m)(
-        xi
-    )  # not `fn or m`: a compiled module has no truth value (__len__)
+    # not `fn or m`: a compiled module has no truth value (__len__)
+    y = (fn if fn is not None else m)(xi)
     (y.float() * dy).sum().backward()
     return {
         "y": y,

@@ -1,5 +1,5 @@
-"""The grouped CUDA path (Triton permute/combine/swiglu + torch._grouped_mm) against the float32 loop
-reference, bf16 tolerances; skipped without CUDA."""
+"""The grouped CUDA path (Triton permute/combine/swiglu + torch._grouped_mm) against the float32
+loop reference, bf16 tolerances; skipped without CUDA."""
 
 import pytest
 import torch
@@ -73,9 +73,9 @@ def run_grads(m, x, dy):
 
 
 def grads_by_setting(attr, values, E, K, T, **kw):
-    """fp32 loop reference grads, and the bf16 grouped path's grads with ``cfg.<attr>`` set to each value.
-    Eager routing: each compiled routing spec costs seconds of device time, and the compiled stage has
-    its own test (bench/moe.py checks the full default path at the real shapes)."""
+    """fp32 loop reference grads, and the bf16 grouped path's grads with ``cfg.<attr>`` set to each
+    value. Eager routing: each compiled routing spec costs seconds of device time, and the compiled
+    stage has its own test (bench/moe.py checks the full default path at the real shapes)."""
     torch.manual_seed(0)
     ref = MoE(256, 384, E, K, backend="torch", **kw).cuda()
     m = MoE(256, 384, E, K, backend="grouped", **kw).cuda().to(torch.bfloat16)
@@ -113,10 +113,10 @@ def test_compiled_routing_equals_eager_routing_on_cuda():
     n_scalar = 1 + len(m.stats)
     for i, (a, b) in enumerate(zip(runs["inductor"][:n_scalar], runs[None][:n_scalar])):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-6, msg=str(i))
-    # Output and gradients: the routing weights differ in their last float32 bits (Inductor's softmax
-    # sums in another order) and are folded into the bf16 hidden states, so single elements move by a
-    # bf16 rounding step (measured on the H200: 2.4e-4 at most, no row off by 1e-2); in norm, far
-    # below bf16's 3.9e-3.
+    # Output and gradients: the routing weights differ in their last float32 bits (Inductor's
+    # softmax sums in another order) and are folded into the bf16 hidden states, so single elements
+    # move by a bf16 rounding step (measured on the H200: 2.4e-4 at most, no row off by 1e-2); in
+    # norm, far below bf16's 3.9e-3.
     for i, (a, b) in enumerate(zip(runs["inductor"][n_scalar:], runs[None][n_scalar:])):
         assert rel(a, b) < 2e-3, i
 
@@ -132,8 +132,9 @@ def test_folded_routing_weights_equal_the_weighted_combine(capacity_factor):
 
 @pytest.mark.parametrize("kw", [dict(), dict(capacity=200), dict(align=16)], ids=str)
 def test_fused_permute_gate_up_matches_the_unfused_path_and_rounds_dx_once(kw):
-    # Fused: dx sums a token's 2K rows of g1 = da w1 and g3 = db w3 in float32 and rounds once; unfused,
-    # autograd first rounds g1 + g3 to bf16 per row. Forward and weight gradients are the same GEMMs.
+    # Fused: dx sums a token's 2K rows of g1 = da w1 and g3 = db w3 in float32 and rounds once;
+    # unfused, autograd first rounds g1 + g3 to bf16 per row. Forward and weight gradients are the
+    # same GEMMs.
     from moezoo.kernels.moe_combine import moe_combine_reference
     from moezoo.kernels.moe_gate_up import gate_up
     from moezoo.kernels.moe_permute import moe_permute

@@ -1,7 +1,7 @@
-"""Host-side overhead of the MoE routing stage that does not scale with FLOPs (issue 16, item 2): the
-expert sort runs on the narrowest key dtype and the per-expert counts stay an inductor kernel under
-torch.compile, and top-1/2 selection is argmax passes there, with exactly the results of the formulations
-they replace."""
+"""Host-side overhead of the MoE routing stage that does not scale with FLOPs (issue 16, item 2):
+the expert sort runs on the narrowest key dtype and the per-expert counts stay an inductor kernel
+under torch.compile, and top-1/2 selection is argmax passes there, with exactly the results of the
+formulations they replace."""
 
 import pytest
 import torch
@@ -47,12 +47,12 @@ def test_make_plan_equals_the_plan_of_the_int64_sort(kw, monkeypatch):
 
 
 def test_tokens_per_expert_under_compile_is_the_eager_count():
-    """The compiled one-hot reduction and the eager scatter_add give bincount's int64 counts (an expert
-    with no assignment included)."""
+    """The compiled one-hot reduction and the eager scatter_add give bincount's int64 counts (an
+    expert with no assignment included)."""
     torch.manual_seed(0)
     idx = torch.randint(0, 6, (50, 3))  # expert 6 of 7 gets none
-    # aot_eager traces the compiled branch (is_compiling) without inductor's codegen, which took 62-80 s of a
-    # GPU-machine suite run for this CPU test
+    # aot_eager traces the compiled branch (is_compiling) without inductor's codegen, which took
+    # 62-80 s of a GPU-machine suite run for this CPU test
     fn = torch.compile(tokens_per_expert, backend="aot_eager", fullgraph=True)
     got, want = fn(idx, 7), tokens_per_expert(idx, 7)
     assert got.dtype == want.dtype == torch.int64
@@ -63,8 +63,8 @@ def test_tokens_per_expert_under_compile_is_the_eager_count():
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_top_k_under_compile_is_topk(k):
-    # k <= 2: argmax passes when compiled; k = 3: torch.topk in both. Rows with -inf outside k finite scores
-    # (group-limited routing) included.
+    # k <= 2: argmax passes when compiled; k = 3: torch.topk in both. Rows with -inf outside k
+    # finite scores (group-limited routing) included.
     torch.manual_seed(1)
     scores = torch.randn(64, 8)
     scores[::4, 3:] = float("-inf")

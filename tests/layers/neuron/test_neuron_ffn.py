@@ -1,5 +1,6 @@
-"""NeuronRoutedFFN: balanced clustering, exactness against the dense FFN, top-k routing against a per-token
-loop, router training, schedule phases, config validation and the Transformer loss seam. Tiny, CPU."""
+"""NeuronRoutedFFN: balanced clustering, exactness against the dense FFN, top-k routing against a
+per-token loop, router training, schedule phases, config validation and the Transformer loss seam.
+Tiny, CPU."""
 
 import pytest
 import torch
@@ -55,7 +56,7 @@ def dense_ffn(activation, dim, hidden, seed):
     return ffn
 
 
-# -- clustering ---------------------------------------------------------------------------------------------
+# -- clustering ------------------------------------------------------------------------------------
 def test_balanced_kmeans_gives_equal_size_groups_that_partition_the_units():
     torch.manual_seed(1)
     labels = balanced_kmeans(torch.randn(96, 12), 6, iters=10, seed=3)
@@ -82,7 +83,7 @@ def test_balanced_assign_respects_capacity_and_takes_the_nearest_first():
     assert labels.tolist() == [0, 0, 1, 1]
 
 
-# -- exactness with all groups --------------------------------------------------------------------------------
+# -- exactness with all groups ---------------------------------------------------------------------
 @pytest.mark.parametrize("activation", ["swiglu", "relu2"])
 @pytest.mark.parametrize("sparse", [True, False])
 def test_from_dense_with_all_groups_equals_dense_ffn_output_and_grads(activation, sparse):
@@ -121,9 +122,10 @@ def test_from_dense_with_all_groups_equals_dense_ffn_output_and_grads(activation
     )
 
 
-# -- top-k routing against a per-token loop ------------------------------------------------------------------
+# -- top-k routing against a per-token loop --------------------------------------------------------
 def per_token_reference(dense, groups, router_w, x, k, activation):
-    """Each token computes only its top-k groups (by x . router_w) with the dense weights, one token at a time."""
+    """Each token computes only its top-k groups (by x . router_w) with the dense weights, one token
+    at a time."""
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         chosen = (router_w @ x[t]).topk(k).indices
@@ -158,7 +160,7 @@ def test_topk_routed_output_equals_per_token_loop_over_selected_groups(activatio
     assert (y - dense(x)).abs().max() > 1e-3
 
 
-# -- router ------------------------------------------------------------------------------------------------
+# -- router ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("router_loss", ["ce", "mse"])
 def test_router_learns_to_predict_group_mass_and_only_the_router_gets_its_gradient(router_loss):
     torch.manual_seed(6)
@@ -185,15 +187,15 @@ def test_router_learns_to_predict_group_mass_and_only_the_router_gets_its_gradie
         opt.zero_grad()
         nr.aux_loss.backward()
         opt.step()
-    assert (
-        nr.experts.w1.grad is None and nr.experts.w2.grad is None
-    )  # router loss trains only the router
+    # router loss trains only the router
+    assert nr.experts.w1.grad is None and nr.experts.w2.grad is None
     assert losses[-1] < 0.3 * losses[0]
     assert recalls[-1] > 0.95 and nr.stats["mass_captured"].item() > 0.8
 
 
 def test_dense_step_router_loss_is_the_kl_to_each_tokens_per_group_activation_mass():
-    # independent: the dense SwiGLU's hidden state, |h| summed over each group's units, normalised per token
+    # independent: the dense SwiGLU's hidden state, |h| summed over each group's units, normalised
+    # per token
     D, G, Hg, T = 16, 4, 8, 40
     dense = dense_ffn("swiglu", D, G * Hg, seed=8)
     nr = NeuronRoutedFFN.from_dense(
@@ -214,7 +216,7 @@ def test_dense_step_router_loss_is_the_kl_to_each_tokens_per_group_activation_ma
     torch.testing.assert_close(nr.stats["mass_captured"], target.gather(1, pred).sum(-1).mean())
 
 
-# -- schedule -----------------------------------------------------------------------------------------------
+# -- schedule --------------------------------------------------------------------------------------
 def test_schedule_runs_dense_warmup_then_alternates_at_the_ratio_then_dense_finish():
     phases = [neuron_phase(s, 100, 0.1, 0.75, 0.2) for s in range(100)]
     assert phases[:10] == ["warmup"] * 10 and phases[80:] == ["finish"] * 20
@@ -249,7 +251,7 @@ def test_neuron_schedule_step_switches_every_layer_between_dense_and_sparse():
     assert neuron_schedule_step(nn.Linear(2, 2), 0, 10) is None
 
 
-# -- Transformer loss seam --------------------------------------------------------------------------------
+# -- Transformer loss seam -------------------------------------------------------------------------
 def test_transformer_loss_adds_every_router_loss_and_still_sums_moe_aux_losses():
     cfg = load_config(
         "zoo/tiny_neuron.yaml",
@@ -272,7 +274,7 @@ def test_transformer_loss_adds_every_router_loss_and_still_sums_moe_aux_losses()
     assert torch.equal(total_aux_loss(nn.Linear(2, 2)), torch.zeros(()))
 
 
-# -- config -------------------------------------------------------------------------------------------------
+# -- config ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "key,value",
     [
@@ -336,7 +338,8 @@ torch.testing.assert_close(fast.experts.w1.grad, ref.experts.w1.grad, atol=1e-5,
 
 
 def test_fast_dispatch_path_under_triton_interpreter_equals_reference_path():
-    """The Triton permute/combine ops (interpreted on CPU) give the reference path's output and grads.
+    """The Triton permute/combine ops (interpreted on CPU) give the reference path's output and
+    grads.
 
     A subprocess, because the interpreter must be switched on before triton is first imported.
     """
@@ -356,7 +359,7 @@ def test_fast_dispatch_path_under_triton_interpreter_equals_reference_path():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-# -- re-clustering -------------------------------------------------------------------------------------------
+# -- re-clustering ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("activation", ["swiglu", "relu2"])
 def test_recluster_keeps_the_function_and_permutes_adam_state_with_the_weights(activation):
     import copy
@@ -450,8 +453,8 @@ def test_recluster_of_fsdp2_sharded_weights_matches_one_process():
 def test_under_autocast_the_router_reads_the_groups_bf16_copy_only_with_low_precision_router(
     sparse, low_precision_router
 ):
-    """Default: the router reads the bf16 copy the groups read, so its float32 logits are those of the
-    bf16-rounded input; ``low_precision_router: false``: those of the float32 input."""
+    """Default: the router reads the bf16 copy the groups read, so its float32 logits are those of
+    the bf16-rounded input; ``low_precision_router: false``: those of the float32 input."""
     torch.manual_seed(0)
     m = NeuronRoutedFFN(16, 32, 4, 2, backend="torch", low_precision_router=low_precision_router)
     m.sparse = sparse
@@ -471,7 +474,8 @@ def test_under_autocast_the_router_reads_the_groups_bf16_copy_only_with_low_prec
 
 
 def test_flops_count_the_groups_a_neuron_routed_ffn_computes():
-    # a sparse step computes K/G of the group weights, a dense step all; the default is the schedule's mean
+    # a sparse step computes K/G of the group weights, a dense step all; the default is the
+    # schedule's mean
     from moezoo.zoo.flops import count_params, sparse_step_share
 
     m = NeuronRoutedFFN(

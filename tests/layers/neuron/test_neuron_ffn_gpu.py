@@ -1,6 +1,6 @@
-"""NeuronRoutedFFN's CUDA path as the trainer runs it (float32 parameters under bf16 autocast: the grouped
-experts and the router on the autocast copy through kernels.router_matmul) against the float32 torch
-backend on the same values, sparse and dense mode; skipped without CUDA."""
+"""NeuronRoutedFFN's CUDA path as the trainer runs it (float32 parameters under bf16 autocast: the
+grouped experts and the router on the autocast copy through kernels.router_matmul) against the
+float32 torch backend on the same values, sparse and dense mode; skipped without CUDA."""
 
 import pytest
 import torch
@@ -46,9 +46,8 @@ def test_grouped_path_under_bf16_autocast_matches_float32_reference(sparse, acti
     assert yf.dtype == torch.bfloat16
     assert rel(yf, yr) < 2e-2 and rel(dxf, dxr) < 2e-2
     for (name, pr), pf in zip(ref.named_parameters(), fast.parameters()):
-        if (
-            name == "router.weight" and sparse
-        ):  # the router takes no gradient from a sparse step, only a zero one
+        # the router takes no gradient from a sparse step, only a zero one
+        if name == "router.weight" and sparse:
             assert pf.grad is not None and not pf.grad.any()
         else:
             assert rel(pf.grad, pr.grad) < 3e-2, name
