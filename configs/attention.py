@@ -35,6 +35,7 @@ PATTERN_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
             "compress",
             "compress_block",
             "score_block",
+            "token_select",
         ),
     ),
 }
@@ -50,7 +51,7 @@ NONNEG_PARAMS = (
     "compress_block",
     "score_block",
 )
-FLAG_PARAMS = ("share_group", "query_max", "compress")  # 0 or 1
+FLAG_PARAMS = ("share_group", "query_max", "compress", "token_select")  # 0 or 1
 # MInference's per-head JSON names its three kernels; what each entry computes in MInference's
 # runtime (minference/modules/minference_forward.py), in our params:
 # - vertical_and_slash: budgets raised to at least 30 columns / 50 diagonals, the first 30 key
@@ -115,7 +116,13 @@ def validate_pattern(pat: dict, key: str) -> None:
     check(
         pat.get("score_block", 0) <= bs,
         f"{key}.score_block",
-        f"pools keys within a selection block: must be <= block_size ({bs}), got {pat.get('score_block')}",
+        f"pools keys within a selection block: must be <= block_size ({bs}), "
+        f"got {pat.get('score_block')}",
+    )
+    check(
+        not (pat.get("token_select") and pat.get("query_max")),
+        f"{key}.query_max",
+        "token_select scores each query for itself; query_max applies to per-block selection",
     )
     check(
         not pat.get("compress_block") or pat.get("compress"),

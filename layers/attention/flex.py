@@ -77,8 +77,11 @@ def pick_flex_kernel(kernel: str, pats, T: int, block_size: int) -> str:
     if kernel != "auto":
         return kernel
     types = {p.type for p in pats if not p.is_dense_at(T)}
+    # per-token selection's bit-table mask_mod was measured on the Triton kernel only
+    token = any(p.token_select for p in pats if not p.is_dense_at(T))
     if (
-        not types
+        token
+        or not types
         or block_size % 128
         or any(T < FLASH_FASTER_FROM.get(t, float("inf")) for t in types)
     ):
@@ -131,13 +134,23 @@ def _keep_rule(plan: PatternPlan, with_cols: bool = True, tile: int = 0):
         # the slash rule's table (PatternPlan.diag_reach)
         diags = F.pad(plan.diag_reach(), (0, Tp - T))
         cols = F.pad(plan.cols, (0, Tp - T)) if with_cols else None
-    blocks, diags, cols = (_per_batch(t) for t in (blocks, diags, cols))
+    tok, tok_slot = None, plan.tok_slot
+    if plan.tok_bits is not None:
+        # rows padded to whole tiles, words to the padded tiles' key blocks: all reads in bounds
+        tok = plan.tok_bits
+        nw = (Tp // bs + 31) // 32
+        tok = F.pad(tok, (0, nw - tok.shape[-1], 0, Tp - tok.shape[2]))
+    blocks, diags, cols, tok = (_per_batch(t) for t in (blocks, diags, cols, tok))
 
     def keep(b, h, q_idx, k):
         d = q_idx - k
         out = (d < win[h]) | (k < sinks[h])
         if blocks is not None:
             out = out | blocks(b, h, q_idx // bs, k // bs)
+        if tok is not None:
+            kb = k // bs
+            word = tok(b, tok_slot[h], q_idx, kb // 32)
+            out = out | (((word >> (kb % 32)) & 1) == 1)
         if diags is not None:
             x = (q_idx // bs) * bs - k  # query block start - key; own block: reach[0]
             out = out | diags(b, h, torch.where(x > 0, x, 0))

@@ -48,6 +48,16 @@ Conventions (DESIGN.md), for a query at absolute position q and a key at positio
   key is averaged with ``score_block`` keys instead of ``block_size`` (NSA selects 64-key blocks by
   the scores of its 32-key compression blocks); with ``compress: 1, compress_block`` equal to it,
   the selection ranks exactly the compressed branch's logits again.
+  ``token_select: 1``: each query token chooses its own ``top_k`` key blocks among the blocks that
+  start at or before it, its own block always one of them (NSA, Yuan et al. 2025, Eq. 9-11; MoBA's
+  per-token gate), scored by ``q . mean-pooled k`` (or by the best ``score_block`` sub-block), one
+  choice per KV group with ``share_group`` (by the group's mean query, as NSA sums the group's
+  scores). The query keeps key k iff k's block is one of its own choices (or window / sinks allow
+  it): a query block serves as many different far keys as it has queries, where the per-block rule
+  gives all its queries one budget. The kernel visits the union of a query tile's choices (partial
+  blocks, evaluated per token through a 32-blocks-per-word bit table), so the work done is at
+  least the budget and grows with how much a tile's queries disagree; ``attn/density`` reports it.
+  ``query_max`` does not apply (each query scores for itself).
 - ``vertical_slash`` extras (MInference's kernel): ``keep_columns`` forces the first N key columns
   and ``keep_diagonals`` the N diagonals nearest the main one into the top-k (their scores set above
   every estimate before it, earliest / nearest first when the budget is smaller).
@@ -114,6 +124,8 @@ class SparsityPattern:
     compress_block: int = 0  # the compressed branch's pooling block (power of two; 0 = block_size)
     # block top-k: keys pooled per sub-block, a block scored by its best (0 = block_size)
     score_block: int = 0
+    # block top-k: 1 = each query token chooses its own top_k blocks (NSA / MoBA per-token gating)
+    token_select: int = 0
 
     def __post_init__(self):
         validate_pattern(self.to_dict(), "pattern")

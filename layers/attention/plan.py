@@ -12,9 +12,17 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from .pattern import DENSE_PATTERN, PatternLike, SparsityPattern, head_patterns, layer_block_size
-from .selection import estimate_block_topk, estimate_vertical_slash, index_tensor, random_block_rows
+from .selection import (
+    estimate_block_topk,
+    estimate_token_topk,
+    estimate_vertical_slash,
+    index_tensor,
+    random_block_rows,
+    unpack_blocks,
+)
 
 
 @dataclass
@@ -26,7 +34,9 @@ class PatternPlan:
     ``window[H]`` / ``sinks[H]`` (0 = none; a dense head has ``window = T + 1``), ``q_pos[S]``
     absolute query positions ``q_start ..``. ``col_budget``: the most columns any head chose (known
     from the budgets, so a backend can size per-head column slots without reading ``cols`` back from
-    the GPU).
+    the GPU). ``tok_bits [B, Hs + 1, S, nw]`` int32 (``token_select`` heads, else None): the key
+    blocks each query row chose, packed 32 to a word (``selection.pack_blocks``), one slot per
+    selection and an empty last slot; ``tok_slot[H]`` int64 maps each head to its slot.
     """
 
     block_size: int
@@ -39,10 +49,21 @@ class PatternPlan:
     diags: Optional[torch.Tensor]
     q_start: int
     col_budget: int = 0
+    tok_bits: Optional[torch.Tensor] = None
+    tok_slot: Optional[torch.Tensor] = None
 
     @property
     def q_block0(self) -> int:
         return self.q_start // self.block_size
+
+    @property
+    def n_key_blocks(self) -> int:
+        return (self.T + self.block_size - 1) // self.block_size
+
+    def token_blocks(self) -> torch.Tensor:
+        """bool ``[B, H, S, nk]``: the key blocks each query row of a ``token_select`` head chose
+        (False for other heads)."""
+        return unpack_blocks(self.tok_bits, self.n_key_blocks)[:, self.tok_slot]
 
     def token_mask(self) -> torch.Tensor:
         """bool ``[B or 1, H, S, T]``."""
@@ -57,6 +78,9 @@ class PatternPlan:
             qb = torch.div(self.q_pos, bs, rounding_mode="floor") - self.q_block0
             kb = torch.div(k_pos, bs, rounding_mode="floor")
             keep = keep | self.blocks[:, :, qb][:, :, :, kb]
+        if self.tok_bits is not None:
+            kb = torch.div(k_pos, self.block_size, rounding_mode="floor")
+            keep = keep | self.token_blocks()[..., kb]
         if self.cols is not None:
             keep = keep | self.cols[:, :, None, :] | self._diag_rows()
         return keep & (d >= 0)
@@ -112,6 +136,15 @@ class PatternPlan:
         if self.blocks is not None:
             touch = touch | self.blocks
             full = full | (self.blocks & below)
+        if self.tok_bits is not None:
+            # a key block is visited by a query block when any of its queries chose it, and needs
+            # no mask there when all of them did (and it lies before the query block)
+            rows = F.pad(self.token_blocks(), (0, 0, 0, n * bs - T)).unflatten(2, (n, bs))
+            touch = touch | rows.any(3)
+            if T % bs:  # the last query block's padded rows chose nothing: never full
+                rows = rows[:, :, :-1]
+            every = F.pad(rows.all(3), (0, 0, 0, n - rows.shape[2]))
+            full = full | (every & below)
         if self.cols is not None:
             # Block offset o >= 1 holds the pairs with qs - k in x = o*bs-(bs-1) .. o*bs, kept where
             # reach[x]: touched when a chosen diagonal lies in o*bs-(bs-1) .. o*bs+(bs-1), full when
@@ -158,16 +191,21 @@ class BlockSelection:
     heads: tuple[int, ...]
     block_size: int
     q_block0: int
+    plan: Optional[PatternPlan] = None
 
     def covers(self, q_pos: int, k_pos: Sequence[int]) -> torch.Tensor:
         """bool ``[B, len(heads)]``: each block top-k head's blocks for the query at ``q_pos`` hold
-        one of the keys ``k_pos`` (windows and sinks aside: what the selection itself found)."""
+        one of the keys ``k_pos`` (windows and sinks aside: what the selection itself found); a
+        ``token_select`` head's blocks are those of that query itself."""
         bs = self.block_size
         kb = index_tensor(sorted({int(k) // bs for k in k_pos}), self.blocks.device)
+        heads = index_tensor(self.heads, self.blocks.device)
         # [B, h, nk]
-        row = self.blocks[
-            :, index_tensor(self.heads, self.blocks.device), q_pos // bs - self.q_block0
-        ]
+        row = self.blocks[:, heads, q_pos // bs - self.q_block0]
+        if self.plan is not None and self.plan.tok_bits is not None:
+            i = q_pos - self.plan.q_start
+            tok = unpack_blocks(self.plan.tok_bits[:, :, i], self.plan.n_key_blocks)
+            row = row | tok[:, self.plan.tok_slot[heads]]
         return row[..., kb].any(-1)
 
 
@@ -235,7 +273,11 @@ def plan_pattern(
             diags = torch.zeros_like(cols)
             cols[:, heads], diags[:, heads] = c, dg
         bt = [h for h in dyn if pats[h].type == "block_topk"]
-        if bt:
+        tb = [h for h in bt if pats[h].token_select]
+        bt_block = [h for h in bt if not pats[h].token_select]
+        if tb:
+            tok = _token_selection(pats, tb, n_heads, q, k, q_start, bs, stats)
+        if bt_block:
             first = max(qb0 * bs - src_start, 0)  # pool from the first query block's start on
             g = n_heads // k.shape[1]
             full = torch.zeros(B, n_heads, q_blocks.numel(), nk, dtype=torch.bool, device=dev)
@@ -243,9 +285,9 @@ def plan_pattern(
                 full |= blocks
             # one estimate per scoring rule (query_max, score_block's sub-blocks; a layer mixing
             # rules logs the stats of the last one)
-            rule = {h: (pats[h].query_max, _sub_blocks(pats[h], bs)) for h in bt}
+            rule = {h: (pats[h].query_max, _sub_blocks(pats[h], bs)) for h in bt_block}
             for qmax, sub in sorted(set(rule.values())):
-                hs = [h for h in bt if rule[h] == (qmax, sub)]
+                hs = [h for h in bt_block if rule[h] == (qmax, sub)]
                 heads = index_tensor(hs, dev)
                 # share_group heads of one KV group with one budget share a slot (one selection);
                 # others their own
@@ -267,9 +309,46 @@ def plan_pattern(
                     sub,
                 )
             blocks = full
-            if stats is not None and "selection" in stats:
-                stats["selection"] = BlockSelection(blocks, tuple(bt), bs, qb0)
-    return PatternPlan(bs, q_pos, T, win, sinks, blocks, cols, diags, q_start, _col_budget(pats, T))
+    plan = PatternPlan(bs, q_pos, T, win, sinks, blocks, cols, diags, q_start, _col_budget(pats, T))
+    if dyn and tb:
+        plan.tok_bits, plan.tok_slot = tok
+    if dyn and bt and stats is not None and "selection" in stats:
+        chosen = plan.blocks
+        if chosen is None:
+            chosen = torch.zeros(B, n_heads, q_blocks.numel(), nk, dtype=torch.bool, device=dev)
+        stats["selection"] = BlockSelection(chosen, tuple(bt), bs, qb0, plan)
+    return plan
+
+
+def _token_selection(pats, heads, n_heads, q, k, q_start, bs, stats):
+    """``(tok_bits [B, Hs + 1, S, nw], tok_slot [H])`` for the ``token_select`` heads ``heads``:
+    one estimate per scoring rule (score_block's sub-blocks), a KV group's ``share_group`` heads
+    with one budget sharing a slot, and an empty last slot for every other head."""
+    g = n_heads // k.shape[1]
+    parts, slot_of = [], {}
+    rules = {h: _sub_blocks(pats[h], bs) for h in heads}
+    for sub in sorted(set(rules.values())):
+        hs = [h for h in heads if rules[h] == sub]
+        keys = [(h // g, pats[h].top_k) if pats[h].share_group else ("head", h) for h in hs]
+        order = list(dict.fromkeys(keys))  # first-seen order: unshared heads keep head order
+        slot = [order.index(x) for x in keys]
+        bits, _ = estimate_token_topk(
+            q[:, index_tensor(hs, q.device)],
+            q_start,
+            _kv_for_heads(k, hs, n_heads),
+            bs,
+            [pats[h].top_k for h in hs],
+            slot,
+            stats,
+            sub,
+        )
+        base = sum(p.shape[1] for p in parts)
+        slot_of.update({h: base + s for h, s in zip(hs, slot)})
+        parts.append(bits)
+    empty = sum(p.shape[1] for p in parts)
+    parts.append(torch.zeros_like(parts[0][:, :1]))
+    tok_slot = index_tensor([slot_of.get(h, empty) for h in range(n_heads)], q.device)
+    return torch.cat(parts, dim=1), tok_slot
 
 
 def _sub_blocks(p: SparsityPattern, bs: int) -> int:

@@ -1,5 +1,6 @@
 """Which keys an input-dependent or random head keeps: seeded random blocks (BigBird),
-vertical-slash estimation (MInference) and block top-k estimation (MoBA-style pooled scores).
+vertical-slash estimation (MInference), block top-k estimation per query block (MoBA-style pooled
+scores) and per query token (NSA / MoBA gating: each query its own blocks).
 
 Semantics in layers.attention.pattern. Shapes: B batch, H query heads, S queries, T keys, D head
 dim.
@@ -338,3 +339,95 @@ def estimate_block_topk(
     if len(reps) < H:
         pick = pick[:, index_tensor(list(slot), pick.device)]
     return pick
+
+
+# Per-token selections are packed 32 key blocks to an int32 word: at 128k tokens and 1024 blocks a
+# row is 128 bytes, and FlexAttention's mask_mod reads one word per element.
+TOKEN_BITS = 32
+
+
+def pack_blocks(pick: torch.Tensor) -> torch.Tensor:
+    """bool ``[..., nk]`` -> int32 ``[..., ceil(nk / 32)]``: bit ``j % 32`` of word ``j // 32`` is
+    block j."""
+    nk = pick.shape[-1]
+    nw = (nk + TOKEN_BITS - 1) // TOKEN_BITS
+    pick = torch.nn.functional.pad(pick, (0, nw * TOKEN_BITS - nk)).unflatten(-1, (nw, TOKEN_BITS))
+    weights = torch.ones(TOKEN_BITS, dtype=torch.int64, device=pick.device) << torch.arange(
+        TOKEN_BITS, device=pick.device
+    )
+    # int64 sums up to 2^32 - 1 wrap to int32's two's complement: bit 31 is the sign bit
+    return (pick.long() * weights).sum(-1).to(torch.int32)
+
+
+def unpack_blocks(bits: torch.Tensor, nk: int) -> torch.Tensor:
+    """The inverse of ``pack_blocks``: int32 ``[..., nw]`` -> bool ``[..., nk]``."""
+    shift = torch.arange(TOKEN_BITS, device=bits.device, dtype=torch.int32)
+    out = (bits[..., None] >> shift) & 1
+    return out.flatten(-2)[..., :nk].bool()
+
+
+@torch.no_grad()
+def estimate_token_topk(
+    q: torch.Tensor,
+    q_start: int,
+    k: torch.Tensor,
+    bs: int,
+    top_k: Sequence[int],
+    slot: Sequence[int] | None = None,
+    stats: dict | None = None,
+    sub_blocks: int = 1,
+) -> tuple[torch.Tensor, list[int]]:
+    """Per-token block top-k (``token_select: 1``; NSA Eq. 9-11, MoBA's gate).
+
+    ``q[B, H, S, D]`` queries at positions ``q_start ..``, ``k[B, H, T, D]`` (the KV head of each
+    query head). Each query scores every key block by ``q . mean-pooled k`` (with ``sub_blocks``: by
+    its best ``bs / sub_blocks``-key sub-block) and keeps the ``top_k`` best among the blocks that
+    start at or before it, its own block always one of them. Heads of one ``slot`` (a KV group's
+    ``share_group`` heads) share one choice, by the group's mean query (NSA sums the group's
+    importance scores, Eq. 10; the mean ranks the same). Returns ``(bits, reps)``: int32 ``[B, Hs,
+    S, ceil(nk / 32)]`` (``pack_blocks``) per slot, and the first head of each slot. ``stats``:
+    filled with the mean normalised entropy of each query's softmax over its causal block scores and
+    the mass its chosen blocks hold (as ``estimate_block_topk``).
+    """
+    B, H, S, D = q.shape
+    T = k.shape[2]
+    nk = (T + bs - 1) // bs
+    reps = list(range(H))
+    if slot is not None and len(set(slot)) < H:
+        reps = [list(slot).index(x) for x in sorted(set(slot))]
+        q = _slot_mean(q, slot)
+        k = k[:, index_tensor(reps, k.device)]
+        top_k = [top_k[r] for r in reps]
+    sb = bs // sub_blocks
+    kp = _block_mean(k, 0, sb, nk * sub_blocks)  # [B, Hs, nk * sub, D]
+    half = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    dt = q.dtype if half else torch.float32
+    q, kp = q.to(dt), kp.to(dt)
+    Hs = kp.shape[1]
+    kb = torch.arange(nk, device=k.device)
+    empty_sub = torch.arange(nk * sub_blocks, device=k.device) >= (T + sb - 1) // sb
+    nw = (nk + TOKEN_BITS - 1) // TOKEN_BITS
+    bits = torch.empty(B, Hs, S, nw, dtype=torch.int32, device=k.device)
+    ent = mass = torch.zeros((), device=k.device)
+    step = max(1, _QUERY_MAX_CHUNK // max(B * Hs * nk * sub_blocks, 1))
+    for r0 in range(0, S, step):
+        r1 = min(r0 + step, S)
+        s = _group_scores(q[:, :, r0:r1], kp)  # [B, Hs, rows, nk * sub]
+        if sub_blocks > 1:
+            s = s.masked_fill(empty_sub, float("-inf")).unflatten(-1, (nk, sub_blocks)).amax(-1)
+        own = torch.div(
+            torch.arange(q_start + r0, q_start + r1, device=k.device), bs, rounding_mode="floor"
+        )[:, None]  # [rows, 1]
+        s = s.masked_fill(kb[None, :] > own, float("-inf"))
+        pick = _topk_per_head(torch.where(kb[None, :] == own, float("inf"), s), top_k)
+        pick &= kb[None, :] <= own
+        bits[:, :, r0:r1] = pack_blocks(pick)
+        if stats is not None:
+            p = s.softmax(-1)
+            n = (own[:, 0] + 1).clamp(min=2).log()
+            ent = ent + (-(p * p.clamp_min(1e-30).log()).sum(-1) / n).sum()
+            mass = mass + (p * pick).sum()
+    if stats is not None:
+        stats["entropy"] = ent / (B * Hs * S)
+        stats["topk_mass"] = mass / (B * Hs * S)
+    return bits, reps

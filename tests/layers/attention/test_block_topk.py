@@ -375,3 +375,93 @@ def test_block_means_equal_a_per_row_scatter_and_repeat_exactly(N, start, nb):
     got = _block_mean(x, start, 64, nb)
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
     assert torch.equal(got, _block_mean(x, start, 64, nb))
+
+
+def _token_topk_reference(q, k, bs, top_k, group_shared, sub_block=None):
+    """Independent per-token selection (NSA Eq. 9-11, MoBA's gate), one query at a time: the
+    (group-mean) query . each mean-pooled key block (or its best ``sub_block``-key sub-block), the
+    blocks after the query's own masked, its own block forced, top-k -> bool [B, H, T, nk]."""
+    B, H, T, D = q.shape
+    g = H // k.shape[1]
+    n = (T + bs - 1) // bs
+    sb = sub_block or bs
+    out = torch.zeros(B, H, T, n, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            kv = k[b, h // g].float()
+            subs = [
+                [kv[lo : min(lo + sb, T)].mean(0) for lo in range(i * bs, min((i + 1) * bs, T), sb)]
+                for i in range(n)
+            ]
+            qh = q[b, (h // g) * g : (h // g + 1) * g].float().mean(0) if group_shared else q[b, h]
+            for t in range(T):
+                own = t // bs
+                score = torch.tensor(
+                    [max(float(qh[t].float() @ s) for s in subs[i]) for i in range(n)]
+                )
+                score[own + 1 :] = float("-inf")
+                score[own] = float("inf")
+                out[b, h, t, score.topk(min(top_k, own + 1)).indices] = True
+    return out
+
+
+@pytest.mark.parametrize("shared,sub", [(0, None), (1, None), (1, 4)])
+def test_token_select_keeps_each_querys_own_top_k_blocks(shared, sub):
+    B, H, Hk, T = 2, 4, 2, 45  # a ragged last block
+    q, k, _ = make_inputs(B, H, Hk, T)
+    p = SparsityPattern(
+        type="block_topk",
+        top_k=3,
+        block_size=BS,
+        share_group=shared,
+        token_select=1,
+        score_block=sub or 0,
+    )
+    plan = plan_pattern(p, H, 0, T, T, 0, q, k)
+    assert torch.equal(plan.token_blocks(), _token_topk_reference(q, k, BS, 3, shared, sub))
+    # the token mask is exactly: causal, and the key's block among the query's choices
+    kb = torch.arange(T) // BS
+    want = _token_topk_reference(q, k, BS, 3, shared, sub)[..., kb] & torch.ones(T, T).tril().bool()
+    assert torch.equal(pattern_mask(p, T, T, H, q=q, k=k), want)
+
+
+def test_token_select_serves_different_far_keys_for_queries_of_one_block():
+    # Two queries of the last block each point at a different far block; one per-block choice of
+    # top_k = 2 (own block + one) can hold only one of them, per-token choices hold both.
+    B, H, T, D = 1, 1, 64, 16
+    q = torch.randn(B, H, T, D) * 0.01
+    k = torch.randn(B, H, T, D) * 0.01
+    e0, e1 = torch.zeros(D), torch.zeros(D)
+    e0[0], e1[1] = 10.0, 10.0
+    k[0, 0, 8:16] += e0  # block 1
+    k[0, 0, 24:32] += e1  # block 3
+    q[0, 0, 60] += e0
+    q[0, 0, 61] += e1
+    per_block = SparsityPattern(type="block_topk", top_k=2, block_size=BS, query_max=1)
+    per_token = SparsityPattern(type="block_topk", top_k=2, block_size=BS, token_select=1)
+    mb = pattern_mask(per_block, T, T, H, q=q, k=k)[0, 0]
+    mt = pattern_mask(per_token, T, T, H, q=q, k=k)[0, 0]
+    assert not (mb[60, 8:16].all() and mb[61, 24:32].all())
+    assert mt[60, 8:16].all() and mt[61, 24:32].all()
+    assert not mt[60, 24:32].any() and not mt[61, 8:16].any()
+
+
+def test_token_select_selection_record_answers_per_query():
+    B, H, Hk, T = 1, 2, 1, 64  # one KV group: the heads share each query's choice
+    q, k, _ = make_inputs(B, H, Hk, T)
+    p = SparsityPattern(type="block_topk", top_k=2, block_size=BS, token_select=1, share_group=1)
+    stats = {"selection": None}
+    plan = plan_pattern(p, H, 0, T, T, 0, q, k, stats=stats)
+    sel = stats["selection"]
+    rows = plan.token_blocks()
+    for t in (9, 40, 63):
+        chosen = rows[0, :, t].nonzero()[:, -1].tolist()
+        far = next(b for b in range(T // BS) if b not in chosen)
+        assert sel.covers(t, [chosen[0] * BS]).all()
+        assert not sel.covers(t, [far * BS + 1]).any()
+    assert 0 <= float(stats["entropy"]) <= 1 and 0 < float(stats["topk_mass"]) <= 1
+
+
+def test_token_select_refuses_query_max():
+    with pytest.raises(ConfigError, match="query_max"):
+        validate_pattern({"type": "block_topk", "top_k": 2, "token_select": 1, "query_max": 1}, "p")
