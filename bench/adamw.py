@@ -72,7 +72,8 @@ def main():
         "configs": {},
     }
     print(
-        f"{k} x {n} weights: at the copy rate ({rate / 1e9:.2f} TB/s) 28 B a weight take {ideal:.2f} ms",
+        f"{k} x {n} weights: at the copy rate ({rate / 1e9:.2f} TB/s) "
+        f"28 B a weight take {ideal:.2f} ms",
         flush=True,
     )
     # decay, beta1, beta2, eps, step size, sqrt(bc2)
@@ -94,8 +95,8 @@ def main():
         )
         res["configs"][f"{block},{warps}"] = {"ms": ms, "vs_copy": ideal / ms}
         print(
-            f"  BLOCK {block:5d} warps {warps:2d}: {ms:7.2f} ms  {28 * n * k / ms / 1e9:5.2f} TB/s  "
-            f"vs copy {ideal / ms:.2f}",
+            f"  BLOCK {block:5d} warps {warps:2d}: {ms:7.2f} ms  "
+            f"{28 * n * k / ms / 1e9:5.2f} TB/s  vs copy {ideal / ms:.2f}",
             flush=True,
         )
     del params, grads

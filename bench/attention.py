@@ -420,19 +420,22 @@ def main():
     ap.add_argument(
         "--vs-inputs",
         default="structured",
-        help=f"input families for the vs rows, comma-separated from {','.join(VS_INPUTS)} (module docstring)",
+        help=f"input families for the vs rows, comma-separated from {','.join(VS_INPUTS)} "
+        "(module docstring)",
     )
     ap.add_argument(
         "--vs-dense-below",
         type=int,
         default=0,
-        help="time the vs pattern with this dense_below (tokens) too: the layer's crossover fallback",
+        help="time the vs pattern with this dense_below (tokens) too: "
+        "the layer's crossover fallback",
     )
     ap.add_argument(
         "--stages",
         type=int,
         default=0,
-        help="length for a vertical-slash forward split into its stages (on each --vs-inputs family)",
+        help="length for a vertical-slash forward split into its stages "
+        "(on each --vs-inputs family)",
     )
     ap.add_argument("--profile", default=None, help="folder for the --stages kernel tables")
     ap.add_argument("--out", default="bench_attention.jsonl")

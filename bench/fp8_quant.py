@@ -144,7 +144,8 @@ def main():
             "tiles": rows,
         }
         print(
-            f"{name:8s} {str(tuple(t.shape)):20s} copy {copy_ms:6.3f} ms  at copy rate {ideal:6.3f} ms  "
+            f"{name:8s} {str(tuple(t.shape)):20s} copy {copy_ms:6.3f} ms  "
+            f"at copy rate {ideal:6.3f} ms  "
             f"default {dflt.get('ms', float('nan')):6.3f} ms  best {best[0]:6.3f} ms ({best[1]})",
             flush=True,
         )

@@ -330,8 +330,8 @@ def profile_step(step, before, path: str) -> None:
     if DEV == "cuda":
         span, idle, gaps = device_gaps(prof.events(), top=5)
         table += (
-            f"\ndevice idle {idle / 1e3:.2f} ms of the {span / 1e3:.2f} ms from the first kernel to the last; "
-            "largest gaps:\n"
+            f"\ndevice idle {idle / 1e3:.2f} ms of the {span / 1e3:.2f} ms "
+            "from the first kernel to the last; largest gaps:\n"
             + "".join(f"  {us / 1e3:.3f} ms after {a[:60]} before {b[:60]}\n" for us, a, b in gaps)
         )
     with open(path, "w") as f:
@@ -550,7 +550,8 @@ def main():
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
     print(
-        f"\n{'shape':8s} {'variant':30s} {'ms':>8s} {'TFLOP/s':>8s} {'/dense':>7s} {'vs mb':>6s} {'MHz':>6s} {'W':>5s}"
+        f"\n{'shape':8s} {'variant':30s} {'ms':>8s} {'TFLOP/s':>8s} {'/dense':>7s} "
+        f"{'vs mb':>6s} {'MHz':>6s} {'W':>5s}"
     )
     for name, r in out["shapes"].items():
         for k, ms in r["ms"].items():
@@ -563,7 +564,8 @@ def main():
                 else ""
             )
             print(
-                f"{name:8s} {k:30s} {ms:8.2f} {r['tflops'][k]:8.0f} {r['frac_of_dense'][k]:7.3f} {sp:6.2f}{load}"
+                f"{name:8s} {k:30s} {ms:8.2f} {r['tflops'][k]:8.0f} "
+                f"{r['frac_of_dense'][k]:7.3f} {sp:6.2f}{load}"
             )
         print(f"{name:8s} {'dense GEMM, one burst':30s} {'':8s} {r['dense_burst_tflops']:8.0f}")
 

@@ -275,7 +275,8 @@ def main():
         o = operands(**s, skew=args.skew)
         counts = o["plan"].counts.float()
         print(
-            f"{shape}: rows per expert max / mean {counts.max().item() / counts.mean().item():.2f}, "
+            f"{shape}: rows per expert "
+            f"max / mean {counts.max().item() / counts.mean().item():.2f}, "
             f"min / mean {counts.min().item() / counts.mean().item():.2f} (skew {args.skew})",
             flush=True,
         )
@@ -299,8 +300,8 @@ def main():
             for name in contenders:
                 w, qd = r["ms"][role][name], r["ms_queued"][role][name]
                 print(
-                    f"{shape:8s} {role:15s} {name:17s} {w:7.3f} ms {f / w / 1e9:5.0f} TF/s | queued {qd:7.3f} ms "
-                    f"{f / qd / 1e9:5.0f} TF/s",
+                    f"{shape:8s} {role:15s} {name:17s} {w:7.3f} ms {f / w / 1e9:5.0f} TF/s | "
+                    f"queued {qd:7.3f} ms {f / qd / 1e9:5.0f} TF/s",
                     flush=True,
                 )
         if args.out:

@@ -103,7 +103,8 @@ def main():
     ev = kernels(prof)
     per = max(1, len(ev) // a.steps)
     print(
-        f"{a.steps} back-to-back steps (~{per} kernels each): event ms | kernel busy ms | grouped GEMM ms | span ms"
+        f"{a.steps} back-to-back steps (~{per} kernels each): "
+        "event ms | kernel busy ms | grouped GEMM ms | span ms"
     )
     for i, (s, e) in enumerate(marks):
         chunk = ev[i * per : (i + 1) * per]

@@ -118,7 +118,8 @@ def main():
         f, b = measure(fn, logits, spec, args.device)
         print(f"  {name:9s} {f:4d} {b:4d} {f + b:4d}")
     print(
-        f"  (inductor generated {metrics.generated_kernel_count} kernels for the compiled forward + backward)"
+        f"  (inductor generated {metrics.generated_kernel_count} kernels "
+        "for the compiled forward + backward)"
     )
 
 

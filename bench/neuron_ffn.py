@@ -87,7 +87,8 @@ def graphed(module, x):
         )
     except Exception as e:  # noqa: BLE001 - report, keep the eager numbers
         print(
-            f"CUDA graph capture of {type(module).__name__} failed: {type(e).__name__}: {str(e)[:300]}",
+            f"CUDA graph capture of {type(module).__name__} failed: "
+            f"{type(e).__name__}: {str(e)[:300]}",
             flush=True,
         )
         return None

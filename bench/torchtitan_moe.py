@@ -433,8 +433,8 @@ def main():
         "--feed",
         default="own",
         choices=("own", "pinned", "blocking"),
-        help="how each batch reaches the GPU: as each trainer does (ours pinned and queued, torchtitan "
-        "a blocking .to), or the same way for both",
+        help="how each batch reaches the GPU: as each trainer does "
+        "(ours pinned and queued, torchtitan a blocking .to), or the same way for both",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -488,7 +488,8 @@ def main():
     for ours in ("ours", "ours_bf16"):
         if ours in res and "torchtitan" in res:
             print(
-                f"{ours} / torchtitan tokens/s: {res[ours]['tokens_per_s'] / res['torchtitan']['tokens_per_s']:.3f}"
+                f"{ours} / torchtitan tokens/s: "
+                f"{res[ours]['tokens_per_s'] / res['torchtitan']['tokens_per_s']:.3f}"
             )
     if failed:
         sys.exit(f"failed: {', '.join(failed)}")

@@ -193,13 +193,15 @@ def main():
         "--compress-block",
         type=int,
         default=0,
-        help="the nsa variant's compressed-branch pooling block (compress_block; 0 = the block size)",
+        help="the nsa variant's compressed-branch pooling block "
+        "(compress_block; 0 = the block size)",
     )
     ap.add_argument(
         "--score-block",
         type=int,
         default=0,
-        help="query_max / nsa: the selection's key sub-block, a block scored by its best (score_block; 0 = whole blocks)",
+        help="query_max / nsa: the selection's key sub-block, a block scored by its best "
+        "(score_block; 0 = whole blocks)",
     )
     ap.add_argument(
         "--top-k",
@@ -257,15 +259,16 @@ def main():
             f.write(json.dumps(r) + "\n")
     base = next((r["tokens_per_s"] for r in results if r["variant"] == "dense"), None)
     print(
-        "\n| variant | seq | tok/s | vs dense | mfu (work done) | mfu_model | peak GB | val loss | attn density | passkey | needle recall |"
+        "\n| variant | seq | tok/s | vs dense | mfu (work done) | mfu_model | peak GB | val loss "
+        "| attn density | passkey | needle recall |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
         print(
-            f"| {r['variant']} | {r['seq_len']} | {r['tokens_per_s']} | {ratio} | {r['mfu']:.3f} | {r['mfu_model']:.3f} | "
-            f"{r['peak_gb']} | {r['val_loss']:.4f} | {r['attn_density']:.3f} | {r.get('passkey', '')} | "
-            f"{r.get('needle_recall', '')} |"
+            f"| {r['variant']} | {r['seq_len']} | {r['tokens_per_s']} | {ratio} | {r['mfu']:.3f} | "
+            f"{r['mfu_model']:.3f} | {r['peak_gb']} | {r['val_loss']:.4f} | "
+            f"{r['attn_density']:.3f} | {r.get('passkey', '')} | {r.get('needle_recall', '')} |"
         )
 
 

@@ -185,7 +185,8 @@ def main():
     for name, v in by.items():
         m = sum(v) / len(v)
         print(
-            f"{name:8s} {len(v):5d} {m:9.4f} {'' if dense is None else f'{100 * (m / dense - 1):+8.2f}%'}"
+            f"{name:8s} {len(v):5d} {m:9.4f} "
+            f"{'' if dense is None else f'{100 * (m / dense - 1):+8.2f}%'}"
         )
 
 

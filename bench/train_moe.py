@@ -534,8 +534,9 @@ def equal_time(suite, args) -> dict:
             r["epochs"] = r["tokens_seen"] / args.train_tokens
             if budget and not r["budget_reached"]:
                 print(
-                    f"{name} {seed}: short of the budget, stopped at its bound of {r['steps']} steps after "
-                    f"{r['steady_s']:.1f} steady s",
+                    f"{name} {seed}: short of the budget, "
+                    f"stopped at its bound of {r['steps']} steps "
+                    f"after {r['steady_s']:.1f} steady s",
                     flush=True,
                 )
             res[name]["seeds"][seed] = r
@@ -607,8 +608,8 @@ def main():
         "--wgrad-splits",
         type=int,
         default=None,
-        help="split every bf16 expert weight gradient into this many row parts (kernels.grouped_wgrad; "
-        "default: its own choice), e.g. 1 for the unsplit GEMMs",
+        help="split every bf16 expert weight gradient into this many row parts "
+        "(kernels.grouped_wgrad; default: its own choice), e.g. 1 for the unsplit GEMMs",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -654,35 +655,37 @@ def report(out):
         print(f"\n{suite}")
         if suite.startswith("speed"):
             print(
-                f"{'run':12s} {'tok/s':>10s} {'MFU':>6s} {'peak GB':>8s} {'loss last':>9s} {'val':>7s}"
+                f"{'run':12s} {'tok/s':>10s} {'MFU':>6s} {'peak GB':>8s} "
+                f"{'loss last':>9s} {'val':>7s}"
             )
             for name, r in res.items():
                 print(
-                    f"{name:12s} {r['tokens_per_s']:10.0f} {r.get('mfu', 0):6.3f} {r['peak_gb']:8.1f} "
-                    f"{r['loss_last']:9.4f} {r['val']:7.4f}"
+                    f"{name:12s} {r['tokens_per_s']:10.0f} {r.get('mfu', 0):6.3f} "
+                    f"{r['peak_gb']:8.1f} {r['loss_last']:9.4f} {r['val']:7.4f}"
                 )
             for name, r in res.items():
                 if "profile" in r:
                     print(f"{name:12s} profile: {format_summary(r['profile'])}")
             continue
         print(
-            f"{'run':12s} {'seed':>4s} {'steps':>6s} {'tokens':>10s} {'epochs':>6s} {'steady s':>8s} "
-            f"{'tok/s':>10s} {'val':>7s}"
+            f"{'run':12s} {'seed':>4s} {'steps':>6s} {'tokens':>10s} {'epochs':>6s} "
+            f"{'steady s':>8s} {'tok/s':>10s} {'val':>7s}"
         )
         for name, r in res.items():
             for seed, s in r["seeds"].items():
                 print(
-                    f"{name:12s} {seed:>4} {s['steps']:6d} {s['tokens_seen']:10d} {s['epochs']:6.2f} "
-                    f"{s['steady_s']:8.1f} {s['tokens_per_s']:10.0f} {s['val']:7.4f}"
+                    f"{name:12s} {seed:>4} {s['steps']:6d} {s['tokens_seen']:10d} "
+                    f"{s['epochs']:6.2f} {s['steady_s']:8.1f} {s['tokens_per_s']:10.0f} "
+                    f"{s['val']:7.4f}"
                 )
         most = max(s["epochs"] for r in res.values() for s in r["seeds"].values())
         if most > 1:
             # a faster model repeats more of a small corpus: its val loss then pays for memorising,
-            # so the comparison favours the slower one (on the H200, .tok25's 26M tokens: dense val
-            # 1.89 after 45 s, 1.93 after 100 s)
+            # so the comparison favours the slower one
             print(
-                f"note: up to {most:.1f} epochs of the training tokens; val loss measures repetition as well "
-                f"(prepare a larger folder: bench/moe_gpu.sh's equal part tokenises on the device)"
+                f"note: up to {most:.1f} epochs of the training tokens; "
+                "val loss measures repetition as well "
+                "(prepare a larger folder: bench/moe_gpu.sh's equal part tokenises on the device)"
             )
 
 
