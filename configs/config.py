@@ -50,7 +50,8 @@ class Config:
         check(
             not (self.train.param_dtype == "bfloat16" and self.dst.enabled),
             "train.param_dtype",
-            "bfloat16 weights with dst.enabled: DST masks and grows float32 weights; use train.param_dtype float32",
+            "bfloat16 weights with dst.enabled: DST masks and grows float32 weights; "
+            "use train.param_dtype float32",
         )
         check(
             self.train.seq_len <= self.model.max_seq_len,

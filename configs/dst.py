@@ -116,7 +116,8 @@ class DSTConfig:
             check(
                 abs(self.sparsity - (1 - self.n / self.m)) < 1e-9,
                 f"{key}.sparsity",
-                f"N:M {self.n}:{self.m} fixes sparsity at {1 - self.n / self.m:g}, got {self.sparsity}",
+                f"N:M {self.n}:{self.m} fixes sparsity at {1 - self.n / self.m:g}, "
+                f"got {self.sparsity}",
             )
             check(
                 self.sparsity_schedule == "constant",
@@ -151,6 +152,6 @@ class DSTConfig:
             check(
                 self.ramp_fraction <= self.stop_fraction,
                 f"{key}.ramp_fraction",
-                f"the ramp ({self.ramp_fraction}) must end by stop_fraction ({self.stop_fraction}): "
-                "sparsity only changes at mask updates",
+                f"the ramp ({self.ramp_fraction}) must end by "
+                f"stop_fraction ({self.stop_fraction}): sparsity only changes at mask updates",
             )

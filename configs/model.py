@@ -214,5 +214,6 @@ class ModelConfig:
             check(
                 not any(p and p.get("compress") for row in grid for p in row),
                 f"{key}.attention.patterns",
-                "block top-k compress: 1 runs with attention_type mha only (MLA has no compressed branch)",
+                "block top-k compress: 1 runs with attention_type mha only "
+                "(MLA has no compressed branch)",
             )

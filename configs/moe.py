@@ -139,8 +139,9 @@ class MoEConfig:
         check(
             not (self.top_k == 1 and self.norm_topk and self.router != "switch"),
             f"{key}.top_k",
-            f"top_k=1 with router={self.router} and norm_topk renormalises the one routing weight to 1.0, so "
-            f"the router gets no gradient from the loss; use router: switch, or norm_topk: false",
+            f"top_k=1 with router={self.router} and norm_topk renormalises "
+            "the one routing weight to 1.0, so the router gets no gradient from the loss; "
+            "use router: switch, or norm_topk: false",
         )
 
     def check_precision_shapes(

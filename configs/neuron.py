@@ -81,5 +81,6 @@ class NeuronConfig:
         check(
             self.warmup_fraction + self.finish_fraction <= 1.0,
             f"{key}.finish_fraction",
-            f"warmup_fraction + finish_fraction = {self.warmup_fraction + self.finish_fraction:g} exceeds 1",
+            "warmup_fraction + finish_fraction = "
+            f"{self.warmup_fraction + self.finish_fraction:g} exceeds 1",
         )

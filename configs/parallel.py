@@ -57,7 +57,8 @@ class ParallelConfig:
             check(
                 self.dp_shard in (-1, 1),
                 f"{key}.dp_shard",
-                f"fsdp: false replicates every weight on every rank; dp_shard must be -1 or 1, got {self.dp_shard}",
+                "fsdp: false replicates every weight on every rank; "
+                f"dp_shard must be -1 or 1, got {self.dp_shard}",
             )
             return world_size, 1, 1
         if self.dp_shard == -1:
@@ -84,6 +85,7 @@ class ParallelConfig:
             check(
                 shard % ep == 0,
                 f"{key}.ep",
-                f"ep={ep} does not divide dp_shard={shard} (world size {world_size} / dp_replicate {rep})",
+                f"ep={ep} does not divide dp_shard={shard} "
+                f"(world size {world_size} / dp_replicate {rep})",
             )
         return rep, shard, ep

@@ -127,7 +127,8 @@ class TrainConfig:
             check(
                 self.dtype != "float32",
                 f"{key}.param_dtype",
-                f"bfloat16 weights need bf16 autocast: set {key}.dtype to bfloat16 (or auto on CUDA), not float32",
+                f"bfloat16 weights need bf16 autocast: set {key}.dtype to bfloat16 "
+                "(or auto on CUDA), not float32",
             )
         check_choice(
             self.compile_mode,

@@ -16,11 +16,12 @@ operand is cast on the fly, each step, to float8_e4m3fn with a float32 scale per
 the contraction, computed from its amax ("dynamic" scaling, no history), and every GEMM is one
 ``torch._scaled_grouped_mm`` (CUTLASS, sm90 / sm100) with bf16 output and FP8 fast accumulation:
 
-| GEMM | mat_a (row-major) | mat_b (column-major) |
-| --- | --- | --- |
-| forward ``y = x w^T`` | x, a scale per row (amax over I) | w^T, a scale per output channel (over I) |
-| dgrad ``dx = dy w`` | dy, a scale per row (over O) | w, a scale per input channel (over O), stored transposed |
-| wgrad ``dw = dy^T x`` | dy^T, a scale per expert and column | x, a scale per expert and column |
+- forward ``y = x w^T``: mat_a (row-major) x, a scale per row (amax over I); mat_b
+  (column-major) w^T, a scale per output channel (over I).
+- dgrad ``dx = dy w``: mat_a dy, a scale per row (over O); mat_b w, a scale per input channel
+  (over O), stored transposed.
+- wgrad ``dw = dy^T x``: mat_a dy^T, a scale per expert and column; mat_b x, a scale per expert
+  and column.
 
 The wgrad operands are 2-D with the experts along the contraction: CUTLASS needs each group's start
 16-byte aligned there, so ``quantize_groups_t`` writes them column-major with every group padded to

@@ -157,7 +157,10 @@ def _manifest_problem(path: str) -> str | None:
         if not os.path.isfile(p):
             return f"{name} is missing"
         if os.path.getsize(p) != size:
-            return f"{name} is truncated or changed ({os.path.getsize(p)} bytes, {MANIFEST} says {size})"
+            return (
+                f"{name} is truncated or changed "
+                f"({os.path.getsize(p)} bytes, {MANIFEST} says {size})"
+            )
     return None
 
 

@@ -40,8 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--trust-checkpoint",
         action="store_true",
-        help="load checkpoint files the safe reader refuses (pickled objects): THEY CAN RUN CODE; only "
-        "for a checkpoint whose author you trust",
+        help="load checkpoint files the safe reader refuses (pickled objects): THEY CAN RUN CODE; "
+        "only for a checkpoint whose author you trust",
     )
     p.add_argument(
         "--plan",
@@ -52,7 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--eval",
         choices=["passkey"],
         default=None,
-        help="evaluate instead of training: passkey retrieval at eval.passkey_lengths (with --resume: the latest checkpoint)",
+        help="evaluate instead of training: passkey retrieval at eval.passkey_lengths "
+        "(with --resume: the latest checkpoint)",
     )
     p.add_argument(
         "--gpus",

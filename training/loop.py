@@ -219,8 +219,9 @@ class Trainer:
                 trim_metrics(self.metrics_path, self.step)
             if self.step >= cfg.train.steps:
                 self.print(
-                    f"{cfg.name} is already complete: step {self.step} of train.steps={cfg.train.steps} "
-                    f"(raise train.steps to train further)"
+                    f"{cfg.name} is already complete: "
+                    f"step {self.step} of train.steps={cfg.train.steps} "
+                    "(raise train.steps to train further)"
                 )
             else:
                 self.print(f"resumed from {self.resume_path} at step {self.step}")
@@ -335,8 +336,9 @@ class Trainer:
             self._rebuild_schedule()
             if resuming:
                 self.print(
-                    f"train.steps changed from {old_steps} to {self.cfg.train.steps}: learning-rate schedule "
-                    f"rebuilt for {self.cfg.train.steps} steps (lr now {self.optimizer.param_groups[0]['lr']:.2e})"
+                    f"train.steps changed from {old_steps} to {self.cfg.train.steps}: "
+                    f"learning-rate schedule rebuilt for {self.cfg.train.steps} steps "
+                    f"(lr now {self.optimizer.param_groups[0]['lr']:.2e})"
                 )
 
     def _rebuild_schedule(self) -> None:
@@ -544,8 +546,8 @@ class Trainer:
             )
         if self.rollbacks_in_row >= c.train.max_rollbacks:
             raise TrainingDiverged(
-                f"non-finite steps at step {self.step} after {self.rollbacks_in_row} rollbacks in a "
-                f"row to {path} (train.max_rollbacks={c.train.max_rollbacks}); lower optim.lr"
+                f"non-finite steps at step {self.step} after {self.rollbacks_in_row} rollbacks "
+                f"in a row to {path} (train.max_rollbacks={c.train.max_rollbacks}); lower optim.lr"
             )
         self.rollbacks_in_row += 1
         epoch, bad_total, rollbacks = self.epoch, self.bad_total, self.rollbacks_in_row
@@ -722,8 +724,8 @@ class Trainer:
                 bar.set_postfix(loss=f"{float(m['loss/total']):.3f}", lr=f"{m['lr']:.2e}")
                 if self.log_lines:
                     self.print(
-                        f"step {self.step}/{c.train.steps}: loss {float(m['loss/total']):.4f} lr {m['lr']:.2e} "
-                        f"{m['tokens_per_s']:,.0f} tokens/s"
+                        f"step {self.step}/{c.train.steps}: loss {float(m['loss/total']):.4f} "
+                        f"lr {m['lr']:.2e} {m['tokens_per_s']:,.0f} tokens/s"
                     )
                 t0, tokens_since = time.perf_counter(), 0
             if self.step % c.train.eval_every == 0 or self.step == c.train.steps:

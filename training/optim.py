@@ -354,8 +354,9 @@ class CompactAdamW(torch.optim.AdamW):
         cap = local_tensor(c.leaf).numel()
         if idx.numel() > cap:
             raise RuntimeError(
-                f"compact DST state: {idx.numel()} active entries on this rank exceed the capacity {cap}"
-                " (a sharded weight's rows drew more active weights than the margin allows)"
+                f"compact DST state: {idx.numel()} active entries on this rank "
+                f"exceed the capacity {cap} "
+                "(a sharded weight's rows drew more active weights than the margin allows)"
             )
         c.idx, c.k, c.key = idx, idx.numel(), (id(packed), packed._version)
 

@@ -337,7 +337,8 @@ def plan(
         elif mem.dst_masks and cfg.dst.grad_ema is not None:
             fixes += ", dst.grad_ema=null (2 B less per masked weight)"
         notes.append(
-            f"does not fit: needs {need:.2f}x the usable {HEADROOM:.0%} of device memory; try {fixes}"
+            f"does not fit: needs {need:.2f}x the usable {HEADROOM:.0%} of device memory; "
+            f"try {fixes}"
         )
     return out
 
@@ -355,11 +356,15 @@ def format_plan(p: Plan) -> str:
     dtype = "bf16" if p.compute_bytes == 2 else "fp32"
     lines = [
         f"plan: {p.name}",
-        f"  params        total {_fmt(c.total)} ({c.total:,})   active {_fmt(c.active)} ({c.active:,})",
+        f"  params        total {_fmt(c.total)} ({c.total:,})   "
+        f"active {_fmt(c.active)} ({c.active:,})",
         f"                routed experts {_fmt(c.expert)}   embedding {_fmt(c.embedding)}",
-        f"  FLOPs/token   {_fmt(p.flops_per_token, ((1e12, ' T'), (1e9, ' G'), (1e6, ' M'), (1, ' ')))}FLOP (training fwd+bwd, active params, seq_len {p.seq_len})",
+        f"  FLOPs/token   "
+        f"{_fmt(p.flops_per_token, ((1e12, ' T'), (1e9, ' G'), (1e6, ' M'), (1, ' ')))}FLOP "
+        f"(training fwd+bwd, active params, seq_len {p.seq_len})",
         f"  layout        {p.n_gpus} {p.device}(s): {p.layout}   [{p.layout_source}]",
-        f"  {'memory/' + p.device:<14}(micro-batch {p.batch_size} x {p.seq_len} tokens, {dtype} compute, fp32 master + AdamW)",
+        f"  {'memory/' + p.device:<14}(micro-batch {p.batch_size} x {p.seq_len} tokens, "
+        f"{dtype} compute, fp32 master + AdamW)",
         f"    weights       {m.weights / GB:9.1f} GB",
         f"    grads         {m.grads / GB:9.1f} GB",
         f"    optimizer     {m.optimizer / GB:9.1f} GB",
@@ -368,14 +373,15 @@ def format_plan(p: Plan) -> str:
         *([f"    dst masks     {m.dst_masks / GB:9.1f} GB"] if m.dst_masks else []),
         *(
             [
-                f"    dst step      {m.dst_step / GB:9.1f} GB   (compact store's gather, optimizer step only: "
+                f"    dst step      {m.dst_step / GB:9.1f} GB   "
+                "(compact store's gather, optimizer step only: "
                 "counted as max(activations, dst step))"
             ]
             if m.dst_step
             else []
         ),
-        f"    total         {m.total / GB:9.1f} GB of {cap / GB:.0f} GB ({100 * m.total / cap:.0f}%) -> "
-        + ("fits" if p.fits else "DOES NOT FIT"),
+        f"    total         {m.total / GB:9.1f} GB of {cap / GB:.0f} GB "
+        f"({100 * m.total / cap:.0f}%) -> " + ("fits" if p.fits else "DOES NOT FIT"),
     ]
     lines += [f"  note: {n}" for n in p.notes]
     return "\n".join(lines)

@@ -211,7 +211,8 @@ def _mla_from_hf(hc) -> MLAConfig:
     check(
         hc.num_key_value_heads == hc.num_attention_heads,
         "hf.num_key_value_heads",
-        f"={hc.num_key_value_heads}: MLA expands its latent to num_attention_heads={hc.num_attention_heads} heads",
+        f"={hc.num_key_value_heads}: MLA expands its latent to "
+        f"num_attention_heads={hc.num_attention_heads} heads",
     )
     # V2: complex pairs
     return MLAConfig(
@@ -288,7 +289,8 @@ def windowed_layers(cfg: ModelConfig) -> tuple[Optional[int], list[int]]:
             and not p.get("sinks")
             and not p.get("dense_below"),
             key,
-            f"layer {i}: only a sliding window (type local, no sinks or dense_below, on every head) exports to HF",
+            f"layer {i}: only a sliding window "
+            "(type local, no sinks or dense_below, on every head) exports to HF",
         )
         windows[i] = p["window"]
     check(

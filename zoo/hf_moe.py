@@ -50,7 +50,8 @@ def moe_from_hf(hc, cfg: ModelConfig) -> None:
         check(
             not hc.router_jitter_noise,
             "hf.router_jitter_noise",
-            f"={hc.router_jitter_noise}: multiplicative router jitter has no moezoo equivalent; set it to 0",
+            f"={hc.router_jitter_noise}: multiplicative router jitter has no moezoo equivalent; "
+            "set it to 0",
         )
         cfg.ffn = "moe"
         cfg.moe = MoEConfig(

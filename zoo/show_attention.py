@@ -127,7 +127,8 @@ def draw(images: list, title: str, density_of: str):
     # The legend and title carry the reading key; the width above leaves them room even for one
     # head.
     fig.suptitle(
-        f"{title}\nrows: query blocks, columns: key blocks\n% = {density_of}; * = dense at this length",
+        f"{title}\nrows: query blocks, columns: key blocks\n"
+        f"% = {density_of}; * = dense at this length",
         fontsize=8,
     )
     return fig

@@ -57,6 +57,7 @@ def flash_attn_window(q, k, v, pats, square: bool) -> torch.Tensor:
         or any(p.type != "local" or p.sinks for p in pats if not p.is_dense_at(T))
     ):
         raise ValueError(
-            "backend 'flash_attn' runs one causal window without sinks shared by all heads, square inputs"
+            "backend 'flash_attn' runs one causal window without sinks shared by all heads, "
+            "square inputs"
         )
     return _call(q, k, v, windows.pop())

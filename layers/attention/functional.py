@@ -95,7 +95,8 @@ def sparse_attention(
         raise ValueError(f"{Hq} query heads are not a multiple of {k.shape[1]} KV heads")
     if backend not in ATTN_BACKENDS:
         raise ValueError(
-            f"unknown sparse attention backend {backend!r}; expected one of {', '.join(ATTN_BACKENDS)}"
+            f"unknown sparse attention backend {backend!r}; "
+            f"expected one of {', '.join(ATTN_BACKENDS)}"
         )
     pats = head_patterns(pattern, Hq)
     if all(p.is_dense_at(T) for p in pats):  # e.g. a window longer than the input: exactly causal

@@ -204,8 +204,8 @@ class Attention(nn.Module):
         the RoPE ones (per document when packed); read only by SSMax."""
         if self.compress_heads and mask is not None:
             raise ValueError(
-                "block top-k compress: 1 cannot run with padding or packed-document masks: its pooled "
-                "key blocks would mix documents and padding"
+                "block top-k compress: 1 cannot run with padding or packed-document masks: "
+                "its pooled key blocks would mix documents and padding"
             )
         q, k = self.wq(x), self.wk(x)
         if self.qk_norm == "full":

@@ -96,8 +96,9 @@ def enable_semi_structured(targets, transposable: bool) -> list[str]:
         done.append(t.name)
     if skipped:
         warnings.warn(
-            f"dst.semi_structured: {len(skipped)} layer(s) stay dense-masked (no CUDA 2:4 kernel for "
-            f"their device/shape/layout): {', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}",
+            f"dst.semi_structured: {len(skipped)} layer(s) stay dense-masked "
+            f"(no CUDA 2:4 kernel for their device/shape/layout): "
+            f"{', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}",
             stacklevel=2,
         )
     return done

@@ -287,8 +287,9 @@ class GroupedExperts(nn.Module):
             return self._grouped(xs, counts, row_scale, plan)
         if self.precision == "fp8":
             raise ValueError(
-                f"precision fp8 runs on the grouped CUDA path with bfloat16 activations (a bf16 model or "
-                f"autocast) and a silu gate; got {xs.dtype} on {xs.device.type}, backend {self.backend}"
+                "precision fp8 runs on the grouped CUDA path with bfloat16 activations "
+                "(a bf16 model or autocast) and a silu gate; "
+                f"got {xs.dtype} on {xs.device.type}, backend {self.backend}"
             )
         return self._loop(xs, counts, row_scale, plan)
 
