@@ -130,7 +130,8 @@ def test_cli_empty_corpus_and_tokenizer_vocab_mismatch(tmp_path, corpus_dir):
 
 def test_plan_reports_llama_65b_params_without_allocating():
     code = (
-        "import resource, sys; sys.argv=['train.py','--config','zoo/llama_65b.yaml','--plan','--gpus','64'];"
+        "import resource, sys; "
+        "sys.argv=['train.py','--config','zoo/llama_65b.yaml','--plan','--gpus','64'];"
         "from moezoo.training.cli import main; rc = main();"
         "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)"
     )

@@ -60,7 +60,10 @@ def test_presets_resolve_by_name_from_any_directory(tmp_path):
     with pytest.raises(ConfigError, match="did you mean tiny_dense"):
         resolve_config_path("tiny_dens")
     # As the installed moezoo-train runs it: another working directory, training.cli:main.
-    code = "import sys; from moezoo.training.cli import main; sys.exit(main(['--config', 'tiny_dense', '--print-config']))"
+    code = (
+        "import sys; from moezoo.training.cli import main; "
+        "sys.exit(main(['--config', 'tiny_dense', '--print-config']))"
+    )
     r = subprocess.run(
         [sys.executable, "-c", code],
         cwd=tmp_path,
@@ -74,7 +77,8 @@ def test_presets_resolve_by_name_from_any_directory(tmp_path):
 
 def test_help_and_config_errors_do_not_import_torch():
     code = (
-        "import sys; from moezoo.training.cli import main; rc = main(['--config', 'tiny_dense', 'train.stepz=1']);"
+        "import sys; from moezoo.training.cli import main; "
+        "rc = main(['--config', 'tiny_dense', 'train.stepz=1']);"
         "print('torch' in sys.modules, rc)"
     )
     r = subprocess.run(

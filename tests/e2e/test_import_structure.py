@@ -136,8 +136,9 @@ x = torch.randn(2, 5, 16, requires_grad=True)
 moe(x).sum().backward()
 ffn = NeuronRoutedFFN.from_dense(SwiGLU(16, 32), 4, 2)
 ffn(torch.randn(3, 16)).sum().backward()
-cfg = load_config(None, ["model.vocab_size=64", "model.dim=16", "model.n_layers=1", "model.n_heads=2",
-                         "model.ffn=moe", "model.moe.num_experts=4", "model.moe.top_k=2", "model.max_seq_len=16", "train.seq_len=8"])
+cfg = load_config(None, ["model.vocab_size=64", "model.dim=16", "model.n_layers=1",
+                         "model.n_heads=2", "model.ffn=moe", "model.moe.num_experts=4",
+                         "model.moe.top_k=2", "model.max_seq_len=16", "train.seq_len=8"])
 model = build_model(cfg.model)
 loss, _ = model.loss(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)))
 loss.backward()

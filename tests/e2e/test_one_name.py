@@ -57,7 +57,8 @@ def test_installed_packages_of_the_root_folders_names_win_from_the_checkout_root
 def test_moezoo_layers_import_beside_a_users_own_packages(tmp_path):
     _own_packages(tmp_path, ("configs", "training", "layers", "zoo"))
     code = (
-        "from moezoo.layers import MoE, Attention, SparsityPattern, RotaryEmbedding, DynamicSparsity\n"
+        "from moezoo.layers import MoE, Attention, SparsityPattern, RotaryEmbedding, "
+        "DynamicSparsity\n"
         "import training, configs\n"
         "print(training.ORIGIN, configs.ORIGIN, MoE.__module__)"
     )

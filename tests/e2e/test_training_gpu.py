@@ -93,8 +93,8 @@ CASES = {
             "train.batch_size": 1,
             "eval.passkey_lengths": "[]",
             "data.val_fraction": 0.25,
-            "model.attention.patterns": '{"0-15:8-15": {type: block_topk, top_k: 16, share_group: 1, query_max: 1, '
-            "compress: 1, block_size: 128}}",
+            "model.attention.patterns": '{"0-15:8-15": {type: block_topk, top_k: 16, '
+            "share_group: 1, query_max: 1, compress: 1, block_size: 128}}",
         },
     ),
 }

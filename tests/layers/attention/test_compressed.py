@@ -222,8 +222,9 @@ def test_trainer_learns_the_branch_gates_and_resumes_them(tmp_path, corpus_dir):
     from moezoo.training.loop import Trainer
 
     pats = (
-        '{"0-1:0-1": {type: a_shape, sinks: 2, window: 8, block_size: 8}, "0-1:2-3": {type: block_topk, '
-        "top_k: 2, share_group: 1, query_max: 1, compress: 1, block_size: 8}}"
+        '{"0-1:0-1": {type: a_shape, sinks: 2, window: 8, block_size: 8}, '
+        '"0-1:2-3": {type: block_topk, top_k: 2, share_group: 1, query_max: 1, compress: 1, '
+        "block_size: 8}}"
     )
 
     def ov(sub, **kw):

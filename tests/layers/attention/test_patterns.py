@@ -84,7 +84,8 @@ def test_random_blocks_are_r_whole_earlier_blocks_per_query_block_and_vary_by_he
 def test_random_pattern_identical_across_two_processes():
     code = (
         "import hashlib; from moezoo.layers import SparsityPattern, pattern_mask; "
-        "p = SparsityPattern(type='bigbird', window=8, sinks=4, random_blocks=3, block_size=8, seed=11); "
+        "p = SparsityPattern(type='bigbird', window=8, sinks=4, random_blocks=3, block_size=8, "
+        "seed=11); "
         "m = pattern_mask(p, 200, 200, 4, layer=3); "
         "print(hashlib.sha256(m.numpy().tobytes()).hexdigest())"
     )
