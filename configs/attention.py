@@ -186,6 +186,26 @@ def minference_patterns(
     return out
 
 
+def dense_layer_ids(spec, n_layers: int, key: str = "model.attention.dense_layers") -> list[int]:
+    """The layers ``dense_layers`` names: a range (``parse_range``), ``last:K`` or ``every:N``."""
+    spec = str(spec if spec is not None else "").strip()
+    if not spec:
+        return []
+    kind, sep, arg = spec.partition(":")
+    if sep and kind in ("last", "every"):
+        check(arg.strip().isdigit(), key, f"{kind}: takes a positive integer, got {spec!r}")
+        n = int(arg)
+        check(n >= 1, key, f"{kind}: takes a positive integer, got {spec!r}")
+        if kind == "last":
+            check(n <= n_layers, key, f"last:{n} asks for more layers than the model's {n_layers}")
+            return list(range(n_layers - n, n_layers))
+        check(n <= n_layers, key, f"every:{n} names no layer of the model's {n_layers}")
+        return list(range(n - 1, n_layers, n))
+    if sep:
+        raise ConfigError(key, f"unknown form {spec!r}; use a layer range, last:K or every:N")
+    return parse_range(spec, n_layers, key)
+
+
 def split_key(spec: str) -> tuple[str, str]:
     """``"0-3:8-15"`` -> ("0-3", "8-15"); a key without ':' means every head."""
     layers, _, heads = str(spec).partition(":")
@@ -213,6 +233,11 @@ class AttentionConfig:
     # moves it), meant to keep a head as sharp over 16k keys as over 1k (the 16k runs learned s < 0
     # instead: BENCHMARKS.md Q12 / Q13). Every layer and head; not MLA.
     ssmax: bool = False
+    # Hybrid layouts: layers whose every head is dense attention whatever ``patterns`` say. A
+    # range ("15", "0,8", "12-15"), "last:K" (the last K layers) or "every:N" (layers N-1, 2N-1,
+    # ..., every N-th counting from 1); "" = none. Long-context models keep a few full-attention
+    # layers next to sparse ones for retrieval (MoBA keeps its last 3 dense).
+    dense_layers: str = ""
 
     def layer_head_patterns(
         self, n_layers: int, n_heads: int, key: str = "model.attention.patterns"
@@ -235,6 +260,10 @@ class AttentionConfig:
                 for h, p in enumerate(per_head):
                     if p is not None:
                         grid[li][h] = p
+        for li in dense_layer_ids(
+            self.dense_layers, n_layers, f"{key.rpartition('.')[0]}.dense_layers"
+        ):
+            grid[li] = [None] * n_heads
         for li, row in enumerate(grid):  # one block size per layer: kernels tile with it
             sizes = {
                 p.get("block_size", DEFAULT_BLOCK_SIZE)

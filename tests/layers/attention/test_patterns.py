@@ -15,6 +15,7 @@ from moezoo.configs import AttentionConfig, ConfigError, load_config
 from moezoo.configs.attention import minference_patterns
 from moezoo.layers import SparsityPattern, pattern_mask
 from moezoo.layers.attention.plan import budget_plan, plan_pattern
+from moezoo.zoo import build_model
 
 
 def brute_static(p: SparsityPattern, T: int) -> torch.Tensor:
@@ -596,3 +597,41 @@ def test_estimated_indices_do_not_change_under_bf16_autocast():
         plain = pattern_mask(p, 50, 50, 4, q=q, k=k)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert torch.equal(pattern_mask(p, 50, 50, 4, q=q, k=k), plain)
+
+
+@pytest.mark.parametrize(
+    "spec,dense",
+    [
+        ("last:2", [6, 7]),
+        ("every:4", [3, 7]),
+        ("every:1", list(range(8))),
+        ("0,5", [0, 5]),
+        ("2-3", [2, 3]),
+        ("", []),
+    ],
+)
+def test_dense_layers_make_those_layers_dense_attention_next_to_sparse_ones(spec, dense):
+    cfg = load_config("zoo/sparse_attn_small_16k.yaml", [f"model.attention.dense_layers='{spec}'"])
+    model = build_model(
+        dataclasses.replace(cfg.model, dim=64, vocab_size=64, ffn_hidden=64), device="meta"
+    )
+    got = [i for i, b in enumerate(model.layers) if b.attention.pattern is None]
+    assert got == dense
+    grid = cfg.model.attention.layer_head_patterns(cfg.model.n_layers, cfg.model.n_heads)
+    assert all((all(p is None for p in row)) == (i in dense) for i, row in enumerate(grid))
+
+
+@pytest.mark.parametrize(
+    "spec,why",
+    [
+        ("last:9", "more layers"),
+        ("every:0", "positive integer"),
+        ("every:9", "names no layer"),
+        ("8", "outside 0..7"),
+        ("first:2", "unknown form"),
+        ("last:x", "positive integer"),
+    ],
+)
+def test_bad_dense_layers_fail_at_load_naming_the_key(spec, why):
+    with pytest.raises(ConfigError, match=f"model.attention.dense_layers: .*{why}"):
+        load_config("zoo/sparse_attn_small_16k.yaml", [f"model.attention.dense_layers='{spec}'"])
