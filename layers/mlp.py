@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .shapes import check_width
+
 
 def relu2(a: torch.Tensor) -> torch.Tensor:
     """Squared ReLU in a's dtype. A product, not ``square`` / ``** 2``: CUDA autocast runs ``pow``
@@ -45,6 +47,7 @@ class SwiGLU(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_width("SwiGLU", x, self.dim)
         return self.w2(self._act(self.w1(x)) * self.w3(x))
 
     def init_weights(self, std: float = 0.02, out_std: float = 0.02) -> None:

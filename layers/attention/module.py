@@ -26,6 +26,7 @@ from torch import nn
 
 from ..norm import RMSNorm
 from ..rope import apply_rotary
+from ..shapes import check_attention_inputs
 from .compressed import compress_block, compress_heads, compressed_attention, compressed_density
 from .flash import flash_attn_dense
 from .functional import dense_causal_attention, sparse_attention
@@ -202,6 +203,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``positions`` ([S] or [B, S], default ``start_pos + arange(S)``): the queries' positions,
         the RoPE ones (per document when packed); read only by SSMax."""
+        check_attention_inputs("Attention", x, self.dim, self.head_dim, cos, sin, positions)
         if self.compress_heads and mask is not None:
             raise ValueError(
                 "block top-k compress: 1 cannot run with padding or packed-document masks: "

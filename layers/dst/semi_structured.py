@@ -18,6 +18,8 @@ from torch import nn
 from moezoo.configs import ConfigError
 from moezoo.kernels.semi_sparse_linear import SemiSparseLinear, pack_semi_structured
 
+from ..shapes import check_width
+
 _OK_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -57,6 +59,7 @@ def check_semi_structured_device(device: torch.device) -> None:
 
 
 def _semi_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    check_width("Linear", x, self.in_features, "in_features")
     if not x.is_cuda:
         return F.linear(x, self.weight, self.bias)
     dtype = (

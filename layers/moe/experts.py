@@ -44,6 +44,7 @@ from moezoo.kernels.moe_swiglu import swiglu
 
 from ..mlp import gate_act as _gate_act
 from ..mlp import relu2
+from ..shapes import check_width
 from .router import stable_order, tokens_per_expert
 
 
@@ -277,6 +278,12 @@ class GroupedExperts(nn.Module):
         """``row_scale`` [N] float32: multiplies each row's hidden state (the folded routing
         weight). ``plan``: xs is the tokens x [T, D] and the experts run on ``sorted_rows(x,
         plan)``."""
+        check_width("GroupedExperts", xs, self.dim, arg="xs")
+        if counts.shape != (self.num_experts,):
+            raise ValueError(
+                f"GroupedExperts(num_experts={self.num_experts}): expected counts of shape "
+                f"[{self.num_experts}], got {list(counts.shape)}"
+            )
         # the fused grouped path computes silu gates; other gate activations take the loop
         if (
             self.backend == "grouped"

@@ -41,6 +41,7 @@ from moezoo.kernels.router_matmul import router_matmul
 
 from ..aux_loss import AuxLossModule, sum_aux_losses
 from ..mlp import SwiGLU
+from ..shapes import check_width
 from .experts import (
     DispatchPlan,
     GroupedExperts,
@@ -313,6 +314,7 @@ class MoE(ExpertsModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.experts.precision != self.cfg.precision:  # read each forward, as the speed switches
             self.experts.precision = self.cfg.precision
+        check_width("MoE", x, self.dim)
         shape = x.shape
         x2 = x.reshape(-1, self.dim)
         # the router's input, the experts' (autocast copy)

@@ -50,6 +50,7 @@ from moezoo.kernels.router_matmul import router_matmul
 
 from ..moe.experts import GroupedExperts, expert_hidden, make_plan, routing_inputs, run_plan
 from ..moe.layer import ExpertsModule, layer_config
+from ..shapes import check_width
 from ..sharding import full_tensor, local_tensor, shard_like
 from .cluster import cluster_neurons
 from .schedule import neuron_phase, phase_bounds
@@ -256,6 +257,7 @@ class NeuronRoutedFFN(ExpertsModule):
             return router_matmul(x.detach(), self.router.weight, self.cfg.low_precision_router)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_width("NeuronRoutedFFN", x, self.dim)
         shape = x.shape
         x2 = x.reshape(-1, self.dim)
         # the groups read the autocast copy
