@@ -1,11 +1,12 @@
 """Sparse attention on one GPU: our layer vs SDPA causal (flash) and plain FlexAttention on the same
 mask.
 
-    python bench/attention.py --lengths 16384,32768,65536,131072 --out results.jsonl python
-    bench/attention.py --patterns vs --vs-inputs structured,local,iid --modes fwd --no-plain python
-    bench/attention.py --lengths "" --stages 131072 --vs-inputs local --profile DIR   # where vs
-    time goes python bench/attention.py --patterns topk,mix,a_shape --kernels triton,flash
-    --no-plain   # FLASH vs Triton
+    python bench/attention.py --lengths 16384,32768,65536,131072 --out results.jsonl
+    python bench/attention.py --patterns vs --vs-inputs structured,local,iid --modes fwd --no-plain
+    # where vs time goes:
+    python bench/attention.py --lengths "" --stages 131072 --vs-inputs local --profile DIR
+    # FLASH vs Triton:
+    python bench/attention.py --patterns topk,mix,a_shape --kernels triton,flash --no-plain
 
 Shapes: B=1, 32 query heads, 8 KV heads, head dim 128, bf16. Patterns (block 128):
   bigbird  local 1024 + 128 sinks + 4 random blocks (~5% of causal pairs at 64k)
@@ -33,9 +34,8 @@ that visits only those blocks at SDPA's FLOP rate; ``of_limit`` = speedup / limi
 Vertical-slash picks its columns and diagonals from the input, so its speed depends on what the
 input looks like; ``--vs-inputs`` times it on each of these synthetic families (none is measured
 from a real model; a_shape and bigbird always run on ``iid``):
-  structured  (the default, as in earlier BENCHMARKS.md rows) q and k share one per-head direction
-  and go
-              through RoPE (base 10000), and the first 64 keys carry more of it. Scores fall off
+  structured  (the default) q and k share one per-head direction and go through RoPE (base
+              10000), and the first 64 keys carry more of it. Scores fall off
               with distance only over ~1k tokens; past that RoPE's sum of cosines is a fixed ripple,
               so the tail of the 6096 diagonals and many columns land anywhere: the layout stays
               nearly dense.
@@ -50,9 +50,9 @@ from a real model; a_shape and bigbird always run on ``iid``):
               block offsets.
   iid         q, k, v i.i.d. normal: no structure, the estimate's picks scatter over every block and
               no block-sparse kernel can skip work (the worst case).
-Block densities of the gathered vs layout (prefix + main, measured on the H200 with 32 query heads,
-8 KV heads, BENCHMARKS.md run 3): local 70% / 41% / 22% / 10.6% at 16k / 32k / 64k / 128k,
-structured 57% at 128k; iid ~100% throughout. Writes one JSON object per measurement to ``--out`` as
+Block densities of the gathered vs layout (prefix + main, 32 query heads, 8 KV heads): local 70% /
+41% / 22% / 10.6% at 16k / 32k / 64k / 128k, structured 57% at 128k, iid ~100% throughout
+(BENCHMARKS.md, Sparse attention layer). Writes one JSON object per measurement to ``--out`` as
 it goes (a timeout keeps what finished).
 """
 

@@ -140,7 +140,7 @@ def time_interleaved(steps: dict, reps: int, warmup: int = 3, queued: bool = Fal
 
     Why round-robin: at these shapes the H200 sits at its 700 W cap within two or three steps and
     its SM clock drops from 1980 to ~1400-1600 MHz (nvidia-smi: clocks event reason 0x4, SW power
-    cap; BENCHMARKS.md, run 6), so a contender timed right after a pause runs faster than one timed
+    cap; BENCHMARKS.md, GPUs), so a contender timed right after a pause runs faster than one timed
     after another's steps. ``before()`` runs untimed before each rep. ``queued=False``: the CPU
     waits for each rep. ``queued=True``: it never waits (one sync at the end), so each step's
     launches queue behind the previous step's kernels, as a layer's do inside a model: a sync-free
@@ -436,8 +436,9 @@ def bench_shape(name, T, D, H, E, K, reps, profile_dir=None, skip=(), only=None)
     contenders["dense_gemm_step"] = (dense_gemm_step(T, D, H, K), None)
     t.update(time_interleaved(contenders, reps))
     t.update({k + "_queued": v for k, v in time_interleaved(contenders, reps, queued=True).items()})
-    # every contender's clocks and power under its own load (the FP8 steps' kernels ran 4.3 ms
-    # slower timed back to back than in one profiled step, bf16's 1.0 ms: BENCHMARKS.md, session 28)
+    # every contender's clocks and power under its own load: back to back, a step's kernels run
+    # slower than in one profiled step, by an amount that differs between contenders (BENCHMARKS.md,
+    # FP8 experts)
     res["step_waits"] = {
         k: allocator_and_clocks(step, reps=max(5, reps // 2), before=before)
         for k, (step, before) in contenders.items()

@@ -1,9 +1,8 @@
 """Grouped-GEMM engines for the MoE experts at bench/moe.py's shapes, one GPU, bf16: can a fused or
 re-tiled grouped GEMM beat what layers.GroupedExperts runs (torch._grouped_mm, CUTLASS)?
 
-    python bench/moe_gemm.py [--shapes mixtral,fine] [--reps 15] [--out results.json] [--roles
-    gate,dgrad]
-        [--only gmm_kmajor,mm] [--skew 1.0]
+    python bench/moe_gemm.py [--shapes mixtral,fine] [--reps 15] [--out results.json]
+        [--roles gate,dgrad] [--only gmm_kmajor,mm] [--skew 1.0]
 
 Contenders, per GEMM of the expert layer ("role"), timed round-robin within the role
 (bench/moe.py's time_interleaved: the H200 runs these shapes at its power cap), waited and queued:
@@ -13,7 +12,7 @@ Contenders, per GEMM of the expert layer ("role"), timed round-robin within the 
   token index (no permuted copy) in the ``_gather`` variants;
 - ``quack`` / ``quack_gather``: QuACK's CuTe-DSL varlen GEMMs (``quack.gemm_interface``, the engine
   of SonicMoE), default configuration, when ``quack`` imports (carry nvidia-cutlass-dsl and
-  quack-kernels wheels to the device: BENCHMARKS.md, run 9). Roles: ``gate`` xs w1^T; ``down`` h
+  quack-kernels wheels to the device: BENCHMARKS.md, header). Roles: ``gate`` xs w1^T; ``down`` h
   w2^T; ``dgrad`` dy w2 (the down projection's input gradient; also with the weight read K-major,
   ``gmm_kmajor``, and that transposed copy made in the call, ``gmm_kmajor_copy``); ``dgrad_gate`` da
   w1 (the gate projection's input gradient, the same contenders); ``wgrad`` dy^T h (its weight

@@ -21,8 +21,7 @@
 #     /tmp/tok_pkgs while the machine stays warm). 45 s of the dense D 512 model reads ~65M tokens: a folder
 #     that fits one transfer (64 MiB, e.g. --prepare .tok25 --max-files 120 --max-tokens 26000000) is read
 #     2.5 times over, and val loss then rewards the slower model (bench/train_moe.py prints the epochs).
-#     EQUAL_SECONDS: each run's steady seconds (45). The .tok25 rows of BENCHMARKS.md (before session 17's
-#     last runs): EQUAL_TOK=.tok25.
+#     EQUAL_SECONDS: each run's steady seconds (45). The .tok25 rows of BENCHMARKS.md: EQUAL_TOK=.tok25.
 #     (EQUAL_SUITE=equal_time_graphs: `equal` with dense and MoE as CUDA graphs, each at its fastest step;
 #     EQUAL_SUITE=equal_time_moe_shapes EQUAL_SEEDS=0: dense and three other MoE layouts (the top-1 ones on
 #     the Switch router), one seed, ~450 s; EQUAL_SUITE=equal_time_moe_experts / equal_time_moe_interleaved

@@ -1,8 +1,8 @@
 """Neuron-routed FFN layer benchmark on one GPU: the selected-groups path vs the dense SwiGLU, bf16
 fwd+bwd.
 
-    python bench/neuron_ffn.py [--shapes d2048,d4096] [--reps 20] [--out results.json] [--device
-    cpu]
+    python bench/neuron_ffn.py [--shapes d2048,d4096] [--reps 20] [--out results.json]
+        [--device cpu]
 
 Per shape (T tokens, D dim, H hidden, G groups, K groups per token), in one process:
 (1) correctness of the sparse grouped path (layers.NeuronRoutedFFN in sparse mode: top-K groups per

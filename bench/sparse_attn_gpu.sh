@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The sparse-attention runs of BENCHMARKS.md "Sparse attention that trains" in one GPU call (H200):
+# The sparse-attention runs of BENCHMARKS.md ("Sparse attention layer", "Sparse attention end to end",
+# "Long-context quality") in one GPU call (H200):
 # end to end dense vs the sparse preset at 64k and 128k (bench/train_attention.py, the trainer itself:
 # vocab 8192, activation checkpointing, bf16, eager blocks), the layer rows for block top-k and the
 # presets' layer (bench/attention.py), and the GPU tests of layers/attention. Each part has its own

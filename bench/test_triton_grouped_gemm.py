@@ -1,7 +1,7 @@
 """bench/triton_grouped_gemm.py (the fused grouped-GEMM contender of bench/moe_gemm.py,
-BENCHMARKS.md run 9) against per-group matmuls, under the Triton interpreter on CPU. Not part of the
-library suite (it lost every benchmark, so nothing in the library uses it); run it with ``pytest
-bench/test_triton_grouped_gemm.py``.
+BENCHMARKS.md, Tried and rejected) against per-group matmuls, under the Triton interpreter on CPU.
+Not part of the library suite (it lost every benchmark, so nothing in the library uses it); run it
+with ``pytest bench/test_triton_grouped_gemm.py``.
 """
 
 import pytest

@@ -1,11 +1,10 @@
 """Our MoE decoder vs torchtitan's on the same fine-grained model, one GPU: tokens/s, MFU, peak
 memory and the loss of both over the same steps.
 
-    python bench/torchtitan_moe.py [--layers 8] [--steps 30] [--batch 4] [--tokens DIR] [--out
-    f.json]
+    python bench/torchtitan_moe.py [--layers 8] [--steps 30] [--batch 4] [--tokens DIR]
+        [--out f.json]
         [--profile-at 10]            # also: where each model's device time goes (3 profiled steps)
-    python bench/torchtitan_moe.py --smoke --device cpu              # this script on CPU, tiny
-    shapes
+    python bench/torchtitan_moe.py --smoke --device cpu      # this script on CPU, tiny shapes
 
 Model (OLMoE-1B-7B's layer shape): D 2048, 16 heads of 128 (no GQA), 64 experts top-8, expert hidden
 1024, vocab 50304, seq 4096, untied embeddings, RMSNorm, RoPE, no qk-norm. Ours:
@@ -35,9 +34,7 @@ it imports that the H200 image lacks, as wheels (device README recipe): torchtit
 spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 shtab==1.13.0 (checked on
 CPU, torch 2.13: both models build with the same parameter count, 197,952 at the smoke shapes, and
 start at the same loss; torchtitan's FlexAttention has no CPU backward, so the smoke test runs its
-forward only). On the H200 (torch 2.11, BENCHMARKS.md "Our MoE model vs torchtitan's"): 8 layers,
-batch 4, losses compiled: ours 87.4k tokens/s (MFU 37.5%), ours_bf16 95.1k (40.8%), torchtitan 77.6k
-(33.3%), losses within 0.5% at step 30.
+forward only). Results: BENCHMARKS.md, Against torchtitan.
 """
 
 from __future__ import annotations
@@ -115,8 +112,8 @@ def build_ours(s, n_layers, device, compile_loss=False):
 
 def _torch_211_stand_in():
     """torchtitan 0.3.0 imports FSDP2's ``DataParallelMeshDims`` (torch >= 2.12) at module level for
-    its multi-GPU wrapping; the one-GPU model here never builds one. On an older torch (the H200
-    image has 2.11) a stand-in dataclass lets its model code import; only this bench process sees
+    its multi-GPU wrapping; the one-GPU model here never builds one. On an older torch (the GPU
+    images have 2.11) a stand-in dataclass lets its model code import; only this bench process sees
     it."""
     import dataclasses
 

@@ -1,9 +1,10 @@
 """Quality of the DST schedules at equal tokens: dense vs RigL vs SET vs the seeds' recipe, several
 seeds.
 
-    python bench/train_dst.py --out train_dst.json                        # H200: dim 512, 8 layers,
-    700 steps python bench/train_dst.py --dim 64 --layers 2 --steps 300 --batch 8 --seq 64
-    --update-every 25   # CPU
+    # one GPU: dim 512, 8 layers, 700 steps
+    python bench/train_dst.py --out train_dst.json
+    # CPU:
+    python bench/train_dst.py --dim 64 --layers 2 --steps 300 --batch 8 --seq 64 --update-every 25
 
 Data: the bytes of this interpreter's standard library (vocab 256, no tokenizer), split by file
 (every 20th file is validation). Model: zoo.build_model LLaMA-style, heads of 64. Optimizer: AdamW

@@ -1,10 +1,12 @@
 """The trainer end to end, MoE and neuron-routed FFN against the dense FFN on one backbone:
 equal-time quality and tokens/s, on one GPU.
 
-    python bench/train_moe.py --prepare DIR [--max-files N] [--cache-dir C]   # tokens, on any
-    machine (CPU) python bench/train_moe.py --tokens DIR [--suite equal_time,speed_2k] [--seconds
-    15] [--seeds 0,1] [--fixed-steps] python bench/train_moe.py --tokens DIR --suite speed_fp8
-    --speed-steps 300   # bf16 vs FP8 experts
+    # tokens, on any machine (CPU):
+    python bench/train_moe.py --prepare DIR [--max-files N] [--cache-dir C]
+    python bench/train_moe.py --tokens DIR [--suite equal_time,speed_2k] [--seconds 15]
+        [--seeds 0,1] [--fixed-steps]
+    # bf16 vs FP8 experts:
+    python bench/train_moe.py --tokens DIR --suite speed_fp8 --speed-steps 300
 
 ``--prepare`` builds the corpus (``data.source=python_packages`` by default: this interpreter's
 installed packages, one document per package, validation packages held out), trains the tokenizer
@@ -24,11 +26,11 @@ times each step):
   function of the steady seconds, at its floor when the budget is spent; ``train.steps`` is only a
   bound (3x the probe's estimate). The neuron-routed model keeps a step count (``--seconds`` / the
   probe's step time): its schedule's phases (dense warm-up and finish, re-grouping) are fractions of
-  a step total, as are DST's. ``--fixed-steps``: every model that way (the old sizing: the probe
-  under-rated the CUDA-graphed MoE runs by 7-11%, so they trained 39-42 s of a 45 s budget where
-  dense trained 45.6 s). Printed: val loss, steps taken, tokens seen, epochs of the token folder's
-  training tokens (a note past 1: val loss then pays for repetition), steady training seconds,
-  tokens/s. Every suite not named ``speed_*`` runs this way.
+  a step total, as are DST's. ``--fixed-steps``: every model that way (a probe under-rates
+  CUDA-graphed runs, which then train short of the budget; the clock does not). Printed: val loss,
+  steps taken, tokens seen, epochs of the token folder's training tokens (a note past 1: val loss
+  then pays for repetition), steady training seconds, tokens/s. Every suite not named ``speed_*``
+  runs this way.
 - ``speed_2k``: tokens/s of a D 2048 backbone (4 layers, FFN 5632, 16k tokens a step) with the dense
   FFN and with the neuron-routed FFN at 4 of 16 groups in every step (sparse steps only: the
   schedule's dense steps run the dense FFN plus the router, timed by bench/neuron_ffn.py).
@@ -41,13 +43,13 @@ times each step):
   (``train.compile_mode=reduce-overhead``; with ``--compile``): the host's launch cost taken out.
 - ``speed_2k_graphs``: ``speed_2k`` with the compiled blocks captured as CUDA graphs (with
   ``--compile``): the neuron-routed sparse step is launch-bound at D 2048 when eager
-  (bench/neuron_ffn.py: waited 4.7 ms a layer, queued 3.0).
+  (BENCHMARKS.md, Neuron-routed FFN).
 - ``speed_2k_fp32router``: ``speed_2k``'s neuron-routed FFN with
-  ``model.neuron.low_precision_router=false`` (its router reading the float32 residual, as before
-  session 29), to run beside ``speed_2k``.
+  ``model.neuron.low_precision_router=false`` (its router reading the float32 residual instead of
+  the bf16 one), to run beside ``speed_2k``.
 - ``speed_512_graphs_fp32router``: ``speed_512_graphs``' MoE with
-  ``model.moe.low_precision_router=false`` (the router reading the float32 residual, as before
-  session 29), to run beside ``speed_512_graphs``.
+  ``model.moe.low_precision_router=false`` (the router reading the float32 residual instead of the
+  bf16 one), to run beside ``speed_512_graphs``.
 - ``equal_time_graphs``: ``equal_time``'s dense and MoE runs the same way (with ``--compile``).
 - ``equal_time_moe_shapes``: dense and three other MoE layouts of the same active FFN FLOPs at equal
   time, as CUDA graphs (with ``--compile``): 1 shared expert + top-1 of 8 (hidden 704 each), top-1
@@ -140,7 +142,8 @@ SUITES = {  # name -> {run: (preset, overrides)}
         "dense_2k": ("zoo/tiny_dense.yaml", BACKBONE_2K),
         "neuron_2k": ("zoo/tiny_neuron.yaml", BACKBONE_2K + NEURON_SPARSE),
     },
-    # a 7B-wide layer (LLaMA-7B's D and FFN), 4 of them: where the layer measured 2.37x
+    # a 7B-wide layer (LLaMA-7B's D and FFN), 4 of them: where the layer gains most over dense
+    # (BENCHMARKS.md, Neuron-routed FFN)
     "speed_4k": {
         "dense_4k": ("zoo/tiny_dense.yaml", BACKBONE_4K),
         "neuron_4k": ("zoo/tiny_neuron.yaml", BACKBONE_4K + NEURON_SPARSE),
@@ -187,30 +190,25 @@ SUITES["speed_512_graphs"] = with_graphs("speed_512")
 SUITES["speed_512_graphs_bf16w"] = with_overrides(
     "speed_512_graphs", "bf16w", ["train.param_dtype=bfloat16"]
 )
-# the MoE with its router reading the float32 residual (before session 29's default: a float32 FFMA
-# GEMM)
+# the MoE with its router reading the float32 residual (a float32 FFMA GEMM; the default router
+# reads the bf16 one)
 SUITES["speed_512_graphs_fp32router"] = with_overrides(
     "speed_512_graphs", "fp32router", ["model.moe.low_precision_router=false"], ("moe_graphs",)
 )
 SUITES["speed_2k_graphs"] = with_graphs("speed_2k")
-# the neuron-routed FFN with its router reading the float32 residual (before session 29's default)
+# the neuron-routed FFN with its router reading the float32 residual
 SUITES["speed_2k_fp32router"] = with_overrides(
     "speed_2k", "fp32router", ["model.neuron.low_precision_router=false"], ("neuron_2k",)
 )
-# dense against MoE at equal time, each at its fastest step (graphs took 30% off the MoE step, 1%
-# off dense's)
+# dense against MoE at equal time, each at its fastest step (CUDA graphs take the launch cost off
+# the MoE step, little off dense's: BENCHMARKS.md, MoE and dense in the trainer)
 SUITES["equal_time_graphs"] = with_graphs("equal_time", ("dense", "moe"))
-# MoE layouts of the same active FFN FLOPs (hidden 1408 a token) against dense, CUDA graphs: top-2
-# of 8 at 704 is 0.79x dense's tokens/s and +3.7% val loss at 45 s (BENCHMARKS.md); a shared expert
-# carries half the FLOPs in one dense GEMM (DeepSeekMoE, Qwen-MoE) with top-1 of 8 routed, top-1 of
-# 8 at 1408 routes each row once (Switch), top-4 of 16 at 352 is DeepSeekMoE's finer segmentation.
-# The top-1 layouts use the Switch router: a renormalised top-1 weight is always 1.0, so softmax's
-# router learned from the balance loss only (and the config now refuses it). 45 s, probe-sized runs
-# (2026-12-04, BENCHMARKS.md): dense 1.875 / 1.908; shared + top-1 softmax 1.925 / 1.947 (+2.3%),
-# switch 1.902 (seed 0); top-1 at 1408 softmax 2.098 / 2.098 (+10.9%), switch 2.035 (seed 0); top-4
-# of 16 1.994 / 2.003 (+5.6%). Trained to the clock (session 17): dense 1.892, shared + top-1 switch
-# +2.2%, top-1 at 1408 switch +7.7%, top-4 of 16 +3.3%, all at ~2 epochs of .tok25 (the device's own
-# package corpus since: bench/moe_gpu.sh)
+# MoE layouts of the same active FFN FLOPs (hidden 1408 a token) against dense, CUDA graphs: a
+# shared expert carries half the FLOPs in one dense GEMM (DeepSeekMoE, Qwen-MoE) with top-1 of 8
+# routed, top-1 of 8 at 1408 routes each row once (Switch), top-4 of 16 at 352 is DeepSeekMoE's
+# finer segmentation. The top-1 layouts use the Switch router: a renormalised top-1 weight is always
+# 1.0, so a softmax router would learn from the balance loss only (the config refuses it). Results:
+# BENCHMARKS.md, MoE and dense in the trainer.
 _TOP1 = ["model.moe.top_k=1", "model.moe.router=switch"]
 _MOE_SHAPES = {
     "moe_shared": ["model.moe.shared_experts=1", *_TOP1, "model.moe.hidden_dim=704"],
@@ -224,8 +222,8 @@ SUITES["moe_shapes"] = {
 SUITES["equal_time_moe_shapes"] = with_graphs("moe_shapes")
 # More experts at the same active FLOPs (top-2 at 704): expert parameters 2x and 4x the 8-expert
 # MoE's, the per-token gain of routing growing with the expert count (Switch, DeepSeekMoE), against
-# smaller groups per GEMM and a larger optimizer step. Top-2 of 8 at 90 s on the package corpus:
-# +2.9% over dense (BENCHMARKS.md).
+# smaller groups per GEMM and a larger optimizer step (BENCHMARKS.md, MoE and dense in the
+# trainer).
 SUITES["moe_experts"] = {
     "dense": SUITES["equal_time"]["dense"],
     **{
@@ -238,8 +236,8 @@ SUITES["moe_experts"] = {
 }
 SUITES["equal_time_moe_experts"] = with_graphs("moe_experts")
 # MoE in every other layer (GShard, Switch): half the layers pay the routing overhead, half keep the
-# dense FFN's step. At 90 s, MoE in all 8 layers costs 1.25x the dense step (top-2 of 8) to 1.38x
-# (of 32) and ends 2.3-3.0% above dense's val loss (BENCHMARKS.md): this asks whether half the
+# dense FFN's step. MoE in all 8 layers costs more than the dense step and ends above dense's val
+# loss at equal time (BENCHMARKS.md, MoE and dense in the trainer): this asks whether half the
 # overhead buys more than half the per-token gain.
 _INTERLEAVED = ['model.ffn_layers={"0,2,4,6": dense}', "model.moe.hidden_dim=704"]
 SUITES["moe_interleaved"] = {
@@ -256,9 +254,9 @@ SUITES["equal_time_moe_interleaved"] = with_graphs("moe_interleaved")
 
 
 # A time-budgeted run's train.steps: this times the probe's estimate, a bound meant never to be
-# reached (the clock ends the run). 1.5 was too tight: a probe slowed by process start-up or by
-# neighbours (CPU tests under xdist) estimated steps >1.5x slower than the run then took, and the
-# run stopped short of its budget.
+# reached (the clock ends the run). Generous, since a probe slowed by process start-up or by
+# neighbours (CPU tests under xdist) can estimate steps >1.5x slower than the run then takes, and a
+# tighter bound would stop the run short of its budget.
 STEP_BOUND = 3.0
 
 

@@ -2,8 +2,8 @@
 a two-accumulator SwiGLU epilogue: the fused-kernel contender of bench/moe_gemm.py (issue 3's "fuse
 the permute/gather into the GEMM inputs, pick grouped-GEMM tiles for small experts").
 
-Not a product path: measured on the H200 it runs at or below torch._grouped_mm's CUTLASS kernels
-(BENCHMARKS.md, MoE layer, run 9), so layers.GroupedExperts keeps torch._grouped_mm. It stays here
+Not a product path: it runs at or below torch._grouped_mm's CUTLASS kernels (BENCHMARKS.md, Tried
+and rejected), so layers.GroupedExperts keeps torch._grouped_mm. It stays here
 so that the measurement can be repeated.
 
 Rows of group e are ``ends[e-1] .. ends[e]`` (``ends`` [E] int32: torch._grouped_mm's ``offs``).
