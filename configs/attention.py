@@ -1,7 +1,7 @@
 """``model.attention``: dense or sparse attention per layer and head (layers.Attention).
 
 Pattern dicts are checked here (pure data checks, so a bad YAML fails at load time);
-layers.SparsityPattern gives them meaning. Semantics are in DESIGN.md.
+layers.SparsityPattern gives them meaning. Semantics are in docs/sparse_attention.md.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any, Optional
 from .errors import ConfigError, check, check_choice
 from .ranges import assign_ranges, parse_range
 
-# No "triton": our own block-sparse kernel was not kept (FlexAttention's Triton kernel already runs
-# static patterns at the density limit forward on the H200; BENCHMARKS.md "Sparse attention").
+# No "triton" backend of our own: FlexAttention's Triton kernel already runs static patterns at the
+# density limit forward (BENCHMARKS.md, Sparse attention layer).
 ATTN_BACKENDS = ("auto", "reference", "flex", "flash_attn")
 
 # type -> (required params, optional params). Every pattern also takes the COMMON_PARAMS:
@@ -76,7 +76,7 @@ MINFERENCE_TYPES = {
 # layers/attention/flex.py says it is faster and flash-attn-4 runs here, else Triton.
 FLEX_KERNELS = ("auto", "triton", "flash")
 MIN_FLEX_BLOCK = 16  # Triton's smallest tensor-core tile; smaller blocks run only on the reference
-# FA4's Hopper/Blackwell tile: the FLASH kernel was checked with 128-token blocks only
+# FA4's Hopper/Blackwell tile: the FLASH kernel is tested with 128-token blocks only
 FLASH_BLOCK = 128
 
 
@@ -230,14 +230,19 @@ class AttentionConfig:
     kernel_options: dict[str, Any] = field(default_factory=dict)
     # SSMax (Nakanishi 2025, "Scalable-Softmax"): every query at position p is multiplied by max(0,
     # 1 + s_h * log(p + 1)), s_h learned per head and zero at init (plain softmax until training
-    # moves it), meant to keep a head as sharp over 16k keys as over 1k (the 16k runs learned s < 0
-    # instead: BENCHMARKS.md Q12 / Q13). Every layer and head; not MLA.
+    # moves it), meant to keep a head as sharp over 16k keys as over 1k (trained at 16k, heads learn
+    # s < 0 instead: BENCHMARKS.md, Long-context quality). Every layer and head; not MLA.
     ssmax: bool = False
     # Hybrid layouts: layers whose every head is dense attention whatever ``patterns`` say. A
     # range ("15", "0,8", "12-15"), "last:K" (the last K layers) or "every:N" (layers N-1, 2N-1,
     # ..., every N-th counting from 1); "" = none. Long-context models keep a few full-attention
     # layers next to sparse ones for retrieval (MoBA keeps its last 3 dense).
     dense_layers: str = ""
+    # Dense phases: fractions of train.steps at the start / end in which every sparse layer runs
+    # dense causal attention (a warm-up in which the model learns where to look before the selection
+    # must find it; MoBA's dense finish). 0 = none.
+    dense_warmup: float = 0.0
+    dense_finish: float = 0.0
 
     def layer_head_patterns(
         self, n_layers: int, n_heads: int, key: str = "model.attention.patterns"
@@ -279,6 +284,14 @@ class AttentionConfig:
 
     def validate(self, n_layers: int, n_heads: int, key: str = "model.attention") -> None:
         check_choice(self.backend, ATTN_BACKENDS, f"{key}.backend")
+        for name in ("dense_warmup", "dense_finish"):
+            v = getattr(self, name)
+            check(0.0 <= v <= 1.0, f"{key}.{name}", f"must be a fraction in [0, 1], got {v}")
+        check(
+            self.dense_warmup + self.dense_finish <= 1.0,
+            f"{key}.dense_finish",
+            f"dense_warmup + dense_finish = {self.dense_warmup + self.dense_finish} exceeds 1",
+        )
         check_choice(self.flex_kernel, FLEX_KERNELS, f"{key}.flex_kernel")
         check(
             self.reference_below >= -1,

@@ -48,7 +48,15 @@ from .checkpoint import (
 from .data import prepare_data, sample_batch
 from .logger import append_metrics, make_logger, to_python
 from .metrics import device_peak_flops, mfu_metrics
-from .optim import build_optimizer, build_scheduler
+from .optim import (
+    Schedule,
+    build_optimizer,
+    build_scheduler,
+    describe_schedule,
+    extend_schedule,
+    plan_schedule,
+    schedule_targets,
+)
 from .parallel import (
     all_reduce_mean,
     clip_coef,
@@ -59,7 +67,14 @@ from .parallel import (
 )
 from .preflight import check_model, check_paths, check_runtime
 from .profile import StepProfiler, format_summary
-from .run_folder import check_fresh_start, clear_previous_run, new_run_id, trim_metrics
+from .run_folder import (
+    check_fresh_start,
+    choose_run_folder,
+    clear_previous_run,
+    new_run_id,
+    remove_if_empty,
+    trim_metrics,
+)
 from .trained import TOKENIZER_FILE
 
 
@@ -92,6 +107,11 @@ class Interrupted(KeyboardInterrupt):
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        if cfg.model.init_from and not cfg.checkpoint.resume:
+            from moezoo.zoo.pretrained import prepare_init_from
+
+            # a local folder (or HF cache id) and its tokenizer, before the paths are checked
+            self.init_from_line = prepare_init_from(cfg)
         check_paths(cfg)
         self.par = setup_parallel(cfg)
         self.device = self.par.device
@@ -113,6 +133,19 @@ class Trainer:
         # mfu: the work done
         self.dense_attn_flops = attention_flops_per_token(cfg.model, cfg.train.seq_len)
         del meta_model
+        # A new runs/<name>/<N> unless train.out_dir names one (training.run_folder); removed again
+        # if the run fails before writing anything into it.
+        first_line, created = choose_run_folder(cfg, self.par.is_main, self._share)
+        self.print(first_line)
+        try:
+            self._build()
+        except BaseException:
+            if created and self.par.is_main:
+                remove_if_empty(cfg.out_dir)
+            raise
+
+    def _build(self) -> None:
+        cfg = self.cfg
         self.resume_path, replaced = None, []
         if cfg.checkpoint.resume:
             self.resume_path = self._find_resume()
@@ -121,10 +154,13 @@ class Trainer:
         # a resumed run has its own weights
         init_from = cfg.model.init_from and not self.resume_path
         if init_from:
-            from moezoo.zoo.pretrained import check_init_from
+            from moezoo.zoo.pretrained import check_init_from, prepare_init_from
 
+            if not hasattr(self, "init_from_line"):  # --resume found no checkpoint
+                self.init_from_line = prepare_init_from(cfg)
             # reads the HF config only: a mismatch fails before the data work
             check_init_from(cfg.model)
+            self.print(self.init_from_line)
         # Same seed on every rank: identical initial weights before sharding.
         seed_everything(cfg.train.seed)
         self.data = prepare_data(cfg, self.par.is_main, self.barrier)
@@ -183,7 +219,14 @@ class Trainer:
             param_dtype=cfg.train.param_dtype,
             grad_accum=cfg.train.grad_accum,
         )
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        self.scheduler = build_scheduler(
+            self.optimizer, cfg.optim, cfg.train.steps, init_from=bool(cfg.model.init_from)
+        )
+        if init_from:
+            self.print(
+                f"continued training: lr {describe_schedule(self.scheduler.pieces, 0)} "
+                "(optim.init_from_lr, optim.init_from_warmup_steps)"
+            )
         self.sparsity = self._sparsity_methods()
         # Skip non-finite steps on the device (no host sync a step) where the optimizer and every
         # method can; the host then learns of a skipped step one step later (train_step, settle).
@@ -263,7 +306,12 @@ class Trainer:
             )
         if any(layer.attention.pattern is not None for layer in self.model.layers):
             # density (for mfu) and selection stats
-            out.append(AttentionStats(self.model, c.train.seq_len))
+            a = c.model.attention
+            out.append(
+                AttentionStats(
+                    self.model, c.train.seq_len, c.train.steps, a.dense_warmup, a.dense_finish
+                )
+            )
         if "neuron" in ffn_types:
             out.append(NeuronSchedule(self.model, c.train.steps, self.optimizer))
         if c.dst.enabled:

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from ..neuron.schedule import phase_bounds
 from .compressed import compressed_density
 from .module import Attention
 from .pattern import PatternLike, head_patterns
@@ -97,7 +98,7 @@ def attention_metrics(model: torch.nn.Module, seq_len: int) -> dict:
         if not isinstance(m, Attention):
             continue
         s = m.attn_stats
-        if m.pattern is None:
+        if m.pattern is None or m.dense_phase:
             dens.append(torch.ones((), device=next(m.parameters()).device))
             continue
         any_sparse = True
@@ -134,17 +135,39 @@ def attention_metrics(model: torch.nn.Module, seq_len: int) -> dict:
 
 
 class AttentionStats:
-    """The sparse attention layers as one sparsity method (layers.sparsity_method): nothing acts
-    between steps; ``metrics()`` is ``attention_metrics`` of the last forward (density for the
-    honest MFU, block top-k selection sharpness)."""
+    """The sparse attention layers as one sparsity method (layers.sparsity_method): before each
+    step, the dense phases (``dense_warmup`` / ``dense_finish``: fractions of ``total_steps`` at the
+    start / end in which every sparse layer runs dense causal attention, boundaries as
+    ``layers.neuron.schedule.phase_bounds``); ``metrics()`` is ``attention_metrics`` of the last
+    forward (density for the honest MFU, block top-k selection sharpness) and ``attn/dense_phase``.
+
+    A dense warm-up lets the model learn where to look before the selection has to find it (DSA
+    and MSA warm their indexers up on dense attention); a dense finish is MoBA's recipe for
+    reaching full attention's loss. A pure function of the step, so resuming needs no state.
+    """
 
     skips_on_device = True  # nothing to do after a step (layers.sparsity_method)
 
-    def __init__(self, model: torch.nn.Module, seq_len: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        seq_len: int,
+        total_steps: int = 0,
+        dense_warmup: float = 0.0,
+        dense_finish: float = 0.0,
+    ):
         self.model, self.seq_len = model, seq_len
+        self.bounds = phase_bounds(total_steps, dense_warmup, dense_finish)
+        self.phased = dense_warmup > 0 or dense_finish > 0
+        self.dense = False
 
     def before_step(self, step: int) -> None:
-        pass
+        if not self.phased:
+            return
+        self.dense = step < self.bounds[0] or step >= self.bounds[1]
+        for m in self.model.modules():
+            if isinstance(m, Attention):
+                m.dense_phase = self.dense
 
     def after_optimizer_step(self, step: int, applied: Optional[torch.Tensor] = None) -> None:
         pass
@@ -153,4 +176,7 @@ class AttentionStats:
         pass
 
     def metrics(self) -> dict:
-        return attention_metrics(self.model, self.seq_len)
+        out = attention_metrics(self.model, self.seq_len)
+        if self.phased:
+            out["attn/dense_phase"] = float(self.dense)
+        return out

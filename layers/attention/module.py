@@ -144,6 +144,9 @@ class Attention(nn.Module):
         # attn_stats["selection"] (a layers.attention.plan.BlockSelection; the passkey eval's needle
         # recall sets it for its forwards)
         self.record_selection = False
+        # True: a sparse layer runs dense causal attention (the dense phases of
+        # model.attention.dense_warmup / dense_finish, set per step by density.AttentionStats)
+        self.dense_phase = False
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
@@ -312,7 +315,7 @@ class Attention(nn.Module):
         q_offset: int,
         mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        if self.pattern is None:
+        if self.pattern is None or self.dense_phase:
             if mask is not None:
                 return masked_causal_attention(q, k, v, mask, q_offset)
             if self.backend == "flash_attn":

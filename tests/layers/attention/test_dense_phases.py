@@ -1,0 +1,83 @@
+"""Dense phases of sparse attention (model.attention.dense_warmup / dense_finish): which steps run
+dense, that a dense step is exactly the dense model, the logged phase, and the config checks."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from moezoo.configs import ConfigError, load_config
+from moezoo.layers.attention.density import AttentionStats
+from moezoo.zoo import build_model
+
+PATS = (
+    '{"0-1:0-1": {type: a_shape, sinks: 2, window: 8, block_size: 8}, '
+    '"0-1:2-3": {type: block_topk, top_k: 2, token_select: 1, share_group: 1, block_size: 8}}'
+)
+TINY = [
+    "model.vocab_size=64",
+    "model.dim=32",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_hidden=64",
+    "model.max_seq_len=64",
+    "train.seq_len=64",
+]
+
+
+def _models(*extra):
+    cfg = load_config(None, [*TINY, f"model.attention.patterns={PATS}", *extra])
+    torch.manual_seed(0)
+    sparse = build_model(cfg.model)
+    dense = build_model(
+        dataclasses.replace(
+            cfg.model, attention=dataclasses.replace(cfg.model.attention, patterns={})
+        )
+    )
+    dense.load_state_dict(sparse.state_dict())
+    return cfg, sparse, dense
+
+
+def test_dense_phase_steps_follow_the_warmup_and_finish_fractions():
+    cfg, model, _ = _models("model.attention.dense_warmup=0.2", "model.attention.dense_finish=0.1")
+    a = cfg.model.attention
+    stats = AttentionStats(model, 64, 50, a.dense_warmup, a.dense_finish)
+    phases = []
+    for step in range(50):
+        stats.before_step(step)
+        phases.append(all(b.attention.dense_phase for b in model.layers))
+        assert stats.metrics()["attn/dense_phase"] == float(phases[-1])
+    assert phases == [True] * 10 + [False] * 35 + [True] * 5
+
+
+def test_a_dense_phase_step_is_exactly_the_dense_model_and_a_sparse_step_is_not():
+    cfg, sparse, dense = _models("model.attention.dense_warmup=0.5")
+    stats = AttentionStats(sparse, 64, 10, 0.5, 0.0)
+    tokens = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
+    stats.before_step(0)
+    assert torch.equal(sparse(tokens), dense(tokens))
+    stats.before_step(7)
+    assert not torch.allclose(sparse(tokens), dense(tokens))
+
+
+def test_no_phases_leave_the_layers_sparse_and_log_no_phase():
+    _, model, _ = _models()
+    stats = AttentionStats(model, 64, 10)
+    stats.before_step(0)
+    assert not any(b.attention.dense_phase for b in model.layers)
+    model(torch.randint(0, 64, (1, 64)))
+    assert "attn/dense_phase" not in stats.metrics()
+
+
+@pytest.mark.parametrize(
+    "ov,key",
+    [
+        ("model.attention.dense_warmup=-0.1", "dense_warmup"),
+        ("model.attention.dense_finish=1.5", "dense_finish"),
+        ("model.attention.dense_finish=0.6", "dense_finish"),
+    ],
+)
+def test_bad_dense_phases_fail_at_load_naming_the_key(ov, key):
+    with pytest.raises(ConfigError, match=f"model.attention.{key}"):
+        load_config(None, [*TINY, "model.attention.dense_warmup=0.5", ov])
