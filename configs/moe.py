@@ -1,4 +1,4 @@
-"""``model.moe``: routed mixture-of-experts FFN (layers.MoE). Semantics in DESIGN.md."""
+"""``model.moe``: routed mixture-of-experts FFN (layers.MoE). Semantics in docs/moe.md."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Optional
 from .errors import check, check_choice, check_positive
 
 ROUTERS = ("softmax", "noisy_topk", "sigmoid", "switch")
-# One vocabulary with model.attention.backend: auto | reference | <fast paths>. "torch" is the old
-# name of "reference", still accepted.
+# One vocabulary with model.attention.backend: auto | reference | <fast paths>. "torch" is an alias
+# of "reference", so configs that name it keep loading.
 MOE_BACKENDS = ("auto", "reference", "grouped", "megablocks", "torch")
 MOE_PRECISIONS = ("bf16", "fp8")
 # torch._scaled_grouped_mm: every GEMM's inner and outer dims (16-byte fp8 rows)

@@ -1,5 +1,5 @@
 """``model.neuron``: neuron-level expert routing of the FFN (layers.NeuronRoutedFFN). Semantics in
-DESIGN.md.
+docs/neuron_ffn.md.
 
 The FFN's hidden units are split into ``num_groups`` equal groups; a router predicts each group's
 share of the activation mass and, in sparse steps, every token computes only its ``top_k_groups``

@@ -32,13 +32,13 @@ class DataConfig:
     # ones, fewer in all (PasskeyMix's docstring has the numbers).
     passkey_distance_bias: float = 0.0
     # The bias applies to the windows of steps >= this one; earlier steps draw the unbiased mix. A
-    # curriculum: the copy is learned at short range first (BENCHMARKS.md Q6 / Q9), the long range
-    # after it.
+    # curriculum: the copy is learned at short range first (BENCHMARKS.md, Long-context quality),
+    # the long range after it.
     passkey_bias_from_step: int = 0
     # The asked keys' tokens weigh this much in the training loss (1 = plain LM loss). A small model
-    # sees the task in ~2% of its tokens at most; weighting them (20: BENCHMARKS.md) makes it learn
-    # the copy in minutes, at some cost in val loss. The logged training loss and the validation
-    # loss stay the plain mean CE.
+    # sees the task in ~2% of its tokens at most; weighting them (20: BENCHMARKS.md, Long-context
+    # quality) makes it learn the copy in minutes, at some cost in val loss. The logged training
+    # loss and the validation loss stay the plain mean CE.
     passkey_answer_weight: float = 1.0
 
     def validate(self, key: str = "data") -> None:

@@ -19,8 +19,8 @@ reading the flag; the torch path reads it on the host).
 
 Why: with bf16 autocast and float32 parameters, every step casts each matmul weight to bf16
 (forward), casts each bf16 weight gradient to float32 (autograd), and then reads those float32
-gradients twice for clipping and once more in torch's fused AdamW: on the OLMoE-shaped model of
-BENCHMARKS.md, ~41 ms of a 200 ms step went to AdamW and clipping and ~7.5 ms to the weight casts.
+gradients twice for clipping and once more in torch's fused AdamW: on the OLMoE-shaped model, ~41
+ms of a 200 ms step goes to AdamW and clipping (BENCHMARKS.md, Against torchtitan).
 Holding the matmul weights in bf16 (``training.optim.MasterAdamW``) leaves their gradients in bf16
 and needs the bf16 copy written after each update; this kernel reads the bf16 gradient once, applies
 the clipping factor on the fly, and writes the bf16 copy in the same pass (30 bytes a weight with
@@ -44,9 +44,8 @@ import torch
 
 from .launch import jit, tl, to_device, triton, use_triton
 
-# elements a program updates and its warps: 8 per thread and stream. bench/adamw.py on an H100
-# (session 26, 8 x 134M weights): 10.45 ms, 1.01x the copy rate, against 11.55 at 2048 on 8 warps
-# (the previous choice) and 11.90 for torch's fused AdamW on float32; 4096 with 4 warps took 218
+# elements a program updates and its warps: 8 per thread and stream, which runs at the copy rate
+# (bench/adamw.py sweeps others; BENCHMARKS.md, Against torchtitan); 4096 with 4 warps needs 218
 # registers for sm_90
 BLOCK, NUM_WARPS = 1024, 4
 _blocks_cache: dict = {}  # (device, numels, block) -> int32 [blocks] tensor index of each block

@@ -8,14 +8,14 @@ backward computes dw with ``grouped_wgrad``.
 
 Why: a weight gradient contracts over the rows, so its output is only E * M * N: with small experts
 (the dim-512 MoE of BENCHMARKS.md: 8 experts of 704 x 512) the grouped GEMM has fewer output tiles
-than the GPU has SMs, and each tile walks thousands of rows alone. On the H100 those three
-weight-gradient GEMMs took 187 us each against 96-100 us for the forward and dgrad GEMMs of the same
-FLOPs (the same profile). Splitting every group's rows into S consecutive parts makes S times the
-tiles, each 1/S of the work; the S partial products (bf16, as torch._grouped_mm writes them) are
-summed in float32. ``wgrad_splits`` picks S from the tile count (that dim-512 MoE: S = 4); experts
-of the Mixtral / OLMoE / DeepSeek shapes have tiles to spare and keep S = 1 (one GEMM, as before).
-The split points are device arithmetic on ``offs``: no host sync, CUDA-graph safe. Not yet measured
-on a GPU: bench/moe.py's ``small`` shape times S = 1, 2, 4 and the automatic choice side by side.
+than the GPU has SMs, and each tile walks thousands of rows alone, at about half the rate of the
+forward and dgrad GEMMs of the same FLOPs (BENCHMARKS.md, Tried and rejected). Splitting every
+group's rows into S consecutive parts makes S times the tiles, each 1/S of the work; the S partial
+products (bf16, as torch._grouped_mm writes them) are summed in float32. ``wgrad_splits`` picks S
+from the tile count (that dim-512 MoE: S = 4); experts of the Mixtral / OLMoE / DeepSeek shapes have
+tiles to spare and keep S = 1 (one GEMM). The split points are device arithmetic on ``offs``: no
+host sync, CUDA-graph safe. bench/moe.py's ``small`` shape times S = 1, 2, 4 and the automatic
+choice side by side.
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     memory goes through the driver's staging buffer, asynchronous only as far as the driver makes
     it; from pinned memory the copy is queued behind the work before it (the caching host allocator
     keeps the pinned copy alive until it has run). When a training step starts with a copy that
-    waits, the GPU idles while the host launches the step's first kernels: 2.3 ms of a 148 ms MoE
-    step on an H100 (bench/torchtitan_moe.py's profile, BENCHMARKS.md)."""
+    waits, the GPU idles while the host launches the step's first kernels (~2 ms of the OLMoE-shaped
+    MoE step: BENCHMARKS.md, Against torchtitan)."""
     device = torch.device(device)
     if device.type != "cuda":
         return t.to(device)

@@ -45,12 +45,10 @@ writes the dequantization scales itself, so a dual pass is a memset and two laun
 torch ops between them). The cast kernel's tiles walk the rows of the transposed output (the padded
 wgrad rows, or one weight's rows), so that store is 16-byte vectors along contiguous, aligned
 columns of qt, and the pads are written as zeros in the same pass; the source rows are gathered
-(row-major, contiguous along the features either way). The first dual pass (349a889) tiled the
-source rows instead: its transposed store was one byte per lane, a separate kernel zeroed the pads,
-and its cast pass needed 90 registers a thread on 16 warps (one block per SM): 14.3 ms of the fp8
-layer's 43.9 on the H200, against ~4.4 by the bytes (BENCHMARKS.md). The row and column quantizers
-apart read the input three times (H100, Mixtral shape: 9.7 of the fp8 layer's 42.4 ms were
-quantizers).
+(row-major, contiguous along the features either way). Tiling the source rows instead makes the
+transposed store one byte per lane, needs a separate kernel to zero the pads and 90 registers a
+thread (one block per SM), ~3x the bytes' time (BENCHMARKS.md, Tried and rejected); separate row and
+column quantizers read the input three times.
 
 Layers: ``@triton.jit`` kernels (a row quantizer, one row per program; the amax and cast passes) +
 launchers -> custom ops ``moezoo::fp8_quantize_rows`` / ``fp8_quantize_groups_t`` /
@@ -76,11 +74,10 @@ WGRAD_ALIGN = 16  # rows per wgrad group: 16 bytes of fp8 (TMA alignment of grou
 # FP8 tensor-core accumulation without periodic float32 promotion (torchao: all three)
 FAST_ACCUM = True
 ROWS_BLOCK = 4096  # columns per step of the row quantizer: 8 KB of bf16 in flight per program
-# The passes' tiles, (rows, columns, warps): the fastest of bench/fp8_quant.py's 20 pairs on an H100
-# (session 26), 5.21 ms over the Mixtral layer's five operand kinds against 7.32 at 128 x 64 on 16
-# warps for both (the amax pass on 16 warps was the slow part). Every global store of the cast pass
-# is a 16-byte vector (ptxas for sm_90, as tests/kernels/test_compile_sm90.py compiles on the CPU
-# machine).
+# The passes' tiles, (rows, columns, warps): the fastest of bench/fp8_quant.py's 20 pairs over the
+# Mixtral layer's five operand kinds (BENCHMARKS.md, FP8 experts); an amax pass on 16 warps is slow.
+# Every global store of the cast pass is a 16-byte vector (ptxas for sm_90, as
+# tests/kernels/test_compile_sm90.py compiles on the CPU machine).
 AMAX_TILE = (128, 64, 8)
 CAST_TILE = (32, 128, 4)
 

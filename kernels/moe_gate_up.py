@@ -10,9 +10,8 @@ Why: autograd over a separate permute and two GEMMs computes dxs as ``xs``'s two
 an [N, D] elementwise pass, which the permute's backward (an unweighted combine) then reads again.
 Here the backward hands both GEMM outputs g1 = da w1, g3 = db w3 to ``moe_unpermute(g1, inv,
 zero_fill, g3)``, which sums the 2K rows of each token in one float32 pass (one bf16 rounding
-instead of two). H200, fine-grained shape (N = 131072, D = 4096): the add's 0.73 ms goes, the
-combine costs 0.25 ms more; the fwd+bwd step 19.49 -> 19.16 ms in one bench/moe.py run
-(``ours_unfused_permute`` vs ``ours``).
+instead of two). At the fine-grained shape (N = 131072, D = 4096) the fwd+bwd step gains ~0.3 ms
+(bench/moe.py's ``ours_unfused_permute`` vs ``ours``; BENCHMARKS.md, MoE layer).
 
 Weight gradients are grouped GEMMs over the transposed view ``da^T xs`` (no copy), in the
 parameters' [E, H, D] layout (kernels.grouped_wgrad: split along the rows for small experts). Rows

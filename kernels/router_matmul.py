@@ -16,9 +16,9 @@ class _LowPrecisionRouterMM(torch.autograd.Function):
     """``x[T, D] @ w[E, D]^T`` for bf16/fp16 CUDA inputs with float32 output and accumulation.
 
     Products of bf16 values are exact in fp32, so the logits equal the fp32 GEMM of the same values
-    up to summation order, without the fp32 copy of x and the fp32 GEMMs (1.5 ms of 21 at E=64,
-    T=16K, D=4K on an H200). Gradients are computed from the bf16-rounded dlogits, like every other
-    bf16 grad.
+    up to summation order, without the fp32 copy of x and the fp32 GEMMs (BENCHMARKS.md, Tried and
+    rejected: router reading the float32 residual). Gradients are computed from the bf16-rounded
+    dlogits, like every other bf16 grad.
     """
 
     @staticmethod

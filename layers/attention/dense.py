@@ -9,10 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Tokens; below this, ``auto`` runs the reference (SDPA + materialised mask). Measured on the H200
-# by bench/attention.py --crossover (BENCHMARKS.md "Sparse attention"): at 2048 tokens flex is
-# already 3.3x faster than masked SDPA (0.56 vs 1.83 ms, A-shape); shorter lengths were not
-# measured.
+# Tokens; below this, ``auto`` runs the reference (SDPA + materialised mask): at 2048 tokens flex is
+# already ~3x faster than masked SDPA (bench/attention.py --crossover; BENCHMARKS.md, Sparse
+# attention layer), and shorter lengths are not measured.
 DENSE_CROSSOVER = 2048
 # Inductor lowers flex attention on CUDA only for query/key and value head dims of at least 16 (it
 # refuses smaller ones with "embedding dimension ... must be at least 16"), so smaller heads run the

@@ -17,14 +17,11 @@ _compiled_flex = None
 
 # FlexAttention's FLASH backend (flash-attn-4's CuTe kernels, ``kernel_options={"BACKEND":
 # "FLASH"}``, torch >= 2.10, Hopper/Blackwell) against its Triton backend, per pattern type: the
-# lengths from which FLASH was measured faster both forward and forward+backward on the H200 (32/8
-# heads, d 128, bf16, 128-token blocks). ``flex_kernel: auto`` runs FLASH for a layer only when
-# every sparse head's type is listed here at this length; unmeasured types run Triton. Sources:
-# A-shape, 16k and 64k (FLASH fwd 1.04 / 3.95 ms, fwd+bwd 4.43 / 19.01 ms against Triton 1.56 / 6.14
-# and 7.07 / 29.06; ../shared/peers/stage_flash_attn4.sh header) and 64k again in bench/attention.py
-# (fwd 4.18 vs 6.20 ms, fwd+bwd 19.46 vs 28.13); block top-k (16 of 512 blocks, one selection per KV
-# group, estimation included) at 64k: fwd 9.60 vs 11.69 ms, fwd+bwd 23.96 vs 29.12 (BENCHMARKS.md
-# "Sparse attention that trains", run 6); below 64k FLASH was not measured for it.
+# lengths from which FLASH is faster both forward and forward+backward (32/8 heads, d 128, bf16,
+# 128-token blocks; ~1.2-1.5x at 64k: BENCHMARKS.md, Sparse attention layer). ``flex_kernel: auto``
+# runs FLASH for a layer only when every sparse head's type is listed here at this length;
+# unmeasured types run Triton. A-shape is measured from 16k (also in the
+# ../shared/peers/stage_flash_attn4.sh header), block top-k at 64k only.
 FLASH_FASTER_FROM = {"a_shape": 16384, "local": 16384, "block_topk": 65536}
 
 
@@ -104,8 +101,7 @@ def _kv_blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``counts`` entries).
 
     A compaction (cumsum + scatter) rather than a sort: at 128k tokens, 32 heads a stable argsort of
-    the [32, 1024, 1024] layout took 0.6 ms per list on the H200, and vertical-slash builds lists
-    every call.
+    the [32, 1024, 1024] layout takes ~0.6 ms per list, and vertical-slash builds lists every call.
     """
     nk = m.shape[-1]
     num = m.sum(-1, dtype=torch.int32)
@@ -187,7 +183,7 @@ def plan_mask_mod(plan: PatternPlan, tile: int = 0):
 
 # Vertical-slash columns. A chosen column is one key seen by every later query, so in key blocks it
 # marks its whole block "touched" for every query block: ~1000 columns over 128k keys touch nearly
-# all blocks and the block mask is dense (BENCHMARKS.md: 0.55x SDPA at 64k). MInference gathers the
+# all blocks and the block mask is dense (slower than dense SDPA). MInference gathers the
 # columns instead; here each query head's chosen keys are copied in front of the keys (``K' =
 # cat(K[cols], K)``, the same for V) so one flex call sees them as a few dense key blocks, and the
 # columns leave the main part's block layout. Exact: prefix slot j (column p) is allowed for query q

@@ -3,7 +3,7 @@ backends.
 
 ``q [B, Hq, S, D]``, ``k, v [B, Hk, T, D]`` (RoPE already applied; GQA when Hk divides Hq), query i
 at absolute position ``q_offset + i``; returns ``[B, Hq, S, D]``. The mask is the token-level
-``allowed(q, k)`` of layers.attention.pattern (DESIGN.md conventions); every backend computes
+``allowed(q, k)`` of layers.attention.pattern (docs/sparse_attention.md); every backend computes
 exactly it:
 
 - ``reference``: SDPA with the materialised bool mask. The oracle and the CPU path (fwd + bwd).
@@ -26,8 +26,8 @@ Whatever the backend, a pattern that allows every causal pair at this length (a 
 >= T, fewer than its ``dense_below`` keys: ``SparsityPattern.is_dense_at``) runs dense causal SDPA:
 the same result, faster; in a mixed layer such heads are planned as dense heads (no estimation).
 There is no ``triton`` backend: FlexAttention's generated Triton kernel already reaches the density
-limit forward on the H200 for static patterns, so an own block-sparse kernel had nothing to win
-there (BENCHMARKS.md "Sparse attention").
+limit forward for static patterns, so an own block-sparse kernel has nothing to win there
+(BENCHMARKS.md, Sparse attention layer).
 """
 
 from __future__ import annotations
@@ -130,9 +130,9 @@ def sparse_attention(
 
 
 # Eager even inside a torch.compile'd block (a graph break): traced into the trainer's compiled
-# blocks, the per-call block mask and flex call gave gradients 11% off eager's on the H200 (grad
-# norm at step 0, same weights; tests/e2e/test_training_gpu.py), while this eager path meets the
-# float32 reference. The flex kernel itself is compiled either way (``_flex_fn``), so what the break
+# blocks, the per-call block mask and flex call give gradients ~11% off eager's (grad norm at step
+# 0, same weights; tests/e2e/test_training_gpu.py), while this eager path meets the float32
+# reference. The flex kernel itself is compiled either way (``_flex_fn``), so what the break
 # costs is only the fusion of the few elementwise ops around it.
 @torch.compiler.disable
 def _flex_sparse(q, k, v, pats, layer, q_history, stats, kernel, kernel_options):

@@ -49,9 +49,9 @@ def head_runs(heads: list[int]) -> list[tuple[int, int]]:
 
 # Head subsets by slices and one cat rather than index / index_copy: under torch 2.11's AOTAutograd
 # the backward of index_copy on the (permuted) attention output decomposes into a copy_ into a
-# permuted empty tensor, a non-functional graph that aot_eager_decomp_partition rejects (H200 test
-# run, 2026-12-04). Slice backwards are slice_scatter, functional in every version; the heads are
-# static, so the loop is too.
+# permuted empty tensor, a non-functional graph that aot_eager_decomp_partition rejects. Slice
+# backwards are slice_scatter, functional in every version; the heads are static, so the loop is
+# too.
 def take_heads(t: torch.Tensor, heads: list[int]) -> torch.Tensor:
     """``t [B, H, ...]`` -> ``t[:, heads]`` (sorted distinct heads), by slices."""
     pieces = [t[:, a:b] for a, b in head_runs(heads)]
@@ -244,12 +244,13 @@ class Attention(nn.Module):
         SSMax's ``s log n`` with n = p + 1, the keys a causal query at p sees, plus a fixed 1 so
         that s = 0 is plain attention. Scaling q scales every logit of the row, so every kernel
         (SDPA, flex, FA4, the sparse selections) runs it unchanged. The scale is floored at 0: a
-        slope s < 0 (what the 16k runs learned, ~-0.08) makes rows past p = exp(-1/s) (~268k there)
-        uniform over their keys instead of inverted, so a model run far past its training length
-        degrades to averaging rather than attending to its least similar keys (for sparse heads: the
-        keys its selection kept, ranked on all-equal scores there). A floored row passes no gradient
-        to s or wq, so a slope below -1 / log 2 (every row with two or more keys floored) no longer
-        trains; the 16k runs stayed near -0.08."""
+        slope s < 0 (what training at 16k learns, ~-0.08) makes rows past p = exp(-1/s) (~268k
+        there) uniform over their keys instead of inverted, so a model run far past its training
+        length degrades to averaging rather than attending to its least similar keys (for sparse
+        heads: the keys its selection kept, ranked on all-equal scores there). A floored row passes
+        no gradient to s or wq, so a slope below -1 / log 2 (every row with two or more keys
+        floored) no longer trains; training at 16k stays near -0.08 (BENCHMARKS.md, Long-context
+        quality)."""
         if positions is None:
             positions = torch.arange(start_pos, start_pos + S, device=device)
         # padding rows may carry negative position_ids (HF-style cumsum - 1): log1p(-1) = -inf would

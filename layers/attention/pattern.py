@@ -2,8 +2,8 @@
 defined once.
 
 Every backend (layers.attention.functional) must compute attention under exactly this mask.
-Conventions (DESIGN.md), for a query at absolute position q and a key at position k, always with ``k
-<= q``:
+Conventions (docs/sparse_attention.md), for a query at absolute position q and a key at position k,
+always with ``k <= q``:
 
 - ``local``:  ``q - k < window`` (window W covers keys q-W+1 .. q), optionally plus ``sinks``.
 - ``a_shape``: ``k < sinks`` or ``q - k < window`` (StreamingLLM / MInference A-shape).
@@ -97,8 +97,8 @@ DYNAMIC_TYPES = ("vertical_slash", "block_topk")
 
 @dataclass(frozen=True)
 class SparsityPattern:
-    """One head's pattern. Params are named as in DESIGN.md; 0 means "not used" for optional
-    counts."""
+    """One head's pattern. Params are named as in docs/sparse_attention.md; 0 means "not used" for
+    optional counts."""
 
     type: str = "dense"
     window: int = 0

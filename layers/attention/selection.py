@@ -137,9 +137,9 @@ def estimate_vertical_slash(
     cols = _topk_per_head(_force_first(prob.sum(-2), keep_columns, L), n_vertical)
     # Diagonals are ranked by the mass the chosen columns leave: a heavy column key otherwise puts
     # one row's mass on each of L diagonals ("shadows" of the column) that buy nothing the column
-    # does not already cover, and scatter over the key blocks (BENCHMARKS.md, vertical-slash).
-    # MInference ranks both from the same scores; this is the greedy cover: the union holds at least
-    # as much of the estimating rows' mass for the same budgets.
+    # does not already cover, and scatter over the key blocks (BENCHMARKS.md, Sparse attention
+    # layer). MInference ranks both from the same scores; this is the greedy cover: the union holds
+    # at least as much of the estimating rows' mass for the same budgets.
     prob.masked_fill_(cols[:, :, None, :], 0.0)
     diags = _topk_per_head(_force_first(_diagonal_sums(prob, p0), keep_diagonals, L), n_slash)
     diags[..., 0] = True

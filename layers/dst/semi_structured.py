@@ -3,7 +3,8 @@ kernels.semi_sparse_linear.
 
 ``enable_semi_structured(targets, transposable)`` swaps the forward of each eligible Linear (CUDA,
 fp16 / bf16, 2:4 mask along ``in``) for ``SemiSparseLinear``; ``disable_semi_structured`` undoes it.
-Expect modest gains at best on Hopper (BENCHMARKS.md): packing costs a pass over W per call.
+Expect modest gains at best on Hopper (BENCHMARKS.md, Dynamic sparse training): packing costs a
+pass over W per call.
 """
 
 from __future__ import annotations

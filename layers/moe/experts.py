@@ -185,9 +185,9 @@ def routing_inputs(
     """x [T, D] -> (what the router reads, what the experts read). The experts read
     ``autocast_input(x)``; with ``low_precision_router`` the router reads that copy too (bf16
     products, float32 accumulation and logits through kernels.router_matmul, as megablocks' and
-    torchtitan's routers read bf16 inputs): a float32 input would make it a float32 FFMA GEMM (44 us
-    a layer of the dim-512 MoE's step on an H100, no tensor cores) plus a float32 copy of the normed
-    rows. Without it the router reads x as given. Shared by MoE and NeuronRoutedFFN."""
+    torchtitan's routers read bf16 inputs): a float32 input would make it a float32 FFMA GEMM (no
+    tensor cores; BENCHMARKS.md, Tried and rejected) plus a float32 copy of the normed rows. Without
+    it the router reads x as given. Shared by MoE and NeuronRoutedFFN."""
     xa = autocast_input(x)
     return (xa if low_precision_router else x), xa
 
@@ -345,8 +345,8 @@ class GroupedExperts(nn.Module):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         fp8 = self.precision == "fp8"
         if self.activation == "swiglu":
-            # Gate and up stay two grouped GEMMs: one GEMM over [w1 | w3] measured slower on the
-            # H200 at both benchmark shapes (docs/DESIGN.md, Decisions: MoE). With a plan the
+            # Gate and up stay two grouped GEMMs: one GEMM over [w1 | w3] is slower at both
+            # benchmark shapes (BENCHMARKS.md, Tried and rejected). With a plan the
             # permute is fused into them, so their backward adds the two input gradients inside the
             # permute's. fp8 reads the weights as they are (its quantizers cast them), so no bf16
             # copy is made.

@@ -4,7 +4,7 @@
 Follows Mixtral (softmax top-k, renormalised; the default), Shazeer et al. 2017 (noisy top-k
 gating), DeepSeek-V3 (sigmoid scores, aux-loss-free bias balancing), Switch (top-1, capacity
 factor), and DeepSeekMoE / Qwen2-MoE (always-on shared experts, optional sigmoid shared gate).
-Semantics of each router are in layers.moe.router; DESIGN.md has the contract.
+Semantics of each router are in layers.moe.router; docs/moe.md has the contract.
 
 Forward, in three separable stages (expert parallelism replaces only the middle one):
 1. route: router logits in float32 -> ``indices [T, K]``, ``weights [T, K]``; losses and stats
@@ -76,9 +76,8 @@ def resolve_backend(name: str, device_type: str) -> str:
     if name == "auto":
         return "grouped" if device_type == "cuda" else "reference"
     if name in ("grouped", "megablocks") and device_type != "cuda" or name == "torch":
-        return (
-            "reference"  # the CPU path of every backend is the reference; "torch" is its old name
-        )
+        # the CPU path of every backend is the reference; "torch" is its alias
+        return "reference"
     return name
 
 
@@ -86,9 +85,9 @@ class ExpertsModule(AuxLossModule):
     """Base of the layers that run a ``GroupedExperts`` (MoE, NeuronRoutedFFN): their backend
     follows the device of their weights. It is resolved at the end of ``__init__`` and again
     whenever the weights move (``_apply``: ``.to``, ``.cuda``, ``to_empty``); weights on the meta
-    device leave it to the first forward. Resolved only at the first forward, it was a module
-    mutation that a compiled block's guards read (``self._backend is None``), so every MoE model's
-    first MoE block was traced twice."""
+    device leave it to the first forward. Weights elsewhere never do: set in a forward, it is a
+    module mutation that a compiled block's guards read (``self._backend is None``), so the first
+    MoE block of every MoE model would be traced twice."""
 
     _backend: Optional[str] = None
 

@@ -92,7 +92,8 @@ def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
     Compiled, k <= 2 is k argmax passes (the second over the scores with the first choice masked),
     which inductor fuses with the softmax around them; torch.topk is an ATen fallback there (CUDA's
-    gatherTopK, ~47 us a layer at the D 512 MoE's 32k tokens x 8 experts on an H100, BENCHMARKS.md).
+    gatherTopK, ~47 us a layer at the D 512 MoE's 32k tokens x 8 experts: BENCHMARKS.md, MoE and
+    dense in the trainer).
     Same indices unless two scores tie (argmax takes the lower expert id; topk's tie order is
     unspecified)."""
     if k > 2 or not torch.compiler.is_compiling():
@@ -108,12 +109,12 @@ def tokens_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     """indices [T, K] -> int64 [E] assignment counts (no host sync, unlike bincount on CUDA).
 
     Eager: a scatter_add of ones. Under torch.compile: a compare-and-sum over the [T*K, E] one-hot,
-    which inductor generates as one reduction kernel without materialising it. The compiled
-    scatter_add it replaces was an atomic add of T*K ones into E counters, contended at few experts:
-    17 us a layer at E = 8, T*K = 65536 on an H100 (the dim-512 MoE's profile), for a result of 8
-    integers; the reduction took 5.2 us there. It compares each id E times (from cache): at hundreds
-    of experts, where the scatter's atomics contend less, which is faster is not measured. Same
-    integers.
+    which inductor generates as one reduction kernel without materialising it. A compiled
+    scatter_add is an atomic add of T*K ones into E counters, contended at few experts: ~3x the
+    reduction's time at E = 8, T*K = 65536 (the dim-512 MoE's profile; BENCHMARKS.md, MoE and dense
+    in the trainer), for a result of 8 integers. The reduction compares each id E times (from
+    cache): at hundreds of experts, where the scatter's atomics contend less, which is faster is not
+    measured. Same integers.
     """
     flat = indices.reshape(-1)
     if torch.compiler.is_compiling():
