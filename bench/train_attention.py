@@ -5,18 +5,24 @@
         --variants dense,preset model.vocab_size=8192 --out DIR
 
 Variants (same config, seed, data and steps; only ``model.attention.patterns`` differs):
-  dense    every head dense causal attention (patterns cleared) preset   the config's patterns as
-  written a_shape  every head of every layer A-shape (128 sinks + ``--a-shape-window`` window, the
-  preset's block
-           size): the static baseline, expected to lose retrieval beyond its window
-  query_max  the preset with its block top-k heads scoring key blocks by each query block's best
-  query
-           (``query_max: 1``: MoBA / NSA's per-query affinity) instead of its mean query
-  nsa      query_max plus NSA's compressed branch on those heads (``compress: 1``: each query's
-  softmax
-           over the mean-pooled blocks, gated with the selected blocks' attention; the gradient path
-           that can teach the selection about blocks outside its top-k; ``--compress-block N``: its
-           pooling block, e.g. 32 as NSA's, where a 128-token block's mean dilutes a short needle)
+
+- ``dense``: every head dense causal attention (patterns cleared).
+- ``preset``: the config's patterns as written.
+- ``a_shape``: every head of every layer A-shape (128 sinks + ``--a-shape-window`` window, the
+  preset's block size): the static baseline, expected to lose retrieval beyond its window.
+- ``query_max``: the preset with its block top-k heads scoring key blocks by each query block's best
+  query (``query_max: 1``: MoBA / NSA's per-query affinity) instead of its mean query.
+- ``nsa``: query_max plus NSA's compressed branch on those heads (``compress: 1``: each query's
+  softmax over the mean-pooled blocks, gated with the selected blocks' attention; the gradient path
+  that can teach the selection about blocks outside its top-k; ``--compress-block N``: its pooling
+  block, e.g. 32 as NSA's, where a 128-token block's mean dilutes a short needle).
+- ``token``: the preset with its block top-k heads choosing per query token (``token_select: 1``,
+  NSA Eq. 9-11 / MoBA: each query its own ``top_k`` blocks, shared over the KV group).
+- ``token_nsa``: token plus the compressed branch.
+
+A variant may carry its own overrides after ``@``, separated by ``;`` (no commas: they separate
+variants), e.g. hybrid layouts and dense phases: ``token@model.attention.dense_layers=last:1``,
+``preset@model.attention.dense_warmup=0.1;train.seed=1``.
 ``--score-block N`` (query_max and nsa): those heads' selection pools keys over sub-blocks of N and
 scores a key block by its best sub-block (``score_block``; with ``--compress-block`` N too, the
 selection ranks the compressed branch's own logits, as NSA does). ``--top-k N`` (query_max and nsa):
@@ -37,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -45,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moezoo.configs import ConfigError, exit_code, load_config  # noqa: E402
 from moezoo.training.loop import Trainer  # noqa: E402
 
-VARIANTS = ("dense", "preset", "a_shape", "query_max", "nsa")
+VARIANTS = ("dense", "preset", "a_shape", "query_max", "nsa", "token", "token_nsa")
 
 
 class _NoSaveTrainer(Trainer):
@@ -67,6 +74,9 @@ def variant_config(
     score_block: int = 0,
     top_k: int = 0,
 ):
+    label = re.sub(r"[^A-Za-z0-9_.=-]+", "_", variant)
+    variant, _, own = variant.partition("@")
+    overrides = overrides + [o for o in own.split(";") if o]
     saves = (
         [f"checkpoint.every={checkpoint_every}", "checkpoint.keep_last=1"]
         if checkpoint_every
@@ -80,7 +90,7 @@ def variant_config(
         + [
             f"train.steps={steps}",
             f"train.eval_every={eval_every or steps}",
-            f"train.out_dir={out_dir}/{variant}",
+            f"train.out_dir={out_dir}/{label}",
             "logging.wandb=disabled",
             "logging.progress=false",
             f"logging.log_every={max(steps // 4, 1)}",
@@ -102,20 +112,24 @@ def variant_config(
                 "block_size": bs,
             }
         }
-    elif variant in ("query_max", "nsa"):
+    elif variant in ("query_max", "nsa", "token", "token_nsa"):
         if not any(dict(p).get("type") == "block_topk" for p in att.patterns.values()):
             raise ConfigError(
                 "--variants", f"{variant} needs block_topk heads, and {path} has none"
             )
         nsa = {"compress": 1, **({"compress_block": compress_block} if compress_block else {})}
+        token = variant.startswith("token")
         extra = {
-            "query_max": 1,
+            **({"token_select": 1} if token else {"query_max": 1}),
             **({"score_block": score_block} if score_block else {}),
             **({"top_k": top_k} if top_k else {}),
-            **(nsa if variant == "nsa" else {}),
+            **(nsa if variant.endswith("nsa") else {}),
         }
+        drop = "query_max" if token else "token_select"
         att.patterns = {
-            key: {**dict(p), **extra} if dict(p).get("type") == "block_topk" else p
+            key: {**{k: v for k, v in dict(p).items() if k != drop}, **extra}
+            if dict(p).get("type") == "block_topk"
+            else p
             for key, p in att.patterns.items()
         }
     elif variant != "preset":
