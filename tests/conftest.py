@@ -36,9 +36,8 @@ def triton_interpreter(monkeypatch):
 def pytest_configure(config):
     """Each pytest-xdist worker gets its share of the cores for torch's intra-op threads (a
     configure hook, not test import: the worker's own process, before any test). By default every
-    worker takes all of them: on the H200 box (16 cores, 8 workers) that was 128 threads on 16
-    cores, the CPU tests there ran up to 2x their 2-core time and the suite outran a 575 s call
-    (BENCHMARKS.md, test suite, 2026-12-04)."""
+    worker takes all of them: on a 16-core GPU box with 8 workers that is 128 threads on 16 cores,
+    and the CPU tests run up to 2x their 2-core time (BENCHMARKS.md, Test suite on the GPU)."""
     worker = getattr(config, "workerinput", None)
     if worker is not None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(worker.get("workercount", 1))))

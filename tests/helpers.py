@@ -147,9 +147,9 @@ def spawn(fn, world: int, *args) -> None:
     available. There the parent has touched the driver whatever it ran
     (``torch.cuda.is_available()``, which every GPU test module's skip check calls at collection,
     initialises it), and a forked child cannot use CUDA: ``torch.optim.Adam.step`` asks whether the
-    stream is capturing, and the child died with "CUDA error: initialization error"
-    (test_recluster_of_fsdp2_sharded_weights_matches_one_process, on an H100, whenever its worker
-    had run no GPU test before it). A CUDA backward in the parent also breaks a forked child's
+    stream is capturing, and the child dies with "CUDA error: initialization error" (e.g.
+    test_recluster_of_fsdp2_sharded_weights_matches_one_process, whenever its worker has run no GPU
+    test before it). A CUDA backward in the parent also breaks a forked child's
     backward ("Unable to handle autograd's threading in combination with fork-based
     multiprocessing")."""
     import tempfile

@@ -122,11 +122,10 @@ class PasskeyMix:
     (2400 steps x 2 windows: 930 far episodes against 272k short ones at 0, 3000 against 19k at 1).
     No bias gets more than 0.75 far episodes a window (every window one segment); what it trades is
     the short-range practice and the answers' weight in the loss, which ``answer_weight`` may then
-    make up. On the H200 (BENCHMARKS.md Q9) the bias-1 mix from step 0 (answer weight 100) taught a
-    31M dense model at 16k nothing in 2400 steps (0% / 0%) where the unbiased one (weight 20) taught
-    it 75% / 25%: the copy is learned at short range first. ``bias_from_step``
-    (``data.passkey_bias_from_step``) draws the unbiased mix for the windows of earlier steps
-    (``draws[i][1]``) and the biased one from that step on.
+    make up. From step 0, the bias-1 mix teaches a 31M dense model at 16k no retrieval in 2400 steps
+    where the unbiased one does (BENCHMARKS.md, Long-context quality): the copy is learned at short
+    range first. ``bias_from_step`` (``data.passkey_bias_from_step``) draws the unbiased mix for the
+    windows of earlier steps (``draws[i][1]``) and the biased one from that step on.
     """
 
     def __init__(
@@ -143,10 +142,10 @@ class PasskeyMix:
         self.bias_from_step = bias_from_step
         # segments a window: 1, 2, 4, ..
         self.counts = [1 << i for i in range(questions.bit_length())]
-        # Unbiased, m stays the one rng.integers call earlier runs drew it with, so their windows
-        # (and their resumes) are unchanged. Biased: one rng.random() against the cumulative P(m) ~
-        # m ** -bias; the bounds stop before the last level, so a sum that rounds below 1 still ends
-        # on it.
+        # Unbiased, m is one rng.integers call, the draw that keeps an unbiased run's windows (and
+        # its resumes) bit-identical across versions (tests/training/test_passkey.py pins them).
+        # Biased: one rng.random() against the cumulative P(m) ~ m ** -bias; the bounds stop before
+        # the last level, so a sum that rounds below 1 still ends on it.
         self.count_bounds = None
         if distance_bias:
             weights = np.array(self.counts, dtype=np.float64) ** -distance_bias

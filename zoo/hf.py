@@ -16,9 +16,9 @@ expert layouts load:
 - transformers 4.x: per-expert Linears, ``block_sparse_moe.experts.{e}.w1/w3/w2`` (Mixtral) or
   ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` (Qwen2-MoE).
 
-Zoo MoE weights are stacked (DESIGN.md): ``experts.w1/w3 [E, H, D]``, ``experts.w2 [E, D, H]``. RoPE
-uses HF's rotate-half layout, so q/k weights copy without permutation; DeepSeek's interleaved rope
-dims stay interleaved in the weights (``model.mla.rope_interleave``, applied at run time as HF
+Zoo MoE weights are stacked (docs/moe.md): ``experts.w1/w3 [E, H, D]``, ``experts.w2 [E, D, H]``.
+RoPE uses HF's rotate-half layout, so q/k weights copy without permutation; DeepSeek's interleaved
+rope dims stay interleaved in the weights (``model.mla.rope_interleave``, applied at run time as HF
 does). MLA (DeepSeek's own names): ``q_proj | q_a_proj, q_a_layernorm, q_b_proj`` <-> ``wq | wq_a,
 q_norm, wq_b``, ``kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj`` <-> ``wkv_a, kv_norm,
 wkv_b, wo``; the router's ``e_score_correction_bias`` <-> the MoE's ``expert_bias`` buffer.

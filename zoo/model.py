@@ -248,8 +248,8 @@ def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     The upcast is in here so that a compiled copy (training.loop with train.compile, as torchtitan
     compiles its loss) fuses it into the loss's kernels: eager, the float32 logits are written, read
     by log_softmax, whose output is written and read again, and the backward does the same in
-    reverse (~20 GB a step at 16k tokens x 50k vocab, ~6.5 ms of the OLMoE-shaped step on the H200,
-    BENCHMARKS.md)."""
+    reverse (~20 GB a step at 16k tokens x 50k vocab, ~6.5 ms of the OLMoE-shaped step:
+    BENCHMARKS.md, Against torchtitan)."""
     return F.cross_entropy(logits.float(), targets, ignore_index=-100)
 
 

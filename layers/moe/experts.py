@@ -300,10 +300,10 @@ class GroupedExperts(nn.Module):
             )
         return self._loop(xs, counts, row_scale, plan)
 
-    # Eager inside a compiled block: the loop reads the counts on the host, and dynamo specialised
-    # the code after that graph break on each count's value, so every batch with new counts
-    # recompiled it until the recompile limit (a CPU trainer with train.compile; float32 or non-silu
-    # experts on CUDA).
+    # Eager inside a compiled block: the loop reads the counts on the host, and traced, dynamo
+    # specialises the code after that graph break on each count's value, so every batch with new
+    # counts would recompile it until the recompile limit (a CPU trainer with train.compile; float32
+    # or non-silu experts on CUDA).
     @torch.compiler.disable
     def _loop(
         self,

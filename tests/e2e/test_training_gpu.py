@@ -50,8 +50,8 @@ CASES = {
             "train.param_dtype": "bfloat16",
         },
     ),
-    # 2 layers: the dense first one and one with shared experts (with 3, the case took ~360 s of the
-    # whole suite's ~570 s on the H100 and H200; not profiled)
+    # 2 layers: the dense first one and one with shared experts (with 3, the case takes most of the
+    # whole suite's time on a GPU)
     "moe_shared_first_dense": (
         "zoo/deepseek_moe_16b.yaml",
         {
@@ -105,8 +105,7 @@ CASES = {
 # only by bf16 rounding (and the near ties it flips: block top-k blocks, MoE experts). Trajectories
 # are not compared: from step 1 on, this 16-layer model at lr 3e-3 (Adam's first steps are ~lr *
 # sign(grad)) amplifies any rounding ~20-30x per step, so two equally correct runs part after 3
-# unsynced steps (the H200 run that failed the old trajectory check: 6.445 eager against 6.225
-# compiled). Measured on CPU in bf16:
+# unsynced steps (on an H200: loss 6.445 eager against 6.225 compiled). Measured on CPU in bf16:
 # - the sparse case at 1k tokens (16 layers, 64 blocks of 16, top 16), eager against eager with
 #   weights x (1 + 2^-9 N(0,1)) or block top-k scores x (1 + 1e-3 N(0,1)): unsynced, step 1's loss
 #   moved by <= 1.2e-3 and step 2's by 0.018-0.038; synced, every step's loss by <= 3.1e-4 relative
@@ -116,10 +115,10 @@ CASES = {
 # - a broken selection (scores ignoring q . k) moved the loss by only 1.2e-3 (step 0) and 6e-5
 #   (steps 1-2), but the block top-k heads' gradients by 0.56-0.68 (0.28 with 2 layers): the
 #   gradient check is the one that sees a wrong mask. tests/layers/attention/test_compiled_sparse.py
-#   checks the layer compiled against eager in float32, where nothing may differ. On the H200,
-#   synced, the sparse case's step-0 grad norm was 11% off (19.10 eager, 16.97 compiled; loss equal)
-#   while the sparse flex call was traced into the compiled blocks; it now runs eager there
-#   (layers/attention/functional._flex_sparse) and the case passes.
+#   checks the layer compiled against eager in float32, where nothing may differ. Traced into the
+#   compiled blocks, the sparse flex call moves the sparse case's step-0 grad norm ~11% on a GPU
+#   (loss equal), which this check catches: it runs eager there
+#   (layers/attention/functional._flex_sparse).
 LOSS_RTOL = 5e-3  # relative, per step
 GRAD_RTOL = 0.2  # ||g_compiled - g_eager|| / ||g_eager|| of each parameter, per step
 
@@ -143,8 +142,8 @@ def test_compiled_training_steps_equal_eager_on_cuda(tmp_path, corpus_dir, case)
     preset, extra = CASES[case]
     # Each case compiles its own model: start from an empty dynamo cache, whatever this worker
     # compiled before. Compiled blocks share one dynamo cache (the block class's forward), which the
-    # earlier cases fill; in a whole-suite run the DeepSeekMoE case took 344 s there against 26-32 s
-    # in a fresh process (H100).
+    # earlier cases fill; in a whole-suite run a full cache makes the DeepSeekMoE case ~10x slower
+    # than in a fresh process.
     torch._dynamo.reset()
 
     def trainer(sub, compile_):

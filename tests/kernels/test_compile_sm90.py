@@ -4,9 +4,9 @@ cubin, the argument types taken from the real launch arguments) instead of runni
 
 The interpreter tests check what the kernels compute, but the interpreter runs the kernel body as
 Python: it accepts what the compiler refuses. A variable given another shape in one branch of an
-``if`` (the FP8 tile kernel of 349a889, found here before it reached a GPU) runs interpreted and
-fails to compile. And no kernel spills more than a few bytes of registers (ptxas's stack frame, read
-with cuobjdump): the same tile kernel at 128 x 128 on 8 warps spilled up to 200 B a thread. Needs
+``if`` runs interpreted and fails to compile; this catches it before the kernel reaches a GPU. And
+no kernel spills more than a few bytes of registers (ptxas's stack frame, read with cuobjdump): an
+FP8 tile kernel at 128 x 128 on 8 warps spills up to 200 B a thread. Needs
 triton with its NVIDIA backend (it ships ptxas); no GPU."""
 
 import inspect
@@ -167,9 +167,9 @@ def test_every_triton_kernel_compiles_for_sm90(monkeypatch):
     assert names == kernel_fns, f"not launched here: {kernel_fns - names}"
     # no real register spills (a spilled FP8 tile kernel moved ~20x its tile's bytes through local
     # memory). A few bytes are allowed: triton 3.6's ptxas gives the FP8 cast pass's groups-only
-    # variant at its default tile (32 x 128, 4 warps; 3.9's: none) an 8-byte frame, and on an H100
-    # that variant ran as fast as the tiles with none (bench/fp8_quant.py's dy_cols: 0.368 ms vs
-    # 0.362 at 64 x 64; BENCHMARKS.md).
+    # variant at its default tile (32 x 128, 4 warps; 3.9's: none) an 8-byte frame, and that
+    # variant runs as fast as the tiles with none (bench/fp8_quant.py's dy_cols; BENCHMARKS.md, FP8
+    # experts).
     spills = [
         (name, meta, stack)
         for name, meta, stack in _CompileOnly.compiled

@@ -92,7 +92,7 @@ def test_column_and_weight_quantizers_store_each_groups_transpose_with_zero_padd
 
 def _interpreter_loops_over_runtime_values() -> bool:
     """Triton 3.6's interpreter runs ``range()`` over a runtime value through ``int()`` of a
-    1-element array, which numpy >= 2.4 refuses (seen on the H200 image; Triton 3.9 is fine). The
+    1-element array, which numpy >= 2.4 refuses (Triton 3.9 is fine). The
     column quantizer's loops run to a group size read from memory, so it cannot take the constexpr
     bound the other kernels use."""
     import numpy as np
@@ -162,7 +162,7 @@ def test_triton_quantizers_equal_the_reference_bit_for_bit(monkeypatch):
 @pytest.mark.parametrize("triton_path", [False, pytest.param(True, marks=needs_interpreter_loops)])
 def test_quantize_ops_pass_opcheck(triton_path, request):
     # Both implementations behind each op: the torch reference, and the Triton launchers
-    # (interpreted), where opcheck's schema test caught two outputs that were views of one buffer
+    # (interpreted), where opcheck's schema test catches outputs that are views of one buffer
     # (refused on the GPU).
     if triton_path:
         request.getfixturevalue("triton_interpreter")

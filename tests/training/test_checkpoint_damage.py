@@ -82,8 +82,8 @@ def test_garbled_shard_of_the_right_size_stops_with_one_line_naming_the_checkpoi
 
 
 def test_checkpoint_without_every_part_is_not_complete(run_copy):
-    """The rotation kill of old: a step dir with its small files but no shards is not a
-    checkpoint."""
+    """Killed while rotating out an old checkpoint: a step dir with its small files but no shards
+    is not a checkpoint."""
     os.remove(os.path.join(run_copy.step_dir(5), "__0_0.distcp"))
     assert [s for s, _ in list_checkpoints(run_copy.ckpt_dir)] == [10]
 

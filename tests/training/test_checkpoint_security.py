@@ -92,8 +92,7 @@ def test_payload_as_a_dcp_byte_entry_does_not_run(run_copy, tmp_path, capsys):
 
 
 def test_pickled_train_state_beside_the_checkpoint_is_never_read(run_copy, tmp_path, capsys):
-    """The old format's train_state.pt is not part of a checkpoint any more: a planted one is
-    ignored."""
+    """A train_state.pt (a pickle) is not part of a checkpoint: a planted one is ignored."""
     marker = str(tmp_path / "pwned")
     rc, err = _plant_and_resume(
         run_copy,

@@ -313,10 +313,9 @@ def test_passkey_mix_that_does_not_fit_the_window_names_the_key(tmp_path):
         load_config("zoo/tiny_dense.yaml", ["data.passkey_mix=1.5"])
 
 
-# sha256 (first 16 hex digits) of the windows + answer marks that PasskeyMix wrote for these seeds
-# before data.passkey_distance_bias existed (computed with the committed e427515
-# training/passkey.py): runs made before the option must see the same windows, and their resumes
-# replay them.
+# sha256 (first 16 hex digits) of the windows + answer marks PasskeyMix writes for these seeds
+# without data.passkey_distance_bias, pinned: an unbiased run's windows never change between
+# versions, so its resumes replay them.
 UNBIASED_DIGESTS = {0: "6214154eb5ba2acc", 1: "ba3e9e35f3ec84bc", 7: "857ba095a256c77b"}
 
 

@@ -79,7 +79,7 @@ def test_packed_documents_give_each_document_its_own_logits(kind):
 
 def test_no_attention_crosses_a_document_under_sink_and_random_block_patterns():
     # (input-dependent patterns estimate their columns over the whole packed row: their selection,
-    # not their values, sees the other documents; docs/DESIGN.md)
+    # not their values, sees the other documents; docs/sparse_attention.md)
     for patterns in (
         A_SHAPE,
         {"*": {"type": "bigbird", "sinks": 1, "window": 2, "random_blocks": 1, "block_size": 4}},

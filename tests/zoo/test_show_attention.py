@@ -20,7 +20,7 @@ def test_default_selection_for_big_models_is_first_middle_last_layer_and_8_heads
     assert default_heads(16) == list(range(16))
     heads = default_heads(64)
     assert len(heads) == 8 and heads[0] == 0 and heads[-1] == 63
-    # every layer sparse since the preset rebuild (issue 15)
+    # every layer sparse (issue 15)
     assert sparse_layers(load_config("zoo/sparse_attn_1b_64k.yaml").model) == list(range(16))
 
 

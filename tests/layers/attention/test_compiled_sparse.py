@@ -122,7 +122,7 @@ def test_compiled_block_topk_a_shape_layer_equals_eager_fwd_bwd_float32(backend,
 def test_compiled_flex_path_equals_the_reference_on_each_input():
     # The GPU path (flex) inside a block compiled by dynamo + AOTAutograd on CPU (forward: CPU flex
     # has no backward). The sparse flex call itself runs eager there (a graph break:
-    # functional._flex_sparse; traced into the graph its gradients were off on the H200): its plan
+    # functional._flex_sparse; traced into the graph its gradients are off on a GPU): its plan
     # and mask follow each input.
     ref, flex = _Layer("reference"), _Layer("flex")
     flex.load_state_dict(ref.state_dict())

@@ -19,7 +19,8 @@ from moezoo.zoo import build_model
 
 
 def brute_static(p: SparsityPattern, T: int) -> torch.Tensor:
-    """allowed(q, k) by the DESIGN.md sentences, one pair at a time (random blocks excluded)."""
+    """allowed(q, k) by docs/sparse_attention.md's sentences, one pair at a time (random blocks
+    excluded)."""
     m = torch.zeros(T, T, dtype=torch.bool)
     for q in range(T):
         for k in range(q + 1):

@@ -380,9 +380,9 @@ def test_under_autocast_routing_reads_the_bf16_copy_only_with_low_precision_rout
     ids=["moe", "neuron"],
 )
 def test_a_compiled_block_does_not_recompile_on_its_second_call(make):
-    # The backend is resolved when the weights are made or moved: resolved at the first forward, it
-    # was a module mutation that failed the graph's guard `_backend is None`, and the second call
-    # recompiled.
+    # The backend is resolved when the weights are made or moved: resolved in a forward, it would be
+    # a module mutation that fails the graph's guard `_backend is None`, and the second call would
+    # recompile.
     torch._dynamo.reset()
     torch.manual_seed(0)
     block = torch.nn.Sequential(torch.nn.Linear(32, 32), make())
@@ -395,9 +395,9 @@ def test_a_compiled_block_does_not_recompile_on_its_second_call(make):
 
 
 def test_a_compiled_block_on_the_loop_backend_does_not_recompile_when_the_expert_counts_change():
-    # The loop reads the counts on the host; traced, the code after that read was specialised on
-    # each count's value and recompiled for every new batch. It runs eagerly inside a compiled block
-    # instead.
+    # The loop reads the counts on the host; traced, the code after that read would be specialised
+    # on each count's value and recompiled for every new batch. It runs eagerly inside a compiled
+    # block instead.
     torch._dynamo.reset()
     torch.manual_seed(0)
     block = torch.nn.Sequential(torch.nn.Linear(32, 32), MoE(32, 48, 4, 2, backend="torch"))

@@ -115,7 +115,7 @@ def test_compiled_routing_equals_eager_routing_on_cuda():
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-6, msg=str(i))
     # Output and gradients: the routing weights differ in their last float32 bits (Inductor's
     # softmax sums in another order) and are folded into the bf16 hidden states, so single elements
-    # move by a bf16 rounding step (measured on the H200: 2.4e-4 at most, no row off by 1e-2); in
+    # move by a bf16 rounding step (2.4e-4 at most on an H200, no row off by 1e-2); in
     # norm, far below bf16's 3.9e-3.
     for i, (a, b) in enumerate(zip(runs["inductor"][n_scalar:], runs[None][n_scalar:])):
         assert rel(a, b) < 2e-3, i
