@@ -16,12 +16,12 @@ Shapes: B=1, 32 query heads, 8 KV heads, head dim 128, bf16. Patterns (block 128
   topk     block top-k, 16 blocks per query block (own block included), one selection per KV group
            (``share_group``), timed including the pooled estimation and block-mask build, on iid
            inputs (a model at init: the picks scatter, every visited block but the diagonal is full)
-  topk_qmax  topk scoring each key block by its query block's best query (``query_max``: per-query
-  scores) topk_nsa   topk_qmax plus NSA's compressed branch (``compress: 1``;
-  layers.attention.compressed), timed as
-             the layer runs it (the fine branch, then the compressed branch added to its heads; the
-             gates' two elementwise products left out); its pooled-key pairs count in
-             ``block_density``
+  topk_qmax  topk scoring each key block by its query block's best query (``query_max``:
+             per-query scores)
+  topk_nsa   topk_qmax plus NSA's compressed branch (``compress: 1``;
+             layers.attention.compressed), timed as the layer runs it (the fine branch, then the
+             compressed branch added to its heads; the gates' two elementwise products left out);
+             its pooled-key pairs count in ``block_density``
   mix      the long-context presets' layer: heads 0-15 A-shape, 16-31 block top-k (as topk)
 ``--kernels triton,flash``: flex's Triton backend and its FLASH backend (flash-attn-4), each row one
 kernel. Modes: fwd, and fwd+bwd (``out.backward(do)``). Each number is the median of CUDA-event

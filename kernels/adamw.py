@@ -5,10 +5,12 @@ every tensor of a parameter group in one launch.
 step, grad_scale=None, found_inf=None)``, per element, in float32 (torch.optim.AdamW's order of
 operations)::
 
-    g = grad * grad_scale                      # grad of any float dtype; grad_scale: the clipping
-    factor w = w * (1 - lr * weight_decay) m = m + (1 - beta1) * (g - m) v = v * beta2 + (1 - beta2)
-    * g * g w = w - lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps) param = w
-    rounded to param's dtype         # when ``params`` is given (the model's bfloat16 copies)
+    g = grad * grad_scale      # grad of any float dtype; grad_scale: the clipping factor
+    w = w * (1 - lr * weight_decay)
+    m = m + (1 - beta1) * (g - m)
+    v = v * beta2 + (1 - beta2) * g * g
+    w = w - lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
+    param = w rounded to param's dtype     # when ``params`` is given (the model's bf16 copies)
 
 ``weights``, ``exp_avgs``, ``exp_avg_sqs``: float32 tensors, updated in place; ``grads`` and
 ``params`` match them in shape. ``step``: the step count after this update (>= 1), the same for

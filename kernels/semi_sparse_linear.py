@@ -3,9 +3,9 @@ CUDA only.
 
 ``SemiSparseLinear.apply(x[..., in], weight[out, in], dtype, transposable) -> [..., out]`` computes
 ``F.linear(x, weight)`` for a weight whose zeros already form a 2:4 pattern along ``in``:
-  forward   y  = x W^T        W packed every call (the weight changes every optimizer step) backward
-  gx = g W          sparse too when the mask is transposable (W^T is then 2:4 along ``out``)
-            gW = g^T x        dense (RigL grows by |dL/dW| at masked positions)
+- forward ``y = x W^T``: W packed every call (the weight changes every optimizer step);
+- backward ``gx = g W``: sparse too when the mask is transposable (W^T is then 2:4 along ``out``);
+  ``gW = g^T x``: dense (RigL grows by |dL/dW| at masked positions).
 The pure-torch reference is ``F.linear`` on the masked weight. Used by layers.dst.semi_structured.
 """
 

@@ -3,12 +3,13 @@ process.
 
 Layout of ``<dir>/step_00000100/``:
 
-    __<r>_0.distcp, .metadata   DCP shards of {model, optimizer state}: tensors only (DST masks are
-    model buffers) optim_groups.json           the optimizer's param-group hyper-parameters (lr,
-    betas, ...) rng_rank<r>.pt              python, numpy, torch, cuda RNG of rank r as tensors and
-    plain numbers train_state.json            step, epoch, scheduler, counters, run id, world size,
-    tokenizer digest config.yaml                 the resolved config manifest.json
-    written last: every file above with its size
+- ``__<r>_0.distcp``, ``.metadata``: DCP shards of {model, optimizer state}, tensors only (DST
+  masks are model buffers);
+- ``optim_groups.json``: the optimizer's param-group hyper-parameters (lr, betas, ...);
+- ``rng_rank<r>.pt``: python, numpy, torch, cuda RNG of rank r as tensors and plain numbers;
+- ``train_state.json``: step, epoch, scheduler, counters, run id, world size, tokenizer digest;
+- ``config.yaml``: the resolved config;
+- ``manifest.json``: written last, every file above with its size.
 
 Nothing in it is a pickled Python object, and every read goes through ``safe_load`` (allowlists), so
 a checkpoint from someone else cannot run code on ``--resume``.

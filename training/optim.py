@@ -273,10 +273,12 @@ class CompactAdamW(torch.optim.AdamW):
         (``layers.dst.bits``) and ``capacity`` the most entries ``p`` (this rank's shard) can have
         active. Then per step, for ``p``:
 
-            idx  = flat indices of the active entries (int32, rebuilt only when the mask buffer
-            changes) w_A  = p[idx]; g_A = grad[idx]          # gathered into [capacity] leaves AdamW
-            on (w_A, g_A) with compact exp_avg / exp_avg_sq [capacity]   (the same fused/foreach
-            kernel) p[idx] = w_A
+            # flat indices of the active entries (int32, rebuilt only when the mask buffer changes)
+            idx = ...
+            w_A = p[idx]; g_A = grad[idx]  # gathered into [capacity] leaves
+            # the same fused/foreach kernel, with compact exp_avg / exp_avg_sq [capacity]
+            AdamW on (w_A, g_A)
+            p[idx] = w_A
 
     Persistent per active entry: the two fp32 moments and the int32 index (12 B). The leaves
     ``w_A``, ``g_A`` (8 B per active entry) exist only inside ``step()``: their storage is freed

@@ -1,11 +1,13 @@
 """Multi-process layout: torchrun environment -> DeviceMesh -> FSDP2 (+ HSDP) and expert
 parallelism.
 
-    state = setup_parallel(cfg)            # validates degrees, then init_process_group + meshes
-    model = build_model(cfg.model, model_init_device(cfg, state))   # same seed on every rank, or
-    "meta" model = parallelize(model, cfg, state) ... model.loss(x, y).backward();
-    clip_grad_norm_(model.parameters(), max_norm, state); opt.step() dist.destroy_process_group()
-    # training.run does this when the run ends
+    state = setup_parallel(cfg)  # validates degrees, then init_process_group + meshes
+    # same seed on every rank, or "meta"
+    model = build_model(cfg.model, model_init_device(cfg, state))
+    model = parallelize(model, cfg, state)
+    ... model.loss(x, y).backward()
+    clip_grad_norm_(model.parameters(), max_norm, state); opt.step()
+    dist.destroy_process_group()  # training.run does this when the run ends
 
 Layout (configs/parallel.py): ranks are numbered ``r = (replica * efsdp + i) * ep + j``, so the
 ``ep`` ranks of an expert group are consecutive (one node when ep <= GPUs per node). Meshes:
@@ -14,10 +16,11 @@ Layout (configs/parallel.py): ranks are numbered ``r = (replica * efsdp + i) * e
   output.
 - ``mesh``        ("dp_replicate", "efsdp", "ep"): ``ep`` splits the experts of every MoE layer
   (each rank keeps ``E / ep``) and carries the token all-to-all; the experts are FSDP-sharded over
-  ("dp_replicate", "efsdp"), i.e. the ``dp_shard / ep`` ranks holding the same experts. Every rank
-  is a data-parallel rank: it reads its own batch and the loss is averaged over all ranks. Expert
-  gradients arrive summed over the ``ep`` ranks whose tokens used them (the all-to-all backward), so
-  their FSDP reduction divides by the whole world size, like the dense gradients' does.
+  ("dp_replicate", "efsdp"), i.e. the ``dp_shard / ep`` ranks holding the same experts.
+
+Every rank is a data-parallel rank: it reads its own batch and the loss is averaged over all ranks.
+Expert gradients arrive summed over the ``ep`` ranks whose tokens used them (the all-to-all
+backward), so their FSDP reduction divides by the whole world size, like the dense gradients' does.
 
 Mixed precision on CUDA in bf16: fp32 sharded master weights, bf16 all-gathered compute weights,
 fp32 gradient reduction. ``parallel.fsdp: false`` is DDP semantics (every rank holds every weight,

@@ -1,10 +1,11 @@
 """Import/export between HF ``transformers`` models and the zoo Transformer, with logit parity.
 
-    from moezoo.zoo.hf import from_hf, to_hf model = from_hf(hf_model)   # a Llama, Mistral, Qwen2,
-    Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE or
-                                # DeepSeek-V3 ...ForCausalLM -> Transformer
-    hf_model = to_hf(model)     # the inverse: a fresh HF model of the family that expresses
-    model.cfg
+    from moezoo.zoo.hf import from_hf, to_hf
+    # a Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE or DeepSeek-V3
+    # ...ForCausalLM -> Transformer
+    model = from_hf(hf_model)
+    # the inverse: a fresh HF model of the family that expresses model.cfg
+    hf_model = to_hf(model)
 
 Configs are translated by zoo.hf_config (MoE part: zoo.hf_moe). Weights go through one table of
 ``Link``s (HF names <-> zoo names, plus how tensors are joined or split), used in both directions,

@@ -3,23 +3,20 @@
 Ten HF families map onto the one zoo Transformer exactly (same logits); what differs between them is
 options of it, not code:
 
-======================  ==========================================================================
-``llama``               dense gated FFN, GQA, ``head_dim``, ``attention_bias`` (o_proj bias must be
-zero) ``mistral``             Llama + a sliding window on every layer ``qwen2``               q/k/v
-biases, sliding window on the layers ``layer_types`` names ``qwen3``               per-head q/k
-RMSNorm (``qk_norm: head``), explicit ``head_dim`` ``mixtral``             every FFN an MoE (softmax
-top-k, renormalised); zoo.hf_moe ``qwen2_moe``           MoE + a sigmoid-gated shared expert, dense
-layers by ``mlp_only_layers`` /
-                        ``decoder_sparse_step``, ``norm_topk_prob``
-``qwen3_moe``           Qwen3 attention + Qwen2-MoE routing without the shared expert
-``olmoe``               q/k RMSNorm over the whole projection (``qk_norm: full``), MoE every layer
-``deepseek_v3``         MLA (``attention_type: mla``), sigmoid group-limited routing with the
-                        selection-only ``e_score_correction_bias``, ``routed_scaling_factor``,
-                        ungated shared experts, ``first_k_dense_replace`` dense layers
-``deepseek_v2``         MLA (rope pairs always interleaved) + softmax routing, greedy or
-group-limited
-                        (best expert per group), never renormalised, ``routed_scaling_factor``
-======================  ==========================================================================
+- ``llama``: dense gated FFN, GQA, ``head_dim``, ``attention_bias`` (o_proj bias must be zero)
+- ``mistral``: Llama + a sliding window on every layer
+- ``qwen2``: q/k/v biases, sliding window on the layers ``layer_types`` names
+- ``qwen3``: per-head q/k RMSNorm (``qk_norm: head``), explicit ``head_dim``
+- ``mixtral``: every FFN an MoE (softmax top-k, renormalised); zoo.hf_moe
+- ``qwen2_moe``: MoE + a sigmoid-gated shared expert, dense layers by ``mlp_only_layers`` /
+  ``decoder_sparse_step``, ``norm_topk_prob``
+- ``qwen3_moe``: Qwen3 attention + Qwen2-MoE routing without the shared expert
+- ``olmoe``: q/k RMSNorm over the whole projection (``qk_norm: full``), MoE every layer
+- ``deepseek_v3``: MLA (``attention_type: mla``), sigmoid group-limited routing with the
+  selection-only ``e_score_correction_bias``, ``routed_scaling_factor``, ungated shared experts,
+  ``first_k_dense_replace`` dense layers
+- ``deepseek_v2``: MLA (rope pairs always interleaved) + softmax routing, greedy or group-limited
+  (best expert per group), never renormalised, ``routed_scaling_factor``
 
 A sliding window maps to a moezoo ``local`` attention pattern (both let query q see keys ``q-W+1 ..
 q``). RoPE: default, linear, llama3, yarn (with DeepSeek's mscale / mscale_all_dim) and dynamic NTK,

@@ -2,7 +2,7 @@
 gpt-fast.
 
     ids = generate(model, prompt_ids, max_new_tokens=100, temperature=0.8, top_k=50, top_p=0.95,
-    seed=0)
+                   seed=0)
 
 The prompt is prefilled in one forward; each new token is then one forward of length 1 at
 ``start_pos``, attending to the cached keys and values. ``temperature=0`` is greedy decoding.

@@ -3,10 +3,10 @@ decoupled RoPE.
 
 ``forward(x[B, S, D], cos[S, Dr], sin[S, Dr], start_pos=0, mask=None) -> [B, S, D]``, with
 
-    q      = wq_b(q_norm(wq_a(x)))  (or wq(x) when q_lora_rank is None)    -> [B, H, S, Dn + Dr] c,
-    kr  = split(wkv_a(x), [R, Dr]);  c = kv_norm(c)                     c [B, T, R], kr [B, T, Dr]
-    k, v   = split(wkv_b(c), [Dn, Dv]) per head; k = cat(k, rope(kr) shared by all H heads) out    =
-    wo(attention(cat(q_nope, rope(q_rope)), k, v))               heads of Dv
+    q     = wq_b(q_norm(wq_a(x)))  (or wq(x) when q_lora_rank is None)   -> [B, H, S, Dn + Dr]
+    c, kr = split(wkv_a(x), [R, Dr]);  c = kv_norm(c)                    c [B, T, R], kr [B, T, Dr]
+    k, v  = split(wkv_b(c), [Dn, Dv]) per head; k = cat(k, rope(kr) shared by all H heads)
+    out   = wo(attention(cat(q_nope, rope(q_rope)), k, v))              heads of Dv
 
 Legend: H heads, R ``kv_lora_rank``, Dn ``qk_nope_head_dim``, Dr ``qk_rope_head_dim``, Dv
 ``v_head_dim``. The decode cache holds only the compressed ``c [B, T, R]`` and rotated ``kr [B, T,

@@ -8,9 +8,10 @@ optional 2:4 kernel path in ``semi_structured``, the bytes each option costs in 
 
 Usage (the training loop in training/loop.py does exactly this)::
 
-    dst = DynamicSparsity(model, optimizer, sparsity=0.8, method="rigl", total_steps=10_000) # or
-    DynamicSparsity(model, optimizer, cfg=cfg.dst, total_steps=cfg.train.steps, update_every=50) for
-    step in range(total_steps):
+    dst = DynamicSparsity(model, optimizer, sparsity=0.8, method="rigl", total_steps=10_000)
+    # or DynamicSparsity(model, optimizer, cfg=cfg.dst, total_steps=cfg.train.steps,
+    #                    update_every=50)
+    for step in range(total_steps):
         loss.backward(); optimizer.step()
         dst.step(step)          # re-apply masks, update them on schedule, clean optimizer moments
         optimizer.zero_grad()
