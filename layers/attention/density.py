@@ -78,6 +78,51 @@ def attention_density(
     return out
 
 
+def budget_density(pattern: PatternLike, n_heads: int, seq_len: int) -> torch.Tensor:
+    """float64 ``[n_heads]``: the causal (q, k) pairs each head's budget attends at ``seq_len``,
+    counted per query row in closed form (O(T) per head, so a 128k plan is instant; ``--plan``).
+
+    Exact for dense, window and sink heads. Block heads (random blocks, block top-k per block or per
+    token, vertical-slash's columns and diagonals) count their budget as whole blocks beyond the
+    window, disjoint from it: what the budget buys when the picks do not overlap the window (a
+    per-token selection's kernel visits the union of a tile's choices, more, which ``attn/density``
+    measures). The compressed branch adds its pooled-key pairs (``compressed_density``).
+    """
+    T = seq_len
+    q = torch.arange(T, dtype=torch.float64)
+    n = q + 1  # causal keys per row
+    out, seen = [], {}
+    for p in head_patterns(pattern, n_heads):
+        if p in seen:  # heads of one pattern count once
+            out.append(seen[p])
+            continue
+        if p.is_dense_at(T):
+            out.append(seen.setdefault(p, 1.0))
+            continue
+        bs = p.block_size
+        win = torch.clamp(n, max=p.window) if p.window else torch.zeros_like(q)
+        far_start = n - p.window if p.window else n  # keys before the window: 0 .. far_start-1
+        sink = torch.clamp(torch.clamp(far_start, min=0), max=p.sinks)
+        whole_far = torch.div(torch.clamp(far_start - sink, min=0), bs, rounding_mode="floor")
+        if p.type in ("local", "a_shape"):
+            extra = torch.zeros_like(q)
+        elif p.type == "bigbird":
+            extra = torch.clamp(whole_far, max=p.random_blocks) * bs
+        elif p.type == "block_topk":
+            own = torch.remainder(q, bs) + 1  # the own block's keys up to the query
+            win = torch.maximum(win, own)
+            extra = torch.clamp(whole_far, max=max(p.top_k - 1, 0)) * bs
+        else:  # vertical_slash: columns, and diagonals dilated to the query block
+            own = torch.remainder(q, bs) + 1
+            win = torch.maximum(win, own)
+            extra = torch.full_like(q, float(p.n_vertical + p.n_slash))
+        allowed = torch.minimum(win + sink + extra, n)
+        out.append(seen.setdefault(p, float(allowed.sum() / n.sum())))
+    dens = torch.tensor(out, dtype=torch.float64)
+    cmp = compressed_density(head_patterns(pattern, n_heads), T, T * (T + 1) / 2)
+    return dens + torch.tensor(cmp, dtype=torch.float64)
+
+
 def attention_metrics(model: torch.nn.Module, seq_len: int) -> dict:
     """Scalars (0-d tensors, no host sync) from every ``layers.Attention``'s last forward, for
     logging:
