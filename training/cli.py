@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moezoo.configs import ConfigError, exit_code, load_config, to_dict
+from moezoo.configs import exit_code, load_config, to_dict
 from moezoo.configs.presets import resolve_config_path
 
 
@@ -46,7 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--plan",
         action="store_true",
-        help="print params, FLOPs/token, memory and a parallel layout; allocate nothing",
+        help="print params, FLOPs/token, memory and a parallel layout; allocate nothing; "
+        "exit status 3 when the plan does not fit",
     )
     p.add_argument(
         "--eval",
@@ -59,7 +60,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--gpus",
         type=int,
         default=None,
-        help="GPU count for --plan (default: the smallest power of two that fits)",
+        help="GPU count for --plan (default: the smallest that fits, 1-8 GPUs or whole 8-GPU "
+        "nodes); when no layout fits on all N, the plan uses the largest count below that does",
+    )
+    p.add_argument(
+        "--gpu",
+        default=None,
+        metavar="h100|h200|b200|GB",
+        help="GPU for --plan: h100 (80 GB), h200 (141 GB), b200 (180 GB) or its memory in GB "
+        "(default: this machine's GPU, else h100)",
     )
     p.add_argument(
         "--print-config",
@@ -95,12 +104,9 @@ def _main(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
     if args.plan:
-        if args.gpus is not None and args.gpus < 1:
-            raise ConfigError("--gpus", f"must be >= 1, got {args.gpus}")
-        from moezoo.training.plan import format_plan, plan
+        from moezoo.training.plan import plan_command
 
-        print(format_plan(plan(cfg, args.gpus)))
-        return 0
+        return plan_command(cfg, args.gpus, args.gpu)
     if args.eval == "passkey":
         from moezoo.training.evaluate import run_passkey
 

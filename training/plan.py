@@ -1,11 +1,18 @@
 """``--plan``: params, FLOPs per token, memory per GPU and a dp/ep layout, without allocating
 weights.
 
-    p = plan(load_config("zoo/moe_65b.yaml"), n_gpus=256)
+    p = plan(load_config("zoo/moe_65b.yaml"), n_gpus=256, device_bytes=gpu_memory("h200")[0])
     print(format_plan(p))
     check_fits(cfg, world_size, device)   # raises PlanDoesNotFit (a ConfigError) with the plan text
 
 The model is built on the meta device, so a 1.4T-parameter preset plans in seconds on a laptop.
+
+The GPU (``--gpu``): ``h100`` (80 GB), ``h200`` (141 GB), ``b200`` (180 GB) or a size in GB; by
+default this machine's GPU, else an H100. The GPU count (``--gpus N``): without it, the smallest
+count that fits (1 to 8, then whole 8-GPU nodes); with it, every GPU when a layout fits on all N,
+else the largest count up to N that fits (a layout needs ``ep`` to divide both the GPUs and the
+experts, so 300 GPUs hold no layout of a 256-expert model that 256 of them do). ``train.py --plan``
+exits 0 when the plan fits and ``EXIT_DOES_NOT_FIT`` (3) when it does not.
 
 Memory model per GPU (bytes), for FSDP2 with mixed precision as training.parallel sets it up:
 - weights: fp32 master copy, sharded: dense over ``dp_shard``, experts over ``ep x dp_shard/ep``
@@ -22,17 +29,26 @@ Memory model per GPU (bytes), for FSDP2 with mixed precision as training.paralle
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from moezoo.configs import Config, ConfigError
-from moezoo.zoo.flops import ParamCounts, count_params, flops_per_token, is_routed_moe
 
-H200_BYTES = 141e9  # H200-class HBM3e
+if TYPE_CHECKING:
+    from moezoo.zoo.flops import ParamCounts
+
 HEADROOM = 0.9
 FP32, ADAM_STATES = 4, 2
 GB = 1e9
+# Memory of one GPU as sold, in GB (1e9 bytes): H100 SXM, H200, B200 (HGX B200's per-GPU figure).
+# torch reports a little more usable memory on each, so a plan errs on the safe side.
+GPU_GB = {"h100": 80, "h200": 141, "b200": 180}
+DEFAULT_GPU = "h100"  # the plan's GPU on a machine without one: the most common training GPU
+EXIT_DOES_NOT_FIT = 3  # train.py --plan's exit status when the plan does not fit
+NODE = 8  # GPUs per node: counts past one node are searched in whole nodes
+MAX_GPUS = 2**16
 
 
 @dataclass(frozen=True)
@@ -95,6 +111,8 @@ class Plan:
     device_bytes: float
     notes: list = field(default_factory=list)
     device: str = "GPU"  # what the report calls one device: "GPU" on CUDA, else "device"
+    gpu: str = ""  # the GPU planned for, as the report names it ("" for a CPU run's check)
+    available_gpus: Optional[int] = None  # --gpus when the plan uses fewer of them
 
     @property
     def fits(self) -> bool:
@@ -115,6 +133,8 @@ class _Shape:
 
 
 def _shape(model, cfg: Optional[Config] = None) -> _Shape:
+    from moezoo.zoo.flops import count_params, is_routed_moe
+
     counts = count_params(model)
     blocks_dense, blocks_expert, experts = [0], [0], None
     for block in getattr(model, "layers", []):
@@ -239,17 +259,91 @@ def recommend_layout(
     return layout
 
 
-def smallest_fitting_gpus(
+def _fits(cfg: Config, shape: _Shape, n: int, compute_bytes: int, device_bytes: float) -> bool:
+    lay = recommend_layout(cfg, shape, n, compute_bytes, device_bytes)
+    return memory_per_gpu(cfg, shape, lay, compute_bytes).total <= HEADROOM * device_bytes
+
+
+def _fewest_possible_gpus(
     cfg: Config, shape: _Shape, compute_bytes: int, device_bytes: float
 ) -> int:
-    """Smallest power of two (up to 2^16) whose recommended layout fits."""
-    n = 1
-    while n < 2**16:
-        lay = recommend_layout(cfg, shape, n, compute_bytes, device_bytes)
-        if memory_per_gpu(cfg, shape, lay, compute_bytes).total <= HEADROOM * device_bytes:
-            break
-        n *= 2
-    return n
+    """A count below which no layout fits: every term but the FSDP buffers at ``ep=1`` with
+    activation checkpointing, a bound that only falls as GPUs are added (bisection)."""
+
+    def bound(n: int) -> float:
+        m = memory_per_gpu(cfg, shape, Layout(1, n, 1, True, True), compute_bytes)
+        return m.total - m.fsdp_buffers
+
+    lo, hi = 1, MAX_GPUS
+    if bound(hi) > HEADROOM * device_bytes:
+        return hi + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if bound(mid) > HEADROOM * device_bytes else (lo, mid)
+    return lo
+
+
+def smallest_fitting_gpus(
+    cfg: Config, shape: _Shape, compute_bytes: int, device_bytes: float
+) -> Optional[int]:
+    """The smallest count whose recommended layout fits: 1 to 8 GPUs, then whole 8-GPU nodes (up to
+    2^16); None when none does."""
+    n = _fewest_possible_gpus(cfg, shape, compute_bytes, device_bytes)
+    if n > NODE:
+        n = math.ceil(n / NODE) * NODE
+    while n <= MAX_GPUS:
+        if _fits(cfg, shape, n, compute_bytes, device_bytes):
+            return n
+        n += 1 if n < NODE else NODE
+    return None
+
+
+def largest_fitting_gpus(
+    cfg: Config, shape: _Shape, n_gpus: int, compute_bytes: int, device_bytes: float
+) -> Optional[int]:
+    """The largest count up to ``n_gpus`` whose recommended layout fits (None when none does)."""
+    lo = _fewest_possible_gpus(cfg, shape, compute_bytes, device_bytes)
+    return next(
+        (n for n in range(n_gpus, lo - 1, -1) if _fits(cfg, shape, n, compute_bytes, device_bytes)),
+        None,
+    )
+
+
+def _counts_that_fit(
+    cfg: Config, shape: _Shape, n_gpus: int, compute_bytes: int, device_bytes: float
+) -> str:
+    """The note of a plan that does not fit on ``n_gpus``: which counts do."""
+    below = largest_fitting_gpus(cfg, shape, n_gpus, compute_bytes, device_bytes)
+    smallest = smallest_fitting_gpus(cfg, shape, compute_bytes, device_bytes)
+    gpu = f"{device_bytes / GB:.0f} GB GPUs"
+    if smallest is None:
+        return f"no count of {gpu} up to {MAX_GPUS} fits with the recommended layout"
+    if below is None:
+        return f"the recommended layout fits from {smallest} {gpu} ({_node_count(smallest)})"
+    if below == n_gpus:
+        return f"the recommended layout fits on all {n_gpus} GPUs"
+    return (
+        f"the recommended layout fits on {below} of the {n_gpus} GPUs "
+        f"(the largest count up to {n_gpus}) and from {smallest} {gpu} ({_node_count(smallest)})"
+    )
+
+
+def _subset_note(
+    cfg: Config, shape: _Shape, layout: Layout, n_gpus: int, below: int, compute_bytes: int
+) -> str:
+    """Why a plan for ``n_gpus`` uses ``below`` of them."""
+    need = memory_per_gpu(cfg, shape, layout, compute_bytes).total
+    why = f"the best layout on all of them needs {need / GB:.1f} GB per GPU"
+    if shape.num_experts and layout.ep < shape.num_experts:
+        why += (
+            f" (ep={layout.ep}: the largest count dividing both {n_gpus} GPUs and "
+            f"{shape.num_experts} experts, so every rank gathers experts)"
+        )
+    return f"{n_gpus} GPUs: {why}; this plan uses {below} of them (launch {below} ranks)"
+
+
+def _node_count(n: int) -> str:
+    return "one node" if n <= NODE else f"{n // NODE} nodes of {NODE}"
 
 
 def _compute_bytes(cfg: Config, device_type: str) -> int:
@@ -262,18 +356,23 @@ def _compute_bytes(cfg: Config, device_type: str) -> int:
 def plan(
     cfg: Config,
     n_gpus: Optional[int] = None,
-    device_bytes: float = H200_BYTES,
+    device_bytes: float = GPU_GB[DEFAULT_GPU] * GB,
     device_type: str = "cuda",
     layout: Optional[Layout] = None,
     model=None,
+    gpu: str = "",
 ) -> Plan:
-    """Plan ``cfg`` on ``n_gpus`` devices of ``device_bytes`` each.
+    """Plan ``cfg`` on ``n_gpus`` devices of ``device_bytes`` each (default: an H100's 80 GB).
 
-    ``n_gpus=None``: the smallest power of two (up to 2^16) that fits with the recommended layout.
-    The layout is the config's ``parallel`` section when its degrees resolve for ``n_gpus`` and were
-    set explicitly (``ep > 1`` or ``dp_shard != -1``), else the recommended one. ``model``: an
-    already built model to count instead of building one on the meta device.
+    ``n_gpus=None``: the smallest count that fits with the recommended layout (1 to 8 GPUs, then
+    whole 8-GPU nodes). The layout is the config's ``parallel`` section when its degrees resolve
+    for ``n_gpus`` and were set explicitly (``ep > 1`` or ``dp_shard != -1``), else the recommended
+    one; when the recommended one does not fit on all ``n_gpus``, the plan uses the largest count
+    below that fits and says so (``available_gpus``). ``model``: an already built model to count
+    instead of building one on the meta device. ``gpu``: the GPU's name in the report.
     """
+    from moezoo.zoo.flops import count_params, flops_per_token
+
     if model is None:
         from moezoo.zoo import build_model
 
@@ -281,10 +380,12 @@ def plan(
     counts, shape = count_params(model), _shape(model, cfg)
     cb = _compute_bytes(cfg, device_type)
     notes = []
+    available = None
     if n_gpus is None:
-        n_gpus = smallest_fitting_gpus(cfg, shape, cb, device_bytes)
+        n_gpus = smallest_fitting_gpus(cfg, shape, cb, device_bytes) or MAX_GPUS
         notes.append(
-            f"n_gpus: smallest power of two that fits ({device_bytes / GB:.0f} GB per GPU)"
+            f"n_gpus: the smallest count that fits (1 to {NODE} GPUs, then whole {NODE}-GPU "
+            "nodes; --gpus N to plan another)"
         )
     source = "config"
     if layout is None:
@@ -301,6 +402,12 @@ def plan(
             )
         if layout is None:
             layout, source = recommend_layout(cfg, shape, n_gpus, cb, device_bytes), "recommended"
+            if not _fits(cfg, shape, n_gpus, cb, device_bytes):
+                below = largest_fitting_gpus(cfg, shape, n_gpus - 1, cb, device_bytes)
+                if below is not None:
+                    notes.append(_subset_note(cfg, shape, layout, n_gpus, below, cb))
+                    available, n_gpus = n_gpus, below
+                    layout = recommend_layout(cfg, shape, n_gpus, cb, device_bytes)
     mem = memory_per_gpu(cfg, shape, layout, cb)
     if cfg.dst.enabled and shape.dst_dense + shape.dst_expert:
         parts = dst_cost(cfg, layout).parts
@@ -321,12 +428,13 @@ def plan(
         device_bytes=device_bytes,
         notes=notes,
         device="GPU" if device_type == "cuda" else "device",
+        gpu=gpu,
+        available_gpus=available,
     )
     if not out.fits:
         if source == "recommended":  # the best layout tried, but one to change, not to follow
             out.layout_source = "best found, does not fit"
-        smallest = smallest_fitting_gpus(cfg, shape, cb, device_bytes)
-        notes.append(f"the recommended layout fits from {smallest} GPUs (power of two)")
+        notes.append(_counts_that_fit(cfg, shape, n_gpus, cb, device_bytes))
         need = mem.total / (HEADROOM * device_bytes)
         fixes = "more GPUs, a smaller train.batch_size"
         fixes += (
@@ -354,6 +462,7 @@ def format_plan(p: Plan) -> str:
     """Human-readable report (what ``train.py --plan`` prints)."""
     c, m, cap = p.counts, p.memory, p.device_bytes
     dtype = "bf16" if p.compute_bytes == 2 else "fp32"
+    of = f" of {p.available_gpus}" if p.available_gpus else ""
     lines = [
         f"plan: {p.name}",
         f"  params        total {_fmt(c.total)} ({c.total:,})   "
@@ -362,7 +471,8 @@ def format_plan(p: Plan) -> str:
         f"  FLOPs/token   "
         f"{_fmt(p.flops_per_token, ((1e12, ' T'), (1e9, ' G'), (1e6, ' M'), (1, ' ')))}FLOP "
         f"(training fwd+bwd, active params, seq_len {p.seq_len})",
-        f"  layout        {p.n_gpus} {p.device}(s): {p.layout}   [{p.layout_source}]",
+        *([f"  gpu           {p.gpu}"] if p.gpu else []),
+        f"  layout        {p.n_gpus}{of} {p.device}(s): {p.layout}   [{p.layout_source}]",
         f"  {'memory/' + p.device:<14}(micro-batch {p.batch_size} x {p.seq_len} tokens, "
         f"{dtype} compute, fp32 master + AdamW)",
         f"    weights       {m.weights / GB:9.1f} GB",
@@ -420,6 +530,50 @@ class PlanDoesNotFit(ConfigError):
 
     def __str__(self) -> str:
         return super().__str__() + "\n" + self.report
+
+
+def gpu_memory(spec: Optional[str]) -> tuple[float, str]:
+    """``--gpu``: ``(bytes per GPU, the GPU as the report names it)`` for ``h100``, ``h200``,
+    ``b200`` or a size in GB (``96``, ``96GB``); None: this machine's first GPU, else an H100.
+    ConfigError on ``--gpu`` for anything else (without importing torch)."""
+    if spec is None:
+        import torch
+
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            size = float(props.total_memory)
+            return size, f"{props.name} {size / GB:.0f} GB (this machine's; --gpu to plan another)"
+        gb = GPU_GB[DEFAULT_GPU]
+        return gb * GB, (
+            f"{DEFAULT_GPU.upper()} {gb} GB (no GPU here: the default; "
+            f"--gpu {'|'.join(GPU_GB)}|<GB> to choose)"
+        )
+    name = spec.strip().lower()
+    if name in GPU_GB:
+        return GPU_GB[name] * GB, f"{name.upper()} {GPU_GB[name]} GB"
+    try:
+        gb = float(name.removesuffix("gb"))
+    except ValueError:
+        gb = math.nan
+    if not (math.isfinite(gb) and gb > 0):
+        raise ConfigError(
+            "--gpu", f"expected {', '.join(GPU_GB)} or a memory size in GB (e.g. 96), got {spec!r}"
+        )
+    return gb * GB, f"{gb:g} GB GPU"
+
+
+def plan_command(cfg: Config, n_gpus: Optional[int], gpu: Optional[str]) -> int:
+    """``train.py --plan [--gpus N] [--gpu G]``: print the plan; its exit status is 0 when it fits,
+    ``EXIT_DOES_NOT_FIT`` when it does not. Bad flags raise ConfigError before any model is
+    built."""
+    if n_gpus is not None and n_gpus < 1:
+        raise ConfigError("--gpus", f"must be >= 1, got {n_gpus}")
+    if n_gpus is not None and n_gpus > MAX_GPUS:
+        raise ConfigError("--gpus", f"must be at most {MAX_GPUS}, got {n_gpus}")
+    device_bytes, name = gpu_memory(gpu)
+    p = plan(cfg, n_gpus, device_bytes, gpu=name)
+    print(format_plan(p))
+    return 0 if p.fits else EXIT_DOES_NOT_FIT
 
 
 def moe_num_experts(cfg: Config) -> Optional[int]:

@@ -7,8 +7,18 @@ import pytest
 
 from helpers import ROOT
 from moezoo.configs import ConfigError, load_config
-from moezoo.training.plan import PlanDoesNotFit, check_fits, format_plan, plan
+from moezoo.training.plan import (
+    EXIT_DOES_NOT_FIT,
+    GPU_GB,
+    PlanDoesNotFit,
+    check_fits,
+    format_plan,
+    gpu_memory,
+    plan,
+)
 from moezoo.zoo.flops import flops_per_token, param_counts
+
+H200 = gpu_memory("h200")[0]
 
 
 def preset(name, *overrides):
@@ -73,11 +83,11 @@ def test_moe_65b_does_not_fit_on_one_gpu_and_says_why():
     assert any("does not fit" in n for n in p.notes)
 
 
-def test_plan_without_gpu_count_picks_smallest_power_of_two_that_fits():
+def test_plan_without_gpu_count_picks_the_smallest_whole_node_count_that_fits():
     cfg = preset("llama_65b.yaml")
     p = plan(cfg)
-    assert p.fits
-    assert not plan(cfg, p.n_gpus // 2).fits
+    assert p.fits and p.n_gpus % 8 == 0 and p.available_gpus is None
+    assert not plan(cfg, p.n_gpus - 8).fits
 
 
 def test_config_layout_is_used_when_it_resolves():
@@ -112,17 +122,21 @@ def test_config_layout_that_does_not_fit_is_reported_with_the_fix():
         "parallel.activation_checkpointing=false",
         "dst.enabled=false",
     )
-    p = plan(cfg, n_gpus=256)
+    p = plan(cfg, n_gpus=256, device_bytes=H200)
     assert p.layout_source == "config" and p.layout.ep == 8 and not p.fits
     assert any("activation_checkpointing=true" in n for n in p.notes)
-    assert any("fits from 256 GPUs" in n for n in p.notes)
-    ok = plan(preset("moe_65b.yaml", "parallel.ep=8", "dst.enabled=false"), n_gpus=256)
+    assert any("the recommended layout fits on all 256 GPUs" in n for n in p.notes)
+    ok = plan(
+        preset("moe_65b.yaml", "parallel.ep=8", "dst.enabled=false"), n_gpus=256, device_bytes=H200
+    )
     assert ok.fits
 
 
 def test_dst_masks_are_counted_and_their_fix_suggested():
-    dense_state = plan(preset("moe_65b.yaml", "dst.compact_state=false"), n_gpus=256)
-    without = plan(preset("moe_65b.yaml", "dst.enabled=false"), n_gpus=256)
+    dense_state = plan(
+        preset("moe_65b.yaml", "dst.compact_state=false"), n_gpus=256, device_bytes=H200
+    )
+    without = plan(preset("moe_65b.yaml", "dst.enabled=false"), n_gpus=256, device_bytes=H200)
     # 2 B (mask + ever-active) + 4 B (EMA score) per masked weight, sharded over 256 ranks
     assert 30e9 < dense_state.memory.dst_masks < 36e9 and without.memory.dst_masks == 0
     assert not dense_state.fits and without.fits
@@ -131,8 +145,8 @@ def test_dst_masks_are_counted_and_their_fix_suggested():
 
 def test_compact_dst_state_fits_moe_65b_on_256_gpus_within_the_headroom():
     compact, dense_state = (
-        plan(preset("moe_65b.yaml"), n_gpus=256),
-        plan(preset("moe_65b.yaml", "dst.compact_state=false"), n_gpus=256),
+        plan(preset("moe_65b.yaml"), n_gpus=256, device_bytes=H200),
+        plan(preset("moe_65b.yaml", "dst.compact_state=false"), n_gpus=256, device_bytes=H200),
     )
     masked = dense_state.memory.dst_masks / 6  # masked weights per GPU (6 B each when dense)
     # 1 bit mask + 1 bit ever-active + 2 B bf16 score; moments + int32 index for the active 55% (50%
@@ -161,3 +175,85 @@ def test_bf16_weights_hold_the_same_bytes_a_parameter_and_four_more_with_accumul
     assert low.weights + low.grads == pytest.approx(base.weights + base.grads)
     assert low.weights == pytest.approx(1.5 * base.weights)
     assert acc.grads == pytest.approx(1.5 * base.grads)
+
+
+def run_plan_cli(capsys, *args):
+    """``train.py --config zoo/moe_65b.yaml --plan ARGS`` in this process: (exit status, stdout)."""
+    from moezoo.training.cli import main
+
+    path = os.path.join(ROOT, "zoo", "moe_65b.yaml")
+    rc = main(["--config", path, "--plan", *args])
+    return rc, capsys.readouterr().out
+
+
+def test_plan_for_an_h100_user_does_not_fit_on_256_gpus_and_exits_3(capsys):
+    """Issue 51, finding 6: an H100 user was told ``118.8 GB -> fits`` (141 GB assumed)."""
+    rc, out = run_plan_cli(capsys, "--gpus", "256", "--gpu", "h100")
+    assert rc == EXIT_DOES_NOT_FIT == 3
+    assert "gpu           H100 80 GB" in out
+    assert "118.8 GB of 80 GB" in out and "DOES NOT FIT" in out
+    assert "fits from 512 80 GB GPUs (64 nodes of 8)" in out
+    rc, out = run_plan_cli(capsys, "--gpus", "256", "--gpu", "h200")
+    assert rc == 0 and "118.8 GB of 141 GB (84%) -> fits" in out
+
+
+def test_plan_on_300_gpus_uses_the_largest_count_that_fits(capsys):
+    """Finding 6: ``--gpus 300`` failed where 256 fits (ep must divide 300 and 256: at most 4)."""
+    rc, out = run_plan_cli(capsys, "--gpus", "300", "--gpu", "h200")
+    assert rc == 0
+    assert "296 of 300 GPU(s): dp_replicate=1 dp_shard=296 ep=8" in out and "-> fits" in out
+    assert "ep=4: the largest count dividing both 300 GPUs and 256 experts" in out
+    assert "this plan uses 296 of them (launch 296 ranks)" in out
+    cfg = preset("moe_65b.yaml")
+    on_296, on_297 = plan(cfg, 296, H200), plan(cfg, 297, H200)
+    assert on_296.fits and on_296.available_gpus is None
+    assert (on_297.n_gpus, on_297.available_gpus) == (296, 297)
+    # no layout on any count up to 300 fits 80 GB GPUs: the plan says from which count one does
+    rc, out = run_plan_cli(capsys, "--gpus", "300", "--gpu", "h100")
+    assert rc == EXIT_DOES_NOT_FIT and "fits from 512 80 GB GPUs" in out
+
+
+def test_plan_without_gpus_finds_a_count_that_is_not_a_power_of_two(capsys):
+    rc, out = run_plan_cli(capsys, "--gpu", "b200")
+    assert rc == 0 and "layout        192 GPU(s)" in out and "-> fits" in out
+    assert "the smallest count that fits (1 to 8 GPUs, then whole 8-GPU nodes" in out
+    assert not plan(preset("moe_65b.yaml"), 184, gpu_memory("b200")[0]).fits
+
+
+def test_gpu_names_and_sizes_resolve_and_a_bad_one_is_one_line(capsys):
+    assert gpu_memory("h100") == (80e9, "H100 80 GB")
+    assert gpu_memory("H200")[0] == 141e9 and gpu_memory("b200")[0] == GPU_GB["b200"] * 1e9
+    assert gpu_memory("96")[0] == gpu_memory("96GB")[0] == 96e9
+    for bad in ("a100x", "0", "-5", "nan"):
+        with pytest.raises(ConfigError, match="^--gpu: expected h100, h200, b200 or a memory"):
+            gpu_memory(bad)
+
+
+def test_default_gpu_without_cuda_is_an_h100_and_the_report_says_so():
+    import torch
+
+    if torch.cuda.is_available():
+        size, name = gpu_memory(None)
+        assert size == torch.cuda.get_device_properties(0).total_memory and "this machine" in name
+        return
+    assert gpu_memory(None) == (
+        80e9,
+        "H100 80 GB (no GPU here: the default; --gpu h100|h200|b200|<GB> to choose)",
+    )
+
+
+def test_bad_plan_flags_exit_2_before_importing_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from moezoo.training.cli import main; "
+        f"rc = main(['--config', {os.path.join(ROOT, 'zoo', 'moe_65b.yaml')!r}, '--plan', "
+        "*sys.argv[1:]]); print(rc, 'torch' in sys.modules)"
+    )
+    for args in (["--gpu", "a100x"], ["--gpus", "0"]):
+        r = subprocess.run(
+            [sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT
+        )
+        assert r.stdout.split() == ["2", "False"], r.stdout + r.stderr
+        assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith(f"error: {args[0]}: ")
