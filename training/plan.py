@@ -113,6 +113,8 @@ class Plan:
     device: str = "GPU"  # what the report calls one device: "GPU" on CUDA, else "device"
     gpu: str = ""  # the GPU planned for, as the report names it ("" for a CPU run's check)
     available_gpus: Optional[int] = None  # --gpus when the plan uses fewer of them
+    # sparse attention: (budget density over all heads, FLOPs/token with it, dense layers, layers)
+    attention: Optional[tuple] = None
 
     @property
     def fits(self) -> bool:
@@ -415,6 +417,7 @@ def plan(
             "dst state per masked weight: " + ", ".join(f"{k} {v:.2f} B" for k, v in parts.items())
         )
     out = Plan(
+        attention=_attention_work(cfg, model, counts),
         name=cfg.name,
         counts=counts,
         flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len, counts),
@@ -451,11 +454,41 @@ def plan(
     return out
 
 
+def _attention_work(cfg: Config, model, counts) -> Optional[tuple]:
+    """For a model with sparse attention layers: the mean budget density over every head of every
+    layer at ``train.seq_len`` (layers.attention.density.budget_density; dense layers 1), the
+    training FLOPs per token that density does, and how many of the layers are dense."""
+    from moezoo.layers import Attention
+    from moezoo.layers.attention.density import budget_density
+    from moezoo.zoo.flops import flops_per_token
+
+    attns = [m for m in model.modules() if isinstance(m, Attention)]
+    if not any(a.pattern is not None for a in attns):
+        return None
+    T = cfg.train.seq_len
+    dens = [
+        1.0 if a.pattern is None else float(budget_density(a.pattern, a.n_heads, T).mean())
+        for a in attns
+    ]
+    d = sum(dens) / len(dens)
+    n_dense = sum(a.pattern is None for a in attns)
+    return d, flops_per_token(cfg.model, T, counts, attn_density=d), n_dense, len(attns)
+
+
 def _fmt(n: float, units=((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"))) -> str:
     for unit, s in units:
         if n >= unit:
             return f"{n / unit:.2f}{s}"
     return str(int(n))
+
+
+def _attention_line(a: tuple) -> list[str]:
+    d, flops, n_dense, n = a
+    done = _fmt(flops, ((1e12, " T"), (1e9, " G"), (1e6, " M"), (1, " ")))
+    return [
+        f"  attention     sparse in {n - n_dense} of {n} layers: {d:.1%} of the causal pairs "
+        f"(budget) -> {done}FLOP/token done"
+    ]
 
 
 def format_plan(p: Plan) -> str:
@@ -471,6 +504,7 @@ def format_plan(p: Plan) -> str:
         f"  FLOPs/token   "
         f"{_fmt(p.flops_per_token, ((1e12, ' T'), (1e9, ' G'), (1e6, ' M'), (1, ' ')))}FLOP "
         f"(training fwd+bwd, active params, seq_len {p.seq_len})",
+        *(_attention_line(p.attention) if p.attention else []),
         *([f"  gpu           {p.gpu}"] if p.gpu else []),
         f"  layout        {p.n_gpus}{of} {p.device}(s): {p.layout}   [{p.layout_source}]",
         f"  {'memory/' + p.device:<14}(micro-batch {p.batch_size} x {p.seq_len} tokens, "

@@ -257,3 +257,21 @@ def test_bad_plan_flags_exit_2_before_importing_torch():
         )
         assert r.stdout.split() == ["2", "False"], r.stdout + r.stderr
         assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith(f"error: {args[0]}: ")
+
+
+def test_sparse_attention_plan_counts_the_work_its_budget_does_and_dense_layers_add_to_it():
+    sparse = plan(load_config("zoo/sparse_attn_1b_64k.yaml", []), n_gpus=1)
+    hybrid = plan(
+        load_config("zoo/sparse_attn_1b_64k.yaml", ["model.attention.dense_layers=last:2"]),
+        n_gpus=1,
+    )
+    d, done, n_dense, n = sparse.attention
+    assert (n_dense, n) == (0, 16) and 0.03 < d < 0.1
+    model_flops = flops_per_token(
+        load_config("zoo/sparse_attn_1b_64k.yaml", []).model, 65536, sparse.counts
+    )
+    assert done < model_flops == sparse.flops_per_token
+    hd, hdone, h_dense, _ = hybrid.attention
+    assert h_dense == 2 and abs(hd - (14 * d + 2) / 16) < 1e-9 and hdone > done
+    assert "sparse in 14 of 16 layers" in format_plan(hybrid)
+    assert plan(load_config("zoo/tiny_dense.yaml", []), n_gpus=1).attention is None
