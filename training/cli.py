@@ -130,3 +130,7 @@ def _main(args: argparse.Namespace) -> int:
             f"skipped steps {summary['bad_steps']}"
         )
     return 0
+    # the data's paths first: a missing data.source is one line before torch's seconds of import
+    from moezoo.training.corpus import check_source
+
+    check_source(cfg.data)

@@ -13,29 +13,66 @@ not move when files are added. A file's name is its path relative to the source'
 directory, the glob's fixed prefix, the standard library), so the split does not move with the
 corpus either: a corpus copied to another place (a fresh clone, a test's temporary directory) splits
 the same way. A corpus of one document is split by tokens instead (training.data).
+
+Files of a path source that are not UTF-8 text (a NUL byte or invalid UTF-8 in their first 8 KB:
+images, archives, compiled files, text in another encoding) are skipped and counted
+(``Corpus.skipped``); the built-in corpora are read as they are (four standard-library files are
+encoding tests in latin-1 or KOI8-R). ``check_source`` is the check a run makes before importing
+torch: the source exists.
 """
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import json
 import os
 import re
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moezoo.configs import ConfigError, DataConfig
 
 # data.source values that name a built-in corpus rather than a path
 BUILTIN_SOURCES = ("stdlib", "python_packages")
 NO_MATCH = "(a file, directory, glob, .jsonl, 'stdlib' or 'python_packages')"
+SNIFF_BYTES = 8192  # how much of a file the text check reads
 
 
 @dataclass
 class Document:
     name: str
     text: str
+
+
+@dataclass
+class Corpus:
+    documents: list[Document]
+    skipped: list[str] = field(default_factory=list)  # names of files that are not UTF-8 text
+
+
+def check_source(cfg: DataConfig) -> None:
+    """ConfigError on ``data.source`` unless it is a built-in corpus, an existing path or a glob
+    with a file match; and on ``data.tokenizer`` when it names no file. Reads no file."""
+    src = cfg.source
+    if src not in BUILTIN_SOURCES and not os.path.exists(src):
+        if not any(os.path.isfile(f) for f in glob.iglob(src, recursive=True)):
+            raise ConfigError("data.source", f"no file matches {src!r} {NO_MATCH}")
+    if cfg.tokenizer and not os.path.isfile(cfg.tokenizer):
+        raise ConfigError("data.tokenizer", f"file not found: {cfg.tokenizer}")
+
+
+def is_text(head: bytes) -> bool:
+    """Whether a file that starts with ``head`` reads as UTF-8 text: no NUL byte, and valid UTF-8
+    (a multi-byte character cut at the end of ``head`` is fine)."""
+    if b"\0" in head:
+        return False
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _stdlib_files() -> list[str]:
@@ -83,7 +120,14 @@ def _hash01(name: str) -> float:
 def load_documents(cfg: DataConfig) -> list[Document]:
     """All documents of the corpus, in a fixed order (sorted by name hash, then capped by
     max_files)."""
+    return read_corpus(cfg).documents
+
+
+def read_corpus(cfg: DataConfig) -> Corpus:
+    """The corpus's documents (as ``load_documents``) and the files skipped as not text."""
     docs: list[Document] = []
+    skipped: list[str] = []
+    sniff = cfg.source not in BUILTIN_SOURCES
     if cfg.source == "python_packages":
         from .corpus_packages import package_texts
 
@@ -109,10 +153,16 @@ def load_documents(cfg: DataConfig) -> list[Document]:
                     docs.append(Document(f"{name}:{i}", str(rec[cfg.jsonl_field])))
         else:
             try:
-                with open(path, encoding="utf-8", errors="replace") as f:
-                    docs.append(Document(name, f.read()))
+                with open(path, "rb") as f:
+                    data = f.read()
             except OSError as e:
                 raise ConfigError("data.source", f"cannot read {path}: {e.strerror}") from None
+            if sniff and not is_text(data[:SNIFF_BYTES]):
+                skipped.append(name)
+                continue
+            # as text-mode open() reads it: universal newlines
+            text = data.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+            docs.append(Document(name, text))
     docs = [d for d in docs if d.text.strip()]
     # Hash order mixes packages, so max_files picks a varied subset rather than the alphabetically
     # first.
@@ -120,8 +170,9 @@ def load_documents(cfg: DataConfig) -> list[Document]:
     if cfg.max_files:
         docs = docs[: cfg.max_files]
     if not docs:
-        raise ConfigError("data.source", f"corpus {cfg.source!r} is empty")
-    return docs
+        why = f" ({len(skipped)} file(s) skipped: not UTF-8 text)" if skipped else ""
+        raise ConfigError("data.source", f"corpus {cfg.source!r} is empty{why}")
+    return Corpus(docs, sorted(skipped))
 
 
 def split_documents(

@@ -9,12 +9,17 @@ A corpus of several documents is split by document (``corpus.split_documents``).
 document (one text file, one jsonl record) is split by tokens as nanoGPT does: the last
 ``data.val_fraction`` of its tokens is the validation split, and the tokenizer is trained on the
 rest.
+
+Rank 0 prints one line about the corpus before training (``corpus_summary``): documents, the
+train/val split, tokens per split, where the tokenizer and the token files came from; and a warning
+naming the files skipped as not text (training.corpus).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +27,7 @@ import torch
 
 from moezoo.configs import Config, ConfigError
 
-from .corpus import BUILTIN_SOURCES, load_documents, split_documents
+from .corpus import BUILTIN_SOURCES, read_corpus, split_documents
 from .tokenizer import Tokenizer, get_tokenizer
 
 
@@ -50,8 +55,9 @@ class TokenData:
 
 def prepare_data(cfg: Config, is_main: bool = True, barrier=lambda: None) -> TokenData:
     """Load the corpus, get the tokenizer, and memmap the token files (rank 0 writes, others
-    wait)."""
-    docs = load_documents(cfg.data)
+    wait); rank 0 prints the corpus summary."""
+    corpus = read_corpus(cfg.data)
+    docs = corpus.documents
     val_fraction = cfg.data.val_fraction
     # split by tokens below, since a split by document would leave one side empty
     one_doc = len(docs) == 1
@@ -76,7 +82,8 @@ def prepare_data(cfg: Config, is_main: bool = True, barrier=lambda: None) -> Tok
     dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
     key = f"{corpus_key}_{tok.digest}" + (f"_tail{val_fraction}" if one_doc else "")
     paths = {s: os.path.join(cache, f"tokens_{key}_{s}.bin") for s in ("train", "val")}
-    if is_main and not all(os.path.isfile(p) for p in paths.values()):
+    encoded = not all(os.path.isfile(p) for p in paths.values())
+    if is_main and encoded:
         os.makedirs(cache, exist_ok=True)
         if one_doc:
             ids = _encode(tok, [docs[0].text])
@@ -99,7 +106,42 @@ def prepare_data(cfg: Config, is_main: bool = True, barrier=lambda: None) -> Tok
                 f"{s} split has {len(a)} tokens, fewer than train.seq_len+1={need}"
                 + (" (raise data.val_fraction or add text)" if s == "val" else ""),
             )
+    if is_main:
+        if corpus.skipped:
+            shown = ", ".join(corpus.skipped[:5]) + (" ..." if len(corpus.skipped) > 5 else "")
+            print(
+                f"warning: data.source: skipped {len(corpus.skipped)} file(s) that are not UTF-8 "
+                f"text (binary or another encoding): {shown}",
+                file=sys.stderr,
+            )
+        split = (1, 1) if one_doc else (len(train_docs), len(val_docs))
+        print(corpus_summary(cfg, len(docs), split, arrays, tok, encoded), flush=True)
     return TokenData(tok, arrays["train"], arrays["val"])
+
+
+def _count(n: int) -> str:
+    for unit, s in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= unit:
+            return f"{n / unit:.1f}{s}"
+    return str(n)
+
+
+def corpus_summary(
+    cfg: Config, n_docs: int, split: tuple[int, int], arrays: dict, tok: Tokenizer, encoded: bool
+) -> str:
+    """``data: <source>: N documents (a train / b val), x train / y val tokens; tokenizer ...;
+    tokens ...``. ``split``: documents per side (one document: split by tokens)."""
+    d = cfg.data
+    if n_docs == 1:
+        docs = f"1 document (split by tokens: the last {d.val_fraction:g} is val)"
+    else:
+        docs = f"{n_docs} documents ({split[0]} train / {split[1]} val)"
+    tokens = f"{_count(len(arrays['train']))} train / {_count(len(arrays['val']))} val tokens"
+    how = {"given": "given", "cached": "cached", "trained": "trained on the train split"}
+    return (
+        f"data: {d.source}: {docs}, {tokens}; tokenizer {how[tok.origin]} ({tok.path}, "
+        f"{tok.vocab_size} pieces); tokens {'encoded to' if encoded else 'cached in'} {d.cache_dir}"
+    )
 
 
 def sample_batch(

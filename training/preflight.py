@@ -6,12 +6,11 @@ Each failure is a ConfigError naming the key: one line, exit 2 from train.py.
 
 from __future__ import annotations
 
-import glob
 import os
 
 from moezoo.configs import Config, ConfigError
 
-from .corpus import BUILTIN_SOURCES, NO_MATCH
+from .corpus import check_source
 from .tokenizer import MIN_TRAINED_VOCAB, Tokenizer
 
 
@@ -35,16 +34,8 @@ def check_paths(cfg: Config) -> None:
     _check_dir(cfg.data.cache_dir, "data.cache_dir")
     _check_dir(cfg.out_dir, "train.out_dir")
     _check_dir(cfg.checkpoint_dir, "checkpoint.dir" if cfg.checkpoint.dir else "train.out_dir")
-    src = cfg.data.source
-    if (
-        src not in BUILTIN_SOURCES
-        and not os.path.exists(src)
-        and not glob.glob(src, recursive=True)
-    ):
-        raise ConfigError("data.source", f"no file matches {src!r} {NO_MATCH}")
+    check_source(cfg.data)
     if cfg.data.tokenizer:
-        if not os.path.isfile(cfg.data.tokenizer):
-            raise ConfigError("data.tokenizer", f"file not found: {cfg.data.tokenizer}")
         # a small file: loading it is the check that it is a model
         tok = Tokenizer(cfg.data.tokenizer)
         if tok.vocab_size != cfg.model.vocab_size:

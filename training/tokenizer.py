@@ -25,6 +25,9 @@ MIN_TRAINED_VOCAB = 300
 class Tokenizer:
     """``encode(str) -> list[int]``, ``decode(list[int]) -> str``, ``vocab_size``, ``eos_id``."""
 
+    # how the run got it (get_tokenizer): "given" (data.tokenizer), "cached" or "trained"
+    origin = "given"
+
     def __init__(self, model_path: str):
         self.path = model_path
         try:
@@ -108,7 +111,8 @@ def get_tokenizer(
     else:
         os.makedirs(cache_dir, exist_ok=True)
         prefix = os.path.join(cache_dir, f"spm_{corpus_key}_v{vocab_size}")
-        if not os.path.isfile(prefix + ".model"):
+        trained = not os.path.isfile(prefix + ".model")
+        if trained:
             if vocab_size < MIN_TRAINED_VOCAB:
                 raise ConfigError(
                     "model.vocab_size",
@@ -117,6 +121,7 @@ def get_tokenizer(
                 )
             train_tokenizer(texts, vocab_size, prefix)
         tok = Tokenizer(prefix + ".model")
+        tok.origin = "trained" if trained else "cached"
     if tok.vocab_size != vocab_size:
         raise ConfigError(
             "model.vocab_size",

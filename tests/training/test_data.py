@@ -1,12 +1,15 @@
 """Corpus, tokenizer and batch sampling."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 
-from helpers import tiny_overrides
+from helpers import ROOT, tiny_overrides
 from moezoo.configs import ConfigError, DataConfig, load_config
-from moezoo.training.corpus import load_documents, split_documents
+from moezoo.training.corpus import is_text, load_documents, read_corpus, split_documents
 from moezoo.training.data import prepare_data, sample_batch
 
 
@@ -106,3 +109,110 @@ def test_batches_are_a_pure_function_of_seed_step_and_rank():
     # Two ranks of 4 see exactly the global batch one rank of 8 sees.
     x_all, _, _ = sample_batch(tokens, 8, 16, seed=0, step=7)
     assert (torch.cat([x1, x3]) == x_all).all()
+
+
+def write_mixed_folder(root, n_text: int = 12):
+    """``n_text`` text files under ``sub/``, a PNG, a binary blob and a latin-1 text beside them."""
+    words = "the quick brown fox jumps over a lazy dog while alpha beta gamma delta wait".split()
+    rng = np.random.default_rng(0)
+    (root / "sub").mkdir(parents=True)
+    for i in range(n_text):
+        lines = (" ".join(rng.choice(words, 12)) for _ in range(150))
+        (root / "sub" / f"doc{i:02d}.txt").write_text("\n".join(lines))
+    # a real PNG header: signature, then an IHDR chunk whose length field starts with NUL bytes
+    (root / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))
+    (root / "blob.bin").write_bytes(rng.integers(0, 256, 4000, dtype=np.uint8).tobytes())
+    (root / "latin1.txt").write_bytes("café naïve\n".encode("latin-1") * 20)
+
+
+def test_folder_with_a_png_and_a_binary_file_skips_and_counts_them(tmp_path):
+    """Issue 51, finding 7: a folder with a PNG and a binary file trained on them (read with
+    errors="replace")."""
+    write_mixed_folder(tmp_path / "corpus")
+    corpus = read_corpus(DataConfig(source=str(tmp_path / "corpus")))
+    assert corpus.skipped == ["blob.bin", "latin1.txt", "logo.png"]
+    assert sorted(d.name for d in corpus.documents) == [f"sub/doc{i:02d}.txt" for i in range(12)]
+    assert not any("\ufffd" in d.text for d in corpus.documents)
+    # a multi-byte character cut at the end of the sniffed bytes is still text
+    assert is_text("é".encode()[:1]) and not is_text(b"text\0") and not is_text(b"\xff\xfe")
+    # nothing but non-text files: the corpus is empty, and the error says why
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "a.bin").write_bytes(b"\0\1\2")
+    with pytest.raises(ConfigError, match=r"is empty \(1 file\(s\) skipped: not UTF-8 text\)"):
+        read_corpus(DataConfig(source=str(tmp_path / "bin")))
+
+
+def test_builtin_corpus_is_read_as_it_is():
+    # the standard library's encoding tests (latin-1, KOI8-R) stay in the default corpus, as the
+    # split and the caches users already hold expect
+    assert read_corpus(DataConfig(source="stdlib")).skipped == []
+
+
+def test_data_loading_prints_a_corpus_summary_and_a_skipped_files_warning(tmp_path, capfd):
+    """Finding 7: no corpus summary (documents, tokens, tokenizer trained or cached)."""
+    write_mixed_folder(tmp_path / "corpus")
+    cfg = load_config(
+        "zoo/tiny_dense.yaml",
+        tiny_overrides(tmp_path, str(tmp_path / "corpus"), **{"model.vocab_size": 300}),
+    )
+    data = prepare_data(cfg)
+    out, err = capfd.readouterr()
+    assert err.splitlines() == [
+        "warning: data.source: skipped 3 file(s) that are not UTF-8 text (binary or another "
+        "encoding): blob.bin, latin1.txt, logo.png"
+    ]
+    (line,) = out.splitlines()
+    n_val = len(split_documents(read_corpus(cfg.data).documents, cfg.data.val_fraction)[1])
+    assert line.startswith(
+        f"data: {tmp_path / 'corpus'}: 12 documents ({12 - n_val} train / {n_val} val), "
+    )
+    assert f"{len(data.train) / 1e3:.1f}K train / " in line
+    assert "tokenizer trained on the train split (" in line and "tokens encoded to" in line
+    prepare_data(cfg)
+    line = capfd.readouterr().out.strip()
+    assert "tokenizer cached (" in line and "tokens cached in" in line
+    given = load_config(
+        "zoo/tiny_dense.yaml",
+        tiny_overrides(
+            tmp_path,
+            str(tmp_path / "corpus"),
+            **{"model.vocab_size": 300, "data.tokenizer": data.tokenizer.path},
+        ),
+    )
+    prepare_data(given)
+    assert f"tokenizer given ({data.tokenizer.path}, 300 pieces)" in capfd.readouterr().out
+
+
+def test_a_single_file_corpus_summary_says_it_is_split_by_tokens(tmp_path, capfd):
+    write_mixed_folder(tmp_path / "corpus", n_text=1)
+    cfg = load_config(
+        "zoo/tiny_dense.yaml",
+        tiny_overrides(
+            tmp_path,
+            str(tmp_path / "corpus" / "sub" / "doc00.txt"),
+            **{"model.vocab_size": 300, "data.val_fraction": 0.2, "train.seq_len": 32},
+        ),
+    )
+    prepare_data(cfg)
+    assert ": 1 document (split by tokens: the last 0.2 is val), " in capfd.readouterr().out
+
+
+def test_missing_data_source_is_one_line_before_torch_is_imported(tmp_path):
+    """Finding 7: a missing data.source took 7-10 s to report (torch imported first)."""
+    code = (
+        "import sys; from moezoo.training.cli import main; "
+        "rc = main(['--config', 'tiny_dense', *sys.argv[1:]]); print(rc, 'torch' in sys.modules)"
+    )
+    for override, key in (
+        (f"data.source={tmp_path}/missing", "data.source"),
+        (f"data.source={tmp_path}/none*.txt", "data.source"),
+        (f"data.tokenizer={tmp_path}/none.model", "data.tokenizer"),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-c", code, override, f"train.out_dir={tmp_path}/out"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
+        assert r.stdout.split() == ["2", "False"], r.stdout + r.stderr
+        assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith(f"error: {key}: ")
