@@ -243,6 +243,10 @@ class AttentionConfig:
     # must find it; MoBA's dense finish). 0 = none.
     dense_warmup: float = 0.0
     dense_finish: float = 0.0
+    # Short causal convolution over each key channel (taps, 0 = none; 2-8): a key carries the
+    # positions just before it, so one layer can match "the token after x" and a block selection
+    # scores that match (FlashMoBA's key convolution). Every GQA attention layer; identity at init.
+    key_conv: int = 0
 
     def layer_head_patterns(
         self, n_layers: int, n_heads: int, key: str = "model.attention.patterns"
@@ -284,6 +288,11 @@ class AttentionConfig:
 
     def validate(self, n_layers: int, n_heads: int, key: str = "model.attention") -> None:
         check_choice(self.backend, ATTN_BACKENDS, f"{key}.backend")
+        check(
+            self.key_conv == 0 or 2 <= self.key_conv <= 8,
+            f"{key}.key_conv",
+            f"taps of the key convolution: 0 (none) or 2..8, got {self.key_conv}",
+        )
         for name in ("dense_warmup", "dense_finish"):
             v = getattr(self, name)
             check(0.0 <= v <= 1.0, f"{key}.{name}", f"must be a fraction in [0, 1], got {v}")

@@ -185,6 +185,11 @@ class ModelConfig:
                 f"{key}.attention.ssmax",
                 "is for GQA attention (attention_type mha), not MLA",
             )
+            check(
+                not self.attention.key_conv,
+                f"{key}.attention.key_conv",
+                "is for GQA attention (attention_type mha), not MLA",
+            )
         check(
             self.n_heads % self.kv_heads == 0,
             f"{key}.n_kv_heads",

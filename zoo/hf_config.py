@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Optional
 
 from moezoo.configs import AttentionConfig, ConfigError, MLAConfig, ModelConfig, RopeScalingConfig
-from moezoo.configs.errors import check
+from moezoo.configs.errors import check, require_extra
 
 from .hf_moe import moe_from_hf, moe_hf_kwargs, moe_model_type
 
@@ -305,6 +305,9 @@ def hf_model_type(cfg: ModelConfig) -> str:
     types = cfg.layer_ffn_types()
     check(not cfg.attention.ssmax, "model.attention.ssmax", "HF models have no SSMax query scale")
     check(
+        not cfg.attention.key_conv, "model.attention.key_conv", "HF models have no key convolution"
+    )
+    check(
         set(types) <= {"dense", "moe"},
         "model.ffn",
         f"only dense and moe FFNs export to HF, got {sorted(set(types))}",
@@ -334,6 +337,7 @@ def hf_model_type(cfg: ModelConfig) -> str:
 
 def config_to_hf(cfg: ModelConfig):
     """The transformers config of the HF family that computes the same function as ``cfg``."""
+    require_extra("transformers", "hf", "zoo.hf_config.config_to_hf")
     import transformers
 
     model_type = hf_model_type(cfg)

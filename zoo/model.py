@@ -81,6 +81,7 @@ class TransformerBlock(nn.Module):
                 qk_norm=cfg.qk_norm,
                 norm_eps=cfg.norm_eps,
                 ssmax=cfg.attention.ssmax,
+                key_conv=cfg.attention.key_conv,
                 **common,
             )
         self.feed_forward = build_ffn(cfg, ffn_type)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
@@ -127,6 +128,7 @@ class Attention(nn.Module):
         flex_kernel: str = "auto",
         kernel_options: Optional[dict] = None,
         ssmax: bool = False,
+        key_conv: int = 0,
     ):
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
@@ -163,6 +165,16 @@ class Attention(nn.Module):
         # SSMax's per-head slope, float32 like the norms (1-D: no weight decay); zero = plain
         # softmax
         self.ssmax = nn.Parameter(torch.zeros(n_heads)) if ssmax else None
+        # Short causal key convolution (``key_conv`` taps, 0 = none): each key channel becomes a
+        # learned mix of its own and the previous ``key_conv - 1`` positions' projections, before
+        # qk_norm and RoPE, identity at init. A key then carries what came just before it, so a
+        # single layer can match "the token after x" (the copy that retrieval needs, otherwise an
+        # induction circuit over two layers) and a block selection scores that match directly.
+        if key_conv:
+            self.k_conv = nn.Parameter(torch.zeros(n_kv_heads * self.head_dim, key_conv))
+        else:
+            self.k_conv = None
+        self._k_tail: Optional[torch.Tensor] = None  # decode: the last raw keys the conv reads
         # a per-head list of the wrong length or mixed block sizes fails here, not in forward
         if pattern is not None:
             layer_block_size(head_patterns(pattern, n_heads))
@@ -191,6 +203,10 @@ class Attention(nn.Module):
         nn.init.normal_(self.wo.weight, std=out_std)
         if self.ssmax is not None:
             nn.init.zeros_(self.ssmax)
+        if self.k_conv is not None:  # the identity filter: the last tap 1
+            with torch.no_grad():
+                self.k_conv.zero_()
+                self.k_conv[:, -1] = 1.0
         if self.compress_heads:  # gates near sigmoid(0) = 1/2 for both branches at the start
             nn.init.normal_(self.branch_gate.weight, std=std)
             nn.init.zeros_(self.branch_gate.bias)
@@ -213,6 +229,8 @@ class Attention(nn.Module):
                 "its pooled key blocks would mix documents and padding"
             )
         q, k = self.wq(x), self.wk(x)
+        if self.k_conv is not None:
+            k = self._convolve_keys(k, start_pos)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = (rearrange(t, "b s (h d) -> b s h d", d=self.head_dim) for t in (q, k))
@@ -235,6 +253,23 @@ class Attention(nn.Module):
                 x, q, k, v, out, start_pos, self.attn_stats is not stats_before
             )
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))
+
+    def _convolve_keys(self, k: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """``k [B, S, Hk*Dh]`` (the key projection at positions ``start_pos ..``) -> the causal
+        depthwise convolution with ``k_conv [Hk*Dh, W]``: ``out[t] = sum_j k_conv[:, j] *
+        k[t - W + 1 + j]``, positions before 0 reading 0. With a KV cache, the last ``W - 1``
+        projections of the previous call continue the sequence, so decode equals prefill."""
+        W = self.k_conv.shape[1]
+        B, S, C = k.shape
+        if self.cache is not None and start_pos > 0 and self._k_tail is not None:
+            past = self._k_tail
+        else:
+            past = k.new_zeros(B, W - 1, C)
+        full = torch.cat([past.to(k.dtype), k], dim=1)  # [B, W - 1 + S, C]
+        if self.cache is not None:
+            self._k_tail = full[:, full.shape[1] - (W - 1) :].detach()
+        w = self.k_conv.to(k.dtype)[:, None, :]  # [C, 1, W]
+        return F.conv1d(full.transpose(1, 2), w, groups=C).transpose(1, 2)
 
     def _ssmax_scale(
         self, S: int, device: torch.device, start_pos: int, positions: Optional[torch.Tensor]
