@@ -1,5 +1,6 @@
 """The one error type a bad config raises: its message names the key path and the reason."""
 
+import importlib.util
 import sys
 
 
@@ -9,6 +10,23 @@ class ConfigError(ValueError):
     def __init__(self, key: str, reason: str):
         self.key, self.reason = key, reason
         super().__init__(f"{key}: {reason}" if key else reason)
+
+
+class MissingExtra(ConfigError, ImportError):
+    """An optional dependency is not installed: a ConfigError (one line, exit 2 from the command
+    lines) and an ImportError (what library callers expect)."""
+
+
+def require_extra(module: str, extra: str, key: str) -> None:
+    """``MissingExtra`` naming ``key`` (the flag or config key that needs it) and the pip extra
+    that installs ``module``, unless it can be imported. Looks the module up without importing it
+    (transformers takes seconds), so a command can check before any work."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package or an import hook that refuses it
+        found = False
+    if not found:
+        raise MissingExtra(key, f"needs {module}: pip install 'moezoo[{extra}]'")
 
 
 def check(cond: bool, key: str, reason: str) -> None:

@@ -2,10 +2,10 @@
 compile-on-first-launch; and ``to_device``, the host-to-GPU copy that does not wait for the GPU
 (kernel tables, index lists, batches).
 
-Triton is optional (pyproject installs it on Linux only; a laptop may lack it): whether it imports
-is decided once, here, at import. Without it every op runs its torch reference (``use_triton`` is
-False) and the kernel modules still import (their ``triton`` / ``tl`` names are None; kernel bodies
-are only compiled on a launch, which never happens then).
+Triton is optional (torch's CUDA wheels bring it; pyproject's gpu and dev extras install it):
+whether it imports is decided once, here, at import. Without it every op runs its torch reference
+(``use_triton`` is False) and the kernel modules still import (their ``triton`` / ``tl`` names are
+None; kernel bodies are only compiled on a launch, which never happens then).
 
 Kernels are wrapped with ``triton.jit`` at their first launch rather than at import, because Triton
 decides between compiled and interpreted execution at decoration time: a test that sets

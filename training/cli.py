@@ -16,6 +16,7 @@ import argparse
 import sys
 
 from moezoo.configs import exit_code, load_config, to_dict
+from moezoo.configs.errors import require_extra
 from moezoo.configs.presets import resolve_config_path
 
 
@@ -134,3 +135,5 @@ def _main(args: argparse.Namespace) -> int:
     from moezoo.training.corpus import check_source
 
     check_source(cfg.data)
+    if cfg.model.init_from:
+        require_extra("transformers", "hf", "model.init_from")

@@ -20,6 +20,7 @@ import sys
 import yaml
 
 from moezoo.configs import Config, ConfigError, to_dict
+from moezoo.configs.errors import require_extra
 
 
 def export_hf(model, tokenizer_path: str, out_dir: str) -> None:
@@ -63,6 +64,8 @@ def main(argv=None) -> int:
         model, tok, cfg, ckpt = load_run(a.run)
         if a.hf:
             export_hf(model, tok.path, a.hf)
+        if a.hf:
+            require_extra("transformers", "hf", "--hf")
         if a.file:
             export_file(model, cfg, a.file)
     except ConfigError as e:

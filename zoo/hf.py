@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from moezoo.configs import ConfigError, ModelConfig
+from moezoo.configs.errors import require_extra
 
 from .hf_config import ARCHITECTURES, config_from_hf, config_to_hf
 from .model import Transformer
@@ -243,6 +244,7 @@ def from_hf(hf_model: nn.Module, moe_backend: str = "auto") -> Transformer:
 def to_hf(model: Transformer) -> nn.Module:
     """A fresh HF model (of the family zoo.hf_config.hf_model_type picks for ``model.cfg``) with the
     same logits."""
+    require_extra("transformers", "hf", "zoo.hf.to_hf")
     import transformers
 
     hc = config_to_hf(model.cfg)
