@@ -61,12 +61,40 @@ def _flex_fn(device: torch.device):
     return _compiled_flex
 
 
+# flash-attn-4 4.0.0b5 to 4.0.0b25 start the Hopper backward before its bwd_preprocess kernel ends
+# (programmatic dependent launch), and the block-sparse path, which every flex call with a
+# BlockMask takes, loaded LSE / dPsum and reduce-added into dQaccum before the preprocess had
+# written / zeroed them: wrong or NaN gradients in 0.1-1% of backward launches
+# (Dao-AILab/flash-attention PR #2756, released in 4.0.0b26). ``auto`` runs FLASH only from there;
+# tests/layers/attention/test_sparse_backward_gpu.py checks the gradients and 200 repeated launches.
+FLASH_BACKWARD_FIXED_IN = "4.0.0b26"
+
+
+def flash_release_known_good(version: Optional[str]) -> bool:
+    """True for a flash-attn-4 release at or past ``FLASH_BACKWARD_FIXED_IN``; False for None (no
+    such distribution) or a version string that does not parse."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return version is not None and Version(version) >= Version(FLASH_BACKWARD_FIXED_IN)
+    except InvalidVersion:
+        return False
+
+
 @functools.cache
 def flash_kernel_available() -> bool:
-    """flash-attn-4 importable and a Hopper/Blackwell GPU (probed once per process)."""
+    """flash-attn-4 importable, a Hopper/Blackwell GPU and a flash-attn-4 release whose block-sparse
+    backward is known good (probed once per process)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     from moezoo.configs.attention import fast_path_missing
 
-    return fast_path_missing("cuda") is None
+    if fast_path_missing("cuda") is not None:
+        return False
+    try:
+        return flash_release_known_good(version("flash-attn-4"))
+    except PackageNotFoundError:
+        return False
 
 
 def pick_flex_kernel(kernel: str, pats, T: int, block_size: int) -> str:
