@@ -27,6 +27,9 @@ class Config:
 
     @property
     def out_dir(self) -> str:
+        """The run folder: ``train.out_dir``, which the trainer sets to a new ``runs/<name>/<N>``
+        when it is not given (training.run_folder); until then ``runs/<name>``, the folder
+        holding this config's runs."""
         return self.train.out_dir or f"runs/{self.name}"
 
     @property

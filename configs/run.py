@@ -102,8 +102,10 @@ class TrainConfig:
     # consecutive non-finite steps before rolling back to the last checkpoint
     max_bad_steps: int = 3
     max_rollbacks: int = 3  # rollbacks without a new checkpoint in between before the run stops
-    out_dir: Optional[str] = None  # default runs/<name>
-    # start fresh in a folder holding another run's checkpoints, deleting them
+    # None = each new run gets runs/<name>/<N> (N = 1, 2, ...; --resume takes the latest:
+    # training.run_folder); a path = exactly that folder
+    out_dir: Optional[str] = None
+    # start fresh in a train.out_dir holding another run's checkpoints, deleting them
     overwrite: bool = False
     threads: int = 0  # torch CPU threads; 0 = torch default
 
@@ -141,13 +143,29 @@ class TrainConfig:
 @dataclass
 class OptimConfig:
     lr: float = 3e-4
-    min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
+    min_lr_ratio: float = 0.1  # the schedule's floor (its end) as a fraction of lr
     warmup_steps: int = 100
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 = off
+    # The lr's shape (training.optim.plan_schedule): cosine = linear warm-up over warmup_steps,
+    # then cosine to lr * min_lr_ratio at train.steps | wsd = warm-up, stable at lr, then a linear
+    # decay to the floor over the last decay_fraction of train.steps (warmup-stable-decay: a run
+    # extended while stable keeps training at lr, and its decay moves to the new end)
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2
+    # A resumed run whose train.steps (or schedule keys) differ from its checkpoint's:
+    # continue = from the lr it reached, never above it (a wsd run still stable stays at lr until
+    # its moved decay; otherwise a decay from the reached lr to the floor over the remaining steps;
+    # a finished cosine run holds the floor) | rewarm = warm up from the reached lr to lr over
+    # warmup_steps again, then the schedule's shape to the new end
+    extend: str = "continue"
+    # A run starting from model.init_from is continued training: its peak lr and warm-up. None =
+    # lr * min_lr_ratio (where a run of this config ends) and warmup_steps // 10.
+    init_from_lr: Optional[float] = None
+    init_from_warmup_steps: Optional[int] = None
     # torch's AdamW kernel, as torchtitan's optimizer.implementation: auto (fused on CUDA, where it
     # is one launch for all parameters; foreach on CPU, where it is the faster one) | fused |
     # foreach. train.param_dtype bfloat16 runs its own kernel (MasterAdamW) whatever this says.
@@ -173,6 +191,19 @@ class OptimConfig:
                 f"must be in [0, 1), got {getattr(self, n)}",
             )
         check(self.grad_clip >= 0, f"{key}.grad_clip", f"must be >= 0, got {self.grad_clip}")
+        check_choice(self.schedule, ("cosine", "wsd"), f"{key}.schedule")
+        check(
+            0.0 < self.decay_fraction <= 1.0,
+            f"{key}.decay_fraction",
+            f"must be in (0, 1], got {self.decay_fraction}",
+        )
+        check_choice(self.extend, ("continue", "rewarm"), f"{key}.extend")
+        check_positive(self, key, "init_from_lr")
+        check(
+            self.init_from_warmup_steps is None or self.init_from_warmup_steps >= 0,
+            f"{key}.init_from_warmup_steps",
+            f"must be >= 0, got {self.init_from_warmup_steps}",
+        )
         check(
             self.implementation in ("auto", "fused", "foreach"),
             f"{key}.implementation",

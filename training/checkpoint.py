@@ -172,6 +172,15 @@ def _manifest(path: str) -> dict:
         return {}
 
 
+def _ends_schedule(path: str) -> bool:
+    """Whether checkpoint ``path`` was saved at the last step of its run's ``train.steps``."""
+    try:
+        state = read_train_state(path)
+    except CheckpointError:
+        return False
+    return state["step"] == state.get("total_steps")
+
+
 def scan_checkpoints(ckpt_dir: str) -> list[tuple[int, str, str | None]]:
     """Every ``step_*`` directory as (step, path, problem), oldest first; problem None =
     complete."""
@@ -344,8 +353,8 @@ def save_checkpoint(
     ckpt_dir: str, step: int, model, optimizer, train_state: dict, cfg: Config, keep_last: int = 3
 ) -> str:
     """Collective: every rank calls it. Returns the final checkpoint path. Rotation keeps the newest
-    ``keep_last`` checkpoints of this run (``train_state["run_id"]``) and never touches another
-    run's."""
+    ``keep_last`` checkpoints of this run (``train_state["run_id"]``), and the newest one saved at
+    the end of its schedule (step == ``total_steps``), and never touches another run's."""
     rank = _rank()
     final = os.path.join(ckpt_dir, f"step_{step:08d}")
     tmp = os.path.join(ckpt_dir, f".tmp_step_{step:08d}")
@@ -377,8 +386,12 @@ def save_checkpoint(
             remove_checkpoint(final)
         os.replace(tmp, final)
         ours = [p for _, p in list_checkpoints(ckpt_dir) if _manifest(p).get("run_id") == run_id]
+        # The newest checkpoint that ended its schedule (a finished run's last step) stays too:
+        # the saves of an extension rotate their own checkpoints, never the finished run away.
+        finished = [p for p in ours if _ends_schedule(p)][-1:]
         for old in ours[:-keep_last]:
-            remove_checkpoint(old)
+            if old not in finished:
+                remove_checkpoint(old)
     _barrier()
     return final
 

@@ -1,7 +1,11 @@
-"""Command line: ``python train.py --config tiny_dense [key=value ...] [--resume
-[--trust-checkpoint]] [--plan [--gpus N]] [--print-config]``.
+"""Command line: ``python train.py --config tiny_dense [key=value ...] [--resume [RUN]
+[--trust-checkpoint]] [--plan [--gpus N]] [--print-config]``; overrides may come before, between
+or after the flags.
 
-``--config`` takes a YAML path or a shipped preset's name (``tiny_dense``, zoo/*.yaml). Bad input
+``--config`` takes a YAML path or a shipped preset's name (``tiny_dense``, zoo/*.yaml). A new run
+writes to a new folder ``runs/<name>/<N>`` (training.run_folder); ``--resume`` continues the latest
+run of the config's name (or RUN: ``runs/<name>/3``, any run folder) from its checkpoint's config,
+with the command line's overrides on top (``--config`` may then be left out). Bad input
 (unknown key, wrong type, missing file, inconsistent sizes, a run that cannot fit) prints one line
 naming the key or file and exits with code 2, before any training starts.
 
@@ -13,6 +17,7 @@ alone plus the model's layers on the meta device.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from moezoo.configs import exit_code, load_config, to_dict
@@ -27,7 +32,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--config",
-        required=True,
         help="preset YAML path, or a shipped preset's name, e.g. tiny_dense",
     )
     p.add_argument(
@@ -36,7 +40,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="dotted overrides applied last, e.g. model.n_layers=2 train.steps=50",
     )
     p.add_argument(
-        "--resume", action="store_true", help="continue from the latest complete checkpoint"
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="RUN",
+        help="continue the latest run of the config's name (or RUN, a run folder such as "
+        "runs/tiny_dense/3) from its newest checkpoint, with its saved config and the "
+        "overrides given here on top",
     )
     p.add_argument(
         "--trust-checkpoint",
@@ -76,7 +87,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="print the resolved config (every key, defaults included) as YAML and exit",
     )
-    return p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Intermixed: "name=x --resume train.steps=60" parses like "--resume name=x train.steps=60".
+    args = p.parse_intermixed_args(argv)
+    if isinstance(args.resume, str) and "=" in args.resume and not os.path.isdir(args.resume):
+        # an override right after --resume, not a run folder; overrides keep their order
+        args.overrides = sorted([*args.overrides, args.resume], key=argv.index)
+        args.resume = True
+    if args.config is None and not isinstance(args.resume, str):
+        p.error("the following arguments are required: --config (or --resume RUN)")
+    return args
 
 
 def main(argv=None) -> int:
@@ -93,12 +113,14 @@ def main(argv=None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    overrides = (
-        list(args.overrides)
-        + (["checkpoint.resume=true"] if args.resume else [])
-        + (["checkpoint.trust=true"] if args.trust_checkpoint else [])
-    )
-    cfg = load_config(resolve_config_path(args.config), overrides)
+    overrides = list(args.overrides) + (["checkpoint.trust=true"] if args.trust_checkpoint else [])
+    cfg = load_config(resolve_config_path(args.config), overrides) if args.config else None
+    if args.resume:
+        from moezoo.training.run_folder import resume_config
+
+        run = args.resume if isinstance(args.resume, str) else None
+        trust = args.trust_checkpoint or bool(cfg and cfg.checkpoint.trust)
+        cfg = resume_config(cfg, overrides, run, trust)
     if args.print_config:
         import yaml
 
@@ -113,6 +135,12 @@ def _main(args: argparse.Namespace) -> int:
 
         run_passkey(cfg)
         return 0
+    # the data's paths first: a missing data.source is one line before torch's seconds of import
+    from moezoo.training.corpus import check_source
+
+    check_source(cfg.data)
+    if cfg.model.init_from:
+        require_extra("transformers", "hf", "model.init_from")
     # torch.distributed, layers, kernels: only to train
     from moezoo.training.loop import (
         TrainingDiverged,
@@ -131,9 +159,3 @@ def _main(args: argparse.Namespace) -> int:
             f"skipped steps {summary['bad_steps']}"
         )
     return 0
-    # the data's paths first: a missing data.source is one line before torch's seconds of import
-    from moezoo.training.corpus import check_source
-
-    check_source(cfg.data)
-    if cfg.model.init_from:
-        require_extra("transformers", "hf", "model.init_from")

@@ -25,8 +25,10 @@ from moezoo.configs.errors import require_extra
 
 def export_hf(model, tokenizer_path: str, out_dir: str) -> None:
     from moezoo.zoo.hf import to_hf
+    from moezoo.zoo.pretrained import quiet_transformers
 
-    to_hf(model).save_pretrained(out_dir, safe_serialization=True)
+    with quiet_transformers():
+        to_hf(model).save_pretrained(out_dir, safe_serialization=True)
     shutil.copyfile(tokenizer_path, os.path.join(out_dir, "tokenizer.model"))
 
 
@@ -49,7 +51,10 @@ def main(argv=None) -> int:
         prog="python -m moezoo.training.export", description=__doc__.split("\n\n")[0]
     )
     p.add_argument(
-        "--run", required=True, help="run folder (runs/<name>), checkpoint dir or step_* checkpoint"
+        "--run",
+        required=True,
+        help="runs/<name> (its latest run), a run folder (runs/<name>/<N>), its checkpoints/ or "
+        "one step_* checkpoint",
     )
     p.add_argument("--hf", default=None, help="write a transformers save_pretrained folder here")
     p.add_argument(
@@ -59,13 +64,13 @@ def main(argv=None) -> int:
     try:
         if not (a.hf or a.file):
             raise ConfigError("export", "give --hf DIR and/or --file PATH")
+        if a.hf:
+            require_extra("transformers", "hf", "--hf")
         from .trained import load_run
 
         model, tok, cfg, ckpt = load_run(a.run)
         if a.hf:
             export_hf(model, tok.path, a.hf)
-        if a.hf:
-            require_extra("transformers", "hf", "--hf")
         if a.file:
             export_file(model, cfg, a.file)
     except ConfigError as e:

@@ -18,7 +18,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         prog="python -m moezoo.training.generate", description=__doc__.split("\n\n")[0]
     )
     p.add_argument(
-        "--run", required=True, help="run folder (runs/<name>), checkpoint dir or step_* checkpoint"
+        "--run",
+        required=True,
+        help="runs/<name> (its latest run), a run folder (runs/<name>/<N>), its checkpoints/ or "
+        "one step_* checkpoint",
     )
     p.add_argument("--prompt", default="", help="text to continue (default: start from nothing)")
     p.add_argument("--max-new-tokens", type=int, default=200)

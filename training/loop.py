@@ -18,7 +18,6 @@ import signal
 import sys
 import threading
 import time
-import warnings
 from contextlib import nullcontext
 
 import numpy as np
@@ -54,8 +53,8 @@ from .optim import (
     build_scheduler,
     describe_schedule,
     extend_schedule,
+    lr_at,
     plan_schedule,
-    schedule_targets,
 )
 from .parallel import (
     all_reduce_mean,
@@ -104,9 +103,20 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C, after the checkpoint of the step it stopped at was saved; ``str`` says where."""
 
 
+# schedule_targets' keys, as the resume line names them
+_TARGET_NAMES = {
+    "schedule": "optim.schedule",
+    "lr": "peak lr",
+    "floor": "floor lr",
+    "warmup": "warm-up steps",
+    "decay_fraction": "optim.decay_fraction",
+    "steps": "train.steps",
+}
+
+
 class Trainer:
     def __init__(self, cfg: Config):
-        self.cfg = cfg
+        self.cfg, self.init_from_line = cfg, None
         if cfg.model.init_from and not cfg.checkpoint.resume:
             from moezoo.zoo.pretrained import prepare_init_from
 
@@ -156,7 +166,7 @@ class Trainer:
         if init_from:
             from moezoo.zoo.pretrained import check_init_from, prepare_init_from
 
-            if not hasattr(self, "init_from_line"):  # --resume found no checkpoint
+            if self.init_from_line is None:  # --resume found no checkpoint
                 self.init_from_line = prepare_init_from(cfg)
             # reads the HF config only: a mismatch fails before the data work
             check_init_from(cfg.model)
@@ -256,7 +266,7 @@ class Trainer:
         if cfg.checkpoint.resume and self.resume_path is None:
             self.warn(f"no checkpoint in {cfg.checkpoint_dir}; starting from step 0")
         elif self.resume_path:
-            self._restore(self.resume_path, resuming=True)
+            replanned = self._restore(self.resume_path)
             self.saved_step = self.step
             if self.par.is_main:
                 trim_metrics(self.metrics_path, self.step)
@@ -268,6 +278,8 @@ class Trainer:
                 )
             else:
                 self.print(f"resumed from {self.resume_path} at step {self.step}")
+                if replanned:
+                    self.print(replanned)
         self.logger = make_logger(cfg, cfg.out_dir, self.par.rank, self.wandb_id)
         self.wandb_id = getattr(self.logger.run, "id", None)
         self.tokens_per_step = (
@@ -349,6 +361,14 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
 
+    def _share(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+        if not self.par.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     # ---- state -----------------------------------------------------------------------------------
     def train_state(self) -> dict:
         return {
@@ -367,7 +387,9 @@ class Trainer:
             "total_steps": self.cfg.train.steps,
         }
 
-    def _restore(self, path: str, resuming: bool = False) -> None:
+    def _restore(self, path: str) -> str | None:
+        """Load checkpoint ``path`` into the trainer; returns a line describing the lr schedule
+        when it was re-planned (``_restore_schedule``)."""
         state = load_checkpoint(path, self.model, self.optimizer, self.cfg.checkpoint.trust)
         self.step, self.epoch, self.bad_total = state["step"], state["epoch"], state["bad_total"]
         self.best_val = state["best_val"]
@@ -377,30 +399,32 @@ class Trainer:
         # e.g. the MoE load routed since the last bias update belongs to dropped steps
         for method in self.sparsity:
             method.skipped_step()
-        old_steps = state.get("total_steps", self.cfg.train.steps)
-        if old_steps == self.cfg.train.steps:
-            self.scheduler.load_state_dict(state["scheduler"])
-        else:
-            self._rebuild_schedule()
-            if resuming:
-                self.print(
-                    f"train.steps changed from {old_steps} to {self.cfg.train.steps}: "
-                    f"learning-rate schedule rebuilt for {self.cfg.train.steps} steps "
-                    f"(lr now {self.optimizer.param_groups[0]['lr']:.2e})"
-                )
+        return self._restore_schedule(state)
 
-    def _rebuild_schedule(self) -> None:
-        """The schedule a run of the new ``train.steps`` would be at now: built fresh and stepped
-        ``step`` times (the saved one would keep the old length, or restart its cosine upward when
-        extended)."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = group["initial_lr"]
-        self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.cfg.train.steps)
-        # "lr_scheduler.step() before optimizer.step()": replaying, on purpose
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for _ in range(self.step):
-                self.scheduler.step()
+    def _restore_schedule(self, state: dict) -> str | None:
+        """The checkpoint's lr schedule when it was planned for this run's targets (length, peak,
+        shape; optim.schedule_targets); else the steps ahead re-planned from the lr the checkpoint
+        reached, as ``optim.extend`` says (optim.extend_schedule), and a line saying so."""
+        saved, targets = state["scheduler"], self.scheduler.targets
+        if "targets" not in saved:  # a schedule planned for the run's length by torch schedulers
+            old = {**targets, "steps": state.get("total_steps", targets["steps"])}
+            saved = {"pieces": plan_schedule(old), "targets": old}
+        if saved["targets"] == targets:
+            self.scheduler.load_state_dict({**saved, "step": self.step})
+            return None
+        mode, reached = self.cfg.optim.extend, lr_at(saved["pieces"], self.step)
+        pieces = extend_schedule(saved["pieces"], self.step, reached, targets, mode)
+        self.scheduler = Schedule(self.optimizer, pieces, targets, self.step)
+        changed = ", ".join(
+            f"{_TARGET_NAMES[k]} {saved['targets'].get(k)} -> {v}"
+            for k, v in targets.items()
+            if saved["targets"].get(k) != v
+        )
+        hint = f"; optim.extend=rewarm warms up to {targets['lr']:.2e} first"
+        return (
+            f"{changed}: lr {describe_schedule(pieces, self.step)} "
+            f"(optim.extend={mode}{hint if mode == 'continue' else ''})"
+        )
 
     def save(self) -> str:
         self.settle()

@@ -1,7 +1,8 @@
-"""AdamW with decoupled weight decay on matrices only, and linear warm-up + cosine decay (torch
-schedulers); ``CompactAdamW``: the same AdamW keeping DST-masked weights' moments for their active
-entries only; ``MasterAdamW``: the same AdamW for a model whose matmul weights are held in bfloat16,
-with their float32 master copies in the optimizer (``train.param_dtype: bfloat16``)."""
+"""AdamW with decoupled weight decay on matrices only, and the lr schedule (warm-up, then cosine
+or warmup-stable-decay; re-planned when a resumed run is extended); ``CompactAdamW``: the same
+AdamW keeping DST-masked weights' moments for their active entries only; ``MasterAdamW``: the
+same AdamW for a model whose matmul weights are held in bfloat16, with their float32 master copies
+in the optimizer (``train.param_dtype: bfloat16``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
 from moezoo.configs import ConfigError, OptimConfig
 from moezoo.kernels.adamw import adamw_
@@ -57,17 +57,145 @@ def build_optimizer(
     return cls(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
 
 
-def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
-    """Linear warm-up from lr/warmup to lr over ``warmup_steps``, then cosine to ``lr *
-    min_lr_ratio``."""
-    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
-    cosine = CosineAnnealingLR(
-        opt, T_max=max(total_steps - warmup, 1), eta_min=cfg.lr * cfg.min_lr_ratio
-    )
-    if warmup == 0:
-        return cosine
-    ramp = LinearLR(opt, start_factor=1.0 / warmup, end_factor=1.0, total_iters=warmup)
-    return SequentialLR(opt, [ramp, cosine], milestones=[warmup])
+# ---- learning-rate schedule ----------------------------------------------------------------------
+# A schedule is a list of pieces {"start", "end", "from", "to", "shape"}: the lr goes from "from" at
+# step "start" to "to" at step "end" (shape linear or cosine) and holds "to" after it; at a step the
+# last piece starting at or before it gives the lr. Pieces are JSON, so a checkpoint holds the
+# schedule itself and a resumed run follows it bit for bit, and an extended run keeps the pieces it
+# has trained through and plans only the steps ahead (extend_schedule).
+
+
+def schedule_targets(cfg: OptimConfig, total_steps: int, init_from: bool = False) -> dict:
+    """What a schedule is planned from: shape, peak lr, floor, warm-up steps, wsd's decay fraction
+    and the run's length. A resumed run whose targets differ from its checkpoint's re-plans the
+    steps ahead (``optim.extend``). ``init_from``: a run starting from pretrained weights, which is
+    continued training: ``optim.init_from_lr`` (default ``lr * min_lr_ratio``, where a run of this
+    config ends) and ``optim.init_from_warmup_steps`` (default ``warmup_steps // 10``)."""
+    lr, warmup = cfg.lr, cfg.warmup_steps
+    if init_from:
+        lr = cfg.lr * cfg.min_lr_ratio if cfg.init_from_lr is None else cfg.init_from_lr
+        warmup = cfg.init_from_warmup_steps
+        warmup = cfg.warmup_steps // 10 if warmup is None else warmup
+    return {
+        "schedule": cfg.schedule,
+        "lr": lr,
+        "floor": lr * cfg.min_lr_ratio,
+        "warmup": warmup,
+        "decay_fraction": cfg.decay_fraction if cfg.schedule == "wsd" else None,
+        "steps": total_steps,
+    }
+
+
+def _piece(start: int, end: int, lr0: float, lr1: float, shape: str = "linear") -> dict:
+    return {"start": start, "end": end, "from": lr0, "to": lr1, "shape": shape}
+
+
+def _decay(t: dict, start: int, lr: float) -> list[dict]:
+    """From ``lr`` at step ``start`` to the floor at ``t["steps"]``: a cosine, or for wsd flat at
+    ``lr`` until the last ``decay_fraction`` of the steps, then linear (at once when ``start`` is
+    already inside them). Never above ``lr``."""
+    end, floor = t["steps"], min(t["floor"], lr)
+    if floor == lr:
+        return [_piece(start, max(end, start + 1), lr, lr)]
+    if t["schedule"] == "cosine":
+        return [_piece(start, max(end, start + 1), lr, floor, "cosine")]
+    decay_start = max(start, end - max(1, round(t["decay_fraction"] * end)))
+    flat = [_piece(start, decay_start, lr, lr)] if decay_start > start else []
+    return flat + [_piece(decay_start, max(end, decay_start + 1), lr, floor)]
+
+
+def plan_schedule(t: dict) -> list[dict]:
+    """A fresh run's pieces: linear warm-up from ``lr / warmup`` to ``lr`` over ``warmup`` steps
+    (at most all but the last step), then ``_decay`` from ``lr`` to the floor."""
+    warmup = min(t["warmup"], max(t["steps"] - 1, 0))
+    ramp = [_piece(0, warmup, t["lr"] / warmup, t["lr"])] if warmup else []
+    return ramp + _decay(t, warmup, t["lr"])
+
+
+def extend_schedule(pieces: list[dict], step: int, lr_now: float, t: dict, mode: str) -> list[dict]:
+    """Re-plan the steps from ``step`` on for targets ``t`` (a resumed run whose length or schedule
+    keys changed), keeping the pieces it has trained through. ``lr_now``: the lr the checkpoint
+    reached (its next step's).
+
+    ``continue``: never above ``lr_now`` (only a warm-up under way goes on rising: the fresh plan
+    for ``t`` then). A cosine decays from ``lr_now`` to the floor over the remaining steps, so a
+    finished run holds the floor; wsd holds ``lr_now`` and decays over the last ``decay_fraction``
+    of the new length, so a run extended while stable keeps training at its lr and its decay moves
+    to the new end. ``rewarm``: linear from ``lr_now`` to the peak over ``warmup`` steps, then the
+    shape's decay from the peak."""
+    if mode == "continue" and step < min(t["warmup"], t["steps"] - 1):
+        return plan_schedule(t)
+    kept = [p for p in pieces if p["start"] < step]
+    if mode == "rewarm":
+        warmup = min(t["warmup"], max(t["steps"] - step - 1, 0))
+        ramp = [_piece(step, step + warmup, lr_now, t["lr"])] if warmup else []
+        return kept + ramp + _decay(t, step + warmup, t["lr"])
+    return kept + _decay(t, step, lr_now)
+
+
+def lr_at(pieces: list[dict], step: int) -> float:
+    p = next((p for p in reversed(pieces) if p["start"] <= step), pieces[0])
+    frac = min(max((step - p["start"]) / (p["end"] - p["start"]), 0.0), 1.0)
+    if p["shape"] == "cosine":
+        return p["to"] + (p["from"] - p["to"]) * (1 + math.cos(math.pi * frac)) / 2
+    return p["from"] + (p["to"] - p["from"]) * frac
+
+
+def describe_schedule(pieces: list[dict], step: int) -> str:
+    """The lr from ``step`` on, in words: ``3.00e-04 at step 600, cosine to 3.00e-05 at 1200``."""
+    out = [f"{lr_at(pieces, step):.2e} at step {step}"]
+    ahead = [p for p in pieces if p["end"] > step]
+    for i, p in enumerate(ahead):
+        if i + 1 < len(ahead) and ahead[i + 1]["start"] <= step:
+            continue  # shadowed by a later piece
+        if p["from"] == p["to"]:
+            out.append(f"flat to {p['end']}")
+        else:
+            out.append(f"{p['shape']} to {p['to']:.2e} at {p['end']}")
+    return ", ".join(out)
+
+
+class Schedule:
+    """The lr of every param group as a function of the step (pieces, above): ``step()`` after
+    each optimizer step sets the next step's lr, as torch's schedulers do (and, as they do, each
+    group's ``initial_lr`` keeps the lr it was built with). ``state_dict()`` is JSON: the pieces,
+    the targets they were planned from and the step."""
+
+    def __init__(self, optimizer, pieces: list[dict], targets: dict, step: int = 0):
+        self.optimizer, self.pieces, self.targets, self.last_step = optimizer, pieces, targets, step
+        for group in optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+        self._apply()
+
+    def _apply(self) -> None:
+        lr = lr_at(self.pieces, self.last_step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> None:
+        self.last_step += 1
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        return {"pieces": self.pieces, "targets": self.targets, "step": self.last_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pieces, self.targets = state["pieces"], state["targets"]
+        self.last_step = state["step"]
+        self._apply()
+
+
+def build_scheduler(
+    opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int, init_from: bool = False
+) -> Schedule:
+    """A fresh run's schedule (``optim.schedule``): cosine = linear warm-up from lr/warmup to lr
+    over ``warmup_steps``, then cosine to ``lr * min_lr_ratio``; wsd = the same warm-up, flat at
+    lr, linear to the floor over the last ``decay_fraction`` of the steps."""
+    targets = schedule_targets(cfg, total_steps, init_from)
+    return Schedule(opt, plan_schedule(targets), targets)
 
 
 def autocast_weights(model: nn.Module) -> list[nn.Parameter]:

@@ -4,9 +4,9 @@ tokenizer.
     model, tokenizer, cfg, path = load_run("runs/tiny_dense")
 
 ``run`` is a run folder (``train.out_dir``, holding ``checkpoints/`` and the ``tokenizer.model`` the
-trainer copies there), a checkpoint directory, or one ``step_*`` checkpoint. The tokenizer is the
-run folder's copy (checked against the digest the checkpoint recorded), never a search through a
-cache.
+trainer copies there), ``runs/<name>`` (its latest run), a checkpoint directory, or one ``step_*``
+checkpoint. The tokenizer is the run folder's copy (checked against the digest the checkpoint
+recorded), never a search through a cache.
 """
 
 from __future__ import annotations
@@ -19,19 +19,21 @@ TOKENIZER_FILE = "tokenizer.model"  # the run folder's copy of the tokenizer it 
 
 
 def find_checkpoint(run: str) -> str:
-    """The checkpoint ``run`` names: itself (a ``step_*`` dir), else the latest under it or its
-    checkpoints/."""
+    """The checkpoint ``run`` names: itself (a ``step_*`` dir), else the latest of a run folder, of
+    the latest run under ``runs/<name>`` (training.run_folder.latest_run) or of a checkpoints/
+    folder."""
     from .checkpoint import MANIFEST, latest_checkpoint
+    from .run_folder import latest_run
 
     if os.path.isfile(os.path.join(run, MANIFEST)):
         return run
-    for d in (os.path.join(run, "checkpoints"), run):
-        path = latest_checkpoint(d)
-        if path:
-            return path
-    raise ConfigError(
-        "--run", f"no complete checkpoint in {run} or {os.path.join(run, 'checkpoints')}"
-    )
+    folder = latest_run(run)
+    path = latest_checkpoint(os.path.join(folder, "checkpoints") if folder else run)
+    if path is None:
+        raise ConfigError(
+            "--run", f"no complete checkpoint in {run}, its checkpoints/ or a run {run}/<N>"
+        )
+    return path
 
 
 def run_folder(ckpt: str, cfg: Config) -> str:

@@ -13,7 +13,6 @@ from moezoo.configs import load_config
 from moezoo.training.checkpoint import list_checkpoints, save_checkpoint
 from moezoo.training.cli import main, parse_args
 from moezoo.training.loop import Interrupted, Trainer
-from moezoo.training.optim import build_scheduler
 
 
 def _cfg(run, **extra):
@@ -60,23 +59,6 @@ def test_rotation_never_deletes_another_runs_checkpoint(tmp_path):
     for step in (1, 2, 3):
         save_checkpoint(d, step, model, opt, {"step": step, "run_id": "mine"}, cfg, keep_last=1)
     assert [s for s, _ in list_checkpoints(d)] == [3, 100]
-
-
-def test_extended_resume_follows_the_schedule_of_the_new_length(run_copy, capsys):
-    tr = Trainer(_cfg(run_copy, **{"checkpoint.resume": True, "train.steps": 16}))
-    assert tr.step == 10 and "schedule rebuilt for 16 steps" in capsys.readouterr().out
-    ref_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=tr.cfg.optim.lr)
-    ref = build_scheduler(ref_opt, tr.cfg.optim, 16)
-    lrs, ref_lrs = [], []
-    for i in range(16):
-        if i >= 10:
-            lrs.append(tr.optimizer.param_groups[0]["lr"])
-            ref_lrs.append(ref_opt.param_groups[0]["lr"])
-            tr.train_step()
-        ref_opt.step()
-        ref.step()
-    assert lrs == pytest.approx(ref_lrs, rel=1e-12, abs=0)
-    assert all(b <= a for a, b in zip(lrs, lrs[1:])), "the cosine climbed after the resume"
 
 
 def test_resuming_a_finished_run_says_it_is_already_complete(run_copy, capsys):
@@ -194,3 +176,121 @@ def test_ctrl_c_on_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(
         run_copy.overrides(**{"train.overwrite": True, "train.steps": 8, "checkpoint.every": 0}),
     )
     assert [s for s, _ in list_checkpoints(run_copy.ckpt_dir)] == [3]
+
+
+# ---- numbered run folders, resume from the saved config -----------------------------------------
+def _folderless(run, **extra) -> list[str]:
+    """The run's overrides without train.out_dir: runs go to runs/<name>/<N> under the cwd."""
+    return [o for o in run.overrides(**extra) if not o.startswith("train.out_dir=")]
+
+
+def _first_line(capsys) -> str:
+    return capsys.readouterr().out.splitlines()[0]
+
+
+def test_each_new_run_gets_a_numbered_folder_named_in_its_first_line(
+    trained_run, tmp_path, monkeypatch, capsys
+):
+    """Issue 51, finding 1: after the quickstart, every other documented command (and the
+    quickstart again) exited 2 on train.out_dir holding another run's checkpoints. Each new run now
+    gets runs/<name>/<N>; --resume continues the latest, and generate / export read runs/<name> as
+    its latest run."""
+    from moezoo.training.export import main as export_main
+
+    monkeypatch.chdir(tmp_path)
+    ov = _folderless(trained_run, **{"train.steps": 2, "checkpoint.every": 0})
+    for n in (1, 2):
+        assert main(["--config", "tiny_dense", *ov]) == 0
+        assert _first_line(capsys) == (
+            f"run folder runs/tiny_dense/{n} (new; --resume continues the latest run of tiny_dense)"
+        )
+        assert [s for s, _ in list_checkpoints(f"runs/tiny_dense/{n}/checkpoints")] == [2]
+    assert main(["--config", "tiny_dense", "--resume", "train.steps=3"]) == 0
+    assert _first_line(capsys) == "run folder runs/tiny_dense/2 (resuming)"
+    assert [s for s, _ in list_checkpoints("runs/tiny_dense/2/checkpoints")] == [2, 3]
+    assert export_main(["--run", "runs/tiny_dense", "--file", "m.safetensors"]) == 0
+    assert "runs/tiny_dense/2/checkpoints/step_00000003 ->" in capsys.readouterr().out
+
+
+def test_a_new_run_that_fails_before_writing_leaves_no_folder(trained_run, tmp_path, monkeypatch):
+    from moezoo.configs import ConfigError
+
+    def fail(*a, **k):
+        raise ConfigError("data.source", "too small")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("moezoo.training.loop.prepare_data", fail)
+    assert main(["--config", "tiny_dense", *_folderless(trained_run)]) == 2
+    assert os.listdir("runs/tiny_dense") == []
+
+
+def test_resume_restores_the_checkpoints_config_with_overrides_on_top(run_copy, capsys):
+    """Issue 51, finding 4: --resume needed every original override repeated (leaving one out:
+    model.n_layers: is 4 but checkpoint ... was trained with 2). The checkpoint's resolved config is
+    now the base: the run folder alone and the overrides that change something."""
+    assert main(["--resume", run_copy.out_dir, "train.steps=12"]) == 0
+    assert [s for s, _ in list_checkpoints(run_copy.ckpt_dir)][-1] == 12
+    saved = load_config(os.path.join(run_copy.step_dir(12), "config.yaml"))
+    assert saved.model.n_layers == 2 and saved.model.dim == 32 and saved.train.steps == 12
+    # an architecture override is still checked against the checkpoint: one line, exit 2
+    capsys.readouterr()
+    assert main(["--resume", run_copy.out_dir, "model.n_layers=4"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("error: model.n_layers: is 4 but checkpoint ")
+    assert err[0].endswith("was trained with 2")
+
+
+def test_overrides_parse_before_between_and_after_the_flags():
+    """Issue 51, finding 4: ``name=rf_a --resume train.steps=60`` was "unrecognized arguments"."""
+    a = parse_args(["--config", "tiny_dense", "name=rf_a", "--resume", "train.steps=60"])
+    assert a.resume is True and a.overrides == ["name=rf_a", "train.steps=60"]
+    a = parse_args(["name=rf_a", "--resume", "runs/rf_a/3", "--config", "tiny_dense", "x.y=1"])
+    assert a.resume == "runs/rf_a/3" and a.overrides == ["name=rf_a", "x.y=1"]
+    a = parse_args(["--resume", "runs/rf_a/3"])  # the saved config: --config may be left out
+    assert a.config is None and a.resume == "runs/rf_a/3"
+    with pytest.raises(SystemExit):
+        parse_args(["train.steps=3"])
+
+
+def test_resume_of_an_explicit_out_dir_and_of_a_missing_run_folder(run_copy, capsys, tmp_path):
+    assert main(["--config", "tiny_dense", *run_copy.overrides(), "--resume"]) == 0
+    assert "already complete" in capsys.readouterr().out
+    assert main(["--resume", str(tmp_path / "nothing")]) == 2
+    assert "error: --resume: " in capsys.readouterr().err
+
+
+def test_rotation_keeps_the_newest_checkpoint_of_a_completed_schedule(tmp_path):
+    cfg = load_config(None, ["model.vocab_size=512"])
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    d = str(tmp_path / "ckpt")
+    for step, total in ((5, 10), (10, 10), (11, 20), (12, 20), (13, 20)):
+        state = {"step": step, "total_steps": total, "run_id": "r"}
+        save_checkpoint(d, step, model, opt, state, cfg, keep_last=2)
+    assert [s for s, _ in list_checkpoints(d)] == [10, 12, 13]
+    for step in (19, 20):
+        save_checkpoint(
+            d, step, model, opt, {"step": step, "total_steps": 20, "run_id": "r"}, cfg, 2
+        )
+    assert [s for s, _ in list_checkpoints(d)] == [19, 20]  # the newer finished run replaces it
+
+
+def test_ctrl_c_saves_of_an_extension_keep_the_finished_runs_checkpoint(run_copy, default_sigint):
+    """Issue 51, finding 4: with keep_last 2, two Ctrl-C saves after an extension deleted the
+    finished run's final checkpoint."""
+    for stop in (10, 11):
+        tr = Trainer(
+            _cfg(
+                run_copy,
+                **{
+                    "checkpoint.resume": True,
+                    "train.steps": 20,
+                    "checkpoint.keep_last": 2,
+                    "checkpoint.every": 0,
+                },
+            )
+        )
+        _interrupt_at(tr, {stop})
+        with pytest.raises(Interrupted):
+            tr.fit()
+    assert [s for s, _ in list_checkpoints(run_copy.ckpt_dir)] == [10, 11, 12]

@@ -121,3 +121,72 @@ def test_init_from_a_different_shape_names_the_key(trained, tmp_path, corpus_dir
     )
     with pytest.raises(ConfigError, match="model.dim: is 64 but model.init_from="):
         run(new)
+
+
+def _export(trained, tmp_path):
+    out = tmp_path / "hf"
+    assert export_main(["--run", trained[0].out_dir, "--hf", str(out)]) == 0
+    return out
+
+
+def test_init_from_takes_the_exports_tokenizer_and_a_continued_training_schedule(
+    trained, tmp_path, corpus_dir
+):
+    """Issue 51, finding 5: without data.tokenizer, init_from trained a new tokenizer (first val
+    loss 8.58, worse than random init) and re-ran the preset's warm-up to its peak lr (val 3.62 ->
+    3.81). The export's tokenizer.model is now the run's, and the schedule is continued training:
+    at most lr * min_lr_ratio, after warmup_steps // 10 steps."""
+    from moezoo.training.loop import Trainer
+
+    _, summary, _ = trained
+    out = _export(trained, tmp_path)
+    ov = {"model.init_from": out, "train.steps": 6, "optim.warmup_steps": 30, "checkpoint.every": 0}
+    tr = Trainer(load_config("zoo/tiny_dense.yaml", tiny_overrides(tmp_path, corpus_dir, **ov)))
+    assert tr.cfg.data.tokenizer == os.path.join(out, "tokenizer.model")
+    peak = tr.cfg.optim.lr * tr.cfg.optim.min_lr_ratio
+    assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(peak / 3)  # 3 warm-up steps
+    lrs = []
+    real = tr.train_step
+
+    def step():
+        lrs.append(tr.optimizer.param_groups[0]["lr"])
+        return real()
+
+    tr.train_step = step
+    history = tr.fit()["val_history"]
+    assert max(lrs) == pytest.approx(peak) and len(lrs) == 6
+    assert history[0][1] == pytest.approx(summary["val_history"][-1][1], rel=1e-4)
+    assert history[-1][1] < history[0][1]
+
+
+def test_init_from_refuses_a_data_tokenizer_other_than_the_exports(trained, tmp_path, corpus_dir):
+    from moezoo.configs import ConfigError
+    from moezoo.training.loop import Trainer
+
+    out = _export(trained, tmp_path)
+    other = tmp_path / "other.model"
+    other.write_bytes((out / "tokenizer.model").read_bytes() + b"\0")
+    ov = tiny_overrides(tmp_path, corpus_dir, **{"model.init_from": out, "data.tokenizer": other})
+    with pytest.raises(ConfigError, match=r"^data.tokenizer: .* differs from .*model.init_from="):
+        Trainer(load_config("zoo/tiny_dense.yaml", ov))
+
+
+@pytest.mark.parametrize("name", ["exported/nowhere", "nobody/no-such-model"])
+def test_init_from_a_missing_folder_is_one_line_naming_the_key(
+    name, tmp_path, corpus_dir, monkeypatch, capsys
+):
+    """Issue 51, finding 5: a missing folder was reported as a failed connection to the Hugging
+    Face hub. It is a local path (or an id in the HF cache; nothing is downloaded)."""
+    from moezoo.training.cli import main
+
+    def boom(*a, **k):
+        raise AssertionError("the corpus was read before the error")
+
+    monkeypatch.setattr("moezoo.training.loop.prepare_data", boom)
+    ov = tiny_overrides(tmp_path, corpus_dir, **{"model.init_from": name})
+    assert main(["--config", "zoo/tiny_dense.yaml", *ov]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert err == [
+        f"error: model.init_from: {name}: no such folder, nor a model id in the Hugging Face "
+        f"cache (nothing is downloaded: fetch it first, e.g. hf download {name})"
+    ]
