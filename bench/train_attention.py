@@ -19,6 +19,8 @@ Variants (same config, seed, data and steps; only ``model.attention.patterns`` d
 - ``token``: the preset with its block top-k heads choosing per query token (``token_select: 1``,
   NSA Eq. 9-11 / MoBA: each query its own ``top_k`` blocks, shared over the KV group).
 - ``token_nsa``: token plus the compressed branch.
+- ``token_union``: per-token choices, each query attending the union its query block chose
+  (``token_select: 2``: every visited block is full, no per-token mask in the kernel).
 
 A variant may carry its own overrides after ``@``, separated by ``;`` (no commas: they separate
 variants), e.g. hybrid layouts and dense phases: ``token@model.attention.dense_layers=last:1``,
@@ -52,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moezoo.configs import ConfigError, exit_code, load_config  # noqa: E402
 from moezoo.training.loop import Trainer  # noqa: E402
 
-VARIANTS = ("dense", "preset", "a_shape", "query_max", "nsa", "token", "token_nsa")
+VARIANTS = ("dense", "preset", "a_shape", "query_max", "nsa", "token", "token_nsa", "token_union")
 
 
 class _NoSaveTrainer(Trainer):
@@ -112,7 +114,7 @@ def variant_config(
                 "block_size": bs,
             }
         }
-    elif variant in ("query_max", "nsa", "token", "token_nsa"):
+    elif variant in ("query_max", "nsa", "token", "token_nsa", "token_union"):
         if not any(dict(p).get("type") == "block_topk" for p in att.patterns.values()):
             raise ConfigError(
                 "--variants", f"{variant} needs block_topk heads, and {path} has none"
@@ -120,7 +122,11 @@ def variant_config(
         nsa = {"compress": 1, **({"compress_block": compress_block} if compress_block else {})}
         token = variant.startswith("token")
         extra = {
-            **({"token_select": 1} if token else {"query_max": 1}),
+            **(
+                {"token_select": 2 if variant == "token_union" else 1}
+                if token
+                else {"query_max": 1}
+            ),
             **({"score_block": score_block} if score_block else {}),
             **({"top_k": top_k} if top_k else {}),
             **(nsa if variant.endswith("nsa") else {}),

@@ -51,7 +51,7 @@ NONNEG_PARAMS = (
     "compress_block",
     "score_block",
 )
-FLAG_PARAMS = ("share_group", "query_max", "compress", "token_select")  # 0 or 1
+FLAG_PARAMS = ("share_group", "query_max", "compress")  # 0 or 1
 # MInference's per-head JSON names its three kernels; what each entry computes in MInference's
 # runtime (minference/modules/minference_forward.py), in our params:
 # - vertical_and_slash: budgets raised to at least 30 columns / 50 diagonals, the first 30 key
@@ -118,6 +118,12 @@ def validate_pattern(pat: dict, key: str) -> None:
         f"{key}.score_block",
         f"pools keys within a selection block: must be <= block_size ({bs}), "
         f"got {pat.get('score_block')}",
+    )
+    check(
+        pat.get("token_select", 0) in (0, 1, 2),
+        f"{key}.token_select",
+        f"must be 0 (per query block), 1 (per query token) or 2 (per token, attending its query "
+        f"block's union), got {pat.get('token_select')}",
     )
     check(
         not (pat.get("token_select") and pat.get("query_max")),

@@ -103,6 +103,7 @@ class MLA(Attention):
         # as Attention's: last forward's sparse stats, selection on request
         self.attn_stats: dict = {}
         self.record_selection = False
+        self.dense_phase = False  # as Attention's (model.attention.dense_warmup / dense_finish)
         if q_lora_rank:
             self.wq_a = nn.Linear(dim, q_lora_rank, bias=False)
             self.q_norm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)

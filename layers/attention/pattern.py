@@ -57,7 +57,12 @@ always with ``k <= q``:
   gives all its queries one budget. The kernel visits the union of a query tile's choices (partial
   blocks, evaluated per token through a 32-blocks-per-word bit table), so the work done is at
   least the budget and grows with how much a tile's queries disagree; ``attn/density`` reports it.
-  ``query_max`` does not apply (each query scores for itself).
+  ``query_max`` does not apply (each query scores for itself). ``token_select: 2``: the same
+  per-token choices, but each query attends the union of the blocks its query block's queries chose
+  (its own among them), so the mask is block-level again: every visited block is full, the kernel
+  reads no per-token table, and the work is the union's size (MoBA-style gating with the tile as the
+  unit; within a block the choice can depend on later queries of that block, as with per-block
+  pooling).
 - ``vertical_slash`` extras (MInference's kernel): ``keep_columns`` forces the first N key columns
   and ``keep_diagonals`` the N diagonals nearest the main one into the top-k (their scores set above
   every estimate before it, earliest / nearest first when the budget is smaller).

@@ -273,10 +273,17 @@ def plan_pattern(
             diags = torch.zeros_like(cols)
             cols[:, heads], diags[:, heads] = c, dg
         bt = [h for h in dyn if pats[h].type == "block_topk"]
-        tb = [h for h in bt if pats[h].token_select]
+        tb = [h for h in bt if pats[h].token_select == 1]
+        union = [h for h in bt if pats[h].token_select == 2]
         bt_block = [h for h in bt if not pats[h].token_select]
         if tb:
             tok = _token_selection(pats, tb, n_heads, q, k, q_start, bs, stats)
+        if union:
+            bits, slot = _token_selection(pats, union, n_heads, q, k, q_start, bs, stats)
+            chosen = _union_per_query_block(bits, q_start, bs, q_blocks.numel(), nk)[:, slot]
+            if blocks is None:
+                blocks = torch.zeros(B, n_heads, q_blocks.numel(), nk, dtype=torch.bool, device=dev)
+            blocks = blocks | chosen  # the empty slot adds nothing to the other heads
         if bt_block:
             first = max(qb0 * bs - src_start, 0)  # pool from the first query block's start on
             g = n_heads // k.shape[1]
@@ -318,6 +325,18 @@ def plan_pattern(
             chosen = torch.zeros(B, n_heads, q_blocks.numel(), nk, dtype=torch.bool, device=dev)
         stats["selection"] = BlockSelection(chosen, tuple(bt), bs, qb0, plan)
     return plan
+
+
+def _union_per_query_block(
+    bits: torch.Tensor, q_start: int, bs: int, n_q_blocks: int, nk: int
+) -> torch.Tensor:
+    """``bits [B, Hs, S, nw]`` (rows at positions ``q_start ..``) -> bool ``[B, Hs, nq, nk]``: the
+    key blocks any query row of each query block chose (``token_select: 2``)."""
+    rows = unpack_blocks(bits, nk)
+    head = q_start % bs
+    tail = n_q_blocks * bs - head - rows.shape[2]
+    rows = F.pad(rows, (0, 0, head, tail))
+    return rows.unflatten(2, (n_q_blocks, bs)).any(3)
 
 
 def _token_selection(pats, heads, n_heads, q, k, q_start, bs, stats):

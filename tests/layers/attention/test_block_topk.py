@@ -425,6 +425,25 @@ def test_token_select_keeps_each_querys_own_top_k_blocks(shared, sub):
     assert torch.equal(pattern_mask(p, T, T, H, q=q, k=k), want)
 
 
+@pytest.mark.parametrize("shared", [0, 1])
+def test_token_select_union_attends_every_block_its_query_block_chose(shared):
+    B, H, Hk, T = 2, 4, 2, 45
+    q, k, _ = make_inputs(B, H, Hk, T)
+    p = SparsityPattern(
+        type="block_topk", top_k=3, block_size=BS, share_group=shared, token_select=2
+    )
+    per_token = _token_topk_reference(q, k, BS, 3, shared)  # [B, H, T, nk]
+    n = per_token.shape[-1]
+    union = torch.stack(
+        [per_token[:, :, i * BS : (i + 1) * BS].any(2) for i in range(n)], 2
+    )  # [B, H, nq, nk]
+    plan = plan_pattern(p, H, 0, T, T, 0, q, k)
+    assert plan.tok_bits is None and torch.equal(plan.blocks, union)
+    kb = torch.arange(T) // BS
+    want = union[:, :, kb][..., kb] & torch.ones(T, T).tril().bool()
+    assert torch.equal(pattern_mask(p, T, T, H, q=q, k=k), want)
+
+
 def test_token_select_serves_different_far_keys_for_queries_of_one_block():
     # Two queries of the last block each point at a different far block; one per-block choice of
     # top_k = 2 (own block + one) can hold only one of them, per-token choices hold both.
@@ -462,6 +481,8 @@ def test_token_select_selection_record_answers_per_query():
     assert 0 <= float(stats["entropy"]) <= 1 and 0 < float(stats["topk_mass"]) <= 1
 
 
-def test_token_select_refuses_query_max():
+def test_token_select_refuses_query_max_and_unknown_modes():
     with pytest.raises(ConfigError, match="query_max"):
         validate_pattern({"type": "block_topk", "top_k": 2, "token_select": 1, "query_max": 1}, "p")
+    with pytest.raises(ConfigError, match="token_select"):
+        validate_pattern({"type": "block_topk", "top_k": 2, "token_select": 3}, "p")

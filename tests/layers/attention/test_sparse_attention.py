@@ -42,6 +42,9 @@ PATTERNS = {
     "block_topk_token": SparsityPattern(
         type="block_topk", top_k=2, sinks=2, window=5, share_group=1, token_select=1, block_size=BS
     ),
+    "block_topk_token_union": SparsityPattern(
+        type="block_topk", top_k=2, sinks=2, window=5, share_group=1, token_select=2, block_size=BS
+    ),
     # per-token choices per head (no sharing), scored by sub-blocks, next to per-block heads
     "block_topk_token_mixed": [
         SparsityPattern(type="block_topk", top_k=3, token_select=1, score_block=4, block_size=BS),
