@@ -117,13 +117,13 @@ def extend_schedule(pieces: list[dict], step: int, lr_now: float, t: dict, mode:
     keys changed), keeping the pieces it has trained through. ``lr_now``: the lr the checkpoint
     reached (its next step's).
 
-    ``continue``: never above ``lr_now`` (only a warm-up under way goes on rising: the fresh plan
-    for ``t`` then). A cosine decays from ``lr_now`` to the floor over the remaining steps, so a
-    finished run holds the floor; wsd holds ``lr_now`` and decays over the last ``decay_fraction``
-    of the new length, so a run extended while stable keeps training at its lr and its decay moves
-    to the new end. ``rewarm``: linear from ``lr_now`` to the peak over ``warmup`` steps, then the
-    shape's decay from the peak."""
-    if mode == "continue" and step < min(t["warmup"], t["steps"] - 1):
+    ``continue``: never above ``lr_now`` (only a warm-up still under way goes on rising: the fresh
+    plan for ``t`` then). A cosine decays from ``lr_now`` to the floor over the remaining steps,
+    so a finished run holds the floor; wsd holds ``lr_now`` and decays over the last
+    ``decay_fraction`` of the new length, so a run extended while stable keeps training at its lr
+    and its decay moves to the new end. ``rewarm``: linear from ``lr_now`` to the peak over
+    ``warmup`` steps, then the shape's decay from the peak."""
+    if mode == "continue" and _warming(pieces, step) and step < min(t["warmup"], t["steps"] - 1):
         return plan_schedule(t)
     kept = [p for p in pieces if p["start"] < step]
     if mode == "rewarm":
@@ -133,8 +133,18 @@ def extend_schedule(pieces: list[dict], step: int, lr_now: float, t: dict, mode:
     return kept + _decay(t, step, lr_now)
 
 
+def _active(pieces: list[dict], step: int) -> dict:
+    return next((p for p in reversed(pieces) if p["start"] <= step), pieces[0])
+
+
+def _warming(pieces: list[dict], step: int) -> bool:
+    """Whether ``step`` is inside the schedule's first warm-up (not one a short run cut off)."""
+    p = _active(pieces, step)
+    return p["start"] == 0 and p["to"] > p["from"] and step < p["end"]
+
+
 def lr_at(pieces: list[dict], step: int) -> float:
-    p = next((p for p in reversed(pieces) if p["start"] <= step), pieces[0])
+    p = _active(pieces, step)
     frac = min(max((step - p["start"]) / (p["end"] - p["start"]), 0.0), 1.0)
     if p["shape"] == "cosine":
         return p["to"] + (p["from"] - p["to"]) * (1 + math.cos(math.pi * frac)) / 2

@@ -174,3 +174,10 @@ def test_init_from_plans_continued_training_unless_its_keys_say_otherwise():
     cfg = OptimConfig(lr=3e-3, warmup_steps=30, init_from_lr=1e-3, init_from_warmup_steps=0)
     t = schedule_targets(cfg, 100, init_from=True)
     assert (t["lr"], t["warmup"]) == (1e-3, 0) and lr_at(plan_schedule(t), 0) == 1e-3
+
+
+def test_a_run_whose_warm_up_its_length_cut_short_is_not_re_warmed_when_extended():
+    """4 steps of a 30-step warm-up: 3 warm-up steps, then the cosine reached the floor at 4."""
+    short = plan_schedule(schedule_targets(TINY, 4))
+    ext = extend_schedule(short, 4, lr_at(short, 4), schedule_targets(TINY, 8), "continue")
+    assert max(lrs(ext, range(4, 9))) == lr_at(short, 4) == pytest.approx(3e-4)
