@@ -19,32 +19,27 @@ import shlex
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, tiny_overrides
 
 pytest.importorskip("transformers")  # export --hf and model.init_from
 
 STEP_SCALE = 150
+# helpers.tiny_overrides' model and batch, without its folders and corpus (the commands name them)
 TINY = {
-    "model.vocab_size": 512,
-    "model.dim": 32,
-    "model.n_layers": 2,
-    "model.n_heads": 4,
-    "model.n_kv_heads": 2,
-    "model.ffn_hidden": 64,
-    "model.max_seq_len": 64,
-    "data.max_files": 20,
-    "train.seq_len": 32,
-    "train.batch_size": 4,
-    "train.steps": 4,
-    "train.eval_every": 2,
-    "train.eval_batches": 1,
-    "train.device": "cpu",
-    "checkpoint.every": 0,
-    "logging.wandb": "disabled",
-    "logging.plots": "false",
-    "logging.progress": "false",
-    "logging.log_every": 1,
+    k: v
+    for k, v in (o.split("=", 1) for o in tiny_overrides("", ""))
+    if k not in ("train.out_dir", "data.source", "data.cache_dir")
 }
+TINY.update(
+    {
+        "data.max_files": 20,
+        "train.steps": 4,
+        "train.eval_every": 2,
+        "train.eval_batches": 1,
+        "checkpoint.every": 0,
+        "logging.log_every": 1,
+    }
+)
 RUNNERS = ("python train.py", "python -m moezoo.training.")
 
 
