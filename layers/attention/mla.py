@@ -30,6 +30,7 @@ from torch import nn
 
 from ..norm import RMSNorm
 from ..rope import apply_rotary, yarn_mscale
+from ..shapes import check_attention_inputs
 from .compressed import compress_heads
 from .module import Attention
 from .pattern import head_patterns, layer_block_size
@@ -174,6 +175,7 @@ class MLA(Attention):
     ) -> torch.Tensor:
         # positions: Attention's signature, which the block calls; only SSMax reads them, and MLA
         # has none
+        check_attention_inputs("MLA", x, self.dim, self.rope_dim, cos, sin, positions)
         B, S, _ = x.shape
         H, Dn, Dr, Dv = self.n_heads, self.nope_dim, self.rope_dim, self.v_dim
         q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora_rank else self.wq(x)

@@ -177,3 +177,26 @@ def test_shape_checks_compile_with_fullgraph_and_still_refuse():
     x, cos, sin = attention_inputs()
     compiled = torch.compile(attn, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(x, cos, sin), attn(x, cos, sin))
+
+
+def test_mla_with_wrong_width_raises_naming_dim():
+    from moezoo.configs import MLAConfig, ModelConfig
+    from moezoo.layers.attention.mla import MLA
+
+    cfg = ModelConfig(
+        vocab_size=64,
+        dim=32,
+        n_layers=1,
+        n_heads=4,
+        ffn_hidden=40,
+        max_seq_len=16,
+        attention_type="mla",
+        mla=MLAConfig(
+            q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6
+        ),
+    )
+    mla = MLA.from_config(cfg)
+    rope = torch.ones(5, 4)
+    expect_shape_error(
+        lambda: mla(torch.randn(2, 5, 16), rope, rope), "MLA", "dim=32", "[B, S, 32]", "[2, 5, 16]"
+    )
