@@ -138,12 +138,14 @@ class PatternPlan:
             full = full | (self.blocks & below)
         if self.tok_bits is not None:
             # a key block is visited by a query block when any of its queries chose it, and needs
-            # no mask there when all of them did (and it lies before the query block)
-            rows = F.pad(self.token_blocks(), (0, 0, 0, n * bs - T)).unflatten(2, (n, bs))
-            touch = touch | rows.any(3)
+            # no mask there when all of them did (and it lies before the query block); per slot,
+            # then spread over the heads
+            rows = unpack_blocks(self.tok_bits, n)  # [B, Hs + 1, T, nk]
+            rows = F.pad(rows, (0, 0, 0, n * bs - T)).unflatten(2, (n, bs))
+            touch = touch | rows.any(3)[:, self.tok_slot]
             if T % bs:  # the last query block's padded rows chose nothing: never full
                 rows = rows[:, :, :-1]
-            every = F.pad(rows.all(3), (0, 0, 0, n - rows.shape[2]))
+            every = F.pad(rows.all(3), (0, 0, 0, n - rows.shape[2]))[:, self.tok_slot]
             full = full | (every & below)
         if self.cols is not None:
             # Block offset o >= 1 holds the pairs with qs - k in x = o*bs-(bs-1) .. o*bs, kept where
