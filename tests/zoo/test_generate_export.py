@@ -190,3 +190,27 @@ def test_init_from_a_missing_folder_is_one_line_naming_the_key(
         f"error: model.init_from: {name}: no such folder, nor a model id in the Hugging Face "
         f"cache (nothing is downloaded: fetch it first, e.g. hf download {name})"
     ]
+
+
+def test_init_from_prints_no_third_party_noise(trained, tmp_path, corpus_dir):
+    """Issue 51, finding 5: transformers' "`torch_dtype` is deprecated!" on every run (and its
+    loading bars). A fresh process, as the user runs it: transformers warns once per process."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT, subprocess_env
+
+    out = _export(trained, tmp_path)
+    ov = tiny_overrides(
+        tmp_path, corpus_dir, **{"model.init_from": out, "train.steps": 1, "checkpoint.every": 0}
+    )
+    r = subprocess.run(
+        [sys.executable, "train.py", "--config", "zoo/tiny_dense.yaml", *ov],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(),
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "deprecat" not in (r.stdout + r.stderr).lower() and "Loading weights" not in r.stderr
