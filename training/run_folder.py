@@ -6,7 +6,7 @@ runs start, so any sequence of commands works and no run clobbers another's (as 
 ``version_N``). The first line a run prints names its folder. ``--resume`` continues the latest run
 of the config's name: the highest N whose folder holds a checkpoint (else ``runs/<name>`` itself,
 when a run was given that folder as its train.out_dir); ``--resume runs/<name>/3`` continues run 3.
-generate and export read ``--run runs/<name>`` the same way (``find_run``).
+generate and export read ``--run runs/<name>`` the same way (``latest_run``).
 
 ``train.out_dir=<path>`` is exactly that folder. Overrides keep the preset's name, so two runs given
 one folder would mix their metrics.jsonl rows and rotate away each other's checkpoints: a fresh run
@@ -169,8 +169,8 @@ def check_fresh_start(cfg: Config) -> list[str]:
         raise ConfigError(
             key,
             f"{cfg.checkpoint_dir} holds {len(found)} checkpoint(s) of another run (newest "
-            f"{os.path.basename(found[-1])}); --resume to continue it, train.out_dir=<new "
-            f"folder> (or name=...) for a separate run, or train.overwrite=true to delete it",
+            f"{os.path.basename(found[-1])}); --resume to continue it, no train.out_dir for a "
+            f"new folder runs/{cfg.name}/<N>, or train.overwrite=true to delete it",
         )
     return found
 
