@@ -229,6 +229,35 @@ def tokens(seed: int, b: int = 2, s: int = 13) -> torch.Tensor:
     return torch.randint(0, V, (b, s), generator=torch.Generator().manual_seed(seed))
 
 
+def tiny_attention_model(attention, seed: int = 0, mla: bool = False):
+    """A 2-layer GQA (4 / 2 heads, dim 32) or MLA model in eval mode with ``attention`` (an
+    AttentionConfig) and fresh random weights (``randomize_``): the model the attention options'
+    tests (SSMax, the key convolution) compare."""
+    from moezoo.configs import MLAConfig, ModelConfig
+    from moezoo.zoo import build_model
+
+    cfg = ModelConfig(
+        vocab_size=V,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=40,
+        max_seq_len=64,
+        rope_theta=500.0,
+        attention=attention,
+    )
+    if mla:
+        cfg.attention_type = "mla"
+        cfg.mla = MLAConfig(
+            q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6
+        )
+    cfg.validate()
+    m = build_model(cfg).eval()
+    randomize_(m, seed)
+    return m
+
+
 def assert_same_logits(hf_model, model, seed: int = 0) -> None:
     x = tokens(seed)
     with torch.no_grad():

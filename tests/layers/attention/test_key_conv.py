@@ -5,11 +5,10 @@ the config checks."""
 import pytest
 import torch
 
-from helpers import TOL, V, randomize_, tokens
-from moezoo.configs import AttentionConfig, ConfigError, MLAConfig, ModelConfig
+from helpers import TOL, tiny_attention_model, tokens
+from moezoo.configs import AttentionConfig, ConfigError
 from moezoo.layers import Attention
 from moezoo.layers.rope import RotaryEmbedding
-from moezoo.zoo import build_model
 
 PATS = {
     "0:0-1": {"type": "a_shape", "sinks": 2, "window": 4, "block_size": 4},
@@ -18,26 +17,9 @@ PATS = {
 
 
 def model(key_conv: int, seed: int = 0, mla: bool = False, patterns=None):
-    cfg = ModelConfig(
-        vocab_size=V,
-        dim=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_hidden=40,
-        max_seq_len=64,
-        rope_theta=500.0,
-        attention=AttentionConfig(key_conv=key_conv, patterns=patterns or {}),
+    return tiny_attention_model(
+        AttentionConfig(key_conv=key_conv, patterns=patterns or {}), seed, mla
     )
-    if mla:
-        cfg.attention_type = "mla"
-        cfg.mla = MLAConfig(
-            q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6
-        )
-    cfg.validate()
-    m = build_model(cfg).eval()
-    randomize_(m, seed)
-    return m
 
 
 def _layers(W):

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from helpers import TOL, V, randomize_, tokens
-from moezoo.configs import AttentionConfig, ConfigError, MLAConfig, ModelConfig
+from helpers import TOL, randomize_, tiny_attention_model, tokens
+from moezoo.configs import AttentionConfig, ConfigError
 from moezoo.layers import Attention, SparsityPattern, pattern_mask
 from moezoo.layers.rope import RotaryEmbedding, apply_rotary
 from moezoo.zoo import build_model
@@ -87,26 +87,7 @@ def test_a_negative_slope_past_its_zero_gives_uniform_rows_not_inverted_ones():
 
 
 def model(ssmax: bool, seed: int = 0, mla: bool = False):
-    cfg = ModelConfig(
-        vocab_size=V,
-        dim=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_hidden=40,
-        max_seq_len=64,
-        rope_theta=500.0,
-        attention=AttentionConfig(ssmax=ssmax),
-    )
-    if mla:
-        cfg.attention_type = "mla"
-        cfg.mla = MLAConfig(
-            q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6
-        )
-    cfg.validate()
-    m = build_model(cfg).eval()
-    randomize_(m, seed)
-    return m
+    return tiny_attention_model(AttentionConfig(ssmax=ssmax), seed, mla)
 
 
 def test_zero_slope_is_plain_attention_bit_for_bit():
