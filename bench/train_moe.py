@@ -255,9 +255,10 @@ SUITES["equal_time_moe_interleaved"] = with_graphs("moe_interleaved")
 
 # A time-budgeted run's train.steps: this times the probe's estimate, a bound meant never to be
 # reached (the clock ends the run). Generous, since a probe slowed by process start-up or by
-# neighbours (CPU tests under xdist) can estimate steps >1.5x slower than the run then takes, and a
-# tighter bound would stop the run short of its budget.
-STEP_BOUND = 3.0
+# neighbours (CPU tests under xdist, other processes on a loaded 2-core machine) can estimate steps
+# up to ~5x slower than the run then takes, and a tighter bound would stop the run short of its
+# budget.
+STEP_BOUND = 8.0
 
 
 class TimeSchedule:
