@@ -413,10 +413,7 @@ def load_checkpoint(path: str, model, optimizer, trust: bool = False) -> dict:
     except CheckpointError:
         raise
     # a shard that is short, garbled or of another shape
-    except (
-        Exception,
-        CheckpointException,
-    ) as e:
+    except (Exception, CheckpointException) as e:
         # DCP wraps each rank's exception (ours among them) into one CheckpointException (a
         # BaseException).
         for failure in getattr(e, "failures", {}).values():

@@ -37,11 +37,7 @@ def semi_structured_available(device: torch.device, dtype: torch.dtype, shape=(1
         torch.mm(x, pack_semi_structured(w).t())
         return True
     # capability probe: torch raises these when unsupported
-    except (
-        RuntimeError,
-        NotImplementedError,
-        ValueError,
-    ):
+    except (RuntimeError, NotImplementedError, ValueError):
         return False
 
 
