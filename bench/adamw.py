@@ -77,14 +77,7 @@ def main():
         flush=True,
     )
     # decay, beta1, beta2, eps, step size, sqrt(bc2)
-    hp = (
-        1 - 1e-3 * 0.1,
-        0.9,
-        0.95,
-        1e-8,
-        1e-3,
-        0.3,
-    )
+    hp = (1 - 1e-3 * 0.1, 0.9, 0.95, 1e-8, 1e-3, 0.3)
     scale = torch.tensor(0.5, device="cuda")
     for block, warps in CONFIGS:
         ms = timeit(

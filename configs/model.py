@@ -16,12 +16,7 @@ FFN_TYPES = ("dense", "moe", "neuron")
 ROPE_SCALINGS = ("none", "linear", "ntk", "llama3", "yarn", "dynamic")
 QK_NORMS = ("none", "head", "full")
 # gate activation of the gated FFN (SwiGLU, GeGLU, ...)
-FFN_ACTS = (
-    "silu",
-    "gelu",
-    "gelu_tanh",
-    "relu2",
-)
+FFN_ACTS = ("silu", "gelu", "gelu_tanh", "relu2")
 ATTENTION_TYPES = ("mha", "mla")
 
 

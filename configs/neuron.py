@@ -19,12 +19,7 @@ from .errors import check, check_choice
 NEURON_ACTIVATIONS = ("swiglu", "relu2")
 NEURON_ROUTER_LOSSES = ("ce", "mse")
 # as model.moe.backend ("torch" = "reference")
-NEURON_BACKENDS = (
-    "auto",
-    "reference",
-    "grouped",
-    "torch",
-)
+NEURON_BACKENDS = ("auto", "reference", "grouped", "torch")
 
 
 @dataclass

@@ -29,10 +29,7 @@ import torch
 MAX_SPLITS = 4  # more parts add partial outputs to sum for little more parallelism
 MIN_ROWS_PER_SPLIT = 1024  # average rows of a part: below this a part's tile is mostly prologue
 # the output tile the occupancy estimate assumes (CUTLASS's sm90 grouped kernels)
-TILE_M, TILE_N = (
-    128,
-    256,
-)
+TILE_M, TILE_N = (128, 256)
 MIN_GAIN = 0.9  # split only when the estimate saves at least 10% of the GEMM
 SPLITS: Optional[int] = None  # a fixed S for every call (benchmarks); None: ``wgrad_splits``
 

@@ -30,10 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="train.py", description="Train a moezoo model from a YAML config.", allow_abbrev=False
     )
-    p.add_argument(
-        "--config",
-        help="preset YAML path, or a shipped preset's name, e.g. tiny_dense",
-    )
+    p.add_argument("--config", help="preset YAML path, or a shipped preset's name, e.g. tiny_dense")
     p.add_argument(
         "overrides",
         nargs="*",
@@ -142,10 +139,7 @@ def _main(args: argparse.Namespace) -> int:
     if cfg.model.init_from:
         require_extra("transformers", "hf", "model.init_from")
     # torch.distributed, layers, kernels: only to train
-    from moezoo.training.loop import (
-        TrainingDiverged,
-        run,
-    )
+    from moezoo.training.loop import TrainingDiverged, run
 
     try:
         summary = run(cfg)

@@ -70,10 +70,7 @@ def _paths_cases(tmp):
         "out_dir_inside_a_file": ({"train.out_dir": tmp / "afile" / "run"}, "train.out_dir: "),
         "vocab_too_small": ({"model.vocab_size": 256}, "model.vocab_size: 256 is too small"),
         # ~3 TB of activations: no host or GPU
-        "batch_too_big": (
-            {"train.batch_size": 10_000_000},
-            "train.batch_size: ",
-        ),
+        "batch_too_big": ({"train.batch_size": 10_000_000}, "train.batch_size: "),
         "source_missing": ({"data.source": tmp / "nothing*.txt"}, "data.source: "),
     }
 

@@ -20,11 +20,7 @@ from moezoo.configs import ConfigError, load_config
         ["model.moe.top_k=1", "model.moe.router=noisy_topk"],
         ["model.moe.top_k=1", "model.moe.router=sigmoid"],  # s / s
         # one MoE layer is enough
-        [
-            "model.ffn=dense",
-            "model.ffn_layers={'1': moe}",
-            "model.moe.top_k=1",
-        ],
+        ["model.ffn=dense", "model.ffn_layers={'1': moe}", "model.moe.top_k=1"],
     ],
 )
 def test_top1_with_a_renormalising_router_is_one_config_error_naming_top_k(overrides):

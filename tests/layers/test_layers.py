@@ -108,10 +108,7 @@ def test_transformer_loss_is_cross_entropy_of_logits():
 
 @pytest.mark.parametrize(
     "preset,overrides",
-    [
-        ("zoo/tiny_moe.yaml", ["model.moe.bias_update_rate=0.001"]),
-        ("zoo/tiny_neuron.yaml", []),
-    ],
+    [("zoo/tiny_moe.yaml", ["model.moe.bias_update_rate=0.001"]), ("zoo/tiny_neuron.yaml", [])],
 )
 def test_meta_build_then_init_weights_leaves_no_uninitialised_buffer(preset, overrides):
     """What FSDP2's meta-device path does for big models: to_empty (garbage), then init_weights."""

@@ -108,11 +108,7 @@ def test_model_with_llama3_scaling_rotates_by_the_configured_frequencies():
         ("low_freq_factor", 0.0, "model.rope_scaling.low_freq_factor"),
         ("high_freq_factor", -4.0, "model.rope_scaling.high_freq_factor"),
         # must exceed low_freq_factor=1
-        (
-            "high_freq_factor",
-            1.0,
-            "model.rope_scaling.high_freq_factor",
-        ),
+        ("high_freq_factor", 1.0, "model.rope_scaling.high_freq_factor"),
         ("original_max_seq_len", 0, "model.rope_scaling.original_max_seq_len"),
         ("factor", 0.5, "model.rope_scaling.factor"),
         ("type", "llama4", "model.rope_scaling.type"),

@@ -125,8 +125,5 @@ def test_a_bf16_weights_run_loads_for_inference_with_its_float32_masters(tmp_pat
     model, _, cfg, _ = load_run(str(tmp_path / "run"))
     assert cfg.train.param_dtype == "bfloat16"
     # float32 again, the masters' values (not their bf16 rounding)
-    for (
-        n,
-        p,
-    ) in model.named_parameters():
+    for n, p in model.named_parameters():
         assert p.dtype == torch.float32 and torch.equal(p.detach(), masters[n]), n

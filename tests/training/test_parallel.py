@@ -14,10 +14,7 @@ import torch
 import torch.distributed as dist
 
 # forked gloo ranks: spawn(fn, world) runs fn(rank, world) on each
-from helpers import (
-    spawn,
-    tiny_moe_cfg,
-)
+from helpers import spawn, tiny_moe_cfg
 from moezoo.configs import ConfigError, ParallelConfig
 from moezoo.training.parallel import (
     ParallelState,
@@ -162,10 +159,7 @@ def _check_grads_match_one_process(rank, world, overrides):
         (2, ["parallel.ep=2"]),  # EP over both ranks, experts not FSDP-sharded
         (4, ["parallel.ep=2"]),  # EP 2 x expert-FSDP 2, dense FSDP over 4
         # HSDP 2 x 2 with EP 2 inside each replica
-        (
-            4,
-            ["parallel.ep=2", "parallel.dp_replicate=2"],
-        ),
+        (4, ["parallel.ep=2", "parallel.dp_replicate=2"]),
         (2, []),  # FSDP2, experts sharded over 2 ranks
         (2, ["parallel.fsdp=false"]),  # replicate (DDP semantics)
         (2, ["parallel.ep=2", "parallel.activation_checkpointing=true"]),

@@ -127,12 +127,7 @@ def test_left_padded_batch_with_attention_mask_matches_hf_on_kept_positions(fami
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize(
-    "override, key",
-    [
-        (dict(clip_qkv=4.0), "hf.clip_qkv"),
-    ],
-)
+@pytest.mark.parametrize("override, key", [(dict(clip_qkv=4.0), "hf.clip_qkv")])
 def test_olmoe_features_moezoo_lacks_are_refused_by_name(override, key):
     with pytest.raises(ConfigError) as e:
         from_hf(tiny_hf("olmoe", **override))

@@ -47,11 +47,7 @@ def test_decode_with_the_latent_cache_equals_the_full_pass(pattern):
             m(x[:, t : t + 1], cos[t : t + 1], sin[t : t + 1], start_pos=t) for t in range(4, 11)
         ]
     # R and Dr per token, no heads
-    assert m.cache.c.shape == (2, 11, 10) and m.cache.kr.shape == (
-        2,
-        11,
-        4,
-    )
+    assert m.cache.c.shape == (2, 11, 10) and m.cache.kr.shape == (2, 11, 4)
     assert (torch.cat(outs, 1) - full).abs().max().item() < 1e-5
 
 

@@ -208,10 +208,7 @@ def test_slash_ranking_skips_column_shadows_and_covers_at_least_minference_mass(
     theirs = _vs_union_mass(q, k, cols, mi_diags, L)
     assert (ours >= theirs - 1e-9).all(), (ours, theirs)
     # the shadows cost MInference's ranking mass here
-    assert (ours > theirs + 1e-3).any(), (
-        ours,
-        theirs,
-    )
+    assert (ours > theirs + 1e-3).any(), (ours, theirs)
 
 
 @pytest.mark.parametrize("T, L, p0", [(29, 6, 23), (40, 40, 0), (31, 5, 10), (1, 1, 0)])
