@@ -22,9 +22,9 @@ value position, and a query must match its key against that and copy the value. 
 attention layers this is slow to learn (a 2-layer dim-64 model stayed on the loss plateau for 3000
 steps at 64 tokens); with a short key convolution (``--key-conv``, ``model.attention.key_conv``,
 the short convolution Zoology's attention models carry too) one layer does it, and 64 tokens are
-learned in ~500 steps. Longer rows then need only a short phase each (``--warm``): the defaults
-learn at 64 and 256 tokens and screen at 1024, the same schedule for every variant (block top-k
-heads with ``top_k`` blocks covering 256 tokens already select there; at 64 they are dense).
+learned in 500-900 steps, depending on the seed. Longer rows then need only a short phase each
+(``--warm``): the defaults learn at 64 and 256 tokens and screen at 1024, the same schedule for
+every variant (block top-k heads select at 256 tokens already; at 64 they are dense).
 Block top-k heads must select the block of the pair's value token; ``selection_recall`` reads that
 per layer from the selection the model records (``Attention.record_selection``,
 layers/attention/plan.py ``BlockSelection.covers``), over queries whose pair lies in an earlier
@@ -59,9 +59,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moezoo.configs import ModelConfig  # noqa: E402
+from moezoo.configs import ModelConfig, OptimConfig  # noqa: E402
 from moezoo.configs.attention import COMMON_PARAMS, PATTERN_TYPES, AttentionConfig  # noqa: E402
 from moezoo.layers.attention import Attention, AttentionStats  # noqa: E402
+from moezoo.training.optim import build_optimizer, build_scheduler  # noqa: E402
 from moezoo.zoo import build_model  # noqa: E402
 
 # name -> pattern of the sparse layers' heads (None: every layer dense). Each block_topk variant
@@ -281,16 +282,6 @@ def evaluate(model, args, seed: int) -> dict:
 # Training
 
 
-def lr_at(step: int, total: int, args) -> float:
-    """Warm-up, stable, decay: linear warm-up over ``args.warmup`` steps, constant, then linear to
-    a tenth over the last fifth of ``total`` (a decaying LR slows the escape from MQAR's plateau,
-    which comes late in a short run)."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    decay = total - total // 5
-    return args.lr * (1.0 - 0.9 * max(0, step - decay) / max(total - decay, 1))
-
-
 def curriculum(args) -> list[tuple[int, int, int, int]]:
     """``(seq, steps, pairs, queries)`` of each training phase: the ``--warm`` lengths, then
     ``--seq`` for ``--steps``. A short phase has at most as many pairs as query slots, and at
@@ -310,18 +301,20 @@ def run_one(args, variant: str, seed: int) -> dict:
     cfg = model_config(args, variant)
     torch.manual_seed(seed)
     model = build_model(cfg, device=args.device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.98))
     g = torch.Generator().manual_seed(seed)
     a = cfg.attention
     # model.attention.dense_warmup / dense_finish, as the trainer applies them
     plan = [(seq, pairs, queries) for seq, n, pairs, queries in curriculum(args) for _ in range(n)]
+    # the trainer's AdamW (no decay on norms) and warm-up-stable-decay schedule: a decaying lr
+    # slows the escape from MQAR's loss plateau, which comes late in a short run
+    ocfg = OptimConfig(lr=args.lr, warmup_steps=args.warmup, schedule="wsd", beta2=0.98)
+    opt = build_optimizer(model, ocfg, torch.device(args.device).type)
+    sched = build_scheduler(opt, ocfg, len(plan))
     phases = AttentionStats(model, args.seq, len(plan), a.dense_warmup, a.dense_finish)
     t0 = time.perf_counter()
     losses = []
     for step, (seq, pairs, queries) in enumerate(plan):
         phases.before_step(step)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, len(plan), args)
         tokens, targets = (
             t.to(args.device)
             for t in mqar_batch(args.batch, seq, pairs, queries, args.vocab, g, args.query_frac)
@@ -329,8 +322,9 @@ def run_one(args, variant: str, seed: int) -> dict:
         loss, _ = model(tokens, targets)  # the mean cross-entropy over the answers
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), ocfg.grad_clip)
         opt.step()
+        sched.step()
         losses.append(loss.item())
         if args.log_every and (step + 1) % args.log_every == 0:
             print(
@@ -400,7 +394,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=100)
     p.add_argument(
         "--warm",
-        default="64:600,256:200",
+        default="64:1500,256:200",
         help="shorter phases first, SEQ:STEPS,... (e.g. 64:400): all variants learn the recall at "
         "short range, where it takes few cheap steps, then at --seq for --steps",
     )
