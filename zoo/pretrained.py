@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from moezoo.configs import Config, ConfigError, ModelConfig
+from moezoo.configs.errors import require_extra
 
 TOKENIZER_FILE = "tokenizer.model"  # what training.export writes beside the weights
 
@@ -116,6 +117,7 @@ def prepare_init_from(cfg: Config) -> str:
 
 
 def _hf_config(name: str):
+    require_extra("transformers", "hf", "model.init_from")
     import transformers
 
     try:
@@ -143,6 +145,7 @@ def check_init_from(cfg: ModelConfig) -> None:
 def load_init_from(model: nn.Module, cfg: ModelConfig) -> None:
     """Copy the weights of ``cfg.init_from`` into ``model`` (built from ``cfg``), in ``model``'s
     dtype."""
+    require_extra("transformers", "hf", "model.init_from")
     import transformers
 
     from .hf import from_hf
