@@ -167,7 +167,8 @@ def test_shape_checks_compile_with_fullgraph_and_still_refuse():
         torch.testing.assert_close(full(x), layer(x))
         torch.testing.assert_close(full(x[:1]), layer(x[:1]))
         name = type(layer).__name__
-        with pytest.raises(Exception, match=rf"ValueError\(.{name}\(dim=64\)"):
+        # torch 2.13 quotes the message; 2.11 lists its constant pieces ('RMSNorm', '(', 'dim', ..)
+        with pytest.raises(Exception, match=rf"(?s)ValueError\(.*{name}.{{0,80}}dim.{{0,80}}64"):
             full(torch.randn(2, 5, 32))
         compiled = torch.compile(layer, backend="eager")
         compiled(x), compiled(x[:1])

@@ -227,10 +227,10 @@ def _first_mismatch(grads, ref, exact: bool):
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_flex_backward_repeats_200_launches(kernel, head_dim):
-    """200 backward launches over one forward of the presets' layer (random block top-k
-    selection) give the first launch's dq, dk, dv: bit for bit on Triton; on FLASH within float32
-    summation-order noise, since its Hopper backward adds dQ (and GQA's dK / dV) up with float32
-    atomics (PyTorch has no deterministic FLASH block-mask backward below SM100).
+    """200 backward launches of the presets' layer (random block top-k selection) give the first
+    launch's dq, dk, dv: bit for bit on Triton; on FLASH within float32 summation-order noise, since
+    its Hopper backward adds dQ (and GQA's dK / dV) up with float32 atomics (PyTorch has no
+    deterministic FLASH block-mask backward below SM100).
 
     The incoming gradient's sign alternates (launch i gets ``(-1)^i do`` and is compared with launch
     ``i % 2``): the scratch buffers the caching allocator hands the next launch then hold the
@@ -241,12 +241,17 @@ def test_flex_backward_repeats_200_launches(kernel, head_dim):
     q, k, v = make_inputs(BATCH["1b_64k"], H, HK, T, D=head_dim, device="cuda", seed=7)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     bm = flex_block_mask(_plan("1b_64k", q, k, "random"), tile=flex_tile(BLOCK, q.device))
-    out = flex_attention_call(*leaves, bm, kernel_options_for(kernel, None))
-    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out)
+    opts = kernel_options_for(kernel, None)
+    do = None
     exact = kernel == "triton"
     first = []
     for i in range(REPEATS):
-        grads = torch.autograd.grad(out, leaves, do if i % 2 == 0 else -do, retain_graph=True)
+        # compiled flex donates its saved buffers to the backward (no retain_graph), so each launch
+        # has its own forward: a deterministic one, so every backward gets the same inputs
+        out = flex_attention_call(*leaves, bm, opts)
+        if do is None:
+            do = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out)
+        grads = torch.autograd.grad(out, leaves, do if i % 2 == 0 else -do)
         if i < 2:
             first.append(grads)
             if i == 0:
