@@ -47,7 +47,9 @@ always with ``k <= q``:
   ``block_size``, which is the plain rule) and scores a key block by its best sub-block, so one far
   key is averaged with ``score_block`` keys instead of ``block_size`` (NSA selects 64-key blocks by
   the scores of its 32-key compression blocks); with ``compress: 1, compress_block`` equal to it,
-  the selection ranks exactly the compressed branch's logits again.
+  the selection ranks exactly the compressed branch's logits again. ``score_block: 1`` scores single
+  keys, max-pooled to the block (MSA's and DSA's token-level rule with the attention's own q, k),
+  through kernels.key_block_max where Triton runs.
   ``token_select: 1``: each query token chooses its own ``top_k`` key blocks among the blocks that
   start at or before it, its own block always one of them (NSA, Yuan et al. 2025, Eq. 9-11; MoBA's
   per-token gate), scored by ``q . mean-pooled k`` (or by the best ``score_block`` sub-block), one

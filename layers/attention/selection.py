@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from moezoo.kernels.launch import to_device
+from moezoo.kernels.key_block_max import key_block_max
+from moezoo.kernels.launch import to_device, use_triton
 
 from .pattern import SparsityPattern
 
@@ -262,6 +263,30 @@ def _block_max_scores(
     return out
 
 
+def _fused_key_max(sb: int, q: torch.Tensor) -> bool:
+    """Whether single-key scores (``score_block: 1``) go through the fused per-block max
+    (kernels.key_block_max): where Triton runs, outside a torch.compile trace."""
+    return sb == 1 and use_triton(q) and not torch.compiler.is_compiling()
+
+
+def _query_block_key_max(
+    q: torch.Tensor, src_start: int, off: int, bs: int, n_blocks: int, k: torch.Tensor
+) -> torch.Tensor:
+    """float32 ``[B, H, n_blocks, nk]``: for each query block, the max over its queries and a key
+    block's keys of ``q . k / sqrt(D)`` (``query_max`` with ``score_block: 1``), as
+    ``_block_max_scores`` over single keys. ``q[B, H, N, D]`` rows from position ``src_start``,
+    row 0 at ``off`` within block 0; ``k[B, H, T, D]``."""
+    half = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    dt = q.dtype if half else torch.float32
+    tok = key_block_max(q.to(dt), k.to(dt), src_start, bs, q.shape[-1] ** -0.5)
+    head, tail = off % bs, -(off + q.shape[2]) % bs
+    tok = torch.nn.functional.pad(tok, (0, 0, head, tail), value=float("-inf"))
+    s = tok.unflatten(2, (tok.shape[2] // bs, bs)).amax(3)[:, :, :n_blocks]
+    if s.shape[2] < n_blocks:  # query blocks without rows score -inf
+        s = torch.nn.functional.pad(s, (0, 0, 0, n_blocks - s.shape[2]), value=float("-inf"))
+    return s
+
+
 @torch.no_grad()
 def estimate_block_topk(
     q_pool_src: torch.Tensor,
@@ -308,8 +333,11 @@ def estimate_block_topk(
         k = k[:, index_tensor(reps, k.device)]
         top_k = [top_k[r] for r in reps]
     sb = bs // sub_blocks
-    kp = _block_mean(k, 0, sb, nk * sub_blocks)  # [B, Hs, nk * sub, D]
-    if query_max:
+    fused = query_max and _fused_key_max(sb, q)
+    if fused:
+        s = _query_block_key_max(q, src_start, off, bs, q_blocks.numel(), k)  # [B, Hs, nq, nk]
+    elif query_max:
+        kp = _block_mean(k, 0, sb, nk * sub_blocks)  # [B, Hs, nk * sub, D]
         # 16-bit operands on CUDA for the tensor-core GEMM (float32 accumulation, _group_scores);
         # float32 elsewhere
         half = q_pool_src.is_cuda and q_pool_src.dtype in (torch.bfloat16, torch.float16)
@@ -317,8 +345,9 @@ def estimate_block_topk(
         # [B, Hs, nq, nk * sub]
         s = _block_max_scores(q.to(dt), off, bs, q_blocks.numel(), kp.to(dt))
     else:
+        kp = _block_mean(k, 0, sb, nk * sub_blocks)  # [B, Hs, nk * sub, D]
         s = _group_scores(q, kp)  # [B, Hs, nq, nk * sub]
-    if sub_blocks > 1:
+    if sub_blocks > 1 and not fused:
         # sub-blocks past the last key hold no keys (their pooled key is 0): they never win their
         # block
         s = s.masked_fill(
@@ -399,21 +428,29 @@ def estimate_token_topk(
         k = k[:, index_tensor(reps, k.device)]
         top_k = [top_k[r] for r in reps]
     sb = bs // sub_blocks
-    kp = _block_mean(k, 0, sb, nk * sub_blocks)  # [B, Hs, nk * sub, D]
     half = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
     dt = q.dtype if half else torch.float32
-    q, kp = q.to(dt), kp.to(dt)
+    # single-key scores (score_block 1) where Triton runs: the fused per-block max, no [S, T] scores
+    fused = _fused_key_max(sb, q)
+    if fused:
+        q, kp = q.to(dt), k.to(dt)
+    else:
+        kp = _block_mean(k, 0, sb, nk * sub_blocks)  # [B, Hs, nk * sub, D]
+        q, kp = q.to(dt), kp.to(dt)
     Hs = kp.shape[1]
     kb = torch.arange(nk, device=k.device)
     empty_sub = torch.arange(nk * sub_blocks, device=k.device) >= (T + sb - 1) // sb
     nw = (nk + TOKEN_BITS - 1) // TOKEN_BITS
     bits = torch.empty(B, Hs, S, nw, dtype=torch.int32, device=k.device)
     ent = mass = torch.zeros((), device=k.device)
-    step = max(1, _QUERY_MAX_CHUNK // max(B * Hs * nk * sub_blocks, 1))
+    step = max(1, _QUERY_MAX_CHUNK // max(B * Hs * nk * (1 if fused else sub_blocks), 1))
     for r0 in range(0, S, step):
         r1 = min(r0 + step, S)
-        s = _group_scores(q[:, :, r0:r1], kp)  # [B, Hs, rows, nk * sub]
-        if sub_blocks > 1:
+        if fused:
+            s = key_block_max(q[:, :, r0:r1], kp, q_start + r0, bs, D**-0.5)  # [B, Hs, rows, nk]
+        else:
+            s = _group_scores(q[:, :, r0:r1], kp)  # [B, Hs, rows, nk * sub]
+        if sub_blocks > 1 and not fused:
             s = s.masked_fill(empty_sub, float("-inf")).unflatten(-1, (nk, sub_blocks)).amax(-1)
         own = torch.div(
             torch.arange(q_start + r0, q_start + r1, device=k.device), bs, rounding_mode="floor"

@@ -8,6 +8,7 @@ checks (meta tensors)."""
 import pytest
 import torch
 
+from helpers import needs_interpreter_loops
 from moezoo.kernels import moe_fp8 as f
 from moezoo.kernels.moe_fp8 import (
     FP8,
@@ -88,28 +89,6 @@ def test_column_and_weight_quantizers_store_each_groups_transpose_with_zero_padd
     wt, wd = quantize_weight_t_reference(w)
     assert wt.shape == (3, 32, 40) and wt.is_contiguous() and wd.shape == (3, 32)
     assert within_e4m3(wt, wd[..., None], w.transpose(-2, -1))
-
-
-def _interpreter_loops_over_runtime_values() -> bool:
-    """Triton 3.6's interpreter runs ``range()`` over a runtime value through ``int()`` of a
-    1-element array, which numpy >= 2.4 refuses (Triton 3.9 is fine). The
-    column quantizer's loops run to a group size read from memory, so it cannot take the constexpr
-    bound the other kernels use."""
-    import numpy as np
-
-    try:
-        import triton
-    except ImportError:
-        return True  # no triton: the test skips on its fixture's import anyway
-    version = lambda v: tuple(int(p) for p in v.split(".")[:2])  # noqa: E731
-    return version(triton.__version__) >= (3, 7) or version(np.__version__) < (2, 4)
-
-
-needs_interpreter_loops = pytest.mark.skipif(
-    not _interpreter_loops_over_runtime_values(),
-    reason="Triton < 3.7's interpreter with numpy >= 2.4 cannot "
-    "loop to a runtime bound; the compiled kernels' GPU test covers them",
-)
 
 
 @needs_interpreter_loops
