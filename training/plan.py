@@ -456,10 +456,11 @@ def plan(
 
 def _attention_work(cfg: Config, model, counts) -> Optional[tuple]:
     """For a model with sparse attention layers: the mean budget density over every head of every
-    layer at ``train.seq_len`` (layers.attention.density.budget_density; dense layers 1), the
-    training FLOPs per token that density does, and how many of the layers are dense."""
+    layer at ``train.seq_len`` (layers.attention.density.budget_density, plus block top-k
+    selection's scores, selection_work; dense layers 1), the training FLOPs per token that density
+    does, and how many of the layers are dense."""
     from moezoo.layers import Attention
-    from moezoo.layers.attention.density import budget_density
+    from moezoo.layers.attention.density import budget_density, selection_work
     from moezoo.zoo.flops import flops_per_token
 
     attns = [m for m in model.modules() if isinstance(m, Attention)]
@@ -467,7 +468,14 @@ def _attention_work(cfg: Config, model, counts) -> Optional[tuple]:
         return None
     T = cfg.train.seq_len
     dens = [
-        1.0 if a.pattern is None else float(budget_density(a.pattern, a.n_heads, T).mean())
+        1.0
+        if a.pattern is None
+        else float(
+            (
+                budget_density(a.pattern, a.n_heads, T)
+                + selection_work(a.pattern, a.n_heads, T, a.n_kv_heads)
+            ).mean()
+        )
         for a in attns
     ]
     d = sum(dens) / len(dens)

@@ -11,6 +11,7 @@ from .compressed import compressed_density
 from .module import Attention
 from .pattern import PatternLike, head_patterns
 from .plan import budget_plan
+from .selection import selection_density
 
 
 def pattern_density(
@@ -86,7 +87,8 @@ def budget_density(pattern: PatternLike, n_heads: int, seq_len: int) -> torch.Te
     token, vertical-slash's columns and diagonals) count their budget as whole blocks beyond the
     window, disjoint from it: what the budget buys when the picks do not overlap the window (a
     per-token selection's kernel visits the union of a tile's choices, more, which ``attn/density``
-    measures). The compressed branch adds its pooled-key pairs (``compressed_density``).
+    measures). The compressed branch adds its pooled-key pairs (``compressed_density``); the
+    selection's scores are ``selection_work``.
     """
     T = seq_len
     q = torch.arange(T, dtype=torch.float64)
@@ -123,6 +125,16 @@ def budget_density(pattern: PatternLike, n_heads: int, seq_len: int) -> torch.Te
     return dens + torch.tensor(cmp, dtype=torch.float64)
 
 
+def selection_work(
+    pattern: PatternLike, n_heads: int, seq_len: int, n_kv_heads: int
+) -> torch.Tensor:
+    """float64 ``[n_heads]``: the density block top-k selection's scores add at ``seq_len``
+    (``selection_density``: per KV group of ``n_kv_heads`` where ``share_group`` heads share one
+    selection); 0 for other heads."""
+    pats = tuple(head_patterns(pattern, n_heads))
+    return torch.tensor(selection_density(pats, seq_len, n_kv_heads), dtype=torch.float64)
+
+
 def attention_metrics(model: torch.nn.Module, seq_len: int) -> dict:
     """Scalars (0-d tensors, no host sync) from every ``layers.Attention``'s last forward, for
     logging:
@@ -132,7 +144,8 @@ def attention_metrics(model: torch.nn.Module, seq_len: int) -> dict:
       FLOPs count. A sparse layer without recorded stats (compiled blocks record none) counts its
       budget density at ``seq_len`` (``pattern_density``, token-level, so never more than its kernel
       did; computed once). Block top-k heads with ``compress: 1`` add their compressed branch's
-      pairs (``compressed_density``).
+      pairs (``compressed_density``), every block top-k head its selection's scores
+      (``selection_density``).
     - ``attn/topk_entropy``, ``attn/topk_mass``: block top-k selection sharpness (mean over the
       layers with block top-k heads): normalised entropy of the softmax over each query block's
       pooled scores (1 = uniform, falls as the choice sharpens) and the share of that softmax the
@@ -148,7 +161,8 @@ def attention_metrics(model: torch.nn.Module, seq_len: int) -> dict:
             continue
         any_sparse = True
         if "density" in s:
-            dens.append(s["density"].float().mean())
+            # the kernel's visited blocks plus the selection's scores (functional._selection_work)
+            dens.append((s["density"].float() + s.get("score_work", 0.0)).mean())
         else:
             cached = m.__dict__.get("_budget_density")
             if cached is None or cached[0] != seq_len:
@@ -156,14 +170,12 @@ def attention_metrics(model: torch.nn.Module, seq_len: int) -> dict:
                     m.wq.weight.device if m.wq.weight.device.type != "meta" else torch.device("cpu")
                 )
                 dens_h = pattern_density(m.pattern, m.n_heads, seq_len, m.layer_id, device=dev)
-                # plus the compressed branch's pooled-key pairs (block top-k compress: 1), a
-                # token-level share too
-                dens_h = dens_h + torch.tensor(
-                    compressed_density(
-                        head_patterns(m.pattern, m.n_heads), seq_len, seq_len * (seq_len + 1) / 2
-                    ),
-                    dtype=dens_h.dtype,
-                )
+                # plus the compressed branch's pooled-key pairs (block top-k compress: 1) and the
+                # selection's scores, token-level shares too
+                pats = head_patterns(m.pattern, m.n_heads)
+                cmp = compressed_density(pats, seq_len, seq_len * (seq_len + 1) / 2)
+                sel = selection_work(pats, m.n_heads, seq_len, m.n_kv_heads)
+                dens_h = dens_h + (torch.tensor(cmp, dtype=torch.float64) + sel).to(dens_h)
                 m._budget_density = cached = (seq_len, dens_h.mean().float())
             dens.append(cached[1])
         if "entropy" in s:

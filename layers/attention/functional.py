@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from moezoo.configs.attention import ATTN_BACKENDS
+from moezoo.kernels.launch import to_device
 
 from .dense import DENSE_CROSSOVER, dense_causal_attention, flex_fits
 from .flash import flash_attn_window
@@ -55,6 +56,7 @@ from .masking import masked_causal_attention
 from .pattern import PatternLike, head_patterns
 from .pattern import layer_block_size as plan_block_size
 from .plan import PatternPlan, plan_pattern
+from .selection import selection_density
 
 _MASK_CACHE: OrderedDict[tuple, object] = OrderedDict()
 _MASK_CACHE_SIZE = 32
@@ -86,8 +88,10 @@ def sparse_attention(
     attention when the pattern is dense here). ``kernel`` (auto | triton | flash) and
     ``kernel_options``: the flex kernel of this call (``flex.pick_flex_kernel``,
     ``flex.kernel_options_for``). ``stats``: a dict that receives, for square inputs, ``density``
-    float32 ``[Hq]`` (a block-sparse kernel's visited blocks / the causal blocks) and, for block
-    top-k heads, ``entropy`` / ``topk_mass`` of the selection (tensors on q's device).
+    float32 ``[Hq]`` (a block-sparse kernel's visited blocks / the causal blocks) and, for
+    input-dependent patterns, ``score_work`` (what block top-k selection's scores add, in the same
+    units) and for block top-k heads ``entropy`` / ``topk_mass`` of the selection (tensors on q's
+    device).
     """
     B, Hq, S, D = q.shape
     T = k.shape[2]
@@ -126,6 +130,7 @@ def sparse_attention(
     if stats is not None and square:
         partial, full = plan.block_layout()
         stats["density"] = _density_of(partial | full, plan.block_size, T)
+        stats["score_work"] = _selection_work(pats, T, k.shape[1], q)
     return reference_sparse_attention(q, k, v, plan)
 
 
@@ -151,12 +156,23 @@ def _flex_sparse(q, k, v, pats, layer, q_history, stats, kernel, kernel_options)
         bm = flex_block_mask(plan, slots, backward=bwd, tile=flex_tile(plan.block_size, q.device))
         if stats is not None:
             stats["density"] = _visited_density(bm, T)
+            stats["score_work"] = _selection_work(pats, T, k.shape[1], q)
     else:
         bm, dens = _static_block_mask(pats, Hq, T, layer, q.device)
         if stats is not None:
             stats["density"] = dens
     kern = pick_flex_kernel(kernel, pats, T, plan_block_size(pats))
     return flex_attention_call(q, k, v, bm, kernel_options_for(kern, kernel_options))
+
+
+def _selection_work(pats: list, T: int, n_kv_heads: int, q: torch.Tensor) -> torch.Tensor:
+    """float32 ``[H]`` on q's device (or a 0-d zero): the work of the block top-k heads' selection
+    scores in density units (selection.selection_density), the ``score_work`` stat that
+    attention_metrics adds to the visited density."""
+    work = selection_density(tuple(pats), T, n_kv_heads)
+    if not any(work):
+        return torch.zeros((), device=q.device)
+    return to_device(torch.tensor(work, dtype=torch.float32), q.device)
 
 
 def _causal_blocks(bs: int, T: int) -> float:

@@ -8,6 +8,7 @@ dim.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -368,6 +369,50 @@ def estimate_block_topk(
     if len(reps) < H:
         pick = pick[:, index_tensor(list(slot), pick.device)]
     return pick
+
+
+@functools.lru_cache(maxsize=256)
+def selection_density(
+    pats: tuple[SparsityPattern, ...], T: int, n_kv_heads: int = 0
+) -> tuple[float, ...]:
+    """Per head, the work of its block top-k selection's scores in a square call over ``T`` keys,
+    in the units of the attention density (attended pairs over the ``T (T + 1) / 2`` causal ones):
+    a scored (query, key) pair is one ``q . k``, half an attended pair's work (``q . k`` and ``p
+    v``), and the heads sharing one selection (``share_group`` heads of a KV group with one budget
+    and scoring rule; ``n_kv_heads`` groups, 0 = no sharing) share its scores. Single-key scores
+    (``score_block: 1`` per token or with ``query_max``, kernels.key_block_max) cover each query's
+    causal key blocks; pooled ones each query's row of all ``T / score_block`` pooled keys (per
+    token, ``query_max``), or each query block's (mean-pooled queries). 0 for other heads."""
+    H = len(pats)
+    g = H // n_kv_heads if n_kv_heads else 1
+    causal = T * (T + 1) / 2
+
+    def rule(h: int, p: SparsityPattern):
+        sb = p.score_block if 0 < p.score_block < p.block_size else p.block_size
+        per_query = bool(p.token_select or p.query_max)
+        share = (h // g, p.top_k) if p.share_group else ("head", h)
+        # one estimate per rule and slot, as plan_pattern makes them
+        return share, p.block_size, sb, per_query, p.token_select, p.query_max
+
+    rules = {
+        h: rule(h, p) for h, p in enumerate(pats) if p.type == "block_topk" and not p.is_dense_at(T)
+    }
+    out = []
+    for h in range(H):
+        if h not in rules:
+            out.append(0.0)
+            continue
+        _, bs, sb, per_query, _, _ = rules[h]
+        nb = -(-T // bs)
+        if sb == 1 and per_query:
+            pairs = sum(min(bs, T - i * bs) * min((i + 1) * bs, T) for i in range(nb))
+        elif per_query:
+            pairs = T * -(-T // sb)
+        else:
+            pairs = nb * -(-T // sb)
+        sharing = sum(1 for r in rules.values() if r == rules[h])
+        out.append(0.5 * pairs / causal / sharing)
+    return tuple(out)
 
 
 # Per-token selections are packed 32 key blocks to an int32 word: at 128k tokens and 1024 blocks a
