@@ -495,7 +495,7 @@ def _attention_line(a: tuple) -> list[str]:
     done = _fmt(flops, ((1e12, " T"), (1e9, " G"), (1e6, " M"), (1, " ")))
     return [
         f"  attention     sparse in {n - n_dense} of {n} layers: {d:.1%} of the causal pairs "
-        f"(budget) -> {done}FLOP/token done"
+        f"(budget, selection scores included) -> {done}FLOP/token done"
     ]
 
 
