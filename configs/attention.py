@@ -36,6 +36,7 @@ PATTERN_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
             "compress_block",
             "score_block",
             "token_select",
+            "score_nope",
         ),
     ),
 }
@@ -51,7 +52,7 @@ NONNEG_PARAMS = (
     "compress_block",
     "score_block",
 )
-FLAG_PARAMS = ("share_group", "query_max", "compress")  # 0 or 1
+FLAG_PARAMS = ("share_group", "query_max", "compress", "score_nope")  # 0 or 1
 # MInference's per-head JSON names its three kernels; what each entry computes in MInference's
 # runtime (minference/modules/minference_forward.py), in our params:
 # - vertical_and_slash: budgets raised to at least 30 columns / 50 diagonals, the first 30 key

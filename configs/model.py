@@ -185,6 +185,16 @@ class ModelConfig:
                 f"{key}.attention.key_conv",
                 "is for GQA attention (attention_type mha), not MLA",
             )
+            nope = [
+                k
+                for k, p in self.attention.patterns.items()
+                if hasattr(p, "get") and p.get("score_nope")
+            ]
+            check(
+                not nope,
+                f"{key}.attention.patterns.{nope[0] if nope else ''}.score_nope",
+                "scores on keys before RoPE, which MLA splits off into its own dims; GQA only",
+            )
         check(
             self.n_heads % self.kv_heads == 0,
             f"{key}.n_kv_heads",

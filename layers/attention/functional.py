@@ -76,6 +76,7 @@ def sparse_attention(
     kernel: str = "auto",
     kernel_options: Optional[dict] = None,
     stats: Optional[dict] = None,
+    score_qk: Optional[tuple] = None,
 ) -> torch.Tensor:
     """Causal attention under ``pattern`` (a SparsityPattern or one per query head).
 
@@ -91,7 +92,8 @@ def sparse_attention(
     float32 ``[Hq]`` (a block-sparse kernel's visited blocks / the causal blocks) and, for
     input-dependent patterns, ``score_work`` (what block top-k selection's scores add, in the same
     units) and for block top-k heads ``entropy`` / ``topk_mass`` of the selection (tensors on q's
-    device).
+    device). ``score_qk``: ``(q, k, q_history)`` before RoPE, which block top-k heads with
+    ``score_nope: 1`` select by (plan.plan_pattern).
     """
     B, Hq, S, D = q.shape
     T = k.shape[2]
@@ -114,7 +116,7 @@ def sparse_attention(
             q,
             k,
             v,
-            plan_pattern(pats, Hq, q_offset, S, T, layer, q, k, q_history),
+            plan_pattern(pats, Hq, q_offset, S, T, layer, q, k, q_history, score_qk=score_qk),
             mask.dense(S, T),
         )
     square = S == T and q_offset == 0
@@ -125,8 +127,12 @@ def sparse_attention(
         return flash_attn_window(q, k, v, pats, square)
     # decode / chunked prefill rows go to the reference: O(S T) mask
     if backend == "flex" and square:
-        return _flex_sparse(q, k, v, pats, layer, q_history, stats, kernel, kernel_options)
-    plan = plan_pattern(pats, Hq, q_offset, S, T, layer, q, k, q_history, stats=stats)
+        return _flex_sparse(
+            q, k, v, pats, layer, q_history, stats, kernel, kernel_options, score_qk
+        )
+    plan = plan_pattern(
+        pats, Hq, q_offset, S, T, layer, q, k, q_history, stats=stats, score_qk=score_qk
+    )
     if stats is not None and square:
         partial, full = plan.block_layout()
         stats["density"] = _density_of(partial | full, plan.block_size, T)
@@ -140,13 +146,15 @@ def sparse_attention(
 # reference. The flex kernel itself is compiled either way (``_flex_fn``), so what the break
 # costs is only the fusion of the few elementwise ops around it.
 @torch.compiler.disable
-def _flex_sparse(q, k, v, pats, layer, q_history, stats, kernel, kernel_options):
+def _flex_sparse(q, k, v, pats, layer, q_history, stats, kernel, kernel_options, score_qk):
     """The flex backend for a square call: q [B, Hq, T, Dh], k, v [B, Hk, T, Dh] -> [B, Hq, T,
     Dh]."""
     Hq, S, T = q.shape[1], q.shape[2], k.shape[2]
     # estimated from this input: a new mask every call
     if any(p.dynamic and not p.is_dense_at(T) for p in pats):
-        plan = plan_pattern(pats, Hq, 0, S, T, layer, q, k, q_history, stats=stats)
+        plan = plan_pattern(
+            pats, Hq, 0, S, T, layer, q, k, q_history, stats=stats, score_qk=score_qk
+        )
         # a mask built for this call only: its backward lists are needed only if a backward can
         # follow
         bwd = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))

@@ -75,7 +75,8 @@ def put_heads(t: torch.Tensor, heads: list[int], rows: torch.Tensor) -> torch.Te
 
 class KVCache(nn.Module):
     """Static-size cache ``k, v [B, Hk, max_len, Dh]`` (gpt-fast style: no reallocation in
-    decode)."""
+    decode); with ``pre_rope_keys`` also ``k_nope``, the keys before RoPE that block top-k heads
+    with ``score_nope`` select by."""
 
     def __init__(
         self,
@@ -85,22 +86,31 @@ class KVCache(nn.Module):
         head_dim: int,
         dtype=torch.float32,
         device=None,
+        pre_rope_keys: bool = False,
     ):
         super().__init__()
         shape = (batch, n_kv_heads, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        nope = torch.zeros(shape, dtype=dtype, device=device) if pre_rope_keys else None
+        self.register_buffer("k_nope", nope, persistent=False)
 
     def update(
-        self, start_pos: int, k: torch.Tensor, v: torch.Tensor
+        self,
+        start_pos: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_nope: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``k, v [B, Hk, S, Dh]`` at ``start_pos``; return the filled prefix ``[B, Hk,
-        start_pos+S, Dh]``."""
+        """Write ``k, v [B, Hk, S, Dh]`` (and ``k_nope``, with ``pre_rope_keys``) at
+        ``start_pos``; return the filled prefix ``[B, Hk, start_pos+S, Dh]`` of k and v."""
         end = start_pos + k.shape[2]
         if end > self.k.shape[2]:
             raise ValueError(f"KV cache overflow: {end} > max_len {self.k.shape[2]}")
         self.k[:, :, start_pos:end] = k.to(self.k.dtype)
         self.v[:, :, start_pos:end] = v.to(self.v.dtype)
+        if k_nope is not None:
+            self.k_nope[:, :, start_pos:end] = k_nope.to(self.k_nope.dtype)
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
@@ -189,11 +199,19 @@ class Attention(nn.Module):
         self._compressed_density = None
         self.cache: Optional[KVCache] = None
         self._q_history: Optional[torch.Tensor] = None  # last queries, for decode-time estimation
+        self._q_nope_history: Optional[torch.Tensor] = None  # the same before RoPE (score_nope)
 
     def setup_cache(self, batch: int, max_len: int, dtype=None, device=None) -> None:
         dtype = dtype or self.wk.weight.dtype
         device = device or self.wk.weight.device
-        self.cache = KVCache(batch, self.n_kv_heads, max_len, self.head_dim, dtype, device)
+        self.cache = KVCache(
+            batch, self.n_kv_heads, max_len, self.head_dim, dtype, device, self._scores_nope()
+        )
+
+    def _scores_nope(self) -> bool:
+        """Whether a head selects blocks by its queries and keys before RoPE (``score_nope``)."""
+        pats = head_patterns(self.pattern, self.n_heads) if self.pattern is not None else []
+        return any(p.score_nope for p in pats)
 
     def init_weights(self, std: float = 0.02, out_std: float = 0.02) -> None:
         for w in (self.wq, self.wk, self.wv):
@@ -243,11 +261,15 @@ class Attention(nn.Module):
             if self.ssmax is None
             else self._ssmax_scale(q.shape[2], q.device, start_pos, positions)
         )
+        # score_nope heads select by q and k as they are before RoPE
+        pre = (q, k) if self._scores_nope() and not self.dense_phase else None
         q, k = apply_rotary(q, cos, sin, q_scale), apply_rotary(k, cos, sin)
         if self.cache is not None:
-            k, v = self.cache.update(start_pos, k, v)
+            k, v = self.cache.update(start_pos, k, v, None if pre is None else pre[1])
+            if pre is not None:
+                pre = (pre[0], self.cache.k_nope[:, :, : k.shape[2]])
         stats_before = self.attn_stats
-        out = self._attend(q, k, v, start_pos, mask)
+        out = self._attend(q, k, v, start_pos, mask, pre)
         if self.compress_heads:
             out = self._with_compressed(
                 x, q, k, v, out, start_pos, self.attn_stats is not stats_before
@@ -350,14 +372,16 @@ class Attention(nn.Module):
         v: torch.Tensor,
         q_offset: int,
         mask: Optional[torch.Tensor] = None,
+        pre_rope: Optional[tuple] = None,
     ) -> torch.Tensor:
+        """``pre_rope``: ``(q, k)`` before RoPE (k the whole prefix), for ``score_nope`` heads."""
         if self.pattern is None or self.dense_phase:
             if mask is not None:
                 return masked_causal_attention(q, k, v, mask, q_offset)
             if self.backend == "flash_attn":
                 return flash_attn_dense(q, k, v, q_offset)
             return dense_causal_attention(q, k, v, q_offset)
-        history = None
+        history = nope_history = None
         dyn = [p for p in head_patterns(self.pattern, self.n_heads) if p.dynamic]
         if dyn and self.cache is not None:
             # Input-dependent patterns estimate from the last queries; keep enough of them that a
@@ -368,6 +392,13 @@ class Attention(nn.Module):
             self._q_history = (q if history is None else torch.cat([history, q], dim=2))[
                 :, :, -keep:
             ].detach()
+            if pre_rope is not None:  # the same history of the pre-RoPE queries
+                nope_history = self._q_nope_history if q_offset > 0 else None
+                self._q_nope_history = (
+                    pre_rope[0]
+                    if nope_history is None
+                    else torch.cat([nope_history, pre_rope[0]], dim=2)
+                )[:, :, -keep:].detach()
         # stats only in eager mode: a dict written inside a compiled block would be a graph side
         # effect
         stats = (
@@ -389,6 +420,7 @@ class Attention(nn.Module):
             kernel_options=self.kernel_options,
             stats=stats,
             mask=mask,
+            score_qk=None if pre_rope is None else (*pre_rope, nope_history),
         )
         if stats:
             self.attn_stats = stats

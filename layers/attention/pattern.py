@@ -49,7 +49,12 @@ always with ``k <= q``:
   the scores of its 32-key compression blocks); with ``compress: 1, compress_block`` equal to it,
   the selection ranks exactly the compressed branch's logits again. ``score_block: 1`` scores single
   keys, max-pooled to the block (MSA's and DSA's token-level rule with the attention's own q, k),
-  through kernels.key_block_max where Triton runs.
+  through kernels.key_block_max where Triton runs. ``score_nope: 1``: the selection scores the
+  queries and keys before RoPE (InfLLM-v2's ``use_nope``; after ``qk_norm`` and ``key_conv``), so a
+  block is chosen by content alone: pooled RoPE-rotated keys cancel their fast-rotating dimensions
+  (a low-pass filter with positional blind spots, Prism), and the distance between query and key
+  does not move the score. The attention itself keeps RoPE. layers.Attention passes the pre-RoPE
+  tensors (``sparse_attention(score_qk=...)``) and caches pre-RoPE keys for decode.
   ``token_select: 1``: each query token chooses its own ``top_k`` key blocks among the blocks that
   start at or before it, its own block always one of them (NSA, Yuan et al. 2025, Eq. 9-11; MoBA's
   per-token gate), scored by ``q . mean-pooled k`` (or by the best ``score_block`` sub-block), one
@@ -133,6 +138,8 @@ class SparsityPattern:
     score_block: int = 0
     # block top-k: 1 = each query token chooses its own top_k blocks (NSA / MoBA per-token gating)
     token_select: int = 0
+    # block top-k: 1 = the selection scores q and k before RoPE (InfLLM-v2's use_nope)
+    score_nope: int = 0
 
     def __post_init__(self):
         validate_pattern(self.to_dict(), "pattern")

@@ -223,6 +223,7 @@ def plan_pattern(
     q_history: Optional[torch.Tensor] = None,
     device=None,
     stats: Optional[dict] = None,
+    score_qk: Optional[tuple] = None,
 ) -> PatternPlan:
     """Resolve a (per-head) pattern for queries at positions ``q_start .. q_start+S-1`` over keys
     ``0..T-1``.
@@ -231,8 +232,9 @@ def plan_pattern(
     holds the queries at positions just before ``q_start`` (decode), used for estimation only.
     ``stats``: a dict to receive the block top-k selection's entropy and top-k mass
     (estimate_block_topk), and a ``BlockSelection`` under ``"selection"`` when that key is already
-    in it (a request: the blocks stay alive as long as the dict). Positions are Python ints, so
-    planning never waits on the GPU.
+    in it (a request: the blocks stay alive as long as the dict). ``score_qk``: ``(q, k,
+    q_history)`` before RoPE, shaped as ``q, k, q_history``, which block top-k heads with
+    ``score_nope`` score instead. Positions are Python ints, so planning never waits on the GPU.
     """
     pats = head_patterns(pattern, n_heads)
     bs = layer_block_size(pats)
@@ -253,9 +255,19 @@ def plan_pattern(
     if dyn:
         if q is None or k is None:
             raise ValueError("input-dependent patterns (vertical_slash, block_topk) need q and k")
-        src = q if q_history is None else torch.cat([q_history.to(q.dtype), q], dim=2)
+        src = _with_history(q, q_history)
         src_start = q_start - (src.shape[2] - S)
         B = q.shape[0]
+        if any(pats[h].score_nope for h in dyn):
+            if score_qk is None:
+                raise ValueError(
+                    "block top-k heads with score_nope need score_qk (q, k before RoPE)"
+                )
+            nq_, nk_, nh_ = score_qk
+            # (queries, keys, queries with history) each head's selection scores
+            scoring = {0: (q, k, src), 1: (nq_, nk_, _with_history(nq_, nh_))}
+        else:
+            scoring = {0: (q, k, src)}
         vs = [h for h in dyn if pats[h].type == "vertical_slash"]
         if vs:
             L = min(max(pats[h].last_q for h in vs), src.shape[2])
@@ -279,9 +291,9 @@ def plan_pattern(
         union = [h for h in bt if pats[h].token_select == 2]
         bt_block = [h for h in bt if not pats[h].token_select]
         if tb:
-            tok = _token_selection(pats, tb, n_heads, q, k, q_start, bs, stats)
+            tok = _token_selection(pats, tb, n_heads, scoring, q_start, bs, stats)
         if union:
-            bits, slot = _token_selection(pats, union, n_heads, q, k, q_start, bs, stats)
+            bits, slot = _token_selection(pats, union, n_heads, scoring, q_start, bs, stats)
             chosen = _union_per_query_block(bits, q_start, bs, q_blocks.numel(), nk)[:, slot]
             if blocks is None:
                 blocks = torch.zeros(B, n_heads, q_blocks.numel(), nk, dtype=torch.bool, device=dev)
@@ -294,9 +306,13 @@ def plan_pattern(
                 full |= blocks
             # one estimate per scoring rule (query_max, score_block's sub-blocks; a layer mixing
             # rules logs the stats of the last one)
-            rule = {h: (pats[h].query_max, _sub_blocks(pats[h], bs)) for h in bt_block}
-            for qmax, sub in sorted(set(rule.values())):
-                hs = [h for h in bt_block if rule[h] == (qmax, sub)]
+            rule = {
+                h: (pats[h].query_max, _sub_blocks(pats[h], bs), pats[h].score_nope)
+                for h in bt_block
+            }
+            for qmax, sub, nope in sorted(set(rule.values())):
+                hs = [h for h in bt_block if rule[h] == (qmax, sub, nope)]
+                _, k_s, src_s = scoring[nope]
                 heads = index_tensor(hs, dev)
                 # share_group heads of one KV group with one budget share a slot (one selection);
                 # others their own
@@ -305,9 +321,9 @@ def plan_pattern(
                 ]
                 slot = [sorted(set(slot_key), key=str).index(x) for x in slot_key]
                 full[:, heads] |= estimate_block_topk(
-                    src[:, heads, first:],
+                    src_s[:, heads, first:],
                     src_start + first,
-                    _kv_for_heads(k, hs, n_heads),
+                    _kv_for_heads(k_s, hs, n_heads),
                     q_blocks,
                     qb0,
                     bs,
@@ -341,15 +357,22 @@ def _union_per_query_block(
     return rows.unflatten(2, (n_q_blocks, bs)).any(3)
 
 
-def _token_selection(pats, heads, n_heads, q, k, q_start, bs, stats):
+def _with_history(q: torch.Tensor, q_history: Optional[torch.Tensor]) -> torch.Tensor:
+    """The queries an estimate pools: ``cat(q_history, q)`` along the rows (decode), else q."""
+    return q if q_history is None else torch.cat([q_history.to(q.dtype), q], dim=2)
+
+
+def _token_selection(pats, heads, n_heads, scoring, q_start, bs, stats):
     """``(tok_bits [B, Hs + 1, S, nw], tok_slot [H])`` for the ``token_select`` heads ``heads``:
-    one estimate per scoring rule (score_block's sub-blocks), a KV group's ``share_group`` heads
-    with one budget sharing a slot, and an empty last slot for every other head."""
-    g = n_heads // k.shape[1]
+    one estimate per scoring rule (score_block's sub-blocks; ``scoring[score_nope]``: the q, k it
+    scores), a KV group's ``share_group`` heads with one budget sharing a slot, and an empty last
+    slot for every other head."""
+    g = n_heads // scoring[0][1].shape[1]
     parts, slot_of = [], {}
-    rules = {h: _sub_blocks(pats[h], bs) for h in heads}
-    for sub in sorted(set(rules.values())):
-        hs = [h for h in heads if rules[h] == sub]
+    rules = {h: (_sub_blocks(pats[h], bs), pats[h].score_nope) for h in heads}
+    for sub, nope in sorted(set(rules.values())):
+        hs = [h for h in heads if rules[h] == (sub, nope)]
+        q, k, _ = scoring[nope]
         keys = [(h // g, pats[h].top_k) if pats[h].share_group else ("head", h) for h in hs]
         order = list(dict.fromkeys(keys))  # first-seen order: unshared heads keep head order
         slot = [order.index(x) for x in keys]

@@ -109,6 +109,16 @@ def _topk_per_head(score: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
     return out.scatter_(-1, idx, rank_ok.expand_as(idx))
 
 
+def _rank_keys(score: torch.Tensor) -> torch.Tensor:
+    """float ``[..., nk]`` block scores -> int64 keys of the same order, equal scores ranked by
+    block index (the later block first): a top-k over them never depends on how ties fall in one
+    call's shapes, so a decode step picks the blocks prefill picked. Ties are common where a score
+    is a function of the token alone (``score_nope`` keys of a repeated token)."""
+    i = score.float().contiguous().view(torch.int32).long()
+    ordered = torch.where(i >= 0, i, -(2**31) - 1 - i)  # the float order as integers
+    return ordered * (1 << 20) + torch.arange(score.shape[-1], device=score.device)
+
+
 @torch.no_grad()  # indices only: nothing differentiable leaves, so record no graph
 def estimate_vertical_slash(
     q_est: torch.Tensor,
@@ -358,7 +368,7 @@ def estimate_block_topk(
     kb = torch.arange(nk, device=k.device)
     s = s.masked_fill(kb[None, :] > q_blocks[:, None], float("-inf"))
     pick = _topk_per_head(
-        torch.where(kb[None, :] == q_blocks[:, None], torch.full_like(s, float("inf")), s), top_k
+        _rank_keys(torch.where(kb[None, :] == q_blocks[:, None], float("inf"), s)), top_k
     )
     pick &= kb[None, :] <= q_blocks[:, None]
     if stats is not None:
@@ -501,7 +511,7 @@ def estimate_token_topk(
             torch.arange(q_start + r0, q_start + r1, device=k.device), bs, rounding_mode="floor"
         )[:, None]  # [rows, 1]
         s = s.masked_fill(kb[None, :] > own, float("-inf"))
-        pick = _topk_per_head(torch.where(kb[None, :] == own, float("inf"), s), top_k)
+        pick = _topk_per_head(_rank_keys(torch.where(kb[None, :] == own, float("inf"), s)), top_k)
         pick &= kb[None, :] <= own
         bits[:, :, r0:r1] = pack_blocks(pick)
         if stats is not None:
