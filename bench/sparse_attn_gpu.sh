@@ -6,7 +6,8 @@
 # presets' layer (bench/attention.py), and the GPU tests of layers/attention. Each part has its own
 # time limit so a slow one leaves the rest. Results under $OUT (one log, the jsonl rows).
 #     OUT=/tmp/out bash bench/sparse_attn_gpu.sh [e2e64 layer e2e128 tests layer_short flash quality]
-# (E2E_VARIANTS: the end-to-end parts' variants, e.g. dense,preset,query_max: bench/train_attention.py's list)
+# (E2E_VARIANTS: the end-to-end parts' variants, e.g. dense,preset,query_max: bench/train_attention.py's list;
+# E2E_ARGS: its options, e.g. "--score-block 1")
 set -u
 PARTS=${*:-e2e64 layer e2e128 tests}
 . "$(dirname "$0")/gpu_env.sh" /tmp/sparse_attn_out
@@ -15,10 +16,10 @@ for part in $PARTS; do
   t0=$(date +%s)
   case $part in
     e2e64)  timeout ${T_E2E64:-130} $PY bench/train_attention.py --config zoo/sparse_attn_1b_64k.yaml --steps 5 \
-              --variants ${E2E_VARIANTS:-dense,preset} --out /tmp/e2e64 $COMMON ;
+              --variants ${E2E_VARIANTS:-dense,preset} --out /tmp/e2e64 ${E2E_ARGS:-} $COMMON ;
             cp /tmp/e2e64/train_attention.jsonl "$OUT/e2e64.jsonl" 2>/dev/null ;;
     e2e128) timeout ${T_E2E128:-130} $PY bench/train_attention.py --config zoo/sparse_attn_1b_128k.yaml --steps 3 \
-              --variants ${E2E_VARIANTS:-preset,dense} --out /tmp/e2e128 $COMMON ;
+              --variants ${E2E_VARIANTS:-preset,dense} --out /tmp/e2e128 ${E2E_ARGS:-} $COMMON ;
             cp /tmp/e2e128/train_attention.jsonl "$OUT/e2e128.jsonl" 2>/dev/null ;;
     layer)  timeout ${T_LAYER:-70} $PY bench/attention.py --lengths 65536,131072 --patterns topk,mix --modes fwd,fwdbwd \
               --no-plain --out "$OUT/layer.jsonl" ;;
