@@ -84,7 +84,7 @@ from moezoo.layers.attention.compressed import (
 from moezoo.layers.attention.module import put_heads, take_heads  # noqa: E402
 from moezoo.layers.attention.pattern import head_patterns  # noqa: E402
 from moezoo.layers.attention.plan import plan_pattern  # noqa: E402
-from moezoo.layers.attention.selection import index_tensor  # noqa: E402
+from moezoo.layers.attention.selection import index_tensor, selection_density  # noqa: E402
 
 H, HK, D, BS = 32, 8, 128, 128
 PATTERNS = {
@@ -102,8 +102,15 @@ PATTERNS = {
     "topk_nsa": SparsityPattern(
         type="block_topk", top_k=16, share_group=1, query_max=1, compress=1, block_size=BS
     ),
+    # per-token choices by single-key scores (kernels.key_block_max), the query block's union
+    "topk_union_max": SparsityPattern(
+        type="block_topk", top_k=16, share_group=1, token_select=2, score_block=1, block_size=BS
+    ),
 }
 PATTERNS["mix"] = [PATTERNS["a_shape"]] * (H // 2) + [PATTERNS["topk"]] * (H // 2)
+PATTERNS["mix_union_max"] = [PATTERNS["a_shape"]] * (H // 2) + [PATTERNS["topk_union_max"]] * (
+    H // 2
+)
 
 
 VS_INPUTS = ("structured", "local", "iid")
@@ -216,11 +223,13 @@ def layer_attention(q, k, v, p, kern):
 
 
 def compressed_share(p, S):
-    """The compressed branch's pooled-key pairs in units of the layout's causal blocks, mean over
-    heads."""
+    """The compressed branch's pooled-key pairs and the selection's scores (selection_density) in
+    units of the layout's causal blocks, mean over heads."""
     n = (S + BS - 1) // BS
-    share = compressed_density(head_patterns(p, H), S, BS * BS * n * (n + 1) / 2)
-    return sum(share) / len(share)
+    pats = head_patterns(p, H)
+    share = compressed_density(pats, S, BS * BS * n * (n + 1) / 2)
+    scores = selection_density(tuple(pats), S, HK)
+    return (sum(share) + sum(scores) * S * (S + 1) / 2 / (BS * BS * n * (n + 1) / 2)) / len(share)
 
 
 def bench_length(S, names, modes, with_plain, out, vs_inputs=("structured",), kernels=("triton",)):
