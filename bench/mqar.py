@@ -81,6 +81,13 @@ VARIANTS: dict[str, dict | None] = {
     "topk_token_max": {"type": "block_topk", "token_select": 1, "score_block": 1},
     "topk_union_max": {"type": "block_topk", "token_select": 2, "score_block": 1},
     "topk_qmax_max": {"type": "block_topk", "query_max": 1, "score_block": 1},
+    "topk_union_nope": {"type": "block_topk", "token_select": 2, "score_nope": 1},
+    "topk_union_max_nope": {
+        "type": "block_topk",
+        "token_select": 2,
+        "score_block": 1,
+        "score_nope": 1,
+    },
     "topk_token_compress": {"type": "block_topk", "token_select": 1, "compress": 1},
     "hybrid_token": {"type": "block_topk", "token_select": 1, "dense_last": 1},
     "topk_token_kconv": {"type": "block_topk", "token_select": 1, "key_conv": 4},
