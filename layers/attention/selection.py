@@ -281,14 +281,18 @@ def _fused_key_max(sb: int, q: torch.Tensor) -> bool:
 
 
 def _query_block_key_max(
-    q: torch.Tensor, src_start: int, off: int, bs: int, n_blocks: int, k: torch.Tensor
+    q: torch.Tensor,
+    src_start: int,
+    off: int,
+    bs: int,
+    n_blocks: int,
+    k: torch.Tensor,
+    dt: torch.dtype,
 ) -> torch.Tensor:
     """float32 ``[B, H, n_blocks, nk]``: for each query block, the max over its queries and a key
     block's keys of ``q . k / sqrt(D)`` (``query_max`` with ``score_block: 1``), as
     ``_block_max_scores`` over single keys. ``q[B, H, N, D]`` rows from position ``src_start``,
-    row 0 at ``off`` within block 0; ``k[B, H, T, D]``."""
-    half = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-    dt = q.dtype if half else torch.float32
+    row 0 at ``off`` within block 0; ``k[B, H, T, D]``; ``dt``: the operands' dtype."""
     tok = key_block_max(q.to(dt), k.to(dt), src_start, bs, q.shape[-1] ** -0.5)
     head, tail = off % bs, -(off + q.shape[2]) % bs
     tok = torch.nn.functional.pad(tok, (0, 0, head, tail), value=float("-inf"))
@@ -344,15 +348,16 @@ def estimate_block_topk(
         k = k[:, index_tensor(reps, k.device)]
         top_k = [top_k[r] for r in reps]
     sb = bs // sub_blocks
+    # 16-bit operands on CUDA for the tensor-core GEMM (float32 accumulation, _group_scores and
+    # kernels.key_block_max), also for a group's float32 mean query; float32 elsewhere
+    half = q_pool_src.is_cuda and q_pool_src.dtype in (torch.bfloat16, torch.float16)
+    dt = q_pool_src.dtype if half else torch.float32
     fused = query_max and _fused_key_max(sb, q)
     if fused:
-        s = _query_block_key_max(q, src_start, off, bs, q_blocks.numel(), k)  # [B, Hs, nq, nk]
+        # [B, Hs, nq, nk]
+        s = _query_block_key_max(q, src_start, off, bs, q_blocks.numel(), k, dt)
     elif query_max:
         kp = _block_mean(k, 0, sb, nk * sub_blocks)  # [B, Hs, nk * sub, D]
-        # 16-bit operands on CUDA for the tensor-core GEMM (float32 accumulation, _group_scores);
-        # float32 elsewhere
-        half = q_pool_src.is_cuda and q_pool_src.dtype in (torch.bfloat16, torch.float16)
-        dt = q_pool_src.dtype if half else torch.float32
         # [B, Hs, nq, nk * sub]
         s = _block_max_scores(q.to(dt), off, bs, q_blocks.numel(), kp.to(dt))
     else:
@@ -483,8 +488,9 @@ def estimate_token_topk(
         k = k[:, index_tensor(reps, k.device)]
         top_k = [top_k[r] for r in reps]
     sb = bs // sub_blocks
-    half = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-    dt = q.dtype if half else torch.float32
+    # 16-bit operands on CUDA (float32 accumulation), also for a group's float32 mean query
+    half = k.is_cuda and k.dtype in (torch.bfloat16, torch.float16)
+    dt = k.dtype if half else torch.float32
     # single-key scores (score_block 1) where Triton runs: the fused per-block max, no [S, T] scores
     fused = _fused_key_max(sb, q)
     if fused:
