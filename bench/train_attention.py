@@ -25,10 +25,11 @@ Variants (same config, seed, data and steps; only ``model.attention.patterns`` d
 A variant may carry its own overrides after ``@``, separated by ``;`` (no commas: they separate
 variants), e.g. hybrid layouts and dense phases: ``token@model.attention.dense_layers=last:1``,
 ``preset@model.attention.dense_warmup=0.1;train.seed=1``.
-``--score-block N`` (query_max and nsa): those heads' selection pools keys over sub-blocks of N and
-scores a key block by its best sub-block (``score_block``; with ``--compress-block`` N too, the
-selection ranks the compressed branch's own logits, as NSA does). ``--top-k N`` (query_max and nsa):
-those heads keep N key blocks per query block instead of the preset's ``top_k``. Per variant:
+``--score-block N`` (query_max, nsa and the token variants): those heads' selection pools keys over
+sub-blocks of N and scores a key block by its best sub-block (``score_block``; 1 = single keys; with
+``--compress-block`` N too, the selection ranks the compressed branch's own logits, as NSA does);
+``--score-nope 1``: it scores q and k before RoPE (``score_nope``). ``--top-k N`` (query_max and
+nsa): those heads keep N key blocks per query block instead of the preset's ``top_k``. Per variant:
 tokens/s (mean over log steps after the first, which holds compilation and warm-up), ``mfu`` (the
 attention work done: visited-block density) and ``mfu_model`` (dense-equivalent FLOPs), peak memory,
 the last validation loss, the logged attention density and, with ``eval.passkey_lengths`` set,
@@ -75,6 +76,7 @@ def variant_config(
     compress_block: int = 0,
     score_block: int = 0,
     top_k: int = 0,
+    score_nope: int = 0,
 ):
     label = re.sub(r"[^A-Za-z0-9_.=-]+", "_", variant)
     variant, _, own = variant.partition("@")
@@ -128,6 +130,7 @@ def variant_config(
                 else {"query_max": 1}
             ),
             **({"score_block": score_block} if score_block else {}),
+            **({"score_nope": score_nope} if score_nope else {}),
             **({"top_k": top_k} if top_k else {}),
             **(nsa if variant.endswith("nsa") else {}),
         }
@@ -224,6 +227,14 @@ def main():
         "(score_block; 0 = whole blocks)",
     )
     ap.add_argument(
+        "--score-nope",
+        type=int,
+        default=0,
+        choices=(0, 1),
+        help="query_max / nsa / token variants: 1 = their selection scores q and k before RoPE "
+        "(score_nope)",
+    )
+    ap.add_argument(
         "--top-k",
         type=int,
         default=0,
@@ -267,6 +278,7 @@ def main():
             a.compress_block,
             a.score_block,
             a.top_k,
+            a.score_nope,
         )
         for v in a.variants.split(",")
     }
