@@ -32,6 +32,7 @@ limit forward for static patterns, so an own block-sparse kernel has nothing to 
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import Optional
 
@@ -176,11 +177,17 @@ def _flex_sparse(q, k, v, pats, layer, q_history, stats, kernel, kernel_options,
 def _selection_work(pats: list, T: int, n_kv_heads: int, q: torch.Tensor) -> torch.Tensor:
     """float32 ``[H]`` on q's device (or a 0-d zero): the work of the block top-k heads' selection
     scores in density units (selection.selection_density), the ``score_work`` stat that
-    attention_metrics adds to the visited density."""
-    work = selection_density(tuple(pats), T, n_kv_heads)
+    attention_metrics adds to the visited density. Read only, so one tensor per (pattern, length,
+    device) serves every call."""
+    return _selection_work_on(tuple(pats), T, n_kv_heads, q.device)
+
+
+@functools.lru_cache(maxsize=64)
+def _selection_work_on(pats: tuple, T: int, n_kv_heads: int, device: torch.device) -> torch.Tensor:
+    work = selection_density(pats, T, n_kv_heads)
     if not any(work):
-        return torch.zeros((), device=q.device)
-    return to_device(torch.tensor(work, dtype=torch.float32), q.device)
+        return torch.zeros((), device=device)
+    return to_device(torch.tensor(work, dtype=torch.float32), device)
 
 
 def _causal_blocks(bs: int, T: int) -> float:
