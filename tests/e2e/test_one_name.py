@@ -50,7 +50,9 @@ def test_installed_packages_of_the_root_folders_names_win_from_the_checkout_root
         f"import {', '.join(SUBPACKAGES)}\n"
         f"print(*[m.ORIGIN for m in ({', '.join(SUBPACKAGES)})])"
     )
-    out = _python(code, ROOT, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]))
+    # the caller's PYTHONPATH stays last: a GPU box's ``pip --target`` dependencies live there
+    path = [ROOT, str(tmp_path), os.environ.get("PYTHONPATH", "")]
+    out = _python(code, ROOT, PYTHONPATH=os.pathsep.join(p for p in path if p))
     assert out.split() == [f"user:{n}" for n in SUBPACKAGES]
 
 
