@@ -22,6 +22,10 @@ Shapes: B=1, 32 query heads, 8 KV heads, head dim 128, bf16. Patterns (block 128
              layers.attention.compressed), timed as the layer runs it (the fine branch, then the
              compressed branch added to its heads; the gates' two elementwise products left out);
              its pooled-key pairs count in ``block_density``
+  topk_union_max  per-token choices by single-key scores (``token_select: 2, score_block: 1``),
+             each query block visiting the union of its queries' choices
+  topk_share_max  per query block, ranked by its queries' best log share of single-key scores
+             (``query_max: 2, score_block: 1``)
   mix      the long-context presets' layer: heads 0-15 A-shape, 16-31 block top-k (as topk)
 ``--kernels triton,flash``: flex's Triton backend and its FLASH backend (flash-attn-4), each row one
 kernel. Modes: fwd, and fwd+bwd (``out.backward(do)``). Each number is the median of CUDA-event
@@ -106,9 +110,16 @@ PATTERNS = {
     "topk_union_max": SparsityPattern(
         type="block_topk", top_k=16, share_group=1, token_select=2, score_block=1, block_size=BS
     ),
+    # per query block by its queries' best log share of single-key scores
+    "topk_share_max": SparsityPattern(
+        type="block_topk", top_k=16, share_group=1, query_max=2, score_block=1, block_size=BS
+    ),
 }
 PATTERNS["mix"] = [PATTERNS["a_shape"]] * (H // 2) + [PATTERNS["topk"]] * (H // 2)
 PATTERNS["mix_union_max"] = [PATTERNS["a_shape"]] * (H // 2) + [PATTERNS["topk_union_max"]] * (
+    H // 2
+)
+PATTERNS["mix_share_max"] = [PATTERNS["a_shape"]] * (H // 2) + [PATTERNS["topk_share_max"]] * (
     H // 2
 )
 

@@ -81,6 +81,7 @@ VARIANTS: dict[str, dict | None] = {
     "topk_token_max": {"type": "block_topk", "token_select": 1, "score_block": 1},
     "topk_union_max": {"type": "block_topk", "token_select": 2, "score_block": 1},
     "topk_qmax_max": {"type": "block_topk", "query_max": 1, "score_block": 1},
+    "topk_qshare_max": {"type": "block_topk", "query_max": 2, "score_block": 1},
     "topk_union_nope": {"type": "block_topk", "token_select": 2, "score_nope": 1},
     "topk_union_max_nope": {
         "type": "block_topk",

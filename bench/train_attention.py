@@ -12,6 +12,9 @@ Variants (same config, seed, data and steps; only ``model.attention.patterns`` d
   preset's block size): the static baseline, expected to lose retrieval beyond its window.
 - ``query_max``: the preset with its block top-k heads scoring key blocks by each query block's best
   query (``query_max: 1``: MoBA / NSA's per-query affinity) instead of its mean query.
+- ``query_share``: query_max ranking by each query's log share of a block instead of its raw score
+  (``query_max: 2``: the max over the query block of each query's log softmax over its causal
+  blocks).
 - ``nsa``: query_max plus NSA's compressed branch on those heads (``compress: 1``: each query's
   softmax over the mean-pooled blocks, gated with the selected blocks' attention; the gradient path
   that can teach the selection about blocks outside its top-k; ``--compress-block N``: its pooling
@@ -25,9 +28,10 @@ Variants (same config, seed, data and steps; only ``model.attention.patterns`` d
 A variant may carry its own overrides after ``@``, separated by ``;`` (no commas: they separate
 variants), e.g. hybrid layouts and dense phases: ``token@model.attention.dense_layers=last:1``,
 ``preset@model.attention.dense_warmup=0.1;train.seed=1``.
-``--score-block N`` (query_max, nsa and the token variants): those heads' selection pools keys over
-sub-blocks of N and scores a key block by its best sub-block (``score_block``; 1 = single keys; with
-``--compress-block`` N too, the selection ranks the compressed branch's own logits, as NSA does);
+``--score-block N`` (query_max, query_share, nsa and the token variants): those heads' selection
+pools keys over sub-blocks of N and scores a key block by its best sub-block (``score_block``; 1 =
+single keys; with ``--compress-block`` N too, the selection ranks the compressed branch's own
+logits, as NSA does);
 ``--score-nope 1``: it scores q and k before RoPE (``score_nope``). ``--top-k N`` (query_max and
 nsa): those heads keep N key blocks per query block instead of the preset's ``top_k``. Per variant:
 tokens/s (mean over log steps after the first, which holds compilation and warm-up), ``mfu`` (the
@@ -55,7 +59,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moezoo.configs import ConfigError, exit_code, load_config  # noqa: E402
 from moezoo.training.loop import Trainer  # noqa: E402
 
-VARIANTS = ("dense", "preset", "a_shape", "query_max", "nsa", "token", "token_nsa", "token_union")
+VARIANTS = (
+    "dense",
+    "preset",
+    "a_shape",
+    "query_max",
+    "query_share",
+    "nsa",
+    "token",
+    "token_nsa",
+    "token_union",
+)
 
 
 class _NoSaveTrainer(Trainer):
@@ -116,7 +130,7 @@ def variant_config(
                 "block_size": bs,
             }
         }
-    elif variant in ("query_max", "nsa", "token", "token_nsa", "token_union"):
+    elif variant in ("query_max", "query_share", "nsa", "token", "token_nsa", "token_union"):
         if not any(dict(p).get("type") == "block_topk" for p in att.patterns.values()):
             raise ConfigError(
                 "--variants", f"{variant} needs block_topk heads, and {path} has none"
@@ -127,7 +141,7 @@ def variant_config(
             **(
                 {"token_select": 2 if variant == "token_union" else 1}
                 if token
-                else {"query_max": 1}
+                else {"query_max": 2 if variant == "query_share" else 1}
             ),
             **({"score_block": score_block} if score_block else {}),
             **({"score_nope": score_nope} if score_nope else {}),

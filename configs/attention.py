@@ -52,7 +52,7 @@ NONNEG_PARAMS = (
     "compress_block",
     "score_block",
 )
-FLAG_PARAMS = ("share_group", "query_max", "compress", "score_nope")  # 0 or 1
+FLAG_PARAMS = ("share_group", "compress", "score_nope")  # 0 or 1
 # MInference's per-head JSON names its three kernels; what each entry computes in MInference's
 # runtime (minference/modules/minference_forward.py), in our params:
 # - vertical_and_slash: budgets raised to at least 30 columns / 50 diagonals, the first 30 key
@@ -125,6 +125,12 @@ def validate_pattern(pat: dict, key: str) -> None:
         f"{key}.token_select",
         f"must be 0 (per query block), 1 (per query token) or 2 (per token, attending its query "
         f"block's union), got {pat.get('token_select')}",
+    )
+    check(
+        pat.get("query_max", 0) in (0, 1, 2),
+        f"{key}.query_max",
+        f"must be 0 (the pooled query block), 1 (its best query's score) or 2 (its best query's "
+        f"share of its own attention), got {pat.get('query_max')}",
     )
     check(
         not (pat.get("token_select") and pat.get("query_max")),

@@ -33,43 +33,46 @@ always with ``k <= q``:
   block's queries of ``q . mean-pooled k`` instead of the pooled query's (MoBA and NSA score per
   query; the max keeps one query's preference, e.g. the position that must copy a far-back key, from
   being averaged away by the rest of its block; the top-k budget stays per query block, so the
-  kernel stays block-sparse). Selection gets no gradient (MoBA, NSA's selection branch); it trains
-  through the attention it gates: q and k learn inside the chosen blocks, and the choice sharpens as
-  they do. ``compress: 1``: the head also runs NSA's compressed branch (layers.attention.compressed:
-  each query's softmax over the mean-pooled complete key blocks before it), mixed with this mask's
-  attention by learned per-head gates in layers.Attention. Its logits are the per-query scores the
-  selection ranks, so it is the gradient path that teaches the selection about blocks outside the
-  top-k. The mask ``allowed(q, k)`` above is the fine branch's only; ``compress`` does not change
-  it. ``compress_block``: the branch pools blocks of this many keys instead of ``block_size`` (NSA
-  compresses 32-token blocks and selects 64-token ones): a short needle is diluted less in a smaller
-  block's mean, at ``T / compress_block`` pooled keys per query; the selection keeps ``block_size``.
-  ``score_block``: the selection pools keys over sub-blocks of this many (a power of two, at most
-  ``block_size``, which is the plain rule) and scores a key block by its best sub-block, so one far
-  key is averaged with ``score_block`` keys instead of ``block_size`` (NSA selects 64-key blocks by
-  the scores of its 32-key compression blocks); with ``compress: 1, compress_block`` equal to it,
-  the selection ranks exactly the compressed branch's logits again. ``score_block: 1`` scores single
-  keys, max-pooled to the block (MSA's and DSA's token-level rule with the attention's own q, k),
-  through kernels.key_block_max where Triton runs. ``score_nope: 1``: the selection scores the
-  queries and keys before RoPE (InfLLM-v2's ``use_nope``; after ``qk_norm`` and ``key_conv``), so a
-  block is chosen by content alone: pooled RoPE-rotated keys cancel their fast-rotating dimensions
-  (a low-pass filter with positional blind spots, Prism), and the distance between query and key
-  does not move the score. The attention itself keeps RoPE. layers.Attention passes the pre-RoPE
-  tensors (``sparse_attention(score_qk=...)``) and caches pre-RoPE keys for decode.
-  ``token_select: 1``: each query token chooses its own ``top_k`` key blocks among the blocks that
-  start at or before it, its own block always one of them (NSA, Yuan et al. 2025, Eq. 9-11; MoBA's
-  per-token gate), scored by ``q . mean-pooled k`` (or by the best ``score_block`` sub-block), one
-  choice per KV group with ``share_group`` (by the group's mean query, as NSA sums the group's
-  scores). The query keeps key k iff k's block is one of its own choices (or window / sinks allow
-  it): a query block serves as many different far keys as it has queries, where the per-block rule
-  gives all its queries one budget. The kernel visits the union of a query tile's choices (partial
-  blocks, evaluated per token through a 32-blocks-per-word bit table), so the work done is at
-  least the budget and grows with how much a tile's queries disagree; ``attn/density`` reports it.
-  ``query_max`` does not apply (each query scores for itself). ``token_select: 2``: the same
-  per-token choices, but each query attends the union of the blocks its query block's queries chose
-  (its own among them), so the mask is block-level again: every visited block is full, the kernel
-  reads no per-token table, and the work is the union's size (MoBA-style gating with the tile as the
-  unit; within a block the choice can depend on later queries of that block, as with per-block
-  pooling).
+  kernel stays block-sparse). ``query_max: 2``: the max over the block's queries of each query's log
+  share of the block, its log softmax over its causal key blocks' scores (the own block scored over
+  the keys up to the query): raw scores favour the queries whose scores run high everywhere, shares
+  compare what each query would give the block of its own attention. Selection gets no gradient
+  (MoBA, NSA's selection branch); it trains through the attention it gates: q and k learn inside the
+  chosen blocks, and the choice sharpens as they do. ``compress: 1``: the head also runs NSA's
+  compressed branch (layers.attention.compressed: each query's softmax over the mean-pooled complete
+  key blocks before it), mixed with this mask's attention by learned per-head gates in
+  layers.Attention. Its logits are the per-query scores the selection ranks, so it is the gradient
+  path that teaches the selection about blocks outside the top-k. The mask ``allowed(q, k)`` above
+  is the fine branch's only; ``compress`` does not change it. ``compress_block``: the branch pools
+  blocks of this many keys instead of ``block_size`` (NSA compresses 32-token blocks and selects
+  64-token ones): a short needle is diluted less in a smaller block's mean, at ``T /
+  compress_block`` pooled keys per query; the selection keeps ``block_size``. ``score_block``: the
+  selection pools keys over sub-blocks of this many (a power of two, at most ``block_size``, which
+  is the plain rule) and scores a key block by its best sub-block, so one far key is averaged with
+  ``score_block`` keys instead of ``block_size`` (NSA selects 64-key blocks by the scores of its
+  32-key compression blocks); with ``compress: 1, compress_block`` equal to it, the selection ranks
+  exactly the compressed branch's logits again. ``score_block: 1`` scores single keys, max-pooled to
+  the block (MSA's and DSA's token-level rule with the attention's own q, k), through
+  kernels.key_block_max where Triton runs. ``score_nope: 1``: the selection scores the queries and
+  keys before RoPE (InfLLM-v2's ``use_nope``; after ``qk_norm`` and ``key_conv``), so a block is
+  chosen by content alone: pooled RoPE-rotated keys cancel their fast-rotating dimensions (a
+  low-pass filter with positional blind spots, Prism), and the distance between query and key does
+  not move the score. The attention itself keeps RoPE. layers.Attention passes the pre-RoPE tensors
+  (``sparse_attention(score_qk=...)``) and caches pre-RoPE keys for decode. ``token_select: 1``:
+  each query token chooses its own ``top_k`` key blocks among the blocks that start at or before it,
+  its own block always one of them (NSA, Yuan et al. 2025, Eq. 9-11; MoBA's per-token gate), scored
+  by ``q . mean-pooled k`` (or by the best ``score_block`` sub-block), one choice per KV group with
+  ``share_group`` (by the group's mean query, as NSA sums the group's scores). The query keeps key k
+  iff k's block is one of its own choices (or window / sinks allow it): a query block serves as many
+  different far keys as it has queries, where the per-block rule gives all its queries one budget.
+  The kernel visits the union of a query tile's choices (partial blocks, evaluated per token through
+  a 32-blocks-per-word bit table), so the work done is at least the budget and grows with how much a
+  tile's queries disagree; ``attn/density`` reports it. ``query_max`` does not apply (each query
+  scores for itself). ``token_select: 2``: the same per-token choices, but each query attends the
+  union of the blocks its query block's queries chose (its own among them), so the mask is
+  block-level again: every visited block is full, the kernel reads no per-token table, and the work
+  is the union's size (MoBA-style gating with the tile as the unit; within a block the choice can
+  depend on later queries of that block, as with per-block pooling).
 - ``vertical_slash`` extras (MInference's kernel): ``keep_columns`` forces the first N key columns
   and ``keep_diagonals`` the N diagonals nearest the main one into the top-k (their scores set above
   every estimate before it, earliest / nearest first when the budget is smaller).
@@ -129,7 +132,7 @@ class SparsityPattern:
     keep_diagonals: int = 0
     share_group: int = 0  # block top-k: 1 = one selection per KV group (NSA-style, GQA-native)
     # block top-k: 1 = a query block scores key blocks by its best query (MoBA/NSA per-query
-    # affinity)
+    # affinity); 2 = by its best query's log share (softmax over the query's causal blocks)
     query_max: int = 0
     # block top-k: 1 = plus NSA's compressed branch, gated (layers.attention.compressed)
     compress: int = 0

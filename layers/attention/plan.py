@@ -330,7 +330,7 @@ def plan_pattern(
                     [pats[h].top_k for h in hs],
                     slot,
                     stats,
-                    bool(qmax),
+                    int(qmax),
                     sub,
                 )
             blocks = full

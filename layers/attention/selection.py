@@ -247,7 +247,13 @@ _QUERY_MAX_CHUNK = 1 << 26
 
 
 def _block_max_scores(
-    q: torch.Tensor, start: int, bs: int, n_blocks: int, kp: torch.Tensor
+    q: torch.Tensor,
+    start: int,
+    bs: int,
+    n_blocks: int,
+    kp: torch.Tensor,
+    share_from: int | None = None,
+    sub: int = 1,
 ) -> torch.Tensor:
     """float32 ``[B, H, n_blocks, nk]``: for each query block, the max over its queries of ``q . kp
     / sqrt(D)``.
@@ -255,23 +261,59 @@ def _block_max_scores(
     ``q[B, H, N, D]`` rows from position ``start`` (block 0 = the one holding it), ``kp[B, H, nk,
     D]`` pooled keys. Rows a block does not have (partial first / last block) take no part; a block
     without rows scores -inf. Chunked over query blocks so at most ``_QUERY_MAX_CHUNK`` scores live
-    at once.
+    at once. ``share_from`` (``query_max: 2``; the absolute position of block 0's first row): each
+    row's scores become its log shares (``_log_share``) over the ``nk / sub`` key blocks of ``sub``
+    pooled keys each before the max, and the result has ``nk / sub`` columns; a pooled key counts
+    for a row from its first key on.
     """
     B, H, N, D = q.shape
     nk = kp.shape[2]
     q, head, tail = _whole_blocks(q, start, bs)
     nb = q.shape[2] // bs
-    out = torch.full((B, H, n_blocks, nk), float("-inf"), device=q.device)
+    n_out = nk if share_from is None else nk // sub
+    out = torch.full((B, H, n_blocks, n_out), float("-inf"), device=q.device)
     step = max(1, _QUERY_MAX_CHUNK // max(B * H * bs * nk, 1))
+    unit_start = torch.arange(nk, device=q.device) * (bs // sub)  # first key of each pooled key
     for b0 in range(0, min(nb, n_blocks), step):
         b1 = min(b0 + step, nb, n_blocks)
         s = _group_scores(q[:, :, b0 * bs : b1 * bs], kp)  # [B, H, rows, nk]
+        if share_from is not None:
+            pos = share_from + torch.arange(b0 * bs, b1 * bs, device=q.device)
+            s = s.masked_fill(unit_start[None, :] > pos[:, None], float("-inf"))
+            s = _log_share(s.unflatten(-1, (n_out, sub)).amax(-1))  # [B, H, rows, n_out]
         if b0 == 0 and head:  # padding rows take no part (only the first and last block have any)
             s[:, :, :head] = float("-inf")
         if b1 == nb and tail:
             s[:, :, s.shape[2] - tail :] = float("-inf")
         out[:, :, b0:b1] = s.unflatten(2, (b1 - b0, bs)).amax(3)
     return out
+
+
+def _log_share(s: torch.Tensor) -> torch.Tensor:
+    """``s[.., rows, nk]`` one query's causal block scores (-inf where not causal) -> its log
+    softmax over them: ``query_max: 2`` compares the tile's queries by how much of its own
+    attention each gives a block, so a query whose scores run high everywhere outranks none."""
+    return s.log_softmax(-1)
+
+
+def _own_block_causal_max(
+    q: torch.Tensor, k: torch.Tensor, start: int, bs: int, scale: float
+) -> torch.Tensor:
+    """float32 ``[B, H, N]``: each query's best ``q . k * scale`` over its own block's keys up to
+    itself (kernels.key_block_max scores the own block over all its keys). ``q[B, H, N, D]`` rows
+    from absolute position ``start``, ``k[B, H, T, D]``."""
+    qw, head, _ = _whole_blocks(q, start, bs)
+    first, nb = start // bs, qw.shape[2] // bs
+    kw = k[:, :, first * bs : (first + nb) * bs]
+    kw = torch.nn.functional.pad(kw, (0, 0, 0, nb * bs - kw.shape[2]))
+    s = torch.einsum(
+        "bhnid,bhnjd->bhnij",
+        qw.unflatten(2, (nb, bs)),
+        kw.unflatten(2, (nb, bs)),
+    ).float()
+    later = torch.ones(bs, bs, dtype=torch.bool, device=q.device).triu(1)
+    s = s.masked_fill(later, float("-inf")).amax(-1) * scale  # [B, H, nb, bs]
+    return s.flatten(2)[:, :, head : head + q.shape[2]]
 
 
 def _fused_key_max(sb: int, q: torch.Tensor) -> bool:
@@ -288,12 +330,25 @@ def _query_block_key_max(
     n_blocks: int,
     k: torch.Tensor,
     dt: torch.dtype,
+    share: bool = False,
 ) -> torch.Tensor:
     """float32 ``[B, H, n_blocks, nk]``: for each query block, the max over its queries and a key
     block's keys of ``q . k / sqrt(D)`` (``query_max`` with ``score_block: 1``), as
     ``_block_max_scores`` over single keys. ``q[B, H, N, D]`` rows from position ``src_start``,
-    row 0 at ``off`` within block 0; ``k[B, H, T, D]``; ``dt``: the operands' dtype."""
-    tok = key_block_max(q.to(dt), k.to(dt), src_start, bs, q.shape[-1] ** -0.5)
+    row 0 at ``off`` within block 0; ``k[B, H, T, D]``; ``dt``: the operands' dtype; ``share``
+    (``query_max: 2``): each query's log shares instead of its scores."""
+    scale = q.shape[-1] ** -0.5
+    tok = key_block_max(q.to(dt), k.to(dt), src_start, bs, scale)
+    if share:  # the own block over the keys up to each query, then its log shares
+        own = torch.div(
+            torch.arange(src_start, src_start + q.shape[2], device=q.device),
+            bs,
+            rounding_mode="floor",
+        )
+        own_max = _own_block_causal_max(q.to(dt), k.to(dt), src_start, bs, scale)
+        tok = _log_share(
+            tok.scatter(3, own.expand(*tok.shape[:2], -1)[..., None], own_max[..., None])
+        )
     head, tail = off % bs, -(off + q.shape[2]) % bs
     tok = torch.nn.functional.pad(tok, (0, 0, head, tail), value=float("-inf"))
     s = tok.unflatten(2, (tok.shape[2] // bs, bs)).amax(3)[:, :, :n_blocks]
@@ -313,7 +368,7 @@ def estimate_block_topk(
     top_k: Sequence[int],
     slot: Sequence[int] | None = None,
     stats: dict | None = None,
-    query_max: bool = False,
+    query_max: int = 0,
     sub_blocks: int = 1,
 ) -> torch.Tensor:
     """Block top-k by pooled scores.
@@ -326,7 +381,10 @@ def estimate_block_topk(
     mean-pooled key (MInference's block_sparse); with ``query_max`` the max over the block's queries
     of query . mean-pooled key (the per-query affinity of MoBA and NSA, reduced to the query block
     by its best query, so one query's strong preference, e.g. a question's answer position, is not
-    averaged away by its block). ``sub_blocks`` (a power of two dividing ``bs``; the pattern's
+    averaged away by its block); ``query_max: 2`` takes the max of each query's log share instead
+    (its log softmax over its causal key blocks, the own block scored over the keys up to the
+    query), so the tile's queries compete by how much of their own attention a block would get,
+    not by the scale of their scores. ``sub_blocks`` (a power of two dividing ``bs``; the pattern's
     ``score_block``): keys are pooled over ``bs / sub_blocks``-key sub-blocks and a key block scores
     its best sub-block, so a short needle is averaged with ``bs / sub_blocks`` keys instead of
     ``bs`` (NSA derives its selection from the compression scores of finer blocks, summing their
@@ -352,18 +410,27 @@ def estimate_block_topk(
     # kernels.key_block_max), also for a group's float32 mean query; float32 elsewhere
     half = q_pool_src.is_cuda and q_pool_src.dtype in (torch.bfloat16, torch.float16)
     dt = q_pool_src.dtype if half else torch.float32
+    share = query_max == 2
     fused = query_max and _fused_key_max(sb, q)
     if fused:
         # [B, Hs, nq, nk]
-        s = _query_block_key_max(q, src_start, off, bs, q_blocks.numel(), k, dt)
+        s = _query_block_key_max(q, src_start, off, bs, q_blocks.numel(), k, dt, share)
     elif query_max:
         kp = _block_mean(k, 0, sb, nk * sub_blocks)  # [B, Hs, nk * sub, D]
-        # [B, Hs, nq, nk * sub]
-        s = _block_max_scores(q.to(dt), off, bs, q_blocks.numel(), kp.to(dt))
+        # [B, Hs, nq, nk * sub], or [B, Hs, nq, nk] of log shares
+        s = _block_max_scores(
+            q.to(dt),
+            off,
+            bs,
+            q_blocks.numel(),
+            kp.to(dt),
+            first * bs if share else None,
+            sub_blocks,
+        )
     else:
         kp = _block_mean(k, 0, sb, nk * sub_blocks)  # [B, Hs, nk * sub, D]
         s = _group_scores(q, kp)  # [B, Hs, nq, nk * sub]
-    if sub_blocks > 1 and not fused:
+    if sub_blocks > 1 and not fused and not share:
         # sub-blocks past the last key hold no keys (their pooled key is 0): they never win their
         # block
         s = s.masked_fill(

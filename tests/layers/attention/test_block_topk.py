@@ -289,7 +289,10 @@ def test_flex_kernel_choice_and_options(monkeypatch):
             {"type": "block_topk", "top_k": 2, "share_group": 2},
             r"pattern\.share_group: must be 0 or 1",
         ),
-        ({"type": "block_topk", "top_k": 2, "query_max": 2}, r"pattern\.query_max: must be 0 or 1"),
+        (
+            {"type": "block_topk", "top_k": 2, "query_max": 3},
+            r"pattern\.query_max: must be 0 \(the pooled query block\), 1 .* or 2 .*got 3",
+        ),
         (
             {"type": "a_shape", "sinks": 2, "window": 8, "query_max": 1},
             r"pattern\.query_max: unknown parameter",
@@ -486,3 +489,85 @@ def test_token_select_refuses_query_max_and_unknown_modes():
         validate_pattern({"type": "block_topk", "top_k": 2, "token_select": 1, "query_max": 1}, "p")
     with pytest.raises(ConfigError, match="token_select"):
         validate_pattern({"type": "block_topk", "top_k": 2, "token_select": 3}, "p")
+
+
+def _share_topk_reference(q, k, bs, top_k, sub_block, start=0):
+    """``query_max: 2`` by a loop over queries: each query (its KV group's mean query) scores every
+    key up to itself, a key block by its best pooled sub-block (a sub-block counts from its first
+    key on), takes the log softmax over its causal blocks, and each query block keeps the top-k
+    blocks by its queries' best log share, its own block forced -> bool [B, H, nq, nk]. ``q`` holds
+    the queries at positions ``start ..``; the query blocks from ``start``'s on."""
+    B, H, S, D = q.shape
+    T = k.shape[2]
+    g = H // k.shape[1]
+    n = (T + bs - 1) // bs
+    qf = q.float().view(B, H // g, g, S, D).mean(2)  # [B, Hk, S, D]
+    qf = torch.nn.functional.pad(qf, (0, 0, start, 0))  # row t = position t
+    share = torch.full((B, H // g, T, n), float("-inf"))
+    for t in range(start, T):
+        blocks = torch.full((B, H // g, n), float("-inf"))
+        for lo in range(0, t + 1, sub_block):  # the sub-blocks starting at or before t
+            key = k[:, :, lo : min(lo + sub_block, T)].float().mean(2)
+            s = (qf[:, :, t] * key).sum(-1) / D**0.5
+            blocks[:, :, lo // bs] = torch.maximum(blocks[:, :, lo // bs], s)
+        share[:, :, t] = blocks.log_softmax(-1)
+    out = torch.zeros(B, H, n, n, dtype=torch.bool)
+    for i in range(start // bs, n):
+        best = share[:, :, i * bs : (i + 1) * bs].amax(2)  # [B, Hk, n]
+        best[:, :, i] = float("inf")
+        best[:, :, i + 1 :] = float("-inf")
+        for b in range(B):
+            for h in range(H // g):
+                order = sorted(range(i + 1), key=lambda j: (-best[b, h, j].item(), j))
+                for j in order[:top_k]:
+                    out[b, h * g : (h + 1) * g, i, j] = True
+    return out[:, :, start // bs :]
+
+
+@pytest.mark.parametrize("sub_block", [1, BS // 2, BS])
+def test_query_max_share_matches_a_per_query_loop(sub_block):
+    """``query_max: 2``: the best query's log share of each block, single keys and pooled sub-blocks
+    alike, a partial last block included."""
+    B, H, Hk, T = 2, 8, 2, 60
+    q, k, _ = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=9)
+    p = SparsityPattern(
+        type="block_topk",
+        top_k=3,
+        block_size=BS,
+        share_group=1,
+        query_max=2,
+        score_block=sub_block,
+    )
+    plan = plan_pattern(p, H, 0, T, T, 0, q, k)
+    assert torch.equal(plan.blocks, _share_topk_reference(q, k, BS, 3, sub_block))
+    # a chunk of queries starting inside a block (chunked prefill): its rows alone
+    start = 2 * BS + 3
+    plan = plan_pattern(p, H, start, T - start, T, 0, q[:, :, start:], k)
+    assert torch.equal(
+        plan.blocks, _share_topk_reference(q[:, :, start:], k, BS, 3, sub_block, start)
+    )
+
+
+def test_query_max_share_prefers_the_query_that_gives_a_block_its_attention():
+    """One query of the last block puts nearly all its attention on a key in block 2; another
+    query's scores run high everywhere, a little higher in block 5. The best raw score picks block
+    5, the best share block 2."""
+    B, H, Hk, T = 1, 4, 2, 64
+    q, k, _ = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=4)
+    q, k = q * 0.1, k * 0.1
+    basis = torch.linalg.qr(
+        torch.randn(q.shape[-1], 2, generator=torch.Generator().manual_seed(1))
+    )[0].T
+    k[:, :, 2 * BS + 1] += 6 * basis[0]
+    q[:, :, T - 3] += 6 * basis[0]  # 36 / sqrt(D) above every other key
+    k[:, :, : 7 * BS] += 4 * basis[1]  # every earlier key leans one way ...
+    k[:, :, 5 * BS : 6 * BS] += 1 * basis[1]  # ... block 5's a little more
+    q[:, :, T - 5] += 12 * basis[1]  # a query that scores every block high
+    picks = {}
+    for qmax in (1, 2):
+        p = SparsityPattern(
+            type="block_topk", top_k=2, block_size=BS, share_group=1, query_max=qmax, score_block=1
+        )
+        picks[qmax] = plan_pattern(p, H, 0, T, T, 0, q, k).blocks[0, :, -1]
+    assert picks[1][:, 5].all() and not picks[1][:, 2].any()
+    assert picks[2][:, 2].all() and not picks[2][:, 5].any()
