@@ -24,6 +24,9 @@ Shapes: B=1, 32 query heads, 8 KV heads, head dim 128, bf16. Patterns (block 128
              its pooled-key pairs count in ``block_density``
   topk_union_max  per-token choices by single-key scores (``token_select: 2, score_block: 1``),
              each query block visiting the union of its queries' choices
+  topk_union_share10  topk_union_max keeping a query's far choice only where it holds 10% of its
+             softmax over its causal blocks (``min_share: 10``); iid inputs spread every query's
+             scores, so no far block is kept: the row times the single-key scores and own blocks
   topk_share_max  per query block, ranked by its queries' best log share of single-key scores
              (``query_max: 2, score_block: 1``)
   mix      the long-context presets' layer: heads 0-15 A-shape, 16-31 block top-k (as topk)
@@ -109,6 +112,17 @@ PATTERNS = {
     # per-token choices by single-key scores (kernels.key_block_max), the query block's union
     "topk_union_max": SparsityPattern(
         type="block_topk", top_k=16, share_group=1, token_select=2, score_block=1, block_size=BS
+    ),
+    # the union keeping only the choices that hold 10% of a query's block softmax: on iid inputs
+    # no far block does, so this times the single-key scores and the own blocks
+    "topk_union_share10": SparsityPattern(
+        type="block_topk",
+        top_k=16,
+        share_group=1,
+        token_select=2,
+        score_block=1,
+        min_share=10,
+        block_size=BS,
     ),
     # per query block by its queries' best log share of single-key scores
     "topk_share_max": SparsityPattern(

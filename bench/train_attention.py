@@ -32,7 +32,9 @@ variants), e.g. hybrid layouts and dense phases: ``token@model.attention.dense_l
 pools keys over sub-blocks of N and scores a key block by its best sub-block (``score_block``; 1 =
 single keys; with ``--compress-block`` N too, the selection ranks the compressed branch's own
 logits, as NSA does);
-``--score-nope 1``: it scores q and k before RoPE (``score_nope``). ``--top-k N`` (query_max and
+``--score-nope 1``: it scores q and k before RoPE (``score_nope``). ``--min-share P`` (token
+variants): each query keeps a far block only if it holds P% of its softmax over its causal blocks
+(``min_share``). ``--top-k N`` (query_max and
 nsa): those heads keep N key blocks per query block instead of the preset's ``top_k``. Per variant:
 tokens/s (mean over log steps after the first, which holds compilation and warm-up), ``mfu`` (the
 attention work done: visited-block density) and ``mfu_model`` (dense-equivalent FLOPs), peak memory,
@@ -91,6 +93,7 @@ def variant_config(
     score_block: int = 0,
     top_k: int = 0,
     score_nope: int = 0,
+    min_share: int = 0,
 ):
     label = re.sub(r"[^A-Za-z0-9_.=-]+", "_", variant)
     variant, _, own = variant.partition("@")
@@ -145,6 +148,7 @@ def variant_config(
             ),
             **({"score_block": score_block} if score_block else {}),
             **({"score_nope": score_nope} if score_nope else {}),
+            **({"min_share": min_share} if min_share and token else {}),
             **({"top_k": top_k} if top_k else {}),
             **(nsa if variant.endswith("nsa") else {}),
         }
@@ -249,6 +253,13 @@ def main():
         "(score_nope)",
     )
     ap.add_argument(
+        "--min-share",
+        type=int,
+        default=0,
+        help="token variants: a query keeps a far block only if it holds this percent of its "
+        "softmax over its causal blocks (min_share; 0 = every choice)",
+    )
+    ap.add_argument(
         "--top-k",
         type=int,
         default=0,
@@ -293,6 +304,7 @@ def main():
             a.score_block,
             a.top_k,
             a.score_nope,
+            a.min_share,
         )
         for v in a.variants.split(",")
     }

@@ -37,6 +37,7 @@ PATTERN_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
             "score_block",
             "token_select",
             "score_nope",
+            "min_share",
         ),
     ),
 }
@@ -136,6 +137,16 @@ def validate_pattern(pat: dict, key: str) -> None:
         not (pat.get("token_select") and pat.get("query_max")),
         f"{key}.query_max",
         "token_select scores each query for itself; query_max applies to per-block selection",
+    )
+    check(
+        0 <= pat.get("min_share", 0) < 100,
+        f"{key}.min_share",
+        f"a percent of a query's attention: must be in [0, 100), got {pat.get('min_share')}",
+    )
+    check(
+        not pat.get("min_share") or pat.get("token_select"),
+        f"{key}.min_share",
+        "filters each query's own choices: set token_select: 1 or 2 too",
     )
     check(
         not pat.get("compress_block") or pat.get("compress"),

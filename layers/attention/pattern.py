@@ -72,7 +72,12 @@ always with ``k <= q``:
   union of the blocks its query block's queries chose (its own among them), so the mask is
   block-level again: every visited block is full, the kernel reads no per-token table, and the work
   is the union's size (MoBA-style gating with the tile as the unit; within a block the choice can
-  depend on later queries of that block, as with per-block pooling).
+  depend on later queries of that block, as with per-block pooling). ``min_share`` (percent, with
+  ``token_select``): a query keeps a chosen block other than its own only if the block holds at
+  least that share of the query's softmax over its causal blocks' scores (the own block scored over
+  the keys up to the query): a query whose scores are spread over many blocks, most of a tile, adds
+  nothing to the tile's union, while one that points at a far block keeps it, so the union, and the
+  work, shrinks to what the queries look for.
 - ``vertical_slash`` extras (MInference's kernel): ``keep_columns`` forces the first N key columns
   and ``keep_diagonals`` the N diagonals nearest the main one into the top-k (their scores set above
   every estimate before it, earliest / nearest first when the budget is smaller).
@@ -143,6 +148,9 @@ class SparsityPattern:
     token_select: int = 0
     # block top-k: 1 = the selection scores q and k before RoPE (InfLLM-v2's use_nope)
     score_nope: int = 0
+    # block top-k with token_select: a query keeps a far choice only if the block holds at least
+    # this percent of its softmax over its causal blocks' scores (0 = every choice)
+    min_share: int = 0
 
     def __post_init__(self):
         validate_pattern(self.to_dict(), "pattern")

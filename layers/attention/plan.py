@@ -365,13 +365,13 @@ def _with_history(q: torch.Tensor, q_history: Optional[torch.Tensor]) -> torch.T
 def _token_selection(pats, heads, n_heads, scoring, q_start, bs, stats):
     """``(tok_bits [B, Hs + 1, S, nw], tok_slot [H])`` for the ``token_select`` heads ``heads``:
     one estimate per scoring rule (score_block's sub-blocks; ``scoring[score_nope]``: the q, k it
-    scores), a KV group's ``share_group`` heads with one budget sharing a slot, and an empty last
-    slot for every other head."""
+    scores; ``min_share``), a KV group's ``share_group`` heads with one budget sharing a slot, and
+    an empty last slot for every other head."""
     g = n_heads // scoring[0][1].shape[1]
     parts, slot_of = [], {}
-    rules = {h: (_sub_blocks(pats[h], bs), pats[h].score_nope) for h in heads}
-    for sub, nope in sorted(set(rules.values())):
-        hs = [h for h in heads if rules[h] == (sub, nope)]
+    rules = {h: (_sub_blocks(pats[h], bs), pats[h].score_nope, pats[h].min_share) for h in heads}
+    for sub, nope, min_share in sorted(set(rules.values())):
+        hs = [h for h in heads if rules[h] == (sub, nope, min_share)]
         q, k, _ = scoring[nope]
         keys = [(h // g, pats[h].top_k) if pats[h].share_group else ("head", h) for h in hs]
         order = list(dict.fromkeys(keys))  # first-seen order: unshared heads keep head order
@@ -385,6 +385,7 @@ def _token_selection(pats, heads, n_heads, scoring, q_start, bs, stats):
             slot,
             stats,
             sub,
+            min_share,
         )
         base = sum(p.shape[1] for p in parts)
         slot_of.update({h: base + s for h, s in zip(hs, slot)})

@@ -9,6 +9,7 @@ dim.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -532,6 +533,7 @@ def estimate_token_topk(
     slot: Sequence[int] | None = None,
     stats: dict | None = None,
     sub_blocks: int = 1,
+    min_share: int = 0,
 ) -> tuple[torch.Tensor, list[int]]:
     """Per-token block top-k (``token_select: 1``; NSA Eq. 9-11, MoBA's gate).
 
@@ -543,7 +545,11 @@ def estimate_token_topk(
     importance scores, Eq. 10; the mean ranks the same). Returns ``(bits, reps)``: int32 ``[B, Hs,
     S, ceil(nk / 32)]`` (``pack_blocks``) per slot, and the first head of each slot. ``stats``:
     filled with the mean normalised entropy of each query's softmax over its causal block scores and
-    the mass its chosen blocks hold (as ``estimate_block_topk``).
+    the mass its chosen blocks hold (as ``estimate_block_topk``). ``min_share`` (percent): a query
+    keeps a chosen block other than its own only if the block holds at least that share of its
+    softmax over its causal blocks' scores (a pooled key counts from its first key on, so the own
+    block is scored over the keys up to the query with single keys): a query whose scores are
+    spread keeps its own block, one that points at a far block keeps it.
     """
     B, H, S, D = q.shape
     T = k.shape[2]
@@ -578,14 +584,24 @@ def estimate_token_topk(
             s = key_block_max(q[:, :, r0:r1], kp, q_start + r0, bs, D**-0.5)  # [B, Hs, rows, nk]
         else:
             s = _group_scores(q[:, :, r0:r1], kp)  # [B, Hs, rows, nk * sub]
+        pos = torch.arange(q_start + r0, q_start + r1, device=k.device)
+        causal = None  # [B, Hs, rows, nk]: scores over the keys up to each query (min_share)
+        if min_share and not fused:
+            unit_start = torch.arange(nk * sub_blocks, device=k.device) * sb
+            causal = s.masked_fill(unit_start[None, :] > pos[:, None], float("-inf"))
+            causal = causal.unflatten(-1, (nk, sub_blocks)).amax(-1)
         if sub_blocks > 1 and not fused:
             s = s.masked_fill(empty_sub, float("-inf")).unflatten(-1, (nk, sub_blocks)).amax(-1)
-        own = torch.div(
-            torch.arange(q_start + r0, q_start + r1, device=k.device), bs, rounding_mode="floor"
-        )[:, None]  # [rows, 1]
+        own = torch.div(pos, bs, rounding_mode="floor")[:, None]  # [rows, 1]
         s = s.masked_fill(kb[None, :] > own, float("-inf"))
         pick = _topk_per_head(_rank_keys(torch.where(kb[None, :] == own, float("inf"), s)), top_k)
         pick &= kb[None, :] <= own
+        if min_share:
+            if fused:
+                own_max = _own_block_causal_max(q[:, :, r0:r1], kp, q_start + r0, bs, D**-0.5)
+                causal = s.scatter(3, own.expand(*s.shape[:2], -1, 1), own_max[..., None])
+            share = _log_share(causal)
+            pick &= (share >= math.log(min_share / 100)) | (kb[None, :] == own)
         bits[:, :, r0:r1] = pack_blocks(pick)
         if stats is not None:
             p = s.softmax(-1)

@@ -571,3 +571,50 @@ def test_query_max_share_prefers_the_query_that_gives_a_block_its_attention():
         picks[qmax] = plan_pattern(p, H, 0, T, T, 0, q, k).blocks[0, :, -1]
     assert picks[1][:, 5].all() and not picks[1][:, 2].any()
     assert picks[2][:, 2].all() and not picks[2][:, 5].any()
+
+
+def _min_share_reference(q, k, bs, top_k, sub_block, min_share):
+    """``token_select`` with ``min_share``, one query at a time: the group-mean query's top-k as
+    ``_token_topk_reference``, then a far choice stays only if its block holds at least
+    ``min_share`` % of the query's softmax over the causal blocks, each block scored by its best
+    (pooled) sub-block that starts at or before the query -> bool [B, H, T, nk]."""
+    B, H, T, D = q.shape
+    g = H // k.shape[1]
+    n = (T + bs - 1) // bs
+    picks = _token_topk_reference(q, k, bs, top_k, 1, sub_block)
+    out = picks.clone()
+    for b in range(B):
+        for h in range(H):
+            kv = k[b, h // g].float()
+            qh = q[b, (h // g) * g : (h // g + 1) * g].float().mean(0)
+            for t in range(T):
+                score = torch.full((n,), float("-inf"))
+                for lo in range(0, t + 1, sub_block):
+                    s = float(qh[t] @ kv[lo : min(lo + sub_block, T)].mean(0)) / D**0.5
+                    score[lo // bs] = max(score[lo // bs], s)
+                share = score.softmax(0)
+                keep = share >= min_share / 100
+                keep[t // bs] = True
+                out[b, h, t] &= keep
+    return out
+
+
+@pytest.mark.parametrize("sub", [1, 4, BS])
+@pytest.mark.parametrize("min_share", [10, 40])
+def test_min_share_drops_the_far_choices_a_query_gives_little_attention(sub, min_share):
+    """``min_share``: each query's far choices whose block holds less than that share of its
+    softmax over its causal blocks drop out, per token and from the tile's union."""
+    B, H, Hk, T = 2, 4, 2, 45
+    q, k, _ = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=11)
+    q = q * 3  # peaked rows as well as spread ones
+    kw = dict(type="block_topk", top_k=3, block_size=BS, share_group=1, score_block=sub)
+    want = _min_share_reference(q, k, BS, 3, sub, min_share)
+    assert want.sum() < _token_topk_reference(q, k, BS, 3, 1, sub).sum()  # some dropped
+    assert want.sum(-1).gt(1).any()  # and some kept
+    p = SparsityPattern(**kw, token_select=1, min_share=min_share)
+    assert torch.equal(plan_pattern(p, H, 0, T, T, 0, q, k).token_blocks(), want)
+    union = torch.stack(
+        [want[:, :, i * BS : (i + 1) * BS].any(2) for i in range(want.shape[-1])], 2
+    )
+    p = SparsityPattern(**kw, token_select=2, min_share=min_share)
+    assert torch.equal(plan_pattern(p, H, 0, T, T, 0, q, k).blocks, union)
