@@ -297,6 +297,14 @@ def test_flex_kernel_choice_and_options(monkeypatch):
             {"type": "a_shape", "sinks": 2, "window": 8, "query_max": 1},
             r"pattern\.query_max: unknown parameter",
         ),
+        (
+            {"type": "block_topk", "top_k": 2, "token_select": 2, "min_share": 100},
+            r"pattern\.min_share: a percent of a query's attention: must be in \[0, 100\), got 100",
+        ),
+        (
+            {"type": "block_topk", "top_k": 2, "min_share": 10},
+            r"pattern\.min_share: filters each query's own choices: set token_select",
+        ),
         ({"type": "block_topk", "top_k": 2, "n_slash": 3}, r"pattern\.n_slash: unknown parameter"),
         (
             {"type": "vertical_slash", "n_vertical": 2, "n_slash": 2, "keep_columns": -1},
@@ -618,3 +626,32 @@ def test_min_share_drops_the_far_choices_a_query_gives_little_attention(sub, min
     )
     p = SparsityPattern(**kw, token_select=2, min_share=min_share)
     assert torch.equal(plan_pattern(p, H, 0, T, T, 0, q, k).blocks, union)
+
+
+def test_min_share_keeps_every_block_holding_a_key_the_attention_would_weight_that_much():
+    """A block's max-pooled share is at least the softmax weight of any of its keys (the block's
+    max bounds each key's term; each block's exp(max) is at most the sum over its keys), so with
+    single-key scores ``min_share: P`` keeps every block holding a key that the (group-mean)
+    query's causal softmax gives at least P%."""
+    B, H, Hk, T = 2, 4, 2, 64
+    q, k, _ = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=13)
+    q = q * 4
+    p = SparsityPattern(
+        type="block_topk",
+        top_k=T // BS - 1,  # room for all the heavy blocks (at most 6 keys hold 15%) and the own
+        block_size=BS,
+        share_group=1,
+        token_select=1,
+        score_block=1,
+        min_share=15,
+    )
+    kept = plan_pattern(p, H, 0, T, T, 0, q, k).token_blocks()  # [B, H, T, nk]
+    qg = q.view(B, Hk, H // Hk, T, -1).mean(2)
+    w = (
+        (qg @ k.transpose(-1, -2) / q.shape[-1] ** 0.5)
+        .masked_fill(~torch.ones(T, T).tril().bool(), float("-inf"))
+        .softmax(-1)
+    )  # [B, Hk, T, T]
+    heavy = (w >= 0.15).unflatten(-1, (T // BS, BS)).any(-1).repeat_interleave(H // Hk, 1)
+    assert heavy.any() and not kept.all()
+    assert (kept | ~heavy).all()
