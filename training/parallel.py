@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moezoo.configs import Config, ConfigError
+from moezoo.layers.attention.replay import SelectionReplay
 from moezoo.layers.moe import MoE, moe_modules
 
 from .plan import device_memory_bytes, moe_num_experts
@@ -177,8 +178,13 @@ def _mp_policy(cfg: Config, device: torch.device):
 
 
 def _checkpointed(forward, *args, **kwargs):
+    """``forward`` under non-reentrant activation checkpointing; eager, its recompute replays the
+    sparse-attention selections of the forward (layers.attention.replay) instead of estimating them
+    again."""
     from torch.utils.checkpoint import checkpoint
 
+    if not torch.compiler.is_compiling():
+        forward = functools.partial(SelectionReplay().run, forward)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 

@@ -57,6 +57,7 @@ from .masking import masked_causal_attention
 from .pattern import PatternLike, head_patterns
 from .pattern import layer_block_size as plan_block_size
 from .plan import PatternPlan, plan_pattern
+from .replay import replayed
 from .selection import selection_density
 
 _MASK_CACHE: OrderedDict[tuple, object] = OrderedDict()
@@ -131,8 +132,12 @@ def sparse_attention(
         return _flex_sparse(
             q, k, v, pats, layer, q_history, stats, kernel, kernel_options, score_qk
         )
-    plan = plan_pattern(
-        pats, Hq, q_offset, S, T, layer, q, k, q_history, stats=stats, score_qk=score_qk
+    plan = replayed(
+        ("reference", layer, tuple(pats), q.shape, k.shape, q_offset),
+        lambda: plan_pattern(
+            pats, Hq, q_offset, S, T, layer, q, k, q_history, stats=stats, score_qk=score_qk
+        ),
+        stats,
     )
     if stats is not None and square:
         partial, full = plan.block_layout()
@@ -151,18 +156,24 @@ def _flex_sparse(q, k, v, pats, layer, q_history, stats, kernel, kernel_options,
     """The flex backend for a square call: q [B, Hq, T, Dh], k, v [B, Hk, T, Dh] -> [B, Hq, T,
     Dh]."""
     Hq, S, T = q.shape[1], q.shape[2], k.shape[2]
-    # estimated from this input: a new mask every call
+    # estimated from this input: a new mask every call (the checkpoint recompute replays it)
     if any(p.dynamic and not p.is_dense_at(T) for p in pats):
-        plan = plan_pattern(
-            pats, Hq, 0, S, T, layer, q, k, q_history, stats=stats, score_qk=score_qk
-        )
         # a mask built for this call only: its backward lists are needed only if a backward can
         # follow
         bwd = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        slots = column_slots(plan) if plan.cols is not None else None
+
+        def build():
+            plan = plan_pattern(
+                pats, Hq, 0, S, T, layer, q, k, q_history, stats=stats, score_qk=score_qk
+            )
+            slots = column_slots(plan) if plan.cols is not None else None
+            tile = flex_tile(plan.block_size, q.device)
+            return slots, flex_block_mask(plan, slots, backward=bwd, tile=tile)
+
+        key = ("flex", layer, tuple(pats), q.shape, k.shape, bwd)
+        slots, bm = replayed(key, build, stats)
         if slots is not None:  # vertical-slash columns ride in front of the keys (see column_slots)
             k, v = gather_columns(k, v, slots)
-        bm = flex_block_mask(plan, slots, backward=bwd, tile=flex_tile(plan.block_size, q.device))
         if stats is not None:
             stats["density"] = _visited_density(bm, T)
             stats["score_work"] = _selection_work(pats, T, k.shape[1], q)
