@@ -247,13 +247,14 @@ def layer_attention(q, k, v, p, kern):
     return put_heads(out, heads, take_heads(out, heads) + cmp)
 
 
-def compressed_share(p, S):
-    """The compressed branch's pooled-key pairs and the selection's scores (selection_density) in
+def compressed_share(p, S, training):
+    """The compressed branch's pooled-key pairs and the selection's scores (selection_density; a
+    scored pair is a sixth of an attended pair's work forward + backward, half forward only) in
     units of the layout's causal blocks, mean over heads."""
     n = (S + BS - 1) // BS
     pats = head_patterns(p, H)
     share = compressed_density(pats, S, BS * BS * n * (n + 1) / 2)
-    scores = selection_density(tuple(pats), S, HK)
+    scores = selection_density(tuple(pats), S, HK, training)
     return (sum(share) + sum(scores) * S * (S + 1) / 2 / (BS * BS * n * (n + 1) / 2)) / len(share)
 
 
@@ -265,10 +266,10 @@ def bench_length(S, names, modes, with_plain, out, vs_inputs=("structured",), ke
         q, k, v = make_inputs(S, family)
         plan = plan_pattern(p, H, 0, S, S, 0, q, k)
         densities = layout_density(plan)
-        dens = densities["block_density"] + compressed_share(p, S)
         del plan
         for mode in modes:
             grad = mode == "fwdbwd"
+            dens = densities["block_density"] + compressed_share(p, S, grad)
             qg, kg, vg = (t.detach().requires_grad_(grad) for t in (q, k, v))
             do = torch.randn_like(q)
 

@@ -3,7 +3,7 @@ lists its forward estimated instead of scoring the keys again.
 
 Input-dependent patterns (block top-k, vertical-slash) estimate their blocks from q and k on every
 call; under activation checkpointing a block's forward runs twice (forward, then the recompute in
-backward), so the estimate (for ``score_block: 1`` half a causal QK^T per KV group) is paid twice.
+backward), so the estimate (for ``score_block: 1`` a causal QK^T per KV group) is paid twice.
 ``SelectionReplay.run(forward, ...)`` runs one checkpointed forward: its first run records each
 estimate (``replayed``), the recompute returns them in the same order. Besides the time, this makes
 the recompute's mask the forward's by construction, not by the estimate's determinism.

@@ -456,12 +456,15 @@ def estimate_block_topk(
 
 @functools.lru_cache(maxsize=256)
 def selection_density(
-    pats: tuple[SparsityPattern, ...], T: int, n_kv_heads: int = 0
+    pats: tuple[SparsityPattern, ...], T: int, n_kv_heads: int = 0, training: bool = True
 ) -> tuple[float, ...]:
     """Per head, the work of its block top-k selection's scores in a square call over ``T`` keys,
     in the units of the attention density (attended pairs over the ``T (T + 1) / 2`` causal ones):
-    a scored (query, key) pair is one ``q . k``, half an attended pair's work (``q . k`` and ``p
-    v``), and the heads sharing one selection (``share_group`` heads of a KV group with one budget
+    a scored (query, key) pair is one ``q . k`` in the forward only, once a step (the
+    activation-checkpointing recompute replays it, layers.attention.replay). An attended pair is
+    ``q . k`` and ``p v`` forward and twice that backward (zoo.flops), so in ``training`` a scored
+    pair is a sixth of an attended pair's work, in a forward-only call half. The heads sharing one
+    selection (``share_group`` heads of a KV group with one budget
     and scoring rule; ``n_kv_heads`` groups, 0 = no sharing) share its scores. Single-key scores
     (``score_block: 1`` per token or with ``query_max``, kernels.key_block_max) cover each query's
     causal key blocks; pooled ones each query's row of all ``T / score_block`` pooled keys (per
@@ -494,7 +497,7 @@ def selection_density(
         else:
             pairs = nb * -(-T // sb)
         sharing = sum(1 for r in rules.values() if r == rules[h])
-        out.append(0.5 * pairs / causal / sharing)
+        out.append((1 / 6 if training else 0.5) * pairs / causal / sharing)
     return tuple(out)
 
 

@@ -66,15 +66,18 @@ def test_compressed_branch_adds_its_pooled_pairs():
     ids=["token_single_key", "token_pooled", "block_mean"],
 )
 def test_selection_work_counts_the_scores_once_per_shared_group(extra, scored):
-    """Half an attended pair's work per scored pair (q . k, no p v), the heads of a KV group that
-    share one selection splitting it; heads without a selection add nothing."""
+    """A sixth of an attended pair's training work per scored pair (q . k forward only, against q .
+    k and p v forward and twice that backward), the heads of a KV group that share one selection
+    splitting it; heads without a selection add nothing. Forward only: half."""
     T, bs = 64, 8
     sel = P(type="block_topk", top_k=2, block_size=bs, share_group=1, **extra)
     pats = [sel, sel, P(type="a_shape", sinks=4, window=8, block_size=bs), sel]
     got = selection_work(pats, 4, T, n_kv_heads=2)  # groups {0, 1} and {2, 3}
-    per_pair = 0.5 / (T * (T + 1) / 2)
+    per_pair = 1 / 6 / (T * (T + 1) / 2)
     want = [scored(T, bs) * per_pair / 2] * 2 + [0.0, scored(T, bs) * per_pair]
     assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=0)
+    fwd = torch.tensor(selection_density(tuple(pats), T, 2, training=False), dtype=torch.float64)
+    assert torch.allclose(fwd, 3 * got, rtol=1e-12, atol=0)
 
 
 def test_a_calls_stats_carry_its_selection_work_and_the_metrics_add_it():
