@@ -3,6 +3,7 @@
 and the recompute attends exactly the forward's blocks, so the gradients are the un-checkpointed
 layer's even when a second estimate would choose differently."""
 
+import pytest
 import torch
 
 import moezoo.layers.attention.plan as plan_mod
@@ -13,9 +14,6 @@ from moezoo.layers.rope import RotaryEmbedding
 from moezoo.training.parallel import _checkpointed
 
 BS, H, HK, D, T = 16, 8, 2, 64, 128
-PATS = [SparsityPattern(type="a_shape", sinks=BS, window=2 * BS, block_size=BS)] * 4 + [
-    SparsityPattern(type="block_topk", top_k=3, share_group=1, query_max=1, block_size=BS)
-] * 4
 
 
 def test_a_replay_returns_the_first_runs_values_in_order_and_then_forgets_them():
@@ -42,16 +40,20 @@ def test_a_replay_returns_the_first_runs_values_in_order_and_then_forgets_them()
     assert replayed("a", lambda: 7) == 7  # no replay active: computed
 
 
-def _layer():
+def _layer(backend="reference", bs=BS, dim=D, device="cpu"):
     torch.manual_seed(0)
-    att = Attention(D, H, HK, pattern=PATS, backend="reference", layer_id=3)
+    pats = [SparsityPattern(type="a_shape", sinks=bs, window=2 * bs, block_size=bs)] * 4 + [
+        SparsityPattern(type="block_topk", top_k=3, share_group=1, query_max=1, block_size=bs)
+    ] * 4
+    att = Attention(dim, H, HK, pattern=pats, backend=backend, layer_id=3).to(device)
     att.init_weights(std=0.5, out_std=0.05)  # peaked scores: q, k decide the selection
     return att
 
 
 def _run(att, x, checkpointed):
-    rope = RotaryEmbedding(D // H, 10000.0)
-    cos, sin = rope(torch.arange(T))
+    T, dim = x.shape[1], x.shape[2]
+    rope = RotaryEmbedding(dim // H, 10000.0)
+    cos, sin = (t.to(x.device) for t in rope(torch.arange(T)))
     fwd = (
         (lambda x: _checkpointed(att, x, cos, sin))
         if checkpointed
@@ -62,10 +64,10 @@ def _run(att, x, checkpointed):
     return x.grad, [p.grad.clone() for p in att.parameters()]
 
 
-def test_the_recompute_estimates_nothing_and_attends_the_forwards_blocks(monkeypatch):
-    x = torch.randn(1, T, D, generator=torch.Generator().manual_seed(1))
-    want = _run(_layer(), x, checkpointed=False)
-
+def _check_replay(monkeypatch, make, x, tol):
+    """Checkpointed with a second estimate that would choose the complement, against the plain
+    layer: one estimate, the same gradients."""
+    want = _run(make(), x, checkpointed=False)
     estimate = plan_mod.estimate_block_topk
     calls = []
 
@@ -76,8 +78,21 @@ def test_the_recompute_estimates_nothing_and_attends_the_forwards_blocks(monkeyp
         return out if len(calls) == 1 else ~out
 
     monkeypatch.setattr(plan_mod, "estimate_block_topk", counted)
-    got = _run(_layer(), x, checkpointed=True)
+    got = _run(make(), x, checkpointed=True)
     assert len(calls) == 1
-    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
-    for g, w in zip(got[1], want[1]):
-        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    for g, w in zip([got[0], *got[1]], [want[0], *want[1]]):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol * w.abs().max().item())
+
+
+def test_the_recompute_estimates_nothing_and_attends_the_forwards_blocks(monkeypatch):
+    x = torch.randn(1, T, D, generator=torch.Generator().manual_seed(1))
+    _check_replay(monkeypatch, _layer, x, 0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_flex_recompute_reuses_the_forwards_block_mask(monkeypatch):
+    """The GPU path: FlexAttention with the block mask built once, float32, 128-token blocks."""
+    bs, dim, n = 128, 512, 1024  # head dim 64
+    x = torch.randn(1, n, dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    _check_replay(monkeypatch, lambda: _layer("flex", bs, dim, "cuda"), x, 1e-5)
