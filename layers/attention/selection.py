@@ -297,25 +297,30 @@ def _log_share(s: torch.Tensor) -> torch.Tensor:
     return s.log_softmax(-1)
 
 
-def _own_block_causal_max(
-    q: torch.Tensor, k: torch.Tensor, start: int, bs: int, scale: float
+def _causal_own_block(
+    s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, start: int, bs: int, scale: float
 ) -> torch.Tensor:
-    """float32 ``[B, H, N]``: each query's best ``q . k * scale`` over its own block's keys up to
-    itself (kernels.key_block_max scores the own block over all its keys). ``q[B, H, N, D]`` rows
-    from absolute position ``start``, ``k[B, H, T, D]``."""
+    """``s[B, H, N, nk]`` per-query block maxima of ``q . k * scale`` (kernels.key_block_max, which
+    scores a query's own block over all its keys) with the own block's entry rescored over the keys
+    up to the query alone. ``q[B, H, N, D]`` rows from absolute position ``start``, ``k[B, H, T,
+    D]``."""
     qw, head, _ = _whole_blocks(q, start, bs)
     first, nb = start // bs, qw.shape[2] // bs
     kw = k[:, :, first * bs : (first + nb) * bs]
     kw = torch.nn.functional.pad(kw, (0, 0, 0, nb * bs - kw.shape[2]))
     # float32 products, as the kernel's accumulator: a bs-wide diagonal per query costs little
-    s = torch.einsum(
+    d = torch.einsum(
         "bhnid,bhnjd->bhnij",
         qw.unflatten(2, (nb, bs)).float(),
         kw.unflatten(2, (nb, bs)).float(),
     )
     later = torch.ones(bs, bs, dtype=torch.bool, device=q.device).triu(1)
-    s = s.masked_fill(later, float("-inf")).amax(-1) * scale  # [B, H, nb, bs]
-    return s.flatten(2)[:, :, head : head + q.shape[2]]
+    d = d.masked_fill(later, float("-inf")).amax(-1) * scale  # [B, H, nb, bs]
+    own_max = d.flatten(2)[:, :, head : head + q.shape[2]]
+    own = torch.div(
+        torch.arange(start, start + q.shape[2], device=q.device), bs, rounding_mode="floor"
+    )
+    return s.scatter(3, own.expand(*s.shape[:2], -1)[..., None], own_max[..., None])
 
 
 def _fused_key_max(sb: int, q: torch.Tensor) -> bool:
@@ -342,15 +347,7 @@ def _query_block_key_max(
     scale = q.shape[-1] ** -0.5
     tok = key_block_max(q.to(dt), k.to(dt), src_start, bs, scale)
     if share:  # the own block over the keys up to each query, then its log shares
-        own = torch.div(
-            torch.arange(src_start, src_start + q.shape[2], device=q.device),
-            bs,
-            rounding_mode="floor",
-        )
-        own_max = _own_block_causal_max(q.to(dt), k.to(dt), src_start, bs, scale)
-        tok = _log_share(
-            tok.scatter(3, own.expand(*tok.shape[:2], -1)[..., None], own_max[..., None])
-        )
+        tok = _log_share(_causal_own_block(tok, q.to(dt), k.to(dt), src_start, bs, scale))
     head, tail = off % bs, -(off + q.shape[2]) % bs
     tok = torch.nn.functional.pad(tok, (0, 0, head, tail), value=float("-inf"))
     s = tok.unflatten(2, (tok.shape[2] // bs, bs)).amax(3)[:, :, :n_blocks]
@@ -602,8 +599,7 @@ def estimate_token_topk(
         pick &= kb[None, :] <= own
         if min_share:
             if fused:
-                own_max = _own_block_causal_max(q[:, :, r0:r1], kp, q_start + r0, bs, D**-0.5)
-                causal = s.scatter(3, own.expand(*s.shape[:2], -1, 1), own_max[..., None])
+                causal = _causal_own_block(s, q[:, :, r0:r1], kp, q_start + r0, bs, D**-0.5)
             share = _log_share(causal)
             pick &= (share >= math.log(min_share / 100)) | (kb[None, :] == own)
         bits[:, :, r0:r1] = pack_blocks(pick)
