@@ -82,6 +82,12 @@ VARIANTS: dict[str, dict | None] = {
     "topk_union_max": {"type": "block_topk", "token_select": 2, "score_block": 1},
     "topk_qmax_max": {"type": "block_topk", "query_max": 1, "score_block": 1},
     "topk_qshare_max": {"type": "block_topk", "query_max": 2, "score_block": 1},
+    "topk_union_share3": {
+        "type": "block_topk",
+        "token_select": 2,
+        "score_block": 1,
+        "min_share": 3,
+    },
     "topk_union_share10": {
         "type": "block_topk",
         "token_select": 2,
