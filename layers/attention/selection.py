@@ -308,12 +308,14 @@ def _causal_own_block(
     first, nb = start // bs, qw.shape[2] // bs
     kw = k[:, :, first * bs : (first + nb) * bs]
     kw = torch.nn.functional.pad(kw, (0, 0, 0, nb * bs - kw.shape[2]))
-    # float32 products, as the kernel's accumulator: a bs-wide diagonal per query costs little
-    d = torch.einsum(
-        "bhnid,bhnjd->bhnij",
-        qw.unflatten(2, (nb, bs)).float(),
-        kw.unflatten(2, (nb, bs)).float(),
-    )
+    # float32 products, as the kernel's accumulator (autocast off: it would round them to bf16):
+    # a bs-wide diagonal per query costs little
+    with torch.autocast(q.device.type, enabled=False):
+        d = torch.einsum(
+            "bhnid,bhnjd->bhnij",
+            qw.unflatten(2, (nb, bs)).float(),
+            kw.unflatten(2, (nb, bs)).float(),
+        )
     later = torch.ones(bs, bs, dtype=torch.bool, device=q.device).triu(1)
     d = d.masked_fill(later, float("-inf")).amax(-1) * scale  # [B, H, nb, bs]
     own_max = d.flatten(2)[:, :, head : head + q.shape[2]]

@@ -83,6 +83,24 @@ def test_estimates_choose_the_same_blocks_through_the_kernel(token, qmax, monkey
     assert torch.equal(got, want)
 
 
+@needs_interpreter_loops
+@pytest.mark.usefixtures("triton_interpreter")
+def test_min_share_through_the_kernel_chooses_alike_under_bf16_autocast():
+    """The trainer runs under bf16 autocast: ``min_share``'s rescored own block stays float32, as
+    the kernel's scores are, so the choice is the one made without autocast."""
+    B, H, S, D, bs = 1, 4, 96, 16, 8
+    q, k = _inputs(B, H, S, S, D, seed=7)
+
+    def run():
+        bits, _ = estimate_token_topk(q, 0, k, bs, [3] * H, [0, 0, 1, 1], sub_blocks=bs, min_share=20)
+        return unpack_blocks(bits, S // bs)
+
+    want = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = run()
+    assert torch.equal(got, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("bs,D", [(128, 64), (64, 128), (16, 64)])
