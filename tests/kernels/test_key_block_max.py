@@ -92,7 +92,9 @@ def test_min_share_through_the_kernel_chooses_alike_under_bf16_autocast():
     q, k = _inputs(B, H, S, S, D, seed=7)
 
     def run():
-        bits, _ = estimate_token_topk(q, 0, k, bs, [3] * H, [0, 0, 1, 1], sub_blocks=bs, min_share=20)
+        bits, _ = estimate_token_topk(
+            q, 0, k, bs, [3] * H, [0, 0, 1, 1], sub_blocks=bs, min_share=20
+        )
         return unpack_blocks(bits, S // bs)
 
     want = run()
