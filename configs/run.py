@@ -108,6 +108,22 @@ class TrainConfig:
     # start fresh in a train.out_dir holding another run's checkpoints, deleting them
     overwrite: bool = False
     threads: int = 0  # torch CPU threads; 0 = torch default
+    # Short-context phase (sequence-length warm-up): steps < short_steps train on windows of
+    # short_seq_len tokens, seq_len // short_seq_len times as many per micro-batch (the same tokens
+    # a step); later steps and every evaluation use seq_len; 0 = off. A model learns its
+    # induction/copy heads from a number of tokens, and short windows make dense attention cheap
+    # while it does (long-context models are pretrained short, then extended); sparse heads learn
+    # to point at what they look for while their windows hold few blocks.
+    short_seq_len: int = 0
+    short_steps: int = 0
+
+    def windows(self, step: int) -> tuple[int, int]:
+        """``(window length, windows per micro-batch)`` of training step ``step``:
+        ``(short_seq_len, batch_size * seq_len // short_seq_len)`` before ``short_steps``, else
+        ``(seq_len, batch_size)``."""
+        if step < self.short_steps:
+            return self.short_seq_len, self.batch_size * (self.seq_len // self.short_seq_len)
+        return self.seq_len, self.batch_size
 
     def validate(self, key: str = "train") -> None:
         check_positive(
@@ -138,6 +154,33 @@ class TrainConfig:
             f"{key}.compile_mode",
         )
         check(self.threads >= 0, f"{key}.threads", f"must be >= 0, got {self.threads}")
+        self._validate_short_phase(key)
+
+    def _validate_short_phase(self, key: str) -> None:
+        for n in ("short_seq_len", "short_steps"):
+            v = getattr(self, n)
+            check(v >= 0, f"{key}.{n}", f"must be >= 0 (0 = off), got {v}")
+        S, n = self.short_seq_len, self.short_steps
+        check(
+            S > 0 or n == 0,
+            f"{key}.short_seq_len",
+            f"is 0 (off) but {key}.short_steps={n} asks for a short-context phase: set both",
+        )
+        check(
+            n > 0 or S == 0,
+            f"{key}.short_steps",
+            f"is 0 (off) but {key}.short_seq_len={S} asks for a short-context phase: set both",
+        )
+        if not S:
+            return
+        check(
+            S < self.seq_len and self.seq_len % S == 0,
+            f"{key}.short_seq_len",
+            f"must divide {key}.seq_len={self.seq_len} and be smaller, got {S}",
+        )
+        check(
+            n <= self.steps, f"{key}.short_steps", f"must be <= {key}.steps={self.steps}, got {n}"
+        )
 
 
 @dataclass

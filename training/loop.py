@@ -134,14 +134,22 @@ class Trainer:
         # One meta-device model (no memory) for the plan, the FLOPs per token for MFU and the shape
         # checks.
         meta_model = build_model(cfg.model, "meta")
-        self.flops_per_token = check_fits(
-            cfg, self.par.world_size, self.device, meta_model
-        ).flops_per_token
+        fits = check_fits(cfg, self.par.world_size, self.device, meta_model)
+        self.flops_per_token = fits.flops_per_token
         check_model(cfg, meta_model)
         from moezoo.zoo.flops import attention_flops_per_token
 
         # mfu: the work done
         self.dense_attn_flops = attention_flops_per_token(cfg.model, cfg.train.seq_len)
+        # (model FLOPs, dense attention FLOPs) per token of each window length a step trains on:
+        # the short-context phase's attention costs less per token
+        self.flops_at = {cfg.train.seq_len: (self.flops_per_token, self.dense_attn_flops)}
+        if fits.short_phase:
+            S = fits.short_phase.seq_len
+            self.flops_at[S] = (
+                fits.short_phase.flops_per_token,
+                attention_flops_per_token(cfg.model, S),
+            )
         del meta_model
         # A new runs/<name>/<N> unless train.out_dir names one (training.run_folder); removed again
         # if the run fails before writing anything into it.
@@ -174,20 +182,31 @@ class Trainer:
         # Same seed on every rank: identical initial weights before sharding.
         seed_everything(cfg.train.seed)
         self.data = prepare_data(cfg, self.par.is_main, self.barrier)
-        self.passkey_mix = None
+        self.passkey_mix = self.short_passkey_mix = None
         # retrieval practice in the training windows (training/passkey.py)
         if cfg.data.passkey_mix > 0:
             from .passkey import PasskeyMix
 
-            self.passkey_mix = PasskeyMix(
-                self.data.tokenizer,
-                cfg.data.passkey_mix,
-                cfg.data.passkey_questions,
-                cfg.train.seq_len,
-                cfg.data.passkey_answer_weight,
-                distance_bias=cfg.data.passkey_distance_bias,
-                bias_from_step=cfg.data.passkey_bias_from_step,
-            )
+            d, t = cfg.data, cfg.train
+
+            def mix(seq_len: int, questions: int, length_key: str) -> PasskeyMix:
+                return PasskeyMix(
+                    self.data.tokenizer,
+                    d.passkey_mix,
+                    questions,
+                    seq_len,
+                    d.passkey_answer_weight,
+                    distance_bias=d.passkey_distance_bias,
+                    bias_from_step=d.passkey_bias_from_step,
+                    length_key=length_key,
+                )
+
+            self.passkey_mix = mix(t.seq_len, d.passkey_questions, "train.seq_len")
+            if t.short_seq_len:
+                # as many fewer segments as the window is shorter: the shortest segment (the
+                # closest needles) is as long as at seq_len
+                questions = max(1, d.passkey_questions * t.short_seq_len // t.seq_len)
+                self.short_passkey_mix = mix(t.short_seq_len, questions, "train.short_seq_len")
         if self.resume_path:
             check_resumable(self.resume_path, cfg, self.par.world_size, self.data.tokenizer.digest)
         # "meta" when too big to build whole
@@ -213,8 +232,10 @@ class Trainer:
             # cache must hold them all: past the limit a block runs eagerly, and validation at step
             # 0 fills the cache before the first training step. The blocks of every model in the
             # process share one cache (their class's forward code), so each trainer adds room for
-            # its own graphs to what earlier ones (a notebook, a bench suite) already hold.
-            torch._dynamo.config.cache_size_limit += 2 * len(model.layers) + 8
+            # its own graphs to what earlier ones (a notebook, a bench suite) already hold. A
+            # short-context phase (train.short_seq_len) adds a training graph of its shape.
+            graphs = 3 if cfg.train.short_seq_len else 2
+            torch._dynamo.config.cache_size_limit += graphs * len(model.layers) + 8
             for block in model.layers:
                 block.compile(dynamic=False, mode=cfg.train.compile_mode)
             # The loss too (as torchtitan's compile.components "loss"): the logits' upcast fuses
@@ -443,20 +464,25 @@ class Trainer:
     # ---- steps -----------------------------------------------------------------------------------
     def batch(self, step: int, micro: int, split: str = "train"):
         c = self.cfg.train
-        tokens = self.data.train if split == "train" else self.data.val
+        train = split == "train"
+        tokens = self.data.train if train else self.data.val
         # The step's global batch (batch_size x grad_accum x dp_size windows) is split into (micro,
         # rank) slices, so how it is split between accumulation and ranks does not change the data.
-        accum = c.grad_accum if split == "train" else 1
+        accum = c.grad_accum if train else 1
+        # training steps of the short-context phase: shorter windows, more of them; evaluation
+        # always at seq_len
+        seq_len, batch = c.windows(step) if train else (c.seq_len, c.batch_size)
+        mix = self.passkey_mix if seq_len == c.seq_len else self.short_passkey_mix
         x, y, w = sample_batch(
             tokens,
-            c.batch_size,
-            c.seq_len,
+            batch,
+            seq_len,
             c.seed,
             step,
             micro * self.par.dp_size + self.par.dp_rank,
             accum * self.par.dp_size,
-            self.epoch if split == "train" else -1,
-            self.passkey_mix if split == "train" else None,
+            self.epoch if train else -1,
+            mix if train else None,
         )
         # pinned copies, queued: a pageable one would make the host wait for the previous step to
         # finish and leave the GPU idle while it launches this one's first kernels
@@ -480,7 +506,11 @@ class Trainer:
         """One optimizer step over ``grad_accum`` micro-batches; returns detached metrics."""
         c = self.cfg
         self.model.train()
+        seq_len = c.train.windows(self.step)[0]
         for method in self.sparsity:
+            if isinstance(method, AttentionStats):
+                # the budget density of layers without recorded stats is this step's length's
+                method.seq_len = seq_len
             method.before_step(self.step)
         parts_sum: dict[str, torch.Tensor] = {}
         for micro in range(c.train.grad_accum):
@@ -520,6 +550,7 @@ class Trainer:
                 "loss/total": loss_val,
                 "grad_norm": grad_norm.detach(),
                 "lr": self.optimizer.param_groups[0]["lr"],
+                "train/seq_len": seq_len,  # the window length: which phase the step was in
             }
         )
 
@@ -756,6 +787,11 @@ class Trainer:
                 )
             tokens_since += self.tokens_per_step
             bar.update(1)
+            if self.step == c.train.short_steps:
+                self.print(
+                    f"short-context phase over at step {self.step}: windows of "
+                    f"{c.train.seq_len} tokens from here"
+                )
             if self.unread is not None and self.bad_in_row + 1 >= c.train.max_bad_steps:
                 # this step could start a rollback: read it now, so the rollback comes at this step
                 self.settle()
@@ -780,11 +816,14 @@ class Trainer:
                 for method in self.sparsity:
                     m.update(method.metrics())
                 if self.peak_flops:
+                    # at the last step's window length (an interval crossing the end of the
+                    # short-context phase is counted at seq_len)
+                    model_flops, dense_attn = self.flops_at[m["train/seq_len"]]
                     m.update(
                         mfu_metrics(
                             m["tokens_per_s"],
-                            self.flops_per_token,
-                            self.dense_attn_flops,
+                            model_flops,
+                            dense_attn,
                             m.get("attn/density"),
                             self.peak_flops * self.par.world_size,
                         )

@@ -126,6 +126,9 @@ class PasskeyMix:
     where the unbiased one does (BENCHMARKS.md, Long-context quality): the copy is learned at short
     range first. ``bias_from_step`` (``data.passkey_bias_from_step``) draws the unbiased mix for the
     windows of earlier steps (``draws[i][1]``) and the biased one from that step on.
+
+    ``length_key``: the config key that sets ``seq_len`` (``train.short_seq_len`` for the mix of
+    the short-context phase's windows), named when the segments do not fit.
     """
 
     def __init__(
@@ -137,6 +140,7 @@ class PasskeyMix:
         answer_weight: float = 1.0,
         distance_bias: float = 0.0,
         bias_from_step: int = 0,
+        length_key: str = "train.seq_len",
     ):
         self.tokenizer, self.share, self.answer_weight = tokenizer, share, answer_weight
         self.bias_from_step = bias_from_step
@@ -158,10 +162,12 @@ class PasskeyMix:
         if need >= seq_len:
             from moezoo.configs import ConfigError
 
+            # the short-context phase's mix is fixed by its window length, the full one's by fewer
+            # questions
             raise ConfigError(
-                "data.passkey_questions",
+                "data.passkey_questions" if length_key == "train.seq_len" else length_key,
                 f"{self.counts[-1]} segments of a needle and a question "
-                f"take ~{need} tokens, more than train.seq_len={seq_len}",
+                f"take ~{need} tokens, more than {length_key}={seq_len}",
             )
 
     def _count_level(self, rng: np.random.Generator, step: int) -> int:

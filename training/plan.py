@@ -32,7 +32,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from moezoo.configs import Config, ConfigError
 
@@ -96,6 +96,17 @@ class Memory:
         )
 
 
+class ShortPhase(NamedTuple):
+    """The short-context phase (``train.short_seq_len``, ``train.short_steps``): its steps, window
+    length, windows per micro-batch and training FLOPs per token at that length. Its micro-batch
+    holds as many tokens as a full one, so the memory at ``seq_len`` stays the peak."""
+
+    steps: int
+    seq_len: int
+    windows: int
+    flops_per_token: float
+
+
 @dataclass
 class Plan:
     name: str
@@ -115,6 +126,7 @@ class Plan:
     available_gpus: Optional[int] = None  # --gpus when the plan uses fewer of them
     # sparse attention: (budget density over all heads, FLOPs/token with it, dense layers, layers)
     attention: Optional[tuple] = None
+    short_phase: Optional[ShortPhase] = None
 
     @property
     def fits(self) -> bool:
@@ -411,6 +423,10 @@ def plan(
                     available, n_gpus = n_gpus, below
                     layout = recommend_layout(cfg, shape, n_gpus, cb, device_bytes)
     mem = memory_per_gpu(cfg, shape, layout, cb)
+    t, short = cfg.train, None
+    if t.short_seq_len:
+        S, windows = t.windows(0)
+        short = ShortPhase(t.short_steps, S, windows, flops_per_token(cfg.model, S, counts))
     if cfg.dst.enabled and shape.dst_dense + shape.dst_expert:
         parts = dst_cost(cfg, layout).parts
         notes.append(
@@ -433,6 +449,7 @@ def plan(
         device="GPU" if device_type == "cuda" else "device",
         gpu=gpu,
         available_gpus=available,
+        short_phase=short,
     )
     if not out.fits:
         if source == "recommended":  # the best layout tried, but one to change, not to follow
@@ -483,6 +500,10 @@ def _attention_work(cfg: Config, model, counts) -> Optional[tuple]:
     return d, flops_per_token(cfg.model, T, counts, attn_density=d), n_dense, len(attns)
 
 
+# FLOP counts as the report writes them ("563.16 MFLOP")
+FLOP_UNITS = ((1e12, " T"), (1e9, " G"), (1e6, " M"), (1, " "))
+
+
 def _fmt(n: float, units=((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"))) -> str:
     for unit, s in units:
         if n >= unit:
@@ -492,10 +513,18 @@ def _fmt(n: float, units=((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"))) -> s
 
 def _attention_line(a: tuple) -> list[str]:
     d, flops, n_dense, n = a
-    done = _fmt(flops, ((1e12, " T"), (1e9, " G"), (1e6, " M"), (1, " ")))
+    done = _fmt(flops, FLOP_UNITS)
     return [
         f"  attention     sparse in {n - n_dense} of {n} layers: {d:.1%} of the causal pairs "
         f"(budget, selection scores included) -> {done}FLOP/token done"
+    ]
+
+
+def _short_phase_line(s: ShortPhase) -> list[str]:
+    flops = _fmt(s.flops_per_token, FLOP_UNITS)
+    return [
+        f"  short phase   steps 0-{s.steps - 1}: windows of {s.seq_len} tokens, {s.windows} a "
+        f"micro-batch (the same tokens), {flops}FLOP/token"
     ]
 
 
@@ -510,9 +539,10 @@ def format_plan(p: Plan) -> str:
         f"active {_fmt(c.active)} ({c.active:,})",
         f"                routed experts {_fmt(c.expert)}   embedding {_fmt(c.embedding)}",
         f"  FLOPs/token   "
-        f"{_fmt(p.flops_per_token, ((1e12, ' T'), (1e9, ' G'), (1e6, ' M'), (1, ' ')))}FLOP "
+        f"{_fmt(p.flops_per_token, FLOP_UNITS)}FLOP "
         f"(training fwd+bwd, active params, seq_len {p.seq_len})",
         *(_attention_line(p.attention) if p.attention else []),
+        *(_short_phase_line(p.short_phase) if p.short_phase else []),
         *([f"  gpu           {p.gpu}"] if p.gpu else []),
         f"  layout        {p.n_gpus}{of} {p.device}(s): {p.layout}   [{p.layout_source}]",
         f"  {'memory/' + p.device:<14}(micro-batch {p.batch_size} x {p.seq_len} tokens, "

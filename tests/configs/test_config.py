@@ -63,6 +63,39 @@ def test_bad_values_raise_config_error_naming_the_key(override, key):
     assert str(e.value).startswith(key + ":") and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["train.short_seq_len=-32", "train.short_steps=5"], "train.short_seq_len: must be >= 0"),
+        (["train.short_seq_len=32", "train.short_steps=-1"], "train.short_steps: must be >= 0"),
+        (
+            ["train.short_steps=5"],
+            "train.short_seq_len: is 0 (off) but train.short_steps=5 asks for a short-context",
+        ),
+        (
+            ["train.short_seq_len=32"],
+            "train.short_steps: is 0 (off) but train.short_seq_len=32 asks for a short-context",
+        ),
+        (
+            ["train.short_seq_len=48", "train.short_steps=5"],
+            "train.short_seq_len: must divide train.seq_len=128 and be smaller, got 48",
+        ),
+        (
+            ["train.short_seq_len=128", "train.short_steps=5"],
+            "train.short_seq_len: must divide train.seq_len=128 and be smaller, got 128",
+        ),
+        (
+            ["train.short_seq_len=32", "train.short_steps=601"],
+            "train.short_steps: must be <= train.steps=600, got 601",
+        ),
+    ],
+)
+def test_bad_short_context_phase_raises_one_line_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config("zoo/tiny_dense.yaml", overrides)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
 def run_cli(*args, cwd=ROOT):
     # A CPU test on any machine: with CUDA hidden the child neither picks the GPU nor pays its
     # start-up.

@@ -63,6 +63,37 @@ CASES = {
             "model.max_seq_len": 256,
         },
     ),
+    # a short-context phase (steps 0-1 on 64-token windows, step 2 on 256): CUDA graphs of both
+    # shapes
+    "moe_cudagraphs_short_phase": (
+        "zoo/tiny_moe.yaml",
+        {
+            "model.moe.hidden_dim": 256,
+            "train.seq_len": 256,
+            "model.max_seq_len": 256,
+            "train.compile_mode": "reduce-overhead",
+            "train.short_seq_len": 64,
+            "train.short_steps": 2,
+        },
+    ),
+    # sparse heads through a short-context phase (steps 0-1 on 256-token windows, step 2 on 1024):
+    # A-shape with a window longer than the short windows, per-token block top-k with min_share,
+    # passkey practice scaled to the short windows, CUDA graphs
+    "sparse_attention_short_phase": (
+        "zoo/tiny_dense.yaml",
+        {
+            "train.seq_len": 1024,
+            "model.max_seq_len": 1024,
+            "train.short_seq_len": 256,
+            "train.short_steps": 2,
+            "train.compile_mode": "reduce-overhead",
+            "data.passkey_mix": 1.0,
+            "data.passkey_questions": 4,
+            "model.attention.patterns": '{"0-1:0-1": {type: a_shape, sinks: 64, window: 512, '
+            'block_size: 64}, "0-1:2-3": {type: block_topk, top_k: 4, block_size: 64, '
+            "token_select: 2, score_block: 1, min_share: 10}}",
+        },
+    ),
     # the long-context preset's per-head patterns (A-shape, GQA-shared block top-k) on a small
     # backbone
     "sparse_attention": (

@@ -309,6 +309,13 @@ def test_passkey_mix_that_does_not_fit_the_window_names_the_key(tmp_path):
 
     with pytest.raises(ConfigError, match=r"^data.passkey_questions: .*train.seq_len=100"):
         PasskeyMix(CharTokenizer(), share=1.0, questions=4, seq_len=100)
+    # the short-context phase's mix: its window length is the key that fixes it
+    with pytest.raises(
+        ConfigError, match=r"^train.short_seq_len: 1 segments .* more than train.short_seq_len=32$"
+    ):
+        PasskeyMix(
+            CharTokenizer(), share=1.0, questions=1, seq_len=32, length_key="train.short_seq_len"
+        )
     with pytest.raises(ConfigError, match=r"^data.passkey_mix: must be in \[0, 1\]"):
         load_config("zoo/tiny_dense.yaml", ["data.passkey_mix=1.5"])
 

@@ -275,3 +275,15 @@ def test_sparse_attention_plan_counts_the_work_its_budget_does_and_dense_layers_
     assert h_dense == 2 and abs(hd - (14 * d + 2) / 16) < 1e-9 and hdone > done
     assert "sparse in 14 of 16 layers" in format_plan(hybrid)
     assert plan(load_config("zoo/tiny_dense.yaml", []), n_gpus=1).attention is None
+
+
+def test_plan_names_the_short_context_phase_and_keeps_the_full_length_memory():
+    short = ["train.short_seq_len=2048", "train.short_steps=1200"]
+    cfg = preset("sparse_attn_small_16k.yaml", *short)
+    p, full = plan(cfg, n_gpus=1), plan(preset("sparse_attn_small_16k.yaml"), n_gpus=1)
+    # 2 windows of 16384 tokens a micro-batch -> 16 of 2048
+    assert p.short_phase[:3] == (1200, 2048, 16)
+    assert p.short_phase.flops_per_token == flops_per_token(cfg.model, 2048, p.counts)
+    assert p.short_phase.flops_per_token < p.flops_per_token == full.flops_per_token
+    assert p.memory == full.memory and full.short_phase is None
+    assert "short phase   steps 0-1199: windows of 2048 tokens, 16 a micro-batch" in format_plan(p)
