@@ -345,7 +345,9 @@ def run_one(args, variant: str, seed: int) -> dict:
     ocfg = OptimConfig(lr=args.lr, warmup_steps=args.warmup, schedule="wsd", beta2=0.98)
     opt = build_optimizer(model, ocfg, torch.device(args.device).type)
     sched = build_scheduler(opt, ocfg, len(plan))
-    phases = AttentionStats(model, args.seq, len(plan), a.dense_warmup, a.dense_finish)
+    phases = AttentionStats(
+        model, args.seq, len(plan), a.dense_warmup, a.dense_finish, a.dense_phase_heads
+    )
     t0 = time.perf_counter()
     losses = []
     for step, (seq, pairs, queries) in enumerate(plan):

@@ -267,6 +267,11 @@ class AttentionConfig:
     # must find it; MoBA's dense finish). 0 = none.
     dense_warmup: float = 0.0
     dense_finish: float = 0.0
+    # Which heads the dense phases open: "all" (every head of a sparse layer dense), or "selecting"
+    # (only the input-dependent heads, block top-k and vertical-slash; static heads such as
+    # a_shape keep their pattern). A dense warm-up teaches copy heads wherever it can; with
+    # "selecting" they can form only in heads that can still reach far once the phase ends.
+    dense_phase_heads: str = "all"
     # Short causal convolution over each key channel (taps, 0 = none; 2-8): a key carries the
     # positions just before it, so one layer can match "the token after x" and a block selection
     # scores that match (FlashMoBA's key convolution). Every GQA attention layer; identity at init.
@@ -320,6 +325,7 @@ class AttentionConfig:
         for name in ("dense_warmup", "dense_finish"):
             v = getattr(self, name)
             check(0.0 <= v <= 1.0, f"{key}.{name}", f"must be a fraction in [0, 1], got {v}")
+        check_choice(self.dense_phase_heads, ("all", "selecting"), f"{key}.dense_phase_heads")
         check(
             self.dense_warmup + self.dense_finish <= 1.0,
             f"{key}.dense_finish",

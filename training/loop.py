@@ -342,7 +342,12 @@ class Trainer:
             a = c.model.attention
             out.append(
                 AttentionStats(
-                    self.model, c.train.seq_len, c.train.steps, a.dense_warmup, a.dense_finish
+                    self.model,
+                    c.train.seq_len,
+                    c.train.steps,
+                    a.dense_warmup,
+                    a.dense_finish,
+                    a.dense_phase_heads,
                 )
             )
         if "neuron" in ffn_types:

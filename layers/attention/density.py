@@ -9,7 +9,7 @@ import torch
 from ..neuron.schedule import phase_bounds
 from .compressed import compressed_density
 from .module import Attention
-from .pattern import PatternLike, head_patterns
+from .pattern import PatternLike, head_patterns, selecting_heads_dense
 from .plan import budget_plan
 from .selection import selection_density
 
@@ -156,7 +156,8 @@ def attention_metrics(model: torch.nn.Module, seq_len: int) -> dict:
         if not isinstance(m, Attention):
             continue
         s = m.attn_stats
-        if m.pattern is None or m.dense_phase:
+        pattern = m.active_pattern()
+        if pattern is None:
             dens.append(torch.ones((), device=next(m.parameters()).device))
             continue
         any_sparse = True
@@ -165,18 +166,18 @@ def attention_metrics(model: torch.nn.Module, seq_len: int) -> dict:
             dens.append((s["density"].float() + s.get("score_work", 0.0)).mean())
         else:
             cached = m.__dict__.get("_budget_density")
-            if cached is None or cached[0] != seq_len:
+            if cached is None or cached[0] != (seq_len, m.dense_phase):
                 dev = (
                     m.wq.weight.device if m.wq.weight.device.type != "meta" else torch.device("cpu")
                 )
-                dens_h = pattern_density(m.pattern, m.n_heads, seq_len, m.layer_id, device=dev)
+                dens_h = pattern_density(pattern, m.n_heads, seq_len, m.layer_id, device=dev)
                 # plus the compressed branch's pooled-key pairs (block top-k compress: 1) and the
                 # selection's scores, token-level shares too
-                pats = head_patterns(m.pattern, m.n_heads)
+                pats = head_patterns(pattern, m.n_heads)
                 cmp = compressed_density(pats, seq_len, seq_len * (seq_len + 1) / 2)
                 sel = selection_work(pats, m.n_heads, seq_len, m.n_kv_heads)
                 dens_h = dens_h + (torch.tensor(cmp, dtype=torch.float64) + sel).to(dens_h)
-                m._budget_density = cached = (seq_len, dens_h.mean().float())
+                m._budget_density = cached = ((seq_len, m.dense_phase), dens_h.mean().float())
             dens.append(cached[1])
         if "entropy" in s:
             ent.append(s["entropy"].float())
@@ -201,6 +202,9 @@ class AttentionStats:
     A dense warm-up lets the model learn where to look before the selection has to find it (DSA
     and MSA warm their indexers up on dense attention); a dense finish is MoBA's recipe for
     reaching full attention's loss. A pure function of the step, so resuming needs no state.
+    ``dense_phase_heads`` (``model.attention.dense_phase_heads``): "all" opens every head in the
+    phases, "selecting" only the input-dependent ones (pattern.selecting_heads_dense), so the
+    copy heads a warm-up teaches form where they still reach far after it.
     """
 
     skips_on_device = True  # nothing to do after a step (layers.sparsity_method)
@@ -212,11 +216,19 @@ class AttentionStats:
         total_steps: int = 0,
         dense_warmup: float = 0.0,
         dense_finish: float = 0.0,
+        dense_phase_heads: str = "all",
     ):
         self.model, self.seq_len = model, seq_len
         self.bounds = phase_bounds(total_steps, dense_warmup, dense_finish)
         self.phased = dense_warmup > 0 or dense_finish > 0
         self.dense = False
+        for m in model.modules():
+            if isinstance(m, Attention) and m.pattern is not None:
+                m.phase_pattern = (
+                    selecting_heads_dense(m.pattern, m.n_heads)
+                    if dense_phase_heads == "selecting"
+                    else None
+                )
 
     def before_step(self, step: int) -> None:
         if not self.phased:

@@ -105,6 +105,7 @@ class MLA(Attention):
         self.attn_stats: dict = {}
         self.record_selection = False
         self.dense_phase = False  # as Attention's (model.attention.dense_warmup / dense_finish)
+        self.phase_pattern = None  # as Attention's (model.attention.dense_phase_heads)
         if q_lora_rank:
             self.wq_a = nn.Linear(dim, q_lora_rank, bias=False)
             self.q_norm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)

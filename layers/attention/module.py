@@ -159,6 +159,10 @@ class Attention(nn.Module):
         # True: a sparse layer runs dense causal attention (the dense phases of
         # model.attention.dense_warmup / dense_finish, set per step by density.AttentionStats)
         self.dense_phase = False
+        # what a dense phase runs: None (dense causal attention), or the pattern with only its
+        # input-dependent heads dense (model.attention.dense_phase_heads: selecting, set by
+        # density.AttentionStats)
+        self.phase_pattern = None
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
@@ -207,6 +211,10 @@ class Attention(nn.Module):
         self.cache = KVCache(
             batch, self.n_kv_heads, max_len, self.head_dim, dtype, device, self._scores_nope()
         )
+
+    def active_pattern(self):
+        """The pattern this forward runs: ``pattern``, or in a dense phase ``phase_pattern``."""
+        return self.phase_pattern if self.dense_phase else self.pattern
 
     def _scores_nope(self) -> bool:
         """Whether a head selects blocks by its queries and keys before RoPE (``score_nope``)."""
@@ -375,14 +383,15 @@ class Attention(nn.Module):
         pre_rope: Optional[tuple] = None,
     ) -> torch.Tensor:
         """``pre_rope``: ``(q, k)`` before RoPE (k the whole prefix), for ``score_nope`` heads."""
-        if self.pattern is None or self.dense_phase:
+        pattern = self.active_pattern()
+        if pattern is None:
             if mask is not None:
                 return masked_causal_attention(q, k, v, mask, q_offset)
             if self.backend == "flash_attn":
                 return flash_attn_dense(q, k, v, q_offset)
             return dense_causal_attention(q, k, v, q_offset)
         history = nope_history = None
-        dyn = [p for p in head_patterns(self.pattern, self.n_heads) if p.dynamic]
+        dyn = [p for p in head_patterns(pattern, self.n_heads) if p.dynamic]
         if dyn and self.cache is not None:
             # Input-dependent patterns estimate from the last queries; keep enough of them that a
             # decode step re-estimates exactly what prefill of the same tokens would (last_q rows,
@@ -410,7 +419,7 @@ class Attention(nn.Module):
             q,
             k,
             v,
-            self.pattern,
+            pattern,
             backend=self.backend,
             layer=self.layer_id,
             q_offset=q_offset,

@@ -207,6 +207,14 @@ def head_patterns(pattern: PatternLike, n_heads: int) -> list[SparsityPattern]:
     return [p if p is not None else SparsityPattern() for p in pats]
 
 
+def selecting_heads_dense(pattern: PatternLike, n_heads: int) -> list[SparsityPattern] | None:
+    """``pattern`` with its input-dependent heads (block top-k, vertical-slash) dense and its
+    static heads as they are: a dense phase with ``dense_phase_heads: selecting``. None when no
+    static sparse head is left (the layer is then dense causal attention)."""
+    pats = [SparsityPattern() if p.dynamic else p for p in head_patterns(pattern, n_heads)]
+    return pats if any(p.type != "dense" for p in pats) else None
+
+
 def layer_block_size(pats: Sequence[SparsityPattern]) -> int:
     """The block size shared by a layer's sparse heads (kernels tile one block size per layer)."""
     sizes = {p.block_size for p in pats if p.type != "dense"} or {SparsityPattern().block_size}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moezoo.configs import ConfigError, load_config
-from moezoo.layers.attention.density import AttentionStats
+from moezoo.layers.attention.density import AttentionStats, attention_metrics
 from moezoo.zoo import build_model
 
 PATS = (
@@ -70,9 +70,41 @@ def test_no_phases_leave_the_layers_sparse_and_log_no_phase():
     assert "attn/dense_phase" not in stats.metrics()
 
 
+def test_a_selecting_phase_keeps_the_static_heads_and_opens_the_block_topk_ones():
+    """``dense_phase_heads: selecting``: a warm-up step is the model whose block top-k heads are
+    written as dense heads (its A-shape heads as they are), not the all-dense model; after the
+    warm-up the layers select again."""
+    cfg, sparse, dense = _models(
+        "model.attention.dense_warmup=0.5", "model.attention.dense_phase_heads=selecting"
+    )
+    hybrid_pats = PATS.replace(
+        "{type: block_topk, top_k: 2, token_select: 1, share_group: 1, block_size: 8}",
+        "{type: dense}",
+    )
+    hybrid = build_model(
+        load_config(None, [*TINY, f"model.attention.patterns={hybrid_pats}"]).model
+    )
+    hybrid.load_state_dict(sparse.state_dict())
+    a = cfg.model.attention
+    stats = AttentionStats(sparse, 64, 10, a.dense_warmup, a.dense_finish, a.dense_phase_heads)
+    tokens = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(2))
+    stats.before_step(0)
+    got = sparse(tokens)
+    assert torch.equal(got, hybrid(tokens))
+    assert not torch.allclose(got, dense(tokens))
+    # the logged density is the hybrid's: A-shape heads sparse, the opened heads whole
+    density = float(stats.metrics()["attn/density"])
+    assert density == pytest.approx(float(attention_metrics(hybrid, 64)["attn/density"]))
+    assert density < 1.0
+    stats.before_step(7)
+    assert not torch.allclose(sparse(tokens), hybrid(tokens))
+    assert stats.metrics()["attn/dense_phase"] == 0.0
+
+
 @pytest.mark.parametrize(
     "ov,key",
     [
+        ("model.attention.dense_phase_heads=static", "dense_phase_heads"),
         ("model.attention.dense_warmup=-0.1", "dense_warmup"),
         ("model.attention.dense_finish=1.5", "dense_finish"),
         ("model.attention.dense_finish=0.6", "dense_finish"),
