@@ -35,7 +35,8 @@ for part in $PARTS; do
     # Q_ARGS="--score-block 32 --compress-block 32": their selection scores a key block by its best 32-key
     # sub-block, the compressed branch's own logits, as NSA selects; "--top-k 16": they keep 16 blocks, not 8;
     # Q_VARIANTS=token_union Q_ARGS="--score-block 1": per-token choices by single-key scores, the tile's union;
-    # Q_VARIANTS=query_share Q_ARGS="--score-block 1": per query block, ranked by its queries' best log share)
+    # Q_VARIANTS=query_share Q_ARGS="--score-block 1": per query block, ranked by its queries' best log share;
+    # Q_VARIANTS=union_all: token_union in every head, the A-shape heads too)
     # (Q_STEPS, Q_EVAL_EVERY, Q_OVERRIDES: other steps, eval cadence, overrides; Q_OUT, Q_ARGS: a run longer
     # than one call: Q_ARGS="--checkpoint-every 600" in the first call, which the time limit stops with a
     # checkpoint (SIGINT), Q_ARGS="--checkpoint-every 600 --resume" in the next while the machine is warm)
@@ -44,7 +45,7 @@ for part in $PARTS; do
               --steps ${Q_STEPS:-2400} --variants ${Q_VARIANTS:-dense,a_shape} --eval-every ${Q_EVAL_EVERY:-600} \
               --a-shape-window 1024 --out $Q_OUT ${Q_ARGS:-} data.cache_dir=/tmp/moezoo_cache ${Q_OVERRIDES:-} ;
             cp $Q_OUT/train_attention.jsonl "$OUT/quality.jsonl" 2>/dev/null ;
-            for v in dense preset a_shape query_max query_share nsa token token_nsa token_union; do cp $Q_OUT/$v/metrics.jsonl "$OUT/quality_$v.metrics.jsonl" 2>/dev/null; done ;;
+            for v in dense preset a_shape query_max query_share nsa token token_nsa token_union union_all; do cp $Q_OUT/$v/metrics.jsonl "$OUT/quality_$v.metrics.jsonl" 2>/dev/null; done ;;
     tests)  timeout ${T_TESTS:-45} $PY -m pytest -q -m gpu tests/layers/attention/test_block_topk.py -p no:cacheprovider 2>&1 | tail -n 15 ;;
   esac
   echo "== $part: $(( $(date +%s) - t0 )) s"

@@ -24,6 +24,8 @@ Variants (same config, seed, data and steps; only ``model.attention.patterns`` d
 - ``token_nsa``: token plus the compressed branch.
 - ``token_union``: per-token choices, each query attending the union its query block chose
   (``token_select: 2``: every visited block is full, no per-token mask in the kernel).
+- ``union_all``: token_union in every head: the static heads (A-shape) of a layer take that
+  layer's block top-k pattern, so every head can reach the whole context (NSA / MoBA / DSA layouts).
 
 A variant may carry its own overrides after ``@``, separated by ``;`` (no commas: they separate
 variants), e.g. hybrid layouts and dense phases: ``token@model.attention.dense_layers=last:1``,
@@ -71,6 +73,7 @@ VARIANTS = (
     "token",
     "token_nsa",
     "token_union",
+    "union_all",
 )
 
 
@@ -133,16 +136,24 @@ def variant_config(
                 "block_size": bs,
             }
         }
-    elif variant in ("query_max", "query_share", "nsa", "token", "token_nsa", "token_union"):
+    elif variant in (
+        "query_max",
+        "query_share",
+        "nsa",
+        "token",
+        "token_nsa",
+        "token_union",
+        "union_all",
+    ):
         if not any(dict(p).get("type") == "block_topk" for p in att.patterns.values()):
             raise ConfigError(
                 "--variants", f"{variant} needs block_topk heads, and {path} has none"
             )
         nsa = {"compress": 1, **({"compress_block": compress_block} if compress_block else {})}
-        token = variant.startswith("token")
+        token = variant.startswith("token") or variant == "union_all"
         extra = {
             **(
-                {"token_select": 2 if variant == "token_union" else 1}
+                {"token_select": 2 if variant in ("token_union", "union_all") else 1}
                 if token
                 else {"query_max": 2 if variant == "query_share" else 1}
             ),
@@ -159,6 +170,14 @@ def variant_config(
             else p
             for key, p in att.patterns.items()
         }
+        if variant == "union_all":
+            # keys "layers:heads": each layer range's block top-k pattern for all its heads
+            topk = {
+                key.split(":")[0]: p
+                for key, p in att.patterns.items()
+                if dict(p).get("type") == "block_topk"
+            }
+            att.patterns = {k: topk.get(k.split(":")[0], p) for k, p in att.patterns.items()}
     elif variant != "preset":
         raise ConfigError(
             "--variants", f"unknown {variant!r}; expected some of {','.join(VARIANTS)}"
