@@ -63,10 +63,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moezoo.configs import ConfigError, exit_code, load_config  # noqa: E402
 from moezoo.training.loop import Trainer  # noqa: E402
 
-VARIANTS = (
-    "dense",
-    "preset",
-    "a_shape",
+# the variants that change the preset's block top-k heads
+SELECTING = (
     "query_max",
     "query_share",
     "nsa",
@@ -75,6 +73,7 @@ VARIANTS = (
     "token_union",
     "union_all",
 )
+VARIANTS = ("dense", "preset", "a_shape", *SELECTING)
 
 
 class _NoSaveTrainer(Trainer):
@@ -136,15 +135,7 @@ def variant_config(
                 "block_size": bs,
             }
         }
-    elif variant in (
-        "query_max",
-        "query_share",
-        "nsa",
-        "token",
-        "token_nsa",
-        "token_union",
-        "union_all",
-    ):
+    elif variant in SELECTING:
         if not any(dict(p).get("type") == "block_topk" for p in att.patterns.values()):
             raise ConfigError(
                 "--variants", f"{variant} needs block_topk heads, and {path} has none"
