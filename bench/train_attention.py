@@ -36,8 +36,11 @@ single keys; with ``--compress-block`` N too, the selection ranks the compressed
 logits, as NSA does);
 ``--score-nope 1``: it scores q and k before RoPE (``score_nope``). ``--min-share P`` (token
 variants): each query keeps a far block only if it holds P% of its softmax over its causal blocks
-(``min_share``). ``--top-k N`` (query_max and
-nsa): those heads keep N key blocks per query block instead of the preset's ``top_k``. Per variant:
+(``min_share``). ``--union-blocks N`` (token_union, union_all): a query block visits at most N
+blocks of its union, those the most of its queries chose (``union_blocks``): a bound on the work,
+so a speed run from initialisation without ``--min-share`` measures the cost the cap allows.
+``--top-k N`` (query_max and nsa): those heads keep N key blocks per query block instead of the
+preset's ``top_k``. Per variant:
 tokens/s (mean over log steps after the first, which holds compilation and warm-up), ``mfu`` (the
 attention work done: visited-block density) and ``mfu_model`` (dense-equivalent FLOPs), peak memory,
 the last validation loss, the logged attention density and, with ``eval.passkey_lengths`` set,
@@ -96,6 +99,7 @@ def variant_config(
     top_k: int = 0,
     score_nope: int = 0,
     min_share: int = 0,
+    union_blocks: int = 0,
 ):
     label = re.sub(r"[^A-Za-z0-9_.=-]+", "_", variant)
     variant, _, own = variant.partition("@")
@@ -151,6 +155,11 @@ def variant_config(
             **({"score_block": score_block} if score_block else {}),
             **({"score_nope": score_nope} if score_nope else {}),
             **({"min_share": min_share} if min_share and token else {}),
+            **(
+                {"union_blocks": union_blocks}
+                if union_blocks and variant in ("token_union", "union_all")
+                else {}
+            ),
             **({"top_k": top_k} if top_k else {}),
             **(nsa if variant.endswith("nsa") else {}),
         }
@@ -270,6 +279,13 @@ def main():
         "softmax over its causal blocks (min_share; 0 = every choice)",
     )
     ap.add_argument(
+        "--union-blocks",
+        type=int,
+        default=0,
+        help="token_union / union_all: a query block visits at most N blocks of its union, those "
+        "the most of its queries chose (union_blocks; 0 = the whole union)",
+    )
+    ap.add_argument(
         "--top-k",
         type=int,
         default=0,
@@ -315,6 +331,7 @@ def main():
             a.top_k,
             a.score_nope,
             a.min_share,
+            a.union_blocks,
         )
         for v in a.variants.split(",")
     }

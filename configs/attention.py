@@ -38,6 +38,7 @@ PATTERN_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
             "token_select",
             "score_nope",
             "min_share",
+            "union_blocks",
         ),
     ),
 }
@@ -52,6 +53,7 @@ NONNEG_PARAMS = (
     "keep_diagonals",
     "compress_block",
     "score_block",
+    "union_blocks",
 )
 FLAG_PARAMS = ("share_group", "compress", "score_nope")  # 0 or 1
 # MInference's per-head JSON names its three kernels; what each entry computes in MInference's
@@ -147,6 +149,17 @@ def validate_pattern(pat: dict, key: str) -> None:
         not pat.get("min_share") or pat.get("token_select"),
         f"{key}.min_share",
         "filters each query's own choices: set token_select: 1 or 2 too",
+    )
+    check(
+        not pat.get("union_blocks") or pat.get("token_select") == 2,
+        f"{key}.union_blocks",
+        "caps the blocks a query block's union visits: set token_select: 2 too",
+    )
+    check(
+        not pat.get("union_blocks") or pat["union_blocks"] >= pat.get("top_k", 0),
+        f"{key}.union_blocks",
+        f"a query block must fit one query's choices: must be >= top_k ({pat.get('top_k')}), "
+        f"got {pat.get('union_blocks')}",
     )
     check(
         not pat.get("compress_block") or pat.get("compress"),

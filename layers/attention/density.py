@@ -87,8 +87,9 @@ def budget_density(pattern: PatternLike, n_heads: int, seq_len: int) -> torch.Te
     token, vertical-slash's columns and diagonals) count their budget as whole blocks beyond the
     window, disjoint from it: what the budget buys when the picks do not overlap the window (a
     per-token selection's kernel visits the union of a tile's choices, more, which ``attn/density``
-    measures). The compressed branch adds its pooled-key pairs (``compressed_density``); the
-    selection's scores are ``selection_work``.
+    measures; with ``union_blocks`` they count that cap, the union's bound). The compressed branch
+    adds its pooled-key pairs (``compressed_density``); the selection's scores are
+    ``selection_work``.
     """
     T = seq_len
     q = torch.arange(T, dtype=torch.float64)
@@ -113,7 +114,9 @@ def budget_density(pattern: PatternLike, n_heads: int, seq_len: int) -> torch.Te
         elif p.type == "block_topk":
             own = torch.remainder(q, bs) + 1  # the own block's keys up to the query
             win = torch.maximum(win, own)
-            extra = torch.clamp(whole_far, max=max(p.top_k - 1, 0)) * bs
+            # a capped union's bound (union_blocks); else the per-query budget
+            budget = p.union_blocks or p.top_k
+            extra = torch.clamp(whole_far, max=max(budget - 1, 0)) * bs
         else:  # vertical_slash: columns, and diagonals dilated to the query block
             own = torch.remainder(q, bs) + 1
             win = torch.maximum(win, own)

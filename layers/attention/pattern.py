@@ -78,6 +78,11 @@ always with ``k <= q``:
   the keys up to the query): a query whose scores are spread over many blocks, most of a tile, adds
   nothing to the tile's union, while one that points at a far block keeps it, so the union, and the
   work, shrinks to what the queries look for.
+  ``union_blocks`` (with ``token_select: 2``, at least ``top_k``): a query block visits at most
+  this many blocks of its union, those chosen by the most of its queries (ties: the later block);
+  its own block, which every query chooses, always stays. A bound on the work whatever the queries
+  learn, which ``--plan`` counts: the union itself grows with how much a tile's queries disagree (at
+  initialisation nearly every block), ``min_share`` shrinks it only once the heads point.
 - ``vertical_slash`` extras (MInference's kernel): ``keep_columns`` forces the first N key columns
   and ``keep_diagonals`` the N diagonals nearest the main one into the top-k (their scores set above
   every estimate before it, earliest / nearest first when the budget is smaller).
@@ -151,6 +156,9 @@ class SparsityPattern:
     # block top-k with token_select: a query keeps a far choice only if the block holds at least
     # this percent of its softmax over its causal blocks' scores (0 = every choice)
     min_share: int = 0
+    # block top-k with token_select 2: a query block visits at most this many key blocks of its
+    # union, those the most of its queries chose (0 = the whole union)
+    union_blocks: int = 0
 
     def __post_init__(self):
         validate_pattern(self.to_dict(), "pattern")

@@ -291,10 +291,10 @@ def plan_pattern(
         union = [h for h in bt if pats[h].token_select == 2]
         bt_block = [h for h in bt if not pats[h].token_select]
         if tb:
-            tok = _token_selection(pats, tb, n_heads, scoring, q_start, bs, stats)
+            tok = _token_selection(pats, tb, n_heads, scoring, q_start, bs, stats)[:2]
         if union:
-            bits, slot = _token_selection(pats, union, n_heads, scoring, q_start, bs, stats)
-            chosen = _union_per_query_block(bits, q_start, bs, q_blocks.numel(), nk)[:, slot]
+            bits, slot, cap = _token_selection(pats, union, n_heads, scoring, q_start, bs, stats)
+            chosen = _union_per_query_block(bits, q_start, bs, q_blocks.numel(), nk, cap)[:, slot]
             if blocks is None:
                 blocks = torch.zeros(B, n_heads, q_blocks.numel(), nk, dtype=torch.bool, device=dev)
             blocks = blocks | chosen  # the empty slot adds nothing to the other heads
@@ -346,15 +346,28 @@ def plan_pattern(
 
 
 def _union_per_query_block(
-    bits: torch.Tensor, q_start: int, bs: int, n_q_blocks: int, nk: int
+    bits: torch.Tensor, q_start: int, bs: int, n_q_blocks: int, nk: int, cap: Sequence[int] = ()
 ) -> torch.Tensor:
     """``bits [B, Hs, S, nw]`` (rows at positions ``q_start ..``) -> bool ``[B, Hs, nq, nk]``: the
-    key blocks any query row of each query block chose (``token_select: 2``)."""
+    key blocks any query row of each query block chose (``token_select: 2``). ``cap`` (per slot,
+    0 = none; ``union_blocks``): a query block keeps its ``cap`` blocks chosen by the most rows,
+    ties to the later block, so its own block (chosen by every row, the latest) always stays."""
     rows = unpack_blocks(bits, nk)
     head = q_start % bs
     tail = n_q_blocks * bs - head - rows.shape[2]
     rows = F.pad(rows, (0, 0, head, tail))
-    return rows.unflatten(2, (n_q_blocks, bs)).any(3)
+    if not any(cap):
+        return rows.unflatten(2, (n_q_blocks, bs)).any(3)
+    votes = rows.unflatten(2, (n_q_blocks, bs)).sum(3, dtype=torch.int64)  # [B, Hs, nq, nk]
+    # rank = votes, then block index: distinct keys, so the order is exact on every device
+    key = votes * nk + torch.arange(nk, device=votes.device)
+    rank = torch.empty_like(key).scatter_(
+        -1,
+        key.argsort(-1, descending=True),
+        torch.arange(nk, device=key.device).expand_as(key).contiguous(),
+    )
+    limit = index_tensor([c or nk for c in cap], key.device)[None, :, None, None]
+    return (votes > 0) & (rank < limit)
 
 
 def _with_history(q: torch.Tensor, q_history: Optional[torch.Tensor]) -> torch.Tensor:
@@ -363,7 +376,8 @@ def _with_history(q: torch.Tensor, q_history: Optional[torch.Tensor]) -> torch.T
 
 
 def _token_selection(pats, heads, n_heads, scoring, q_start, bs, stats):
-    """``(tok_bits [B, Hs + 1, S, nw], tok_slot [H])`` for the ``token_select`` heads ``heads``:
+    """``(tok_bits [B, Hs + 1, S, nw], tok_slot [H], union_blocks per slot)`` for the
+    ``token_select`` heads ``heads``:
     one estimate per scoring rule (score_block's sub-blocks; ``scoring[score_nope]``: the q, k it
     scores; ``min_share``), a KV group's ``share_group`` heads with one budget sharing a slot, and
     an empty last slot for every other head."""
@@ -373,7 +387,10 @@ def _token_selection(pats, heads, n_heads, scoring, q_start, bs, stats):
     for sub, nope, min_share in sorted(set(rules.values())):
         hs = [h for h in heads if rules[h] == (sub, nope, min_share)]
         q, k, _ = scoring[nope]
-        keys = [(h // g, pats[h].top_k) if pats[h].share_group else ("head", h) for h in hs]
+        keys = [
+            (h // g, pats[h].top_k, pats[h].union_blocks) if pats[h].share_group else ("head", h)
+            for h in hs
+        ]
         order = list(dict.fromkeys(keys))  # first-seen order: unshared heads keep head order
         slot = [order.index(x) for x in keys]
         bits, _ = estimate_token_topk(
@@ -393,7 +410,10 @@ def _token_selection(pats, heads, n_heads, scoring, q_start, bs, stats):
     empty = sum(p.shape[1] for p in parts)
     parts.append(torch.zeros_like(parts[0][:, :1]))
     tok_slot = index_tensor([slot_of.get(h, empty) for h in range(n_heads)], q.device)
-    return torch.cat(parts, dim=1), tok_slot
+    cap = [0] * (empty + 1)
+    for h, sl in slot_of.items():
+        cap[sl] = pats[h].union_blocks
+    return torch.cat(parts, dim=1), tok_slot, cap
 
 
 def _sub_blocks(p: SparsityPattern, bs: int) -> int:
@@ -447,8 +467,9 @@ def budget_plan(
     """A plan that needs no input: input-dependent heads get the places their budgets allow.
 
     Vertical-slash heads take columns ``0 .. n_vertical-1`` and diagonals ``0 .. n_slash-1``; block
-    top-k heads take the diagonal block and the ``top_k - 1`` blocks before it. Used for density
-    logs and pictures; the density it gives is what the budgets buy when the picks do not overlap.
+    top-k heads take the diagonal block and the ``top_k - 1`` (``union_blocks - 1``) blocks before
+    it. Used for density logs and pictures; the density it gives is what the budgets buy when the
+    picks do not overlap.
     """
     pats = head_patterns(pattern, n_heads)
     rows = range(T) if rows is None else rows
@@ -484,7 +505,9 @@ def budget_plan(
             cols[0, h], diags[0, h] = idx < p.n_vertical, idx < p.n_slash
         else:
             off = qb - torch.arange(nk, device=device)[None, :]
-            blocks[0, h] = (off >= 0) & (off < p.top_k)
+            blocks[0, h] = (off >= 0) & (
+                off < (p.union_blocks or p.top_k)
+            )  # a capped union's bound
     plan.cols, plan.diags, plan.blocks = cols, diags, blocks
     plan.col_budget = _col_budget([pats[h] for h in dyn], T)
     return plan

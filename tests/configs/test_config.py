@@ -215,6 +215,13 @@ def test_cli_resume_with_a_changed_model_names_the_key(tmp_path, corpus_dir):
             "error: --variants: unknown 'foo'",
         ),
         (
+            "bench/train_attention.py",
+            ["--config", "zoo/tiny_sparse_attn_1k.yaml", "--variants", "union_all"]
+            + ["--union-blocks", "2"],
+            "error: model.attention.patterns.0-3:0-1.union_blocks: a query block must fit one "
+            "query's choices: must be >= top_k (4), got 2",
+        ),
+        (
             "bench/train_moe.py",
             ["--tokens", "none", "--suite", "equal_time,nope"],
             "error: --suite: unknown suite 'nope'",

@@ -5,7 +5,7 @@ errors."""
 import pytest
 import torch
 
-from helpers import make_inputs, run_criterion
+from helpers import make_inputs, plain_attention, run_criterion
 from moezoo.configs import ConfigError
 from moezoo.configs.attention import AttentionConfig, validate_pattern
 from moezoo.layers import SparsityPattern, pattern_mask, sparse_attention
@@ -305,6 +305,20 @@ def test_flex_kernel_choice_and_options(monkeypatch):
             {"type": "block_topk", "top_k": 2, "min_share": 10},
             r"pattern\.min_share: filters each query's own choices: set token_select",
         ),
+        (
+            {"type": "block_topk", "top_k": 2, "token_select": 1, "union_blocks": 4},
+            r"pattern\.union_blocks: caps the blocks a query block's union visits: "
+            r"set token_select: 2",
+        ),
+        (
+            {"type": "block_topk", "top_k": 4, "token_select": 2, "union_blocks": 3},
+            r"pattern\.union_blocks: a query block must fit one query's choices: must be >= top_k "
+            r"\(4\), got 3",
+        ),
+        (
+            {"type": "block_topk", "top_k": 2, "token_select": 2, "union_blocks": -1},
+            r"pattern\.union_blocks: must be >= 0, got -1",
+        ),
         ({"type": "block_topk", "top_k": 2, "n_slash": 3}, r"pattern\.n_slash: unknown parameter"),
         (
             {"type": "vertical_slash", "n_vertical": 2, "n_slash": 2, "keep_columns": -1},
@@ -453,6 +467,56 @@ def test_token_select_union_attends_every_block_its_query_block_chose(shared):
     kb = torch.arange(T) // BS
     want = union[:, :, kb][..., kb] & torch.ones(T, T).tril().bool()
     assert torch.equal(pattern_mask(p, T, T, H, q=q, k=k), want)
+
+
+def _capped_union_reference(per_token, bs, cap):
+    """Each query block's ``cap`` key blocks chosen by the most of its queries, ties to the later
+    block, one query block at a time: ``per_token`` bool [B, H, T, nk] -> bool [B, H, nq, nk]."""
+    B, H, T, n = per_token.shape
+    out = torch.zeros(B, H, n, n, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            for i in range(n):
+                votes = per_token[b, h, i * bs : (i + 1) * bs].sum(0).tolist()
+                ranked = sorted(
+                    (j for j in range(n) if votes[j]), key=lambda j: (votes[j], j), reverse=True
+                )
+                out[b, h, i, ranked[:cap]] = True
+    return out
+
+
+@pytest.mark.parametrize("shared,min_share", [(0, 0), (1, 0), (1, 10)])
+def test_union_blocks_keeps_the_blocks_most_of_a_query_blocks_queries_chose(shared, min_share):
+    """``union_blocks``: a query block attends at most that many blocks of its union, those chosen
+    by the most of its queries; the own block always stays."""
+    B, H, Hk, T, cap = 2, 4, 2, 64, 3
+    q, k, v = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=5)
+    q = q * 3
+    if min_share:
+        per_token = _min_share_reference(q, k, BS, 3, BS, min_share)
+    else:
+        per_token = _token_topk_reference(q, k, BS, 3, shared)
+    n = per_token.shape[-1]
+    union = torch.stack([per_token[:, :, i * BS : (i + 1) * BS].any(2) for i in range(n)], 2)
+    want = _capped_union_reference(per_token, BS, cap)
+    assert (union.sum(-1) > cap).any() and want.sum() < union.sum()  # the cap binds somewhere
+    assert (want & ~union).sum() == 0 and want.diagonal(dim1=2, dim2=3).all()
+    p = SparsityPattern(
+        type="block_topk",
+        top_k=3,
+        block_size=BS,
+        share_group=shared,
+        token_select=2,
+        min_share=min_share,
+        union_blocks=cap,
+    )
+    assert torch.equal(plan_pattern(p, H, 0, T, T, 0, q, k).blocks, want)
+    kb = torch.arange(T) // BS
+    mask = want[:, :, kb][..., kb] & torch.ones(T, T).tril().bool()
+    assert torch.equal(pattern_mask(p, T, T, H, q=q, k=k), mask)
+    torch.testing.assert_close(
+        sparse_attention(q, k, v, p), plain_attention(q, k, v, mask), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_token_select_serves_different_far_keys_for_queries_of_one_block():

@@ -42,6 +42,15 @@ def test_block_topk_without_window_is_exact():
     assert abs(float(budget_density(p, 1, 200)[0]) - float(pattern_density(p, 1, 200)[0])) < 1e-12
 
 
+def test_a_capped_union_counts_its_cap():
+    """``union_blocks``: the bound of a query block's union, counted as that many blocks a query."""
+    capped = P(type="block_topk", top_k=2, block_size=8, token_select=2, union_blocks=5)
+    as_budget = P(type="block_topk", top_k=5, block_size=8)
+    for T in (37, 200):
+        assert torch.equal(budget_density(capped, 1, T), budget_density(as_budget, 1, T))
+        assert torch.equal(pattern_density(capped, 1, T), pattern_density(as_budget, 1, T))
+
+
 def test_compressed_branch_adds_its_pooled_pairs():
     plain = P(type="block_topk", top_k=2, block_size=8)
     nsa = P(type="block_topk", top_k=2, block_size=8, compress=1)
