@@ -12,6 +12,12 @@ set -u
 PARTS=${*:-e2e64 layer e2e128 tests}
 . "$(dirname "$0")/gpu_env.sh" /tmp/sparse_attn_out
 COMMON="model.vocab_size=8192 data.max_files=700 train.eval_batches=1 eval.passkey_lengths=[] data.cache_dir=/tmp/moezoo_cache"
+# quality_run VARIANTS OUT_DIR TIMEOUT [OVERRIDES..]: the 16k quality model trained as each variant
+quality_run() {
+  timeout -s INT -k 60 "$3" $PY bench/train_attention.py --config zoo/sparse_attn_small_16k.yaml \
+    --steps ${Q_STEPS:-2400} --variants "$1" --eval-every ${Q_EVAL_EVERY:-600} --a-shape-window 1024 \
+    --out "$2" ${Q_ARGS:-} data.cache_dir=/tmp/moezoo_cache ${Q_OVERRIDES:-} "${@:4}"
+}
 for part in $PARTS; do
   t0=$(date +%s)
   case $part in
@@ -40,12 +46,33 @@ for part in $PARTS; do
     # (Q_STEPS, Q_EVAL_EVERY, Q_OVERRIDES: other steps, eval cadence, overrides; Q_OUT, Q_ARGS: a run longer
     # than one call: Q_ARGS="--checkpoint-every 600" in the first call, which the time limit stops with a
     # checkpoint (SIGINT), Q_ARGS="--checkpoint-every 600 --resume" in the next while the machine is warm)
+    # (Q_SEEDS="0 1": one process per variant and seed, all at once on the GPU (quality runs share it;
+    # their tokens/s are then not speeds), out in $Q_OUT/s<seed>; the first runs alone until it has
+    # written the token cache, so all train on one tokenizer; a variant's own overrides after "@",
+    # e.g. Q_VARIANTS="dense,union_all@model.attention.dense_warmup=0.75")
     quality) Q_OUT=${Q_OUT:-/tmp/q16}
-            timeout -s INT -k 60 ${T_QUALITY:-570} $PY bench/train_attention.py --config zoo/sparse_attn_small_16k.yaml \
-              --steps ${Q_STEPS:-2400} --variants ${Q_VARIANTS:-dense,a_shape} --eval-every ${Q_EVAL_EVERY:-600} \
-              --a-shape-window 1024 --out $Q_OUT ${Q_ARGS:-} data.cache_dir=/tmp/moezoo_cache ${Q_OVERRIDES:-} ;
-            cp $Q_OUT/train_attention.jsonl "$OUT/quality.jsonl" 2>/dev/null ;
-            for v in dense preset a_shape query_max query_share nsa token token_nsa token_union union_all; do cp $Q_OUT/$v/metrics.jsonl "$OUT/quality_$v.metrics.jsonl" 2>/dev/null; done ;;
+            if [ -z "${Q_SEEDS:-}" ]; then
+              quality_run ${Q_VARIANTS:-dense,a_shape} $Q_OUT ${T_QUALITY:-570}
+            else
+              tq=$(date +%s); first=1
+              for s in $Q_SEEDS; do
+                for v in ${Q_VARIANTS//,/ }; do
+                  log="$OUT/quality_s${s}_${v%%@*}.log"
+                  quality_run "$v" $Q_OUT/s$s $(( ${T_QUALITY:-570} - $(date +%s) + tq )) train.seed=$s > "$log" 2>&1 &
+                  if [ $first = 1 ]; then  # the corpus line follows the cached tokens
+                    first=0; for i in $(seq 150); do grep -q "^data: " "$log" && break; sleep 2; done
+                  fi
+                done
+              done
+              wait
+            fi
+            cat $Q_OUT/train_attention.jsonl $Q_OUT/s*/train_attention.jsonl > "$OUT/quality.jsonl" 2>/dev/null
+            for f in $Q_OUT/*/metrics.jsonl; do
+              [ -f "$f" ] && cp "$f" "$OUT/quality_$(basename "${f%/*}").metrics.jsonl"
+            done
+            for f in $Q_OUT/s*/*/metrics.jsonl; do  # quality_s<seed>_<variant>.metrics.jsonl
+              d=${f%/*}; [ -f "$f" ] && cp "$f" "$OUT/quality_$(basename "${d%/*}")_$(basename "$d").metrics.jsonl"
+            done ;;
     tests)  timeout ${T_TESTS:-45} $PY -m pytest -q -m gpu tests/layers/attention/test_block_topk.py -p no:cacheprovider 2>&1 | tail -n 15 ;;
   esac
   echo "== $part: $(( $(date +%s) - t0 )) s"

@@ -337,7 +337,7 @@ def main():
     }
     for v, cfg in cfgs.items():
         r = run_variant(cfg, v, save=a.checkpoint_every > 0)
-        r["seq_len"] = cfg.train.seq_len
+        r["seq_len"], r["seed"] = cfg.train.seq_len, cfg.train.seed
         results.append(r)
         print(json.dumps(r), flush=True)
         with open(os.path.join(a.out, "train_attention.jsonl"), "a") as f:
