@@ -450,28 +450,10 @@ def test_token_select_keeps_each_querys_own_top_k_blocks(shared, sub):
     assert torch.equal(pattern_mask(p, T, T, H, q=q, k=k), want)
 
 
-@pytest.mark.parametrize("shared", [0, 1])
-def test_token_select_union_attends_every_block_its_query_block_chose(shared):
-    B, H, Hk, T = 2, 4, 2, 45
-    q, k, _ = make_inputs(B, H, Hk, T)
-    p = SparsityPattern(
-        type="block_topk", top_k=3, block_size=BS, share_group=shared, token_select=2
-    )
-    per_token = _token_topk_reference(q, k, BS, 3, shared)  # [B, H, T, nk]
-    n = per_token.shape[-1]
-    union = torch.stack(
-        [per_token[:, :, i * BS : (i + 1) * BS].any(2) for i in range(n)], 2
-    )  # [B, H, nq, nk]
-    plan = plan_pattern(p, H, 0, T, T, 0, q, k)
-    assert plan.tok_bits is None and torch.equal(plan.blocks, union)
-    kb = torch.arange(T) // BS
-    want = union[:, :, kb][..., kb] & torch.ones(T, T).tril().bool()
-    assert torch.equal(pattern_mask(p, T, T, H, q=q, k=k), want)
-
-
-def _capped_union_reference(per_token, bs, cap):
-    """Each query block's ``cap`` key blocks chosen by the most of its queries, ties to the later
-    block, one query block at a time: ``per_token`` bool [B, H, T, nk] -> bool [B, H, nq, nk]."""
+def _union_reference(per_token, bs, cap=0):
+    """The key blocks any query of each query block chose (``token_select: 2``), with ``cap`` only
+    the ``cap`` chosen by the most of its queries, ties to the later block, one query block at a
+    time: ``per_token`` bool [B, H, T, nk] -> bool [B, H, nq, nk]."""
     B, H, T, n = per_token.shape
     out = torch.zeros(B, H, n, n, dtype=torch.bool)
     for b in range(B):
@@ -481,8 +463,24 @@ def _capped_union_reference(per_token, bs, cap):
                 ranked = sorted(
                     (j for j in range(n) if votes[j]), key=lambda j: (votes[j], j), reverse=True
                 )
-                out[b, h, i, ranked[:cap]] = True
+                out[b, h, i, ranked[: cap or None]] = True
     return out
+
+
+@pytest.mark.parametrize("shared", [0, 1])
+def test_token_select_union_attends_every_block_its_query_block_chose(shared):
+    B, H, Hk, T = 2, 4, 2, 45
+    q, k, _ = make_inputs(B, H, Hk, T)
+    p = SparsityPattern(
+        type="block_topk", top_k=3, block_size=BS, share_group=shared, token_select=2
+    )
+    per_token = _token_topk_reference(q, k, BS, 3, shared)  # [B, H, T, nk]
+    union = _union_reference(per_token, BS)  # [B, H, nq, nk]
+    plan = plan_pattern(p, H, 0, T, T, 0, q, k)
+    assert plan.tok_bits is None and torch.equal(plan.blocks, union)
+    kb = torch.arange(T) // BS
+    want = union[:, :, kb][..., kb] & torch.ones(T, T).tril().bool()
+    assert torch.equal(pattern_mask(p, T, T, H, q=q, k=k), want)
 
 
 @pytest.mark.parametrize("shared,min_share", [(0, 0), (1, 0), (1, 10)])
@@ -496,20 +494,12 @@ def test_union_blocks_keeps_the_blocks_most_of_a_query_blocks_queries_chose(shar
         per_token = _min_share_reference(q, k, BS, 3, BS, min_share)
     else:
         per_token = _token_topk_reference(q, k, BS, 3, shared)
-    n = per_token.shape[-1]
-    union = torch.stack([per_token[:, :, i * BS : (i + 1) * BS].any(2) for i in range(n)], 2)
-    want = _capped_union_reference(per_token, BS, cap)
+    union = _union_reference(per_token, BS)
+    want = _union_reference(per_token, BS, cap)
     assert (union.sum(-1) > cap).any() and want.sum() < union.sum()  # the cap binds somewhere
     assert (want & ~union).sum() == 0 and want.diagonal(dim1=2, dim2=3).all()
-    p = SparsityPattern(
-        type="block_topk",
-        top_k=3,
-        block_size=BS,
-        share_group=shared,
-        token_select=2,
-        min_share=min_share,
-        union_blocks=cap,
-    )
+    kw = dict(token_select=2, min_share=min_share, union_blocks=cap)
+    p = SparsityPattern(type="block_topk", top_k=3, block_size=BS, share_group=shared, **kw)
     assert torch.equal(plan_pattern(p, H, 0, T, T, 0, q, k).blocks, want)
     kb = torch.arange(T) // BS
     mask = want[:, :, kb][..., kb] & torch.ones(T, T).tril().bool()
@@ -685,9 +675,7 @@ def test_min_share_drops_the_far_choices_a_query_gives_little_attention(sub, min
     assert want.sum(-1).gt(1).any()  # and some kept
     p = SparsityPattern(**kw, token_select=1, min_share=min_share)
     assert torch.equal(plan_pattern(p, H, 0, T, T, 0, q, k).token_blocks(), want)
-    union = torch.stack(
-        [want[:, :, i * BS : (i + 1) * BS].any(2) for i in range(want.shape[-1])], 2
-    )
+    union = _union_reference(want, BS)
     p = SparsityPattern(**kw, token_select=2, min_share=min_share)
     assert torch.equal(plan_pattern(p, H, 0, T, T, 0, q, k).blocks, union)
 
