@@ -37,8 +37,8 @@ logits, as NSA does);
 ``--score-nope 1``: it scores q and k before RoPE (``score_nope``). ``--min-share P`` (token
 variants): each query keeps a far block only if it holds P% of its softmax over its causal blocks
 (``min_share``). ``--union-blocks N`` (token_union, union_all): a query block visits at most N
-blocks of its union, those the most of its queries chose (``union_blocks``): a bound on the work,
-so a speed run from initialisation without ``--min-share`` measures the cost the cap allows.
+blocks of its union, those its queries give the highest share (``union_blocks``): a bound on the
+work, so a speed run from initialisation without ``--min-share`` measures the cost the cap allows.
 ``--top-k N`` (query_max and nsa): those heads keep N key blocks per query block instead of the
 preset's ``top_k``. Per variant:
 tokens/s (mean over log steps after the first, which holds compilation and warm-up), ``mfu`` (the
@@ -283,7 +283,7 @@ def main():
         type=int,
         default=0,
         help="token_union / union_all: a query block visits at most N blocks of its union, those "
-        "the most of its queries chose (union_blocks; 0 = the whole union)",
+        "its queries give the highest share of their softmax (union_blocks; 0 = the whole union)",
     )
     ap.add_argument(
         "--top-k",

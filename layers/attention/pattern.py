@@ -79,8 +79,10 @@ always with ``k <= q``:
   nothing to the tile's union, while one that points at a far block keeps it, so the union, and the
   work, shrinks to what the queries look for.
   ``union_blocks`` (with ``token_select: 2``, at least ``top_k``): a query block visits at most
-  this many blocks of its union, those chosen by the most of its queries (ties: the later block);
-  its own block, which every query chooses, always stays. A bound on the work whatever the queries
+  this many blocks of its union: its own, then those to which one of its queries gives the highest
+  share of its softmax over its causal blocks (``min_share``'s share; ties: the later block), so a
+  question keeps its needle's block over blocks many queries weakly chose (ranking by how many
+  queries chose a block loses retrieval in the CPU screen). A bound on the work whatever the queries
   learn, which ``--plan`` counts: the union itself grows with how much a tile's queries disagree (at
   initialisation nearly every block), ``min_share`` shrinks it only once the heads point.
 - ``vertical_slash`` extras (MInference's kernel): ``keep_columns`` forces the first N key columns
@@ -157,7 +159,7 @@ class SparsityPattern:
     # this percent of its softmax over its causal blocks' scores (0 = every choice)
     min_share: int = 0
     # block top-k with token_select 2: a query block visits at most this many key blocks of its
-    # union, those the most of its queries chose (0 = the whole union)
+    # union, those its queries give the highest share of their softmax (0 = the whole union)
     union_blocks: int = 0
 
     def __post_init__(self):

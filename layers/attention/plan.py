@@ -293,8 +293,11 @@ def plan_pattern(
         if tb:
             tok = _token_selection(pats, tb, n_heads, scoring, q_start, bs, stats)[:2]
         if union:
-            bits, slot, cap = _token_selection(pats, union, n_heads, scoring, q_start, bs, stats)
-            chosen = _union_per_query_block(bits, q_start, bs, q_blocks.numel(), nk, cap)[:, slot]
+            nq = q_blocks.numel()
+            bits, slot, cap, share = _token_selection(
+                pats, union, n_heads, scoring, q_start, bs, stats, nq
+            )
+            chosen = _union_per_query_block(bits, q_start, bs, nq, nk, cap, share)[:, slot]
             if blocks is None:
                 blocks = torch.zeros(B, n_heads, q_blocks.numel(), nk, dtype=torch.bool, device=dev)
             blocks = blocks | chosen  # the empty slot adds nothing to the other heads
@@ -346,28 +349,33 @@ def plan_pattern(
 
 
 def _union_per_query_block(
-    bits: torch.Tensor, q_start: int, bs: int, n_q_blocks: int, nk: int, cap: Sequence[int] = ()
+    bits: torch.Tensor,
+    q_start: int,
+    bs: int,
+    n_q_blocks: int,
+    nk: int,
+    cap: Sequence[int] = (),
+    share: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``bits [B, Hs, S, nw]`` (rows at positions ``q_start ..``) -> bool ``[B, Hs, nq, nk]``: the
     key blocks any query row of each query block chose (``token_select: 2``). ``cap`` (per slot,
-    0 = none; ``union_blocks``): a query block keeps its ``cap`` blocks chosen by the most rows,
-    ties to the later block, so its own block (chosen by every row, the latest) always stays."""
+    0 = none; ``union_blocks``) with ``share [B, Hs, nq, nk]`` (the highest log share a query of
+    the block gives each chosen block, +inf for its own): a query block keeps the ``cap`` blocks
+    with the highest, ties to the later block, so its own block always stays."""
     rows = unpack_blocks(bits, nk)
     head = q_start % bs
     tail = n_q_blocks * bs - head - rows.shape[2]
     rows = F.pad(rows, (0, 0, head, tail))
+    union = rows.unflatten(2, (n_q_blocks, bs)).any(3)
     if not any(cap):
-        return rows.unflatten(2, (n_q_blocks, bs)).any(3)
-    votes = rows.unflatten(2, (n_q_blocks, bs)).sum(3, dtype=torch.int64)  # [B, Hs, nq, nk]
-    # rank = votes, then block index: distinct keys, so the order is exact on every device
-    key = votes * nk + torch.arange(nk, device=votes.device)
-    rank = torch.empty_like(key).scatter_(
-        -1,
-        key.argsort(-1, descending=True),
-        torch.arange(nk, device=key.device).expand_as(key).contiguous(),
+        return union
+    # a stable sort of the reversed blocks puts the later of equal shares first
+    order = nk - 1 - share.flip(-1).sort(dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(nk, device=order.device).expand_as(order).contiguous()
     )
-    limit = index_tensor([c or nk for c in cap], key.device)[None, :, None, None]
-    return (votes > 0) & (rank < limit)
+    limit = index_tensor([c or nk for c in cap], order.device)[None, :, None, None]
+    return union & (rank < limit)
 
 
 def _with_history(q: torch.Tensor, q_history: Optional[torch.Tensor]) -> torch.Tensor:
@@ -375,17 +383,26 @@ def _with_history(q: torch.Tensor, q_history: Optional[torch.Tensor]) -> torch.T
     return q if q_history is None else torch.cat([q_history.to(q.dtype), q], dim=2)
 
 
-def _token_selection(pats, heads, n_heads, scoring, q_start, bs, stats):
-    """``(tok_bits [B, Hs + 1, S, nw], tok_slot [H], union_blocks per slot)`` for the
-    ``token_select`` heads ``heads``:
-    one estimate per scoring rule (score_block's sub-blocks; ``scoring[score_nope]``: the q, k it
-    scores; ``min_share``), a KV group's ``share_group`` heads with one budget sharing a slot, and
-    an empty last slot for every other head."""
+def _token_selection(pats, heads, n_heads, scoring, q_start, bs, stats, nq=0):
+    """``(tok_bits [B, Hs + 1, S, nw], tok_slot [H], union_blocks per slot, tile shares)`` for the
+    ``token_select`` heads ``heads``: one estimate per scoring rule (score_block's sub-blocks;
+    ``scoring[score_nope]``: the q, k it scores; ``min_share``), a KV group's ``share_group`` heads
+    with one budget sharing a slot, and an empty last slot for every other head. Tile shares
+    (float32 ``[B, Hs + 1, nq, nk]``, ``estimate_token_topk``'s ``tile_share``): for the slots
+    with ``union_blocks``, None when no slot has one."""
     g = n_heads // scoring[0][1].shape[1]
-    parts, slot_of = [], {}
-    rules = {h: (_sub_blocks(pats[h], bs), pats[h].score_nope, pats[h].min_share) for h in heads}
-    for sub, nope, min_share in sorted(set(rules.values())):
-        hs = [h for h in heads if rules[h] == (sub, nope, min_share)]
+    parts, shares, slot_of = [], [], {}
+    rules = {
+        h: (
+            _sub_blocks(pats[h], bs),
+            pats[h].score_nope,
+            pats[h].min_share,
+            pats[h].union_blocks > 0,
+        )
+        for h in heads
+    }
+    for sub, nope, min_share, capped in sorted(set(rules.values())):
+        hs = [h for h in heads if rules[h] == (sub, nope, min_share, capped)]
         q, k, _ = scoring[nope]
         keys = [
             (h // g, pats[h].top_k, pats[h].union_blocks) if pats[h].share_group else ("head", h)
@@ -393,6 +410,11 @@ def _token_selection(pats, heads, n_heads, scoring, q_start, bs, stats):
         ]
         order = list(dict.fromkeys(keys))  # first-seen order: unshared heads keep head order
         slot = [order.index(x) for x in keys]
+        nk = (k.shape[2] + bs - 1) // bs
+        share = None
+        if capped:
+            share = torch.full((q.shape[0], len(order), nq, nk), float("-inf"), device=q.device)
+        shares.append((share, len(order)))
         bits, _ = estimate_token_topk(
             q[:, index_tensor(hs, q.device)],
             q_start,
@@ -403,6 +425,7 @@ def _token_selection(pats, heads, n_heads, scoring, q_start, bs, stats):
             stats,
             sub,
             min_share,
+            share if capped else None,
         )
         base = sum(p.shape[1] for p in parts)
         slot_of.update({h: base + s for h, s in zip(hs, slot)})
@@ -413,7 +436,17 @@ def _token_selection(pats, heads, n_heads, scoring, q_start, bs, stats):
     cap = [0] * (empty + 1)
     for h, sl in slot_of.items():
         cap[sl] = pats[h].union_blocks
-    return torch.cat(parts, dim=1), tok_slot, cap
+    tile = None
+    if any(cap):  # the uncapped slots' values rank nothing
+        shape = (q.shape[0], nq, nk)
+        tile = torch.cat(
+            [
+                sh if sh is not None else q.new_zeros(shape[0], n, *shape[1:], dtype=torch.float32)
+                for sh, n in shares + [(None, 1)]
+            ],
+            dim=1,
+        )
+    return torch.cat(parts, dim=1), tok_slot, cap, tile
 
 
 def _sub_blocks(p: SparsityPattern, bs: int) -> int:

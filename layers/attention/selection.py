@@ -537,6 +537,7 @@ def estimate_token_topk(
     stats: dict | None = None,
     sub_blocks: int = 1,
     min_share: int = 0,
+    tile_share: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
     """Per-token block top-k (``token_select: 1``; NSA Eq. 9-11, MoBA's gate).
 
@@ -552,7 +553,10 @@ def estimate_token_topk(
     keeps a chosen block other than its own only if the block holds at least that share of its
     softmax over its causal blocks' scores (a pooled key counts from its first key on, so the own
     block is scored over the keys up to the query with single keys): a query whose scores are
-    spread keeps its own block, one that points at a far block keeps it.
+    spread keeps its own block, one that points at a far block keeps it. ``tile_share`` (float32
+    ``[B, Hs, nq, nk]``, -inf, query blocks from ``q_start``'s): filled with the highest log share
+    any query of each query block gives each block it keeps (+inf for its own block), how
+    ``union_blocks`` ranks a tile's union.
     """
     B, H, S, D = q.shape
     T = k.shape[2]
@@ -588,8 +592,9 @@ def estimate_token_topk(
         else:
             s = _group_scores(q[:, :, r0:r1], kp)  # [B, Hs, rows, nk * sub]
         pos = torch.arange(q_start + r0, q_start + r1, device=k.device)
-        causal = None  # [B, Hs, rows, nk]: scores over the keys up to each query (min_share)
-        if min_share and not fused:
+        causal = None  # [B, Hs, rows, nk]: scores over the keys up to each query (shares)
+        shares = bool(min_share) or tile_share is not None
+        if shares and not fused:
             unit_start = torch.arange(nk * sub_blocks, device=k.device) * sb
             causal = s.masked_fill(unit_start[None, :] > pos[:, None], float("-inf"))
             causal = causal.unflatten(-1, (nk, sub_blocks)).amax(-1)
@@ -599,11 +604,18 @@ def estimate_token_topk(
         s = s.masked_fill(kb[None, :] > own, float("-inf"))
         pick = _topk_per_head(_rank_keys(torch.where(kb[None, :] == own, float("inf"), s)), top_k)
         pick &= kb[None, :] <= own
-        if min_share:
+        if shares:
             if fused:
                 causal = _causal_own_block(s, q[:, :, r0:r1], kp, q_start + r0, bs, D**-0.5)
             share = _log_share(causal)
+        if min_share:
             pick &= (share >= math.log(min_share / 100)) | (kb[None, :] == own)
+        if tile_share is not None:
+            kept = torch.where(kb[None, :] == own, float("inf"), share).masked_fill(
+                ~pick, float("-inf")
+            )
+            tile = (own - q_start // bs).expand(-1, nk).expand_as(kept)
+            tile_share.scatter_reduce_(2, tile, kept.float(), "amax")
         bits[:, :, r0:r1] = pack_blocks(pick)
         if stats is not None:
             p = s.softmax(-1)

@@ -62,25 +62,32 @@ def test_reference_is_the_max_over_each_blocks_keys():
 @needs_interpreter_loops
 @pytest.mark.parametrize("token,qmax", [(True, 0), (True, 20), (False, 1), (False, 2)])
 def test_estimates_choose_the_same_blocks_through_the_kernel(token, qmax, monkeypatch):
-    """``score_block: 1`` (sub-blocks of one key) per query token (with ``min_share`` 20) and per
-    query block (``query_max`` 1 and 2): the kernel's scores select what the full float32 score
-    matrix selects, with the group's heads sharing one choice."""
+    """``score_block: 1`` (sub-blocks of one key) per query token (with ``min_share`` 20; and the
+    query blocks' highest shares that ``union_blocks`` ranks by) and per query block
+    (``query_max`` 1 and 2): the kernel's scores select what the full float32 score matrix
+    selects, with the group's heads sharing one choice."""
     B, H, S, D, bs = 2, 4, 96, 16, 8
     q, k = _inputs(B, H, S, S, D, seed=5)
     slot = [0, 0, 1, 1]
 
     def run():
         if token:
-            bits, _ = estimate_token_topk(q, 0, k, bs, [3] * H, slot, sub_blocks=bs, min_share=qmax)
-            return unpack_blocks(bits, S // bs)
+            share = torch.full((B, 2, S // bs, S // bs), float("-inf"))
+            bits, _ = estimate_token_topk(
+                q, 0, k, bs, [3] * H, slot, sub_blocks=bs, min_share=qmax, tile_share=share
+            )
+            return unpack_blocks(bits, S // bs), share
         blocks = torch.arange(S // bs)
-        return estimate_block_topk(q, 0, k, blocks, 0, bs, [3] * H, slot, None, qmax, bs)
+        return estimate_block_topk(q, 0, k, blocks, 0, bs, [3] * H, slot, None, qmax, bs), None
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    want = run()
+    want, want_share = run()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    got = run()
+    got, got_share = run()
     assert torch.equal(got, want)
+    if token:
+        assert want_share.isfinite().any()
+        torch.testing.assert_close(got_share, want_share, rtol=1e-5, atol=1e-5)
 
 
 @needs_interpreter_loops

@@ -450,19 +450,28 @@ def test_token_select_keeps_each_querys_own_top_k_blocks(shared, sub):
     assert torch.equal(pattern_mask(p, T, T, H, q=q, k=k), want)
 
 
-def _union_reference(per_token, bs, cap=0):
+def _union_reference(per_token, bs, cap=0, share=None):
     """The key blocks any query of each query block chose (``token_select: 2``), with ``cap`` only
-    the ``cap`` chosen by the most of its queries, ties to the later block, one query block at a
-    time: ``per_token`` bool [B, H, T, nk] -> bool [B, H, nq, nk]."""
+    the ``cap`` that a query of the block gives the highest ``share`` of its softmax (its own block
+    first, ties to the later block), one query block at a time: ``per_token`` bool [B, H, T, nk],
+    ``share`` float [B, H, T, nk] -> bool [B, H, nq, nk]."""
     B, H, T, n = per_token.shape
     out = torch.zeros(B, H, n, n, dtype=torch.bool)
     for b in range(B):
         for h in range(H):
             for i in range(n):
-                votes = per_token[b, h, i * bs : (i + 1) * bs].sum(0).tolist()
-                ranked = sorted(
-                    (j for j in range(n) if votes[j]), key=lambda j: (votes[j], j), reverse=True
-                )
+                rows = range(i * bs, min((i + 1) * bs, T))
+                best = {
+                    j: max(
+                        float(share[b, h, t, j]) if share is not None else 0.0
+                        for t in rows
+                        if per_token[b, h, t, j]
+                    )
+                    for j in range(n)
+                    if per_token[b, h, rows.start : rows.stop, j].any()
+                }
+                best[i] = float("inf")
+                ranked = sorted(best, key=lambda j: (best[j], j), reverse=True)
                 out[b, h, i, ranked[: cap or None]] = True
     return out
 
@@ -484,9 +493,9 @@ def test_token_select_union_attends_every_block_its_query_block_chose(shared):
 
 
 @pytest.mark.parametrize("shared,min_share", [(0, 0), (1, 0), (1, 10)])
-def test_union_blocks_keeps_the_blocks_most_of_a_query_blocks_queries_chose(shared, min_share):
-    """``union_blocks``: a query block attends at most that many blocks of its union, those chosen
-    by the most of its queries; the own block always stays."""
+def test_union_blocks_keeps_the_blocks_a_query_of_the_block_points_at_most(shared, min_share):
+    """``union_blocks``: a query block attends at most that many blocks of its union, those that
+    one of its queries gives the highest share of its softmax; the own block always stays."""
     B, H, Hk, T, cap = 2, 4, 2, 64, 3
     q, k, v = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=5)
     q = q * 3
@@ -495,7 +504,7 @@ def test_union_blocks_keeps_the_blocks_most_of_a_query_blocks_queries_chose(shar
     else:
         per_token = _token_topk_reference(q, k, BS, 3, shared)
     union = _union_reference(per_token, BS)
-    want = _union_reference(per_token, BS, cap)
+    want = _union_reference(per_token, BS, cap, _share_reference(q, k, BS, BS, shared))
     assert (union.sum(-1) > cap).any() and want.sum() < union.sum()  # the cap binds somewhere
     assert (want & ~union).sum() == 0 and want.diagonal(dim1=2, dim2=3).all()
     kw = dict(token_select=2, min_share=min_share, union_blocks=cap)
@@ -635,30 +644,36 @@ def test_query_max_share_prefers_the_query_that_gives_a_block_its_attention():
     assert picks[2][:, 2].all() and not picks[2][:, 5].any()
 
 
-def _min_share_reference(q, k, bs, top_k, sub_block, min_share):
-    """``token_select`` with ``min_share``, one query at a time: the group-mean query's top-k as
-    ``_token_topk_reference``, then a far choice stays only if its block holds at least
-    ``min_share`` % of the query's softmax over the causal blocks, each block scored by its best
-    (pooled) sub-block that starts at or before the query -> bool [B, H, T, nk]."""
+def _share_reference(q, k, bs, sub_block, shared=1):
+    """Each query's share of each causal block, one query at a time: the softmax over its causal
+    blocks of the (group-mean) query . each block's best (pooled) sub-block that starts at or
+    before the query, 0 after it -> float [B, H, T, nk]."""
     B, H, T, D = q.shape
     g = H // k.shape[1]
     n = (T + bs - 1) // bs
-    picks = _token_topk_reference(q, k, bs, top_k, 1, sub_block)
-    out = picks.clone()
+    out = torch.zeros(B, H, T, n)
     for b in range(B):
         for h in range(H):
             kv = k[b, h // g].float()
-            qh = q[b, (h // g) * g : (h // g + 1) * g].float().mean(0)
+            qh = q[b, (h // g) * g : (h // g + 1) * g].float().mean(0) if shared else q[b, h]
             for t in range(T):
                 score = torch.full((n,), float("-inf"))
                 for lo in range(0, t + 1, sub_block):
-                    s = float(qh[t] @ kv[lo : min(lo + sub_block, T)].mean(0)) / D**0.5
+                    s = float(qh[t].float() @ kv[lo : min(lo + sub_block, T)].mean(0)) / D**0.5
                     score[lo // bs] = max(score[lo // bs], s)
-                share = score.softmax(0)
-                keep = share >= min_share / 100
-                keep[t // bs] = True
-                out[b, h, t] &= keep
+                out[b, h, t] = score.softmax(0)
     return out
+
+
+def _min_share_reference(q, k, bs, top_k, sub_block, min_share):
+    """``token_select`` with ``min_share``: the group-mean query's top-k as
+    ``_token_topk_reference``, then a far choice stays only if its block holds at least
+    ``min_share`` % of the query's softmax over the causal blocks (``_share_reference``) -> bool
+    [B, H, T, nk]."""
+    T = q.shape[2]
+    keep = _share_reference(q, k, bs, sub_block) >= min_share / 100
+    keep[:, :, torch.arange(T), torch.arange(T) // bs] = True  # the own block
+    return _token_topk_reference(q, k, bs, top_k, 1, sub_block) & keep
 
 
 @pytest.mark.parametrize("sub", [1, 4, BS])
