@@ -45,6 +45,11 @@ PATTERNS = {
     "block_topk_token_union": SparsityPattern(
         type="block_topk", top_k=2, sinks=2, window=5, share_group=1, token_select=2, block_size=BS
     ),
+    # the tile union cut to its union_blocks best blocks by share, with min_share
+    "block_topk_token_union_capped": SparsityPattern(
+        **dict(type="block_topk", top_k=2, sinks=2, window=5, share_group=1, block_size=BS),
+        **dict(token_select=2, score_block=1, min_share=5, union_blocks=2),
+    ),
     # per-token choices per head (no sharing), scored by sub-blocks, next to per-block heads
     "block_topk_token_mixed": [
         SparsityPattern(type="block_topk", top_k=3, token_select=1, score_block=4, block_size=BS),
@@ -416,7 +421,9 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("name", ["a_shape", "vertical_slash", "mixed"])
+@pytest.mark.parametrize(
+    "name", ["a_shape", "vertical_slash", "mixed", "block_topk_token_union_capped"]
+)
 def test_flex_backend_on_gpu_meets_fa_criterion_fwd_bwd(name):
     pats = PATTERNS[name]
     big = [
