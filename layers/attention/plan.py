@@ -388,21 +388,14 @@ def _token_selection(pats, heads, n_heads, scoring, q_start, bs, stats, nq=0):
     ``token_select`` heads ``heads``: one estimate per scoring rule (score_block's sub-blocks;
     ``scoring[score_nope]``: the q, k it scores; ``min_share``), a KV group's ``share_group`` heads
     with one budget sharing a slot, and an empty last slot for every other head. Tile shares
-    (float32 ``[B, Hs + 1, nq, nk]``, ``estimate_token_topk``'s ``tile_share``): for the slots
-    with ``union_blocks``, None when no slot has one."""
+    (float32 ``[B, Hs + 1, nq, nk]``, ``estimate_token_topk``'s ``tile_share``, which the slots
+    without ``union_blocks`` do not read): None when no slot has one."""
     g = n_heads // scoring[0][1].shape[1]
     parts, shares, slot_of = [], [], {}
-    rules = {
-        h: (
-            _sub_blocks(pats[h], bs),
-            pats[h].score_nope,
-            pats[h].min_share,
-            pats[h].union_blocks > 0,
-        )
-        for h in heads
-    }
-    for sub, nope, min_share, capped in sorted(set(rules.values())):
-        hs = [h for h in heads if rules[h] == (sub, nope, min_share, capped)]
+    ranked = any(pats[h].union_blocks for h in heads)  # tile shares wanted
+    rules = {h: (_sub_blocks(pats[h], bs), pats[h].score_nope, pats[h].min_share) for h in heads}
+    for sub, nope, min_share in sorted(set(rules.values())):
+        hs = [h for h in heads if rules[h] == (sub, nope, min_share)]
         q, k, _ = scoring[nope]
         keys = [
             (h // g, pats[h].top_k, pats[h].union_blocks) if pats[h].share_group else ("head", h)
@@ -412,9 +405,9 @@ def _token_selection(pats, heads, n_heads, scoring, q_start, bs, stats, nq=0):
         slot = [order.index(x) for x in keys]
         nk = (k.shape[2] + bs - 1) // bs
         share = None
-        if capped:
+        if ranked:
             share = torch.full((q.shape[0], len(order), nq, nk), float("-inf"), device=q.device)
-        shares.append((share, len(order)))
+            shares.append(share)
         bits, _ = estimate_token_topk(
             q[:, index_tensor(hs, q.device)],
             q_start,
@@ -425,7 +418,7 @@ def _token_selection(pats, heads, n_heads, scoring, q_start, bs, stats, nq=0):
             stats,
             sub,
             min_share,
-            share if capped else None,
+            share,
         )
         base = sum(p.shape[1] for p in parts)
         slot_of.update({h: base + s for h, s in zip(hs, slot)})
@@ -436,16 +429,7 @@ def _token_selection(pats, heads, n_heads, scoring, q_start, bs, stats, nq=0):
     cap = [0] * (empty + 1)
     for h, sl in slot_of.items():
         cap[sl] = pats[h].union_blocks
-    tile = None
-    if any(cap):  # the uncapped slots' values rank nothing
-        shape = (q.shape[0], nq, nk)
-        tile = torch.cat(
-            [
-                sh if sh is not None else q.new_zeros(shape[0], n, *shape[1:], dtype=torch.float32)
-                for sh, n in shares + [(None, 1)]
-            ],
-            dim=1,
-        )
+    tile = torch.cat(shares + [shares[0][:, :1]], dim=1) if ranked else None
     return torch.cat(parts, dim=1), tok_slot, cap, tile
 
 
@@ -538,9 +522,8 @@ def budget_plan(
             cols[0, h], diags[0, h] = idx < p.n_vertical, idx < p.n_slash
         else:
             off = qb - torch.arange(nk, device=device)[None, :]
-            blocks[0, h] = (off >= 0) & (
-                off < (p.union_blocks or p.top_k)
-            )  # a capped union's bound
+            budget = p.union_blocks or p.top_k  # a capped union's bound
+            blocks[0, h] = (off >= 0) & (off < budget)
     plan.cols, plan.diags, plan.blocks = cols, diags, blocks
     plan.col_budget = _col_budget([pats[h] for h in dyn], T)
     return plan
