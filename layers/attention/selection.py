@@ -585,6 +585,7 @@ def estimate_token_topk(
     bits = torch.empty(B, Hs, S, nw, dtype=torch.int32, device=k.device)
     ent = mass = torch.zeros((), device=k.device)
     step = max(1, _QUERY_MAX_CHUNK // max(B * Hs * nk * (1 if fused else sub_blocks), 1))
+    shares = bool(min_share) or tile_share is not None  # each query's log share of its blocks
     for r0 in range(0, S, step):
         r1 = min(r0 + step, S)
         if fused:
@@ -593,7 +594,6 @@ def estimate_token_topk(
             s = _group_scores(q[:, :, r0:r1], kp)  # [B, Hs, rows, nk * sub]
         pos = torch.arange(q_start + r0, q_start + r1, device=k.device)
         causal = None  # [B, Hs, rows, nk]: scores over the keys up to each query (shares)
-        shares = bool(min_share) or tile_share is not None
         if shares and not fused:
             unit_start = torch.arange(nk * sub_blocks, device=k.device) * sb
             causal = s.masked_fill(unit_start[None, :] > pos[:, None], float("-inf"))
