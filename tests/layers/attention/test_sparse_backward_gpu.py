@@ -61,17 +61,31 @@ def _layer(a_shape: dict, top_k: int, **topk) -> list[SparsityPattern]:
 
 # The presets' layers at 4096 tokens: 1b_64k / _128k (128 sinks + 2048 window, top-16 of 512
 # blocks) and small_16k (64 sinks + 1024 window, top-8 of 128), windows and budgets cut to fit 32
-# blocks; the 1b layer with per-token selection (``token_select``, the bit-table mask_mod); and an
+# blocks; the 1b layer with per-token selection (``token_select``, the bit-table mask_mod); every
+# head the tile union of single-key choices capped at the per-query budget (``token_select: 2``,
+# ``score_block: 1``, ``union_blocks``: the recipe that retrieves, docs/long_context.md); and an
 # all-A-shape layer, the static pattern ``auto`` runs on FLASH from 16k tokens on.
 LAYERS = {
     "1b_64k": _layer(dict(sinks=128, window=512), top_k=8),
     "small_16k": _layer(dict(sinks=64, window=256), top_k=4),
     "1b_64k_token": _layer(dict(sinks=128, window=512), top_k=8, token_select=1),
+    "1b_64k_union": [
+        SparsityPattern(
+            type="block_topk",
+            top_k=8,
+            share_group=1,
+            block_size=BLOCK,
+            token_select=2,
+            score_block=1,
+            union_blocks=8,
+        )
+    ]
+    * H,
     "a_shape": [SparsityPattern(type="a_shape", sinks=128, window=512, block_size=BLOCK)] * H,
 }
 # Batch as the presets train: 1 at 64k / 128k (the mask_mod reads tables shared by the batch), 2 at
 # 16k (per-batch tables, indexed by the batch index)
-BATCH = {"1b_64k": 1, "small_16k": 2, "1b_64k_token": 1, "a_shape": 1}
+BATCH = {"1b_64k": 1, "small_16k": 2, "1b_64k_token": 1, "1b_64k_union": 1, "a_shape": 1}
 
 # (layer, selection of its block top-k heads): "static" (no such heads: the cached BlockMask),
 # "estimated" (pooled q . k, what training runs), "all" (every causal block, still through the
@@ -81,6 +95,7 @@ CASES = [
     ("1b_64k", "estimated"),
     ("small_16k", "estimated"),
     ("1b_64k_token", "estimated"),
+    ("1b_64k_union", "estimated"),
     ("1b_64k", "all"),
     ("1b_64k", "random"),
 ]
