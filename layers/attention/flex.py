@@ -102,8 +102,10 @@ def pick_flex_kernel(kernel: str, pats, T: int, block_size: int) -> str:
     if kernel != "auto":
         return kernel
     types = {p.type for p in pats if not p.is_dense_at(T)}
-    # per-token selection's bit-table mask_mod was measured on the Triton kernel only
-    token = any(p.token_select for p in pats if not p.is_dense_at(T))
+    # per-token selection's bit-table mask_mod (token_select 1) does not compile on FLASH: the CuTe
+    # code generation stores its int64 table index into an int32 (the class of pytorch #188871).
+    # The tile union (token_select 2) visits whole blocks, block lists as block top-k's.
+    token = any(p.token_select == 1 for p in pats if not p.is_dense_at(T))
     if (
         token
         or not types

@@ -2,6 +2,8 @@
 forced vertical-slash picks, per-call density / selection stats, flex kernel choice, and the config
 errors."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -274,6 +276,12 @@ def test_flex_kernel_choice_and_options(monkeypatch):
     assert pick_flex_kernel("auto", [a], 8192, 128) == "triton"  # below the measured length
     assert pick_flex_kernel("auto", [a, v], 65536, 128) == "triton"  # one unmeasured type: Triton
     assert pick_flex_kernel("auto", [a], 65536, 64) == "triton"  # FLASH tiles 128-token blocks
+    # per-token selection: its bit-table mask_mod fails FLASH's code generation; the tile union's
+    # whole blocks run as block top-k's
+    token, union = (dataclasses.replace(t, token_select=n) for n in (1, 2))
+    assert pick_flex_kernel("auto", [a, token], 65536, 128) == "triton"
+    assert pick_flex_kernel("auto", [union], 65536, 128) == "flash"
+    assert pick_flex_kernel("auto", [union], 32768, 128) == "triton"
     # flash-attn-4 missing: never FLASH
     monkeypatch.setattr(flex, "flash_kernel_available", lambda: False)
     assert pick_flex_kernel("auto", [a, t], 65536, 128) == "triton"

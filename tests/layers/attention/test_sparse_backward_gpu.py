@@ -193,10 +193,20 @@ def _assert_fa_criterion(ctx: str, pats, got: dict, ref32: dict, plain: dict) ->
 @pytest.mark.parametrize("layer,selection", CASES)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_flex_backward_meets_fa_criterion(kernel, head_dim, layer, selection):
+def test_flex_backward_meets_fa_criterion(kernel, head_dim, layer, selection, request):
     """Output, dq, dk, dv of the flex kernel against the float32 masked softmax of the plan's token
     mask, each within 2x the error of the same math in bf16 (the FlashAttention criterion)."""
     _need(kernel)
+    if kernel == "flash" and layer.endswith("_token"):
+        # strict: a FLASH that compiles it shows here as a failure, to be measured and let in
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="per-token selection's bit-table mask_mod does not compile on FLASH (CuTe "
+                "code generation stores its int64 table index into an int32, the class of "
+                "pytorch #188871); auto runs it on Triton (flex.pick_flex_kernel)",
+            )
+        )
     q, k, v = make_inputs(BATCH[layer], H, HK, T, D=head_dim, device="cuda", seed=head_dim)
     mask = _plan(layer, q, k, selection).token_mask()  # [B or 1, H, T, T]
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).cuda()
