@@ -16,6 +16,7 @@ import torch
 
 from moezoo.kernels.key_block_max import key_block_max
 from moezoo.kernels.launch import to_device, use_triton
+from moezoo.kernels.token_block_topk import token_block_topk
 
 from .pattern import SparsityPattern
 
@@ -297,13 +298,11 @@ def _log_share(s: torch.Tensor) -> torch.Tensor:
     return s.log_softmax(-1)
 
 
-def _causal_own_block(
-    s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, start: int, bs: int, scale: float
+def _own_block_max(
+    q: torch.Tensor, k: torch.Tensor, start: int, bs: int, scale: float
 ) -> torch.Tensor:
-    """``s[B, H, N, nk]`` per-query block maxima of ``q . k * scale`` (kernels.key_block_max, which
-    scores a query's own block over all its keys) with the own block's entry rescored over the keys
-    up to the query alone. ``q[B, H, N, D]`` rows from absolute position ``start``, ``k[B, H, T,
-    D]``."""
+    """float32 ``[B, H, N]``: each query's max of ``q . k * scale`` over the keys of its own block
+    up to itself. ``q[B, H, N, D]`` rows from absolute position ``start``, ``k[B, H, T, D]``."""
     qw, head, _ = _whole_blocks(q, start, bs)
     first, nb = start // bs, qw.shape[2] // bs
     kw = k[:, :, first * bs : (first + nb) * bs]
@@ -318,10 +317,19 @@ def _causal_own_block(
         )
     later = torch.ones(bs, bs, dtype=torch.bool, device=q.device).triu(1)
     d = d.masked_fill(later, float("-inf")).amax(-1) * scale  # [B, H, nb, bs]
-    own_max = d.flatten(2)[:, :, head : head + q.shape[2]]
+    return d.flatten(2)[:, :, head : head + q.shape[2]]
+
+
+def _causal_own_block(
+    s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, start: int, bs: int, scale: float
+) -> torch.Tensor:
+    """``s[B, H, N, nk]`` per-query block maxima of ``q . k * scale`` (kernels.key_block_max, which
+    scores a query's own block over all its keys) with the own block's entry rescored over the keys
+    up to the query alone (``_own_block_max``)."""
     own = torch.div(
         torch.arange(start, start + q.shape[2], device=q.device), bs, rounding_mode="floor"
     )
+    own_max = _own_block_max(q, k, start, bs, scale)
     return s.scatter(3, own.expand(*s.shape[:2], -1)[..., None], own_max[..., None])
 
 
@@ -526,6 +534,48 @@ def unpack_blocks(bits: torch.Tensor, nk: int) -> torch.Tensor:
     return out.flatten(-2)[..., :nk].bool()
 
 
+def _token_topk_reference(
+    s: torch.Tensor,
+    causal: torch.Tensor | None,
+    start: int,
+    bs: int,
+    top_k: Sequence[int],
+    min_share: int = 0,
+    tile_share: torch.Tensor | None = None,
+    tile0: int = 0,
+    stats: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The rows' choice from their block scores, in torch (kernels.token_block_topk fuses it):
+    ``s[B, Hs, R, nk]`` float32, row i at position ``start + i``; ``causal`` (``min_share`` or
+    ``tile_share``) the same scores with each block over the keys up to the query (-inf after it).
+    Returns int32 ``[B, Hs, R, ceil(nk / 32)]`` (``pack_blocks``); amaxes into ``tile_share``
+    (query blocks from ``tile0``) and adds the rows' summed normalised entropy and top-k mass to
+    ``stats[0]``, ``stats[1]`` (``estimate_token_topk``)."""
+    nk = s.shape[-1]
+    kb = torch.arange(nk, device=s.device)
+    pos = torch.arange(start, start + s.shape[2], device=s.device)
+    own = torch.div(pos, bs, rounding_mode="floor")[:, None]  # [rows, 1]
+    s = s.masked_fill(kb[None, :] > own, float("-inf"))
+    pick = _topk_per_head(_rank_keys(torch.where(kb[None, :] == own, float("inf"), s)), top_k)
+    pick &= kb[None, :] <= own
+    if min_share or tile_share is not None:
+        share = _log_share(causal)
+    if min_share:
+        pick &= (share >= math.log(min_share / 100)) | (kb[None, :] == own)
+    if tile_share is not None:
+        kept = torch.where(kb[None, :] == own, float("inf"), share).masked_fill(
+            ~pick, float("-inf")
+        )
+        tile = (own - tile0).expand(-1, nk).expand_as(kept)
+        tile_share.scatter_reduce_(2, tile, kept.float(), "amax")
+    if stats is not None:
+        p = s.softmax(-1)
+        n = (own[:, 0] + 1).clamp(min=2).log()
+        ent = (-(p * p.clamp_min(1e-30).log()).sum(-1) / n).sum()
+        stats += torch.stack([ent, (p * pick).sum()])
+    return pack_blocks(pick)
+
+
 @torch.no_grad()
 def estimate_token_topk(
     q: torch.Tensor,
@@ -556,7 +606,8 @@ def estimate_token_topk(
     spread keeps its own block, one that points at a far block keeps it. ``tile_share`` (float32
     ``[B, Hs, nq, nk]``, -inf, query blocks from ``q_start``'s): filled with the highest log share
     any query of each query block gives each block it keeps (+inf for its own block), how
-    ``union_blocks`` ranks a tile's union.
+    ``union_blocks`` ranks a tile's union. On CUDA, single-key scores (``sub_blocks == bs``) take
+    two fused kernels: kernels.key_block_max for the scores, kernels.token_block_topk for the rest.
     """
     B, H, S, D = q.shape
     T = k.shape[2]
@@ -579,50 +630,39 @@ def estimate_token_topk(
         kp = _block_mean(k, 0, sb, nk * sub_blocks)  # [B, Hs, nk * sub, D]
         q, kp = q.to(dt), kp.to(dt)
     Hs = kp.shape[1]
-    kb = torch.arange(nk, device=k.device)
     empty_sub = torch.arange(nk * sub_blocks, device=k.device) >= (T + sb - 1) // sb
     nw = (nk + TOKEN_BITS - 1) // TOKEN_BITS
     bits = torch.empty(B, Hs, S, nw, dtype=torch.int32, device=k.device)
-    ent = mass = torch.zeros((), device=k.device)
+    acc = torch.zeros(2, device=k.device) if stats is not None else None  # entropy, mass sums
+    ks = index_tensor(top_k, k.device) if fused else None
     step = max(1, _QUERY_MAX_CHUNK // max(B * Hs * nk * (1 if fused else sub_blocks), 1))
     shares = bool(min_share) or tile_share is not None  # each query's log share of its blocks
+    tile0 = q_start // bs  # tile_share's first query block
     for r0 in range(0, S, step):
         r1 = min(r0 + step, S)
         if fused:
             s = key_block_max(q[:, :, r0:r1], kp, q_start + r0, bs, D**-0.5)  # [B, Hs, rows, nk]
-        else:
-            s = _group_scores(q[:, :, r0:r1], kp)  # [B, Hs, rows, nk * sub]
-        pos = torch.arange(q_start + r0, q_start + r1, device=k.device)
+            own_max = None
+            if shares:
+                own_max = _own_block_max(q[:, :, r0:r1], kp, q_start + r0, bs, D**-0.5)
+            rows = bits[:, :, r0:r1]
+            token_block_topk(
+                s, q_start + r0, bs, ks, rows, own_max, min_share, tile_share, tile0, acc
+            )
+            continue
+        s = _group_scores(q[:, :, r0:r1], kp)  # [B, Hs, rows, nk * sub]
         causal = None  # [B, Hs, rows, nk]: scores over the keys up to each query (shares)
-        if shares and not fused:
+        if shares:
+            pos = torch.arange(q_start + r0, q_start + r1, device=k.device)
             unit_start = torch.arange(nk * sub_blocks, device=k.device) * sb
             causal = s.masked_fill(unit_start[None, :] > pos[:, None], float("-inf"))
             causal = causal.unflatten(-1, (nk, sub_blocks)).amax(-1)
-        if sub_blocks > 1 and not fused:
+        if sub_blocks > 1:
             s = s.masked_fill(empty_sub, float("-inf")).unflatten(-1, (nk, sub_blocks)).amax(-1)
-        own = torch.div(pos, bs, rounding_mode="floor")[:, None]  # [rows, 1]
-        s = s.masked_fill(kb[None, :] > own, float("-inf"))
-        pick = _topk_per_head(_rank_keys(torch.where(kb[None, :] == own, float("inf"), s)), top_k)
-        pick &= kb[None, :] <= own
-        if shares:
-            if fused:
-                causal = _causal_own_block(s, q[:, :, r0:r1], kp, q_start + r0, bs, D**-0.5)
-            share = _log_share(causal)
-        if min_share:
-            pick &= (share >= math.log(min_share / 100)) | (kb[None, :] == own)
-        if tile_share is not None:
-            kept = torch.where(kb[None, :] == own, float("inf"), share).masked_fill(
-                ~pick, float("-inf")
-            )
-            tile = (own - q_start // bs).expand(-1, nk).expand_as(kept)
-            tile_share.scatter_reduce_(2, tile, kept.float(), "amax")
-        bits[:, :, r0:r1] = pack_blocks(pick)
-        if stats is not None:
-            p = s.softmax(-1)
-            n = (own[:, 0] + 1).clamp(min=2).log()
-            ent = ent + (-(p * p.clamp_min(1e-30).log()).sum(-1) / n).sum()
-            mass = mass + (p * pick).sum()
+        bits[:, :, r0:r1] = _token_topk_reference(
+            s, causal, q_start + r0, bs, top_k, min_share, tile_share, tile0, acc
+        )
     if stats is not None:
-        stats["entropy"] = ent / (B * Hs * S)
-        stats["topk_mass"] = mass / (B * Hs * S)
+        stats["entropy"] = acc[0] / (B * Hs * S)
+        stats["topk_mass"] = acc[1] / (B * Hs * S)
     return bits, reps
