@@ -5,6 +5,9 @@ mask.
     python bench/attention.py --patterns vs --vs-inputs structured,local,iid --modes fwd --no-plain
     # where vs time goes:
     python bench/attention.py --lengths "" --stages 131072 --vs-inputs local --profile DIR
+    # where the capped tile union's selection time goes (scores, the per-row choice fused and as
+    # torch ops, the whole plan):
+    python bench/attention.py --lengths "" --select-stages 65536
     # FLASH vs Triton:
     python bench/attention.py --patterns topk,mix,a_shape --kernels triton,flash --no-plain
 
@@ -27,6 +30,8 @@ Shapes: B=1, 32 query heads, 8 KV heads, head dim 128, bf16. Patterns (block 128
   topk_union_share10  topk_union_max keeping a query's far choice only where it holds 10% of its
              softmax over its causal blocks (``min_share: 10``); iid inputs spread every query's
              scores, so no far block is kept: the row times the single-key scores and own blocks
+  topk_union_cap16  topk_union_max with each query block visiting at most 16 blocks of its union,
+             those its queries give the highest share (``union_blocks: 16``), in every head
   topk_share_max  per query block, ranked by its queries' best log share of single-key scores
              (``query_max: 2, score_block: 1``)
   mix      the long-context presets' layer: heads 0-15 A-shape, 16-31 block top-k (as topk)
@@ -81,6 +86,8 @@ from bench.timing import timeit  # noqa: E402
 from moezoo.configs import exit_code  # noqa: E402
 from moezoo.configs.attention import FLEX_KERNELS  # noqa: E402
 from moezoo.configs.errors import choice_list, int_list  # noqa: E402
+from moezoo.kernels.key_block_max import key_block_max  # noqa: E402
+from moezoo.kernels.token_block_topk import token_block_topk  # noqa: E402
 from moezoo.layers import RotaryEmbedding, SparsityPattern, apply_rotary, sparse_attention  # noqa: E402
 from moezoo.layers.attention import flex as sa_mod  # noqa: E402
 from moezoo.layers.attention.compressed import (
@@ -91,7 +98,13 @@ from moezoo.layers.attention.compressed import (
 from moezoo.layers.attention.module import put_heads, take_heads  # noqa: E402
 from moezoo.layers.attention.pattern import head_patterns  # noqa: E402
 from moezoo.layers.attention.plan import plan_pattern  # noqa: E402
-from moezoo.layers.attention.selection import index_tensor, selection_density  # noqa: E402
+from moezoo.layers.attention.selection import (  # noqa: E402
+    _causal_own_block,
+    _own_block_max,
+    _token_topk_reference,
+    index_tensor,
+    selection_density,
+)
 
 H, HK, D, BS = 32, 8, 128, 128
 PATTERNS = {
@@ -122,6 +135,16 @@ PATTERNS = {
         token_select=2,
         score_block=1,
         min_share=10,
+        block_size=BS,
+    ),
+    # topk_union_max with each query block capped at the per-query budget (``union_blocks``)
+    "topk_union_cap16": SparsityPattern(
+        type="block_topk",
+        top_k=16,
+        share_group=1,
+        token_select=2,
+        score_block=1,
+        union_blocks=16,
         block_size=BS,
     ),
     # per query block by its queries' best log share of single-key scores
@@ -437,6 +460,46 @@ def vs_stages(S, family, out, profile_dir=None):
             f.write(table)
 
 
+def select_stages(S, out):
+    """Where the capped tile union's selection time goes at length S (iid inputs, one slot per KV
+    group, as ``estimate_token_topk`` runs it on CUDA): the single-key scores
+    (kernels.key_block_max), each query's choice from them fused (kernels.token_block_topk) and as
+    the torch ops it replaces (its reference), the whole plan, the whole forward call."""
+    p = PATTERNS["topk_union_cap16"]
+    q, k, v = make_inputs(S)
+    plan = plan_pattern(p, H, 0, S, S, 0, q, k)
+    # the KV group's mean query, as estimate_token_topk scores a share_group slot
+    qg = q.float().unflatten(1, (HK, H // HK)).mean(2).to(q.dtype)
+    scale = D**-0.5
+    s = key_block_max(qg, k, 0, BS, scale)  # [1, HK, S, nk]
+    own = _own_block_max(qg, k, 0, BS, scale)
+    causal = _causal_own_block(s, qg, k, 0, BS, scale)
+    nk = s.shape[-1]
+    bits = torch.empty(1, HK, S, -(-nk // 32), dtype=torch.int32, device=q.device)
+    tile = torch.full((1, HK, -(-S // BS), nk), float("-inf"), device=q.device)
+    acc = torch.zeros(2, device=q.device)
+    ks = index_tensor([p.top_k] * HK, q.device)
+    stages = {
+        "plan (selection)": lambda: plan_pattern(p, H, 0, S, S, 0, q, k),
+        "scores (key_block_max)": lambda: key_block_max(qg, k, 0, BS, scale),
+        "own blocks up to the query": lambda: _own_block_max(qg, k, 0, BS, scale),
+        "choice, fused (token_block_topk)": lambda: token_block_topk(
+            s, 0, BS, ks, bits, own, 0, tile, 0, acc
+        ),
+        "choice, torch ops": lambda: _token_topk_reference(
+            s, causal, 0, BS, [p.top_k] * HK, 0, tile, 0, acc
+        ),
+        "whole call": lambda: sparse_attention(q, k, v, p, backend="flex"),
+        "sdpa causal": lambda: sdpa_causal(q, k, v),
+    }
+    row = dict(S=S, pattern="topk_union_cap16", inputs="iid", mode="fwd-stages")
+    row.update(layout_density(plan))
+    for name, fn in stages.items():
+        row[name] = round(timeit(fn), 3)
+        record(out, {**row, "partial": True})
+    record(out, row)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="16384,32768,65536,131072")
@@ -473,6 +536,12 @@ def main():
         "(on each --vs-inputs family)",
     )
     ap.add_argument("--profile", default=None, help="folder for the --stages kernel tables")
+    ap.add_argument(
+        "--select-stages",
+        type=int,
+        default=0,
+        help="length for the capped tile union's selection split into its stages",
+    )
     ap.add_argument("--out", default="bench_attention.jsonl")
     a = ap.parse_args()
     # every list checked before the GPU is touched: a bad one is one line and exit 2
@@ -505,6 +574,8 @@ def main():
     if a.stages:
         for fam in vs_inputs:
             vs_stages(a.stages, fam, a.out, a.profile)
+    if a.select_stages:
+        select_stages(a.select_stages, a.out)
     if crossover:
         bench_crossover(crossover, a.out)
     if a.sweep:

@@ -5,7 +5,7 @@
 # vocab 8192, activation checkpointing, bf16, eager blocks), the layer rows for block top-k and the
 # presets' layer (bench/attention.py), and the GPU tests of layers/attention. Each part has its own
 # time limit so a slow one leaves the rest. Results under $OUT (one log, the jsonl rows).
-#     OUT=/tmp/out bash bench/sparse_attn_gpu.sh [e2e64 layer e2e128 tests layer_short flash quality]
+#     OUT=/tmp/out bash bench/sparse_attn_gpu.sh [e2e64 layer e2e128 tests layer_short flash select quality]
 # (E2E_VARIANTS: the end-to-end parts' variants, e.g. dense,preset,query_max: bench/train_attention.py's list;
 # E2E_ARGS: its options, e.g. "--score-block 1")
 set -u
@@ -29,6 +29,12 @@ for part in $PARTS; do
             cp /tmp/e2e128/train_attention.jsonl "$OUT/e2e128.jsonl" 2>/dev/null ;;
     layer)  timeout ${T_LAYER:-70} $PY bench/attention.py --lengths 65536,131072 --patterns topk,mix --modes fwd,fwdbwd \
               --no-plain --out "$OUT/layer.jsonl" ;;
+    # the capped tile union's selection split into its stages (scores, the fused choice and the
+    # torch ops it replaces, the whole plan) at 64k and 128k
+    select) timeout ${T_SELECT:-150} $PY bench/attention.py --lengths "" --select-stages 65536 \
+              --out "$OUT/select.jsonl" ;
+            timeout ${T_SELECT:-150} $PY bench/attention.py --lengths "" --select-stages 131072 \
+              --out "$OUT/select.jsonl" ;;
     layer_short) timeout 90 $PY bench/attention.py --lengths 16384,32768 --patterns topk --modes fwd,fwdbwd \
               --no-plain --out "$OUT/layer.jsonl" ;;
     flash)  timeout 150 $PY bench/attention.py --lengths 65536 --patterns a_shape,topk,mix --modes fwd,fwdbwd \
