@@ -137,21 +137,13 @@ PATTERNS = {
         min_share=10,
         block_size=BS,
     ),
-    # topk_union_max with each query block capped at the per-query budget (``union_blocks``)
-    "topk_union_cap16": SparsityPattern(
-        type="block_topk",
-        top_k=16,
-        share_group=1,
-        token_select=2,
-        score_block=1,
-        union_blocks=16,
-        block_size=BS,
-    ),
     # per query block by its queries' best log share of single-key scores
     "topk_share_max": SparsityPattern(
         type="block_topk", top_k=16, share_group=1, query_max=2, score_block=1, block_size=BS
     ),
 }
+# topk_union_max with each query block capped at the per-query budget (``union_blocks``)
+PATTERNS["topk_union_cap16"] = dataclasses.replace(PATTERNS["topk_union_max"], union_blocks=16)
 PATTERNS["mix"] = [PATTERNS["a_shape"]] * (H // 2) + [PATTERNS["topk"]] * (H // 2)
 PATTERNS["mix_union_max"] = [PATTERNS["a_shape"]] * (H // 2) + [PATTERNS["topk_union_max"]] * (
     H // 2
