@@ -101,6 +101,7 @@ from moezoo.layers.attention.plan import plan_pattern  # noqa: E402
 from moezoo.layers.attention.selection import (  # noqa: E402
     _causal_own_block,
     _own_block_max,
+    _slot_mean,
     _token_topk_reference,
     index_tensor,
     selection_density,
@@ -461,7 +462,7 @@ def select_stages(S, out):
     q, k, v = make_inputs(S)
     plan = plan_pattern(p, H, 0, S, S, 0, q, k)
     # the KV group's mean query, as estimate_token_topk scores a share_group slot
-    qg = q.float().unflatten(1, (HK, H // HK)).mean(2).to(q.dtype)
+    qg = _slot_mean(q, [h // (H // HK) for h in range(H)]).to(q.dtype)
     scale = D**-0.5
     s = key_block_max(qg, k, 0, BS, scale)  # [1, HK, S, nk]
     own = _own_block_max(qg, k, 0, BS, scale)
