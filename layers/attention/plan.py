@@ -358,15 +358,20 @@ def _union_per_query_block(
     share: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``bits [B, Hs, S, nw]`` (rows at positions ``q_start ..``) -> bool ``[B, Hs, nq, nk]``: the
-    key blocks any query row of each query block chose (``token_select: 2``). ``cap`` (per slot,
-    0 = none; ``union_blocks``) with ``share [B, Hs, nq, nk]`` (the highest log share a query of
-    the block gives each chosen block, +inf for its own): a query block keeps the ``cap`` blocks
-    with the highest, ties to the later block, so its own block always stays."""
-    rows = unpack_blocks(bits, nk)
-    head = q_start % bs
-    tail = n_q_blocks * bs - head - rows.shape[2]
-    rows = F.pad(rows, (0, 0, head, tail))
-    union = rows.unflatten(2, (n_q_blocks, bs)).any(3)
+    key blocks any query row of each query block chose (``token_select: 2``). ``share [B, Hs, nq,
+    nk]``: the highest log share a query of the block gives each chosen block (+inf for its own,
+    -inf where none chose it), so where it is given the union is read from it and ``bits`` are not
+    unpacked (``[B, Hs, S, nk]`` booleans, a gigabyte a layer at 128k). ``cap`` (per slot, 0 = none;
+    ``union_blocks``): a query block keeps the ``cap`` blocks with the highest share, ties to the
+    later block, so its own block always stays."""
+    if share is not None:
+        union = share > float("-inf")
+    else:
+        rows = unpack_blocks(bits, nk)
+        head = q_start % bs
+        tail = n_q_blocks * bs - head - rows.shape[2]
+        rows = F.pad(rows, (0, 0, head, tail))
+        union = rows.unflatten(2, (n_q_blocks, bs)).any(3)
     if not any(cap):
         return union
     # a stable sort of the reversed blocks puts the later of equal shares first
@@ -389,7 +394,7 @@ def _token_selection(pats, heads, n_heads, scoring, q_start, bs, stats, nq=0):
     ``scoring[score_nope]``: the q, k it scores; ``min_share``), a KV group's ``share_group`` heads
     with one budget sharing a slot, and an empty last slot for every other head. Tile shares
     (float32 ``[B, Hs + 1, nq, nk]``, ``estimate_token_topk``'s ``tile_share``, which the slots
-    without ``union_blocks`` do not read): None when no slot has one."""
+    without ``union_blocks`` read for their union only): None when no slot has one."""
     g = n_heads // scoring[0][1].shape[1]
     parts, shares, slot_of = [], [], {}
     ranked = any(pats[h].union_blocks for h in heads)  # tile shares wanted
@@ -429,7 +434,12 @@ def _token_selection(pats, heads, n_heads, scoring, q_start, bs, stats, nq=0):
     cap = [0] * (empty + 1)
     for h, sl in slot_of.items():
         cap[sl] = pats[h].union_blocks
-    tile = torch.cat(shares + [shares[0][:, :1]], dim=1) if ranked else None
+    # the empty slot chose nothing: -inf shares, an empty union
+    tile = (
+        torch.cat(shares + [torch.full_like(shares[0][:, :1], float("-inf"))], dim=1)
+        if ranked
+        else None
+    )
     return torch.cat(parts, dim=1), tok_slot, cap, tile
 
 

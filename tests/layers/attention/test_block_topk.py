@@ -526,6 +526,28 @@ def test_union_blocks_keeps_the_blocks_a_query_of_the_block_points_at_most(share
     )
 
 
+def test_capped_and_uncapped_unions_beside_a_static_head_in_one_layer():
+    """A layer with a capped union (its union read from the tile shares), an uncapped one with
+    another budget (the shares are computed for it too) and A-shape heads (no per-token choice):
+    each head gets its own union, and the static heads none."""
+    B, H, Hk, T = 2, 6, 3, 64
+    q, k, v = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=7)
+    q = q * 3
+    a = SparsityPattern(type="a_shape", sinks=8, window=16, block_size=BS)
+    kw = dict(type="block_topk", block_size=BS, share_group=1, token_select=2)
+    capped = SparsityPattern(**kw, top_k=3, union_blocks=3)
+    free = SparsityPattern(**kw, top_k=2)
+    plan = plan_pattern([a, a, capped, capped, free, free], H, 0, T, T, 0, q, k)
+    qc, kc = q[:, 2:4], k[:, 1:2]
+    per_token = _token_topk_reference(qc, kc, BS, 3, 1)
+    want = _union_reference(per_token, BS, 3, _share_reference(qc, kc, BS, BS))
+    assert (_union_reference(per_token, BS).sum(-1) > 3).any()  # the cap binds somewhere
+    assert torch.equal(plan.blocks[:, 2:4], want)
+    free_want = _union_reference(_token_topk_reference(q[:, 4:], k[:, 2:], BS, 2, 1), BS)
+    assert torch.equal(plan.blocks[:, 4:], free_want)
+    assert not plan.blocks[:, :2].any()
+
+
 def test_token_select_serves_different_far_keys_for_queries_of_one_block():
     # Two queries of the last block each point at a different far block; one per-block choice of
     # top_k = 2 (own block + one) can hold only one of them, per-token choices hold both.
