@@ -97,7 +97,7 @@ from moezoo.layers.attention.compressed import (
 )  # noqa: E402
 from moezoo.layers.attention.module import put_heads, take_heads  # noqa: E402
 from moezoo.layers.attention.pattern import head_patterns  # noqa: E402
-from moezoo.layers.attention.plan import plan_pattern  # noqa: E402
+from moezoo.layers.attention.plan import _union_per_query_block, plan_pattern  # noqa: E402
 from moezoo.layers.attention.selection import (  # noqa: E402
     _causal_own_block,
     _own_block_max,
@@ -472,12 +472,22 @@ def select_stages(S, out):
     tile = torch.full((1, HK, -(-S // BS), nk), float("-inf"), device=q.device)
     acc = torch.zeros(2, device=q.device)
     ks = index_tensor([p.top_k] * HK, q.device)
+    ks1 = index_tensor([1] * HK, q.device)
+    nq, cap = tile.shape[2], [p.union_blocks] * HK
     stages = {
         "plan (selection)": lambda: plan_pattern(p, H, 0, S, S, 0, q, k),
         "scores (key_block_max)": lambda: key_block_max(qg, k, 0, BS, scale),
         "own blocks up to the query": lambda: _own_block_max(qg, k, 0, BS, scale),
         "choice, fused (token_block_topk)": lambda: token_block_topk(
             s, 0, BS, ks, bits, own, 0, tile, 0, acc
+        ),
+        # what the fused choice's parts cost: without the tile shares and stats, and top-1
+        "choice, fused, top-k and bits only": lambda: token_block_topk(s, 0, BS, ks, bits),
+        "choice, fused, top-1 and bits only": lambda: token_block_topk(s, 0, BS, ks1, bits),
+        # the tile's union from every row's bits (unpacked to [B, Hk, S, nk]) or from the shares
+        "union from the rows' bits": lambda: _union_per_query_block(bits, 0, BS, nq, nk),
+        "union from the tile shares": lambda: _union_per_query_block(
+            bits, 0, BS, nq, nk, cap, tile
         ),
         "choice, torch ops": lambda: _token_topk_reference(
             s, causal, 0, BS, [p.top_k] * HK, 0, tile, 0, acc
