@@ -457,7 +457,8 @@ def select_stages(S, out):
     """Where the capped tile union's selection time goes at length S (iid inputs, one slot per KV
     group, as ``estimate_token_topk`` runs it on CUDA): the single-key scores
     (kernels.key_block_max), each query's choice from them fused (kernels.token_block_topk) and as
-    the torch ops it replaces (its reference), the whole plan, the whole forward call."""
+    the torch ops it replaces (its reference), each kernel at other tile shapes, the fused choice's
+    parts, the tile's union, the whole plan, the whole forward call."""
     p = PATTERNS["topk_union_cap16"]
     q, k, v = make_inputs(S)
     plan = plan_pattern(p, H, 0, S, S, 0, q, k)
@@ -477,9 +478,28 @@ def select_stages(S, out):
     stages = {
         "plan (selection)": lambda: plan_pattern(p, H, 0, S, S, 0, q, k),
         "scores (key_block_max)": lambda: key_block_max(qg, k, 0, BS, scale),
+        # other tiles of the scores' kernel (queries a program, keys a dot, warps)
+        "scores, 128 queries, 8 warps": lambda: key_block_max(
+            qg, k, 0, BS, scale, block_q=128, num_warps=8
+        ),
+        "scores, 128 keys": lambda: key_block_max(qg, k, 0, BS, scale, block_k=128),
+        "scores, 128 x 128, 8 warps": lambda: key_block_max(
+            qg, k, 0, BS, scale, block_q=128, block_k=128, num_warps=8
+        ),
         "own blocks up to the query": lambda: _own_block_max(qg, k, 0, BS, scale),
         "choice, fused (token_block_topk)": lambda: token_block_topk(
             s, 0, BS, ks, bits, own, 0, tile, 0, acc
+        ),
+        # other tiles of the fused choice (rows a program, warps: one warp a row reduces by
+        # shuffles alone, a row over several warps through shared memory)
+        "choice, fused, 1 row, 1 warp": lambda: token_block_topk(
+            s, 0, BS, ks, bits, own, 0, tile, 0, acc, rows=1, num_warps=1
+        ),
+        "choice, fused, 1 row, 2 warps": lambda: token_block_topk(
+            s, 0, BS, ks, bits, own, 0, tile, 0, acc, rows=1, num_warps=2
+        ),
+        "choice, fused, 4 rows, 4 warps": lambda: token_block_topk(
+            s, 0, BS, ks, bits, own, 0, tile, 0, acc, rows=4, num_warps=4
         ),
         # what the fused choice's parts cost: without the tile shares and stats, and top-1
         "choice, fused, top-k and bits only": lambda: token_block_topk(s, 0, BS, ks, bits),

@@ -89,10 +89,19 @@ def _key_block_max_kernel(
 
 
 def key_block_max(
-    q: torch.Tensor, k: torch.Tensor, q_start: int, bs: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_start: int,
+    bs: int,
+    scale: float,
+    block_q: int = 64,
+    block_k: int = 0,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """float32 ``[B, H, S, nk]`` (module docstring): the Triton kernel where it runs
-    (``use_triton``: CUDA, or CPU under TRITON_INTERPRET=1), else the reference."""
+    (``use_triton``: CUDA, or CPU under TRITON_INTERPRET=1), else the reference. ``block_q``,
+    ``block_k`` (0: the block, at most 64), ``num_warps``: the kernel's tile (queries a program
+    holds, keys a ``tl.dot`` takes) and its warps."""
     if not use_triton(q):
         return key_block_max_reference(q, k, q_start, bs, scale)
     B, H, S, D = q.shape
@@ -103,7 +112,7 @@ def key_block_max(
         return out
     q, k = q.contiguous(), k.to(q.dtype).contiguous()
     block_d = max(16, triton.next_power_of_2(D))
-    grid = (triton.cdiv(S, 64), B * H)
+    grid = (triton.cdiv(S, block_q), B * H)
     jit(_key_block_max_kernel)[grid](
         q,
         k,
@@ -115,10 +124,10 @@ def key_block_max(
         scale,
         D=D,
         BS=bs,
-        BLOCK_Q=64,
-        BLOCK_K=max(16, min(bs, 64)),  # tl.dot's smallest tile is 16
+        BLOCK_Q=block_q,
+        BLOCK_K=max(16, min(bs, block_k or 64)),  # tl.dot's smallest tile is 16
         BLOCK_D=block_d,
         IEEE=q.dtype == torch.float32,
-        num_warps=4,
+        num_warps=num_warps,
     )
     return out

@@ -147,6 +147,8 @@ def token_block_topk(
     tile_share: torch.Tensor | None = None,
     tile0: int = 0,
     stats: torch.Tensor | None = None,
+    rows: int = 0,
+    num_warps: int = 0,
 ) -> None:
     """Writes ``bits_out`` (int32 ``[B, Hs, R, nw]``, any strides, the last 1) with each row's
     blocks (module docstring): its top ``ks[h]`` by score, its own block first, then those of the
@@ -154,8 +156,10 @@ def token_block_topk(
     (``own_causal`` required) is below ``log(min_share / 100)``. ``tile_share`` (last stride 1):
     amax of each kept block's log share (+inf for the own block) into row ``own - tile0`` of the
     query blocks; ``stats``: the rows' summed normalised entropy and top-k mass added to ``[0]``,
-    ``[1]``. No host sync. Launches where ``use_triton(s)``; elsewhere the caller runs the torch
-    oracle."""
+    ``[1]``. ``rows`` / ``num_warps``: query rows a program holds and its warps (0: a 4096-element
+    tile, 8 warps from there; a row split over several warps reduces through shared memory, one
+    warp a row reduces by shuffles alone). No host sync. Launches where ``use_triton(s)``;
+    elsewhere the caller runs the torch oracle."""
     B, Hs, R, nk = s.shape
     if R == 0 or B * Hs == 0:
         return
@@ -163,7 +167,8 @@ def token_block_topk(
     if shares and own_causal is None:
         raise ValueError("min_share and tile_share need own_causal")
     nkp = max(32, triton.next_power_of_2(nk))  # at least one whole packed word
-    rows = min(16, max(1, 4096 // nkp))  # a 4096-element tile per program
+    rows = rows or min(16, max(1, 4096 // nkp))  # a 4096-element tile per program
+    num_warps = num_warps or (8 if rows * nkp >= 4096 else 4)
     grid = (triton.cdiv(R, rows), B * Hs)
     s = s.contiguous()
     own_causal = s if own_causal is None else own_causal.float().contiguous()
@@ -196,7 +201,7 @@ def token_block_topk(
         MIN_SHARE=bool(min_share),
         TILE=tile_share is not None,
         STATS=stats is not None,
-        num_warps=8 if rows * nkp >= 4096 else 4,
+        num_warps=num_warps,
     )
     if stats is not None:
         stats += partial.sum((0, 1))

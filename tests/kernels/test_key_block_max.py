@@ -33,10 +33,11 @@ def _inputs(B, H, S, T, D, seed):
 @needs_interpreter_loops
 @pytest.mark.usefixtures("triton_interpreter")
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_kernel_matches_the_reference(shape):
+@pytest.mark.parametrize("tile", [{}, dict(block_q=32, block_k=16)], ids=str)
+def test_kernel_matches_the_reference(shape, tile):
     B, H, S, T, D, bs, q0 = shape
     q, k = _inputs(B, H, S, T, D, seed=sum(shape))
-    got = key_block_max(q, k, q0, bs, D**-0.5)
+    got = key_block_max(q, k, q0, bs, D**-0.5, **tile)
     want = key_block_max_reference(q, k, q0, bs, D**-0.5)
     assert torch.equal(got.isinf(), want.isinf()), "the same blocks are causal"
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -112,12 +113,24 @@ def test_min_share_through_the_kernel_chooses_alike_under_bf16_autocast():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("bs,D", [(128, 64), (64, 128), (16, 64)])
-def test_compiled_kernel_matches_the_reference_in_bf16(bs, D):
-    """bf16 products are exact in the float32 accumulator: the two differ by summation order."""
+@pytest.mark.parametrize(
+    "bs,D,tile",
+    [
+        (128, 64, {}),
+        (64, 128, {}),
+        (16, 64, {}),
+        (128, 128, dict(block_q=128, num_warps=8)),
+        (128, 128, dict(block_k=128)),
+        (128, 128, dict(block_q=128, block_k=128, num_warps=8)),
+    ],
+    ids=str,
+)
+def test_compiled_kernel_matches_the_reference_in_bf16(bs, D, tile):
+    """bf16 products are exact in the float32 accumulator: the two differ by summation order.
+    Tiles: the default, and those bench/attention.py's selection stages time."""
     B, H, S, T = 1, 2, 1000, 3000
     q, k = (t.cuda().bfloat16() for t in _inputs(B, H, S, T, D, seed=bs + D))
-    got = key_block_max(q, k, T - S, bs, D**-0.5)
+    got = key_block_max(q, k, T - S, bs, D**-0.5, **tile)
     want = key_block_max_reference(q, k, T - S, bs, D**-0.5)
     assert torch.equal(got.isinf(), want.isinf())
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

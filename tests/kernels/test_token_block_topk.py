@@ -34,8 +34,9 @@ def _scores(B, Hs, T, bs, q0, R, seed, scale=3.0):
     return s, own_max
 
 
-def _both(s, own_max, bs, q0, top_k, min_share, tile, stats):
-    """``(bits, tile_share, stats)`` of the kernel and of the torch oracle."""
+def _both(s, own_max, bs, q0, top_k, min_share, tile, stats, **shape):
+    """``(bits, tile_share, stats)`` of the kernel (its tile ``shape``: rows, num_warps) and of
+    the torch oracle."""
     B, Hs, R, nk = s.shape
     dev = s.device
     own = torch.arange(q0, q0 + R, device=dev) // bs
@@ -48,7 +49,7 @@ def _both(s, own_max, bs, q0, top_k, min_share, tile, stats):
         if fused:
             bits = torch.full((B, Hs, R, -(-nk // 32)), 7, dtype=torch.int32, device=dev)
             ks = index_tensor(top_k, dev)
-            token_block_topk(s, q0, bs, ks, bits, own_max, min_share, share, q0 // bs, acc)
+            token_block_topk(s, q0, bs, ks, bits, own_max, min_share, share, q0 // bs, acc, **shape)
         else:
             bits = _token_topk_reference(s, causal, q0, bs, top_k, min_share, share, q0 // bs, acc)
         out.append((bits, share, acc))
@@ -70,12 +71,13 @@ CASES = [
 @needs_interpreter_loops
 @pytest.mark.usefixtures("triton_interpreter")
 @pytest.mark.parametrize("case", CASES, ids=str)
-@pytest.mark.parametrize("tile,stats", [(True, True), (False, False)])
-def test_kernel_matches_the_torch_choice(case, tile, stats):
+@pytest.mark.parametrize("tile,stats,rows", [(True, True, 0), (False, False, 0), (True, True, 1)])
+def test_kernel_matches_the_torch_choice(case, tile, stats, rows):
+    """Every case with the default tile (many rows a program) and with one row a program."""
     B, Hs, T, bs, q0, R, top_k, min_share = case
     s, own_max = _scores(B, Hs, T, bs, q0, R, seed=T + q0 + R)
     (bits, share, acc), (want_bits, want_share, want_acc) = _both(
-        s, own_max, bs, q0, top_k, min_share, tile, stats
+        s, own_max, bs, q0, top_k, min_share, tile, stats, rows=rows, num_warps=1 if rows else 0
     )
     assert torch.equal(bits, want_bits)
     if min_share:  # the filter drops blocks here
@@ -146,13 +148,25 @@ def test_token_estimate_chooses_alike_with_and_without_the_kernels(min_share, mo
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("T,bs,min_share", [(4096, 128, 0), (4096, 128, 5), (16384, 64, 2)])
-def test_compiled_kernel_matches_the_torch_choice_on_bf16_scores(T, bs, min_share):
+@pytest.mark.parametrize(
+    "T,bs,min_share,shape",
+    [
+        (4096, 128, 0, {}),
+        (4096, 128, 5, {}),
+        (16384, 64, 2, {}),
+        (16384, 64, 0, dict(rows=1, num_warps=1)),
+        (16384, 128, 0, dict(rows=4, num_warps=4)),
+        (16384, 128, 0, dict(rows=1, num_warps=2)),
+    ],
+    ids=str,
+)
+def test_compiled_kernel_matches_the_torch_choice_on_bf16_scores(T, bs, min_share, shape):
     """Four slots of prefill scores from bf16 q, k (kernels.key_block_max): the compiled kernel's
     bits equal the oracle's on them, tile shares and statistics to float tolerance. The one
     exception allowed: ``min_share``'s test of a block whose log share lies within 1e-5 of the
     threshold (the kernel's exp / log and sum order differ from torch's in the last bits), and the
-    query blocks of such rows in ``tile_share``."""
+    query blocks of such rows in ``tile_share``. Tile shapes: the default, and those
+    bench/attention.py's selection stages time."""
     B, Hs, D = 1, 4, 128
     g = torch.Generator().manual_seed(T + bs)
     q = (torch.randn(B, Hs, T, D, generator=g) * 2).cuda().bfloat16()  # spread shares
@@ -160,7 +174,7 @@ def test_compiled_kernel_matches_the_torch_choice_on_bf16_scores(T, bs, min_shar
     s = key_block_max(q, k, 0, bs, D**-0.5)
     own_max = _own_block_max(q, k, 0, bs, D**-0.5)
     (bits, share, acc), (want, want_share, want_acc) = _both(
-        s, own_max, bs, 0, [16, 8, 4, 24], min_share, True, True
+        s, own_max, bs, 0, [16, 8, 4, 24], min_share, True, True, **shape
     )
     nk = s.shape[-1]
     diff = unpack_blocks(bits, nk) != unpack_blocks(want, nk)
