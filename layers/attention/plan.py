@@ -361,9 +361,9 @@ def _union_per_query_block(
     key blocks any query row of each query block chose (``token_select: 2``). ``share [B, Hs, nq,
     nk]``: the highest log share a query of the block gives each chosen block (+inf for its own,
     -inf where none chose it), so where it is given the union is read from it and ``bits`` are not
-    unpacked (``[B, Hs, S, nk]`` booleans, a gigabyte a layer at 128k). ``cap`` (per slot, 0 = none;
-    ``union_blocks``): a query block keeps the ``cap`` blocks with the highest share, ties to the
-    later block, so its own block always stays."""
+    unpacked (``[B, Hs, S, nk]`` booleans: half a gigabyte a layer of the 1B presets' model at
+    128k). ``cap`` (per slot, 0 = none; ``union_blocks``): a query block keeps the ``cap`` blocks
+    with the highest share, ties to the later block, so its own block always stays."""
     if share is not None:
         union = share > float("-inf")
     else:
