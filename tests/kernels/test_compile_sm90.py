@@ -91,6 +91,29 @@ def _stack_bytes(cubin: bytes):
     return found[0] if found else None
 
 
+def _launch_selection():
+    """The sparse-attention selection's kernels at 512 and 1024 key blocks (64k / 128k tokens of
+    128), with every flag, at their default tiles and those bench/attention.py's selection stages
+    time."""
+    from moezoo.kernels.key_block_max import key_block_max
+    from moezoo.kernels.token_block_topk import token_block_topk
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 1, 256, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    for tile in ({}, dict(block_q=128, num_warps=8), dict(block_k=128)):
+        key_block_max(q, k, 0, 128, 0.1, **tile)
+    for nk in (512, 1024):
+        s = torch.randn(1, 2, 4, nk, generator=g)
+        own = torch.randn(1, 2, 4, generator=g)
+        bits = torch.empty(1, 2, 4, nk // 32, dtype=torch.int32)
+        tile = torch.full((1, 2, 1, nk), float("-inf"))
+        ks = torch.tensor([16, 8])
+        token_block_topk(s, 0, 128, ks, bits)
+        for shape in ({}, dict(rows=1, num_warps=1), dict(rows=1, num_warps=2)):
+            acc = torch.zeros(2)
+            token_block_topk(s, 0, 128, ks, bits, own, 10, tile, 0, acc, **shape)
+
+
 def _launch_everything():
     from moezoo.kernels import adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu
 
@@ -151,16 +174,34 @@ def test_every_triton_kernel_compiles_for_sm90(monkeypatch):
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
     except ImportError as e:
         pytest.skip(f"triton without its NVIDIA backend: {e}")
-    from moezoo.kernels import adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu
+    from moezoo.kernels import (
+        adamw,
+        key_block_max,
+        moe_combine,
+        moe_fp8,
+        moe_permute,
+        moe_swiglu,
+        token_block_topk,
+    )
 
-    for module in (adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu):
+    modules = (
+        adamw,
+        moe_combine,
+        moe_fp8,
+        moe_permute,
+        moe_swiglu,
+        key_block_max,
+        token_block_topk,
+    )
+    for module in modules:
         monkeypatch.setattr(module, "jit", _CompileOnly)
     monkeypatch.setattr(_CompileOnly, "compiled", [])
     _launch_everything()
+    _launch_selection()
     names = {name for name, _, _ in _CompileOnly.compiled}
     kernel_fns = {
         n
-        for m in (adamw, moe_combine, moe_fp8, moe_permute, moe_swiglu)
+        for m in modules
         for n, f in vars(m).items()
         if n.startswith("_") and n.endswith("_kernel") and callable(f)
     }
