@@ -348,6 +348,7 @@ class Trainer:
                     a.dense_warmup,
                     a.dense_finish,
                     a.dense_phase_heads,
+                    c.logging.log_every,
                 )
             )
         if "neuron" in ffn_types:

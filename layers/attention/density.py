@@ -207,7 +207,10 @@ class AttentionStats:
     reaching full attention's loss. A pure function of the step, so resuming needs no state.
     ``dense_phase_heads`` (``model.attention.dense_phase_heads``): "all" opens every head in the
     phases, "selecting" only the input-dependent ones (pattern.selecting_heads_dense), so the
-    copy heads a warm-up teaches form where they still reach far after it.
+    copy heads a warm-up teaches form where they still reach far after it. With ``log_every``
+    (the trainer's ``logging.log_every``), the block top-k selection computes its sharpness stats
+    only in the steps the trainer logs (for per-token selection, a softmax over every query's
+    blocks a step).
     """
 
     skips_on_device = True  # nothing to do after a step (layers.sparsity_method)
@@ -220,8 +223,10 @@ class AttentionStats:
         dense_warmup: float = 0.0,
         dense_finish: float = 0.0,
         dense_phase_heads: str = "all",
+        log_every: int = 0,
     ):
         self.model, self.seq_len = model, seq_len
+        self.total_steps, self.log_every = total_steps, log_every
         self.bounds = phase_bounds(total_steps, dense_warmup, dense_finish)
         self.phased = dense_warmup > 0 or dense_finish > 0
         self.dense = False
@@ -234,12 +239,17 @@ class AttentionStats:
                 )
 
     def before_step(self, step: int) -> None:
-        if not self.phased:
-            return
-        self.dense = step < self.bounds[0] or step >= self.bounds[1]
+        # the selection's sharpness stats only where metrics() will read them: the steps the
+        # trainer logs (those after which the step count is a multiple of log_every, and the last)
+        done = step + 1
+        sharp = not self.log_every or done % self.log_every == 0 or done >= self.total_steps
+        if self.phased:
+            self.dense = step < self.bounds[0] or step >= self.bounds[1]
         for m in self.model.modules():
             if isinstance(m, Attention):
-                m.dense_phase = self.dense
+                m.record_sharpness = sharp
+                if self.phased:
+                    m.dense_phase = self.dense
 
     def after_optimizer_step(self, step: int, applied: Optional[torch.Tensor] = None) -> None:
         pass

@@ -94,8 +94,9 @@ def sparse_attention(
     float32 ``[Hq]`` (a block-sparse kernel's visited blocks / the causal blocks) and, for
     input-dependent patterns, ``score_work`` (what block top-k selection's scores add, in the same
     units) and for block top-k heads ``entropy`` / ``topk_mass`` of the selection (tensors on q's
-    device). ``score_qk``: ``(q, k, q_history)`` before RoPE, which block top-k heads with
-    ``score_nope: 1`` select by (plan.plan_pattern).
+    device; not where it holds ``sharpness: False``, which spares per-token selection a softmax
+    over every query's blocks). ``score_qk``: ``(q, k, q_history)`` before RoPE, which block top-k
+    heads with ``score_nope: 1`` select by (plan.plan_pattern).
     """
     B, Hq, S, D = q.shape
     T = k.shape[2]

@@ -101,11 +101,7 @@ class MLA(Attention):
         self.rope_interleave, self.softmax_scale_factor = rope_interleave, softmax_scale_factor
         self.layer_id, self.backend, self.reference_below = layer_id, backend, reference_below
         self.flex_kernel, self.kernel_options = flex_kernel, kernel_options
-        # as Attention's: last forward's sparse stats, selection on request
-        self.attn_stats: dict = {}
-        self.record_selection = False
-        self.dense_phase = False  # as Attention's (model.attention.dense_warmup / dense_finish)
-        self.phase_pattern = None  # as Attention's (model.attention.dense_phase_heads)
+        self._init_dispatch_state()  # as Attention's: stats, selection record, dense phases
         if q_lora_rank:
             self.wq_a = nn.Linear(dim, q_lora_rank, bias=False)
             self.q_norm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)

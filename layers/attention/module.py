@@ -150,19 +150,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim or dim // n_heads
         self.layer_id, self.backend, self.reference_below = layer_id, backend, reference_below
         self.flex_kernel, self.kernel_options = flex_kernel, dict(kernel_options or {})
-        # last forward's density / block top-k selection stats (layers.attention.density)
-        self.attn_stats: dict = {}
-        # True: eager forwards also keep their block top-k heads' chosen blocks,
-        # attn_stats["selection"] (a layers.attention.plan.BlockSelection; the passkey eval's needle
-        # recall sets it for its forwards)
-        self.record_selection = False
-        # True: a sparse layer runs dense causal attention (the dense phases of
-        # model.attention.dense_warmup / dense_finish, set per step by density.AttentionStats)
-        self.dense_phase = False
-        # what a dense phase runs: None (dense causal attention), or the pattern with only its
-        # input-dependent heads dense (model.attention.dense_phase_heads: selecting, set by
-        # density.AttentionStats)
-        self.phase_pattern = None
+        self._init_dispatch_state()
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
@@ -204,6 +192,25 @@ class Attention(nn.Module):
         self.cache: Optional[KVCache] = None
         self._q_history: Optional[torch.Tensor] = None  # last queries, for decode-time estimation
         self._q_nope_history: Optional[torch.Tensor] = None  # the same before RoPE (score_nope)
+
+    def _init_dispatch_state(self) -> None:
+        """The state the sparse dispatch reads and the trainer sets (shared with MLA)."""
+        # last forward's density / block top-k selection stats (layers.attention.density)
+        self.attn_stats: dict = {}
+        # True: eager forwards also keep their block top-k heads' chosen blocks,
+        # attn_stats["selection"] (a layers.attention.plan.BlockSelection; the passkey eval's needle
+        # recall sets it for its forwards)
+        self.record_selection = False
+        # False: the block top-k heads' selection skips its sharpness stats (entropy, top-k mass;
+        # set per step by density.AttentionStats, True on the steps that log)
+        self.record_sharpness = True
+        # True: a sparse layer runs dense causal attention (the dense phases of
+        # model.attention.dense_warmup / dense_finish, set per step by density.AttentionStats)
+        self.dense_phase = False
+        # what a dense phase runs: None (dense causal attention), or the pattern with only its
+        # input-dependent heads dense (model.attention.dense_phase_heads: selecting, set by
+        # density.AttentionStats)
+        self.phase_pattern = None
 
     def setup_cache(self, batch: int, max_len: int, dtype=None, device=None) -> None:
         dtype = dtype or self.wk.weight.dtype
@@ -410,11 +417,11 @@ class Attention(nn.Module):
                 )[:, :, -keep:].detach()
         # stats only in eager mode: a dict written inside a compiled block would be a graph side
         # effect
-        stats = (
-            None
-            if torch.compiler.is_compiling()
-            else ({"selection": None} if self.record_selection else {})
-        )
+        stats = None
+        if not torch.compiler.is_compiling():
+            stats = {"selection": None} if self.record_selection else {}
+            if not self.record_sharpness:
+                stats["sharpness"] = False
         out = sparse_attention(
             q,
             k,

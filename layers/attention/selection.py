@@ -367,6 +367,12 @@ def _query_block_key_max(
 
 
 @torch.no_grad()
+def wants_sharpness(stats: dict | None) -> bool:
+    """Whether a selection fills ``stats`` with its ``entropy`` / ``topk_mass``: a stats dict
+    asks for them unless it holds ``sharpness: False`` (training steps that log nothing)."""
+    return stats is not None and stats.get("sharpness", True)
+
+
 def estimate_block_topk(
     q_pool_src: torch.Tensor,
     src_start: int,
@@ -452,7 +458,7 @@ def estimate_block_topk(
         _rank_keys(torch.where(kb[None, :] == q_blocks[:, None], float("inf"), s)), top_k
     )
     pick &= kb[None, :] <= q_blocks[:, None]
-    if stats is not None:
+    if wants_sharpness(stats):
         p = s.softmax(-1)
         n = (q_blocks + 1).clamp(min=2).log()[:, None]  # log of causal blocks per row
         stats["entropy"] = (-(p * p.clamp_min(1e-30).log()).sum(-1) / n[:, 0]).mean()
@@ -633,7 +639,7 @@ def estimate_token_topk(
     empty_sub = torch.arange(nk * sub_blocks, device=k.device) >= (T + sb - 1) // sb
     nw = (nk + TOKEN_BITS - 1) // TOKEN_BITS
     bits = torch.empty(B, Hs, S, nw, dtype=torch.int32, device=k.device)
-    acc = torch.zeros(2, device=k.device) if stats is not None else None  # entropy, mass sums
+    acc = torch.zeros(2, device=k.device) if wants_sharpness(stats) else None  # entropy, mass
     ks = index_tensor(top_k, k.device) if fused else None
     step = max(1, _QUERY_MAX_CHUNK // max(B * Hs * nk * (1 if fused else sub_blocks), 1))
     shares = bool(min_share) or tile_share is not None  # each query's log share of its blocks
@@ -662,7 +668,7 @@ def estimate_token_topk(
         bits[:, :, r0:r1] = _token_topk_reference(
             s, causal, q_start + r0, bs, top_k, min_share, tile_share, tile0, acc
         )
-    if stats is not None:
+    if acc is not None:
         stats["entropy"] = acc[0] / (B * Hs * S)
         stats["topk_mass"] = acc[1] / (B * Hs * S)
     return bits, reps

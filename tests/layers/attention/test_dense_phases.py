@@ -70,6 +70,24 @@ def test_no_phases_leave_the_layers_sparse_and_log_no_phase():
     assert "attn/dense_phase" not in stats.metrics()
 
 
+def test_the_selection_sharpness_is_computed_in_the_logged_steps_only():
+    """With the trainer's ``log_every``, the block top-k selection fills its entropy / top-k mass
+    in the steps after which the trainer logs (every 4th and the last) and skips them elsewhere;
+    the selection and the output are the same either way."""
+    _, model, _ = _models()
+    stats = AttentionStats(model, 64, 10, log_every=4)
+    tokens = torch.randint(0, 64, (1, 64), generator=torch.Generator().manual_seed(1))
+    outs = {}
+    for step in range(10):
+        stats.before_step(step)
+        with torch.no_grad():
+            outs[step] = model(tokens)
+        logged = (step + 1) % 4 == 0 or step + 1 == 10
+        assert ("attn/topk_entropy" in stats.metrics()) == logged, step
+    assert "attn/density" in stats.metrics()
+    assert torch.equal(outs[0], outs[3]) and torch.equal(outs[0], outs[9])
+
+
 def test_a_selecting_phase_keeps_the_static_heads_and_opens_the_block_topk_ones():
     """``dense_phase_heads: selecting``: a warm-up step is the model whose block top-k heads are
     written as dense heads (its A-shape heads as they are), not the all-dense model; after the
