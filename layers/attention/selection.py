@@ -366,13 +366,13 @@ def _query_block_key_max(
     return s
 
 
-@torch.no_grad()
 def wants_sharpness(stats: dict | None) -> bool:
     """Whether a selection fills ``stats`` with its ``entropy`` / ``topk_mass``: a stats dict
     asks for them unless it holds ``sharpness: False`` (training steps that log nothing)."""
     return stats is not None and stats.get("sharpness", True)
 
 
+@torch.no_grad()
 def estimate_block_topk(
     q_pool_src: torch.Tensor,
     src_start: int,

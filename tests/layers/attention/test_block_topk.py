@@ -548,6 +548,28 @@ def test_capped_and_uncapped_unions_beside_a_static_head_in_one_layer():
     assert not plan.blocks[:, :2].any()
 
 
+@pytest.mark.parametrize("token_select", [0, 1])
+def test_selection_records_no_graph_and_skips_its_sharpness_on_request(token_select):
+    """The selection runs outside autograd in a training forward (q, k requiring grad): its stats
+    carry no graph; with ``sharpness: False`` it leaves them out and picks the same blocks."""
+    B, H, Hk, T = 1, 4, 2, 64
+    q, k, _ = make_inputs(B, H, Hk, T, dtype=torch.float32, seed=3)
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    p = SparsityPattern(
+        type="block_topk", top_k=2, block_size=BS, share_group=1, token_select=token_select
+    )
+    stats, quiet = {}, {"sharpness": False}
+    plan = plan_pattern(p, H, 0, T, T, 0, q, k, stats=stats)
+    again = plan_pattern(p, H, 0, T, T, 0, q, k, stats=quiet)
+    assert not stats["entropy"].requires_grad and not stats["topk_mass"].requires_grad
+    assert "entropy" not in quiet and "topk_mass" not in quiet
+    if token_select:
+        assert torch.equal(plan.token_blocks(), again.token_blocks())
+    else:
+        assert torch.equal(plan.blocks, again.blocks)
+
+
 def test_token_select_serves_different_far_keys_for_queries_of_one_block():
     # Two queries of the last block each point at a different far block; one per-block choice of
     # top_k = 2 (own block + one) can hold only one of them, per-token choices hold both.
