@@ -482,7 +482,7 @@ def select_stages(S, out):
         "scores, 128 queries, 8 warps": lambda: key_block_max(
             qg, k, 0, BS, scale, block_q=128, num_warps=8
         ),
-        "scores, 128 keys": lambda: key_block_max(qg, k, 0, BS, scale, block_k=128),
+        "scores, 64 keys": lambda: key_block_max(qg, k, 0, BS, scale, block_k=64),
         "scores, 128 x 128, 8 warps": lambda: key_block_max(
             qg, k, 0, BS, scale, block_q=128, block_k=128, num_warps=8
         ),

@@ -100,8 +100,9 @@ def key_block_max(
 ) -> torch.Tensor:
     """float32 ``[B, H, S, nk]`` (module docstring): the Triton kernel where it runs
     (``use_triton``: CUDA, or CPU under TRITON_INTERPRET=1), else the reference. ``block_q``,
-    ``block_k`` (0: the block, at most 64), ``num_warps``: the kernel's tile (queries a program
-    holds, keys a ``tl.dot`` takes) and its warps."""
+    ``block_k`` (0: the block, at most 128), ``num_warps``: the kernel's tile (queries a program
+    holds, keys a ``tl.dot`` takes) and its warps. 128 keys a dot score 128-key blocks about 20%
+    faster than 64 on an H100 (BENCHMARKS.md, selection stages)."""
     if not use_triton(q):
         return key_block_max_reference(q, k, q_start, bs, scale)
     B, H, S, D = q.shape
@@ -125,7 +126,7 @@ def key_block_max(
         D=D,
         BS=bs,
         BLOCK_Q=block_q,
-        BLOCK_K=max(16, min(bs, block_k or 64)),  # tl.dot's smallest tile is 16
+        BLOCK_K=max(16, min(triton.next_power_of_2(bs), block_k or 128)),  # tl.dot takes >= 16
         BLOCK_D=block_d,
         IEEE=q.dtype == torch.float32,
         num_warps=num_warps,

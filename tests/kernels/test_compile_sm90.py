@@ -100,7 +100,7 @@ def _launch_selection():
 
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 1, 256, 128, generator=g).to(torch.bfloat16) for _ in range(2))
-    for tile in ({}, dict(block_q=128, num_warps=8), dict(block_k=128)):
+    for tile in ({}, dict(block_q=128, num_warps=8), dict(block_k=64)):
         key_block_max(q, k, 0, 128, 0.1, **tile)
     for nk in (512, 1024):
         s = torch.randn(1, 2, 4, nk, generator=g)

@@ -120,7 +120,7 @@ def test_min_share_through_the_kernel_chooses_alike_under_bf16_autocast():
         (64, 128, {}),
         (16, 64, {}),
         (128, 128, dict(block_q=128, num_warps=8)),
-        (128, 128, dict(block_k=128)),
+        (128, 128, dict(block_k=64)),
         (128, 128, dict(block_q=128, block_k=128, num_warps=8)),
     ],
     ids=str,
