@@ -26,8 +26,9 @@ declare -A RUNS=(
   [mixtral_2layer]="--config zoo/mixtral_8x7b.yaml model.n_layers=2 model.vocab_size=8192 train.batch_size=4 train.steps=40 train.compile=true train.eval_every=40 train.eval_batches=2 data.max_files=0 logging.log_every=5"
   # fine-grained MoE with shared experts (DeepSeekMoE 16B's layer shape, 4 of its 28 layers)
   [deepseek_4layer]="--config zoo/deepseek_moe_16b.yaml model.n_layers=4 model.vocab_size=8192 train.batch_size=4 train.steps=40 train.compile=true train.eval_every=40 train.eval_batches=2 data.max_files=0 logging.log_every=5"
-  # the 1B long-context sparse-attention preset at 64k tokens, activation checkpointing
-  [sparse_attn_1b_64k]="--config zoo/sparse_attn_1b_64k.yaml model.vocab_size=8192 train.steps=12 train.eval_every=12 train.eval_batches=1 data.max_files=0 logging.log_every=2 parallel.activation_checkpointing=true"
+  # the 1B long-context sparse-attention preset at 64k tokens (its 64k phase: the short dense phase
+  # off), activation checkpointing
+  [sparse_attn_1b_64k]="--config zoo/sparse_attn_1b_64k.yaml train.short_steps=0 train.short_seq_len=0 model.attention.dense_warmup=0 model.vocab_size=8192 train.steps=12 train.eval_every=12 train.eval_batches=1 data.max_files=0 logging.log_every=2 parallel.activation_checkpointing=true"
 )
 ORDER=(mixtral_2layer deepseek_4layer sparse_attn_1b_64k tiny_moe_compiled tiny_dense tiny_moe tiny_dst tiny_neuron tiny_sparse_attn_8k)
 [ $# -gt 0 ] && ORDER=("$@")

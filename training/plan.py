@@ -127,6 +127,10 @@ class Plan:
     # sparse attention: (budget density over all heads, FLOPs/token with it, dense layers, layers)
     attention: Optional[tuple] = None
     short_phase: Optional[ShortPhase] = None
+    # sparse attention's dense phases (model.attention.dense_warmup / dense_finish): (first step
+    # after the warm-up, first step of the finish, train.steps, dense_phase_heads), as the trainer
+    # runs them
+    dense_phases: Optional[tuple] = None
 
     @property
     def fits(self) -> bool:
@@ -432,8 +436,16 @@ def plan(
         notes.append(
             "dst state per masked weight: " + ", ".join(f"{k} {v:.2f} B" for k, v in parts.items())
         )
+    attention = _attention_work(cfg, model, counts)
+    a, dense_phases = cfg.model.attention, None
+    if attention and (a.dense_warmup or a.dense_finish):
+        from moezoo.layers.neuron.schedule import phase_bounds
+
+        bounds = phase_bounds(t.steps, a.dense_warmup, a.dense_finish)
+        dense_phases = (*bounds, t.steps, a.dense_phase_heads)
     out = Plan(
-        attention=_attention_work(cfg, model, counts),
+        attention=attention,
+        dense_phases=dense_phases,
         name=cfg.name,
         counts=counts,
         flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len, counts),
@@ -520,6 +532,15 @@ def _attention_line(a: tuple) -> list[str]:
     ]
 
 
+def _dense_phase_line(bounds: tuple) -> list[str]:
+    warm, finish, steps, heads = bounds
+    parts = ([f"steps 0-{warm - 1}"] if warm else []) + (
+        [f"steps {finish}-{steps - 1}"] if finish < steps else []
+    )
+    who = "the selecting heads" if heads == "selecting" else "every head of the sparse layers"
+    return [f"  dense phases  {' and '.join(parts)}: {who} dense causal attention"]
+
+
 def _short_phase_line(s: ShortPhase) -> list[str]:
     flops = _fmt(s.flops_per_token, FLOP_UNITS)
     return [
@@ -542,6 +563,7 @@ def format_plan(p: Plan) -> str:
         f"{_fmt(p.flops_per_token, FLOP_UNITS)}FLOP "
         f"(training fwd+bwd, active params, seq_len {p.seq_len})",
         *(_attention_line(p.attention) if p.attention else []),
+        *(_dense_phase_line(p.dense_phases) if p.dense_phases else []),
         *(_short_phase_line(p.short_phase) if p.short_phase else []),
         *([f"  gpu           {p.gpu}"] if p.gpu else []),
         f"  layout        {p.n_gpus}{of} {p.device}(s): {p.layout}   [{p.layout_source}]",

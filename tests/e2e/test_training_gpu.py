@@ -94,10 +94,10 @@ CASES = {
             "token_select: 2, score_block: 1, min_share: 10}}",
         },
     ),
-    # the long-context preset's per-head patterns (A-shape, GQA-shared block top-k) on a small
-    # backbone
+    # the A-shape + tile top-k layout's per-head patterns (A-shape, GQA-shared block top-k) on a
+    # small backbone
     "sparse_attention": (
-        "zoo/sparse_attn_1b_64k.yaml",
+        "bench/configs/ashape_topk_1b_64k.yaml",
         {
             "model.n_layers": 16,
             "model.n_heads": 16,
@@ -114,7 +114,7 @@ CASES = {
     # the same with NSA's gated compressed branch on the block top-k heads
     # (bench/train_attention.py's nsa)
     "sparse_attention_nsa": (
-        "zoo/sparse_attn_1b_64k.yaml",
+        "bench/configs/ashape_topk_1b_64k.yaml",
         {
             "model.n_layers": 16,
             "model.n_heads": 16,

@@ -277,10 +277,23 @@ def test_sparse_attention_plan_counts_the_work_its_budget_does_and_dense_layers_
     assert plan(load_config("zoo/tiny_dense.yaml", []), n_gpus=1).attention is None
 
 
+def test_plan_names_the_dense_phases():
+    p = plan(preset("sparse_attn_small_16k.yaml"), n_gpus=1)
+    assert p.dense_phases == (1800, 2400, 2400, "all")
+    assert "dense phases  steps 0-1799: every head of the sparse layers dense" in format_plan(p)
+    both = ["model.attention.dense_finish=0.1", "model.attention.dense_phase_heads=selecting"]
+    p = plan(preset("sparse_attn_small_16k.yaml", *both), n_gpus=1)
+    line = "dense phases  steps 0-1799 and steps 2160-2399: the selecting heads dense"
+    assert line in format_plan(p) and p.dense_phases[:2] == (1800, 2160)
+    off = ["model.attention.dense_warmup=0"]
+    assert plan(preset("sparse_attn_small_16k.yaml", *off), n_gpus=1).dense_phases is None
+
+
 def test_plan_names_the_short_context_phase_and_keeps_the_full_length_memory():
     short = ["train.short_seq_len=2048", "train.short_steps=1200"]
     cfg = preset("sparse_attn_small_16k.yaml", *short)
-    p, full = plan(cfg, n_gpus=1), plan(preset("sparse_attn_small_16k.yaml"), n_gpus=1)
+    off = ["train.short_seq_len=0", "train.short_steps=0"]
+    p, full = plan(cfg, n_gpus=1), plan(preset("sparse_attn_small_16k.yaml", *off), n_gpus=1)
     # 2 windows of 16384 tokens a micro-batch -> 16 of 2048
     assert p.short_phase[:3] == (1200, 2048, 16)
     assert p.short_phase.flops_per_token == flops_per_token(cfg.model, 2048, p.counts)

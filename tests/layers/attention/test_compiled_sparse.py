@@ -18,7 +18,8 @@ from moezoo.training.parallel import _checkpointed
 
 BS, H, HK, D, T = 16, 8, 2, 64, 128
 # heads 0-3 A-shape (sinks + window), heads 4-7 block top-k shared per KV group
-# (zoo/sparse_attn_1b_64k.yaml); here the shared heads are one KV group, one selection slot
+# (bench/configs/ashape_topk_1b_64k.yaml); here the shared heads are one KV group, one selection
+# slot
 PATS = [SparsityPattern(type="a_shape", sinks=BS, window=2 * BS, block_size=BS)] * 4 + [
     SparsityPattern(type="block_topk", top_k=3, share_group=1, block_size=BS)
 ] * 4

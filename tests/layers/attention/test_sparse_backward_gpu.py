@@ -2,9 +2,10 @@
 FlexAttention's Triton templates and its FLASH backend (flash-attn-4's CuTe kernels), bf16, GQA 4:1,
 head dims 64 and 128, against dense masked attention under the pattern's exact token mask.
 
-The presets' layer (zoo/sparse_attn_1b_64k.yaml, _128k, sparse_attn_small_16k.yaml): the first KV
-group's heads A-shape (sinks + window), the second's block top-k (one selection per KV group),
-128-token blocks; here at 4096 tokens (32 blocks), so each test runs in seconds once its kernels are
+The presets' layer (zoo/sparse_attn_1b_64k.yaml, _128k, sparse_attn_small_16k.yaml: every head block
+top-k, the query tile's capped union of per-token choices, full 128-token blocks) and the A-shape +
+tile top-k layout (bench/configs/: A-shape heads beside block top-k, partial blocks on the
+diagonal); here at 4096 tokens (32 blocks), so each test runs in seconds once its kernels are
 compiled. The public reports against these kernels, and the tests that answer them:
 
 - Dao-AILab/flash-attention #2623: on Hopper at head_dim 64 the block-sparse forward was exact and
@@ -59,12 +60,13 @@ def _layer(a_shape: dict, top_k: int, **topk) -> list[SparsityPattern]:
     return [a] * G + [t] * G
 
 
-# The presets' layers at 4096 tokens: 1b_64k / _128k (128 sinks + 2048 window, top-16 of 512
-# blocks) and small_16k (64 sinks + 1024 window, top-8 of 128), windows and budgets cut to fit 32
-# blocks; the 1b layer with per-token selection (``token_select``, the bit-table mask_mod); every
-# head the tile union of single-key choices capped at the per-query budget (``token_select: 2``,
-# ``score_block: 1``, ``union_blocks``: the recipe that retrieves, docs/long_context.md); and an
-# all-A-shape layer, the static pattern ``auto`` runs on FLASH from 16k tokens on.
+# Layers at 4096 tokens: ``1b_64k_union``, the presets' (zoo/sparse_attn_*): every head the tile
+# union of single-key choices capped at the per-query budget (``token_select: 2``, ``score_block:
+# 1``, ``union_blocks``); the A-shape + tile top-k layout (bench/configs/ashape_topk_*): 1b_64k
+# (128 sinks + 2048 window, top-16 of 512 blocks) and small_16k (64 sinks + 1024 window, top-8 of
+# 128), windows and budgets cut to fit 32 blocks; the 1b layer with per-token selection
+# (``token_select: 1``, the bit-table mask_mod); and an all-A-shape layer, the static pattern
+# ``auto`` runs on FLASH from 16k tokens on.
 LAYERS = {
     "1b_64k": _layer(dict(sinks=128, window=512), top_k=8),
     "small_16k": _layer(dict(sinks=64, window=256), top_k=4),
@@ -251,8 +253,10 @@ def _first_mismatch(grads, ref, exact: bool):
 @gpu
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_flex_backward_repeats_200_launches(kernel, head_dim):
-    """200 backward launches of the presets' layer (random block top-k selection) give the first
+@pytest.mark.parametrize("layer,selection", [("1b_64k", "random"), ("1b_64k_union", "estimated")])
+def test_flex_backward_repeats_200_launches(kernel, head_dim, layer, selection):
+    """200 backward launches of a layer (the A-shape + tile top-k layout with a random block
+    top-k selection; the presets' capped union as training selects it) give the first
     launch's dq, dk, dv: bit for bit on Triton; on FLASH within float32 summation-order noise, since
     its Hopper backward adds dQ (and GQA's dK / dV) up with float32 atomics (PyTorch has no
     deterministic FLASH block-mask backward below SM100).
@@ -263,9 +267,9 @@ def test_flex_backward_repeats_200_launches(kernel, head_dim):
     dPsum or its dQ accumulator before they are written (flash-attention PR #2756) comes out
     wrong instead of accidentally right."""
     _need(kernel)
-    q, k, v = make_inputs(BATCH["1b_64k"], H, HK, T, D=head_dim, device="cuda", seed=7)
+    q, k, v = make_inputs(BATCH[layer], H, HK, T, D=head_dim, device="cuda", seed=7)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    bm = flex_block_mask(_plan("1b_64k", q, k, "random"), tile=flex_tile(BLOCK, q.device))
+    bm = flex_block_mask(_plan(layer, q, k, selection), tile=flex_tile(BLOCK, q.device))
     opts = kernel_options_for(kernel, None)
     do = None
     exact = kernel == "triton"
