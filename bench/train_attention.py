@@ -39,6 +39,9 @@ variants): each query keeps a far block only if it holds P% of its softmax over 
 (``min_share``). ``--union-blocks N`` (token_union, union_all): a query block visits at most N
 blocks of its union, those its queries give the highest share (``union_blocks``): a bound on the
 work, so a speed run from initialisation without ``--min-share`` measures the cost the cap allows.
+``--indexer N`` (token variants, with ``--score-block 1``): their selection scores with a learned
+indexer of head dim N, distilled towards the attention's block mass (``indexer``,
+``model.attention.indexer_weight``).
 ``--top-k N`` (query_max and nsa): those heads keep N key blocks per query block instead of the
 preset's ``top_k``. Per variant:
 tokens/s (mean over log steps after the first, which holds compilation and warm-up), ``mfu`` (the
@@ -100,6 +103,7 @@ def variant_config(
     score_nope: int = 0,
     min_share: int = 0,
     union_blocks: int = 0,
+    indexer: int = 0,
 ):
     label = re.sub(r"[^A-Za-z0-9_.=-]+", "_", variant)
     variant, _, own = variant.partition("@")
@@ -161,6 +165,7 @@ def variant_config(
                 else {}
             ),
             **({"top_k": top_k} if top_k else {}),
+            **({"indexer": indexer} if indexer and token else {}),
             **(nsa if variant.endswith("nsa") else {}),
         }
         drop = "query_max" if token else "token_select"
@@ -286,6 +291,13 @@ def main():
         "its queries give the highest share of their softmax (union_blocks; 0 = the whole union)",
     )
     ap.add_argument(
+        "--indexer",
+        type=int,
+        default=0,
+        help="token variants with --score-block 1: their selection scores with a learned indexer "
+        "of this head dim, distilled towards the attention's block mass (indexer; 0 = none)",
+    )
+    ap.add_argument(
         "--top-k",
         type=int,
         default=0,
@@ -332,6 +344,7 @@ def main():
             a.score_nope,
             a.min_share,
             a.union_blocks,
+            a.indexer,
         )
         for v in a.variants.split(",")
     }

@@ -39,6 +39,7 @@ PATTERN_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
             "score_nope",
             "min_share",
             "union_blocks",
+            "indexer",
         ),
     ),
 }
@@ -54,6 +55,7 @@ NONNEG_PARAMS = (
     "compress_block",
     "score_block",
     "union_blocks",
+    "indexer",
 )
 FLAG_PARAMS = ("share_group", "compress", "score_nope")  # 0 or 1
 # MInference's per-head JSON names its three kernels; what each entry computes in MInference's
@@ -165,6 +167,16 @@ def validate_pattern(pat: dict, key: str) -> None:
         not pat.get("compress_block") or pat.get("compress"),
         f"{key}.compress_block",
         "sizes the compressed branch: set compress: 1 too",
+    )
+    check(
+        not pat.get("indexer") or (pat.get("token_select") and pat.get("score_block") == 1),
+        f"{key}.indexer",
+        "scores single keys for per-token choices: set token_select: 1 or 2 and score_block: 1 too",
+    )
+    check(
+        not (pat.get("indexer") and pat.get("score_nope")),
+        f"{key}.indexer",
+        "scores with its own projections, which take no RoPE: drop score_nope",
     )
 
 
@@ -289,6 +301,10 @@ class AttentionConfig:
     # positions just before it, so one layer can match "the token after x" and a block selection
     # scores that match (FlashMoBA's key convolution). Every GQA attention layer; identity at init.
     key_conv: int = 0
+    # Weight of the distillation loss of block top-k heads with ``indexer`` (their detached
+    # learned scorer, trained towards the attention's own block mass); the trainer adds it to
+    # the loss as layers' aux losses. >= 0; 0 leaves the indexer untrained.
+    indexer_weight: float = 1.0
 
     def layer_head_patterns(
         self, n_layers: int, n_heads: int, key: str = "model.attention.patterns"
@@ -326,6 +342,12 @@ class AttentionConfig:
                 f"{key}.{li}",
                 f"heads of one layer must share block_size, got {sorted(sizes)}",
             )
+            dims = {p.get("indexer", 0) for p in row if p is not None} - {0}
+            check(
+                len(dims) <= 1,
+                f"{key}.{li}",
+                f"a layer has one indexer: its heads must share indexer, got {sorted(dims)}",
+            )
         return grid
 
     def validate(self, n_layers: int, n_heads: int, key: str = "model.attention") -> None:
@@ -334,6 +356,11 @@ class AttentionConfig:
             self.key_conv == 0 or 2 <= self.key_conv <= 8,
             f"{key}.key_conv",
             f"taps of the key convolution: 0 (none) or 2..8, got {self.key_conv}",
+        )
+        check(
+            self.indexer_weight >= 0,
+            f"{key}.indexer_weight",
+            f"weighs a distillation loss: must be >= 0, got {self.indexer_weight}",
         )
         for name in ("dense_warmup", "dense_finish"):
             v = getattr(self, name)

@@ -195,6 +195,16 @@ class ModelConfig:
                 f"{key}.attention.patterns.{nope[0] if nope else ''}.score_nope",
                 "scores on keys before RoPE, which MLA splits off into its own dims; GQA only",
             )
+            idx = [
+                k
+                for k, p in self.attention.patterns.items()
+                if hasattr(p, "get") and p.get("indexer")
+            ]
+            check(
+                not idx,
+                f"{key}.attention.patterns.{idx[0] if idx else ''}.indexer",
+                "is for GQA attention (attention_type mha), not MLA",
+            )
         check(
             self.n_heads % self.kv_heads == 0,
             f"{key}.n_kv_heads",

@@ -502,7 +502,7 @@ def _attention_work(cfg: Config, model, counts) -> Optional[tuple]:
         else float(
             (
                 budget_density(a.pattern, a.n_heads, T)
-                + selection_work(a.pattern, a.n_heads, T, a.n_kv_heads)
+                + selection_work(a.pattern, a.n_heads, T, a.n_kv_heads, a.head_dim)
             ).mean()
         )
         for a in attns

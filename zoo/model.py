@@ -82,6 +82,7 @@ class TransformerBlock(nn.Module):
                 norm_eps=cfg.norm_eps,
                 ssmax=cfg.attention.ssmax,
                 key_conv=cfg.attention.key_conv,
+                indexer_weight=cfg.attention.indexer_weight,
                 **common,
             )
         self.feed_forward = build_ffn(cfg, ffn_type)
@@ -118,7 +119,12 @@ class Transformer(nn.Module):
             for i, t in enumerate(cfg.layer_ffn_types())
         )
         self.has_moe = "moe" in cfg.layer_ffn_types()
-        self.has_aux = self.has_moe or "neuron" in cfg.layer_ffn_types()  # layers with an aux_loss
+        # layers with an aux_loss: MoE and neuron-routed FFNs, block top-k indexers
+        self.has_aux = (
+            self.has_moe
+            or "neuron" in cfg.layer_ffn_types()
+            or any(getattr(b.attention, "indexer", None) is not None for b in self.layers)
+        )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # The training loss on the head's logits; the trainer swaps in its torch.compile'd twin

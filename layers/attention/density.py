@@ -129,13 +129,14 @@ def budget_density(pattern: PatternLike, n_heads: int, seq_len: int) -> torch.Te
 
 
 def selection_work(
-    pattern: PatternLike, n_heads: int, seq_len: int, n_kv_heads: int
+    pattern: PatternLike, n_heads: int, seq_len: int, n_kv_heads: int, head_dim: int = 0
 ) -> torch.Tensor:
     """float64 ``[n_heads]``: the density block top-k selection's scores add at ``seq_len``
     (``selection_density``: per KV group of ``n_kv_heads`` where ``share_group`` heads share one
-    selection); 0 for other heads."""
+    selection; ``head_dim``: the attention's, for heads with ``indexer``); 0 for other heads."""
     pats = tuple(head_patterns(pattern, n_heads))
-    return torch.tensor(selection_density(pats, seq_len, n_kv_heads), dtype=torch.float64)
+    work = selection_density(pats, seq_len, n_kv_heads, head_dim=head_dim)
+    return torch.tensor(work, dtype=torch.float64)
 
 
 def attention_metrics(model: torch.nn.Module, seq_len: int) -> dict:
@@ -178,7 +179,7 @@ def attention_metrics(model: torch.nn.Module, seq_len: int) -> dict:
                 # selection's scores, token-level shares too
                 pats = head_patterns(pattern, m.n_heads)
                 cmp = compressed_density(pats, seq_len, seq_len * (seq_len + 1) / 2)
-                sel = selection_work(pats, m.n_heads, seq_len, m.n_kv_heads)
+                sel = selection_work(pats, m.n_heads, seq_len, m.n_kv_heads, m.head_dim)
                 dens_h = dens_h + (torch.tensor(cmp, dtype=torch.float64) + sel).to(dens_h)
                 m._budget_density = cached = ((seq_len, m.dense_phase), dens_h.mean().float())
             dens.append(cached[1])

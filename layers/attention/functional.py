@@ -191,12 +191,14 @@ def _selection_work(pats: list, T: int, n_kv_heads: int, q: torch.Tensor) -> tor
     scores in density units (selection.selection_density), the ``score_work`` stat that
     attention_metrics adds to the visited density. Read only, so one tensor per (pattern, length,
     device) serves every call."""
-    return _selection_work_on(tuple(pats), T, n_kv_heads, q.device)
+    return _selection_work_on(tuple(pats), T, n_kv_heads, q.shape[-1], q.device)
 
 
 @functools.lru_cache(maxsize=64)
-def _selection_work_on(pats: tuple, T: int, n_kv_heads: int, device: torch.device) -> torch.Tensor:
-    work = selection_density(pats, T, n_kv_heads)
+def _selection_work_on(
+    pats: tuple, T: int, n_kv_heads: int, head_dim: int, device: torch.device
+) -> torch.Tensor:
+    work = selection_density(pats, T, n_kv_heads, head_dim=head_dim)
     if not any(work):
         return torch.zeros((), device=device)
     return to_device(torch.tensor(work, dtype=torch.float32), device)

@@ -25,12 +25,14 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ..aux_loss import AuxLossModule
 from ..norm import RMSNorm
 from ..rope import apply_rotary
 from ..shapes import check_attention_inputs
 from .compressed import compress_block, compress_heads, compressed_attention, compressed_density
 from .flash import flash_attn_dense
 from .functional import dense_causal_attention, sparse_attention
+from .indexer import Indexer, distillation_loss
 from .masking import masked_causal_attention
 from .pattern import head_patterns, layer_block_size
 from .selection import index_tensor
@@ -75,8 +77,9 @@ def put_heads(t: torch.Tensor, heads: list[int], rows: torch.Tensor) -> torch.Te
 
 class KVCache(nn.Module):
     """Static-size cache ``k, v [B, Hk, max_len, Dh]`` (gpt-fast style: no reallocation in
-    decode); with ``pre_rope_keys`` also ``k_nope``, the keys before RoPE that block top-k heads
-    with ``score_nope`` select by."""
+    decode); with ``pre_rope_keys`` also ``k_nope [B, Hk, max_len, score_dim]`` (default Dh), the
+    keys that block top-k heads with ``score_nope`` (before RoPE) or ``indexer`` (the indexer's)
+    select by."""
 
     def __init__(
         self,
@@ -87,12 +90,17 @@ class KVCache(nn.Module):
         dtype=torch.float32,
         device=None,
         pre_rope_keys: bool = False,
+        score_dim: int = 0,
     ):
         super().__init__()
         shape = (batch, n_kv_heads, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        nope = torch.zeros(shape, dtype=dtype, device=device) if pre_rope_keys else None
+        nope = (
+            torch.zeros(*shape[:3], score_dim or head_dim, dtype=dtype, device=device)
+            if pre_rope_keys
+            else None
+        )
         self.register_buffer("k_nope", nope, persistent=False)
 
     def update(
@@ -114,12 +122,14 @@ class KVCache(nn.Module):
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
-class Attention(nn.Module):
+class Attention(AuxLossModule):
     """``forward(x[B, S, D], cos, sin, start_pos=0, mask=None, positions=None) -> [B, S, D]``.
 
     ``cos/sin`` ([S, Dh] or [B, S, Dh]) are the rotary angles of the queries' positions, by default
     ``start_pos .. start_pos + S - 1``. With a cache set up (``setup_cache``), keys/values are
-    appended at ``start_pos`` and queries attend to the prefix.
+    appended at ``start_pos`` and queries attend to the prefix. A layer whose block top-k heads
+    have ``indexer`` keeps its distillation loss (times ``indexer_weight``) from the last training
+    forward in ``aux_loss`` (layers.attention.indexer).
     """
 
     def __init__(
@@ -139,6 +149,7 @@ class Attention(nn.Module):
         kernel_options: Optional[dict] = None,
         ssmax: bool = False,
         key_conv: int = 0,
+        indexer_weight: float = 1.0,
     ):
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
@@ -187,6 +198,14 @@ class Attention(nn.Module):
         if self.compress_heads:
             # NSA's branch gates from the layer input: [fine, compressed] logits per compressed head
             self.branch_gate = nn.Linear(dim, 2 * len(self.compress_heads))
+        dims = {p.indexer for p in head_patterns(pattern, n_heads) if p.indexer} if pattern else ()
+        if len(dims) > 1:
+            raise ValueError(f"a layer has one indexer: its heads must share indexer, got {dims}")
+        # the block top-k heads' learned scorer and its distillation loss (layers.attention.indexer)
+        self.indexer = Indexer(dim, n_kv_heads, dims.pop()) if dims else None
+        self.indexer_weight = indexer_weight
+        if self.indexer is not None:
+            self.aux_loss = torch.zeros(())
         # ((T, device), float32 [Hq]): the branch's share of the density stat
         self._compressed_density = None
         self.cache: Optional[KVCache] = None
@@ -215,18 +234,27 @@ class Attention(nn.Module):
     def setup_cache(self, batch: int, max_len: int, dtype=None, device=None) -> None:
         dtype = dtype or self.wk.weight.dtype
         device = device or self.wk.weight.device
+        indexer = getattr(self, "indexer", None)  # MLA has none
         self.cache = KVCache(
-            batch, self.n_kv_heads, max_len, self.head_dim, dtype, device, self._scores_nope()
+            batch,
+            self.n_kv_heads,
+            max_len,
+            self.head_dim,
+            dtype,
+            device,
+            self._scores_apart(),
+            indexer.head_dim if indexer is not None else 0,
         )
 
     def active_pattern(self):
         """The pattern this forward runs: ``pattern``, or in a dense phase ``phase_pattern``."""
         return self.phase_pattern if self.dense_phase else self.pattern
 
-    def _scores_nope(self) -> bool:
-        """Whether a head selects blocks by its queries and keys before RoPE (``score_nope``)."""
+    def _scores_apart(self) -> bool:
+        """Whether a head selects blocks by other queries and keys than the attention's
+        (``score_nope``: before RoPE; ``indexer``: the indexer's)."""
         pats = head_patterns(self.pattern, self.n_heads) if self.pattern is not None else []
-        return any(p.score_nope for p in pats)
+        return any(p.scores_apart for p in pats)
 
     def init_weights(self, std: float = 0.02, out_std: float = 0.02) -> None:
         for w in (self.wq, self.wk, self.wv):
@@ -261,6 +289,12 @@ class Attention(nn.Module):
                 "block top-k compress: 1 cannot run with padding or packed-document masks: "
                 "its pooled key blocks would mix documents and padding"
             )
+        distil = self.indexer is not None and self.training and torch.is_grad_enabled()
+        if distil and mask is not None:
+            raise ValueError(
+                "block top-k indexer cannot train with padding or packed-document masks: its "
+                "distillation target is the causal attention over the whole window"
+            )
         q, k = self.wq(x), self.wk(x)
         if self.k_conv is not None:
             k = self._convolve_keys(k, start_pos)
@@ -276,9 +310,31 @@ class Attention(nn.Module):
             if self.ssmax is None
             else self._ssmax_scale(q.shape[2], q.device, start_pos, positions)
         )
-        # score_nope heads select by q and k as they are before RoPE
-        pre = (q, k) if self._scores_nope() and not self.dense_phase else None
+        # score_nope heads select by q and k as they are before RoPE, indexer heads by the
+        # indexer's (one query per KV group, repeated over its heads)
+        if self.indexer is not None:
+            qi, ki = self.indexer(x)
+            pre = (qi.repeat_interleave(self.n_heads // self.n_kv_heads, 1), ki)
+        else:
+            pre = (q, k) if self._scores_apart() else None
+        pre = None if self.dense_phase else pre
         q, k = apply_rotary(q, cos, sin, q_scale), apply_rotary(k, cos, sin)
+        if self.indexer is not None:
+            # towards the attention this forward runs over the whole window (a training forward
+            # has no cache), dense phases included: DSA's dense warm-up trains its indexer alone
+            self.aux_loss = (
+                self.indexer_weight
+                * distillation_loss(
+                    qi,
+                    ki,
+                    q,
+                    k,
+                    start_pos,
+                    layer_block_size(head_patterns(self.pattern, self.n_heads)),
+                )
+                if distil and self.cache is None and self.indexer_weight > 0
+                else torch.zeros((), device=x.device)
+            )
         if self.cache is not None:
             k, v = self.cache.update(start_pos, k, v, None if pre is None else pre[1])
             if pre is not None:

@@ -58,7 +58,11 @@ always with ``k <= q``:
   chosen by content alone: pooled RoPE-rotated keys cancel their fast-rotating dimensions (a
   low-pass filter with positional blind spots, Prism), and the distance between query and key does
   not move the score. The attention itself keeps RoPE. layers.Attention passes the pre-RoPE tensors
-  (``sparse_attention(score_qk=...)``) and caches pre-RoPE keys for decode. ``token_select: 1``:
+  (``sparse_attention(score_qk=...)``) and caches pre-RoPE keys for decode. ``indexer: Di`` (with
+  ``token_select`` and ``score_block: 1``): the selection scores with the layer's learned indexer
+  (layers.attention.indexer: per KV group a width-Di query and key of the detached layer input,
+  distilled towards the attention's block mass) instead of the attention's q, k, passed the same
+  way. ``token_select: 1``:
   each query token chooses its own ``top_k`` key blocks among the blocks that start at or before it,
   its own block always one of them (NSA, Yuan et al. 2025, Eq. 9-11; MoBA's per-token gate), scored
   by ``q . mean-pooled k`` (or by the best ``score_block`` sub-block), one choice per KV group with
@@ -161,6 +165,10 @@ class SparsityPattern:
     # block top-k with token_select 2: a query block visits at most this many key blocks of its
     # union, those its queries give the highest share of their softmax (0 = the whole union)
     union_blocks: int = 0
+    # block top-k with token_select and score_block 1: the selection scores with the layer's
+    # indexer of this head dim (its own detached projections, distilled towards the attention's
+    # block mass; layers.attention.indexer) instead of the attention's q, k (0 = none)
+    indexer: int = 0
 
     def __post_init__(self):
         validate_pattern(self.to_dict(), "pattern")
@@ -185,6 +193,12 @@ class SparsityPattern:
             if getattr(self, name) != defaults[name]:
                 out[name] = getattr(self, name)
         return out
+
+    @property
+    def scores_apart(self) -> bool:
+        """True when the selection scores other q, k than the attention's: ``score_nope`` (before
+        RoPE) or ``indexer`` (the layer's indexer), passed as ``score_qk``."""
+        return bool(self.score_nope or self.indexer)
 
     @property
     def dynamic(self) -> bool:

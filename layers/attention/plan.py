@@ -233,8 +233,9 @@ def plan_pattern(
     ``stats``: a dict to receive the block top-k selection's entropy and top-k mass
     (estimate_block_topk), and a ``BlockSelection`` under ``"selection"`` when that key is already
     in it (a request: the blocks stay alive as long as the dict). ``score_qk``: ``(q, k,
-    q_history)`` before RoPE, shaped as ``q, k, q_history``, which block top-k heads with
-    ``score_nope`` score instead. Positions are Python ints, so planning never waits on the GPU.
+    q_history)`` shaped as ``q, k, q_history`` (their head dim may differ), which block top-k heads
+    with ``score_nope`` (q, k before RoPE) or ``indexer`` (the layer's indexer) score instead.
+    Positions are Python ints, so planning never waits on the GPU.
     """
     pats = head_patterns(pattern, n_heads)
     bs = layer_block_size(pats)
@@ -258,10 +259,11 @@ def plan_pattern(
         src = _with_history(q, q_history)
         src_start = q_start - (src.shape[2] - S)
         B = q.shape[0]
-        if any(pats[h].score_nope for h in dyn):
+        if any(pats[h].scores_apart for h in dyn):
             if score_qk is None:
                 raise ValueError(
-                    "block top-k heads with score_nope need score_qk (q, k before RoPE)"
+                    "block top-k heads with score_nope or indexer need score_qk (the q, k they "
+                    "score)"
                 )
             nq_, nk_, nh_ = score_qk
             # (queries, keys, queries with history) each head's selection scores
@@ -310,7 +312,7 @@ def plan_pattern(
             # one estimate per scoring rule (query_max, score_block's sub-blocks; a layer mixing
             # rules logs the stats of the last one)
             rule = {
-                h: (pats[h].query_max, _sub_blocks(pats[h], bs), pats[h].score_nope)
+                h: (pats[h].query_max, _sub_blocks(pats[h], bs), int(pats[h].scores_apart))
                 for h in bt_block
             }
             for qmax, sub, nope in sorted(set(rule.values())):
@@ -391,14 +393,16 @@ def _with_history(q: torch.Tensor, q_history: Optional[torch.Tensor]) -> torch.T
 def _token_selection(pats, heads, n_heads, scoring, q_start, bs, stats, nq=0):
     """``(tok_bits [B, Hs + 1, S, nw], tok_slot [H], union_blocks per slot, tile shares)`` for the
     ``token_select`` heads ``heads``: one estimate per scoring rule (score_block's sub-blocks;
-    ``scoring[score_nope]``: the q, k it scores; ``min_share``), a KV group's ``share_group`` heads
-    with one budget sharing a slot, and an empty last slot for every other head. Tile shares
+    ``scoring[scores_apart]``: the q, k it scores; ``min_share``), a KV group's ``share_group``
+    heads with one budget sharing a slot, and an empty last slot for every other head. Tile shares
     (float32 ``[B, Hs + 1, nq, nk]``, ``estimate_token_topk``'s ``tile_share``, which the slots
     without ``union_blocks`` read for their union only): None when no slot has one."""
     g = n_heads // scoring[0][1].shape[1]
     parts, shares, slot_of = [], [], {}
     ranked = any(pats[h].union_blocks for h in heads)  # tile shares wanted
-    rules = {h: (_sub_blocks(pats[h], bs), pats[h].score_nope, pats[h].min_share) for h in heads}
+    rules = {
+        h: (_sub_blocks(pats[h], bs), int(pats[h].scores_apart), pats[h].min_share) for h in heads
+    }
     for sub, nope, min_share in sorted(set(rules.values())):
         hs = [h for h in heads if rules[h] == (sub, nope, min_share)]
         q, k, _ = scoring[nope]

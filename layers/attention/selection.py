@@ -470,7 +470,11 @@ def estimate_block_topk(
 
 @functools.lru_cache(maxsize=256)
 def selection_density(
-    pats: tuple[SparsityPattern, ...], T: int, n_kv_heads: int = 0, training: bool = True
+    pats: tuple[SparsityPattern, ...],
+    T: int,
+    n_kv_heads: int = 0,
+    training: bool = True,
+    head_dim: int = 0,
 ) -> tuple[float, ...]:
     """Per head, the work of its block top-k selection's scores in a square call over ``T`` keys,
     in the units of the attention density (attended pairs over the ``T (T + 1) / 2`` causal ones):
@@ -482,7 +486,9 @@ def selection_density(
     and scoring rule; ``n_kv_heads`` groups, 0 = no sharing) share its scores. Single-key scores
     (``score_block: 1`` per token or with ``query_max``, kernels.key_block_max) cover each query's
     causal key blocks; pooled ones each query's row of all ``T / score_block`` pooled keys (per
-    token, ``query_max``), or each query block's (mean-pooled queries). 0 for other heads."""
+    token, ``query_max``), or each query block's (mean-pooled queries). Heads with ``indexer: Di``
+    score at width Di: their pairs count ``Di / head_dim`` (the attention's head dim) of one. 0 for
+    other heads."""
     H = len(pats)
     g = H // n_kv_heads if n_kv_heads else 1
     causal = T * (T + 1) / 2
@@ -511,6 +517,10 @@ def selection_density(
         else:
             pairs = nb * -(-T // sb)
         sharing = sum(1 for r in rules.values() if r == rules[h])
+        if pats[h].indexer:
+            if not head_dim:
+                raise ValueError("selection_density: heads with indexer need the head_dim")
+            pairs *= pats[h].indexer / head_dim
         out.append((1 / 6 if training else 0.5) * pairs / causal / sharing)
     return tuple(out)
 
