@@ -185,26 +185,16 @@ class ModelConfig:
                 f"{key}.attention.key_conv",
                 "is for GQA attention (attention_type mha), not MLA",
             )
-            nope = [
-                k
-                for k, p in self.attention.patterns.items()
-                if hasattr(p, "get") and p.get("score_nope")
-            ]
-            check(
-                not nope,
-                f"{key}.attention.patterns.{nope[0] if nope else ''}.score_nope",
-                "scores on keys before RoPE, which MLA splits off into its own dims; GQA only",
-            )
-            idx = [
-                k
-                for k, p in self.attention.patterns.items()
-                if hasattr(p, "get") and p.get("indexer")
-            ]
-            check(
-                not idx,
-                f"{key}.attention.patterns.{idx[0] if idx else ''}.indexer",
-                "is for GQA attention (attention_type mha), not MLA",
-            )
+            for opt, why in (
+                ("score_nope", "scores keys before RoPE, which MLA splits off into its own dims"),
+                ("indexer", "is for GQA attention (attention_type mha), not MLA"),
+            ):
+                bad = [
+                    k
+                    for k, p in self.attention.patterns.items()
+                    if hasattr(p, "get") and p.get(opt)
+                ]
+                check(not bad, f"{key}.attention.patterns.{bad[0] if bad else ''}.{opt}", why)
         check(
             self.n_heads % self.kv_heads == 0,
             f"{key}.n_kv_heads",

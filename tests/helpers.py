@@ -22,6 +22,16 @@ from moezoo.layers import pattern_mask, sparse_attention
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 
+def bench_script(name: str):
+    """``bench/<name>.py`` as a module (a script, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def subprocess_env(**extra) -> dict:
     """The environment for a child Python: this one's, with the checkout first on PYTHONPATH (kept,
     not replaced: dependencies installed with ``pip --target`` on a GPU box live there)."""

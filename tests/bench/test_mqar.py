@@ -2,23 +2,17 @@
 value; targets only at answers; a pure function of the generator), the selection recall against
 BlockSelection.covers, and a two-step run of a block top-k variant."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 import torch
 
-from helpers import ROOT
+from helpers import bench_script
 
 
 @pytest.fixture(scope="module")
 def mqar():
-    """bench/mqar.py as a module (a script, not a package)."""
-    spec = importlib.util.spec_from_file_location("mqar", os.path.join(ROOT, "bench", "mqar.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_script("mqar")
 
 
 def batch(mqar, seed=0, **kw):

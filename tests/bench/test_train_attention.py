@@ -3,23 +3,17 @@ the zoo presets: BENCHMARKS.md's rows that measured the presets' recipe as a var
 (``union_all`` with ``--score-block 1 --union-blocks 8``, SSMax, the short dense phase) train the
 very model the presets build."""
 
-import importlib.util
 import os
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, bench_script
 from moezoo.configs import load_config
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location(
-        "train_attention", os.path.join(ROOT, "bench", "train_attention.py")
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_script("train_attention")
 
 
 def _grid(cfg):

@@ -1,7 +1,6 @@
 """bench/train_moe.py's equal-time runs: the LR on the steady-seconds clock (TimeSchedule) and a CPU
 run of the ``smoke`` suite that stops at its time budget with the LR at the cosine floor."""
 
-import importlib.util
 import json
 import os
 import re
@@ -11,20 +10,14 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, subprocess_env
+from helpers import ROOT, bench_script, subprocess_env
 from moezoo.configs import OptimConfig, load_config
 from moezoo.training.optim import build_scheduler
 
 
 @pytest.fixture(scope="module")
 def bench():
-    """bench/train_moe.py as a module (a script, not a package)."""
-    spec = importlib.util.spec_from_file_location(
-        "train_moe", os.path.join(ROOT, "bench", "train_moe.py")
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_script("train_moe")
 
 
 def lrs(sched, opt, steps, dt=None):
