@@ -12,10 +12,12 @@ learns only through the blocks it already picks. The indexer has a learning sign
 each query, the KL divergence from the attention's probability mass per key block (summed over the
 block's keys, averaged over the KV group's query heads, causal) to the softmax over blocks of the
 indexer's block scores (its best single key in each block, the rule ``score_block: 1`` ranks by).
-The target is computed without gradient and the indexer reads a detached input, so the distillation
-trains the indexer alone and the model trains as without it (DSA trains its indexer on a detached
-input the same way). The target is the dense attention's mass in every step, through torch ops in
-query chunks: its cost is a causal ``QK^T`` per query head, forward only, once a step.
+The target is computed without gradient and the indexer reads a detached input, so the
+distillation's gradient reaches the indexer alone and the model's gradients are those it has
+without it (DSA trains its indexer on a detached input the same way); the trainer's global
+gradient-norm clip (``optim.grad_clip``) counts both. The target is the dense attention's mass in
+every step, through torch ops in query chunks: its cost is a causal ``QK^T`` per query head, forward
+only, once a step.
 """
 
 from __future__ import annotations
