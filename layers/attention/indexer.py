@@ -28,6 +28,8 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .masking import causal_mask
+
 # elements of one query chunk's [B, Hq, chunk, T] scores: bounds the memory of the target and of
 # the indexer's scores (each chunk is recomputed in the backward)
 CHUNK_ELEMENTS = 1 << 25
@@ -69,11 +71,6 @@ def _per_block(x: torch.Tensor, bs: int, nk: int, reduce: str) -> torch.Tensor:
     return x.sum(-1) if reduce == "sum" else x.amax(-1)
 
 
-def _causal(q_pos: torch.Tensor, T: int) -> torch.Tensor:
-    """bool ``[S, T]``: key t is at or before the query's position."""
-    return torch.arange(T, device=q_pos.device)[None, :] <= q_pos[:, None]
-
-
 @torch.no_grad()
 def attention_block_mass(q: torch.Tensor, k: torch.Tensor, q_offset: int, bs: int) -> torch.Tensor:
     """float32 ``[B, Hk, S, nk]``: each query's causal softmax attention (``q . k / sqrt(Dh)``, the
@@ -89,8 +86,7 @@ def attention_block_mass(q: torch.Tensor, k: torch.Tensor, q_offset: int, bs: in
         r1 = min(S, r0 + step)
         qc = rearrange(q[:, :, r0:r1].float(), "b (hk g) c d -> b hk g c d", hk=Hk)
         s = torch.einsum("bkgcd,bktd->bkgct", qc, kf) * D**-0.5
-        pos = torch.arange(q_offset + r0, q_offset + r1, device=q.device)
-        s = s.masked_fill(~_causal(pos, T), float("-inf"))
+        s = s.masked_fill(~causal_mask(r1 - r0, T, q_offset + r0, q.device), float("-inf"))
         out[:, :, r0:r1] = _per_block(s.softmax(-1), bs, nk, "sum").mean(2)
     return out
 
@@ -103,9 +99,8 @@ def indexer_block_log_probs(
     blocks after its own). With gradient; the reference of what ``distillation_loss`` computes in
     chunks."""
     T = ki.shape[2]
-    pos = torch.arange(q_offset, q_offset + qi.shape[2], device=qi.device)
     s = torch.einsum("bksd,bktd->bkst", qi.float(), ki.float()) * qi.shape[-1] ** -0.5
-    s = s.masked_fill(~_causal(pos, T), float("-inf"))
+    s = s.masked_fill(~causal_mask(qi.shape[2], T, q_offset, qi.device), float("-inf"))
     return _per_block(s, bs, (T + bs - 1) // bs, "max").log_softmax(-1)
 
 
