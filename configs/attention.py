@@ -176,7 +176,7 @@ def validate_pattern(pat: dict, key: str) -> None:
     check(
         not (pat.get("indexer") and pat.get("score_nope")),
         f"{key}.indexer",
-        "scores with its own projections, which take no RoPE: drop score_nope",
+        "scores with its own projections: drop score_nope",
     )
 
 

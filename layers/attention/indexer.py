@@ -28,6 +28,7 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..rope import apply_rotary
 from .masking import causal_mask
 
 # elements of one query chunk's [B, Hq, chunk, T] scores: bounds the memory of the target and of
@@ -36,20 +37,35 @@ CHUNK_ELEMENTS = 1 << 25
 
 
 class Indexer(nn.Module):
-    """``forward(x [B, S, D]) -> (q [B, Hk, S, Di], k [B, Hk, S, Di])`` of the detached input: one
-    indexer query and key per KV group. No RoPE: a block is chosen by content (as ``score_nope``),
-    and the own block is always kept, so the local context needs no position."""
+    """``forward(x [B, S, D], cos, sin) -> (q [B, Hk, S, Di], k [B, Hk, S, Di])`` of the detached
+    input: one indexer query and key per KV group. As DeepSeek-V3.2's indexer (64 of its 128 dims),
+    the first half of each (``rope_dim``, even) is rotated by the query's and key's positions and
+    the rest is not: the position half lets it learn the recency the attention's block mass has
+    (a query's previous block), the other half chooses by content."""
 
     def __init__(self, dim: int, n_kv_heads: int, head_dim: int):
         super().__init__()
         self.head_dim = head_dim
+        self.rope_dim = head_dim // 4 * 2
         self.wq = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos/sin [S, Dh]`` or ``[B, S, Dh]``: the attention's rotary angles (rotate-half
+        layout, Dh its head dim). The indexer takes every ``Dh / rope_dim``-th of their
+        frequencies: RoPE of width ``rope_dim`` with the same theta when ``rope_dim`` divides Dh
+        (otherwise the nearest of its frequencies at or above those)."""
         x = x.detach()
+        d, r = self.head_dim, self.rope_dim
+        q, k = (rearrange(w(x), "b s (h d) -> b h s d", d=d) for w in (self.wq, self.wk))
+        if not r:
+            return q, k
+        idx = torch.arange(r // 2, device=cos.device) * (cos.shape[-1] // 2) // (r // 2)
+        cos, sin = (torch.cat([t[..., idx]] * 2, dim=-1) for t in (cos, sin))
         return tuple(
-            rearrange(w(x), "b s (h d) -> b h s d", d=self.head_dim) for w in (self.wq, self.wk)
+            torch.cat([apply_rotary(t[..., :r], cos, sin), t[..., r:]], dim=-1) for t in (q, k)
         )
 
     def init_weights(self, std: float = 0.02, out_std: float = 0.02) -> None:

@@ -313,7 +313,7 @@ class Attention(AuxLossModule):
         # score_nope heads select by q and k as they are before RoPE, indexer heads by the
         # indexer's (one query per KV group, repeated over its heads)
         if self.indexer is not None:
-            qi, ki = self.indexer(x)
+            qi, ki = self.indexer(x, cos, sin)
             pre = (qi.repeat_interleave(self.n_heads // self.n_kv_heads, 1), ki)
         else:
             pre = (q, k) if self._scores_apart() else None

@@ -176,7 +176,7 @@ def test_the_selection_scores_the_indexer_as_a_plain_head_scores_its_own():
     layer.record_selection = True
     layer(x, cos, sin)
     got = layer.attn_stats["selection"].plan
-    qi, ki = layer.indexer(x)
+    qi, ki = layer.indexer(x, cos, sin)
     want = plan_pattern(_pats(0), 4, 0, 20, 20, q=qi.repeat_interleave(2, 1), k=ki)
     assert torch.equal(got.blocks, want.blocks)
     # the layer's own q, k choose otherwise on these inputs: the indexer changes something
@@ -185,6 +185,29 @@ def test_the_selection_scores_the_indexer_as_a_plain_head_scores_its_own():
     plain.record_selection = True
     plain(x, cos, sin)
     assert not torch.equal(plain.attn_stats["selection"].plan.blocks, got.blocks)
+
+
+def test_the_indexer_rotates_its_first_half_as_rope_of_that_width():
+    """The first ``rope_dim`` dims of the indexer's q and k are RoPE of that width with the
+    attention's theta (an independent RotaryEmbedding), the rest are the plain projections; so a
+    query's score of a key depends on their distance, not on where both sit."""
+    from moezoo.layers.rope import apply_rotary
+
+    torch.manual_seed(0)
+    ind = indexer_mod.Indexer(32, 2, 16)
+    assert ind.rope_dim == 8
+    x = torch.randn(2, 9, 32)
+    pos = torch.arange(9)
+    qi, ki = ind(x, *RotaryEmbedding(32, theta=500.0)(pos))
+    q0, k0 = (t.unflatten(-1, (2, 16)).transpose(1, 2) for t in (ind.wq(x), ind.wk(x)))
+    cos, sin = RotaryEmbedding(8, theta=500.0)(pos)
+    for got, plain in ((qi, q0), (ki, k0)):
+        torch.testing.assert_close(got[..., :8], apply_rotary(plain[..., :8], cos, sin))
+        torch.testing.assert_close(got[..., 8:], plain[..., 8:])
+    qs, ks = ind(x, *RotaryEmbedding(32, theta=500.0)(pos + 37))
+    torch.testing.assert_close(
+        qs @ ks.transpose(-1, -2), qi @ ki.transpose(-1, -2), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_decode_with_the_cache_of_indexer_keys_equals_the_full_pass():
