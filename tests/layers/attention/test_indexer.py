@@ -16,7 +16,7 @@ from moezoo.layers.attention.indexer import (
     indexer_block_log_probs,
 )
 from moezoo.layers.attention.plan import plan_pattern
-from moezoo.layers.rope import RotaryEmbedding
+from moezoo.layers.rope import RotaryEmbedding, apply_rotary
 
 BS = 4
 
@@ -191,8 +191,6 @@ def test_the_indexer_rotates_its_first_half_as_rope_of_that_width():
     """The first ``rope_dim`` dims of the indexer's q and k are RoPE of that width with the
     attention's theta (an independent RotaryEmbedding), the rest are the plain projections; so a
     query's score of a key depends on their distance, not on where both sit."""
-    from moezoo.layers.rope import apply_rotary
-
     torch.manual_seed(0)
     ind = indexer_mod.Indexer(32, 2, 16)
     assert ind.rope_dim == 8
