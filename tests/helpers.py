@@ -240,6 +240,20 @@ def tokens(seed: int, b: int = 2, s: int = 13) -> torch.Tensor:
     return torch.randint(0, V, (b, s), generator=torch.Generator().manual_seed(seed))
 
 
+def decode_layer(layer, x, cos, sin, prefix: int) -> torch.Tensor:
+    """An attention layer's output ``[B, S, D]`` through its KV cache: ``x[:, :prefix]`` in one
+    call, then one token a call (no grad); the cache is left set up for the caller to inspect."""
+    B, S = x.shape[:2]
+    with torch.no_grad():
+        layer.setup_cache(B, S)
+        outs = [layer(x[:, :prefix], cos[:prefix], sin[:prefix])]
+        outs += [
+            layer(x[:, t : t + 1], cos[t : t + 1], sin[t : t + 1], start_pos=t)
+            for t in range(prefix, S)
+        ]
+    return torch.cat(outs, 1)
+
+
 def tiny_attention_model(attention, seed: int = 0, mla: bool = False):
     """A 2-layer GQA (4 / 2 heads, dim 32) or MLA model in eval mode with ``attention`` (an
     AttentionConfig) and fresh random weights (``randomize_``): the model the attention options'

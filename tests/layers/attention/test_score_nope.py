@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import TOL, tiny_attention_model
+from helpers import TOL, decode_layer, tiny_attention_model
 from moezoo.configs import AttentionConfig, ConfigError
 from moezoo.layers import Attention, SparsityPattern
 from moezoo.layers.attention.plan import plan_pattern
@@ -88,13 +88,7 @@ def test_decode_with_the_cache_of_pre_rope_keys_equals_the_full_pass(rule):
     cos, sin = RotaryEmbedding(8, 64)(torch.arange(14))
     with torch.no_grad():
         ref = layer(x, cos, sin)
-        layer.setup_cache(2, 14)
-        outs = [layer(x[:, :7], cos[:7], sin[:7])]
-        outs += [
-            layer(x[:, t : t + 1], cos[t : t + 1], sin[t : t + 1], start_pos=t)
-            for t in range(7, 14)
-        ]
-    assert (torch.cat(outs, 1) - ref).abs().max().item() < TOL
+    assert (decode_layer(layer, x, cos, sin, 7) - ref).abs().max().item() < TOL
 
 
 def test_bad_values_and_mla_fail_naming_the_key():
